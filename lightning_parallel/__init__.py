@@ -1,0 +1,13 @@
+"""Data, tensor and pipeline parallel strategies for PyTorch Lightning.
+
+``import lightning_parallel`` registers the strategy names (``lp_ddp``, ``lp_dp``, ...) so that
+``Trainer(strategy="lp_ddp")`` works; the classes can be used directly too.
+"""
+
+from lightning_parallel.registry import STRATEGY_NAMES, register_strategies
+from lightning_parallel.strategies import DataParallelStrategy, DDPStrategy, ParallelStrategyBase
+
+__version__ = "0.1.0"
+__all__ = ["DDPStrategy", "DataParallelStrategy", "ParallelStrategyBase", "STRATEGY_NAMES", "__version__"]
+
+register_strategies()

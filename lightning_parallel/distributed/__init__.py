@@ -1,0 +1,1 @@
+"""torch.distributed building blocks, with no Lightning in them."""

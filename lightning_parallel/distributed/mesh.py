@@ -1,0 +1,109 @@
+"""Ranks laid out as a (data, pipeline, tensor) grid, and the process groups along each axis.
+
+    rank = (dp_index * pp_size + pp_index) * tp_size + tp_index
+
+Tensor-parallel peers are neighbours (same node when devices per node is a multiple of tp, so their
+frequent all-reduces stay on the fast links); pipeline stages come next; data-parallel replicas are
+farthest apart, since they talk once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch.distributed as dist
+
+__all__ = ["MeshShape", "Mesh", "build_mesh"]
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """Sizes of the three axes; their product is the world size."""
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.tp
+
+    def coordinates(self, rank: int) -> tuple[int, int, int]:
+        """(dp_index, pp_index, tp_index) of a global rank."""
+        return rank // (self.pp * self.tp), (rank // self.tp) % self.pp, rank % self.tp
+
+    def rank(self, dp: int, pp: int, tp: int) -> int:
+        return (dp * self.pp + pp) * self.tp + tp
+
+    def axis_ranks(self, axis: str, rank: int) -> list[int]:
+        """The global ranks that share every coordinate of ``rank`` except ``axis``."""
+        d, p, t = self.coordinates(rank)
+        size = getattr(self, axis)
+        if axis == "dp":
+            return [self.rank(i, p, t) for i in range(size)]
+        if axis == "pp":
+            return [self.rank(d, i, t) for i in range(size)]
+        return [self.rank(d, p, i) for i in range(size)]
+
+    def all_axis_groups(self, axis: str) -> list[list[int]]:
+        """Every group along ``axis``, each once, in a fixed order (new_group must be called alike)."""
+        groups: list[list[int]] = []
+        for r in range(self.world_size):
+            ranks = self.axis_ranks(axis, r)
+            if ranks not in groups:
+                groups.append(ranks)
+        return groups
+
+
+@dataclass
+class Mesh:
+    """This rank's place in the grid and the groups it belongs to (None means the whole world)."""
+
+    shape: MeshShape
+    rank: int
+    groups: dict[str, Optional[dist.ProcessGroup]] = field(default_factory=dict)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.shape.coordinates(self.rank)[0]
+
+    @property
+    def pp_rank(self) -> int:
+        return self.shape.coordinates(self.rank)[1]
+
+    @property
+    def tp_rank(self) -> int:
+        return self.shape.coordinates(self.rank)[2]
+
+    def group(self, axis: str) -> Optional[dist.ProcessGroup]:
+        return self.groups.get(axis)
+
+    def ranks(self, axis: str) -> list[int]:
+        return self.shape.axis_ranks(axis, self.rank)
+
+
+def build_mesh(shape: MeshShape) -> Mesh:
+    """Create the process groups of ``shape``; every rank must call this, in the same order.
+
+    An axis that spans the whole world uses the default group (None) rather than a copy of it; a
+    size-1 axis still gets a real (single-rank) group, so None never silently means "everyone".
+    """
+    world = dist.get_world_size()
+    if shape.world_size != world:
+        raise ValueError(
+            f"The parallel layout dp={shape.dp} x pp={shape.pp} x tp={shape.tp} needs "
+            f"{shape.world_size} processes, but the run has {world} (devices x num_nodes)."
+        )
+    rank = dist.get_rank()
+    mesh = Mesh(shape=shape, rank=rank)
+    for axis in ("dp", "pp", "tp"):
+        size = getattr(shape, axis)
+        if size == world:
+            mesh.groups[axis] = None
+            continue
+        for ranks in shape.all_axis_groups(axis):
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mesh.groups[axis] = group
+    return mesh

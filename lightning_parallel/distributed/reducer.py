@@ -1,0 +1,210 @@
+"""Gradient synchronisation for data parallelism, overlapped with backward.
+
+How it works, in the order a training step sees it::
+
+    prepare_for_backward()   every .grad becomes a view into its bucket's flat buffer
+    backward                 autograd accumulates in place into those views; a hook per parameter
+                             counts arrivals, and a full bucket is all-reduced asynchronously, in
+                             bucket order (every rank must issue collectives in the same order)
+    finish_sync()            the buckets not yet sent are sent, then one wait; gradients are now the
+                             average over the data-parallel group
+
+While ``sync_enabled`` is False (gradient accumulation) the hooks only count; the last micro-step
+sends the accumulated buffers. After the first step the buckets are rebuilt in the order gradients
+actually arrived on rank 0 (every rank must bucket identically, so rank 0's order is broadcast).
+
+Parameters that get no gradient are handled as torch DDP does: with ``find_unused_parameters`` their
+(zero) slots are sent anyway and a parameter unused on every rank ends the step with ``grad=None``;
+without it, the step fails with the names of the parameters, instead of hanging.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_parallel.distributed.buckets import assign_buckets
+from lightning_parallel.distributed.state import global_rank
+
+__all__ = ["GradientReducer", "UnusedParametersError", "COMM_HOOKS"]
+
+COMM_HOOKS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class UnusedParametersError(RuntimeError):
+    """Raised when parameters got no gradient and ``find_unused_parameters`` is off."""
+
+
+@dataclass
+class _Bucket:
+    params: list[nn.Parameter]
+    buffer: Tensor
+    views: list[Tensor]
+    pending: int = 0
+    work: Optional[dist.Work] = None
+    wire: Optional[Tensor] = None  # compressed copy that travels, when a comm hook is set
+    names: list[str] = field(default_factory=list)
+
+
+class GradientReducer:
+    """Buckets a module's gradients and averages them over ``group`` during backward."""
+
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        group: Optional[dist.ProcessGroup] = None,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+        find_unused_parameters: bool = False,
+        comm_hook: Optional[str] = None,
+    ) -> None:
+        if comm_hook not in COMM_HOOKS:
+            raise ValueError(f"comm_hook={comm_hook!r} is not supported; use one of None, 'fp16', 'bf16'.")
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.bucket_cap_mb = bucket_cap_mb
+        self.first_bucket_cap_mb = min(first_bucket_cap_mb, bucket_cap_mb)
+        self.find_unused_parameters = find_unused_parameters
+        self.wire_dtype = COMM_HOOKS[comm_hook]
+        self.sync_enabled = True
+        self._names = {p: n for n, p in named_params if p.requires_grad}
+        # Gradients roughly arrive in reverse registration order; that is the first guess.
+        self._order: list[nn.Parameter] = list(reversed(list(self._names)))
+        # Arrival order, recorded until the first synchronised step (a dict keeps first arrivals only).
+        self._arrivals: Optional[dict[nn.Parameter, None]] = {}
+        self._synced_once = False
+        self._used: set[nn.Parameter] = set()
+        self._next_bucket = 0
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._names]
+        self._build_buckets(self._order)
+
+    # ------------------------------------------------------------------ buckets
+    def _build_buckets(self, order: list[nn.Parameter]) -> None:
+        self.buckets: list[_Bucket] = []
+        self._where: dict[nn.Parameter, tuple[int, int]] = {}
+        for b, indices in enumerate(assign_buckets(order, self.bucket_cap_mb, self.first_bucket_cap_mb)):
+            params = [order[i] for i in indices]
+            buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+            views, offset = [], 0
+            for slot, p in enumerate(params):
+                views.append(buffer[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+                self._where[p] = (b, slot)
+                if p.grad is not None:  # keep what was already accumulated
+                    views[-1].copy_(p.grad)
+                    p.grad = views[-1]
+            names = [self._names[p] for p in params]
+            self.buckets.append(_Bucket(params=params, buffer=buffer, views=views, names=names))
+
+    def bucket_names(self) -> list[list[str]]:
+        """The parameter names in each bucket, in the order buckets are sent."""
+        return [list(b.names) for b in self.buckets]
+
+    def _rebuild_from_arrivals(self) -> None:
+        arrived = list(self._arrivals or {})
+        self._arrivals = None
+        if self.world_size > 1:  # every rank must bucket the same way: use rank 0's order
+            names = [self._names[p] for p in arrived]
+            holder = [names]
+            dist.broadcast_object_list(holder, src=global_rank(self.group, 0), group=self.group)
+            by_name = {n: p for p, n in self._names.items()}
+            arrived = [by_name[n] for n in holder[0]]
+        seen = set(arrived)
+        order = arrived + [p for p in self._order if p not in seen]
+        if [id(p) for p in order] != [id(p) for p in self._order]:
+            self._order = order
+            self._build_buckets(order)
+
+    # ------------------------------------------------------------------ step
+    def prepare_for_backward(self) -> None:
+        """Point every ``.grad`` at its bucket slot (zeroed if the optimizer set it to None)."""
+        if self._arrivals is not None and self._synced_once:
+            self._rebuild_from_arrivals()
+        for bucket in self.buckets:
+            bucket.pending = len(bucket.params)
+            bucket.work = None
+            if all(p.grad is None for p in bucket.params):
+                bucket.buffer.zero_()
+                for p, view in zip(bucket.params, bucket.views):
+                    p.grad = view
+                continue
+            for p, view in zip(bucket.params, bucket.views):
+                self._attach(p, view)
+        self._next_bucket = 0
+
+    @staticmethod
+    def _attach(p: nn.Parameter, view: Tensor) -> None:
+        if p.grad is None:
+            view.zero_()
+        elif p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)  # someone replaced .grad: adopt its value, then alias it again
+        p.grad = view
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        b, slot = self._where[p]
+        bucket = self.buckets[b]
+        self._attach(p, bucket.views[slot])
+        if self._arrivals is not None:
+            self._arrivals.setdefault(p)
+        self._used.add(p)
+        bucket.pending -= 1
+        if self.sync_enabled:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending <= 0:
+            self._launch(self.buckets[self._next_bucket])
+            self._next_bucket += 1
+
+    def _launch(self, bucket: _Bucket) -> None:
+        if self.wire_dtype is not None and bucket.buffer.is_floating_point():
+            bucket.wire = bucket.buffer.to(self.wire_dtype).div_(self.world_size)
+        else:
+            bucket.wire = bucket.buffer.div_(self.world_size)
+        bucket.work = dist.all_reduce(bucket.wire, group=self.group, async_op=True)
+
+    def finish_sync(self) -> None:
+        """Send what is left, wait once, and leave averaged gradients in ``.grad``."""
+        if not self.sync_enabled:
+            return
+        missing = [p for b in self.buckets for p in b.params if p not in self._used]
+        if missing and not self.find_unused_parameters:
+            names = ", ".join(self._names[p] for p in missing)
+            raise UnusedParametersError(
+                f"These parameters received no gradient in this step: {names}. If that is intended, use "
+                "find_unused_parameters=True (e.g. DDPStrategy(find_unused_parameters=True) or "
+                "strategy='lp_ddp_find_unused_parameters_true'); otherwise make them take part in the loss."
+            )
+        for bucket in self.buckets:
+            bucket.pending = 0
+        self._launch_ready()
+        globally_unused = self._globally_unused(missing) if self.find_unused_parameters else []
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            if bucket.wire is not None and bucket.wire.data_ptr() != bucket.buffer.data_ptr():
+                bucket.buffer.copy_(bucket.wire)
+            bucket.work = bucket.wire = None
+        for p in globally_unused:  # torch DDP leaves these without a gradient
+            p.grad = None
+        self._used.clear()
+        self._synced_once = True
+
+    def _globally_unused(self, locally_unused: list[nn.Parameter]) -> list[nn.Parameter]:
+        """All ranks take part (another rank may have unused parameters even if this one has none)."""
+        used = [p in self._used for p in self._order]
+        flags = torch.tensor(used, dtype=torch.int32, device=self.buckets[0].buffer.device)
+        dist.all_reduce(flags, group=self.group)
+        index = {p: i for i, p in enumerate(self._order)}
+        return [p for p in locally_unused if int(flags[index[p]]) == 0]
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+

@@ -1,0 +1,34 @@
+"""Registers every strategy name with Lightning, so ``Trainer(strategy="lp_ddp")`` works after import.
+
+Lightning has no entry-point group for strategies, so the names exist once ``lightning_parallel`` is
+imported. Each name maps to a class plus fixed init arguments; a class must construct with none.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+__all__ = ["STRATEGY_NAMES", "register_strategies"]
+
+# name -> (class path in lightning_parallel.strategies, init arguments, description)
+STRATEGY_NAMES: dict[str, tuple[str, dict[str, Any], str]] = {
+    "lp_ddp": ("DDPStrategy", {}, "lightning_parallel DDP: own bucketing, all-reduce overlapped with backward"),
+    "lp_ddp_spawn": ("DDPStrategy", {"start_method": "spawn"}, "lp_ddp with processes started by spawn"),
+    "lp_ddp_find_unused_parameters_true": (
+        "DDPStrategy",
+        {"find_unused_parameters": True},
+        "lp_ddp that allows parameters without gradients",
+    ),
+    "lp_dp": ("DataParallelStrategy", {}, "master-based data parallel: gradients to rank 0, parameters back"),
+}
+
+
+def register_strategies() -> None:
+    """Add (or refresh) our names in Lightning's registry; safe to call twice."""
+    from lightning_parallel import strategies
+
+    for name, (class_name, init_params, description) in STRATEGY_NAMES.items():
+        cls = getattr(strategies, class_name)
+        StrategyRegistry.register(name, cls, description=description, override=True, **init_params)

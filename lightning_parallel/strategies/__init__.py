@@ -1,0 +1,8 @@
+"""Lightning strategies: thin wiring of the pieces in ``distributed/``, ``tensor/`` and ``pipeline/``."""
+
+from lightning_parallel.strategies.base import ParallelStrategyBase
+from lightning_parallel.strategies.ddp import DDPStrategy
+from lightning_parallel.strategies.dp import DataParallelStrategy
+from lightning_parallel.strategies.reference import SingleDeviceReferenceStrategy
+
+__all__ = ["ParallelStrategyBase", "DDPStrategy", "DataParallelStrategy", "SingleDeviceReferenceStrategy"]

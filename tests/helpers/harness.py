@@ -1,0 +1,114 @@
+"""Run a LightningModule on 1 process with the global batch and on N real processes, then compare.
+
+``run_distributed`` starts one ``tests.helpers.worker`` per rank (gloo on CPU, one thread each), with
+a hard time limit. If a rank fails, the others get a short grace period and are then killed, so a
+crash never turns into a hang, and no process outlives the call.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import torch
+
+from tests.helpers.worker import run_case
+
+__all__ = ["free_port", "run_single", "run_distributed", "max_param_diff", "assert_params_close", "REPO"]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_single(case: dict, tmp_path: Path) -> dict:
+    """The reference: the same case, one process, the whole global batch."""
+    out = tmp_path / "single" / case["name"]
+    out.mkdir(parents=True, exist_ok=True)
+    return run_case({**case, "dp_size": 1}, world_size=1, out_dir=out)
+
+
+def worker_env(rank: int, world_size: int, port: int, local_world_size: int | None = None) -> dict:
+    local = local_world_size or world_size
+    env = dict(os.environ)
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world_size),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank % local),
+        NODE_RANK=str(rank // local),
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
+    )
+    return env
+
+
+def run_processes(commands: list[list[str]], envs: list[dict], timeout: float, cwd: Path, grace: float = 10.0) -> list[str]:
+    """Start one process per command; return their outputs. Raises with every rank's output tail if any
+    rank fails or the time limit passes; all processes are gone when it returns or raises."""
+    logs = [cwd / f"rank{r}.log" for r in range(len(commands))]
+    handles = [open(log, "w") for log in logs]
+    procs = [
+        subprocess.Popen(cmd, env=env, cwd=cwd, stdout=h, stderr=subprocess.STDOUT, start_new_session=True)
+        for cmd, env, h in zip(commands, envs, handles)
+    ]
+    deadline, failed_at = time.monotonic() + timeout, None
+    try:
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+                failed_at = now
+            if now > deadline or (failed_at is not None and now > failed_at + grace):
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        for h in handles:
+            h.close()
+    outputs = [log.read_text() for log in logs]
+    codes = [p.returncode for p in procs]
+    if any(c != 0 for c in codes):
+        tails = "\n".join(f"--- rank {r} (exit {c}) ---\n{o[-3000:]}" for r, (c, o) in enumerate(zip(codes, outputs)))
+        raise RuntimeError(f"distributed run failed or timed out after {timeout}s:\n{tails}")
+    return outputs
+
+
+def run_distributed(cases: Iterable[dict], world_size: int, tmp_path: Path, timeout: float = 240.0) -> dict[str, list[dict]]:
+    """Run ``cases`` on ``world_size`` processes; returns {case name: [rank 0 result, rank 1 result, ...]}."""
+    cases = list(cases)
+    out = tmp_path / f"dist{world_size}"
+    out.mkdir(parents=True, exist_ok=True)
+    spec = out / "spec.json"
+    spec.write_text(json.dumps({"cases": cases, "out": str(out)}))
+    port = free_port()
+    cmd = [sys.executable, "-m", "tests.helpers.worker", str(spec)]
+    run_processes([cmd] * world_size, [worker_env(r, world_size, port) for r in range(world_size)], timeout, out)
+    return {
+        c["name"]: [torch.load(out / c["name"] / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+        for c in cases
+    }
+
+
+def max_param_diff(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), f"different parameter names: {sorted(set(a) ^ set(b))}"
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].numel())
+
+
+def assert_params_close(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], atol: float) -> None:
+    diff = max_param_diff(a, b)
+    assert diff <= atol, f"largest parameter difference {diff:.3e} exceeds {atol:.0e}"

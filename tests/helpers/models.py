@@ -1,0 +1,74 @@
+"""Small LightningModules and data for equivalence tests. Plain user code: nothing here knows about
+lightning_parallel, which is the point (strategies must work on unmodified modules)."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import LightningDataModule, LightningModule
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+__all__ = ["RegressionData", "MLP", "MLPWithUnusedBranch", "BatchNormNet"]
+
+
+class RegressionData(LightningDataModule):
+    """A fixed random regression problem; the same on every process (seeded generator)."""
+
+    def __init__(self, batch_size: int = 8, n: int = 256, in_dim: int = 16, out_dim: int = 4, seed: int = 1):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(n, in_dim, generator=g, dtype=torch.float64)
+        w = torch.randn(in_dim, out_dim, generator=g, dtype=torch.float64)
+        self.dataset = TensorDataset(x, torch.tanh(x @ w) + 0.1 * torch.randn(n, out_dim, generator=g, dtype=torch.float64))
+        self.batch_size = batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=False)
+
+
+class MLP(LightningModule):
+    def __init__(self, in_dim: int = 16, hidden: int = 32, out_dim: int = 4, lr: float = 0.1,
+                 optimizer: str = "sgd", momentum: float = 0.0):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(in_dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
+                                 nn.Linear(hidden, out_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def configure_optimizers(self):
+        if self.hparams.optimizer == "adam":
+            return torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.momentum)
+
+
+class MLPWithUnusedBranch(MLP):
+    """Has a layer that never takes part in the loss (a common source of DDP hangs)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.unused = nn.Linear(self.hparams.hidden, self.hparams.hidden)
+
+
+class BatchNormNet(MLP):
+    """BatchNorm between layers: its statistics depend on the batch, so replicas must agree on them."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        h = self.hparams
+        self.net = nn.Sequential(nn.Linear(h.in_dim, h.hidden), nn.BatchNorm1d(h.hidden), nn.Tanh(),
+                                 nn.Linear(h.hidden, h.out_dim))

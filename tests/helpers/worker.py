@@ -1,0 +1,101 @@
+"""One rank of a multi-process test run: ``python -m tests.helpers.worker SPEC.json``.
+
+The parent (``tests/helpers/harness.py``) starts one of these per rank with the variables a launcher
+such as torchrun would set (MASTER_ADDR/PORT, WORLD_SIZE, NODE_RANK, LOCAL_RANK), so Lightning treats
+the processes as created externally and runs an ordinary ``Trainer.fit`` in each. Several cases run
+one after another in the same processes to save start-up time.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+
+__all__ = ["run_case", "load_object"]
+
+
+def load_object(path: str) -> Any:
+    """``"package.module:attr"`` -> the attribute."""
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+class LossRecorder(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        if loss is not None:
+            self.losses.append(float(loss))
+
+
+def build_strategy(spec: Any, world_size: int) -> Any:
+    if world_size == 1 and not isinstance(spec, dict):
+        from lightning_parallel.strategies import SingleDeviceReferenceStrategy
+
+        return SingleDeviceReferenceStrategy()
+    if isinstance(spec, dict):
+        import lightning_parallel  # noqa: F401  (registers names; classes may live there)
+
+        return load_object(spec["class"])(**spec.get("kwargs", {}))
+    import lightning_parallel  # noqa: F401
+
+    return spec
+
+
+def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
+    """Fit ``case`` with the global batch split over ``world_size`` processes; return what it produced."""
+    seed_everything(case.get("seed", 0), workers=True)
+    model = load_object(case["model"])(**case.get("model_kwargs", {}))
+    data_kwargs = dict(case.get("data_kwargs", {}))
+    global_batch = data_kwargs.pop("global_batch_size", 8)
+    dp_size = case.get("dp_size", world_size)  # processes that share one batch do not divide it
+    data = load_object(case["data"])(batch_size=global_batch // dp_size, **data_kwargs)
+    recorder = LossRecorder()
+    trainer_kwargs = dict(
+        accelerator="cpu",
+        devices=world_size,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[recorder],
+    )
+    trainer_kwargs.update(case.get("trainer", {}))
+    trainer = Trainer(strategy=build_strategy(case.get("strategy", "auto"), world_size), **trainer_kwargs)
+    trainer.fit(model, datamodule=data)
+    result = {"losses": recorder.losses, "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    if case.get("save_checkpoint"):
+        trainer.save_checkpoint(out_dir / "last.ckpt")
+    return result
+
+
+def main(spec_path: str) -> None:
+    torch.set_num_threads(1)
+    spec = json.loads(Path(spec_path).read_text())
+    rank = int(os.environ["RANK"])
+    world_size = int(os.environ["WORLD_SIZE"])
+    for case in spec["cases"]:
+        out_dir = Path(spec["out"]) / case["name"]
+        out_dir.mkdir(parents=True, exist_ok=True)
+        torch.save(run_case(case, world_size, out_dir), out_dir / f"rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1])
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)  # do not wait for peers in atexit handlers
