@@ -30,6 +30,7 @@ from torch import Tensor
 import lightning.pytorch as pl
 from lightning_parallel.distributed.mesh import Mesh, MeshShape, build_mesh
 from lightning_parallel.distributed.reducer import GradientReducer
+from lightning_parallel.distributed.sync_batchnorm import SyncBatchNormPlugin
 
 __all__ = ["ParallelStrategyBase"]
 
@@ -87,6 +88,12 @@ class ParallelStrategyBase(_LightningDDPStrategy):
         return {"num_replicas": shape.dp, "rank": dp_rank}
 
     # ----------------------------------------------------------------- Lightning hooks
+    def setup(self, trainer: "pl.Trainer") -> None:
+        if self._layer_sync is not None and not isinstance(self._layer_sync, SyncBatchNormPlugin):
+            # Trainer(sync_batchnorm=True): torch's SyncBatchNorm refuses CPU and syncs over WORLD
+            self._layer_sync = SyncBatchNormPlugin(self.dp_group)
+        super().setup(trainer)
+
     def configure_ddp(self) -> None:
         """Called by Lightning's ``DDPStrategy.setup`` while fitting: install our parallelism instead."""
         self.configure_parallelism()
@@ -136,7 +143,6 @@ class ParallelStrategyBase(_LightningDDPStrategy):
             self.reducer.finish_sync()
 
     def teardown(self) -> None:
-        if self.reducer is not None:
+        if self.reducer is not None:  # kept (without hooks) so its stats can be read after fit
             self.reducer.remove_hooks()
-            self.reducer = None
         super().teardown()

@@ -14,12 +14,14 @@ __all__ = ["RegressionData", "MLP", "MLPWithUnusedBranch", "BatchNormNet"]
 class RegressionData(LightningDataModule):
     """A fixed random regression problem; the same on every process (seeded generator)."""
 
-    def __init__(self, batch_size: int = 8, n: int = 256, in_dim: int = 16, out_dim: int = 4, seed: int = 1):
+    def __init__(self, batch_size: int = 8, n: int = 256, in_dim: int = 16, out_dim: int = 4, seed: int = 1,
+                 dtype: str = "float64"):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(n, in_dim, generator=g, dtype=torch.float64)
         w = torch.randn(in_dim, out_dim, generator=g, dtype=torch.float64)
         self.dataset = TensorDataset(x, torch.tanh(x @ w) + 0.1 * torch.randn(n, out_dim, generator=g, dtype=torch.float64))
+        self.dataset = TensorDataset(*(t.to(getattr(torch, dtype)) for t in self.dataset.tensors))
         self.batch_size = batch_size
 
     def train_dataloader(self) -> DataLoader:
