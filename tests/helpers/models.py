@@ -74,3 +74,21 @@ class BatchNormNet(MLP):
         h = self.hparams
         self.net = nn.Sequential(nn.Linear(h.in_dim, h.hidden), nn.BatchNorm1d(h.hidden), nn.Tanh(),
                                  nn.Linear(h.hidden, h.out_dim))
+
+
+class FailingMLP(MLP):
+    """Fails on one rank at one step: raises, or kills its own process (as the OOM killer would)."""
+
+    def __init__(self, fail_rank: int = 1, fail_step: int = 2, mode: str = "raise", **kwargs):
+        super().__init__(**kwargs)
+        self.fail_rank, self.fail_step, self.mode = fail_rank, fail_step, mode
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == self.fail_rank and self.global_step == self.fail_step:
+            if self.mode == "kill":
+                import os
+                import signal
+
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError("injected failure")
+        return super().training_step(batch, batch_idx)
