@@ -92,3 +92,20 @@ class FailingMLP(MLP):
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError("injected failure")
         return super().training_step(batch, batch_idx)
+
+
+class ManualOptimizationMLP(MLP):
+    """Manual optimization: the user calls manual_backward and step themselves."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.manual_backward(loss)
+        opt.step()
+        return loss.detach()

@@ -24,6 +24,7 @@ VARIANTS = {
     "accumulate": {"trainer": {"accumulate_grad_batches": 2}},
     "clip": {"trainer": {"gradient_clip_val": 0.05}},
     "unused": {"model": "tests.helpers.models:MLPWithUnusedBranch", "model_kwargs": {"optimizer": "adam", "lr": 0.01}},
+    "manual": {"model": "tests.helpers.models:ManualOptimizationMLP"},
 }
 
 
