@@ -18,6 +18,7 @@ What the base adds on top:
 
 from __future__ import annotations
 
+import inspect
 import sys
 from contextlib import contextmanager
 from datetime import timedelta
@@ -39,6 +40,16 @@ from lightning_parallel.distributed.watchdog import FailureWatchdog
 __all__ = ["ParallelStrategyBase"]
 
 
+def _init_arguments(cls: type) -> set[str]:
+    """Every named ``__init__`` argument along the class's lightning_parallel ancestry."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("lightning_parallel"):
+            names |= {p.name for p in inspect.signature(klass.__init__).parameters.values()
+                      if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"}
+    return names
+
+
 class ParallelStrategyBase(_LightningDDPStrategy):
     """Base of all lightning_parallel strategies; not registered itself."""
 
@@ -53,7 +64,13 @@ class ParallelStrategyBase(_LightningDDPStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         failure_timeout: float = 60.0,
+        **unknown: Any,
     ) -> None:
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__} got unknown argument(s) {sorted(unknown)}; it accepts "
+                f"{sorted(_init_arguments(type(self)))}."
+            )
         if not isinstance(failure_timeout, (int, float)) or failure_timeout <= 0:
             raise ValueError(f"failure_timeout must be a positive number of seconds, got {failure_timeout!r} (default 60).")
         if start_method not in ("popen", "spawn", "fork", "forkserver"):

@@ -43,6 +43,8 @@ class DDPStrategy(ParallelStrategyBase):
     ) -> None:
         if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be a positive number of megabytes, got {bucket_cap_mb!r} (default 25).")
+        if not isinstance(first_bucket_cap_mb, (int, float)) or first_bucket_cap_mb <= 0:
+            raise ValueError(f"first_bucket_cap_mb must be a positive number of megabytes, got {first_bucket_cap_mb!r} (default 1).")
         if comm_hook not in COMM_HOOKS:
             raise ValueError(f"comm_hook={comm_hook!r} is not supported; use None, 'fp16' or 'bf16'.")
         super().__init__(**kwargs)
