@@ -5,4 +5,8 @@ from dataclasses import asdict
 
 def reducer_stats(trainer) -> dict:
     reducer = trainer.strategy.reducer
-    return {**asdict(reducer.stats), "bucket_names": reducer.bucket_names()}
+    views = all(
+        p.grad is not None and p.grad.untyped_storage().data_ptr() == b.buffer.untyped_storage().data_ptr()
+        for b in reducer.buckets for p in b.params
+    )
+    return {**asdict(reducer.stats), "bucket_names": reducer.bucket_names(), "grads_are_bucket_views": views}

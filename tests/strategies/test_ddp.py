@@ -101,6 +101,7 @@ def test_buckets_overlap_backward_and_skip_accumulating_steps(inside_results):
     # buckets were sent from gradient hooks while backward was still running, not all at the end
     assert stats["launched_in_backward"] >= 2 * (n_buckets - 1)
     assert stats["rebuilt"]
+    assert stats["grads_are_bucket_views"], "each .grad must alias its bucket's flat buffer (no copies)"
     # rebuilt in arrival order: the head's parameters arrive first, the input layer's last
     assert stats["bucket_names"][0][0].startswith("net.4"), stats["bucket_names"]
     assert stats["bucket_names"][-1][-1].startswith("net.0"), stats["bucket_names"]
