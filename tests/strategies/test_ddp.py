@@ -85,6 +85,7 @@ def inside_results(tmp_path_factory):
         case("syncbn", "lp_ddp", model="tests.helpers.models:BatchNormNet", trainer={"sync_batchnorm": True}),
         case("lp_ddp-f32", "lp_ddp", trainer={"precision": "32-true"}, data_kwargs=F32_DATA),
         case("ddp-f32", "ddp", trainer={"precision": "32-true"}, data_kwargs=F32_DATA),
+        case("bf16-mixed", "lp_ddp", trainer={"precision": "bf16-mixed"}, data_kwargs=F32_DATA),
     ]
     return tmp, run_distributed(cases, world_size=2, tmp_path=tmp)
 
@@ -144,3 +145,13 @@ def test_unused_parameters_without_flag_fail_with_their_names(tmp_path):
     message = str(err.value)
     assert "unused.weight" in message and "unused.bias" in message
     assert "find_unused_parameters=True" in message
+
+
+@pytest.mark.timeout(400)
+def test_bf16_mixed_precision_trains_like_single_device(inside_results):
+    tmp, results = inside_results
+    reference = run_single(case("single-bf16", "auto", trainer={"precision": "bf16-mixed"}, data_kwargs=F32_DATA), tmp)
+    ours = results["bf16-mixed"]
+    assert max_param_diff(ours[0]["state_dict"], ours[1]["state_dict"]) == 0
+    # autocast rounds activations to bf16 (8 bits of mantissa), on half batches vs the whole batch
+    assert max_param_diff(ours[0]["state_dict"], reference["state_dict"]) < 2e-2
