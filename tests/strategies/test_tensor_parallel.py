@@ -51,10 +51,29 @@ CASES_2 = [case(f"{m}-{p}", m, p) for m in MODELS for p in PLANS] + [
 CASES_4 = [case(f"{m}-{p}-dp2", m, p, dp=2) for m in MODELS for p in PLANS]
 
 
+def single_checkpoint(tmp):
+    """A full checkpoint written by single-device training (5 AdamW steps: optimizer state included)."""
+    target, data, model_kwargs, _ = MODELS["gpt"]
+    c = {"name": "single-gpt-save", "model": target, "data": data, "model_kwargs": model_kwargs,
+         "data_kwargs": {"global_batch_size": 16}, "trainer": F64, "save_checkpoint": True}
+    run_single(c, tmp)
+    return tmp / "single" / "single-gpt-save" / "last.ckpt"
+
+
+def resumed_single(tmp, ckpt, name):
+    """Single-device training resumed from ``ckpt`` up to step 10."""
+    target, data, model_kwargs, _ = MODELS["gpt"]
+    c = {"name": name, "model": target, "data": data, "model_kwargs": model_kwargs, "ckpt_path": str(ckpt),
+         "data_kwargs": {"global_batch_size": 16}, "trainer": {**F64, "max_steps": 10}}
+    return run_single(c, tmp)
+
+
 @pytest.fixture(scope="module")
 def tp2(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp2")
-    return tmp, run_distributed(CASES_2, world_size=2, tmp_path=tmp, timeout=400)
+    resume = case("gpt-resume-from-single", "gpt", "auto", trainer={"max_steps": 10})
+    resume["ckpt_path"] = str(single_checkpoint(tmp))
+    return tmp, run_distributed(CASES_2 + [resume], world_size=2, tmp_path=tmp, timeout=400)
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +144,89 @@ def test_ranks_hold_the_share_the_table_reports(tp2, name):
     for rank in results[name]:
         held = sum(t.numel() for t in rank["state_dict"].values())
         assert held == expected < total
+
+
+@pytest.mark.timeout(600)
+def test_full_checkpoint_loads_into_tp2(tp2):
+    """single device -> tp=2: a full checkpoint (weights and AdamW moments) resumes under tp=2 exactly as
+    it resumes on one device."""
+    tmp, _ = tp2
+    ckpt = tmp / "single" / "single-gpt-save" / "last.ckpt"
+    expected = resumed_single(tmp, ckpt, "single-gpt-resume")
+    assert_params_close(_checkpoint(tmp, 2, "gpt-resume-from-single"), expected["state_dict"], atol=1e-10)
+    assert max_param_diff(torch.load(ckpt, weights_only=False)["state_dict"], expected["state_dict"]) > 1e-4
+
+
+@pytest.mark.timeout(600)
+def test_tp2_checkpoint_loads_into_plain_module(tp2):
+    """tp=2 -> single device: full tensors under the original names, optimizer state included."""
+    tmp, _ = tp2
+    ckpt_path = tmp / "dist2" / "gpt-auto" / "last.ckpt"
+    ckpt = torch.load(ckpt_path, weights_only=False)
+    plain = load_object(MODELS["gpt"][0])()
+    plain.load_state_dict(ckpt["state_dict"])  # strict: same names and full shapes
+    moments = ckpt["optimizer_states"][0]["state"]
+    assert all(s["exp_avg"].shape == p.shape for s, p in zip(moments.values(), plain.parameters()))
+    from_tp = resumed_single(tmp, ckpt_path, "single-gpt-resume-from-tp2")
+    from_single = resumed_single(tmp, single_checkpoint(tmp), "single-gpt-resume-2")
+    assert_params_close(from_tp["state_dict"], from_single["state_dict"], atol=1e-10)
+
+
+@pytest.mark.timeout(300)
+def test_verify_plan_reports_the_largest_difference(tmp_path):
+    """A plan that runs but computes something else (head count not divided) fails on the first batch."""
+    bad = {"model.blocks.*.attn.q": "colwise", "model.blocks.*.attn.k": "colwise", "model.blocks.*.attn.v": "colwise",
+           "model.blocks.*.attn.proj": "rowwise"}
+    c = case("gpt-bad-plan", "gpt", "written", verify_plan=True)
+    c["strategy"]["kwargs"]["plan"] = bad
+    with pytest.raises(RuntimeError, match=r"verify_plan: the sharded 'model' differs from the unsharded one by "
+                                           r"\d\.\d+e[-+]\d+ on the first batch"):
+        run_distributed([c], world_size=2, tmp_path=tmp_path, timeout=120)
+
+
+# ---------------------------------------------------------------------------------------------- configuration
+def _fit_one_process(strategy):
+    from lightning.pytorch import Trainer
+
+    from tests.helpers.models import MLP, RegressionData
+
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(MLP(), datamodule=RegressionData())
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tensor_parallel_size": 2}, r"TensorParallelStrategy\(data_parallel_size=1, tensor_parallel_size=2\) needs "
+                                  r"data_parallel_size x tensor_parallel_size processes, but the run has 1"),
+    ({"data_parallel_size": 2}, r"TensorParallelStrategy\(data_parallel_size=2, tensor_parallel_size=None\) needs "
+                                r"data_parallel_size x tensor_parallel_size processes, but the run has 1"),
+])
+def test_layout_that_does_not_fit_the_devices_fails_before_any_process_group(kwargs, message):
+    from lightning_parallel import TensorParallelStrategy
+
+    with pytest.raises(ValueError, match=message):
+        _fit_one_process(TensorParallelStrategy(**kwargs))
+    assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tensor_parallel_size": 0}, r"tensor_parallel_size must be a positive integer or None \(all devices\), got 0"),
+    ({"data_parallel_size": "2"}, r"data_parallel_size must be a positive integer, got '2'"),
+    ({"start_method": "spawn"}, r"start_method='spawn' is not supported by TensorParallelStrategy"),
+    ({"plan": "missing.yaml"}, r"plan file 'missing.yaml' does not exist"),
+    ({"plan": {"net.0": "diagonal"}}, r"unknown style 'diagonal'"),
+])
+def test_bad_arguments_fail_at_construction(kwargs, message):
+    from lightning_parallel import TensorParallelStrategy
+
+    with pytest.raises(ValueError, match=message):
+        TensorParallelStrategy(**kwargs)
+
+
+def test_registered_name():
+    from lightning.pytorch import Trainer
+
+    from lightning_parallel import TensorParallelStrategy
+
+    trainer = Trainer(accelerator="cpu", devices=1, strategy="lp_tensor_parallel", logger=False)
+    assert isinstance(trainer.strategy, TensorParallelStrategy) and trainer.strategy.plan == "auto"
