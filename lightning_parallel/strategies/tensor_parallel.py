@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 import torch
+import lightning.pytorch as pl
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
@@ -27,7 +29,7 @@ from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.state import broadcast_module_states
 from lightning_parallel.strategies.base import ParallelStrategyBase
 from lightning_parallel.tensor import Plan, ResolvedPlan, apply_plan, parse_plan, resolve
-from lightning_parallel.tensor.layers import SharedEntry
+from lightning_parallel.tensor.layers import SharedEntry, _TPLayer
 from lightning_parallel.tensor.state import (
     full_optimizer_state,
     full_state_dict,
@@ -121,16 +123,37 @@ class TensorParallelStrategy(ParallelStrategyBase):
         return self.mesh.group("tp") if self.mesh is not None else None
 
     # ----------------------------------------------------------------- set-up
+    def setup(self, trainer: "pl.Trainer") -> None:
+        if trainer.state.fn == TrainerFn.FITTING or not self._is_sharded():
+            return super().setup(trainer)
+        # validate/test/predict on a module sharded by an earlier fit: Lightning's DDPStrategy would
+        # broadcast rank 0's tensors here, overwriting the other ranks' shards. Keep them.
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.setup_precision_plugin()
+
+    def _is_sharded(self) -> bool:
+        return self.lightning_module is not None and bool(sharded_parameters(self.lightning_module))
+
     def configure_parallelism(self) -> None:
         module = self.lightning_module
         dp, tp = self._sizes()
-        broadcast_module_states(module, src=0, group=None)  # every rank cuts its slice of the same weights
-        self.resolved = resolve(module, self.plan, tp)
-        if self.verify_plan:
-            self._keep_reference(module)
-        self._entries = apply_plan(module, self.resolved, self.tp_group, self.mesh.tp_rank)
-        for name, why in self.resolved.report:
-            rank_zero_info(f"lp_tensor_parallel: {name} stays replicated: {why}")
+        if self._is_sharded():  # sharded by an earlier fit: keep its layers
+            layers = [m for m in module.modules() if isinstance(m, _TPLayer)]
+            if any(layer.tp_size != tp for layer in layers):
+                raise ValueError(f"the module is already sharded for tensor_parallel_size={layers[0].tp_size}, "
+                                 f"but this run has tensor_parallel_size={tp}; start from an unsharded module or a "
+                                 "full checkpoint")
+            self._entries = list({id(e): e for layer in layers if (e := getattr(layer, "entry", None))}.values())
+        else:
+            broadcast_module_states(module, src=0, group=None)  # every rank cuts its slice of the same weights
+            self.resolved = resolve(module, self.plan, tp)
+            if self.verify_plan:
+                self._keep_reference(module)
+            self._entries = apply_plan(module, self.resolved, self.tp_group, self.mesh.tp_rank)
+            for name, why in self.resolved.report:
+                rank_zero_info(f"lp_tensor_parallel: {name} stays replicated: {why}")
         if dp > 1:
             self.reducer = GradientReducer(list(module.named_parameters()), group=self.dp_group)
         self._install_global_norm_clipping()
@@ -198,24 +221,24 @@ class TensorParallelStrategy(ParallelStrategyBase):
 
     # ----------------------------------------------------------------- checkpoints: full tensors
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self.resolved is None:
+        if not self._is_sharded():
             return super().lightning_module_state_dict()
         return full_state_dict(self.lightning_module, self.tp_group)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self.resolved is None:
+        if not self._is_sharded():
             return super().load_model_state_dict(checkpoint, strict=strict)
         load_full_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if self.resolved is None:
+        if not self._is_sharded():
             return super().optimizer_state(optimizer)
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         return full_optimizer_state(optimizer, self.lightning_module, self.tp_group)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        if self.resolved is None:
+        if not self._is_sharded():
             return super().load_optimizer_state_dict(checkpoint)
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(shard_optimizer_state(state, optimizer, self.lightning_module))

@@ -47,6 +47,7 @@ def reference(model, tmp, trainer=None, steps=None):
 CASES_2 = [case(f"{m}-{p}", m, p) for m in MODELS for p in PLANS] + [
     case("gpt-auto-clip", "gpt", "auto", trainer={"gradient_clip_val": 0.05}),
     case("mlp-written-verify", "mlp", "written", verify_plan=True),
+    {**case("mlp-auto-validate", "mlp", "auto", trainer={"limit_val_batches": 2}), "validate_after_fit": True},
 ]
 CASES_4 = [case(f"{m}-{p}-dp2", m, p, dp=2) for m in MODELS for p in PLANS]
 
@@ -127,13 +128,22 @@ def test_global_norm_clipping_matches_single_device(tp2):
 
 
 @pytest.mark.timeout(600)
+def test_validate_after_fit_keeps_every_ranks_shards(tp2):
+    """Lightning's DDPStrategy broadcasts rank 0's tensors before validate/test: not over shards."""
+    tmp, results = tp2
+    _check(tmp, results, 2, "mlp-auto-validate", "mlp")
+    shards = [r["state_dict"]["net.0.weight"] for r in results["mlp-auto-validate"]]
+    assert not torch.equal(shards[0], shards[1])
+
+
+@pytest.mark.timeout(600)
 def test_verify_plan_passes_on_a_correct_plan(tp2):
     tmp, results = tp2
     _check(tmp, results, 2, "mlp-written-verify", "mlp")
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("name", [c["name"] for c in CASES_2 if "clip" not in c["name"] and "verify" not in c["name"]])
+@pytest.mark.parametrize("name", [c["name"] for c in CASES_2 if c["name"].count("-") == 1])
 def test_ranks_hold_the_share_the_table_reports(tp2, name):
     """Parameters, not only compute, are split: what each rank holds equals the plan table's count."""
     tmp, results = tp2
