@@ -26,19 +26,22 @@ MODELS = {
                  "head": {"style": "colwise", "gather_output": True}}),
 }
 PLANS = ("written", "auto")
+SGD = {"optimizer": "sgd", "lr": 0.5}  # an update proportional to the gradient, unlike Adam's
 
 
-def case(name, model, plan, dp=1, trainer=None, **strategy_kwargs):
-    target, data, model_kwargs, written = MODELS[model]
+def case(name, model, plan, dp=1, trainer=None, model_kwargs=None, **strategy_kwargs):
+    target, data, defaults, written = MODELS[model]
+    model_kwargs = {**defaults, **(model_kwargs or {})}
     kwargs = {"plan": written if plan == "written" else "auto", "data_parallel_size": dp, **strategy_kwargs}
     return {"name": name, "model": target, "data": data, "model_kwargs": model_kwargs, "dp_size": dp,
             "data_kwargs": {"global_batch_size": 16}, "trainer": {**F64, **(trainer or {})},
             "strategy": {"class": TP, "kwargs": kwargs}, "save_checkpoint": True}
 
 
-def reference(model, tmp, trainer=None, steps=None):
-    target, data, model_kwargs, _ = MODELS[model]
-    c = {"name": f"single-{model}-{steps}-{sorted((trainer or {}).items())}", "model": target, "data": data,
+def reference(model, tmp, trainer=None, steps=None, model_kwargs=None):
+    target, data, defaults, _ = MODELS[model]
+    model_kwargs = {**defaults, **(model_kwargs or {})}
+    c = {"name": f"single-{model}-{steps}-{sorted((trainer or {}).items())}-{sorted(model_kwargs.items())}", "model": target, "data": data,
          "model_kwargs": model_kwargs, "data_kwargs": {"global_batch_size": 16},
          "trainer": {**F64, **(trainer or {}), **({"max_steps": steps} if steps is not None else {})}}
     return run_single(c, tmp)
@@ -48,8 +51,11 @@ CASES_2 = [case(f"{m}-{p}", m, p) for m in MODELS for p in PLANS] + [
     case("gpt-auto-clip", "gpt", "auto", trainer={"gradient_clip_val": 0.05}),
     case("mlp-written-verify", "mlp", "written", verify_plan=True),
     {**case("mlp-auto-validate", "mlp", "auto", trainer={"limit_val_batches": 2}), "validate_after_fit": True},
+    case("gpt-auto-bf16", "gpt", "auto", trainer={"precision": "bf16-mixed"}, model_kwargs=SGD),
 ]
-CASES_4 = [case(f"{m}-{p}-dp2", m, p, dp=2) for m in MODELS for p in PLANS]
+CASES_4 = [case(f"{m}-{p}-dp2", m, p, dp=2) for m in MODELS for p in PLANS] + [
+    case("gpt-auto-dp2-accumulate", "gpt", "auto", dp=2, trainer={"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}),
+]
 
 
 def single_checkpoint(tmp):
@@ -117,6 +123,29 @@ def test_dp2_tp2_matches_single_device(tp4, model, plan):
     ranks = results[f"{model}-{plan}-dp2"]
     mean = torch.tensor([ranks[0]["losses"], ranks[2]["losses"]], dtype=torch.float64).mean(0)
     torch.testing.assert_close(mean, torch.tensor(ref["losses"], dtype=torch.float64), atol=1e-6, rtol=0)
+
+
+@pytest.mark.timeout(600)
+def test_dp2_tp2_accumulation_and_clipping_match_single_device(tp4):
+    tmp, _ = tp4
+    trainer = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}
+    ref = reference("gpt", tmp, trainer)
+    assert_params_close(_checkpoint(tmp, 4, "gpt-auto-dp2-accumulate"), ref["state_dict"], atol=1e-10)
+
+
+@pytest.mark.timeout(600)
+def test_bf16_mixed_runs_and_stays_close(tp2):
+    """bf16 autocast: activations and their all-reduces in bf16, so only closeness can be asked for."""
+    tmp, results = tp2
+    ref = reference("gpt", tmp, {"precision": "bf16-mixed"}, model_kwargs=SGD)
+    moved = max_param_diff(reference("gpt", tmp, steps=0, model_kwargs=SGD)["state_dict"], ref["state_dict"])
+    full = _checkpoint(tmp, 2, "gpt-auto-bf16")
+    assert full["model.head.weight"].dtype == torch.float32
+    diff = max_param_diff(full, ref["state_dict"])
+    print(f"bf16-mixed tp=2 vs single: largest parameter difference {diff:.3e}, largest update {moved:.3e}")
+    assert diff < 0.05 * moved
+    losses = torch.tensor(results["gpt-auto-bf16"][0]["losses"])
+    torch.testing.assert_close(losses, torch.tensor(ref["losses"]), atol=2e-2, rtol=0)
 
 
 @pytest.mark.timeout(600)
