@@ -77,7 +77,8 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
     trainer.fit(model, datamodule=data, ckpt_path=case.get("ckpt_path"))
     if case.get("validate_after_fit"):
         trainer.validate(model, datamodule=data, verbose=False)
-    result = {"losses": recorder.losses, "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    result = {"losses": recorder.losses, "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()},
+              "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
     if case.get("save_checkpoint"):
         trainer.save_checkpoint(out_dir / "last.ckpt")
     return result

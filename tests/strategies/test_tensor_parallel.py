@@ -269,3 +269,25 @@ def test_registered_name():
 
     trainer = Trainer(accelerator="cpu", devices=1, strategy="lp_tensor_parallel", logger=False)
     assert isinstance(trainer.strategy, TensorParallelStrategy) and trainer.strategy.plan == "auto"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world, name", [(2, "gpt-auto"), (2, "encoder-written"), (4, "gpt-auto-dp2"),
+                                         (4, "mlp-written-dp2")])
+def test_logged_loss_equals_single_device(tp2, tp4, world, name):
+    """``self.log(sync_dist=True)`` gives the single-device value on every rank (a mean over the
+    data-parallel group; note that a mean would also hide tensor-parallel peers counted twice)."""
+    tmp, results = tp2 if world == 2 else tp4
+    model = name.split("-")[0]
+    ref = reference(model, tmp)
+    for rank in results[name]:
+        assert rank["metrics"]["train_loss"] == pytest.approx(ref["metrics"]["train_loss"], abs=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_tensor_parallel_size_one_is_plain_training(tmp_path):
+    c = case("gpt-tp1", "gpt", "auto")
+    result = run_distributed([c], world_size=1, tmp_path=tmp_path, timeout=120)
+    assert_params_close(torch.load(tmp_path / "dist1" / "gpt-tp1" / "last.ckpt", weights_only=False)["state_dict"],
+                        reference("gpt", tmp_path)["state_dict"], atol=1e-10)
+    assert result["gpt-tp1"][0]["losses"]
