@@ -23,7 +23,16 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lightning_parallel.tensor.plan import ELEMENTWISE, LayerRule, AttributeRule, Plan, PlanError, ResolvedPlan, resolve_plan
+from lightning_parallel.tensor.plan import (
+    ELEMENTWISE,
+    AttributeRule,
+    LayerRule,
+    Plan,
+    PlanError,
+    ResolvedPlan,
+    resolve_plan,
+    tied_parameters,
+)
 
 __all__ = ["auto_plan", "resolve_auto"]
 
@@ -163,10 +172,24 @@ class _Finder:
                     self.pair(full_first, full_second)
 
 
+def _untie(finder: _Finder) -> None:
+    """Layers holding a tied weight stay replicated, with the partner of their pair."""
+    tied = {n.rpartition(".")[0] for names in tied_parameters(finder.module).values() for n in names}
+    for name in [n for n in finder.layers if n in tied]:
+        finder.layers.pop(name, None)
+        finder.report[name] = "holds a tied weight (shared with another layer)"
+        parent = name.rpartition(".")[0]
+        for other in [n for n in finder.layers if n.rpartition(".")[0] == parent]:
+            finder.layers.pop(other)
+            finder.report[other] = f"its partner {name} holds a tied weight"
+        finder.attributes = [a for a in finder.attributes if a.pattern.rpartition(".")[0] != parent]
+
+
 def auto_plan(module: nn.Module, tp_size: int) -> tuple[Plan, list[tuple[str, str]]]:
     """A plan for ``module`` and the list of (name, reason) of what stays replicated."""
     finder = _Finder(module, tp_size)
     finder.run()
+    _untie(finder)
     return Plan(list(finder.layers.values()), finder.attributes), sorted(finder.report.items())
 
 

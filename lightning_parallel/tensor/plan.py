@@ -44,6 +44,7 @@ __all__ = [
     "apply_plan",
     "STYLES",
     "ELEMENTWISE",
+    "named_plans",
 ]
 
 STYLES = ("colwise", "rowwise", "vocab", "attention", "replicate")
@@ -107,9 +108,24 @@ class ResolvedPlan:
 
 
 # ---------------------------------------------------------------------------------------------- parse
+# Where named plans (``plan="char_gpt"``) are looked up: the package's own copy, then the repository's.
+PLAN_DIRS = (Path(__file__).resolve().parents[1] / "conf" / "plan", Path(__file__).resolve().parents[2] / "conf" / "plan")
+
+
+def named_plans() -> list[str]:
+    return sorted({p.stem for d in PLAN_DIRS if d.is_dir() for p in d.glob("*.yaml")})
+
+
 def _load_yaml(path: Path) -> Any:
     import yaml
 
+    if not path.is_file() and path.suffix not in (".yaml", ".yml") and len(path.parts) == 1:
+        found = [d / f"{path}.yaml" for d in PLAN_DIRS if (d / f"{path}.yaml").is_file()]
+        if found:
+            path = found[0]
+        else:
+            raise PlanError(f"plan {str(path)!r} is neither a file nor a named plan; named plans: "
+                            f"{', '.join(named_plans()) or 'none'}; or give a dict, a YAML file path, or 'auto'")
     if not path.is_file():
         raise PlanError(f"plan file {str(path)!r} does not exist; give a dict, a YAML file path, or 'auto'")
     return yaml.safe_load(path.read_text()) or {}
@@ -257,6 +273,24 @@ def _check_dataflow(assignments: list[Assignment], modules: dict[str, nn.Module]
             )
 
 
+def tied_parameters(module: nn.Module) -> dict[int, list[str]]:
+    """id of every parameter registered under more than one name -> those names."""
+    names: dict[int, list[str]] = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    return {k: v for k, v in names.items() if len(v) > 1}
+
+
+def _check_tied(module: nn.Module, sharded: list[Assignment]) -> None:
+    tied = tied_parameters(module)
+    for a in sharded:
+        for local, p in a.module.named_parameters(remove_duplicate=False):
+            others = [n for n in tied.get(id(p), []) if not n.startswith(a.name + ".")]
+            if others:
+                raise PlanError(f"'{a.name}.{local}' is the same tensor as {others[0]!r} (tied weights); sharding one "
+                                "would untie them. Replicate both")
+
+
 def resolve_plan(module: nn.Module, plan: Any, tp_size: int) -> ResolvedPlan:
     """Match ``plan`` against ``module``'s names and validate everything, without changing the module."""
     plan = parse_plan(plan)
@@ -282,6 +316,7 @@ def resolve_plan(module: nn.Module, plan: Any, tp_size: int) -> ResolvedPlan:
             if a is not b and b.name.startswith(a.name + "."):
                 raise PlanError(f"{b.name!r} is inside {a.name!r}, which is sharded as a whole ({a.style}); "
                                 f"remove one of the two")
+    _check_tied(module, sharded)
     _check_dataflow(sharded, modules)
     attributes: list[tuple[str, str, int]] = []
     for rule in plan.attributes:

@@ -144,3 +144,23 @@ def test_validation_leaves_the_module_untouched_and_apply_replaces_layers():
     assert module.model.blocks[0].attn.q.weight.shape == (8, 16)
     assert set(module.state_dict()) == set(before)  # the same names
     assert (module.model.tok_emb.weight == before["model.tok_emb.weight"][16:]).all()
+
+
+def test_named_plans_come_from_conf_plan():
+    assert {"char_gpt", "mlp"} <= set(__import__("lightning_parallel.tensor.plan", fromlist=["x"]).named_plans())
+    assert resolve_plan(MLP(), "mlp", 2).styles()["net.4"] == "rowwise"
+    with pytest.raises(PlanError, match=r"plan 'mpl' is neither a file nor a named plan; named plans: .*mlp"):
+        parse_plan("mpl")
+
+
+def test_tied_weights_are_not_sharded():
+    gpt = SmallGPT()
+    gpt.model.head.weight = gpt.model.tok_emb.weight
+    with pytest.raises(PlanError, match=r"'model.tok_emb.weight' is the same tensor as 'model.head.weight' \(tied "
+                                        r"weights\); sharding one would untie them"):
+        resolve_plan(gpt, {"model.tok_emb": "vocab"}, 2)
+    from lightning_parallel.tensor import resolve
+
+    resolved = resolve(gpt, "auto", 2)
+    assert "model.tok_emb" not in resolved.styles()
+    assert dict(resolved.report)["model.tok_emb"] == "holds a tied weight (shared with another layer)"
