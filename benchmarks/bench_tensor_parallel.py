@@ -45,7 +45,9 @@ PLAN = {
 
 def build(args: argparse.Namespace) -> GPT:
     torch.manual_seed(0)
-    return GPT(vocab_size=128, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
+    return GPT(
+        vocab_size=128, block_size=args.seq, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd
+    )
 
 
 def ours(args: argparse.Namespace, rank: int) -> GPT:
@@ -77,7 +79,16 @@ def step(model: GPT, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tenso
     return loss.item()
 
 
-COLLECTIVES = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast", "all_to_all", "alltoall")
+COLLECTIVES = (
+    "all_reduce",
+    "allreduce",
+    "all_gather",
+    "allgather",
+    "reduce_scatter",
+    "broadcast",
+    "all_to_all",
+    "alltoall",
+)
 
 
 def count_collectives(model: GPT, x: torch.Tensor, y: torch.Tensor) -> dict[str, int]:
@@ -128,14 +139,22 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
                 times[k].append(time.perf_counter() - start)
     if rank == 0:
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-        print(f"GPT n_layer={args.n_layer} n_embd={args.n_embd} n_head={args.n_head} batch={args.batch} seq={args.seq}, "
-              f"tp=2 on 2 CPU processes (gloo, 1 thread each), {args.rounds} rounds x {args.steps} steps per side")
-        print(f"first-step loss: ours {first['lightning_parallel']:.6f}, DTensor {first['torch DTensor']:.6f}")
+        print(
+            f"GPT n_layer={args.n_layer} n_embd={args.n_embd} n_head={args.n_head} batch={args.batch} seq={args.seq}, "
+            f"tp=2 on 2 CPU processes (gloo, 1 thread each), {args.rounds} rounds x {args.steps} steps per side"
+        )
+        print(
+            f"first-step loss: ours {first['lightning_parallel']:.6f}, DTensor {first['torch DTensor']:.6f}"
+        )
         for k in models:
             total = sum(counts[k].values())
-            print(f"  {k:<20} median step {med[k]:8.2f} ms   collectives per step: {counts[k]} (total {total})")
+            print(
+                f"  {k:<20} median step {med[k]:8.2f} ms   collectives per step: {counts[k]} (total {total})"
+            )
         print(f"Megatron count: {4 * args.n_layer} all-reduces per step (2 forward + 2 backward per block)")
-        print(f"ratio DTensor / ours = {med['torch DTensor'] / med['lightning_parallel']:.2f} (> 1: ours faster)")
+        print(
+            f"ratio DTensor / ours = {med['torch DTensor'] / med['lightning_parallel']:.2f} (> 1: ours faster)"
+        )
     dist.barrier()
     dist.destroy_process_group()
 

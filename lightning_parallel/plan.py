@@ -27,7 +27,9 @@ def _load(target: str) -> object:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_parallel.plan", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_parallel.plan", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("target", help="package.module:Class of the (Lightning)Module")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
     parser.add_argument("--plan", default="auto", help="'auto' (default) or a plan YAML file")

@@ -150,8 +150,9 @@ def split_to_group(x: Tensor, group: Optional[dist.ProcessGroup], dim: int = -1)
     return x if group_size(group) == 1 else _SplitToGroup.apply(x, group, dim)
 
 
-def clip_grad_norm_sharded(parameters: Iterable[Tensor], max_norm: float, sharded: set[int],
-                           group: Optional[dist.ProcessGroup]) -> Tensor:
+def clip_grad_norm_sharded(
+    parameters: Iterable[Tensor], max_norm: float, sharded: set[int], group: Optional[dist.ProcessGroup]
+) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` with the global 2-norm of parameters split over ``group``.
 
     Parameters whose ``id`` is in ``sharded`` hold a slice each: their squared norms are summed over the
@@ -163,7 +164,10 @@ def clip_grad_norm_sharded(parameters: Iterable[Tensor], max_norm: float, sharde
     grads = [p.grad for p in with_grad]
     split = [p.grad for p in with_grad if id(p) in sharded]
     whole = [p.grad for p in with_grad if id(p) not in sharded]
-    device, dtype = grads[0].device, torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    device, dtype = (
+        grads[0].device,
+        torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32,
+    )
     local = torch.zeros((), device=device, dtype=dtype)
     for g in split:
         local += g.detach().to(dtype).pow(2).sum()

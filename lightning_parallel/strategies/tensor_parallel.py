@@ -16,8 +16,8 @@ import types
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
-import torch
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -77,14 +77,21 @@ class TensorParallelStrategy(ParallelStrategyBase):
 
     strategy_name = "lp_tensor_parallel"
 
-    def __init__(self, tensor_parallel_size: Optional[int] = None, data_parallel_size: int = 1,
-                 plan: Union[str, Path, Mapping[str, Any], Plan] = "auto", verify_plan: bool = False,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        tensor_parallel_size: Optional[int] = None,
+        data_parallel_size: int = 1,
+        plan: Union[str, Path, Mapping[str, Any], Plan] = "auto",
+        verify_plan: bool = False,
+        **kwargs: Any,
+    ) -> None:
         _positive("tensor_parallel_size", tensor_parallel_size, allow_none=True)
         _positive("data_parallel_size", data_parallel_size)
         if kwargs.get("start_method", "popen") != "popen":
-            raise ValueError(f"start_method={kwargs['start_method']!r} is not supported by TensorParallelStrategy: "
-                             "Lightning's spawn launcher hands rank 0's (sharded) weights back; use 'popen' (default)")
+            raise ValueError(
+                f"start_method={kwargs['start_method']!r} is not supported by TensorParallelStrategy: "
+                "Lightning's spawn launcher hands rank 0's (sharded) weights back; use 'popen' (default)"
+            )
         if not (isinstance(plan, str) and plan == "auto"):
             parse_plan(plan)  # malformed plans and missing files fail here, before any process starts
         super().__init__(**kwargs)
@@ -142,12 +149,18 @@ class TensorParallelStrategy(ParallelStrategyBase):
         if self._is_sharded():  # sharded by an earlier fit: keep its layers
             layers = [m for m in module.modules() if isinstance(m, _TPLayer)]
             if any(layer.tp_size != tp for layer in layers):
-                raise ValueError(f"the module is already sharded for tensor_parallel_size={layers[0].tp_size}, "
-                                 f"but this run has tensor_parallel_size={tp}; start from an unsharded module or a "
-                                 "full checkpoint")
-            self._entries = list({id(e): e for layer in layers if (e := getattr(layer, "entry", None))}.values())
+                raise ValueError(
+                    f"the module is already sharded for tensor_parallel_size={layers[0].tp_size}, "
+                    f"but this run has tensor_parallel_size={tp}; start from an unsharded module or a "
+                    "full checkpoint"
+                )
+            self._entries = list(
+                {id(e): e for layer in layers if (e := getattr(layer, "entry", None))}.values()
+            )
         else:
-            broadcast_module_states(module, src=0, group=None)  # every rank cuts its slice of the same weights
+            broadcast_module_states(
+                module, src=0, group=None
+            )  # every rank cuts its slice of the same weights
             self.resolved = resolve(module, self.plan, tp)
             if self.verify_plan:
                 self._keep_reference(module)
@@ -186,9 +199,12 @@ class TensorParallelStrategy(ParallelStrategyBase):
         def record(name: str):
             def hook(mod: nn.Module, a: tuple, kw: dict, out: Any) -> None:
                 calls.setdefault(name, (a, kw, out))
+
             return hook
 
-        handles = [getattr(module, n).register_forward_hook(record(n), with_kwargs=True) for n in self._reference]
+        handles = [
+            getattr(module, n).register_forward_hook(record(n), with_kwargs=True) for n in self._reference
+        ]
         try:
             output = super().training_step(*args, **kwargs)
         finally:

@@ -17,8 +17,18 @@ from lightning_parallel.tensor.layers import (
 from lightning_parallel.tensor.plan import Plan, PlanError, ResolvedPlan, apply_plan, parse_plan, resolve_plan
 
 __all__ = [
-    "ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "ParallelMultiheadAttention",
-    "Plan", "PlanError", "ResolvedPlan", "parse_plan", "resolve_plan", "apply_plan", "auto_plan", "resolve",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "ParallelMultiheadAttention",
+    "Plan",
+    "PlanError",
+    "ResolvedPlan",
+    "parse_plan",
+    "resolve_plan",
+    "apply_plan",
+    "auto_plan",
+    "resolve",
 ]
 
 

@@ -40,8 +40,22 @@ HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "nhead", 
 QKV_NAMES = (("q", "k", "v"), ("query", "key", "value"), ("q_proj", "k_proj", "v_proj"), ("wq", "wk", "wv"))
 OUT_NAMES = ("proj", "out_proj", "o_proj", "o", "out", "c_proj", "wo", "dense")
 ELEMENTWISE_FUNCTIONS = {
-    F.relu, F.gelu, F.silu, F.tanh, F.sigmoid, F.dropout, F.leaky_relu, F.elu, F.mish, F.softplus,
-    torch.relu, torch.tanh, torch.sigmoid, torch.nn.functional.relu6, operator.mul, torch.mul,
+    F.relu,
+    F.gelu,
+    F.silu,
+    F.tanh,
+    F.sigmoid,
+    F.dropout,
+    F.leaky_relu,
+    F.elu,
+    F.mish,
+    F.softplus,
+    torch.relu,
+    torch.tanh,
+    torch.sigmoid,
+    torch.nn.functional.relu6,
+    operator.mul,
+    torch.mul,
 }
 ELEMENTWISE_METHODS = {"relu", "tanh", "sigmoid", "contiguous"}
 TRANSFORMER_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
@@ -58,9 +72,11 @@ class _Finder:
         self.layers[name] = LayerRule(name, style, dict(options))
 
     def pair(self, first: str, second: str) -> None:
-        a, b = self.module.get_submodule(first), self.module.get_submodule(second)
+        a = self.module.get_submodule(first)
         if a.out_features % self.tp:
-            self.report[first] = f"MLP pair with {second}: width {a.out_features} not divisible by tp={self.tp}"
+            self.report[first] = (
+                f"MLP pair with {second}: width {a.out_features} not divisible by tp={self.tp}"
+            )
             return
         self.take(first, "colwise")
         self.take(second, "rowwise")
@@ -82,7 +98,11 @@ class _Finder:
             elif any(isinstance(c, nn.Linear) for c in m.children()):
                 self.traced_pairs(name, m)
         for name, m in self.module.named_modules():
-            if isinstance(m, (nn.Linear, nn.Embedding)) and name not in self.layers and not self._inside_taken(name):
+            if (
+                isinstance(m, (nn.Linear, nn.Embedding))
+                and name not in self.layers
+                and not self._inside_taken(name)
+            ):
                 self.report.setdefault(name, "no row-parallel partner found (replicated)")
 
     def _inside_taken(self, name: str) -> bool:
@@ -112,14 +132,23 @@ class _Finder:
         if heads is None:
             return False
         children = dict(m.named_children())
-        qkv = next((names for names in QKV_NAMES if all(isinstance(children.get(n), nn.Linear) for n in names)), None)
+        qkv = next(
+            (names for names in QKV_NAMES if all(isinstance(children.get(n), nn.Linear) for n in names)), None
+        )
         out = next((n for n in OUT_NAMES if isinstance(children.get(n), nn.Linear)), None)
         if qkv is None or out is None:
             return False
         h = getattr(m, heads)
         widths = {children[n].out_features for n in qkv}
-        if len(widths) != 1 or h % self.tp or next(iter(widths)) % h or children[out].in_features != next(iter(widths)):
-            self.report[name] = f"attention-like module, but {heads}={h} and q/k/v widths {sorted(widths)} do not split over tp={self.tp}"
+        if (
+            len(widths) != 1
+            or h % self.tp
+            or next(iter(widths)) % h
+            or children[out].in_features != next(iter(widths))
+        ):
+            self.report[name] = (
+                f"attention-like module, but {heads}={h} and q/k/v widths {sorted(widths)} do not split over tp={self.tp}"
+            )
             return True
         for n in qkv:
             self.take(self._join(name, n), "colwise")
@@ -135,7 +164,11 @@ class _Finder:
                 j = i + 1
                 while j < len(items) and isinstance(items[j][1], ELEMENTWISE):
                     j += 1
-                if j < len(items) and isinstance(items[j][1], nn.Linear) and items[j][1].in_features == items[i][1].out_features:
+                if (
+                    j < len(items)
+                    and isinstance(items[j][1], nn.Linear)
+                    and items[j][1].in_features == items[i][1].out_features
+                ):
                     self.pair(self._join(name, items[i][0]), self._join(name, items[j][0]))
                     i = j + 1
                     continue
@@ -151,7 +184,11 @@ class _Finder:
         except Exception as err:  # noqa: BLE001  (any tracing failure means "not proven")
             self.report[name] = f"could not trace to find MLP pairs ({type(err).__name__})"
             return
-        linear = {n: n.target for n in graph.nodes if n.op == "call_module" and isinstance(m.get_submodule(n.target), nn.Linear)}
+        linear = {
+            n: n.target
+            for n in graph.nodes
+            if n.op == "call_module" and isinstance(m.get_submodule(n.target), nn.Linear)
+        }
 
         def elementwise(node: torch.fx.Node) -> bool:
             if node.op == "call_module":
@@ -162,7 +199,12 @@ class _Finder:
 
         for node, target in linear.items():
             src: Optional[torch.fx.Node] = node.args[0] if node.args else None
-            while isinstance(src, torch.fx.Node) and src not in linear and elementwise(src) and len(src.users) == 1:
+            while (
+                isinstance(src, torch.fx.Node)
+                and src not in linear
+                and elementwise(src)
+                and len(src.users) == 1
+            ):
                 tensor_args = [a for a in src.args if isinstance(a, torch.fx.Node)]
                 src = tensor_args[0] if len(tensor_args) == 1 else None
             if isinstance(src, torch.fx.Node) and src in linear and len(src.users) == 1 and src is not node:

@@ -111,8 +111,15 @@ class ColumnParallelLinear(_TPLayer):
 
     SHARDS = {"weight": ShardSpec(0), "bias": ShardSpec(0)}
 
-    def __init__(self, linear: nn.Linear, group: Optional[dist.ProcessGroup], tp_size: int, tp_rank: int,
-                 gather_output: bool = False, entry: Optional[SharedEntry] = None) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        group: Optional[dist.ProcessGroup],
+        tp_size: int,
+        tp_rank: int,
+        gather_output: bool = False,
+        entry: Optional[SharedEntry] = None,
+    ) -> None:
         super().__init__()
         _check_divisible("out_features", linear.out_features, tp_size)
         self._init_tp(group, tp_size, tp_rank)
@@ -120,15 +127,19 @@ class ColumnParallelLinear(_TPLayer):
         self.gather_output = gather_output
         self.entry = entry or SharedEntry(group)
         self.weight = _new_param(linear.weight, self.SHARDS["weight"], tp_size, tp_rank)
-        self.bias = None if linear.bias is None else _new_param(linear.bias, self.SHARDS["bias"], tp_size, tp_rank)
+        self.bias = (
+            None if linear.bias is None else _new_param(linear.bias, self.SHARDS["bias"], tp_size, tp_rank)
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         y = F.linear(self.entry(x), self.weight, self.bias)
         return gather_from_group(y, self.group, -1) if self.gather_output else y
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features} "
-                f"(local {self.weight.shape[0]}), gather_output={self.gather_output}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"(local {self.weight.shape[0]}), gather_output={self.gather_output}"
+        )
 
 
 class RowParallelLinear(_TPLayer):
@@ -136,8 +147,14 @@ class RowParallelLinear(_TPLayer):
 
     SHARDS = {"weight": ShardSpec(1)}
 
-    def __init__(self, linear: nn.Linear, group: Optional[dist.ProcessGroup], tp_size: int, tp_rank: int,
-                 input_is_parallel: bool = True) -> None:
+    def __init__(
+        self,
+        linear: nn.Linear,
+        group: Optional[dist.ProcessGroup],
+        tp_size: int,
+        tp_rank: int,
+        input_is_parallel: bool = True,
+    ) -> None:
         super().__init__()
         _check_divisible("in_features", linear.in_features, tp_size)
         self._init_tp(group, tp_size, tp_rank)
@@ -153,8 +170,10 @@ class RowParallelLinear(_TPLayer):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
-                f"input_is_parallel={self.input_is_parallel}")
+        return (
+            f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
+            f"input_is_parallel={self.input_is_parallel}"
+        )
 
 
 class VocabParallelEmbedding(_TPLayer):
@@ -163,7 +182,9 @@ class VocabParallelEmbedding(_TPLayer):
 
     SHARDS = {"weight": ShardSpec(0)}
 
-    def __init__(self, embedding: nn.Embedding, group: Optional[dist.ProcessGroup], tp_size: int, tp_rank: int) -> None:
+    def __init__(
+        self, embedding: nn.Embedding, group: Optional[dist.ProcessGroup], tp_size: int, tp_rank: int
+    ) -> None:
         super().__init__()
         _check_divisible("num_embeddings", embedding.num_embeddings, tp_size)
         self._init_tp(group, tp_size, tp_rank)
@@ -171,7 +192,9 @@ class VocabParallelEmbedding(_TPLayer):
         per_rank = embedding.num_embeddings // tp_size
         self.start, self.end = tp_rank * per_rank, (tp_rank + 1) * per_rank
         pad = embedding.padding_idx
-        self.local_padding_idx = pad - self.start if pad is not None and self.start <= pad < self.end else None
+        self.local_padding_idx = (
+            pad - self.start if pad is not None and self.start <= pad < self.end else None
+        )
         self.weight = _new_param(embedding.weight, self.SHARDS["weight"], tp_size, tp_rank)
 
     def forward(self, ids: Tensor) -> Tensor:
@@ -194,13 +217,21 @@ class ParallelMultiheadAttention(_TPLayer):
 
     SHARDS = {"in_proj_weight": ShardSpec(0, chunks=3), "in_proj_bias": ShardSpec(0, chunks=3)}
 
-    def __init__(self, mha: nn.MultiheadAttention, group: Optional[dist.ProcessGroup], tp_size: int, tp_rank: int,
-                 entry: Optional[SharedEntry] = None) -> None:
+    def __init__(
+        self,
+        mha: nn.MultiheadAttention,
+        group: Optional[dist.ProcessGroup],
+        tp_size: int,
+        tp_rank: int,
+        entry: Optional[SharedEntry] = None,
+    ) -> None:
         super().__init__()
         _check_divisible("num_heads", mha.num_heads, tp_size)
         if not mha._qkv_same_embed_dim or mha.bias_k is not None or mha.add_zero_attn:
-            raise ValueError("ParallelMultiheadAttention supports kdim == vdim == embed_dim, no add_bias_kv and no "
-                             "add_zero_attn")
+            raise ValueError(
+                "ParallelMultiheadAttention supports kdim == vdim == embed_dim, no add_bias_kv and no "
+                "add_zero_attn"
+            )
         self._init_tp(group, tp_size, tp_rank)
         self.embed_dim, self.batch_first, self.dropout = mha.embed_dim, mha.batch_first, mha.dropout
         self.full_num_heads = mha.num_heads
@@ -211,13 +242,18 @@ class ParallelMultiheadAttention(_TPLayer):
         self.add_zero_attn = False
         self.entry = entry or SharedEntry(group)
         self.in_proj_weight = _new_param(mha.in_proj_weight, self.SHARDS["in_proj_weight"], tp_size, tp_rank)
-        self.in_proj_bias = (None if mha.in_proj_bias is None
-                             else _new_param(mha.in_proj_bias, self.SHARDS["in_proj_bias"], tp_size, tp_rank))
+        self.in_proj_bias = (
+            None
+            if mha.in_proj_bias is None
+            else _new_param(mha.in_proj_bias, self.SHARDS["in_proj_bias"], tp_size, tp_rank)
+        )
         self.out_proj = RowParallelLinear(mha.out_proj, group, tp_size, tp_rank)
 
-    def _mask(self, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], batch: int,
-              dtype: torch.dtype) -> Optional[Tensor]:
+    def _mask(
+        self, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], batch: int, dtype: torch.dtype
+    ) -> Optional[Tensor]:
         """One additive mask broadcastable to (batch, local heads, target, source)."""
+
         def additive(m: Tensor) -> Tensor:
             if m.dtype == torch.bool:
                 return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(m, float("-inf"))
@@ -234,9 +270,17 @@ class ParallelMultiheadAttention(_TPLayer):
             mask = kpm if mask is None else mask + kpm
         return mask
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Optional[Tensor] = None,
-                need_weights: bool = True, attn_mask: Optional[Tensor] = None, average_attn_weights: bool = True,
-                is_causal: bool = False) -> tuple[Tensor, None]:
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Optional[Tensor] = None,
+        need_weights: bool = True,
+        attn_mask: Optional[Tensor] = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, None]:
         key_is_query, value_is_key = key is query, value is key
         unbatched = query.dim() == 2
         if unbatched:
@@ -257,8 +301,14 @@ class ParallelMultiheadAttention(_TPLayer):
         if unbatched and key_padding_mask is not None:
             key_padding_mask = key_padding_mask.unsqueeze(0)
         mask = self._mask(attn_mask, key_padding_mask, B, q.dtype)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0,
-                                           is_causal=is_causal and mask is None)
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=is_causal and mask is None,
+        )
         y = self.out_proj(y.transpose(1, 2).reshape(B, T, -1))
         if unbatched:
             y = y.squeeze(0)

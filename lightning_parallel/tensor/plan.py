@@ -58,8 +58,19 @@ OPTIONS: dict[str, dict[str, Any]] = {
 ATTRIBUTE_ACTIONS = ("divide",)
 # Modules that act on each feature independently: a sharded last dimension passes through them unchanged.
 ELEMENTWISE: tuple[type, ...] = (
-    nn.ReLU, nn.GELU, nn.Tanh, nn.Sigmoid, nn.SiLU, nn.Mish, nn.LeakyReLU, nn.ELU, nn.Softplus, nn.Hardtanh,
-    nn.ReLU6, nn.Dropout, nn.Identity,
+    nn.ReLU,
+    nn.GELU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.SiLU,
+    nn.Mish,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.Softplus,
+    nn.Hardtanh,
+    nn.ReLU6,
+    nn.Dropout,
+    nn.Identity,
 )
 
 
@@ -109,7 +120,10 @@ class ResolvedPlan:
 
 # ---------------------------------------------------------------------------------------------- parse
 # Where named plans (``plan="char_gpt"``) are looked up: the package's own copy, then the repository's.
-PLAN_DIRS = (Path(__file__).resolve().parents[1] / "conf" / "plan", Path(__file__).resolve().parents[2] / "conf" / "plan")
+PLAN_DIRS = (
+    Path(__file__).resolve().parents[1] / "conf" / "plan",
+    Path(__file__).resolve().parents[2] / "conf" / "plan",
+)
 
 
 def named_plans() -> list[str]:
@@ -124,8 +138,10 @@ def _load_yaml(path: Path) -> Any:
         if found:
             path = found[0]
         else:
-            raise PlanError(f"plan {str(path)!r} is neither a file nor a named plan; named plans: "
-                            f"{', '.join(named_plans()) or 'none'}; or give a dict, a YAML file path, or 'auto'")
+            raise PlanError(
+                f"plan {str(path)!r} is neither a file nor a named plan; named plans: "
+                f"{', '.join(named_plans()) or 'none'}; or give a dict, a YAML file path, or 'auto'"
+            )
     if not path.is_file():
         raise PlanError(f"plan file {str(path)!r} does not exist; give a dict, a YAML file path, or 'auto'")
     return yaml.safe_load(path.read_text()) or {}
@@ -137,18 +153,24 @@ def _rule(pattern: str, value: Any) -> Union[LayerRule, AttributeRule]:
     if isinstance(value, str):
         value = {"style": value}
     if not isinstance(value, Mapping) or "style" not in value:
-        raise PlanError(f"plan entry {pattern!r}: {value!r} is not a style; use one of {', '.join(STYLES)} "
-                        f"or a mapping like {{style: colwise, gather_output: true}}")
+        raise PlanError(
+            f"plan entry {pattern!r}: {value!r} is not a style; use one of {', '.join(STYLES)} "
+            f"or a mapping like {{style: colwise, gather_output: true}}"
+        )
     options = dict(value)
     style = options.pop("style")
     if style not in STYLES:
-        raise PlanError(f"plan entry {pattern!r}: unknown style {style!r}; use one of {', '.join(STYLES)} "
-                        "(or 'divide' for a head-count attribute)")
+        raise PlanError(
+            f"plan entry {pattern!r}: unknown style {style!r}; use one of {', '.join(STYLES)} "
+            "(or 'divide' for a head-count attribute)"
+        )
     unknown = set(options) - set(OPTIONS[style])
     if unknown:
         allowed = ", ".join(OPTIONS[style]) or "none"
-        raise PlanError(f"plan entry {pattern!r}: option(s) {sorted(unknown)} not valid for style {style!r}; "
-                        f"allowed: {allowed}")
+        raise PlanError(
+            f"plan entry {pattern!r}: option(s) {sorted(unknown)} not valid for style {style!r}; "
+            f"allowed: {allowed}"
+        )
     return LayerRule(pattern, style, options)
 
 
@@ -166,7 +188,9 @@ def parse_plan(spec: Any) -> Plan:
     except ImportError:  # pragma: no cover
         pass
     if not isinstance(spec, Mapping):
-        raise PlanError(f"a plan must be a mapping of module-name patterns to styles, got {type(spec).__name__}")
+        raise PlanError(
+            f"a plan must be a mapping of module-name patterns to styles, got {type(spec).__name__}"
+        )
     plan = Plan()
     sections = {"layers", "attributes"}
     flat = {k: v for k, v in spec.items() if k not in sections}
@@ -176,7 +200,9 @@ def parse_plan(spec: Any) -> Plan:
         (plan.attributes if isinstance(rule, AttributeRule) else plan.layers).append(rule)
     for pattern, action in (spec.get("attributes") or {}).items():
         if action not in ATTRIBUTE_ACTIONS:
-            raise PlanError(f"attribute {pattern!r}: unknown action {action!r}; use one of {ATTRIBUTE_ACTIONS}")
+            raise PlanError(
+                f"attribute {pattern!r}: unknown action {action!r}; use one of {ATTRIBUTE_ACTIONS}"
+            )
         plan.attributes.append(AttributeRule(str(pattern), action))
     return plan
 
@@ -190,7 +216,11 @@ def match_pattern(pattern: str, name: str) -> bool:
 
 def _no_match(pattern: str, names: list[str], what: str = "module") -> PlanError:
     close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.3)
-    hint = f"closest module names: {', '.join(close)}" if close else f"module names look like: {', '.join(names[:5])}"
+    hint = (
+        f"closest module names: {', '.join(close)}"
+        if close
+        else f"module names look like: {', '.join(names[:5])}"
+    )
     return PlanError(f"plan pattern {pattern!r} matches no {what} of the model; {hint}")
 
 
@@ -198,14 +228,18 @@ def _type_error(name: str, module: nn.Module, style: str) -> PlanError:
     expected = " or ".join(t.__name__ for t in TP_LAYERS[style][1])
     suggest = {nn.Embedding: "vocab", nn.MultiheadAttention: "attention", nn.Linear: "colwise or rowwise"}
     alt = next((s for t, s in suggest.items() if isinstance(module, t)), "replicate")
-    return PlanError(f"style {style!r} applies to {expected}, but {name!r} is a {type(module).__name__}; "
-                     f"use {alt!r} for it (or leave it out of the plan to replicate it)")
+    return PlanError(
+        f"style {style!r} applies to {expected}, but {name!r} is a {type(module).__name__}; "
+        f"use {alt!r} for it (or leave it out of the plan to replicate it)"
+    )
 
 
 def _divisible(name: str, what: str, size: int, tp: int, style: str) -> None:
     if size % tp:
-        raise PlanError(f"{name!r} ({style}): {what}={size} is not divisible by the tensor-parallel size {tp}; "
-                        f"use a tensor-parallel size that divides {size}, or replicate {name!r}")
+        raise PlanError(
+            f"{name!r} ({style}): {what}={size} is not divisible by the tensor-parallel size {tp}; "
+            f"use a tensor-parallel size that divides {size}, or replicate {name!r}"
+        )
 
 
 def _check_layer(a: Assignment, tp: int) -> None:
@@ -221,12 +255,16 @@ def _check_layer(a: Assignment, tp: int) -> None:
     elif style == "vocab":
         _divisible(a.name, "num_embeddings", m.num_embeddings, tp, style)
         if m.max_norm is not None or m.sparse or m.scale_grad_by_freq:
-            raise PlanError(f"{a.name!r} (vocab): max_norm, sparse and scale_grad_by_freq are not supported by "
-                            "the vocabulary-parallel embedding; replicate it")
+            raise PlanError(
+                f"{a.name!r} (vocab): max_norm, sparse and scale_grad_by_freq are not supported by "
+                "the vocabulary-parallel embedding; replicate it"
+            )
     elif style == "attention":
         if not m._qkv_same_embed_dim or m.bias_k is not None or m.add_zero_attn:
-            raise PlanError(f"{a.name!r} (attention): needs kdim == vdim == embed_dim, no add_bias_kv and no "
-                            "add_zero_attn; replicate it")
+            raise PlanError(
+                f"{a.name!r} (attention): needs kdim == vdim == embed_dim, no add_bias_kv and no "
+                "add_zero_attn; replicate it"
+            )
         _divisible(a.name, "num_heads", m.num_heads, tp, style)
 
 
@@ -287,8 +325,10 @@ def _check_tied(module: nn.Module, sharded: list[Assignment]) -> None:
         for local, p in a.module.named_parameters(remove_duplicate=False):
             others = [n for n in tied.get(id(p), []) if not n.startswith(a.name + ".")]
             if others:
-                raise PlanError(f"'{a.name}.{local}' is the same tensor as {others[0]!r} (tied weights); sharding one "
-                                "would untie them. Replicate both")
+                raise PlanError(
+                    f"'{a.name}.{local}' is the same tensor as {others[0]!r} (tied weights); sharding one "
+                    "would untie them. Replicate both"
+                )
 
 
 def resolve_plan(module: nn.Module, plan: Any, tp_size: int) -> ResolvedPlan:
@@ -304,8 +344,10 @@ def resolve_plan(module: nn.Module, plan: Any, tp_size: int) -> ResolvedPlan:
             raise _no_match(rule.pattern, names)
         for n in hits:
             if n in owner:
-                raise PlanError(f"module {n!r} is matched by two plan patterns, {owner[n]!r} and {rule.pattern!r}; "
-                                "keep one")
+                raise PlanError(
+                    f"module {n!r} is matched by two plan patterns, {owner[n]!r} and {rule.pattern!r}; "
+                    "keep one"
+                )
             owner[n] = rule.pattern
             a = Assignment(n, modules[n], rule.style, {**OPTIONS[rule.style], **rule.options})
             _check_layer(a, tp_size)
@@ -314,8 +356,10 @@ def resolve_plan(module: nn.Module, plan: Any, tp_size: int) -> ResolvedPlan:
     for a in sharded:
         for b in sharded:
             if a is not b and b.name.startswith(a.name + "."):
-                raise PlanError(f"{b.name!r} is inside {a.name!r}, which is sharded as a whole ({a.style}); "
-                                f"remove one of the two")
+                raise PlanError(
+                    f"{b.name!r} is inside {a.name!r}, which is sharded as a whole ({a.style}); "
+                    f"remove one of the two"
+                )
     _check_tied(module, sharded)
     _check_dataflow(sharded, modules)
     attributes: list[tuple[str, str, int]] = []
@@ -323,22 +367,36 @@ def resolve_plan(module: nn.Module, plan: Any, tp_size: int) -> ResolvedPlan:
         owner_pattern, _, attr = rule.pattern.rpartition(".")
         hits = [n for n in modules if match_pattern(owner_pattern, n)] if owner_pattern else [""]
         if not hits:
-            raise _no_match(rule.pattern, [f"{n}.{k}" for n in names for k, v in vars(modules[n]).items()
-                                           if isinstance(v, int) and not k.startswith("_")], "attribute")
+            raise _no_match(
+                rule.pattern,
+                [
+                    f"{n}.{k}"
+                    for n in names
+                    for k, v in vars(modules[n]).items()
+                    if isinstance(v, int) and not k.startswith("_")
+                ],
+                "attribute",
+            )
         for n in hits:
             value = getattr(modules[n], attr, None)
             if not isinstance(value, int) or isinstance(value, bool):
-                raise PlanError(f"attribute {attr!r} of {n or 'the root module'!r} is {value!r}; 'divide' needs an "
-                                "integer attribute such as a head count")
+                raise PlanError(
+                    f"attribute {attr!r} of {n or 'the root module'!r} is {value!r}; 'divide' needs an "
+                    "integer attribute such as a head count"
+                )
             if value % tp_size:
-                raise PlanError(f"head count {n + '.' if n else ''}{attr}={value} is not divisible by the "
-                                f"tensor-parallel size {tp_size}; use a tensor-parallel size that divides {value}")
+                raise PlanError(
+                    f"head count {n + '.' if n else ''}{attr}={value} is not divisible by the "
+                    f"tensor-parallel size {tp_size}; use a tensor-parallel size that divides {value}"
+                )
             attributes.append((n, attr, value))
     return ResolvedPlan(assignments, attributes, tp_size)
 
 
 # ---------------------------------------------------------------------------------------------- apply
-def apply_plan(module: nn.Module, resolved: ResolvedPlan, group: Optional[dist.ProcessGroup], tp_rank: int) -> list[SharedEntry]:
+def apply_plan(
+    module: nn.Module, resolved: ResolvedPlan, group: Optional[dist.ProcessGroup], tp_rank: int
+) -> list[SharedEntry]:
     """Replace the planned layers of ``module`` in place by their sharded versions; returns the shared
     entry operators (the strategy clears their caches after each step)."""
     tp = resolved.tp_size

@@ -16,8 +16,13 @@ from torch import Tensor, nn
 from lightning_parallel.distributed.collectives import all_gather_list
 from lightning_parallel.tensor.layers import ShardSpec, _TPLayer, full_tensor, shard_tensor
 
-__all__ = ["sharded_parameters", "full_state_dict", "load_full_state_dict", "full_optimizer_state",
-           "shard_optimizer_state"]
+__all__ = [
+    "sharded_parameters",
+    "full_state_dict",
+    "load_full_state_dict",
+    "full_optimizer_state",
+    "shard_optimizer_state",
+]
 
 
 def sharded_parameters(module: nn.Module) -> dict[str, tuple[Tensor, ShardSpec, _TPLayer]]:
@@ -53,8 +58,10 @@ def load_full_state_dict(module: nn.Module, state: Mapping[str, Any], strict: bo
         if key in local and tuple(local[key].shape) == _full_shape(tensor, spec, layer.tp_size):
             local[key] = shard_tensor(local[key], spec, layer.tp_size, layer.tp_rank)
         elif key in local and local[key].shape != tensor.shape:
-            raise ValueError(f"checkpoint tensor {key!r} has shape {tuple(local[key].shape)}; expected the full "
-                             f"shape {_full_shape(tensor, spec, layer.tp_size)}")
+            raise ValueError(
+                f"checkpoint tensor {key!r} has shape {tuple(local[key].shape)}; expected the full "
+                f"shape {_full_shape(tensor, spec, layer.tp_size)}"
+            )
     return module.load_state_dict(local, strict=strict)
 
 
@@ -65,7 +72,9 @@ def _param_index(optimizer_state: Mapping[str, Any], optimizer: Any) -> dict[int
     return dict(zip(ids, params))
 
 
-def full_optimizer_state(optimizer: Any, module: nn.Module, group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
+def full_optimizer_state(
+    optimizer: Any, module: nn.Module, group: Optional[dist.ProcessGroup]
+) -> dict[str, Any]:
     """``optimizer.state_dict()`` with the per-parameter tensors of sharded parameters gathered."""
     state = optimizer.state_dict()
     specs = {id(t): (spec, layer) for t, spec, layer in sharded_parameters(module).values()}
@@ -91,7 +100,9 @@ def shard_optimizer_state(state: Mapping[str, Any], optimizer: Any, module: nn.M
         spec, layer = specs[id(param)]
         full = _full_shape(param, spec, layer.tp_size)
         state["state"][index] = {
-            k: shard_tensor(v, spec, layer.tp_size, layer.tp_rank) if isinstance(v, Tensor) and tuple(v.shape) == full else v
+            k: shard_tensor(v, spec, layer.tp_size, layer.tp_rank)
+            if isinstance(v, Tensor) and tuple(v.shape) == full
+            else v
             for k, v in state["state"][index].items()
         }
     return state

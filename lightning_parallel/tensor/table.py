@@ -37,17 +37,35 @@ def _local(a, tp: int) -> tuple[str, int, str, str]:
     if style == "colwise":
         bias = 0 if m.bias is None else m.out_features // tp
         fwd = f"all-gather {m.out_features}/tok" if opts.get("gather_output") else "-"
-        return f"[{m.out_features // tp}, {m.in_features}]", m.weight.numel() // tp + bias, fwd, f"all-reduce {m.in_features}/tok"
+        return (
+            f"[{m.out_features // tp}, {m.in_features}]",
+            m.weight.numel() // tp + bias,
+            fwd,
+            f"all-reduce {m.in_features}/tok",
+        )
     if style == "rowwise":
         bias = 0 if m.bias is None else m.out_features
         bwd = "-" if opts.get("input_is_parallel", True) else f"all-gather {m.in_features}/tok"
-        return f"[{m.out_features}, {m.in_features // tp}]", m.weight.numel() // tp + bias, f"all-reduce {m.out_features}/tok", bwd
+        return (
+            f"[{m.out_features}, {m.in_features // tp}]",
+            m.weight.numel() // tp + bias,
+            f"all-reduce {m.out_features}/tok",
+            bwd,
+        )
     if style == "vocab":
-        return f"[{m.num_embeddings // tp}, {m.embedding_dim}]", m.weight.numel() // tp, f"all-reduce {m.embedding_dim}/tok", "-"
+        return (
+            f"[{m.num_embeddings // tp}, {m.embedding_dim}]",
+            m.weight.numel() // tp,
+            f"all-reduce {m.embedding_dim}/tok",
+            "-",
+        )
     if style == "attention":
         e = m.embed_dim
-        n = (m.in_proj_weight.numel() + (m.in_proj_bias.numel() if m.in_proj_bias is not None else 0)
-             + m.out_proj.weight.numel()) // tp + (m.out_proj.bias.numel() if m.out_proj.bias is not None else 0)
+        n = (
+            m.in_proj_weight.numel()
+            + (m.in_proj_bias.numel() if m.in_proj_bias is not None else 0)
+            + m.out_proj.weight.numel()
+        ) // tp + (m.out_proj.bias.numel() if m.out_proj.bias is not None else 0)
         return f"[{3 * e // tp}, {e}]+[{e}, {e // tp}]", n, f"all-reduce {e}/tok", f"all-reduce {e}/tok"
     return "(full)", _numel(m), "-", "-"
 
@@ -85,15 +103,21 @@ def format_table(module: nn.Module, resolved: ResolvedPlan) -> str:
     rows = plan_rows(module, resolved)
     total = _numel(module)
     header = ("module", "style", "local weight", "params/rank", "forward comm", "backward comm")
-    table = [header] + [(r.name, r.style, r.local_shape, f"{r.params_per_rank:,}", r.forward, r.backward) for r in rows]
+    table = [header] + [
+        (r.name, r.style, r.local_shape, f"{r.params_per_rank:,}", r.forward, r.backward) for r in rows
+    ]
     per_rank = sum(r.params_per_rank for r in rows)
     fwd, bwd = collectives_per_step(rows)
-    table.append(("TOTAL", f"tp={resolved.tp_size}", "", f"{per_rank:,}", f"{fwd} collectives", f"{bwd} collectives"))
+    table.append(
+        ("TOTAL", f"tp={resolved.tp_size}", "", f"{per_rank:,}", f"{fwd} collectives", f"{bwd} collectives")
+    )
     widths = [max(len(str(row[i])) for row in table) for i in range(len(header))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
     lines.insert(len(lines) - 1, "  ".join("-" * w for w in widths))
-    lines.append(f"parameters: {total:,} in the model, {per_rank:,} per rank ({per_rank / max(total, 1):.0%})")
+    lines.append(
+        f"parameters: {total:,} in the model, {per_rank:,} per rank ({per_rank / max(total, 1):.0%})"
+    )
     for owner, attr, value in resolved.attributes:
         lines.append(f"attribute {owner}.{attr}: {value} -> {value // resolved.tp_size} per rank")
     for name, why in resolved.report:

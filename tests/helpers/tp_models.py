@@ -16,7 +16,9 @@ __all__ = ["TokenData", "SmallGPT", "SequenceData", "EncoderRegressor"]
 class TokenData(LightningDataModule):
     """Random token windows for next-token prediction (the same on every process)."""
 
-    def __init__(self, batch_size: int = 8, n: int = 128, block_size: int = 8, vocab_size: int = 32, seed: int = 3):
+    def __init__(
+        self, batch_size: int = 8, n: int = 128, block_size: int = 8, vocab_size: int = 32, seed: int = 3
+    ):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         tokens = torch.randint(0, vocab_size, (n, block_size + 1), generator=g)
@@ -30,10 +32,25 @@ class TokenData(LightningDataModule):
 class SmallGPT(CharGPT):
     """The package's GPT (own attention with an ``n_head`` attribute), tiny and in float64-friendly sizes."""
 
-    def __init__(self, vocab_size: int = 32, block_size: int = 8, n_layer: int = 2, n_head: int = 4, n_embd: int = 16,
-                 lr: float = 1e-2, optimizer: str = "adamw") -> None:
-        super().__init__(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-                         lr=lr, optimizer=optimizer)
+    def __init__(
+        self,
+        vocab_size: int = 32,
+        block_size: int = 8,
+        n_layer: int = 2,
+        n_head: int = 4,
+        n_embd: int = 16,
+        lr: float = 1e-2,
+        optimizer: str = "adamw",
+    ) -> None:
+        super().__init__(
+            vocab_size=vocab_size,
+            block_size=block_size,
+            n_layer=n_layer,
+            n_head=n_head,
+            n_embd=n_embd,
+            lr=lr,
+            optimizer=optimizer,
+        )
 
 
 class SequenceData(LightningDataModule):
@@ -54,11 +71,20 @@ class SequenceData(LightningDataModule):
 class EncoderRegressor(LightningModule):
     """``nn.TransformerEncoderLayer`` (so ``nn.MultiheadAttention``) with a causal mask, then a linear head."""
 
-    def __init__(self, d_model: int = 16, nhead: int = 4, dim_feedforward: int = 32, out_dim: int = 2, lr: float = 0.05,
-                 batch_first: bool = True):
+    def __init__(
+        self,
+        d_model: int = 16,
+        nhead: int = 4,
+        dim_feedforward: int = 32,
+        out_dim: int = 2,
+        lr: float = 0.05,
+        batch_first: bool = True,
+    ):
         super().__init__()
         self.save_hyperparameters()
-        self.encoder = nn.TransformerEncoderLayer(d_model, nhead, dim_feedforward, dropout=0.0, batch_first=batch_first)
+        self.encoder = nn.TransformerEncoderLayer(
+            d_model, nhead, dim_feedforward, dropout=0.0, batch_first=batch_first
+        )
         self.head = nn.Linear(d_model, out_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

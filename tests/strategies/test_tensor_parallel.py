@@ -17,13 +17,29 @@ from tests.helpers.worker import load_object
 TP = "lightning_parallel:TensorParallelStrategy"
 F64 = {"precision": "64-true", "max_steps": 5}
 MODELS = {
-    "mlp": ("tests.helpers.models:MLP", "tests.helpers.models:RegressionData", {"optimizer": "adam", "lr": 0.01},
-            str(REPO / "conf/plan/mlp.yaml")),
-    "gpt": ("tests.helpers.tp_models:SmallGPT", "tests.helpers.tp_models:TokenData", {},
-            str(REPO / "conf/plan/char_gpt.yaml")),
-    "encoder": ("tests.helpers.tp_models:EncoderRegressor", "tests.helpers.tp_models:SequenceData", {},
-                {"encoder.self_attn": "attention", "encoder.linear1": "colwise", "encoder.linear2": "rowwise",
-                 "head": {"style": "colwise", "gather_output": True}}),
+    "mlp": (
+        "tests.helpers.models:MLP",
+        "tests.helpers.models:RegressionData",
+        {"optimizer": "adam", "lr": 0.01},
+        str(REPO / "conf/plan/mlp.yaml"),
+    ),
+    "gpt": (
+        "tests.helpers.tp_models:SmallGPT",
+        "tests.helpers.tp_models:TokenData",
+        {},
+        str(REPO / "conf/plan/char_gpt.yaml"),
+    ),
+    "encoder": (
+        "tests.helpers.tp_models:EncoderRegressor",
+        "tests.helpers.tp_models:SequenceData",
+        {},
+        {
+            "encoder.self_attn": "attention",
+            "encoder.linear1": "colwise",
+            "encoder.linear2": "rowwise",
+            "head": {"style": "colwise", "gather_output": True},
+        },
+    ),
 }
 PLANS = ("written", "auto")
 SGD = {"optimizer": "sgd", "lr": 0.5}  # an update proportional to the gradient, unlike Adam's
@@ -33,36 +49,65 @@ def case(name, model, plan, dp=1, trainer=None, model_kwargs=None, **strategy_kw
     target, data, defaults, written = MODELS[model]
     model_kwargs = {**defaults, **(model_kwargs or {})}
     kwargs = {"plan": written if plan == "written" else "auto", "data_parallel_size": dp, **strategy_kwargs}
-    return {"name": name, "model": target, "data": data, "model_kwargs": model_kwargs, "dp_size": dp,
-            "data_kwargs": {"global_batch_size": 16}, "trainer": {**F64, **(trainer or {})},
-            "strategy": {"class": TP, "kwargs": kwargs}, "save_checkpoint": True}
+    return {
+        "name": name,
+        "model": target,
+        "data": data,
+        "model_kwargs": model_kwargs,
+        "dp_size": dp,
+        "data_kwargs": {"global_batch_size": 16},
+        "trainer": {**F64, **(trainer or {})},
+        "strategy": {"class": TP, "kwargs": kwargs},
+        "save_checkpoint": True,
+    }
 
 
 def reference(model, tmp, trainer=None, steps=None, model_kwargs=None):
     target, data, defaults, _ = MODELS[model]
     model_kwargs = {**defaults, **(model_kwargs or {})}
-    c = {"name": f"single-{model}-{steps}-{sorted((trainer or {}).items())}-{sorted(model_kwargs.items())}", "model": target, "data": data,
-         "model_kwargs": model_kwargs, "data_kwargs": {"global_batch_size": 16},
-         "trainer": {**F64, **(trainer or {}), **({"max_steps": steps} if steps is not None else {})}}
+    c = {
+        "name": f"single-{model}-{steps}-{sorted((trainer or {}).items())}-{sorted(model_kwargs.items())}",
+        "model": target,
+        "data": data,
+        "model_kwargs": model_kwargs,
+        "data_kwargs": {"global_batch_size": 16},
+        "trainer": {**F64, **(trainer or {}), **({"max_steps": steps} if steps is not None else {})},
+    }
     return run_single(c, tmp)
 
 
 CASES_2 = [case(f"{m}-{p}", m, p) for m in MODELS for p in PLANS] + [
     case("gpt-auto-clip", "gpt", "auto", trainer={"gradient_clip_val": 0.05}),
     case("mlp-written-verify", "mlp", "written", verify_plan=True),
-    {**case("mlp-auto-validate", "mlp", "auto", trainer={"limit_val_batches": 2}), "validate_after_fit": True},
+    {
+        **case("mlp-auto-validate", "mlp", "auto", trainer={"limit_val_batches": 2}),
+        "validate_after_fit": True,
+    },
     case("gpt-auto-bf16", "gpt", "auto", trainer={"precision": "bf16-mixed"}, model_kwargs=SGD),
 ]
 CASES_4 = [case(f"{m}-{p}-dp2", m, p, dp=2) for m in MODELS for p in PLANS] + [
-    case("gpt-auto-dp2-accumulate", "gpt", "auto", dp=2, trainer={"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}),
+    case(
+        "gpt-auto-dp2-accumulate",
+        "gpt",
+        "auto",
+        dp=2,
+        trainer={"accumulate_grad_batches": 2, "gradient_clip_val": 0.05},
+    ),
 ]
 
 
 def single_checkpoint(tmp):
     """A full checkpoint written by single-device training (5 AdamW steps: optimizer state included)."""
     target, data, model_kwargs, _ = MODELS["gpt"]
-    c = {"name": "single-gpt-save", "model": target, "data": data, "model_kwargs": model_kwargs,
-         "data_kwargs": {"global_batch_size": 16}, "trainer": F64, "save_checkpoint": True}
+    c = {
+        "name": "single-gpt-save",
+        "model": target,
+        "data": data,
+        "model_kwargs": model_kwargs,
+        "data_kwargs": {"global_batch_size": 16},
+        "trainer": F64,
+        "save_checkpoint": True,
+    }
     run_single(c, tmp)
     return tmp / "single" / "single-gpt-save" / "last.ckpt"
 
@@ -70,8 +115,15 @@ def single_checkpoint(tmp):
 def resumed_single(tmp, ckpt, name):
     """Single-device training resumed from ``ckpt`` up to step 10."""
     target, data, model_kwargs, _ = MODELS["gpt"]
-    c = {"name": name, "model": target, "data": data, "model_kwargs": model_kwargs, "ckpt_path": str(ckpt),
-         "data_kwargs": {"global_batch_size": 16}, "trainer": {**F64, "max_steps": 10}}
+    c = {
+        "name": name,
+        "model": target,
+        "data": data,
+        "model_kwargs": model_kwargs,
+        "ckpt_path": str(ckpt),
+        "data_kwargs": {"global_batch_size": 16},
+        "trainer": {**F64, "max_steps": 10},
+    }
     return run_single(c, tmp)
 
 
@@ -100,7 +152,9 @@ def _check(tmp, results, world, name, model, trainer=None):
     initial = reference(model, tmp, steps=0)
     assert max_param_diff(initial["state_dict"], ref["state_dict"]) > 1e-3  # training moved the parameters
     for rank in results[name]:  # every tensor-parallel rank saw the whole loss of the same batch
-        torch.testing.assert_close(torch.tensor(rank["losses"]), torch.tensor(ref["losses"]), atol=1e-6, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(rank["losses"]), torch.tensor(ref["losses"]), atol=1e-6, rtol=0
+        )
 
 
 @pytest.mark.timeout(600)
@@ -214,12 +268,19 @@ def test_tp2_checkpoint_loads_into_plain_module(tp2):
 @pytest.mark.timeout(300)
 def test_verify_plan_reports_the_largest_difference(tmp_path):
     """A plan that runs but computes something else (head count not divided) fails on the first batch."""
-    bad = {"model.blocks.*.attn.q": "colwise", "model.blocks.*.attn.k": "colwise", "model.blocks.*.attn.v": "colwise",
-           "model.blocks.*.attn.proj": "rowwise"}
+    bad = {
+        "model.blocks.*.attn.q": "colwise",
+        "model.blocks.*.attn.k": "colwise",
+        "model.blocks.*.attn.v": "colwise",
+        "model.blocks.*.attn.proj": "rowwise",
+    }
     c = case("gpt-bad-plan", "gpt", "written", verify_plan=True)
     c["strategy"]["kwargs"]["plan"] = bad
-    with pytest.raises(RuntimeError, match=r"verify_plan: the sharded 'model' differs from the unsharded one by "
-                                           r"\d\.\d+e[-+]\d+ on the first batch"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"verify_plan: the sharded 'model' differs from the unsharded one by "
+        r"\d\.\d+e[-+]\d+ on the first batch",
+    ):
         run_distributed([c], world_size=2, tmp_path=tmp_path, timeout=120)
 
 
@@ -229,17 +290,34 @@ def _fit_one_process(strategy):
 
     from tests.helpers.models import MLP, RegressionData
 
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(MLP(), datamodule=RegressionData())
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"tensor_parallel_size": 2}, r"TensorParallelStrategy\(data_parallel_size=1, tensor_parallel_size=2\) needs "
-                                  r"data_parallel_size x tensor_parallel_size processes, but the run has 1"),
-    ({"data_parallel_size": 2}, r"TensorParallelStrategy\(data_parallel_size=2, tensor_parallel_size=None\) needs "
-                                r"data_parallel_size x tensor_parallel_size processes, but the run has 1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"tensor_parallel_size": 2},
+            r"TensorParallelStrategy\(data_parallel_size=1, tensor_parallel_size=2\) needs "
+            r"data_parallel_size x tensor_parallel_size processes, but the run has 1",
+        ),
+        (
+            {"data_parallel_size": 2},
+            r"TensorParallelStrategy\(data_parallel_size=2, tensor_parallel_size=None\) needs "
+            r"data_parallel_size x tensor_parallel_size processes, but the run has 1",
+        ),
+    ],
+)
 def test_layout_that_does_not_fit_the_devices_fails_before_any_process_group(kwargs, message):
     from lightning_parallel import TensorParallelStrategy
 
@@ -248,13 +326,19 @@ def test_layout_that_does_not_fit_the_devices_fails_before_any_process_group(kwa
     assert not torch.distributed.is_initialized()
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"tensor_parallel_size": 0}, r"tensor_parallel_size must be a positive integer or None \(all devices\), got 0"),
-    ({"data_parallel_size": "2"}, r"data_parallel_size must be a positive integer, got '2'"),
-    ({"start_method": "spawn"}, r"start_method='spawn' is not supported by TensorParallelStrategy"),
-    ({"plan": "missing.yaml"}, r"plan file 'missing.yaml' does not exist"),
-    ({"plan": {"net.0": "diagonal"}}, r"unknown style 'diagonal'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"tensor_parallel_size": 0},
+            r"tensor_parallel_size must be a positive integer or None \(all devices\), got 0",
+        ),
+        ({"data_parallel_size": "2"}, r"data_parallel_size must be a positive integer, got '2'"),
+        ({"start_method": "spawn"}, r"start_method='spawn' is not supported by TensorParallelStrategy"),
+        ({"plan": "missing.yaml"}, r"plan file 'missing.yaml' does not exist"),
+        ({"plan": {"net.0": "diagonal"}}, r"unknown style 'diagonal'"),
+    ],
+)
 def test_bad_arguments_fail_at_construction(kwargs, message):
     from lightning_parallel import TensorParallelStrategy
 
@@ -272,8 +356,9 @@ def test_registered_name():
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("world, name", [(2, "gpt-auto"), (2, "encoder-written"), (4, "gpt-auto-dp2"),
-                                         (4, "mlp-written-dp2")])
+@pytest.mark.parametrize(
+    "world, name", [(2, "gpt-auto"), (2, "encoder-written"), (4, "gpt-auto-dp2"), (4, "mlp-written-dp2")]
+)
 def test_logged_loss_equals_single_device(tp2, tp4, world, name):
     """``self.log(sync_dist=True)`` gives the single-device value on every rank (a mean over the
     data-parallel group; note that a mean would also hide tensor-parallel peers counted twice)."""
@@ -288,6 +373,9 @@ def test_logged_loss_equals_single_device(tp2, tp4, world, name):
 def test_tensor_parallel_size_one_is_plain_training(tmp_path):
     c = case("gpt-tp1", "gpt", "auto")
     result = run_distributed([c], world_size=1, tmp_path=tmp_path, timeout=120)
-    assert_params_close(torch.load(tmp_path / "dist1" / "gpt-tp1" / "last.ckpt", weights_only=False)["state_dict"],
-                        reference("gpt", tmp_path)["state_dict"], atol=1e-10)
+    assert_params_close(
+        torch.load(tmp_path / "dist1" / "gpt-tp1" / "last.ckpt", weights_only=False)["state_dict"],
+        reference("gpt", tmp_path)["state_dict"],
+        atol=1e-10,
+    )
     assert result["gpt-tp1"][0]["losses"]

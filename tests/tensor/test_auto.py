@@ -14,10 +14,18 @@ def test_gpt_attention_mlp_and_embeddings():
     resolved = resolve(SmallGPT(), "auto", 2)
     styles = resolved.styles()
     for b in range(2):
-        assert [styles[f"model.blocks.{b}.attn.{n}"] for n in ("q", "k", "v", "proj")] == ["colwise"] * 3 + ["rowwise"]
-        assert (styles[f"model.blocks.{b}.mlp.fc"], styles[f"model.blocks.{b}.mlp.proj"]) == ("colwise", "rowwise")
+        assert [styles[f"model.blocks.{b}.attn.{n}"] for n in ("q", "k", "v", "proj")] == ["colwise"] * 3 + [
+            "rowwise"
+        ]
+        assert (styles[f"model.blocks.{b}.mlp.fc"], styles[f"model.blocks.{b}.mlp.proj"]) == (
+            "colwise",
+            "rowwise",
+        )
     assert styles["model.tok_emb"] == styles["model.pos_emb"] == "vocab"
-    assert [(o, a) for o, a, _ in resolved.attributes] == [("model.blocks.0.attn", "n_head"), ("model.blocks.1.attn", "n_head")]
+    assert [(o, a) for o, a, _ in resolved.attributes] == [
+        ("model.blocks.0.attn", "n_head"),
+        ("model.blocks.1.attn", "n_head"),
+    ]
     assert dict(resolved.report) == {"model.head": "no row-parallel partner found (replicated)"}
 
 
@@ -29,7 +37,11 @@ def test_sequential_pairs_and_leftovers():
 
 def test_transformer_encoder_layer():
     styles = resolve(EncoderRegressor(), "auto", 2).styles()
-    assert styles == {"encoder.self_attn": "attention", "encoder.linear1": "colwise", "encoder.linear2": "rowwise"}
+    assert styles == {
+        "encoder.self_attn": "attention",
+        "encoder.linear1": "colwise",
+        "encoder.linear2": "rowwise",
+    }
 
 
 def test_what_cannot_be_split_stays_replicated_and_is_reported():

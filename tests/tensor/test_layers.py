@@ -13,13 +13,12 @@ from lightning_parallel.tensor.layers import (
     ColumnParallelLinear,
     ParallelMultiheadAttention,
     RowParallelLinear,
-    SharedEntry,
     ShardSpec,
+    SharedEntry,
     VocabParallelEmbedding,
     full_tensor,
     shard_tensor,
 )
-
 
 
 @pytest.fixture(autouse=True)
@@ -120,7 +119,9 @@ def test_transformer_encoder_layer_keeps_off_the_fused_path_in_eval(monkeypatch)
     x = torch.randn(2, 4, 8)
     fused = []
     original = torch._transformer_encoder_layer_fwd
-    monkeypatch.setattr(torch, "_transformer_encoder_layer_fwd", lambda *a, **k: fused.append(1) or original(*a, **k))
+    monkeypatch.setattr(
+        torch, "_transformer_encoder_layer_fwd", lambda *a, **k: fused.append(1) or original(*a, **k)
+    )
     with torch.no_grad():
         expected = layer(x)
         assert fused, "the plain layer should take the fused path here (else this test proves nothing)"

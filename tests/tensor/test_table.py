@@ -13,8 +13,15 @@ from tests.helpers.models import MLP
 from tests.helpers.tp_models import EncoderRegressor, SmallGPT
 
 
-@pytest.mark.parametrize("make, plan", [(SmallGPT, "auto"), (SmallGPT, REPO / "conf/plan/char_gpt.yaml"),
-                                        (EncoderRegressor, "auto"), (MLP, REPO / "conf/plan/mlp.yaml")])
+@pytest.mark.parametrize(
+    "make, plan",
+    [
+        (SmallGPT, "auto"),
+        (SmallGPT, REPO / "conf/plan/char_gpt.yaml"),
+        (EncoderRegressor, "auto"),
+        (MLP, REPO / "conf/plan/mlp.yaml"),
+    ],
+)
 @pytest.mark.parametrize("tp", [2, 4])
 def test_params_per_rank_equal_what_each_rank_holds(make, plan, tp):
     module = make()
