@@ -62,7 +62,7 @@ def case(name, model, plan, dp=1, trainer=None, model_kwargs=None, **strategy_kw
     }
 
 
-def reference(model, tmp, trainer=None, steps=None, model_kwargs=None):
+def reference(model, tmp, trainer=None, steps=None, model_kwargs=None, save=False):
     target, data, defaults, _ = MODELS[model]
     model_kwargs = {**defaults, **(model_kwargs or {})}
     c = {
@@ -72,8 +72,12 @@ def reference(model, tmp, trainer=None, steps=None, model_kwargs=None):
         "model_kwargs": model_kwargs,
         "data_kwargs": {"global_batch_size": 16},
         "trainer": {**F64, **(trainer or {}), **({"max_steps": steps} if steps is not None else {})},
+        "save_checkpoint": save,
     }
-    return run_single(c, tmp)
+    result = run_single(c, tmp)
+    if save:
+        result["checkpoint"] = torch.load(tmp / "single" / c["name"] / "last.ckpt", weights_only=False)
+    return result
 
 
 CASES_2 = [case(f"{m}-{p}", m, p) for m in MODELS for p in PLANS] + [
@@ -145,10 +149,22 @@ def _checkpoint(tmp, world, name):
     return torch.load(tmp / f"dist{world}" / name / "last.ckpt", weights_only=False)["state_dict"]
 
 
+def _check_local_tensors(full, ranks):
+    """Every rank's own tensors: replicated ones equal the full tensor (no rank drifted), sharded ones are
+    smaller than it (parameters are really split)."""
+    for rank in ranks:
+        for key, local in rank["state_dict"].items():
+            if local.shape == full[key].shape:
+                assert max_param_diff({key: local}, {key: full[key]}) <= 1e-12, key
+            else:
+                assert local.numel() < full[key].numel(), key
+
+
 def _check(tmp, results, world, name, model, trainer=None):
     ref = reference(model, tmp, trainer)
     full = _checkpoint(tmp, world, name)
     assert_params_close(full, ref["state_dict"], atol=1e-10)
+    _check_local_tensors(full, results[name])
     initial = reference(model, tmp, steps=0)
     assert max_param_diff(initial["state_dict"], ref["state_dict"]) > 1e-3  # training moved the parameters
     for rank in results[name]:  # every tensor-parallel rank saw the whole loss of the same batch
@@ -173,6 +189,7 @@ def test_dp2_tp2_matches_single_device(tp4, model, plan):
     ref = reference(model, tmp)
     full = _checkpoint(tmp, 4, f"{model}-{plan}-dp2")
     assert_params_close(full, ref["state_dict"], atol=1e-10)
+    _check_local_tensors(full, results[f"{model}-{plan}-dp2"])
     # each dp replica saw half the global batch: the mean of the replicas' losses is the global loss
     ranks = results[f"{model}-{plan}-dp2"]
     mean = torch.tensor([ranks[0]["losses"], ranks[2]["losses"]], dtype=torch.float64).mean(0)
@@ -379,3 +396,19 @@ def test_tensor_parallel_size_one_is_plain_training(tmp_path):
         atol=1e-10,
     )
     assert result["gpt-tp1"][0]["losses"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", [f"{m}-{p}" for m in MODELS for p in PLANS])
+def test_checkpoint_optimizer_state_is_full(tp2, name):
+    """Adam's moments / SGD's momentum of sharded parameters are gathered too (MHA's packed q/k/v
+    included): the tp=2 checkpoint's optimizer state equals the single-device one."""
+    tmp, _ = tp2
+    ours = torch.load(tmp / "dist2" / name / "last.ckpt", weights_only=False)["optimizer_states"][0]["state"]
+    single = reference(name.split("-")[0], tmp, save=True)["checkpoint"]["optimizer_states"][0]["state"]
+    assert ours.keys() == single.keys()
+    for index, state in single.items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                assert ours[index][key].shape == value.shape, (index, key)
+                assert (ours[index][key] - value).abs().max() <= 1e-10, (index, key)
