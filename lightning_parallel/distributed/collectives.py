@@ -32,6 +32,7 @@ __all__ = [
     "all_gather_list",
     "group_size",
     "clip_grad_norm_sharded",
+    "share_found_inf",
     "group_rank",
     "COUNTS",
 ]
@@ -179,3 +180,22 @@ def clip_grad_norm_sharded(
     for g in grads:
         g.detach().mul_(scale.to(g.dtype))
     return total
+
+
+def share_found_inf(scaler: Any, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Make a ``torch.amp.GradScaler`` skip a step on every rank of ``group`` when any rank saw inf/NaN.
+
+    With parameters split over ranks, an overflow can show up in one rank's shard only; a scaler that
+    decides per rank would then step on some ranks and not others, and the shards would stop belonging
+    to one model. Wraps ``unscale_`` of this scaler instance (``step`` calls it too): after unscaling,
+    the found-inf flags are max-reduced over ``group``."""
+    original = scaler.unscale_
+
+    def unscale_(optimizer: Any) -> None:
+        original(optimizer)
+        for found in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+            if group_size(group) > 1:
+                COUNTS["all_reduce"] += 1
+                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+
+    scaler.unscale_ = unscale_

@@ -23,7 +23,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_parallel.distributed.collectives import clip_grad_norm_sharded
+from lightning_parallel.distributed.collectives import clip_grad_norm_sharded, share_found_inf
 from lightning_parallel.distributed.mesh import MeshShape
 from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.state import broadcast_module_states
@@ -170,6 +170,8 @@ class TensorParallelStrategy(ParallelStrategyBase):
         if dp > 1:
             self.reducer = GradientReducer(list(module.named_parameters()), group=self.dp_group)
         self._install_global_norm_clipping()
+        if getattr(self.precision_plugin, "scaler", None) is not None:  # fp16: all ranks skip a step together
+            share_found_inf(self.precision_plugin.scaler, group=None)
 
     def _install_global_norm_clipping(self) -> None:
         """Lightning's precision plugin clips by the local norm; with split parameters that differs per

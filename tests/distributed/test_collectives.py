@@ -24,6 +24,7 @@ def rank_program(out: Path) -> None:
         copy_to_group,
         gather_from_group,
         reduce_from_group,
+        share_found_inf,
         split_to_group,
     )
 
@@ -70,6 +71,17 @@ def rank_program(out: Path) -> None:
     check(total, expected)
     check(shard.grad, full_w.chunk(2)[rank] / (expected + 1e-6))
     check(b.grad, bias / (expected + 1e-6))
+    # fp16 loss scaling: an overflow in one rank's shard makes every rank skip the step
+    scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
+    share_found_inf(scaler, None)
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scale = torch.tensor([1.0, float("inf") if rank == 1 else 2.0])
+    scaler.scale((p * scale).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    check(p.detach(), torch.ones(2))  # skipped on rank 0 too, though its gradient was finite
+    assert scaler.get_scale() == 8.0
     (out / f"ok{rank}").write_text("ok")
     dist.destroy_process_group()
 
