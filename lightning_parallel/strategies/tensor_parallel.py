@@ -92,12 +92,13 @@ class TensorParallelStrategy(ParallelStrategyBase):
                 f"start_method={kwargs['start_method']!r} is not supported by TensorParallelStrategy: "
                 "Lightning's spawn launcher hands rank 0's (sharded) weights back; use 'popen' (default)"
             )
-        if not (isinstance(plan, str) and plan == "auto"):
-            parse_plan(plan)  # malformed plans and missing files fail here, before any process starts
+        # malformed plans and missing files fail here, before any process starts (and are read once)
+        parsed = plan if isinstance(plan, str) and plan == "auto" else parse_plan(plan)
         super().__init__(**kwargs)
         self.tensor_parallel_size = tensor_parallel_size
         self.data_parallel_size = data_parallel_size
         self.plan = plan
+        self._plan = parsed
         self.verify_plan = verify_plan
         self.resolved: Optional[ResolvedPlan] = None
         self._entries: list[SharedEntry] = []
@@ -161,7 +162,7 @@ class TensorParallelStrategy(ParallelStrategyBase):
             broadcast_module_states(
                 module, src=0, group=None
             )  # every rank cuts its slice of the same weights
-            self.resolved = resolve(module, self.plan, tp)
+            self.resolved = resolve(module, self._plan, tp)
             if self.verify_plan:
                 self._keep_reference(module)
             self._entries = apply_plan(module, self.resolved, self.tp_group, self.mesh.tp_rank)

@@ -241,3 +241,10 @@ def test_tied_weights_are_not_sharded():
     resolved = resolve(gpt, "auto", 2)
     assert "model.tok_emb" not in resolved.styles()
     assert dict(resolved.report)["model.tok_emb"] == "holds a tied weight (shared with another layer)"
+
+
+def test_hydra_node_parses_like_the_file():
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.create({"plan": OmegaConf.load(GPT_PLAN)}).plan
+    assert parse_plan(node) == parse_plan(GPT_PLAN)
