@@ -1,6 +1,6 @@
 """lightning_parallel's tensor parallelism vs torch DTensor ``parallelize_module`` on the same GPT.
 
-    python benchmarks/bench_tensor_parallel.py [--steps 20] [--rounds 5] [--n-embd 128] [--n-layer 2]
+    python benchmarks/bench_tensor_parallel.py [--steps 20] [--rounds 5] [--n-embd 128] [--n-layer 2] [--trainer]
 
 Two CPU processes over gloo (one thread each). Both sides get the same model (the package's GPT, float32,
 same seed) and the same plan: q/k/v and mlp.fc column-parallel, attention and MLP projections
@@ -9,7 +9,12 @@ steps (forward, cross-entropy, backward, SGD step) of ours, then of DTensor, so 
 hit both alike. Prints each side's median step time on rank 0, their ratio (DTensor / ours; > 1 means
 ours is faster), and the collectives of one step counted at the dispatcher next to the
 Megatron count (2 all-reduces forward and 2 backward per transformer block). It also checks that both
-sides compute the same loss.
+sides compute the same first-step loss.
+
+With ``--trainer`` the comparison runs one level up, as a user would: ``Trainer.fit`` of ``CharGPT``
+with ``TensorParallelStrategy`` against Lightning's ``ModelParallelStrategy`` applying the same
+``parallelize_module`` plan in ``configure_model`` (step time from batch start to batch end, each side
+fitted ``--rounds`` times, alternating).
 """
 
 from __future__ import annotations
@@ -159,6 +164,102 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     dist.destroy_process_group()
 
 
+def trainer_worker(rank: int, args: argparse.Namespace, port: int) -> None:
+    """The same comparison one level up, as a user would run it: ``Trainer.fit`` of ``CharGPT`` with
+    ``TensorParallelStrategy`` vs Lightning's ``ModelParallelStrategy`` with ``parallelize_module`` in
+    ``configure_model``. Step time = ``on_train_batch_start`` to ``on_train_batch_end``."""
+    from lightning.pytorch import Callback, Trainer
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_parallel import TensorParallelStrategy
+    from lightning_parallel.models.gpt import CharGPT
+
+    torch.set_num_threads(1)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE="2",
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+    )
+    hp = dict(
+        vocab_size=128,
+        block_size=args.seq,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        optimizer="sgd",
+        lr=1e-3,
+    )
+
+    class DTensorCharGPT(CharGPT):
+        def configure_model(self) -> None:
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+            parallelize_module(
+                self.model,
+                self.device_mesh["tensor_parallel"],
+                {k: styles[v]() for k, v in PLAN.items() if v in styles},
+            )
+            for block in self.model.blocks:
+                block.attn.n_head //= 2
+
+    class Timer(Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_train_batch_start(self, *a: object) -> None:
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, *a: object) -> None:
+            self.times.append(time.perf_counter() - self.start)
+
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 128, (args.batch * (args.steps + 3), args.seq + 1), generator=g)
+    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=args.batch)
+    sides = {
+        "lightning_parallel": (
+            CharGPT,
+            lambda: TensorParallelStrategy(plan={f"model.{k}": v for k, v in PLAN.items()}),
+        ),
+        "Lightning ModelParallel (DTensor)": (
+            DTensorCharGPT,
+            lambda: ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2),
+        ),
+    }
+    times: dict[str, list[float]] = {k: [] for k in sides}
+    for _ in range(args.rounds):
+        for name, (cls, strategy) in sides.items():
+            torch.manual_seed(0)
+            timer = Timer()
+            trainer = Trainer(
+                accelerator="cpu",
+                devices=2,
+                strategy=strategy(),
+                max_steps=args.steps + 2,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                callbacks=[timer],
+            )
+            trainer.fit(cls(**hp), train_dataloaders=loader)
+            times[name] += timer.times[2:]  # the first steps warm up
+    if rank == 0:
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        print(
+            f"Trainer.fit of CharGPT n_layer={args.n_layer} n_embd={args.n_embd} batch={args.batch} seq={args.seq}, "
+            f"tp=2 on 2 CPU processes, {args.rounds} fits x {args.steps} timed steps per side"
+        )
+        for k, v in med.items():
+            print(f"  {k:<34} median step {v:8.2f} ms")
+        ours_ms, theirs = med["lightning_parallel"], med["Lightning ModelParallel (DTensor)"]
+        print(f"ratio DTensor / ours = {theirs / ours_ms:.2f} (> 1: ours faster)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -168,11 +269,16 @@ def main() -> None:
     parser.add_argument("--n-head", type=int, default=4)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument(
+        "--trainer",
+        action="store_true",
+        help="compare inside Trainer.fit: lp_tensor_parallel vs Lightning's ModelParallelStrategy",
+    )
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(args, port), nprocs=2, join=True)
+    mp.spawn(trainer_worker if args.trainer else worker, args=(args, port), nprocs=2, join=True)
 
 
 if __name__ == "__main__":
