@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_parallel.models.gpt import CharGPT
 
-__all__ = ["TokenData", "SmallGPT", "SequenceData", "EncoderRegressor"]
+__all__ = ["TokenData", "SmallGPT", "SequenceData", "EncoderRegressor", "TransformerRegressor"]
 
 
 class TokenData(LightningDataModule):
@@ -101,3 +101,26 @@ class EncoderRegressor(LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+
+
+class TransformerRegressor(EncoderRegressor):
+    """A whole ``nn.Transformer`` (encoder and decoder stacks, so cross-attention too)."""
+
+    def __init__(
+        self, d_model: int = 16, nhead: int = 4, dim_feedforward: int = 32, out_dim: int = 2, lr: float = 0.05
+    ):
+        super().__init__(d_model, nhead, dim_feedforward, out_dim, lr)
+        del self.encoder
+        self.transformer = nn.Transformer(
+            d_model,
+            nhead,
+            num_encoder_layers=1,
+            num_decoder_layers=1,
+            dim_feedforward=dim_feedforward,
+            dropout=0.0,
+            batch_first=True,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tgt = x[:, -2:]
+        return self.head(self.transformer(x, tgt).mean(1))

@@ -40,6 +40,17 @@ MODELS = {
             "head": {"style": "colwise", "gather_output": True},
         },
     ),
+    "transformer": (
+        "tests.helpers.tp_models:TransformerRegressor",
+        "tests.helpers.tp_models:SequenceData",
+        {},
+        {
+            "transformer.*.layers.*.self_attn": "attention",
+            "transformer.decoder.layers.*.multihead_attn": "attention",
+            "transformer.*.layers.*.linear1": "colwise",
+            "transformer.*.layers.*.linear2": "rowwise",
+        },
+    ),
 }
 PLANS = ("written", "auto")
 SGD = {"optimizer": "sgd", "lr": 0.5}  # an update proportional to the gradient, unlike Adam's
