@@ -4,7 +4,8 @@ printed before any process exists (``python -m lightning_parallel.plan``).
 
 Communication is per call of the module in one forward+backward, in elements per token (the batch and
 sequence sizes multiply it). Column-parallel layers that share a parent share one backward all-reduce of
-their input (q, k and v), as the layers do at run time.
+their input (q, k and v), as the layers do at run time. Attention is counted as self-attention: used
+for cross-attention it adds one backward all-reduce (for the gradient of the keys' and values' source).
 """
 
 from __future__ import annotations
