@@ -109,3 +109,18 @@ class ManualOptimizationMLP(MLP):
         self.manual_backward(loss)
         opt.step()
         return loss.detach()
+
+
+class CountingMLP(MLP):
+    """Counts training samples with a torchmetrics SumMetric: replicas that hold the same batch (model
+    parallel peers) must not be counted twice when the metric syncs."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        import torchmetrics
+
+        self.seen = torchmetrics.SumMetric()
+
+    def training_step(self, batch, batch_idx):
+        self.seen.update(torch.tensor(float(len(batch[0]))))
+        return super().training_step(batch, batch_idx)

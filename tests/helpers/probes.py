@@ -10,3 +10,8 @@ def reducer_stats(trainer) -> dict:
         for b in reducer.buckets for p in b.params
     )
     return {**asdict(reducer.stats), "bucket_names": reducer.bucket_names(), "grads_are_bucket_views": views}
+
+
+def samples_seen(trainer) -> float:
+    """The synced value of CountingMLP's metric (a collective: every rank calls it)."""
+    return float(trainer.lightning_module.seen.compute())
