@@ -9,11 +9,12 @@ from lightning_parallel.strategies import (
     DataParallelStrategy,
     DDPStrategy,
     ParallelStrategyBase,
+    PipelineParallelStrategy,
     TensorParallelStrategy,
 )
 
 __version__ = "0.1.0"
-__all__ = ["DDPStrategy", "DataParallelStrategy", "ParallelStrategyBase", "STRATEGY_NAMES", "TensorParallelStrategy",
+__all__ = ["DDPStrategy", "DataParallelStrategy", "ParallelStrategyBase", "PipelineParallelStrategy", "STRATEGY_NAMES", "TensorParallelStrategy",
            "__version__"]
 
 register_strategies()

@@ -27,6 +27,8 @@ STRATEGY_NAMES: dict[str, tuple[str, dict[str, Any], str]] = {
         {},
         "Megatron-style tensor parallelism (plan='auto'), optionally 2-D with data parallelism",
     ),
+    "lp_pipeline_gpipe": ("PipelineParallelStrategy", {"schedule": "gpipe"}, "pipeline parallel, GPipe fill-drain"),
+    "lp_pipeline_1f1b": ("PipelineParallelStrategy", {"schedule": "1f1b"}, "pipeline parallel, 1F1B with a flush"),
 }
 
 

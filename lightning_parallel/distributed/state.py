@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["broadcast_tensors", "broadcast_module_states", "global_rank"]
+__all__ = ["broadcast_tensors", "broadcast_module_states", "global_rank", "all_reduce_gradients"]
 
 
 def global_rank(group: Optional[dist.ProcessGroup], group_rank: int) -> int:
@@ -44,3 +44,28 @@ def broadcast_module_states(
     tensors += [b for b in module.buffers()]
     if tensors:
         broadcast_tensors(tensors, src=src, group=group)
+
+
+def all_reduce_gradients(params: Iterable[nn.Parameter], group: Optional[dist.ProcessGroup], average: bool) -> None:
+    """Sum (or average) ``.grad`` over ``group``, one collective per dtype. A parameter without a
+    gradient takes part with zeros, and gets one if any rank had it."""
+    params = [p for p in params if p.requires_grad]
+    by_kind: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = defaultdict(list)
+    for p in params:
+        by_kind[(p.dtype, p.device)].append(p)
+    size = dist.get_world_size(group)
+    for same in by_kind.values():
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in same]
+                         + [torch.tensor([float(p.grad is not None) for p in same], dtype=same[0].dtype, device=same[0].device)])
+        dist.all_reduce(flat, group=group)
+        if average:
+            flat[: flat.numel() - len(same)].div_(size)
+        offset, n = 0, flat.numel() - len(same)
+        for i, p in enumerate(same):
+            if flat[n + i] > 0:
+                value = flat[offset : offset + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = value.clone()
+                else:
+                    p.grad.copy_(value)
+            offset += p.numel()

@@ -29,11 +29,13 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
 import lightning.pytorch as pl
 from lightning_parallel.distributed.mesh import Mesh, MeshShape, build_mesh
 from lightning_parallel.distributed.reducer import GradientReducer
+from lightning_parallel.distributed.state import broadcast_module_states
 from lightning_parallel.distributed.sync_batchnorm import SyncBatchNormPlugin
 from lightning_parallel.distributed.watchdog import FailureWatchdog
 
@@ -116,11 +118,30 @@ class ParallelStrategyBase(_LightningDDPStrategy):
         return {"num_replicas": shape.dp, "rank": dp_rank}
 
     # ----------------------------------------------------------------- Lightning hooks
+    #: evaluation without a previous fit also splits the model (pipelines must: they run stage by stage)
+    evaluates_split = False
+
+    def model_is_split(self) -> bool:
+        """True when ranks hold different parts of the model (shards, stages)."""
+        return False
+
     def setup(self, trainer: "pl.Trainer") -> None:
         if self._layer_sync is not None and not isinstance(self._layer_sync, SyncBatchNormPlugin):
             # Trainer(sync_batchnorm=True): torch's SyncBatchNorm refuses CPU and syncs over WORLD
             self._layer_sync = SyncBatchNormPlugin(self.dp_group)
-        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            return super().setup(trainer)
+        # validate/test/predict: Lightning's DDPStrategy would broadcast rank 0's tensors to every rank,
+        # which would overwrite the other ranks' shards or stages. Keep each rank's part.
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if not self.model_is_split():
+            if self.evaluates_split:
+                self.configure_parallelism()
+            else:
+                broadcast_module_states(self.lightning_module)
+        self.setup_precision_plugin()
 
     def configure_ddp(self) -> None:
         """Called by Lightning's ``DDPStrategy.setup`` while fitting: install our parallelism instead."""

@@ -131,15 +131,8 @@ class TensorParallelStrategy(ParallelStrategyBase):
         return self.mesh.group("tp") if self.mesh is not None else None
 
     # ----------------------------------------------------------------- set-up
-    def setup(self, trainer: "pl.Trainer") -> None:
-        if trainer.state.fn == TrainerFn.FITTING or not self._is_sharded():
-            return super().setup(trainer)
-        # validate/test/predict on a module sharded by an earlier fit: Lightning's DDPStrategy would
-        # broadcast rank 0's tensors here, overwriting the other ranks' shards. Keep them.
-        self.accelerator.setup(trainer)
-        self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        self.setup_precision_plugin()
+    def model_is_split(self) -> bool:
+        return self._is_sharded()
 
     def _is_sharded(self) -> bool:
         return self.lightning_module is not None and bool(sharded_parameters(self.lightning_module))

@@ -1,0 +1,142 @@
+"""Runs one stage's list of actions (from ``schedules.py``) with point-to-point communication.
+
+``F i``: take micro-batch i's activation from the previous stage (unless first), run the user's step
+function on micro-batch i (``StageOutput`` ends it on all but the last stage), send the result on.
+``B i``: on the last stage, backward of the weighted micro-batch loss; elsewhere, backward of the
+stage's output with the gradient received from the next stage; then send the input's gradient back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from lightning_parallel.distributed.p2p import PeerLink
+from lightning_parallel.pipeline.partition import StageInput, StageOutput
+from lightning_parallel.pipeline.schedules import Action
+from lightning_parallel.pipeline.timeline import Timeline
+
+__all__ = ["split_microbatches", "batch_size", "StageExecutor", "StepResult"]
+
+
+def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
+    """Split every tensor of ``batch`` (nested tuples/lists/dicts) along dim 0 into ``num_microbatches``
+    parts (sizes differ by at most one when the batch does not divide evenly)."""
+    size = batch_size(batch)
+    if size is None:
+        raise ValueError("the batch holds no tensor to split into micro-batches")
+    if size < num_microbatches:
+        raise ValueError(f"a batch of {size} samples cannot be split into num_microbatches={num_microbatches}; "
+                         f"use num_microbatches <= {size} or a larger batch.")
+
+    def part(x: Any, i: int) -> Any:
+        if isinstance(x, Tensor) and x.dim() > 0:
+            return torch.tensor_split(x, num_microbatches)[i]
+        if isinstance(x, (list, tuple)):
+            parts = [part(v, i) for v in x]
+            return type(x)(*parts) if hasattr(x, "_fields") else type(x)(parts)
+        if isinstance(x, dict):
+            return {k: part(v, i) for k, v in x.items()}
+        return x
+
+    return [part(batch, i) for i in range(num_microbatches)]
+
+
+def batch_size(batch: Any) -> Optional[int]:
+    """Length along dim 0 of the first tensor found in ``batch`` (None if it holds none)."""
+    if isinstance(batch, Tensor) and batch.dim() > 0:
+        return batch.shape[0]
+    values = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else []
+    for v in values:
+        size = batch_size(v)
+        if size is not None:
+            return size
+    return None
+
+
+def loss_of(output: Any) -> Tensor:
+    """The loss in what ``training_step`` returned (a tensor, or a dict with ``"loss"``)."""
+    loss = output["loss"] if isinstance(output, dict) else output
+    if not isinstance(loss, Tensor):
+        raise RuntimeError(f"training_step must return a loss tensor (or a dict with 'loss') under pipeline "
+                           f"parallelism, got {type(output).__name__}")
+    return loss
+
+
+@dataclass
+class StepResult:
+    losses: list[Tensor] = field(default_factory=list)  # last stage: each micro-batch's (unweighted) loss
+    outputs: list[Any] = field(default_factory=list)  # last stage: what the step function returned
+
+
+class StageExecutor:
+    """The communication and autograd bookkeeping of one stage; knows nothing of Lightning."""
+
+    def __init__(self, stage: int, num_stages: int, prev_rank: Optional[int], next_rank: Optional[int],
+                 link: PeerLink, io: StageInput, timeline: Timeline) -> None:
+        self.stage, self.num_stages = stage, num_stages
+        self.prev_rank, self.next_rank = prev_rank, next_rank
+        self.link, self.io, self.timeline = link, io, timeline
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    def forward(self, step_fn: Callable[[Any], Any], microbatch: Any, index: int) -> tuple[Any, Optional[Tensor]]:
+        """Run one forward; returns (what this stage produced, the input leaf it used)."""
+        if not self.is_first:
+            with self.timeline.record("wait", index):
+                self.io.pending = self.link.recv(self.prev_rank)
+        with self.timeline.record("F", index):
+            try:
+                produced = step_fn(microbatch)
+            except StageOutput as end:
+                produced = end.tensor
+        used, self.io.used = self.io.used, None
+        if not self.is_last:
+            if not isinstance(produced, Tensor):
+                raise RuntimeError("a pipeline stage must pass one tensor to the next block")
+            self.link.send(produced, self.next_rank)
+        return produced, used
+
+    def run(self, actions: Sequence[Action], microbatches: Sequence[Any], step_fn: Callable[[Any], Any],
+            weights: Sequence[float], backward: bool = True) -> StepResult:
+        result = StepResult()
+        produced: dict[int, Any] = {}
+        inputs: dict[int, Optional[Tensor]] = {}
+        for action in actions:
+            i = action.microbatch
+            if action.kind == "F":
+                produced[i], inputs[i] = self.forward(step_fn, microbatches[i], i)
+                if self.is_last:
+                    result.outputs.append(produced[i])
+                    if backward:
+                        produced[i] = loss_of(produced[i])
+                        result.losses.append(produced[i].detach())
+                if not backward:
+                    produced.pop(i), inputs.pop(i)
+            elif backward:
+                self._backward(produced.pop(i), inputs.pop(i), weights[i], i)
+        self.link.wait_sends()
+        return result
+
+    def _backward(self, output: Any, used_input: Optional[Tensor], weight: float, index: int) -> None:
+        if self.is_last:
+            with self.timeline.record("B", index):
+                (output * weight).backward()
+        else:
+            with self.timeline.record("wait", index):
+                grad = self.link.recv(self.next_rank)
+            with self.timeline.record("B", index):
+                torch.autograd.backward(output, grad)
+        if not self.is_first:
+            if used_input is None or used_input.grad is None:
+                raise RuntimeError(f"stage {self.stage}: the activation received for micro-batch {index} got no gradient")
+            self.link.send(used_input.grad, self.prev_rank)

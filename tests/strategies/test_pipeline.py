@@ -1,0 +1,114 @@
+"""lp_pipeline_gpipe / lp_pipeline_1f1b on 2 (pp=2) and 4 (dp=2 x pp=2) real processes equal
+single-device training: float64, 5 steps, full gathered checkpoint vs single device to 1e-10."""
+
+import pytest
+import torch
+
+from tests.helpers.harness import assert_params_close, max_param_diff, run_distributed, run_single
+
+PP = "lightning_parallel:PipelineParallelStrategy"
+GPT = ("tests.helpers.tp_models:SmallGPT", "tests.helpers.tp_models:TokenData", {"n_layer": 4})
+SEQ = ("tests.helpers.pp_models:SequentialNet", "tests.helpers.models:RegressionData", {})
+MODELS = {"gpt": GPT, "seq": SEQ}
+
+
+def case(name, model, dp=1, trainer=None, model_kwargs=None, validate_after_fit=False, **kwargs):
+    target, data, defaults = MODELS[model]
+    return {"name": name, "validate_after_fit": validate_after_fit, "model": target, "data": data, "dp_size": dp,
+            "model_kwargs": {**defaults, **(model_kwargs or {})}, "data_kwargs": {"global_batch_size": 16},
+            "trainer": {"precision": "64-true", "max_steps": 5, **(trainer or {})},
+            "strategy": {"class": PP, "kwargs": {"data_parallel_size": dp, **kwargs}}, "save_checkpoint": True}
+
+
+SGD = {"optimizer": "sgd", "lr": 0.5}
+CASES_2 = [
+    case(f"{model}-{schedule}-m{m}", model, schedule=schedule, num_microbatches=m)
+    for model in MODELS for schedule in ("gpipe", "1f1b") for m in (4, 8)
+] + [
+    case("gpt-1f1b-accumulate", "gpt", schedule="1f1b", trainer={"accumulate_grad_batches": 2}),
+    case("gpt-gpipe-clip", "gpt", schedule="gpipe", trainer={"gradient_clip_val": 0.05}, model_kwargs=SGD),
+    case("gpt-split", "gpt", schedule="1f1b", split_points=["model.blocks.1"]),
+    case("seq-uneven", "seq", schedule="gpipe", num_microbatches=3),
+    case("seq-validate", "seq", schedule="1f1b", trainer={"limit_val_batches": 2}, validate_after_fit=True),
+]
+CASES_4 = [
+    case("gpt-dp2-1f1b", "gpt", dp=2, schedule="1f1b"),
+    case("seq-dp2-gpipe-accumulate-clip", "seq", dp=2, schedule="gpipe", model_kwargs=SGD,
+         trainer={"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}),
+    case("seq-pp4", "seq", schedule="gpipe", pipeline_parallel_size=4, data_parallel_size=1, model_kwargs={"depth": 4}),
+]
+CASES_4[-1]["dp_size"] = 1
+
+
+@pytest.fixture(scope="module")
+def pp2(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pp2")
+    return tmp, run_distributed(CASES_2, world_size=2, tmp_path=tmp, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def pp4(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pp4")
+    return tmp, run_distributed(CASES_4, world_size=4, tmp_path=tmp, timeout=400)
+
+
+def reference(c, tmp, **trainer):
+    ref = {**c, "name": "ref-" + c["name"] + str(trainer), "strategy": "auto", "dp_size": 1, "save_checkpoint": False,
+           "trainer": {**c["trainer"], **trainer}}
+    return run_single(ref, tmp)
+
+
+def check(tmp, results, world, c):
+    ref = reference(c, tmp)
+    full = torch.load(tmp / f"dist{world}" / c["name"] / "last.ckpt", weights_only=False)["state_dict"]
+    assert_params_close(full, ref["state_dict"], atol=1e-10)
+    initial = reference(c, tmp, max_steps=0)
+    assert max_param_diff(initial["state_dict"], ref["state_dict"]) > 1e-3  # training moved the parameters
+    ranks = results[c["name"]]
+    for rank in ranks:  # each stage holds only part of the blocks, under the original names
+        assert set(rank["state_dict"]) < set(full)
+    # every stage reports its replica's full-batch loss; over the replicas that is the single-device loss
+    dp = c["dp_size"]
+    stages = len(ranks) // dp
+    for replica in range(dp):
+        for rank in ranks[replica * stages : (replica + 1) * stages]:
+            assert rank["losses"] == ranks[replica * stages]["losses"]
+    mean = torch.tensor([r["losses"] for r in ranks], dtype=torch.float64).mean(0)
+    torch.testing.assert_close(mean, torch.tensor(ref["losses"], dtype=torch.float64), atol=1e-6, rtol=0)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("c", CASES_2, ids=[c["name"] for c in CASES_2])
+def test_two_stages_match_single_device(pp2, c):
+    tmp, results = pp2
+    check(tmp, results, 2, c)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("c", CASES_4, ids=[c["name"] for c in CASES_4])
+def test_four_processes_match_single_device(pp4, c):
+    tmp, results = pp4
+    check(tmp, results, 4, c)
+
+
+@pytest.mark.timeout(600)
+def test_logged_metrics_reach_every_stage(pp2):
+    """The first stage (rank 0: progress bar, ModelCheckpoint) gets what the last stage logged."""
+    tmp, results = pp2
+    for name in ("seq-validate", "gpt-1f1b-m4"):
+        ranks = results[name]
+        key = "val_loss" if name == "seq-validate" else "train_loss"
+        assert key in ranks[0]["metrics"], ranks[0]["metrics"]
+        assert ranks[0]["metrics"] == ranks[1]["metrics"]
+        c = next(c for c in CASES_2 if c["name"] == name)
+        ref = reference(c, tmp)
+        assert abs(ranks[0]["metrics"][key] - ref["metrics"][key]) < 1e-9, (ranks[0]["metrics"], ref["metrics"])
+
+
+@pytest.mark.timeout(600)
+def test_timeline_files_written(pp2):
+    tmp, _ = pp2
+    svgs = list(tmp.rglob("pipeline_timeline_step2.svg"))
+    traces = list(tmp.rglob("pipeline_timeline_step2.json"))
+    assert svgs and traces
+    assert "F0" in svgs[0].read_text() and "B3" in svgs[0].read_text()
