@@ -2,11 +2,14 @@
 and saying what would work. Strategies of every kind add their rows here."""
 
 import pytest
+import torch
 from lightning.pytorch import Trainer
 from torch import nn
 
 import lightning_parallel as lp
 from lightning_parallel.models import CharGPT
+from lightning_parallel.pipeline.executor import split_microbatches
+from lightning_parallel.pipeline.partition import find_block_stack, stage_bounds
 from lightning_parallel.tensor import resolve
 
 
@@ -42,6 +45,19 @@ CATALOGUE = [
                                          "model.blocks.*.attn.n_head": "divide"}, 2),
      ValueError, ["n_head=3", "not divisible"]),
     ("tp-rowwise-replicated-input", lambda: resolve(mlp(), {"2": "rowwise"}, 2), ValueError, ["rowwise layer '2'"]),
+    # pipeline parallel
+    ("pp-schedule", lambda: lp.PipelineParallelStrategy(schedule="zero"), ValueError, ["'zero'", "gpipe", "1f1b"]),
+    ("pp-microbatches", lambda: lp.PipelineParallelStrategy(num_microbatches=0), ValueError, ["num_microbatches", "got 0"]),
+    ("pp-size", lambda: lp.PipelineParallelStrategy(pipeline_parallel_size=0), ValueError, ["pipeline_parallel_size", "got 0"]),
+    ("pp-balance", lambda: lp.PipelineParallelStrategy(balance="flops"), ValueError, ["'flops'", "'parameters'", "split_points"]),
+    ("pp-spawn", lambda: lp.PipelineParallelStrategy(start_method="spawn"), ValueError, ["'spawn'", "'popen'"]),
+    ("pp-too-many-stages", lambda: stage_bounds("model.blocks", gpt().model.blocks, 3), ValueError,
+     ["3 pipeline stages need at least 3 blocks", "has 2"]),
+    ("pp-split-point", lambda: stage_bounds("model.blocks", gpt().model.blocks, 2, ["blocks.1"]), ValueError,
+     ["'blocks.1'", "candidates: model.blocks.0, model.blocks.1"]),
+    ("pp-no-stack", lambda: find_block_stack(nn.Linear(2, 2)), ValueError, ["no block stack", "nn.ModuleList"]),
+    ("pp-batch-too-small", lambda: split_microbatches((torch.zeros(3, 2),), 4), ValueError,
+     ["batch of 3 samples", "num_microbatches=4"]),
 ]
 
 

@@ -1,0 +1,75 @@
+"""Schedules as pure data: every micro-batch gets one F and one B per stage, dependencies hold when the
+stages' lists are interleaved by a simulated clock, and 1F1B keeps within its activation bound."""
+
+import pytest
+
+from lightning_parallel.pipeline.schedules import bubble_fraction, gpipe, max_in_flight, one_f_one_b, render, schedule
+
+
+def simulate(name: str, stages: int, m: int) -> list[list[str]]:
+    """Run all stages' action lists against each other with unit-time actions; returns the clock table.
+    An F needs the previous stage's F of that micro-batch done; a B the next stage's B (or, on the last
+    stage, its own F). Raises if the schedules deadlock."""
+    lists = [schedule(name, stages, m, s) for s in range(stages)]
+    done: set[tuple[str, int, int]] = set()
+    clock: list[list[str]] = []
+    while any(lists):
+        row = []
+        ready_now = set()
+        for s, actions in enumerate(lists):
+            if not actions:
+                row.append("..")
+                continue
+            a = actions[0]
+            dep = (("F", s - 1, a.microbatch) if s > 0 else None) if a.kind == "F" else \
+                  (("B", s + 1, a.microbatch) if s < stages - 1 else ("F", s, a.microbatch))
+            if dep is None or dep in done:
+                ready_now.add((a.kind, s, a.microbatch))
+                actions.pop(0)
+                row.append(str(a))
+            else:
+                row.append("..")
+        if not ready_now:
+            raise AssertionError(f"deadlock in {name}: {lists}")
+        done |= ready_now
+        clock.append(row)
+    return clock
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages,m", [(2, 4), (2, 8), (3, 4), (4, 4), (4, 8), (1, 3)])
+def test_one_forward_and_one_backward_per_microbatch(name, stages, m):
+    for s in range(stages):
+        actions = schedule(name, stages, m, s)
+        assert sorted(str(a) for a in actions if a.kind == "F") == sorted(f"F{i}" for i in range(m))
+        assert sorted(str(a) for a in actions if a.kind == "B") == sorted(f"B{i}" for i in range(m))
+        seen_f = set()
+        for a in actions:  # on a stage, a micro-batch's backward comes after its forward
+            if a.kind == "F":
+                seen_f.add(a.microbatch)
+            else:
+                assert a.microbatch in seen_f
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages,m", [(2, 4), (3, 4), (4, 8)])
+def test_stages_run_against_each_other_without_deadlock_in_the_ideal_time(name, stages, m):
+    clock = simulate(name, stages, m)
+    assert len(clock) == 2 * (m + stages - 1)  # fill + drain: the bubble of (p-1)/(m+p-1)
+    idle = sum(cell == ".." for row in clock for cell in row) / (len(clock) * stages)
+    assert abs(idle - bubble_fraction(stages, m)) < 1e-12
+
+
+@pytest.mark.parametrize("stages,m", [(2, 4), (3, 6), (4, 8), (4, 4)])
+def test_1f1b_holds_at_most_stages_minus_stage_activations(stages, m):
+    for s in range(stages):
+        assert max_in_flight(one_f_one_b(stages, m, s)) <= stages - s
+        assert max_in_flight(gpipe(stages, m, s)) == m  # gpipe holds every micro-batch
+
+
+def test_render_and_errors():
+    assert render("1f1b", 2, 2) == "stage 0: F0 F1 B0 B1\nstage 1: F0 B0 F1 B1"
+    with pytest.raises(ValueError, match="schedule='zero' is not known"):
+        schedule("zero", 2, 4, 0)
+    with pytest.raises(ValueError, match="bad schedule shape"):
+        gpipe(2, 4, 2)
