@@ -29,6 +29,11 @@ STRATEGY_NAMES: dict[str, tuple[str, dict[str, Any], str]] = {
     ),
     "lp_pipeline_gpipe": ("PipelineParallelStrategy", {"schedule": "gpipe"}, "pipeline parallel, GPipe fill-drain"),
     "lp_pipeline_1f1b": ("PipelineParallelStrategy", {"schedule": "1f1b"}, "pipeline parallel, 1F1B with a flush"),
+    "lp_pipeline_async": (
+        "PipelineParallelStrategy",
+        {"schedule": "async"},
+        "pipeline parallel with PipeDream-2BW's one-step-stale, double-buffered weight update",
+    ),
 }
 
 

@@ -43,14 +43,22 @@ from lightning_parallel.strategies.base import ParallelStrategyBase
 
 __all__ = ["PipelineParallelStrategy"]
 
-SYNCHRONOUS = ("gpipe", "1f1b")
+SUPPORTED = ("gpipe", "1f1b", "async")
 
 
 class PipelineParallelStrategy(ParallelStrategyBase):
     """Pipeline parallelism (and 2-D with data parallelism) on ``torch.distributed`` point-to-point.
 
+    The ``async`` rule, one step stale with double-buffered weights: the gradient of batch t is computed
+    with the weights from before the previous update, the same version on every stage for every
+    micro-batch of the batch: ``W(t+1) = W(t) - lr * grad f_t(W(t-1))`` (``W(-1) = W(0)``). Each rank
+    keeps the previous version beside the current one. This version runs each batch's micro-batches in
+    1F1B order and still drains at the end of the step (the next batch does not yet start during this
+    one's cool-down), so it has the update semantics of PipeDream-2BW but not yet its throughput gain.
+
     Args:
-        schedule: ``"gpipe"`` (fill-drain) or ``"1f1b"`` (one-forward-one-backward, flush each step).
+        schedule: ``"gpipe"`` (fill-drain), ``"1f1b"`` (one-forward-one-backward, flush each step), or
+            ``"async"`` (PipeDream-2BW's update rule, see below).
         num_microbatches: micro-batches per batch; a batch that does not divide evenly is split into
             parts differing by one sample, each weighted by its size.
         pipeline_parallel_size: number of stages; None = all processes / data_parallel_size.
@@ -77,9 +85,8 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         timeline_step: Optional[int] = 2,
         **kwargs: Any,
     ) -> None:
-        if schedule not in SYNCHRONOUS:
-            hint = " (the asynchronous PipeDream-2BW schedule is not implemented yet)" if schedule == "async" else ""
-            raise ValueError(f"schedule={schedule!r} is not supported{hint}; use one of {', '.join(SYNCHRONOUS)}.")
+        if schedule not in SUPPORTED:
+            raise ValueError(f"schedule={schedule!r} is not supported; use one of {', '.join(SUPPORTED)}.")
         _positive("num_microbatches", num_microbatches)
         _positive("data_parallel_size", data_parallel_size)
         if pipeline_parallel_size is not None:
@@ -99,6 +106,7 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         self._sync_grads = True
         self._full_keys: list[str] = []
         self.bubbles: list[float] = []
+        self._previous_weights: Optional[list[Tensor]] = None  # async: W(t-1)
 
     # ----------------------------------------------------------------- layout
     def _sizes(self) -> tuple[int, int]:
@@ -174,12 +182,41 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         for p in params:
             p.grad = None
         actions = schedule(self.schedule, self.mesh.shape.pp, self.num_microbatches, self.mesh.pp_rank)
-        loss = self._run(actions, batch, lambda mb: Strategy.training_step(self, mb, batch_idx, *args), backward=True)
+        with self._stale_weights():
+            loss = self._run(actions, batch, lambda mb: Strategy.training_step(self, mb, batch_idx, *args), backward=True)
         self._set_aside = [p.grad for p in params]
         for p, g in zip(params, earlier):
             p.grad = g
         self._record_timeline()
         return loss.detach().requires_grad_()  # Lightning's backward of this touches no parameter
+
+    @contextmanager
+    def _stale_weights(self) -> Iterator[None]:
+        """async: compute this batch's gradient with W(t-1), then put W(t) back for the optimizer."""
+        if self.schedule != "async" or self._previous_weights is None:
+            yield
+            return
+        params = list(self.lightning_module.parameters())
+        current = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, old in zip(params, self._previous_weights):
+                p.copy_(old)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, now in zip(params, current):
+                    p.copy_(now)
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self.schedule != "async":
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        before = [p.detach().clone() for p in self.lightning_module.parameters()]  # W(t)
+        if self._previous_weights is None:
+            self._previous_weights = before  # W(-1) = W(0)
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._previous_weights = before
+        return output
 
     def validation_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
         return self._forward_only(batch, lambda mb: Strategy.validation_step(self, mb, batch_idx, *args))

@@ -18,3 +18,32 @@ class SequentialNet(MLP):
             layers += [nn.Linear(h.hidden, h.hidden), nn.Tanh()]
         layers.append(nn.Linear(h.hidden, h.out_dim))
         self.net = nn.Sequential(*layers)
+
+
+class AsyncRuleEmulation(SequentialNet):
+    """One process, plain SGD written out: W(t+1) = W(t) - lr * grad f_t(W(t-1)), W(-1) = W(0).
+    The documented rule of the async pipeline schedule, to compare it with."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+        self.previous = None
+
+    def training_step(self, batch, batch_idx):
+        params = list(self.parameters())
+        current = [p.detach().clone() for p in params]
+        if self.previous is None:
+            self.previous = [c.clone() for c in current]
+        with torch.no_grad():
+            for p, old in zip(params, self.previous):
+                p.copy_(old)
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        grads = torch.autograd.grad(loss, params)
+        with torch.no_grad():
+            for p, now, g in zip(params, current, grads):
+                p.copy_(now)
+                p.grad = g
+        self.optimizers().step()  # plain SGD: W(t) - lr * g
+        self.previous = current
+        return loss.detach()
