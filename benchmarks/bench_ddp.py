@@ -11,22 +11,18 @@ hits them alike; the table shows the median samples/s over rounds and the ratio 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import append_record, read_records, step_timer, torchrun  # noqa: E402
 
 
 def worker(args: argparse.Namespace) -> None:
     import torch
-    from lightning.pytorch import Callback, Trainer, seed_everything
+    from lightning.pytorch import Trainer, seed_everything
 
     import lightning_parallel  # noqa: F401
     from lightning_parallel.data import CharCorpusData
@@ -34,18 +30,7 @@ def worker(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     seed_everything(0)
-
-    class StepTimer(Callback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-
-        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            self.start = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            self.times.append(time.perf_counter() - self.start)
-
-    timer = StepTimer()
+    timer = step_timer()
     model = CharGPT(n_layer=args.layers, n_embd=args.width, n_head=4)
     data = CharCorpusData(batch_size=args.batch_size, block_size=64)
     trainer = Trainer(accelerator="cpu", devices=args.world_size, strategy=args.strategy, max_steps=args.steps,
@@ -54,26 +39,15 @@ def worker(args: argparse.Namespace) -> None:
     trainer.fit(model, datamodule=data)
     if trainer.is_global_zero:
         step = statistics.median(timer.times[args.warmup :])
-        record = {"strategy": args.strategy, "world_size": args.world_size,
-                  "samples_per_s": args.batch_size * args.world_size / step, "step_ms": step * 1e3}
-        with open(args.out, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        append_record(args.out, {"strategy": args.strategy, "world_size": args.world_size,
+                                 "samples_per_s": args.batch_size * args.world_size / step, "step_ms": step * 1e3})
 
 
 def launch(strategy: str, world_size: int, out: Path, args: argparse.Namespace) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
-           f"--master_port={free_port()}",
-           __file__, "--worker", "--strategy", strategy, "--world-size", str(world_size), "--out", str(out),
-           "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-size", str(args.batch_size),
-           "--layers", str(args.layers), "--width", str(args.width)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=300)
+    torchrun(__file__, world_size, ["--strategy", strategy, "--world-size", str(world_size), "--out", str(out),
+                                    "--steps", str(args.steps), "--warmup", str(args.warmup),
+                                    "--batch-size", str(args.batch_size), "--layers", str(args.layers),
+                                    "--width", str(args.width)])
 
 
 def main() -> None:
@@ -100,7 +74,7 @@ def main() -> None:
             for strategy in args.strategies:
                 launch(strategy, world_size, out, args)
                 print(f"round {round_ + 1}/{args.rounds}: {strategy} x{world_size} done", file=sys.stderr)
-    records = [json.loads(line) for line in out.read_text().splitlines()]
+    records = read_records(out)
     print(f"\nCharGPT(n_layer={args.layers}, n_embd={args.width}), batch {args.batch_size}/process, "
           f"{args.steps} steps ({args.warmup} warm-up), median of {args.rounds} rounds, CPU, gloo\n")
     print("| processes | strategy | samples/s (median) | step ms | ratio vs ddp |")

@@ -1,0 +1,196 @@
+"""Our pipeline schedules vs ``torch.distributed.pipelining`` (ScheduleGPipe, Schedule1F1B), side by side.
+
+    python benchmarks/bench_pipeline.py                       # 2 stages on 2 CPU processes, m = 4 and 8
+    python benchmarks/bench_pipeline.py --rounds 5 --steps 30
+
+The same GPT-style model (``CharGPT`` blocks, a causal mask computed in ``forward``) is cut after half
+its blocks. Ours runs inside ``Trainer.fit`` on the unmodified LightningModule; torch's runs a hand
+written loop over two stage modules and a ``loss_fn``, which is what that API needs. Reported per
+schedule: median step time, the ratio torch/ours (> 1: ours is faster), the bubble measured by our
+timeline next to the theory (p-1)/(m+p-1), and the activations each stage holds at its peak
+(micro-batches in flight x bytes autograd saves for one micro-batch, measured with saved-tensor hooks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import append_record, median_of, read_records, step_timer, torchrun  # noqa: E402
+
+
+def build_model(args: argparse.Namespace):
+    from lightning_parallel.models import CharGPT
+
+    return CharGPT(n_layer=args.layers, n_embd=args.width, n_head=4, block_size=64, optimizer="sgd", lr=0.1)
+
+
+def ours(args: argparse.Namespace) -> None:
+    import torch
+    from lightning.pytorch import Trainer, seed_everything
+
+    from lightning_parallel import PipelineParallelStrategy
+    from lightning_parallel.data import CharCorpusData
+
+    seed_everything(0)
+    timer = step_timer()
+    strategy = PipelineParallelStrategy(schedule=args.schedule, num_microbatches=args.microbatches, timeline_step=None)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      limit_val_batches=0, callbacks=[timer])
+    trainer.fit(build_model(args), datamodule=CharCorpusData(batch_size=args.batch_size, block_size=64))
+    bubble = statistics.median(strategy.bubbles[args.warmup :])
+    append_record(args.out, {"impl": "ours", "schedule": args.schedule, "m": args.microbatches,
+                             "rank": trainer.global_rank, "bubble": bubble,
+                             "step_ms": statistics.median(timer.times[args.warmup :]) * 1e3})
+    del torch
+
+
+def torch_pipelining(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.nn import functional as F
+
+    from lightning_parallel.data import CharCorpusData
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    gpt = build_model(args).model
+    half = args.layers // 2
+
+    class First(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok_emb, self.pos_emb, self.blocks = gpt.tok_emb, gpt.pos_emb, gpt.blocks[:half]
+
+        def forward(self, idx):
+            T = idx.shape[1]
+            mask = torch.ones(T, T, dtype=torch.bool).tril()
+            x = self.tok_emb(idx) + self.pos_emb(torch.arange(T))
+            for block in self.blocks:
+                x = block(x, mask)
+            return x
+
+    class Last(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks, self.ln_f, self.head = gpt.blocks[half:], gpt.ln_f, gpt.head
+
+        def forward(self, x):
+            T = x.shape[1]
+            mask = torch.ones(T, T, dtype=torch.bool).tril()
+            for block in self.blocks:
+                x = block(x, mask)
+            return self.head(self.ln_f(x))
+
+    module = First() if rank == 0 else Last()
+    stage = PipelineStage(module, rank, 2, torch.device("cpu"))
+    cls = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
+
+    def loss_fn(logits, y):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    schedule = cls(stage, n_microbatches=args.microbatches, loss_fn=loss_fn)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    loader = iter(CharCorpusData(batch_size=args.batch_size, block_size=64).train_dataloader())
+    times = []
+    for _ in range(args.steps):
+        x, y = next(loader)
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y)
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    append_record(args.out, {"impl": "torch", "schedule": args.schedule, "m": args.microbatches, "rank": rank,
+                             "step_ms": statistics.median(times[args.warmup :]) * 1e3})
+    dist.destroy_process_group()
+
+
+def activation_bytes_per_microbatch(args: argparse.Namespace) -> list[int]:
+    """Bytes autograd saves for one micro-batch on each of the 2 stages (saved-tensor hooks)."""
+    import torch
+
+    gpt = build_model(args).model
+    mb = args.batch_size // args.microbatches
+    idx = torch.randint(0, 128, (mb, 64))
+    half = args.layers // 2
+    saved = [0, 0]
+    current = [0]
+
+    def pack(t):
+        saved[current[0]] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        T = idx.shape[1]
+        mask = torch.ones(T, T, dtype=torch.bool).tril()
+        x = gpt.tok_emb(idx) + gpt.pos_emb(torch.arange(T))
+        for i, block in enumerate(gpt.blocks):
+            current[0] = 0 if i < half else 1
+            x = block(x, mask)
+        gpt.head(gpt.ln_f(x)).sum()
+    return saved
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--impl", default="ours", help=argparse.SUPPRESS)
+    parser.add_argument("--schedule", default="gpipe", help=argparse.SUPPRESS)
+    parser.add_argument("--microbatches", type=int, default=4, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=128)
+    args = parser.parse_args()
+    if args.worker:
+        return ours(args) if args.impl == "ours" else torch_pipelining(args)
+
+    out = Path(tempfile.mkdtemp()) / "results.jsonl"
+    common = ["--out", str(out), "--steps", str(args.steps), "--warmup", str(args.warmup),
+              "--batch-size", str(args.batch_size), "--layers", str(args.layers), "--width", str(args.width)]
+    runs = [("ours", s) for s in ("gpipe", "1f1b", "async")] + [("torch", s) for s in ("gpipe", "1f1b")]
+    for round_ in range(args.rounds):
+        for m in (4, 8):
+            for impl, schedule in runs:
+                torchrun(__file__, 2, ["--impl", impl, "--schedule", schedule, "--microbatches", str(m), *common])
+        print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
+    records = read_records(out)
+    print(f"\nCharGPT(n_layer={args.layers}, n_embd={args.width}), 2 stages on 2 CPU processes (gloo), batch "
+          f"{args.batch_size}, {args.steps} steps ({args.warmup} warm-up), median over {args.rounds} rounds\n")
+    print("| m | schedule | ours ms | torch ms | torch/ours | bubble measured (stage 0, 1) | theory |"
+          " activations held, stage 0 / 1 |")
+    print("|---|---|---|---|---|---|---|---|")
+    for m in (4, 8):
+        args.microbatches = m
+        per_mb = activation_bytes_per_microbatch(args)
+        gpipe_ms = median_of(records, "step_ms", impl="ours", schedule="gpipe", m=m, rank=0)
+        for schedule in ("gpipe", "1f1b", "async"):
+            ours_ms = median_of(records, "step_ms", impl="ours", schedule=schedule, m=m, rank=0)
+            theirs = median_of(records, "step_ms", impl="torch", schedule=schedule, m=m, rank=0)
+            bubbles = [median_of(records, "bubble", impl="ours", schedule=schedule, m=m, rank=r) for r in (0, 1)]
+            in_flight = [m, m] if schedule == "gpipe" else [2, 1]
+            held = " / ".join(f"{n * b / 2**20:.1f} MiB" for n, b in zip(in_flight, per_mb))
+            ratio = f"{theirs / ours_ms:.2f}" if theirs == theirs else "-"
+            theory = 1 / (m + 1)
+            note = f" (vs gpipe {gpipe_ms / ours_ms:.2f}x)" if schedule == "async" else ""
+            print(f"| {m} | {schedule}{note} | {ours_ms:.1f} | {theirs:.1f} | {ratio} | "
+                  f"{bubbles[0]:.0%}, {bubbles[1]:.0%} | {theory:.0%} | {held} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""What the benchmarks share: launching a worker under torchrun, timing steps, summarising runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # the benchmarks import the package from this checkout
+    sys.path.insert(0, str(REPO))
+
+__all__ = ["REPO", "torchrun", "step_timer", "append_record", "read_records", "median_of"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script: str, nprocs: int, args: list[str], timeout: float = 600) -> None:
+    """Run ``script --worker ARGS`` on ``nprocs`` processes (one thread each) and wait for it."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nprocs}", f"--master_port={free_port()}",
+           script, "--worker", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout, text=True)
+    if done.returncode:
+        raise RuntimeError(f"benchmark worker failed:\n{done.stderr[-3000:]}")
+
+
+def step_timer():
+    """A Lightning callback that records the wall time of every training step."""
+    from lightning.pytorch import Callback
+
+    class StepTimer(Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.times.append(time.perf_counter() - self.start)
+
+    return StepTimer()
+
+
+
+
+def append_record(path: str, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def median_of(records: list[dict], key: str, **match) -> float:
+    values = [r[key] for r in records if all(r.get(k) == v for k, v in match.items())]
+    return statistics.median(values) if values else float("nan")
