@@ -73,12 +73,22 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
         callbacks=[recorder],
     )
     trainer_kwargs.update(case.get("trainer", {}))
+    for cb in case.get("callbacks", []):  # {"class": "module:Class", "kwargs": {...}}; "dirpath" is made per case
+        kwargs = dict(cb.get("kwargs", {}))
+        if "dirpath" in kwargs:
+            kwargs["dirpath"] = str(out_dir / kwargs["dirpath"])
+        trainer_kwargs["callbacks"].append(load_object(cb["class"])(**kwargs))
+    if case.get("callbacks"):
+        trainer_kwargs["enable_checkpointing"] = True
     trainer = Trainer(strategy=build_strategy(case.get("strategy", "auto"), world_size), **trainer_kwargs)
     trainer.fit(model, datamodule=data, ckpt_path=case.get("ckpt_path"))
     if case.get("validate_after_fit"):
         trainer.validate(model, datamodule=data, verbose=False)
     result = {"losses": recorder.losses, "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()},
               "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
+    result["callback_state"] = {type(c).__name__: {"best_model_path": str(getattr(c, "best_model_path", "")),
+                                                    "stopped_epoch": getattr(c, "stopped_epoch", None)}
+                                for c in trainer.callbacks if type(c).__name__ in ("ModelCheckpoint", "EarlyStopping")}
     if case.get("probe"):  # "module:function(trainer) -> picklable", to look inside the strategy
         result["probe"] = load_object(case["probe"])(trainer)
     if case.get("save_checkpoint"):

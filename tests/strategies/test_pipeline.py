@@ -12,10 +12,11 @@ SEQ = ("tests.helpers.pp_models:SequentialNet", "tests.helpers.models:Regression
 MODELS = {"gpt": GPT, "seq": SEQ}
 
 
-def case(name, model, dp=1, trainer=None, model_kwargs=None, validate_after_fit=False, **kwargs):
+def case(name, model, dp=1, trainer=None, model_kwargs=None, validate_after_fit=False, callbacks=(), data_kwargs=None,
+         **kwargs):
     target, data, defaults = MODELS[model]
-    return {"name": name, "validate_after_fit": validate_after_fit, "model": target, "data": data, "dp_size": dp,
-            "model_kwargs": {**defaults, **(model_kwargs or {})}, "data_kwargs": {"global_batch_size": 16},
+    return {"name": name, "validate_after_fit": validate_after_fit, "callbacks": list(callbacks), "model": target, "data": data, "dp_size": dp,
+            "model_kwargs": {**defaults, **(model_kwargs or {})}, "data_kwargs": data_kwargs or {"global_batch_size": 16},
             "trainer": {"precision": "64-true", "max_steps": 5, **(trainer or {})},
             "strategy": {"class": PP, "kwargs": {"data_parallel_size": dp, **kwargs}}, "save_checkpoint": True}
 
@@ -31,6 +32,13 @@ CASES_2 = [
     case("seq-uneven", "seq", schedule="gpipe", num_microbatches=3),
     case("seq-validate", "seq", schedule="1f1b", trainer={"limit_val_batches": 2}, validate_after_fit=True),
     case("seq-async", "seq", schedule="async", model_kwargs=SGD),
+    case("seq-bf16", "seq", schedule="1f1b", trainer={"precision": "bf16-mixed"},
+         data_kwargs={"global_batch_size": 16, "dtype": "float32"}),
+    case("seq-monitor", "seq", schedule="gpipe", trainer={"limit_val_batches": 2, "max_steps": 48, "max_epochs": 3},
+         callbacks=[{"class": "lightning.pytorch.callbacks:ModelCheckpoint",
+                     "kwargs": {"monitor": "val_loss", "dirpath": "ckpts", "save_top_k": 1}},
+                    {"class": "lightning.pytorch.callbacks:EarlyStopping",
+                     "kwargs": {"monitor": "val_loss", "patience": 0, "min_delta": 10.0}}]),
     case("gpt-async-m8", "gpt", schedule="async", num_microbatches=8, model_kwargs=SGD),
 ]
 CASES_4 = [
@@ -80,7 +88,29 @@ def check(tmp, results, world, c):
 
 
 ASYNC = [c for c in CASES_2 if "async" in c["name"]]
-CASES_2_SYNC = [c for c in CASES_2 if c not in ASYNC]
+OTHER = [c for c in CASES_2 if c["name"] in ("seq-bf16", "seq-monitor")]
+CASES_2_SYNC = [c for c in CASES_2 if c not in ASYNC + OTHER]
+
+
+@pytest.mark.timeout(600)
+def test_bf16_mixed_runs_and_stays_close(pp2):
+    tmp, results = pp2
+    c = next(c for c in OTHER if c["name"] == "seq-bf16")
+    ref = run_single({**c, "name": "ref-bf16", "strategy": "auto", "dp_size": 1, "save_checkpoint": False,
+                      "data_kwargs": {"global_batch_size": 16, "dtype": "float32"}}, tmp)
+    full = torch.load(tmp / "dist2" / c["name"] / "last.ckpt", weights_only=False)["state_dict"]
+    assert max_param_diff(full, ref["state_dict"]) < 2e-2
+
+
+@pytest.mark.timeout(600)
+def test_model_checkpoint_and_early_stopping_monitor_what_the_last_stage_logs(pp2):
+    tmp, results = pp2
+    for rank in results["seq-monitor"]:
+        ckpt = rank["callback_state"]["ModelCheckpoint"]["best_model_path"]
+        assert "ckpts" in ckpt and ckpt.endswith(".ckpt")
+        # min_delta=10: the first validation sets the best score, the second is "no improvement" and, with
+        # patience 0, stops the run in epoch 1 of 3, on every stage alike (else the stages would hang)
+        assert rank["callback_state"]["EarlyStopping"]["stopped_epoch"] == 1
 
 
 @pytest.mark.timeout(600)
