@@ -37,7 +37,8 @@ from lightning_parallel.distributed.p2p import PeerLink
 from lightning_parallel.distributed.state import all_reduce_gradients, broadcast_module_states
 from lightning_parallel.pipeline.executor import StageExecutor, batch_size, split_microbatches
 from lightning_parallel.pipeline.partition import StagePartition, partition
-from lightning_parallel.pipeline.schedules import SCHEDULES, bubble_fraction, schedule
+from lightning_parallel.pipeline.schedules import bubble_fraction, schedule
+from lightning_parallel.pipeline.state import merge_stage_states, stage_state_by_name, stage_state_from_full
 from lightning_parallel.pipeline.timeline import Timeline, bubble, from_dicts, to_dicts, write_chrome_trace, write_svg
 from lightning_parallel.strategies.base import ParallelStrategyBase
 
@@ -105,6 +106,7 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         self._set_aside: list[Optional[Tensor]] = []
         self._sync_grads = True
         self._full_keys: list[str] = []
+        self._full_param_names: list[str] = []
         self.bubbles: list[float] = []
         self._previous_weights: Optional[list[Tensor]] = None  # async: W(t-1)
 
@@ -153,6 +155,7 @@ class PipelineParallelStrategy(ParallelStrategyBase):
             return  # split by an earlier fit/validate of this trainer: keep the stages
         broadcast_module_states(module, src=0)  # every stage cuts its blocks from the same weights
         self._full_keys = list(module.state_dict().keys())
+        self._full_param_names = [n for n, _ in module.named_parameters()]
         stage = self.mesh.pp_rank
         self.partition = partition(module, pp, stage, self.block_stack, self.split_points)
         ranks = self.mesh.ranks("pp")
@@ -326,23 +329,20 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         self.lightning_module.load_state_dict(state, strict=False)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """Every stage's optimizer state, gathered (each stage's optimizer holds its own parameters)."""
-        local = super().optimizer_state(optimizer)
-        if self.mesh is None or self.mesh.shape.pp == 1:
-            return local
-        states: list[Any] = [None] * self.mesh.shape.pp
-        dist.all_gather_object(states, local, group=self.pp_group)
-        return {"pipeline_stages": states}
+        """The single-device optimizer state, gathered from the stages (loads into any layout)."""
+        if self.partition is None:
+            return super().optimizer_state(optimizer)
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        local = stage_state_by_name(optimizer, self.lightning_module)
+        stages: list[Any] = [None] * self.mesh.shape.pp
+        dist.all_gather_object(stages, local, group=self.pp_group)
+        return merge_stage_states(stages, self._full_param_names)
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
-        states = checkpoint["optimizer_states"]
-        for optimizer, state in zip(self.optimizers, states):
-            if "pipeline_stages" in state:
-                if len(state["pipeline_stages"]) != self.mesh.shape.pp:
-                    raise ValueError(f"the checkpoint's optimizer state has {len(state['pipeline_stages'])} stages, "
-                                     f"this run has {self.mesh.shape.pp}; resume with the same number of stages")
-                state = state["pipeline_stages"][self.mesh.pp_rank]
-            optimizer.load_state_dict(state)
+        if self.partition is None:
+            return super().load_optimizer_state_dict(checkpoint)
+        for optimizer, full in zip(self.optimizers, checkpoint["optimizer_states"]):
+            optimizer.load_state_dict(stage_state_from_full(full, optimizer, self.lightning_module, self._full_param_names))
 
 
 class _NoSync:

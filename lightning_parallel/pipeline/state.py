@@ -1,0 +1,73 @@
+"""Optimizer state across pipeline stages, in the layout-independent form of a single-device run.
+
+Each stage's optimizer only knows its own parameters and numbers them 0..k-1. A checkpoint must not
+depend on that: we write the state a single-device optimizer would have (parameters numbered in the
+module's ``named_parameters`` order), so it loads into any other layout and any layout's loads here.
+Assumes what ``configure_optimizers`` usually does: one parameter group per optimizer built from
+``self.parameters()``, or several whose concatenation keeps that order.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from torch import nn
+
+__all__ = ["stage_state_by_name", "merge_stage_states", "stage_state_from_full"]
+
+
+def _names_in_optimizer(optimizer: Any, module: nn.Module) -> list[str]:
+    names = {id(p): n for n, p in module.named_parameters()}
+    return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def stage_state_by_name(optimizer: Any, module: nn.Module) -> dict[str, Any]:
+    """This stage's optimizer state keyed by parameter name (what the stages exchange)."""
+    state = optimizer.state_dict()
+    names = _names_in_optimizer(optimizer, module)
+    order = [i for group in state["param_groups"] for i in group["params"]]
+    by_index = dict(zip(order, names))
+    groups = [{k: v for k, v in g.items() if k != "params"} | {"names": [by_index[i] for i in g["params"]]}
+              for g in state["param_groups"]]
+    return {"state": {by_index[i]: s for i, s in state["state"].items()}, "groups": groups}
+
+
+def merge_stage_states(stages: Sequence[Mapping[str, Any]], full_names: Sequence[str]) -> dict[str, Any]:
+    """The single-device ``optimizer.state_dict()`` made from every stage's named state."""
+    position = {n: i for i, n in enumerate(full_names)}
+    groups = []
+    for g, first in enumerate(stages[0]["groups"]):
+        names = sorted({n for s in stages for n in s["groups"][g]["names"]}, key=position.__getitem__)
+        groups.append((first, names))
+    index, param_groups, state = 0, [], {}
+    for hyper, names in groups:
+        ids = list(range(index, index + len(names)))
+        param_groups.append({k: v for k, v in hyper.items() if k != "names"} | {"params": ids})
+        for i, name in zip(ids, names):
+            for stage in stages:
+                if name in stage["state"]:
+                    state[i] = stage["state"][name]
+        index += len(names)
+    return {"state": state, "param_groups": param_groups}
+
+
+def stage_state_from_full(full: Mapping[str, Any], optimizer: Any, module: nn.Module,
+                          full_names: Sequence[str]) -> dict[str, Any]:
+    """This stage's ``optimizer.state_dict()`` cut out of a single-device one (any layout saved it)."""
+    ordered = [i for g in full["param_groups"] for i in g["params"]]
+    if len(ordered) != len(full_names):
+        raise ValueError(f"the checkpoint's optimizer has {len(ordered)} parameters, the model {len(full_names)}; "
+                         "it was saved for another model or optimizer")
+    name_of = dict(zip(ordered, full_names))
+    local_names = _names_in_optimizer(optimizer, module)
+    local_index = {n: i for i, n in enumerate(local_names)}
+    param_groups, state, start = [], {}, 0
+    for g, group in zip(full["param_groups"], optimizer.param_groups):
+        count = len(group["params"])
+        param_groups.append({k: v for k, v in g.items() if k != "params"} | {"params": list(range(start, start + count))})
+        start += count
+    for i, s in full["state"].items():
+        name = name_of[int(i)]
+        if name in local_index:
+            state[local_index[name]] = s
+    return {"state": state, "param_groups": param_groups}
