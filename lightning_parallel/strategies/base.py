@@ -66,6 +66,16 @@ class ParallelStrategyBase(_LightningDDPStrategy):
         self.mesh: Optional[Mesh] = None
         self.reducer: Optional[GradientReducer] = None
 
+    def _configure_launcher(self) -> None:
+        """Our popen launcher: per-job children and clean-up, so Hydra sweeps (``-m``) work."""
+        if self._start_method == "popen":
+            from lightning_parallel.strategies.launcher import HydraSafeSubprocessLauncher
+
+            assert self.cluster_environment is not None
+            self._launcher = HydraSafeSubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            super()._configure_launcher()
+
     # ----------------------------------------------------------------- layout
     def mesh_shape(self) -> MeshShape:
         """The (dp, pp, tp) layout of this strategy; pure data data-parallel by default."""
