@@ -38,7 +38,8 @@ def batch_size_of(batch: Any) -> int:
 def pick_metric(metrics: dict[str, Any], preferred: tuple[str, ...], word: str) -> Optional[float]:
     """The loss a user module logged: a usual name first, else any key with ``word`` and "loss" in it."""
     keys = [k for k in preferred if k in metrics]
-    keys += sorted(k for k in metrics if word in k.lower() and "loss" in k.lower() and k not in keys)
+    keys += sorted(k for k in metrics if word in k.lower() and k not in keys
+                   and any(w in k.lower() for w in ("loss", "mse", "mae", "nll", "error")))
     for key in keys:
         value = metrics[key]
         try:

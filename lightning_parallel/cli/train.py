@@ -19,7 +19,6 @@ import os
 import sys
 import time
 import traceback
-import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -131,7 +130,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             finish_job()
         except ChildProcessError as err:
             summary["status"] = "failed"
-            summary["error"] = (summary.get("error", "") + "\n" + str(err)).strip()
+            # the rank that failed first, then what it did to this one (usually "Connection closed by peer")
+            summary["error"] = (str(err) + "\n" + summary.get("error", "")).strip()
             log.error("%s", err)
     summary["wall_seconds"] = round(time.perf_counter() - started, 3)
     if _global_rank(trainer) == 0:
@@ -196,9 +196,6 @@ def main() -> Optional[Any]:
     from lightning_parallel.strategies.launcher import ENTRY_ENV
 
     os.environ[ENTRY_ENV] = json.dumps(_entry_command())
-    # conf/hydra/launcher/{basic,joblib,submitit_slurm}.yaml share their names with the launchers' own
-    # schemas on purpose (so Hydra validates them against those); Hydra 1.3 warns about that pairing.
-    warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigStore schema with the same name")
     register_configs()
     app = hydra.main(version_base="1.3", config_path="../conf", config_name="config")(train)
     return app()

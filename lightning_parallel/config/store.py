@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 from hydra.core.config_store import ConfigStore
 
 from lightning_parallel.config.schema import (
@@ -30,6 +32,9 @@ SCHEMAS = {
 
 def register_configs() -> None:
     """Idempotent: Hydra's ConfigStore replaces an entry stored twice."""
+    # conf/hydra/launcher/{basic,joblib,submitit_slurm}.yaml share their names with the launchers' own
+    # schemas on purpose (Hydra then validates them against those); Hydra 1.3 warns about that pairing.
+    warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigStore schema with the same name")
     cs = ConfigStore.instance()
     for (group, name), node in SCHEMAS.items():
         cs.store(group=group, name=name, node=node)

@@ -9,10 +9,12 @@ would work.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import importlib
 from typing import Any, Optional
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 __all__ = ["ConfigError", "validate", "world_size_of", "problems"]
 
@@ -63,9 +65,26 @@ def _target_problem(section: str, target: Any) -> Optional[str]:
     return None
 
 
+def _unknown_keys(section: str, node: Any) -> list[str]:
+    """Keys that Hydra let in with ``+key=...`` although the node's schema has no such field."""
+    schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+    if schema is None or not dataclasses.is_dataclass(schema):
+        return []
+    fields = [f.name for f in dataclasses.fields(schema)]
+    out = []
+    for key in node.keys():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"; did you mean {section}.{close[0]}?" if close else ""
+            out.append(f"{section}.{key} is not an option of {schema.__name__} (options: "
+                       f"{', '.join(f for f in fields if not f.startswith('_'))}){hint}")
+    return out
+
+
 def problems(cfg: DictConfig) -> list[str]:
     """Every problem with the composed ``lp-train`` config, as human-readable sentences."""
     out: list[str] = []
+    out += _unknown_keys("strategy", cfg.strategy) + _unknown_keys("trainer", cfg.trainer)
     trainer, strategy = cfg.trainer, cfg.strategy
     devices = _devices_count(trainer.devices)
     if devices is not None and devices < 1:

@@ -86,6 +86,14 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "(no output)"
 
 
+def _failure_message(rank: int, proc: subprocess.Popen, log_path: Path) -> str:
+    """First line: which rank, its exit code and its last output line (usually the exception)."""
+    tail = _tail(log_path)
+    last = next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "no output")
+    return (f"rank {rank} (pid {proc.pid}) exited with code {proc.returncode}: {last}\n"
+            f"  last lines of {log_path}:\n{tail}")
+
+
 class _Observer(threading.Thread):
     """Watches the children; on a failure it reports it and stops the other children (never this process)."""
 
@@ -99,8 +107,7 @@ class _Observer(threading.Thread):
             for rank, proc in enumerate(self.state.procs, start=1):
                 code = proc.poll()
                 if code:
-                    message = f"rank {rank} (pid {proc.pid}) exited with code {code}; its output " \
-                              f"({self.state.logs[rank - 1]}) ends with:\n{_tail(self.state.logs[rank - 1])}"
+                    message = _failure_message(rank, proc, self.state.logs[rank - 1])
                     self.state.failed.append(message)
                     log.error(message)
                     _kill(self.state.procs)
@@ -154,8 +161,7 @@ def finish_job(wait_timeout: float = 60.0) -> None:
     failed = list(state.failed)
     for rank, proc in enumerate(state.procs, start=1):
         if proc.returncode not in (0, None) and not any(f.startswith(f"rank {rank} ") for f in failed):
-            failed.append(f"rank {rank} (pid {proc.pid}) exited with code {proc.returncode}; its output "
-                          f"({state.logs[rank - 1]}) ends with:\n{_tail(state.logs[rank - 1])}")
+            failed.append(_failure_message(rank, proc, state.logs[rank - 1]))
     if failed:
         raise ChildProcessError("\n".join(failed))
 
