@@ -188,6 +188,18 @@ def _entry_command() -> list[str]:
     return command
 
 
+def _per_rank_logs_when_launched_externally() -> None:
+    """Under torchrun or srun every rank runs ``lp-train``: give ranks > 0 their own log, no .hydra copy.
+
+    (Ranks that our own launcher starts get the same overrides in their command.)
+    """
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
+    if rank is None or not rank.isdigit() or int(rank) == 0:
+        return
+    if not any(arg.startswith("hydra.job.name=") for arg in sys.argv[1:]):
+        sys.argv += [f"hydra.job.name=train_rank{rank}", "hydra.output_subdir=null"]
+
+
 def main() -> Optional[Any]:
     """Console script ``lp-train``."""
     import hydra
@@ -196,6 +208,10 @@ def main() -> Optional[Any]:
     from lightning_parallel.strategies.launcher import ENTRY_ENV
 
     os.environ[ENTRY_ENV] = json.dumps(_entry_command())
+    # like ``python -m``: the user's own modules in the current folder can be named by ``_target_``
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    _per_rank_logs_when_launched_externally()
     register_configs()
     app = hydra.main(version_base="1.3", config_path="../conf", config_name="config")(train)
     return app()
