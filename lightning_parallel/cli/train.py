@@ -24,9 +24,18 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["main", "train", "instantiate_user", "SUMMARY_KEYS"]
+from lightning_parallel.config.store import quiet_schema_matching_warning
+
+__all__ = ["main", "train", "instantiate_user", "SUMMARY_KEYS", "CONF_DIR"]
 
 log = logging.getLogger("lp-train")
+
+# also in joblib workers, which import this module (the task function) before composing their job
+quiet_schema_matching_warning()
+
+# conf/ ships inside the package (lightning_parallel/conf links to the repo's conf/ and is copied as package
+# data on install). An absolute path, because Hydra's pkg:// provider needs an __init__.py there.
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 # what every summary.json holds (tests and the sweep summary rely on these)
 SUMMARY_KEYS = ("status", "strategy", "world_size", "devices", "num_nodes", "global_step", "train_loss",
@@ -213,7 +222,7 @@ def main() -> Optional[Any]:
         sys.path.insert(0, os.getcwd())
     _per_rank_logs_when_launched_externally()
     register_configs()
-    app = hydra.main(version_base="1.3", config_path="../conf", config_name="config")(train)
+    app = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(train)
     return app()
 
 

@@ -16,7 +16,7 @@ from lightning_parallel.config.schema import (
     TrainerConf,
 )
 
-__all__ = ["register_configs", "SCHEMAS"]
+__all__ = ["register_configs", "quiet_schema_matching_warning", "SCHEMAS"]
 
 # (group, name) -> schema; a YAML file in conf/<group>/ names its schema first in its defaults list
 SCHEMAS = {
@@ -30,11 +30,15 @@ SCHEMAS = {
 }
 
 
+def quiet_schema_matching_warning() -> None:
+    """conf/hydra/launcher/{basic,joblib,submitit_slurm}.yaml share their names with the launchers' own
+    schemas on purpose (Hydra then validates them against those); Hydra 1.3 warns about that pairing."""
+    warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigStore schema with the same name")
+
+
 def register_configs() -> None:
     """Idempotent: Hydra's ConfigStore replaces an entry stored twice."""
-    # conf/hydra/launcher/{basic,joblib,submitit_slurm}.yaml share their names with the launchers' own
-    # schemas on purpose (Hydra then validates them against those); Hydra 1.3 warns about that pairing.
-    warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigStore schema with the same name")
+    quiet_schema_matching_warning()
     cs = ConfigStore.instance()
     for (group, name), node in SCHEMAS.items():
         cs.store(group=group, name=name, node=node)
