@@ -18,7 +18,7 @@ LP_TRAIN = f"{sys.executable} -m lightning_parallel.cli.train"
 
 def _run(command: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
     e = env(str(cwd))
-    e.update(LP_TRAIN=LP_TRAIN, TORCHRUN=f"{sys.executable} -m torch.distributed.run", OUT=str(cwd / "out"))
+    e.update(LP_TRAIN=LP_TRAIN, PYTHON=sys.executable, TORCHRUN=f"{sys.executable} -m torch.distributed.run", OUT=str(cwd / "out"))
     proc = subprocess.run(command, cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, explain(proc)
     return proc
@@ -78,4 +78,6 @@ def test_lightning_cli_example(tmp_path) -> None:
     if importlib.util.find_spec("jsonargparse") is None:
         pytest.skip("LightningCLI needs jsonargparse (pip install 'jsonargparse[signatures]')")
     _run(["bash", str(EXAMPLES / "lightning_cli" / "run.sh")], tmp_path)
+    saved = (tmp_path / "out" / "lightning_cli" / "lightning_logs" / "version_0" / "config.yaml").read_text()
+    assert "class_path: lightning_parallel.DDPStrategy" in saved and "bucket_cap_mb: 5" in saved, saved
     assert_no_survivors(tmp_path)

@@ -119,3 +119,13 @@ def test_cli_reports_impossible_combination_before_starting_processes(tmp_path) 
     assert "trainer.devices=0 is not a device count" in proc.stdout + proc.stderr
     assert "Initializing distributed" not in proc.stdout + proc.stderr
     assert not survivors(tmp_path)
+
+
+def test_plan_group_feeds_the_tensor_parallel_strategy() -> None:
+    assert _compose("strategy=tensor_parallel").strategy.plan == "auto"  # no plan chosen
+    assert _compose("strategy=tensor_parallel", "strategy.plan=my_plan.yaml").strategy.plan == "my_plan.yaml"
+    plans = sorted(p.stem for p in (CONF / "plan").glob("*.yaml"))
+    if not plans:
+        pytest.skip("no conf/plan/*.yaml in this branch yet (written with the tensor-parallel strategy)")
+    cfg = _compose("strategy=tensor_parallel", f"plan={plans[0]}")
+    assert cfg.strategy.plan == cfg.plan and cfg.plan != "auto"
