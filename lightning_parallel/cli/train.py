@@ -42,6 +42,10 @@ SUMMARY_KEYS = ("status", "strategy", "world_size", "devices", "num_nodes", "glo
                 "val_loss", "samples_per_second", "checkpoint", "overrides", "output_dir")
 
 
+# what a rank sees when a peer died: then the peer's own error is the cause
+_COMMUNICATION_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo", "NCCL")
+
+
 def _explicit_keys(section: str) -> set[str]:
     """Keys of ``section`` set on the command line (``model.lr=1`` -> {"lr"})."""
     from hydra.core.hydra_config import HydraConfig
@@ -132,15 +136,20 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         log.error("%s", err)
     except Exception as err:  # the job failed: record it (a sweep goes on)
         trainer = getattr(err, "_lp_trainer", None)
+        summary.update(getattr(err, "_lp_results", {}))
         summary.update(status="failed", error=f"{type(err).__name__}: {err}")
         log.error("run failed: %s\n%s", err, traceback.format_exc())
     finally:
         try:
-            finish_job()
+            finish_job(job_failed=summary["status"] == "failed")
         except ChildProcessError as err:
             summary["status"] = "failed"
-            # the rank that failed first, then what it did to this one (usually "Connection closed by peer")
-            summary["error"] = (str(err) + "\n" + summary.get("error", "")).strip()
+            own = summary.get("error", "")
+            if not own or any(w in own for w in _COMMUNICATION_ERRORS):
+                # a child failed first; this process only saw its peer vanish: the child's error leads
+                summary["error"] = (str(err) + "\n" + own).strip()
+            else:
+                summary["error"] = (own + "\n" + str(err)).strip()
             log.error("%s", err)
     summary["wall_seconds"] = round(time.perf_counter() - started, 3)
     if _global_rank(trainer) == 0:
@@ -180,6 +189,7 @@ def _fit(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         trainer.fit(model, datamodule=data, ckpt_path=cfg.ckpt_path)
     except Exception as err:
         err._lp_trainer = trainer  # type: ignore[attr-defined]
+        err._lp_results = recorder.results(trainer)  # type: ignore[attr-defined]
         raise
     return {**recorder.results(trainer), "_trainer": trainer}
 

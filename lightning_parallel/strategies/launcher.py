@@ -135,11 +135,18 @@ def _kill(procs: Sequence[subprocess.Popen], grace: float = 0.0) -> None:
             log.error("rank process %d did not exit after SIGKILL", proc.pid)
 
 
-def finish_job(wait_timeout: float = 60.0) -> None:
+def _destroy_process_group() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def finish_job(wait_timeout: float = 60.0, job_failed: bool = False) -> None:
     """End the current job's launch in this (launching) process: idempotent, safe to call when none is active.
 
     Waits up to ``wait_timeout`` s for the children to exit, kills any left, destroys the default process
-    group and restores the environment variables and thread count the launch changed. Raises
+    group and restores the environment variables and thread count the launch changed. With
+    ``job_failed`` (this process failed) the process group goes first: the children, blocked in a
+    collective with this process, then fail at once instead of waiting for the timeout. Raises
     ``ChildProcessError`` if a child failed, after cleaning up.
     """
     global _ACTIVE
@@ -149,9 +156,10 @@ def finish_job(wait_timeout: float = 60.0) -> None:
         return
     if state.observer is not None:
         state.observer.stop.set()
-    _kill(state.procs, grace=wait_timeout)
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    if job_failed:
+        _destroy_process_group()
+    _kill(state.procs, grace=5.0 if job_failed else wait_timeout)
+    _destroy_process_group()
     for key, value in state.env_before.items():
         if value is None:
             os.environ.pop(key, None)

@@ -56,19 +56,25 @@ def test_sweep_strategies_by_devices(tmp_path) -> None:
 
 @pytest.mark.timeout(280)
 def test_failing_job_is_reported_and_the_sweep_goes_on(tmp_path) -> None:
-    """Rank 1 of job 0 raises at step 3: job 0 fails, job 1 still trains on 2 processes, exit status 1."""
+    """Job 0: rank 1 raises at step 3; job 1: rank 0 (the launching process) does. Both fail quickly,
+    job 2 still trains on 2 processes, and the sweep exits with status 1."""
     proc = run(["-m", "model._target_=tests.helpers.user_project.Regressor",
                 "data._target_=tests.helpers.user_project.RandomRegressionData",
-                "+model.fail_on_rank=1,null", "trainer.max_steps=8", "trainer.val_check_interval=4"], tmp_path)
+                "+model.fail_on_rank=1,0,null", "trainer.max_steps=8", "trainer.val_check_interval=4"], tmp_path)
     assert proc.returncode == 1, explain(proc)
     root = sweep_dir(tmp_path)
-    failed, ok = summary(root / "0"), summary(root / "1")
-    assert failed["status"] == "failed"
-    assert "rank 1" in failed["error"] and "deliberate failure on rank 1 at step 3" in failed["error"]
+    child_failed, parent_failed, ok = (summary(root / str(i)) for i in range(3))
+    assert child_failed["status"] == "failed"
+    assert child_failed["error"].startswith("rank 1 (pid ")
+    assert "deliberate failure on rank 1 at step 3" in child_failed["error"].splitlines()[0]
+    assert parent_failed["status"] == "failed"
+    assert parent_failed["error"].startswith("RuntimeError: deliberate failure on rank 0 at step 3")
+    assert parent_failed["world_size"] == 2 and parent_failed["global_step"] == 3  # as far as it got
+    assert parent_failed["wall_seconds"] < 45  # rank 1 was released, not left waiting for a timeout
     assert ok["status"] == "completed" and ok["world_size"] == 2 and ok["global_step"] == 8
     rows = collect_jobs(root)
-    assert [r["status"] for r in rows] == ["failed", "completed"]
-    assert "1 of 2 jobs failed" in proc.stdout + proc.stderr
+    assert [r["status"] for r in rows] == ["failed", "failed", "completed"]
+    assert "2 of 3 jobs failed" in proc.stdout + proc.stderr
     assert_no_survivors(tmp_path)
 
 
