@@ -78,31 +78,34 @@ def _bars(rows: list[dict[str, Any]], key: str, title: str, x0: float, width: fl
           row_h: float, color: str) -> list[str]:
     values = [r[key] if isinstance(r[key], (int, float)) else None for r in rows]
     peak = max([v for v in values if v is not None] or [1.0]) or 1.0
-    out = [f'<text x="{x0}" y="{top - 12}" font-weight="bold">{html.escape(title)}</text>']
+    out = [f'<text x="{x0:.1f}" y="{top - 12:.1f}" font-weight="bold">{html.escape(title)}</text>']
     for i, value in enumerate(values):
         y = top + i * row_h
         if value is None:
-            out.append(f'<text x="{x0 + 4}" y="{y + row_h * 0.65}" fill="#a00">n/a ({html.escape(str(rows[i]["status"]))})</text>')
+            out.append(f'<text x="{x0 + 4:.1f}" y="{y + row_h * 0.65:.1f}" fill="#a00">'
+                       f'n/a ({html.escape(str(rows[i]["status"]))})</text>')
             continue
         w = max(width * value / peak, 1.0)
-        out.append(f'<rect x="{x0}" y="{y + 3}" width="{w:.1f}" height="{row_h - 6}" fill="{color}"/>')
-        out.append(f'<text x="{x0 + w + 4}" y="{y + row_h * 0.65}">{_fmt(float(value))}</text>')
+        out.append(f'<rect x="{x0:.1f}" y="{y + 3:.1f}" width="{w:.1f}" height="{row_h - 6:.1f}" fill="{color}"/>')
+        out.append(f'<text x="{x0 + w + 4:.1f}" y="{y + row_h * 0.65:.1f}">{_fmt(float(value))}</text>')
     return out
 
 
 def svg_chart(rows: list[dict[str, Any]]) -> str:
     """Horizontal bars per job: samples/s and final validation loss (train loss where no validation ran)."""
     rows = [dict(r, final_loss=r["val_loss"] if r["val_loss"] is not None else r["train_loss"]) for r in rows]
-    row_h, label_w, bar_w, top = 26.0, 330.0, 220.0, 50.0
+    labels = [f'{r["job"]}: {r["overrides"]}' for r in rows]
+    labels = [label if len(label) <= 90 else label[:89] + "\u2026" for label in labels]
+    row_h, bar_w, top = 26.0, 220.0, 50.0
+    label_w = 12 + 6.6 * max([len(label) for label in labels] + [20])  # ~6.6 px per 12 px sans-serif character
     width = label_w + 2 * (bar_w + 90)
     height = top + row_h * max(len(rows), 1) + 20
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
              'font-family="sans-serif" font-size="12">',
              f'<rect width="{width:.0f}" height="{height:.0f}" fill="white"/>']
-    for i, row in enumerate(rows):
+    for i, label in enumerate(labels):
         y = top + i * row_h + row_h * 0.65
-        label = f'{row["job"]}: {row["overrides"]}'[:52]
-        parts.append(f'<text x="6" y="{y}">{html.escape(label)}</text>')
+        parts.append(f'<text x="6" y="{y:.1f}">{html.escape(label)}</text>')
     parts += _bars(rows, "samples_per_second", "samples/s", label_w, bar_w, top, row_h, "#4a7fb5")
     parts += _bars(rows, "final_loss", "final loss (val, else train)", label_w + bar_w + 90, bar_w, top, row_h,
                    "#d08c3a")
