@@ -94,18 +94,24 @@ def _bars(rows: list[dict[str, Any]], key: str, title: str, x0: float, width: fl
 def svg_chart(rows: list[dict[str, Any]]) -> str:
     """Horizontal bars per job: samples/s and final validation loss (train loss where no validation ran)."""
     rows = [dict(r, final_loss=r["val_loss"] if r["val_loss"] is not None else r["train_loss"]) for r in rows]
-    labels = [f'{r["job"]}: {r["overrides"]}' for r in rows]
+    # label each bar with what varies between jobs; what all jobs share goes in a footnote
+    tokens = [str(r["overrides"] or "").split() for r in rows]
+    common = [t for t in tokens[0] if all(t in other for other in tokens)] if tokens else []
+    labels = [f'{r["job"]}: {" ".join(t for t in toks if t not in common)}' for r, toks in zip(rows, tokens)]
     labels = [label if len(label) <= 90 else label[:89] + "\u2026" for label in labels]
     row_h, bar_w, top = 26.0, 220.0, 50.0
     label_w = 12 + 6.6 * max([len(label) for label in labels] + [20])  # ~6.6 px per 12 px sans-serif character
     width = label_w + 2 * (bar_w + 90)
-    height = top + row_h * max(len(rows), 1) + 20
+    height = top + row_h * max(len(rows), 1) + (40 if common else 20)
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
              'font-family="sans-serif" font-size="12">',
              f'<rect width="{width:.0f}" height="{height:.0f}" fill="white"/>']
     for i, label in enumerate(labels):
         y = top + i * row_h + row_h * 0.65
         parts.append(f'<text x="6" y="{y:.1f}">{html.escape(label)}</text>')
+    if common:
+        shared = html.escape("all jobs: " + " ".join(common))
+        parts.append(f'<text x="6" y="{height - 14:.1f}" fill="#555">{shared}</text>')
     parts += _bars(rows, "samples_per_second", "samples/s", label_w, bar_w, top, row_h, "#4a7fb5")
     parts += _bars(rows, "final_loss", "final loss (val, else train)", label_w + bar_w + 90, bar_w, top, row_h,
                    "#d08c3a")
