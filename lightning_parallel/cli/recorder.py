@@ -8,9 +8,11 @@ step (process warm-up) and validation time, and counts samples of distinct data-
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -54,7 +56,9 @@ def pick_metric(metrics: dict[str, Any], preferred: tuple[str, ...], word: str) 
 class RunRecorder(Callback):
     """Collects world size, losses and samples/s; ``results()`` is the body of ``summary.json``."""
 
-    def __init__(self) -> None:
+    def __init__(self, results_file: Optional[Path] = None) -> None:
+        # rank 0 also writes its results here: with start_method="spawn" training runs in other processes
+        self.results_file = results_file
         self.world_size: Optional[int] = None
         self.dp_size: Optional[int] = None
         self.backend: Optional[str] = None
@@ -107,6 +111,14 @@ class RunRecorder(Callback):
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._pause()
+        if self.results_file is not None and trainer.is_global_zero:
+            self.results_file.write_text(json.dumps(self.results(trainer), default=str))
+
+    def load_results(self) -> Optional[dict[str, Any]]:
+        """What rank 0 wrote at the end of training, if this process did not train itself (spawn)."""
+        if self.world_size is None and self.results_file is not None and self.results_file.is_file():
+            return json.loads(self.results_file.read_text())
+        return None
 
     # ------------------------------------------------------------------ results
     @property

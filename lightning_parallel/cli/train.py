@@ -176,7 +176,7 @@ def _fit(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     model = instantiate_user(cfg.model, "model")
     data = instantiate_user(cfg.data, "data")
     strategy = instantiate(cfg.strategy, _convert_="all") if "_target_" in cfg.strategy else cfg.strategy
-    recorder = RunRecorder()
+    recorder = RunRecorder(results_file=out_dir / ".run_results.json")
     callbacks: list[Any] = [recorder, ProgressPrinter(recorder, cfg.progress_every_n_steps)]
     if cfg.checkpoint.enabled:
         callbacks.append(ModelCheckpoint(dirpath=out_dir / "checkpoints", save_last=cfg.checkpoint.save_last,
@@ -191,7 +191,9 @@ def _fit(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         err._lp_trainer = trainer  # type: ignore[attr-defined]
         err._lp_results = recorder.results(trainer)  # type: ignore[attr-defined]
         raise
-    return {**recorder.results(trainer), "_trainer": trainer}
+    results = recorder.load_results() or recorder.results(trainer)
+    (out_dir / ".run_results.json").unlink(missing_ok=True)
+    return {**results, "_trainer": trainer}
 
 
 def _entry_command() -> list[str]:

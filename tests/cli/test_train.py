@@ -63,12 +63,15 @@ def test_user_module_runs_unmodified_via_target(tmp_path) -> None:
 
 
 @pytest.mark.timeout(200)
-def test_single_process_and_builtin_ddp(tmp_path) -> None:
-    """Lightning's own ddp gets our launcher too; devices=1 runs one process."""
-    for name, devices in (("ddp", 2), ("lp_dp", 1)):
-        run_dir = tmp_path / name
-        proc = run([f"strategy={name}", f"trainer.devices={devices}", *QUICK, f"hydra.run.dir={run_dir}"], tmp_path)
+def test_builtin_ddp_single_process_and_spawn(tmp_path) -> None:
+    """Lightning's own ddp gets our launcher too; devices=1 runs one process; with start_method=spawn
+    training runs in spawned processes and rank 0 still reports its figures."""
+    for name, devices, extra in (("ddp", 2, []), ("lp_dp", 1, []), ("lp_ddp", 2, ["strategy.start_method=spawn"])):
+        run_dir = tmp_path / f"{name}{extra}"
+        proc = run([f"strategy={name}", f"trainer.devices={devices}", *extra, *QUICK, f"hydra.run.dir={run_dir}"],
+                   tmp_path)
         assert proc.returncode == 0, explain(proc)
         s = summary(run_dir)
         assert s["world_size"] == devices and s["strategy"] == name and s["global_step"] == 20
+        assert s["samples_per_second"] > 0 and s["checkpoint"].endswith("last.ckpt")
     assert_no_survivors(tmp_path)
