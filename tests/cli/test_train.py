@@ -67,7 +67,7 @@ def test_builtin_ddp_single_process_and_spawn(tmp_path) -> None:
     """Lightning's own ddp gets our launcher too; devices=1 runs one process; with start_method=spawn
     training runs in spawned processes and rank 0 still reports its figures."""
     for name, devices, extra in (("ddp", 2, []), ("lp_dp", 1, []), ("lp_ddp", 2, ["strategy.start_method=spawn"])):
-        run_dir = tmp_path / f"{name}{extra}"
+        run_dir = tmp_path / f"{name}_{len(extra)}"
         proc = run([f"strategy={name}", f"trainer.devices={devices}", *extra, *QUICK, f"hydra.run.dir={run_dir}"],
                    tmp_path)
         assert proc.returncode == 0, explain(proc)
