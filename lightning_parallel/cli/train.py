@@ -145,7 +145,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         except ChildProcessError as err:
             summary["status"] = "failed"
             own = summary.get("error", "")
-            if not own or any(w in own for w in _COMMUNICATION_ERRORS):
+            if str(err) in own:  # already the reason this process failed
+                pass
+            elif not own or any(w in own for w in _COMMUNICATION_ERRORS):
                 # a child failed first; this process only saw its peer vanish: the child's error leads
                 summary["error"] = (str(err) + "\n" + own).strip()
             else:

@@ -23,9 +23,11 @@ import atexit
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -47,6 +49,8 @@ log = logging.getLogger(__name__)
 ENTRY_ENV = "LP_HYDRA_ENTRY"
 # What a launch writes into os.environ; ``finish_job`` restores each to its value before the launch.
 LAUNCH_ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "OMP_NUM_THREADS")
+# A folder where each child marks (``<local rank>``) that it is about to join the process group.
+READY_ENV = "LP_LAUNCH_READY_DIR"
 _CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
 
 
@@ -65,6 +69,7 @@ class _JobState:
         self.logs: list[Path] = []
         self.failed: list[str] = []
         self.observer: Optional[_Observer] = None
+        self.ready_dir: Optional[str] = None
 
 
 _ACTIVE: Optional[_JobState] = None
@@ -166,6 +171,8 @@ def finish_job(wait_timeout: float = 60.0, job_failed: bool = False) -> None:
         else:
             os.environ[key] = value
     torch.set_num_threads(state.threads_before)
+    if state.ready_dir is not None:
+        shutil.rmtree(state.ready_dir, ignore_errors=True)
     failed = list(state.failed)
     for rank, proc in enumerate(state.procs, start=1):
         if proc.returncode not in (0, None) and not any(f.startswith(f"rank {rank} ") for f in failed):
@@ -228,8 +235,31 @@ class HydraSafeSubprocessLauncher(_SubprocessScriptLauncher):
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self._start_job_children()
+            self._wait_until_children_ready()
+        elif os.environ.get(READY_ENV):
+            # a child of ours, about to join the process group: tell the launching process
+            Path(os.environ[READY_ENV], os.environ.get("LOCAL_RANK", "0")).touch()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
+
+    def _wait_until_children_ready(self) -> None:
+        """Wait (interruptibly) until every child is about to join the process group.
+
+        The rendezvous itself blocks in C++ until all ranks arrive or the process-group timeout (30
+        minutes by default) passes; a child that dies before it (an import error, a failing
+        ``__init__``) would leave this process stuck there. Failing here instead keeps a sweep going.
+        """
+        state = _ACTIVE
+        if state is None or state.ready_dir is None:
+            return
+        while True:
+            if all(Path(state.ready_dir, str(r)).exists() for r in range(1, len(state.procs) + 1)):
+                return
+            for rank, proc in enumerate(state.procs, start=1):
+                if proc.poll() is not None and not Path(state.ready_dir, str(rank)).exists():
+                    raise ChildProcessError(_failure_message(rank, proc, state.logs[rank - 1]) +
+                                            "\n(it exited before joining the process group)")
+            time.sleep(0.1)
 
     def _start_job_children(self) -> None:
         global _ACTIVE
@@ -249,9 +279,11 @@ class HydraSafeSubprocessLauncher(_SubprocessScriptLauncher):
         os.environ["LOCAL_RANK"] = str(env.local_rank())
         os.environ["WORLD_SIZE"] = f"{self.num_processes * self.num_nodes}"
         out_dir = Path(job.runtime.output_dir) if job is not None else None
+        state.ready_dir = tempfile.mkdtemp(prefix="lp-launch-")
         for local_rank in range(1, self.num_processes):
             child_env = os.environ.copy()
             child_env["LOCAL_RANK"] = str(local_rank)
+            child_env[READY_ENV] = state.ready_dir
             if os.environ.get("PL_GLOBAL_SEED") is None:
                 child_env.pop("PL_GLOBAL_SEED", None)
             global_rank = env.node_rank() * self.num_processes + local_rank

@@ -141,3 +141,21 @@ def test_summary_table_from_job_folders(tmp_path) -> None:
     texts = [t.text for t in svg.iter("{http://www.w3.org/2000/svg}text")]
     assert "samples/s" in texts and any("x<y&z" in (t or "") for t in texts)
     assert len(list(svg.iter("{http://www.w3.org/2000/svg}rect"))) == 1 + 2  # background + 2 bars of job 0
+
+
+@pytest.mark.timeout(200)
+def test_child_failing_before_the_rendezvous_does_not_hang_the_sweep(tmp_path) -> None:
+    """Rank 1 raises in the model's __init__, before joining the process group: without care, rank 0
+    would wait in the rendezvous for the process-group timeout (30 minutes)."""
+    proc = run(["-m", "model._target_=tests.helpers.user_project.Regressor",
+                "data._target_=tests.helpers.user_project.RandomRegressionData",
+                "+model.fail_on_rank=1", "+model.fail_at_step=-1", "trainer.max_steps=4", "trainer.devices=2,1"],
+               tmp_path, timeout=180)
+    assert proc.returncode == 1, explain(proc)
+    root = sweep_dir(tmp_path)
+    failed, ok = summary(root / "0"), summary(root / "1")
+    assert failed["status"] == "failed" and "exited before joining the process group" in failed["error"]
+    assert "deliberate failure in __init__ on local rank 1" in failed["error"].splitlines()[0]
+    assert failed["error"].count("exited before joining") == 1
+    assert ok["status"] == "completed" and ok["world_size"] == 1  # devices=1: no rank 1 to fail
+    assert_no_survivors(tmp_path)

@@ -2,9 +2,10 @@
 
 ``lp-train model._target_=tests.helpers.user_project.Regressor
 data._target_=tests.helpers.user_project.RandomRegressionData`` must run them unmodified. ``fail_on_rank``
-makes one rank raise mid-training, to test that a failing sweep job is reported and the sweep goes on.
+makes one rank raise mid-training (or in ``__init__`` with ``fail_at_step=-1``), to test that a failing sweep job is reported and the sweep goes on.
 """
 
+import os
 from typing import Optional
 
 import torch
@@ -18,6 +19,8 @@ class Regressor(LightningModule):
                  fail_at_step: int = 3) -> None:
         super().__init__()
         self.save_hyperparameters()
+        if fail_at_step < 0 and str(fail_on_rank) == os.environ.get("LOCAL_RANK", "0"):
+            raise RuntimeError(f"deliberate failure in __init__ on local rank {fail_on_rank}")
         self.net = nn.Sequential(nn.Linear(8, hidden), nn.Tanh(), nn.Linear(hidden, 1))
 
     def training_step(self, batch, batch_idx):
