@@ -106,7 +106,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from hydra.types import RunMode
 
     from lightning_parallel.config import ConfigError, validate
-    from lightning_parallel.strategies.launcher import ChildProcessError, finish_job
+    from lightning_parallel.strategies.launcher import RankFailedError, finish_job
 
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
@@ -142,7 +142,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     finally:
         try:
             finish_job(job_failed=summary["status"] == "failed")
-        except ChildProcessError as err:
+        except RankFailedError as err:
             summary["status"] = "failed"
             own = summary.get("error", "")
             if str(err) in own:  # already the reason this process failed

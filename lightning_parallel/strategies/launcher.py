@@ -14,7 +14,11 @@ process, i.e. the whole sweep. This launcher differs in four ways:
   starts, and at exit) waits for the children, kills any left, destroys the process group and
   restores the environment variables the launch set;
 - a failing child is reported (with the tail of its output) and its peers are stopped, but the
-  launching process is never killed: its collectives fail, the job fails, the sweep goes on.
+  launching process is never killed: its collectives fail, the job fails, the sweep goes on;
+- children mark (in a temporary folder) that they are about to join the process group, and the
+  launching process waits for that, interruptibly: a child that dies before the rendezvous (import
+  error, failing ``__init__``) fails the job at once instead of blocking rank 0 in the rendezvous
+  until the process-group timeout (30 minutes).
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 
 import lightning.pytorch as pl
 
-__all__ = ["HydraSafeSubprocessLauncher", "finish_job", "install", "child_command", "ChildProcessError", "ENTRY_ENV", "LAUNCH_ENV_VARS"]
+__all__ = ["HydraSafeSubprocessLauncher", "finish_job", "install", "child_command", "RankFailedError", "ENTRY_ENV",
+           "READY_ENV", "LAUNCH_ENV_VARS"]
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +59,7 @@ READY_ENV = "LP_LAUNCH_READY_DIR"
 _CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
 
 
-class ChildProcessError(RuntimeError):
+class RankFailedError(RuntimeError):
     """A rank started by the launcher exited with an error."""
 
 
@@ -152,7 +157,7 @@ def finish_job(wait_timeout: float = 60.0, job_failed: bool = False) -> None:
     group and restores the environment variables and thread count the launch changed. With
     ``job_failed`` (this process failed) the process group goes first: the children, blocked in a
     collective with this process, then fail at once instead of waiting for the timeout. Raises
-    ``ChildProcessError`` if a child failed, after cleaning up.
+    ``RankFailedError`` if a child failed, after cleaning up.
     """
     global _ACTIVE
     with _LOCK:
@@ -178,7 +183,7 @@ def finish_job(wait_timeout: float = 60.0, job_failed: bool = False) -> None:
         if proc.returncode not in (0, None) and not any(f.startswith(f"rank {rank} ") for f in failed):
             failed.append(_failure_message(rank, proc, state.logs[rank - 1]))
     if failed:
-        raise ChildProcessError("\n".join(failed))
+        raise RankFailedError("\n".join(failed))
 
 
 atexit.register(lambda: finish_job(wait_timeout=10.0) if _ACTIVE is not None else None)
@@ -257,7 +262,7 @@ class HydraSafeSubprocessLauncher(_SubprocessScriptLauncher):
                 return
             for rank, proc in enumerate(state.procs, start=1):
                 if proc.poll() is not None and not Path(state.ready_dir, str(rank)).exists():
-                    raise ChildProcessError(_failure_message(rank, proc, state.logs[rank - 1]) +
+                    raise RankFailedError(_failure_message(rank, proc, state.logs[rank - 1]) +
                                             "\n(it exited before joining the process group)")
             time.sleep(0.1)
 

@@ -48,7 +48,7 @@ def test_finish_job_restores_environment_and_reports_failed_children(monkeypatch
     state.logs = [Path(os.devnull)]
     monkeypatch.setattr(L, "_ACTIVE", state)
     os.environ.update(MASTER_PORT="5555", LOCAL_RANK="0")  # what a launch leaves behind
-    with pytest.raises(L.ChildProcessError, match=r"rank 1 \(pid \d+\) exited with code 3"):
+    with pytest.raises(L.RankFailedError, match=r"rank 1 \(pid \d+\) exited with code 3"):
         L.finish_job(wait_timeout=20)
     assert os.environ["MASTER_PORT"] == "1234" and "LOCAL_RANK" not in os.environ
     assert L._ACTIVE is None
