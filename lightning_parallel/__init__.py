@@ -5,9 +5,15 @@
 """
 
 from lightning_parallel.registry import STRATEGY_NAMES, register_strategies
-from lightning_parallel.strategies import DataParallelStrategy, DDPStrategy, ParallelStrategyBase
+from lightning_parallel.strategies import (
+    DataParallelStrategy,
+    DDPStrategy,
+    ParallelStrategyBase,
+    TensorParallelStrategy,
+)
 
 __version__ = "0.1.0"
-__all__ = ["DDPStrategy", "DataParallelStrategy", "ParallelStrategyBase", "STRATEGY_NAMES", "__version__"]
+__all__ = ["DDPStrategy", "DataParallelStrategy", "ParallelStrategyBase", "STRATEGY_NAMES", "TensorParallelStrategy",
+           "__version__"]
 
 register_strategies()

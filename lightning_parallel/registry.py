@@ -22,6 +22,11 @@ STRATEGY_NAMES: dict[str, tuple[str, dict[str, Any], str]] = {
         "lp_ddp that allows parameters without gradients",
     ),
     "lp_dp": ("DataParallelStrategy", {}, "master-based data parallel: gradients to rank 0, parameters back"),
+    "lp_tensor_parallel": (
+        "TensorParallelStrategy",
+        {},
+        "Megatron-style tensor parallelism (plan='auto'), optionally 2-D with data parallelism",
+    ),
 }
 
 

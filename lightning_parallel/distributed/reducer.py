@@ -30,13 +30,23 @@ from torch import Tensor, nn
 from lightning_parallel.distributed.buckets import assign_buckets
 from lightning_parallel.distributed.state import global_rank
 
-__all__ = ["GradientReducer", "UnusedParametersError", "COMM_HOOKS"]
+__all__ = ["GradientReducer", "ReducerStats", "UnusedParametersError", "COMM_HOOKS"]
 
 COMM_HOOKS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 class UnusedParametersError(RuntimeError):
     """Raised when parameters got no gradient and ``find_unused_parameters`` is off."""
+
+
+@dataclass
+class ReducerStats:
+    """Counters that make the reducer's behaviour observable (tests and benchmarks read them)."""
+
+    bucket_all_reduces: int = 0  # collectives on gradient buckets
+    launched_in_backward: int = 0  # of those, launched from a gradient hook while backward still ran
+    synced_steps: int = 0
+    rebuilt: bool = False
 
 
 @dataclass
@@ -71,6 +81,7 @@ class GradientReducer:
         self.find_unused_parameters = find_unused_parameters
         self.wire_dtype = COMM_HOOKS[comm_hook]
         self.sync_enabled = True
+        self.stats = ReducerStats()
         self._names = {p: n for n, p in named_params if p.requires_grad}
         # Gradients roughly arrive in reverse registration order; that is the first guess.
         self._order: list[nn.Parameter] = list(reversed(list(self._names)))
@@ -118,6 +129,7 @@ class GradientReducer:
         if [id(p) for p in order] != [id(p) for p in self._order]:
             self._order = order
             self._build_buckets(order)
+        self.stats.rebuilt = True
 
     # ------------------------------------------------------------------ step
     def prepare_for_backward(self) -> None:
@@ -153,12 +165,14 @@ class GradientReducer:
         self._used.add(p)
         bucket.pending -= 1
         if self.sync_enabled:
-            self._launch_ready()
+            self._launch_ready(in_backward=True)
 
-    def _launch_ready(self) -> None:
+    def _launch_ready(self, in_backward: bool = False) -> None:
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending <= 0:
             self._launch(self.buckets[self._next_bucket])
             self._next_bucket += 1
+            self.stats.bucket_all_reduces += 1
+            self.stats.launched_in_backward += int(in_backward)
 
     def _launch(self, bucket: _Bucket) -> None:
         if self.wire_dtype is not None and bucket.buffer.is_floating_point():
@@ -193,6 +207,7 @@ class GradientReducer:
             p.grad = None
         self._used.clear()
         self._synced_once = True
+        self.stats.synced_steps += 1
 
     def _globally_unused(self, locally_unused: list[nn.Parameter]) -> list[nn.Parameter]:
         """All ranks take part (another rank may have unused parameters even if this one has none)."""

@@ -4,5 +4,7 @@ from lightning_parallel.strategies.base import ParallelStrategyBase
 from lightning_parallel.strategies.ddp import DDPStrategy
 from lightning_parallel.strategies.dp import DataParallelStrategy
 from lightning_parallel.strategies.reference import SingleDeviceReferenceStrategy
+from lightning_parallel.strategies.tensor_parallel import TensorParallelStrategy
 
-__all__ = ["ParallelStrategyBase", "DDPStrategy", "DataParallelStrategy", "SingleDeviceReferenceStrategy"]
+__all__ = ["ParallelStrategyBase", "DDPStrategy", "DataParallelStrategy", "SingleDeviceReferenceStrategy",
+           "TensorParallelStrategy"]

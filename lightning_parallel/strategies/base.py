@@ -11,11 +11,15 @@ What the base adds on top:
 - a (dp, pp, tp) mesh built right after the default process group (``mesh_shape`` is the subclass's);
 - samplers, ``self.log(sync_dist=True)`` and torchmetrics reduce over the data-parallel group, so
   model-parallel peers that hold the same batch are not counted twice;
-- an optional ``GradientReducer`` driven by the backward hooks and by ``block_backward_sync``.
+- an optional ``GradientReducer`` driven by the backward hooks and by ``block_backward_sync``;
+- a ``FailureWatchdog``: if one rank raises or dies, the others exit within ``failure_timeout`` seconds
+  (default 60) naming it, instead of waiting in a collective.
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Generator, Literal, Optional, Union
@@ -30,8 +34,20 @@ from torch import Tensor
 import lightning.pytorch as pl
 from lightning_parallel.distributed.mesh import Mesh, MeshShape, build_mesh
 from lightning_parallel.distributed.reducer import GradientReducer
+from lightning_parallel.distributed.sync_batchnorm import SyncBatchNormPlugin
+from lightning_parallel.distributed.watchdog import FailureWatchdog
 
 __all__ = ["ParallelStrategyBase"]
+
+
+def _init_arguments(cls: type) -> set[str]:
+    """Every named ``__init__`` argument along the class's lightning_parallel ancestry."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("lightning_parallel"):
+            names |= {p.name for p in inspect.signature(klass.__init__).parameters.values()
+                      if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"}
+    return names
 
 
 class ParallelStrategyBase(_LightningDDPStrategy):
@@ -47,7 +63,16 @@ class ParallelStrategyBase(_LightningDDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        failure_timeout: float = 60.0,
+        **unknown: Any,
     ) -> None:
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__} got unknown argument(s) {sorted(unknown)}; it accepts "
+                f"{sorted(_init_arguments(type(self)))}."
+            )
+        if not isinstance(failure_timeout, (int, float)) or failure_timeout <= 0:
+            raise ValueError(f"failure_timeout must be a positive number of seconds, got {failure_timeout!r} (default 60).")
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(
                 f"start_method={start_method!r} is not supported; use 'popen' (default), 'spawn', 'fork' or "
@@ -65,6 +90,8 @@ class ParallelStrategyBase(_LightningDDPStrategy):
         )
         self.mesh: Optional[Mesh] = None
         self.reducer: Optional[GradientReducer] = None
+        self.failure_timeout = float(failure_timeout)
+        self._watchdog: Optional[FailureWatchdog] = None
 
     def _configure_launcher(self) -> None:
         """Our popen launcher: per-job children and clean-up, so Hydra sweeps (``-m``) work."""
@@ -84,6 +111,8 @@ class ParallelStrategyBase(_LightningDDPStrategy):
     def setup_distributed(self) -> None:
         super().setup_distributed()
         self.mesh = build_mesh(self.mesh_shape())
+        if self.world_size > 1 and self._watchdog is None:
+            self._watchdog = FailureWatchdog(self.global_rank, self.world_size, timeout=self.failure_timeout).start()
 
     @property
     def dp_group(self) -> Optional[torch.distributed.ProcessGroup]:
@@ -97,6 +126,12 @@ class ParallelStrategyBase(_LightningDDPStrategy):
         return {"num_replicas": shape.dp, "rank": dp_rank}
 
     # ----------------------------------------------------------------- Lightning hooks
+    def setup(self, trainer: "pl.Trainer") -> None:
+        if self._layer_sync is not None and not isinstance(self._layer_sync, SyncBatchNormPlugin):
+            # Trainer(sync_batchnorm=True): torch's SyncBatchNorm refuses CPU and syncs over WORLD
+            self._layer_sync = SyncBatchNormPlugin(self.dp_group)
+        super().setup(trainer)
+
     def configure_ddp(self) -> None:
         """Called by Lightning's ``DDPStrategy.setup`` while fitting: install our parallelism instead."""
         self.configure_parallelism()
@@ -145,8 +180,19 @@ class ParallelStrategyBase(_LightningDDPStrategy):
         if self.reducer is not None:
             self.reducer.finish_sync()
 
+    def on_exception(self, exception: BaseException) -> None:
+        """A failing rank tells the others (they stop within ``failure_timeout``, naming it)."""
+        if self._watchdog is not None:
+            root_cause = self._watchdog.report_failure(exception)
+            if root_cause:
+                print(f"[lightning_parallel] {root_cause}; rank {self.global_rank} stops too.", file=sys.stderr, flush=True)
+                exception.args = (f"{root_cause} (this rank then saw: {exception})",) + exception.args[1:]
+        super().on_exception(exception)
+
     def teardown(self) -> None:
-        if self.reducer is not None:
+        if self._watchdog is not None:
+            self._watchdog.stop()
+            self._watchdog = None
+        if self.reducer is not None:  # kept (without hooks) so its stats can be read after fit
             self.reducer.remove_hooks()
-            self.reducer = None
         super().teardown()

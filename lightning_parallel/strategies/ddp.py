@@ -43,6 +43,8 @@ class DDPStrategy(ParallelStrategyBase):
     ) -> None:
         if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be a positive number of megabytes, got {bucket_cap_mb!r} (default 25).")
+        if not isinstance(first_bucket_cap_mb, (int, float)) or first_bucket_cap_mb <= 0:
+            raise ValueError(f"first_bucket_cap_mb must be a positive number of megabytes, got {first_bucket_cap_mb!r} (default 1).")
         if comm_hook not in COMM_HOOKS:
             raise ValueError(f"comm_hook={comm_hook!r} is not supported; use None, 'fp16' or 'bf16'.")
         super().__init__(**kwargs)
@@ -51,10 +53,12 @@ class DDPStrategy(ParallelStrategyBase):
         self.find_unused_parameters = find_unused_parameters
         self.comm_hook = comm_hook
         self.broadcast_buffers = broadcast_buffers
+        self._has_buffers = False
 
     def configure_parallelism(self) -> None:
         module = self.lightning_module
         broadcast_module_states(module, src=0, group=self.dp_group)
+        self._has_buffers = any(True for _ in module.buffers())
         self.reducer = GradientReducer(
             list(module.named_parameters()),
             group=self.dp_group,
@@ -65,6 +69,6 @@ class DDPStrategy(ParallelStrategyBase):
         )
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self.broadcast_buffers and self.reducer is not None and any(True for _ in self.lightning_module.buffers()):
+        if self.broadcast_buffers and self.reducer is not None and self._has_buffers:
             broadcast_module_states(self.lightning_module, src=0, group=self.dp_group, buffers_only=True)
         return super().training_step(*args, **kwargs)

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping
 
@@ -21,7 +22,7 @@ import torch
 
 from tests.helpers.worker import run_case
 
-__all__ = ["free_port", "run_single", "run_distributed", "max_param_diff", "assert_params_close", "REPO"]
+__all__ = ["free_port", "run_single", "run_distributed", "start_processes", "distributed_command", "run_processes", "max_param_diff", "assert_params_close", "REPO"]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -55,16 +56,25 @@ def worker_env(rank: int, world_size: int, port: int, local_world_size: int | No
     return env
 
 
-def run_processes(commands: list[list[str]], envs: list[dict], timeout: float, cwd: Path, grace: float = 10.0) -> list[str]:
-    """Start one process per command; return their outputs. Raises with every rank's output tail if any
-    rank fails or the time limit passes; all processes are gone when it returns or raises."""
+@dataclass
+class ProcessResults:
+    codes: list[int]  # -9: killed by the harness (time limit, or grace period after a peer failed)
+    outputs: list[str]
+    seconds: float
+
+
+def start_processes(commands: list[list[str]], envs: list[dict], timeout: float, cwd: Path,
+                    grace: float = 10.0) -> ProcessResults:
+    """Run one process per command until all exit; kill what is left at ``timeout``, or ``grace`` seconds
+    after the first non-zero exit. No process outlives the call."""
     logs = [cwd / f"rank{r}.log" for r in range(len(commands))]
     handles = [open(log, "w") for log in logs]
+    start = time.monotonic()
     procs = [
         subprocess.Popen(cmd, env=env, cwd=cwd, stdout=h, stderr=subprocess.STDOUT, start_new_session=True)
         for cmd, env, h in zip(commands, envs, handles)
     ]
-    deadline, failed_at = time.monotonic() + timeout, None
+    deadline, failed_at = start + timeout, None
     try:
         while any(p.poll() is None for p in procs):
             now = time.monotonic()
@@ -80,16 +90,20 @@ def run_processes(commands: list[list[str]], envs: list[dict], timeout: float, c
             p.wait()
         for h in handles:
             h.close()
-    outputs = [log.read_text() for log in logs]
-    codes = [p.returncode for p in procs]
-    if any(c != 0 for c in codes):
-        tails = "\n".join(f"--- rank {r} (exit {c}) ---\n{o[-3000:]}" for r, (c, o) in enumerate(zip(codes, outputs)))
+    return ProcessResults([p.returncode for p in procs], [log.read_text() for log in logs], time.monotonic() - start)
+
+
+def run_processes(commands: list[list[str]], envs: list[dict], timeout: float, cwd: Path, grace: float = 10.0) -> list[str]:
+    """``start_processes``, raising with every rank's output tail unless all exited with 0."""
+    result = start_processes(commands, envs, timeout, cwd, grace)
+    if any(c != 0 for c in result.codes):
+        tails = "\n".join(f"--- rank {r} (exit {c}) ---\n{o[-3000:]}" for r, (c, o) in enumerate(zip(result.codes, result.outputs)))
         raise RuntimeError(f"distributed run failed or timed out after {timeout}s:\n{tails}")
-    return outputs
+    return result.outputs
 
 
-def run_distributed(cases: Iterable[dict], world_size: int, tmp_path: Path, timeout: float = 240.0) -> dict[str, list[dict]]:
-    """Run ``cases`` on ``world_size`` processes; returns {case name: [rank 0 result, rank 1 result, ...]}."""
+def distributed_command(cases: Iterable[dict], world_size: int, tmp_path: Path) -> tuple[list[list[str]], list[dict], Path]:
+    """Commands and environments of ``world_size`` worker processes that run ``cases``."""
     cases = list(cases)
     out = tmp_path / f"dist{world_size}"
     out.mkdir(parents=True, exist_ok=True)
@@ -97,7 +111,14 @@ def run_distributed(cases: Iterable[dict], world_size: int, tmp_path: Path, time
     spec.write_text(json.dumps({"cases": cases, "out": str(out)}))
     port = free_port()
     cmd = [sys.executable, "-m", "tests.helpers.worker", str(spec)]
-    run_processes([cmd] * world_size, [worker_env(r, world_size, port) for r in range(world_size)], timeout, out)
+    return [cmd] * world_size, [worker_env(r, world_size, port) for r in range(world_size)], out
+
+
+def run_distributed(cases: Iterable[dict], world_size: int, tmp_path: Path, timeout: float = 240.0) -> dict[str, list[dict]]:
+    """Run ``cases`` on ``world_size`` processes; returns {case name: [rank 0 result, rank 1 result, ...]}."""
+    cases = list(cases)
+    commands, envs, out = distributed_command(cases, world_size, tmp_path)
+    run_processes(commands, envs, timeout, out)
     return {
         c["name"]: [torch.load(out / c["name"] / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
         for c in cases

@@ -14,12 +14,14 @@ __all__ = ["RegressionData", "MLP", "MLPWithUnusedBranch", "BatchNormNet"]
 class RegressionData(LightningDataModule):
     """A fixed random regression problem; the same on every process (seeded generator)."""
 
-    def __init__(self, batch_size: int = 8, n: int = 256, in_dim: int = 16, out_dim: int = 4, seed: int = 1):
+    def __init__(self, batch_size: int = 8, n: int = 256, in_dim: int = 16, out_dim: int = 4, seed: int = 1,
+                 dtype: str = "float64"):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(n, in_dim, generator=g, dtype=torch.float64)
         w = torch.randn(in_dim, out_dim, generator=g, dtype=torch.float64)
         self.dataset = TensorDataset(x, torch.tanh(x @ w) + 0.1 * torch.randn(n, out_dim, generator=g, dtype=torch.float64))
+        self.dataset = TensorDataset(*(t.to(getattr(torch, dtype)) for t in self.dataset.tensors))
         self.batch_size = batch_size
 
     def train_dataloader(self) -> DataLoader:
@@ -72,3 +74,53 @@ class BatchNormNet(MLP):
         h = self.hparams
         self.net = nn.Sequential(nn.Linear(h.in_dim, h.hidden), nn.BatchNorm1d(h.hidden), nn.Tanh(),
                                  nn.Linear(h.hidden, h.out_dim))
+
+
+class FailingMLP(MLP):
+    """Fails on one rank at one step: raises, or kills its own process (as the OOM killer would)."""
+
+    def __init__(self, fail_rank: int = 1, fail_step: int = 2, mode: str = "raise", **kwargs):
+        super().__init__(**kwargs)
+        self.fail_rank, self.fail_step, self.mode = fail_rank, fail_step, mode
+
+    def training_step(self, batch, batch_idx):
+        if self.global_rank == self.fail_rank and self.global_step == self.fail_step:
+            if self.mode == "kill":
+                import os
+                import signal
+
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise RuntimeError("injected failure")
+        return super().training_step(batch, batch_idx)
+
+
+class ManualOptimizationMLP(MLP):
+    """Manual optimization: the user calls manual_backward and step themselves."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.manual_backward(loss)
+        opt.step()
+        return loss.detach()
+
+
+class CountingMLP(MLP):
+    """Counts training samples with a torchmetrics SumMetric: replicas that hold the same batch (model
+    parallel peers) must not be counted twice when the metric syncs."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        import torchmetrics
+
+        self.seen = torchmetrics.SumMetric()
+
+    def training_step(self, batch, batch_idx):
+        self.seen.update(torch.tensor(float(len(batch[0]))))
+        return super().training_step(batch, batch_idx)

@@ -74,8 +74,13 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
     )
     trainer_kwargs.update(case.get("trainer", {}))
     trainer = Trainer(strategy=build_strategy(case.get("strategy", "auto"), world_size), **trainer_kwargs)
-    trainer.fit(model, datamodule=data)
-    result = {"losses": recorder.losses, "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    trainer.fit(model, datamodule=data, ckpt_path=case.get("ckpt_path"))
+    if case.get("validate_after_fit"):
+        trainer.validate(model, datamodule=data, verbose=False)
+    result = {"losses": recorder.losses, "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()},
+              "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
+    if case.get("probe"):  # "module:function(trainer) -> picklable", to look inside the strategy
+        result["probe"] = load_object(case["probe"])(trainer)
     if case.get("save_checkpoint"):
         trainer.save_checkpoint(out_dir / "last.ckpt")
     return result

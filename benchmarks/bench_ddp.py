@@ -1,0 +1,121 @@
+"""lp_ddp vs Lightning's built-in ``ddp`` (torch DDP) vs master-based lp_dp, side by side in one run.
+
+    python benchmarks/bench_ddp.py                      # 2 and 4 CPU processes, 3 rounds
+    python benchmarks/bench_ddp.py --world-sizes 2 --rounds 5 --steps 40
+
+Every measurement is a real ``Trainer.fit`` of the default model (``CharGPT`` on the embedded corpus)
+under torchrun, one thread per process. Strategies are interleaved round by round so machine noise
+hits them alike; the table shows the median samples/s over rounds and the ratio to torch DDP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    from lightning.pytorch import Callback, Trainer, seed_everything
+
+    import lightning_parallel  # noqa: F401
+    from lightning_parallel.data import CharCorpusData
+    from lightning_parallel.models import CharGPT
+
+    torch.set_num_threads(1)
+    seed_everything(0)
+
+    class StepTimer(Callback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.times.append(time.perf_counter() - self.start)
+
+    timer = StepTimer()
+    model = CharGPT(n_layer=args.layers, n_embd=args.width, n_head=4)
+    data = CharCorpusData(batch_size=args.batch_size, block_size=64)
+    trainer = Trainer(accelerator="cpu", devices=args.world_size, strategy=args.strategy, max_steps=args.steps,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, limit_val_batches=0, callbacks=[timer])
+    trainer.fit(model, datamodule=data)
+    if trainer.is_global_zero:
+        step = statistics.median(timer.times[args.warmup :])
+        record = {"strategy": args.strategy, "world_size": args.world_size,
+                  "samples_per_s": args.batch_size * args.world_size / step, "step_ms": step * 1e3}
+        with open(args.out, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(strategy: str, world_size: int, out: Path, args: argparse.Namespace) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={world_size}",
+           f"--master_port={free_port()}",
+           __file__, "--worker", "--strategy", strategy, "--world-size", str(world_size), "--out", str(out),
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch-size", str(args.batch_size),
+           "--layers", str(args.layers), "--width", str(args.width)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=300)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--strategy", default="lp_ddp", help=argparse.SUPPRESS)
+    parser.add_argument("--world-size", type=int, default=2, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--strategies", nargs="+", default=["ddp", "lp_ddp", "lp_dp"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=16, help="per process")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--width", type=int, default=128)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args)
+
+    out = Path(tempfile.mkdtemp()) / "results.jsonl"
+    for round_ in range(args.rounds):
+        for world_size in args.world_sizes:
+            for strategy in args.strategies:
+                launch(strategy, world_size, out, args)
+                print(f"round {round_ + 1}/{args.rounds}: {strategy} x{world_size} done", file=sys.stderr)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    print(f"\nCharGPT(n_layer={args.layers}, n_embd={args.width}), batch {args.batch_size}/process, "
+          f"{args.steps} steps ({args.warmup} warm-up), median of {args.rounds} rounds, CPU, gloo\n")
+    print("| processes | strategy | samples/s (median) | step ms | ratio vs ddp |")
+    print("|---|---|---|---|---|")
+    for world_size in args.world_sizes:
+        medians = {}
+        for strategy in args.strategies:
+            runs = [r for r in records if r["strategy"] == strategy and r["world_size"] == world_size]
+            medians[strategy] = (statistics.median(r["samples_per_s"] for r in runs),
+                                 statistics.median(r["step_ms"] for r in runs))
+        base = medians.get("ddp", (None,))[0]
+        for strategy, (sps, ms) in medians.items():
+            ratio = f"{sps / base:.3f}" if base else "-"
+            print(f"| {world_size} | {strategy} | {sps:.1f} | {ms:.1f} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""Autograd-aware collectives for tensor parallelism: the Megatron conjugate pairs, and gather/split.
+
+Each operator is one collective in one direction and its conjugate in the other, so that a sharded
+layer's backward is exactly the transpose of its forward:
+
+    copy_to_group      identity forward,   all-reduce backward   (Megatron's "f": enters a sharded region)
+    reduce_from_group  all-reduce forward, identity backward     (Megatron's "g": leaves a sharded region)
+    gather_from_group  all-gather forward, split backward        (gather a sharded last dimension)
+    split_to_group     split forward,      all-gather backward   (shard a replicated last dimension)
+
+Every function takes the ``group`` to talk over (None = the whole world). A group of size one makes
+every operator the identity and issues no collective. ``COUNTS`` tallies the collectives issued, by
+kind, so benchmarks can compare against the Megatron count without a profiler.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = [
+    "copy_to_group",
+    "reduce_from_group",
+    "gather_from_group",
+    "split_to_group",
+    "all_reduce_sum",
+    "all_gather_dim",
+    "all_gather_list",
+    "group_size",
+    "clip_grad_norm_sharded",
+    "share_found_inf",
+    "group_rank",
+    "COUNTS",
+]
+
+COUNTS: Counter = Counter()
+
+
+def group_size(group: Optional[dist.ProcessGroup]) -> int:
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def group_rank(group: Optional[dist.ProcessGroup]) -> int:
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+def all_reduce_sum(tensor: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
+    """Sum ``tensor`` over ``group`` in place (no autograd); returns it."""
+    if group_size(group) > 1:
+        COUNTS["all_reduce"] += 1
+        dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+def all_gather_dim(tensor: Tensor, group: Optional[dist.ProcessGroup], dim: int = -1) -> Tensor:
+    """Concatenate every rank's ``tensor`` along ``dim`` (no autograd); shapes must match."""
+    size = group_size(group)
+    if size == 1:
+        return tensor
+    COUNTS["all_gather"] += 1
+    tensor = tensor.contiguous()
+    parts = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(parts, tensor, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def all_gather_list(tensor: Tensor, group: Optional[dist.ProcessGroup]) -> list[Tensor]:
+    """Every rank's ``tensor``, in group-rank order (no autograd); shapes must match."""
+    if group_size(group) == 1:
+        return [tensor]
+    COUNTS["all_gather"] += 1
+    tensor = tensor.contiguous()
+    parts = [torch.empty_like(tensor) for _ in range(group_size(group))]
+    dist.all_gather(parts, tensor, group=group)
+    return parts
+
+
+def _split(tensor: Tensor, group: Optional[dist.ProcessGroup], dim: int) -> Tensor:
+    size = group_size(group)
+    if size == 1:
+        return tensor
+    if tensor.shape[dim] % size:
+        raise ValueError(f"cannot split dimension {dim} of size {tensor.shape[dim]} into {size} equal parts")
+    return tensor.chunk(size, dim=dim)[group_rank(group)].contiguous()
+
+
+class _CopyToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return all_reduce_sum(grad.contiguous().clone(), ctx.group), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
+        return all_reduce_sum(x.contiguous().clone(), group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return grad, None
+
+
+class _GatherFromGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Optional[dist.ProcessGroup], dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        return all_gather_dim(x, group, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return _split(grad, ctx.group, ctx.dim), None, None
+
+
+class _SplitToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Optional[dist.ProcessGroup], dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        return _split(x, group, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return all_gather_dim(grad, ctx.group, ctx.dim), None, None
+
+
+def copy_to_group(x: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
+    """Identity forward, all-reduce (sum) of the gradient backward."""
+    return x if group_size(group) == 1 else _CopyToGroup.apply(x, group)
+
+
+def reduce_from_group(x: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
+    """All-reduce (sum) forward, identity backward."""
+    return x if group_size(group) == 1 else _ReduceFromGroup.apply(x, group)
+
+
+def gather_from_group(x: Tensor, group: Optional[dist.ProcessGroup], dim: int = -1) -> Tensor:
+    """All-gather along ``dim`` forward, keep this rank's slice of the gradient backward."""
+    return x if group_size(group) == 1 else _GatherFromGroup.apply(x, group, dim)
+
+
+def split_to_group(x: Tensor, group: Optional[dist.ProcessGroup], dim: int = -1) -> Tensor:
+    """Keep this rank's slice of ``dim`` forward, all-gather the gradient backward."""
+    return x if group_size(group) == 1 else _SplitToGroup.apply(x, group, dim)
+
+
+def clip_grad_norm_sharded(
+    parameters: Iterable[Tensor], max_norm: float, sharded: set[int], group: Optional[dist.ProcessGroup]
+) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` with the global 2-norm of parameters split over ``group``.
+
+    Parameters whose ``id`` is in ``sharded`` hold a slice each: their squared norms are summed over the
+    group; the others are replicated and counted once. Every rank gets the same norm and the same
+    scale, as one device holding the whole model would. Returns the total norm."""
+    with_grad = [p for p in parameters if p.grad is not None]
+    if not with_grad:
+        return torch.tensor(0.0)
+    grads = [p.grad for p in with_grad]
+    split = [p.grad for p in with_grad if id(p) in sharded]
+    whole = [p.grad for p in with_grad if id(p) not in sharded]
+    device, dtype = (
+        grads[0].device,
+        torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32,
+    )
+    local = torch.zeros((), device=device, dtype=dtype)
+    for g in split:
+        local += g.detach().to(dtype).pow(2).sum()
+    all_reduce_sum(local, group)
+    for g in whole:
+        local += g.detach().to(dtype).pow(2).sum()
+    total = local.sqrt()
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        g.detach().mul_(scale.to(g.dtype))
+    return total
+
+
+def share_found_inf(scaler: Any, group: Optional[dist.ProcessGroup] = None) -> None:
+    """Make a ``torch.amp.GradScaler`` skip a step on every rank of ``group`` when any rank saw inf/NaN.
+
+    With parameters split over ranks, an overflow can show up in one rank's shard only; a scaler that
+    decides per rank would then step on some ranks and not others, and the shards would stop belonging
+    to one model. Wraps ``unscale_`` of this scaler instance (``step`` calls it too): after unscaling,
+    the found-inf flags are max-reduced over ``group``."""
+    original = scaler.unscale_
+
+    def unscale_(optimizer: Any) -> None:
+        original(optimizer)
+        for found in scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values():
+            if group_size(group) > 1:
+                COUNTS["all_reduce"] += 1
+                dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+
+    scaler.unscale_ = unscale_

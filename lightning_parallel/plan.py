@@ -1,0 +1,51 @@
+"""``python -m lightning_parallel.plan <module target> --tp 2 [--plan auto|FILE.yaml] [--kwargs JSON]``
+
+Prints the sharding plan of a module as a table (style, local weight shape, parameters per rank and
+communication per layer, with totals) without starting any process. The target is ``package.module:Class``
+(built with ``--kwargs``) or a ``conf/plan`` file can be given as ``--plan``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from typing import Optional
+
+from lightning_parallel.tensor import PlanError, resolve
+from lightning_parallel.tensor.table import format_table
+
+__all__ = ["main"]
+
+
+def _load(target: str) -> object:
+    module, _, attr = target.partition(":")
+    if not attr:
+        raise SystemExit(f"target {target!r} must look like 'package.module:ClassName'")
+    return getattr(importlib.import_module(module), attr)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_parallel.plan", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("target", help="package.module:Class of the (Lightning)Module")
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
+    parser.add_argument("--plan", default="auto", help="'auto' (default) or a plan YAML file")
+    parser.add_argument("--kwargs", default="{}", help="JSON keyword arguments for the target")
+    args = parser.parse_args(argv)
+    if args.tp < 1:
+        parser.error(f"--tp must be a positive integer, got {args.tp}")
+    module = _load(args.target)(**json.loads(args.kwargs))
+    try:
+        resolved = resolve(module, args.plan, args.tp)
+    except PlanError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(format_table(module, resolved))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""``lp_tensor_parallel``: Megatron-style tensor parallelism for unmodified LightningModules, optionally
+combined with data parallelism (2-D: ``data_parallel_size`` x ``tensor_parallel_size`` processes).
+
+At set-up the module's layers are rewritten in place following a sharding plan (``plan="auto"``, a dict
+or a YAML file; see ``lightning_parallel.tensor.plan``), validated first on the unsharded module. The
+ranks of a tensor-parallel group see the same batches (the sampler runs over the data-parallel group);
+with ``data_parallel_size > 1`` the gradient reducer averages over the data-parallel group. Gradient
+clipping by norm uses the global norm over the shards, and checkpoints hold full, unsharded tensors
+under the original names, so they load into the plain module and into any tensor-parallel size.
+"""
+
+from __future__ import annotations
+
+import copy
+import types
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_parallel.distributed.collectives import clip_grad_norm_sharded, share_found_inf
+from lightning_parallel.distributed.mesh import MeshShape
+from lightning_parallel.distributed.reducer import GradientReducer
+from lightning_parallel.distributed.state import broadcast_module_states
+from lightning_parallel.strategies.base import ParallelStrategyBase
+from lightning_parallel.tensor import Plan, ResolvedPlan, apply_plan, parse_plan, resolve
+from lightning_parallel.tensor.layers import SharedEntry, _TPLayer
+from lightning_parallel.tensor.state import (
+    full_optimizer_state,
+    full_state_dict,
+    load_full_state_dict,
+    shard_optimizer_state,
+    sharded_parameters,
+)
+
+__all__ = ["TensorParallelStrategy", "PlanVerificationError"]
+
+
+class PlanVerificationError(RuntimeError):
+    """``verify_plan=True`` found the sharded module computing something else than the unsharded one."""
+
+
+def _positive(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        none = " or None (all devices)" if allow_none else ""
+        raise ValueError(f"{name} must be a positive integer{none}, got {value!r}")
+
+
+def _max_diff(a: Any, b: Any) -> float:
+    if isinstance(a, torch.Tensor):
+        return (a.detach().double() - b.detach().double()).abs().max().item() if a.numel() else 0.0
+    if isinstance(a, (tuple, list)):
+        return max((_max_diff(x, y) for x, y in zip(a, b)), default=0.0)
+    if isinstance(a, Mapping):
+        return max((_max_diff(a[k], b[k]) for k in a), default=0.0)
+    return 0.0
+
+
+class TensorParallelStrategy(ParallelStrategyBase):
+    """Tensor parallelism (and 2-D with data parallelism) on ``torch.distributed`` collectives.
+
+    Args:
+        tensor_parallel_size: processes that split each sharded layer; None = all processes / dp.
+        data_parallel_size: replicas of the tensor-parallel group, each with its own batches.
+        plan: ``"auto"``, a dict of module-name patterns to styles, a YAML file path, or a ``Plan``.
+        verify_plan: on the first batch, also run the unsharded module and fail with the largest
+            difference if the outputs disagree.
+        **kwargs: process plumbing, as for Lightning's ``DDPStrategy``.
+    """
+
+    strategy_name = "lp_tensor_parallel"
+
+    def __init__(
+        self,
+        tensor_parallel_size: Optional[int] = None,
+        data_parallel_size: int = 1,
+        plan: Union[str, Path, Mapping[str, Any], Plan] = "auto",
+        verify_plan: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        _positive("tensor_parallel_size", tensor_parallel_size, allow_none=True)
+        _positive("data_parallel_size", data_parallel_size)
+        if kwargs.get("start_method", "popen") != "popen":
+            raise ValueError(
+                f"start_method={kwargs['start_method']!r} is not supported by TensorParallelStrategy: "
+                "Lightning's spawn launcher hands rank 0's (sharded) weights back; use 'popen' (default)"
+            )
+        # malformed plans and missing files fail here, before any process starts (and are read once)
+        parsed = plan if isinstance(plan, str) and plan == "auto" else parse_plan(plan)
+        super().__init__(**kwargs)
+        self.tensor_parallel_size = tensor_parallel_size
+        self.data_parallel_size = data_parallel_size
+        self.plan = plan
+        self._plan = parsed
+        self.verify_plan = verify_plan
+        self.resolved: Optional[ResolvedPlan] = None
+        self._entries: list[SharedEntry] = []
+        self._reference: Optional[dict[str, nn.Module]] = None
+
+    # ----------------------------------------------------------------- layout
+    def _sizes(self) -> tuple[int, int]:
+        world, dp = self.world_size, self.data_parallel_size
+        tp = self.tensor_parallel_size or (world // dp if world % dp == 0 else 0)
+        if dp * tp != world or tp == 0:
+            raise ValueError(
+                f"TensorParallelStrategy(data_parallel_size={dp}, tensor_parallel_size={self.tensor_parallel_size}) "
+                f"needs data_parallel_size x tensor_parallel_size processes, but the run has {world} "
+                f"(num_nodes={self.num_nodes} x devices={self.num_processes}); make them equal, e.g. "
+                f"tensor_parallel_size={world // dp if world % dp == 0 else world} with data_parallel_size="
+                f"{dp if world % dp == 0 else 1}"
+            )
+        return dp, tp
+
+    def mesh_shape(self) -> MeshShape:
+        dp, tp = self._sizes()
+        return MeshShape(dp=dp, tp=tp)
+
+    def setup_distributed(self) -> None:
+        self._sizes()  # a wrong layout fails before any process group exists
+        super().setup_distributed()
+
+    @property
+    def tp_group(self) -> Optional[torch.distributed.ProcessGroup]:
+        return self.mesh.group("tp") if self.mesh is not None else None
+
+    # ----------------------------------------------------------------- set-up
+    def setup(self, trainer: "pl.Trainer") -> None:
+        if trainer.state.fn == TrainerFn.FITTING or not self._is_sharded():
+            return super().setup(trainer)
+        # validate/test/predict on a module sharded by an earlier fit: Lightning's DDPStrategy would
+        # broadcast rank 0's tensors here, overwriting the other ranks' shards. Keep them.
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.setup_precision_plugin()
+
+    def _is_sharded(self) -> bool:
+        return self.lightning_module is not None and bool(sharded_parameters(self.lightning_module))
+
+    def configure_parallelism(self) -> None:
+        module = self.lightning_module
+        dp, tp = self._sizes()
+        if self._is_sharded():  # sharded by an earlier fit: keep its layers
+            layers = [m for m in module.modules() if isinstance(m, _TPLayer)]
+            if any(layer.tp_size != tp for layer in layers):
+                raise ValueError(
+                    f"the module is already sharded for tensor_parallel_size={layers[0].tp_size}, "
+                    f"but this run has tensor_parallel_size={tp}; start from an unsharded module or a "
+                    "full checkpoint"
+                )
+            self._entries = list(
+                {id(e): e for layer in layers if (e := getattr(layer, "entry", None))}.values()
+            )
+        else:
+            broadcast_module_states(
+                module, src=0, group=None
+            )  # every rank cuts its slice of the same weights
+            self.resolved = resolve(module, self._plan, tp)
+            if self.verify_plan:
+                self._keep_reference(module)
+            self._entries = apply_plan(module, self.resolved, self.tp_group, self.mesh.tp_rank)
+            for name, why in self.resolved.report:
+                rank_zero_info(f"lp_tensor_parallel: {name} stays replicated: {why}")
+        if dp > 1:
+            self.reducer = GradientReducer(list(module.named_parameters()), group=self.dp_group)
+        self._install_global_norm_clipping()
+        if getattr(self.precision_plugin, "scaler", None) is not None:  # fp16: all ranks skip a step together
+            share_found_inf(self.precision_plugin.scaler, group=None)
+
+    def _install_global_norm_clipping(self) -> None:
+        """Lightning's precision plugin clips by the local norm; with split parameters that differs per
+        rank. Replace it on this plugin instance by the norm over the whole (unsharded) model."""
+        plugin = self.precision_plugin
+        sharded = {id(t) for t, _, _ in sharded_parameters(self.lightning_module).values()}
+        group = self.tp_group
+
+        def clip_grad_by_norm(plugin_self: Any, optimizer: Any, clip_val: Union[int, float]) -> None:
+            clip_grad_norm_sharded(list(plugin_self.main_params(optimizer)), float(clip_val), sharded, group)
+
+        plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, plugin)
+
+    # ----------------------------------------------------------------- verify_plan
+    def _keep_reference(self, module: nn.Module) -> None:
+        """Unsharded copies of the top-level children that the plan touches."""
+        touched = {a.name.split(".")[0] for a in self.resolved.assignments if a.style != "replicate"}
+        touched |= {owner.split(".")[0] for owner, _, _ in self.resolved.attributes}
+        self._reference = {n: copy.deepcopy(c) for n, c in module.named_children() if n in touched}
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._reference is None:
+            return super().training_step(*args, **kwargs)
+        calls: dict[str, tuple[tuple, dict, Any]] = {}
+        module = self.lightning_module
+
+        def record(name: str):
+            def hook(mod: nn.Module, a: tuple, kw: dict, out: Any) -> None:
+                calls.setdefault(name, (a, kw, out))
+
+            return hook
+
+        handles = [
+            getattr(module, n).register_forward_hook(record(n), with_kwargs=True) for n in self._reference
+        ]
+        try:
+            output = super().training_step(*args, **kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+        self._verify(calls)
+        return output
+
+    def _verify(self, calls: dict[str, tuple[tuple, dict, Any]]) -> None:
+        reference, self._reference = self._reference, None
+        for name, (a, kw, out) in calls.items():
+            with torch.no_grad():
+                expected = reference[name](*a, **kw)
+            diff = _max_diff(out, expected)
+            dtype = next((t.dtype for t in reference[name].parameters()), torch.float32)
+            tol = {torch.float64: 1e-9, torch.float32: 1e-4}.get(dtype, 1e-2)
+            if not diff <= tol:
+                raise PlanVerificationError(
+                    f"verify_plan: the sharded {name!r} differs from the unsharded one by {diff:.3e} on the first "
+                    f"batch (tolerance {tol:.0e}). Check the plan's attribute adjustments (e.g. "
+                    "'blocks.*.attn.n_head: divide') and that every colwise layer feeds a rowwise one."
+                )
+        rank_zero_info(f"lp_tensor_parallel: verify_plan passed for {sorted(calls)}")
+
+    # ----------------------------------------------------------------- per step
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        for entry in self._entries:
+            entry.clear()  # do not keep the step's activations alive
+
+    # ----------------------------------------------------------------- checkpoints: full tensors
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not self._is_sharded():
+            return super().lightning_module_state_dict()
+        return full_state_dict(self.lightning_module, self.tp_group)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if not self._is_sharded():
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        load_full_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if not self._is_sharded():
+            return super().optimizer_state(optimizer)
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return full_optimizer_state(optimizer, self.lightning_module, self.tp_group)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        if not self._is_sharded():
+            return super().load_optimizer_state_dict(checkpoint)
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            optimizer.load_state_dict(shard_optimizer_state(state, optimizer, self.lightning_module))
+
+    def teardown(self) -> None:
+        self._entries = []
+        self._reference = None
+        super().teardown()

@@ -1,0 +1,246 @@
+"""``plan="auto"``: find a sharding plan from the module's structure, conservatively.
+
+What is sharded, and the evidence required:
+- ``nn.MultiheadAttention`` (and so ``nn.TransformerEncoderLayer``/``DecoderLayer``): heads split;
+- attention written by hand: a module with an integer head-count attribute (``n_head``, ``num_heads``,
+  ...), three q/k/v-named ``nn.Linear`` of equal width and one output projection: q/k/v colwise, the
+  projection rowwise, the head count divided;
+- MLP pairs (Linear, element-wise ops, Linear): in an ``nn.Sequential`` from the order of its children;
+  in the feed-forward of ``nn.TransformerEncoderLayer``/``DecoderLayer`` (``linear1``/``linear2``); in
+  any other small module from a ``torch.fx`` trace that shows the second Linear reads only the first one's
+  output through element-wise operations;
+- ``nn.Embedding``: vocabulary-parallel.
+
+Everything else stays replicated, and the reason is reported.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from lightning_parallel.tensor.plan import (
+    ELEMENTWISE,
+    AttributeRule,
+    LayerRule,
+    Plan,
+    PlanError,
+    ResolvedPlan,
+    resolve_plan,
+    tied_parameters,
+)
+
+__all__ = ["auto_plan", "resolve_auto"]
+
+HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "num_attention_heads", "nhead", "heads")
+QKV_NAMES = (("q", "k", "v"), ("query", "key", "value"), ("q_proj", "k_proj", "v_proj"), ("wq", "wk", "wv"))
+OUT_NAMES = ("proj", "out_proj", "o_proj", "o", "out", "c_proj", "wo", "dense")
+ELEMENTWISE_FUNCTIONS = {
+    F.relu,
+    F.gelu,
+    F.silu,
+    F.tanh,
+    F.sigmoid,
+    F.dropout,
+    F.leaky_relu,
+    F.elu,
+    F.mish,
+    F.softplus,
+    torch.relu,
+    torch.tanh,
+    torch.sigmoid,
+    torch.nn.functional.relu6,
+    operator.mul,
+    torch.mul,
+}
+ELEMENTWISE_METHODS = {"relu", "tanh", "sigmoid", "contiguous"}
+TRANSFORMER_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+
+
+class _Finder:
+    def __init__(self, module: nn.Module, tp: int) -> None:
+        self.module, self.tp = module, tp
+        self.layers: dict[str, LayerRule] = {}
+        self.attributes: list[AttributeRule] = []
+        self.report: dict[str, str] = {}
+
+    def take(self, name: str, style: str, **options: object) -> None:
+        self.layers[name] = LayerRule(name, style, dict(options))
+
+    def pair(self, first: str, second: str) -> None:
+        a = self.module.get_submodule(first)
+        if a.out_features % self.tp:
+            self.report[first] = (
+                f"MLP pair with {second}: width {a.out_features} not divisible by tp={self.tp}"
+            )
+            return
+        self.take(first, "colwise")
+        self.take(second, "rowwise")
+
+    def run(self) -> None:
+        for name, m in self.module.named_modules():
+            if name in self.layers or any(name.startswith(n + ".") for n in self.layers):
+                continue
+            if isinstance(m, nn.MultiheadAttention):
+                self.mha(name, m)
+            elif isinstance(m, TRANSFORMER_LAYERS):
+                self.pair(f"{name}.linear1", f"{name}.linear2")
+            elif isinstance(m, nn.Sequential):
+                self.sequential(name, m)
+            elif isinstance(m, nn.Embedding):
+                self.embedding(name, m)
+            elif self.attention(name, m):
+                pass
+            elif any(isinstance(c, nn.Linear) for c in m.children()):
+                self.traced_pairs(name, m)
+        for name, m in self.module.named_modules():
+            if (
+                isinstance(m, (nn.Linear, nn.Embedding))
+                and name not in self.layers
+                and not self._inside_taken(name)
+            ):
+                self.report.setdefault(name, "no row-parallel partner found (replicated)")
+
+    def _inside_taken(self, name: str) -> bool:
+        return any(name.startswith(n + ".") for n in self.layers)
+
+    def _join(self, prefix: str, child: str) -> str:
+        return f"{prefix}.{child}" if prefix else child
+
+    def mha(self, name: str, m: nn.MultiheadAttention) -> None:
+        if not m._qkv_same_embed_dim or m.bias_k is not None or m.add_zero_attn:
+            self.report[name] = "MultiheadAttention with kdim/vdim, add_bias_kv or add_zero_attn"
+        elif m.num_heads % self.tp:
+            self.report[name] = f"num_heads={m.num_heads} not divisible by tp={self.tp}"
+        else:
+            self.take(name, "attention")
+
+    def embedding(self, name: str, m: nn.Embedding) -> None:
+        if m.num_embeddings % self.tp:
+            self.report[name] = f"num_embeddings={m.num_embeddings} not divisible by tp={self.tp}"
+        elif m.max_norm is not None or m.sparse or m.scale_grad_by_freq:
+            self.report[name] = "embedding with max_norm, sparse or scale_grad_by_freq"
+        else:
+            self.take(name, "vocab")
+
+    def attention(self, name: str, m: nn.Module) -> bool:
+        heads = next((a for a in HEAD_ATTRS if isinstance(getattr(m, a, None), int)), None)
+        if heads is None:
+            return False
+        children = dict(m.named_children())
+        qkv = next(
+            (names for names in QKV_NAMES if all(isinstance(children.get(n), nn.Linear) for n in names)), None
+        )
+        out = next((n for n in OUT_NAMES if isinstance(children.get(n), nn.Linear)), None)
+        if qkv is None or out is None:
+            return False
+        h = getattr(m, heads)
+        widths = {children[n].out_features for n in qkv}
+        if (
+            len(widths) != 1
+            or h % self.tp
+            or next(iter(widths)) % h
+            or children[out].in_features != next(iter(widths))
+        ):
+            self.report[name] = (
+                f"attention-like module, but {heads}={h} and q/k/v widths {sorted(widths)} do not split over tp={self.tp}"
+            )
+            return True
+        for n in qkv:
+            self.take(self._join(name, n), "colwise")
+        self.take(self._join(name, out), "rowwise")
+        self.attributes.append(AttributeRule(self._join(name, heads), "divide"))
+        return True
+
+    def sequential(self, name: str, m: nn.Sequential) -> None:
+        items = list(m.named_children())
+        i = 0
+        while i < len(items):
+            if isinstance(items[i][1], nn.Linear):
+                j = i + 1
+                while j < len(items) and isinstance(items[j][1], ELEMENTWISE):
+                    j += 1
+                if (
+                    j < len(items)
+                    and isinstance(items[j][1], nn.Linear)
+                    and items[j][1].in_features == items[i][1].out_features
+                ):
+                    self.pair(self._join(name, items[i][0]), self._join(name, items[j][0]))
+                    i = j + 1
+                    continue
+            i += 1
+
+    def traced_pairs(self, name: str, m: nn.Module) -> None:
+        """Pairs proven by a ``torch.fx`` trace of ``m`` (only small modules made of Linears and
+        element-wise children are traced)."""
+        if not all(isinstance(c, (nn.Linear,) + ELEMENTWISE) for c in m.children()):
+            return
+        try:
+            graph = torch.fx.symbolic_trace(m).graph
+        except Exception as err:  # noqa: BLE001  (any tracing failure means "not proven")
+            self.report[name] = f"could not trace to find MLP pairs ({type(err).__name__})"
+            return
+        linear = {
+            n: n.target
+            for n in graph.nodes
+            if n.op == "call_module" and isinstance(m.get_submodule(n.target), nn.Linear)
+        }
+
+        def elementwise(node: torch.fx.Node) -> bool:
+            if node.op == "call_module":
+                return isinstance(m.get_submodule(node.target), ELEMENTWISE)
+            if node.op == "call_function":
+                return node.target in ELEMENTWISE_FUNCTIONS
+            return node.op == "call_method" and node.target in ELEMENTWISE_METHODS
+
+        for node, target in linear.items():
+            src: Optional[torch.fx.Node] = node.args[0] if node.args else None
+            while (
+                isinstance(src, torch.fx.Node)
+                and src not in linear
+                and elementwise(src)
+                and len(src.users) == 1
+            ):
+                tensor_args = [a for a in src.args if isinstance(a, torch.fx.Node)]
+                src = tensor_args[0] if len(tensor_args) == 1 else None
+            if isinstance(src, torch.fx.Node) and src in linear and len(src.users) == 1 and src is not node:
+                first, second = linear[src], target
+                full_first, full_second = self._join(name, first), self._join(name, second)
+                if full_first not in self.layers and full_second not in self.layers:
+                    self.pair(full_first, full_second)
+
+
+def _untie(finder: _Finder) -> None:
+    """Layers holding a tied weight stay replicated, with the partner of their pair."""
+    tied = {n.rpartition(".")[0] for names in tied_parameters(finder.module).values() for n in names}
+    for name in [n for n in finder.layers if n in tied]:
+        finder.layers.pop(name, None)
+        finder.report[name] = "holds a tied weight (shared with another layer)"
+        parent = name.rpartition(".")[0]
+        for other in [n for n in finder.layers if n.rpartition(".")[0] == parent]:
+            finder.layers.pop(other)
+            finder.report[other] = f"its partner {name} holds a tied weight"
+        finder.attributes = [a for a in finder.attributes if a.pattern.rpartition(".")[0] != parent]
+
+
+def auto_plan(module: nn.Module, tp_size: int) -> tuple[Plan, list[tuple[str, str]]]:
+    """A plan for ``module`` and the list of (name, reason) of what stays replicated."""
+    finder = _Finder(module, tp_size)
+    finder.run()
+    _untie(finder)
+    return Plan(list(finder.layers.values()), finder.attributes), sorted(finder.report.items())
+
+
+def resolve_auto(module: nn.Module, tp_size: int) -> ResolvedPlan:
+    """``auto_plan`` resolved and validated like a written plan."""
+    plan, report = auto_plan(module, tp_size)
+    try:
+        resolved = resolve_plan(module, plan, tp_size)
+    except PlanError as err:  # a bug in the finder, not in the user's input
+        raise PlanError(f"the automatic plan is inconsistent ({err}); write a plan instead") from err
+    resolved.report = report
+    return resolved

@@ -1,0 +1,329 @@
+"""Megatron-style tensor-parallel layers on ``torch.distributed`` collectives (no DTensor).
+
+Each layer keeps only its rank's slice of the weights (parameters are split, not just compute) under
+the same parameter names as the layer it replaces, so a module's ``state_dict`` keys do not change.
+``SHARDS`` on each layer says how every local tensor was cut from the full one; ``full_tensor`` and
+``shard_tensor`` turn one into the other (checkpoints store full tensors).
+
+    ColumnParallelLinear      weight [out/tp, in]: output features split; output sharded or gathered
+    RowParallelLinear         weight [out, in/tp]: input features split, partial outputs all-reduced
+    VocabParallelEmbedding    weight [V/tp, D]: rows split by token id, other ids masked, all-reduced
+    ParallelMultiheadAttention  ``nn.MultiheadAttention`` with heads split: q/k/v column-, out row-parallel
+
+A column-parallel layer starts with the "f" operator (identity forward, all-reduce backward). Layers
+fed the same tensor (q, k and v) share one ``SharedEntry``, so their input gradient is all-reduced
+once, as in Megatron (2 all-reduces forward and 2 backward per transformer block).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from lightning_parallel.distributed.collectives import (
+    copy_to_group,
+    gather_from_group,
+    reduce_from_group,
+    split_to_group,
+)
+
+__all__ = [
+    "ShardSpec",
+    "SharedEntry",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "ParallelMultiheadAttention",
+    "shard_tensor",
+    "full_tensor",
+    "TP_LAYERS",
+]
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """A local tensor is slice ``rank`` of ``dim`` of the full one; with ``chunks`` > 1 the full tensor is
+    ``chunks`` packed blocks along ``dim`` (q, k, v of ``in_proj_weight``) and each block is sliced."""
+
+    dim: int
+    chunks: int = 1
+
+
+def shard_tensor(full: Tensor, spec: ShardSpec, tp_size: int, tp_rank: int) -> Tensor:
+    """This rank's slice of ``full``."""
+    blocks = full.chunk(spec.chunks, dim=spec.dim)
+    return torch.cat([b.chunk(tp_size, dim=spec.dim)[tp_rank] for b in blocks], dim=spec.dim).clone()
+
+
+def full_tensor(parts: list[Tensor], spec: ShardSpec) -> Tensor:
+    """Reassemble the full tensor from every rank's slice (in rank order)."""
+    per_rank = [p.chunk(spec.chunks, dim=spec.dim) for p in parts]
+    return torch.cat([per_rank[r][c] for c in range(spec.chunks) for r in range(len(parts))], dim=spec.dim)
+
+
+class SharedEntry:
+    """The "f" operator for a sharded region, shared by layers that read the same input tensor.
+
+    Remembers the last input (by identity, with the grad mode) and returns the same output for it, so
+    the gradients of all consumers are summed by autograd first and all-reduced once."""
+
+    def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
+        self.group = group
+        self.clear()
+
+    def __call__(self, x: Tensor) -> Tensor:
+        grad_mode = torch.is_grad_enabled()
+        if self._x is x and self._grad_mode == grad_mode:
+            return self._y
+        y = copy_to_group(x, self.group)
+        self._x, self._y, self._grad_mode = x, y, grad_mode
+        return y
+
+    def clear(self) -> None:
+        self._x: Optional[Tensor] = None
+        self._y: Optional[Tensor] = None
+        self._grad_mode = False
+
+
+def _check_divisible(what: str, size: int, tp_size: int) -> None:
+    if size % tp_size:
+        raise ValueError(f"{what}={size} is not divisible by the tensor-parallel size {tp_size}")
+
+
+def _new_param(full: Tensor, spec: ShardSpec, tp_size: int, tp_rank: int) -> nn.Parameter:
+    return nn.Parameter(shard_tensor(full.detach(), spec, tp_size, tp_rank), requires_grad=full.requires_grad)
+
+
+class _TPLayer(nn.Module):
+    SHARDS: dict[str, ShardSpec] = {}
+
+    def _init_tp(self, group: Optional[dist.ProcessGroup], tp_size: int, tp_rank: int) -> None:
+        self.group, self.tp_size, self.tp_rank = group, tp_size, tp_rank
+
+
+class ColumnParallelLinear(_TPLayer):
+    """``nn.Linear`` with its output features split over the group."""
+
+    SHARDS = {"weight": ShardSpec(0), "bias": ShardSpec(0)}
+
+    def __init__(
+        self,
+        linear: nn.Linear,
+        group: Optional[dist.ProcessGroup],
+        tp_size: int,
+        tp_rank: int,
+        gather_output: bool = False,
+        entry: Optional[SharedEntry] = None,
+    ) -> None:
+        super().__init__()
+        _check_divisible("out_features", linear.out_features, tp_size)
+        self._init_tp(group, tp_size, tp_rank)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.gather_output = gather_output
+        self.entry = entry or SharedEntry(group)
+        self.weight = _new_param(linear.weight, self.SHARDS["weight"], tp_size, tp_rank)
+        self.bias = (
+            None if linear.bias is None else _new_param(linear.bias, self.SHARDS["bias"], tp_size, tp_rank)
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.linear(self.entry(x), self.weight, self.bias)
+        return gather_from_group(y, self.group, -1) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"(local {self.weight.shape[0]}), gather_output={self.gather_output}"
+        )
+
+
+class RowParallelLinear(_TPLayer):
+    """``nn.Linear`` with its input features split; partial outputs are summed over the group."""
+
+    SHARDS = {"weight": ShardSpec(1)}
+
+    def __init__(
+        self,
+        linear: nn.Linear,
+        group: Optional[dist.ProcessGroup],
+        tp_size: int,
+        tp_rank: int,
+        input_is_parallel: bool = True,
+    ) -> None:
+        super().__init__()
+        _check_divisible("in_features", linear.in_features, tp_size)
+        self._init_tp(group, tp_size, tp_rank)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.input_is_parallel = input_is_parallel
+        self.weight = _new_param(linear.weight, self.SHARDS["weight"], tp_size, tp_rank)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.input_is_parallel:
+            x = split_to_group(x, self.group, -1)
+        y = reduce_from_group(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
+            f"input_is_parallel={self.input_is_parallel}"
+        )
+
+
+class VocabParallelEmbedding(_TPLayer):
+    """``nn.Embedding`` with rows split by token id; ids outside this rank's range give zeros, and the
+    all-reduce of the partial lookups gives every rank the full embedding."""
+
+    SHARDS = {"weight": ShardSpec(0)}
+
+    def __init__(
+        self, embedding: nn.Embedding, group: Optional[dist.ProcessGroup], tp_size: int, tp_rank: int
+    ) -> None:
+        super().__init__()
+        _check_divisible("num_embeddings", embedding.num_embeddings, tp_size)
+        self._init_tp(group, tp_size, tp_rank)
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        per_rank = embedding.num_embeddings // tp_size
+        self.start, self.end = tp_rank * per_rank, (tp_rank + 1) * per_rank
+        pad = embedding.padding_idx
+        self.local_padding_idx = (
+            pad - self.start if pad is not None and self.start <= pad < self.end else None
+        )
+        self.weight = _new_param(embedding.weight, self.SHARDS["weight"], tp_size, tp_rank)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        outside = (ids < self.start) | (ids >= self.end)
+        local = (ids - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight, self.local_padding_idx).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_group(out, self.group)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, local rows [{self.start}, {self.end})"
+
+
+class ParallelMultiheadAttention(_TPLayer):
+    """``nn.MultiheadAttention`` with its heads split over the group (q/k/v column-, out row-parallel).
+
+    Keeps the call signature, ``batch_first`` and the parameter names of the original, so that
+    ``nn.TransformerEncoderLayer`` and ``nn.Transformer`` work unchanged. ``_qkv_same_embed_dim`` is
+    False on purpose: it keeps their fused inference fast path (which would read the local weights as
+    if they were full) switched off. Attention weights are not returned (``None``)."""
+
+    SHARDS = {"in_proj_weight": ShardSpec(0, chunks=3), "in_proj_bias": ShardSpec(0, chunks=3)}
+
+    def __init__(
+        self,
+        mha: nn.MultiheadAttention,
+        group: Optional[dist.ProcessGroup],
+        tp_size: int,
+        tp_rank: int,
+        entry: Optional[SharedEntry] = None,
+    ) -> None:
+        super().__init__()
+        _check_divisible("num_heads", mha.num_heads, tp_size)
+        if not mha._qkv_same_embed_dim or mha.bias_k is not None or mha.add_zero_attn:
+            raise ValueError(
+                "ParallelMultiheadAttention supports kdim == vdim == embed_dim, no add_bias_kv and no "
+                "add_zero_attn"
+            )
+        self._init_tp(group, tp_size, tp_rank)
+        self.embed_dim, self.batch_first, self.dropout = mha.embed_dim, mha.batch_first, mha.dropout
+        self.full_num_heads = mha.num_heads
+        self.num_heads = mha.num_heads // tp_size
+        self.head_dim = mha.head_dim
+        self._qkv_same_embed_dim = False  # see the class docstring
+        self.bias_k = self.bias_v = None
+        self.add_zero_attn = False
+        self.entry = entry or SharedEntry(group)
+        self.in_proj_weight = _new_param(mha.in_proj_weight, self.SHARDS["in_proj_weight"], tp_size, tp_rank)
+        self.in_proj_bias = (
+            None
+            if mha.in_proj_bias is None
+            else _new_param(mha.in_proj_bias, self.SHARDS["in_proj_bias"], tp_size, tp_rank)
+        )
+        self.out_proj = RowParallelLinear(mha.out_proj, group, tp_size, tp_rank)
+
+    def _mask(
+        self, attn_mask: Optional[Tensor], key_padding_mask: Optional[Tensor], batch: int, dtype: torch.dtype
+    ) -> Optional[Tensor]:
+        """One additive mask broadcastable to (batch, local heads, target, source)."""
+
+        def additive(m: Tensor) -> Tensor:
+            if m.dtype == torch.bool:
+                return torch.zeros(m.shape, dtype=dtype, device=m.device).masked_fill(m, float("-inf"))
+            return m.to(dtype)
+
+        mask = None
+        if attn_mask is not None:
+            mask = additive(attn_mask)
+            if mask.dim() == 3:  # (batch * heads, T, S): keep this rank's heads
+                h0 = self.tp_rank * self.num_heads
+                mask = mask.view(batch, self.full_num_heads, *mask.shape[1:])[:, h0 : h0 + self.num_heads]
+        if key_padding_mask is not None:
+            kpm = additive(key_padding_mask).view(batch, 1, 1, -1)
+            mask = kpm if mask is None else mask + kpm
+        return mask
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Optional[Tensor] = None,
+        need_weights: bool = True,
+        attn_mask: Optional[Tensor] = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, None]:
+        key_is_query, value_is_key = key is query, value is key
+        unbatched = query.dim() == 2
+        if unbatched:
+            query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
+        elif not self.batch_first:
+            query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
+        B, T, _ = query.shape
+        q_in = self.entry(query)
+        if key_is_query and value_is_key:  # self-attention: one matmul for q, k and v
+            q, k, v = F.linear(q_in, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
+        else:
+            w = self.in_proj_weight.chunk(3)
+            b = self.in_proj_bias.chunk(3) if self.in_proj_bias is not None else (None,) * 3
+            k_in = q_in if key_is_query else copy_to_group(key, self.group)
+            v_in = k_in if value_is_key else copy_to_group(value, self.group)
+            q, k, v = (F.linear(t, wi, bi) for t, wi, bi in zip((q_in, k_in, v_in), w, b))
+        q, k, v = (t.view(B, -1, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        if unbatched and key_padding_mask is not None:
+            key_padding_mask = key_padding_mask.unsqueeze(0)
+        mask = self._mask(attn_mask, key_padding_mask, B, q.dtype)
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=is_causal and mask is None,
+        )
+        y = self.out_proj(y.transpose(1, 2).reshape(B, T, -1))
+        if unbatched:
+            y = y.squeeze(0)
+        elif not self.batch_first:
+            y = y.transpose(0, 1)
+        return y, None
+
+    def extra_repr(self) -> str:
+        return f"embed_dim={self.embed_dim}, num_heads={self.full_num_heads} (local {self.num_heads})"
+
+
+# plan style -> (layer class, the module types it replaces)
+TP_LAYERS: dict[str, tuple[type, tuple[type, ...]]] = {
+    "colwise": (ColumnParallelLinear, (nn.Linear,)),
+    "rowwise": (RowParallelLinear, (nn.Linear,)),
+    "vocab": (VocabParallelEmbedding, (nn.Embedding,)),
+    "attention": (ParallelMultiheadAttention, (nn.MultiheadAttention,)),
+}

@@ -1,0 +1,418 @@
+"""Sharding plans: which layers of a module are split, and how. Parse, validate, apply.
+
+A plan maps module-name patterns to a style; ``*`` matches exactly one dotted segment::
+
+    layers:
+      model.tok_emb: vocab
+      model.blocks.*.attn.q: colwise
+      model.blocks.*.attn.proj: rowwise
+      model.head: {style: colwise, gather_output: true}
+    attributes:
+      model.blocks.*.attn.n_head: divide      # the head count each rank sees
+
+A flat mapping works too (a value ``divide`` marks an attribute). Styles: ``colwise``
+(``gather_output``), ``rowwise`` (``input_is_parallel``, default true), ``vocab``, ``attention`` (for
+``nn.MultiheadAttention``) and ``replicate``. Names are those of ``module.named_modules()``.
+
+Everything is checked on the unsharded module before anything is changed, and each problem is reported
+with the offending name and what would work: ``resolve_plan`` never returns a plan ``apply_plan``
+cannot carry out.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Optional, Union
+
+import torch.distributed as dist
+from torch import nn
+
+from lightning_parallel.tensor.layers import TP_LAYERS, SharedEntry
+
+__all__ = [
+    "PlanError",
+    "LayerRule",
+    "AttributeRule",
+    "Plan",
+    "Assignment",
+    "ResolvedPlan",
+    "parse_plan",
+    "match_pattern",
+    "resolve_plan",
+    "apply_plan",
+    "STYLES",
+    "ELEMENTWISE",
+    "named_plans",
+]
+
+STYLES = ("colwise", "rowwise", "vocab", "attention", "replicate")
+OPTIONS: dict[str, dict[str, Any]] = {
+    "colwise": {"gather_output": False},
+    "rowwise": {"input_is_parallel": True},
+    "vocab": {},
+    "attention": {},
+    "replicate": {},
+}
+ATTRIBUTE_ACTIONS = ("divide",)
+# Modules that act on each feature independently: a sharded last dimension passes through them unchanged.
+ELEMENTWISE: tuple[type, ...] = (
+    nn.ReLU,
+    nn.GELU,
+    nn.Tanh,
+    nn.Sigmoid,
+    nn.SiLU,
+    nn.Mish,
+    nn.LeakyReLU,
+    nn.ELU,
+    nn.Softplus,
+    nn.Hardtanh,
+    nn.ReLU6,
+    nn.Dropout,
+    nn.Identity,
+)
+
+
+class PlanError(ValueError):
+    """A sharding plan that does not fit the module it is applied to."""
+
+
+@dataclass(frozen=True)
+class LayerRule:
+    pattern: str
+    style: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class AttributeRule:
+    pattern: str  # "owner.pattern.attribute"
+    action: str = "divide"
+
+
+@dataclass
+class Plan:
+    layers: list[LayerRule] = field(default_factory=list)
+    attributes: list[AttributeRule] = field(default_factory=list)
+
+
+@dataclass
+class Assignment:
+    """One module of the actual model and what happens to it."""
+
+    name: str
+    module: nn.Module
+    style: str
+    options: dict[str, Any]
+
+
+@dataclass
+class ResolvedPlan:
+    assignments: list[Assignment]
+    attributes: list[tuple[str, str, int]]  # (owner module name, attribute, value before dividing)
+    tp_size: int
+    report: list[tuple[str, str]] = field(default_factory=list)  # (name, why it stays replicated), from auto
+
+    def styles(self) -> dict[str, str]:
+        return {a.name: a.style for a in self.assignments}
+
+
+# ---------------------------------------------------------------------------------------------- parse
+# Where named plans (``plan="char_gpt"``) are looked up: the package's own copy, then the repository's.
+PLAN_DIRS = (
+    Path(__file__).resolve().parents[1] / "conf" / "plan",
+    Path(__file__).resolve().parents[2] / "conf" / "plan",
+)
+
+
+def named_plans() -> list[str]:
+    return sorted({p.stem for d in PLAN_DIRS if d.is_dir() for p in d.glob("*.yaml")})
+
+
+def _load_yaml(path: Path) -> Any:
+    import yaml
+
+    if not path.is_file() and path.suffix not in (".yaml", ".yml") and len(path.parts) == 1:
+        found = [d / f"{path}.yaml" for d in PLAN_DIRS if (d / f"{path}.yaml").is_file()]
+        if found:
+            path = found[0]
+        else:
+            raise PlanError(
+                f"plan {str(path)!r} is neither a file nor a named plan; named plans: "
+                f"{', '.join(named_plans()) or 'none'}; or give a dict, a YAML file path, or 'auto'"
+            )
+    if not path.is_file():
+        raise PlanError(f"plan file {str(path)!r} does not exist; give a dict, a YAML file path, or 'auto'")
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def _rule(pattern: str, value: Any) -> Union[LayerRule, AttributeRule]:
+    if value in ATTRIBUTE_ACTIONS:
+        return AttributeRule(pattern, value)
+    if isinstance(value, str):
+        value = {"style": value}
+    if not isinstance(value, Mapping) or "style" not in value:
+        raise PlanError(
+            f"plan entry {pattern!r}: {value!r} is not a style; use one of {', '.join(STYLES)} "
+            f"or a mapping like {{style: colwise, gather_output: true}}"
+        )
+    options = dict(value)
+    style = options.pop("style")
+    if style not in STYLES:
+        raise PlanError(
+            f"plan entry {pattern!r}: unknown style {style!r}; use one of {', '.join(STYLES)} "
+            "(or 'divide' for a head-count attribute)"
+        )
+    unknown = set(options) - set(OPTIONS[style])
+    if unknown:
+        allowed = ", ".join(OPTIONS[style]) or "none"
+        raise PlanError(
+            f"plan entry {pattern!r}: option(s) {sorted(unknown)} not valid for style {style!r}; "
+            f"allowed: {allowed}"
+        )
+    return LayerRule(pattern, style, options)
+
+
+def parse_plan(spec: Any) -> Plan:
+    """A ``Plan`` from a dict (flat, or with ``layers``/``attributes``), a YAML path, or a ``Plan``."""
+    if isinstance(spec, Plan):
+        return spec
+    if isinstance(spec, (str, Path)):
+        spec = _load_yaml(Path(spec))
+    try:  # a Hydra/OmegaConf node
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(spec, DictConfig):
+            spec = OmegaConf.to_container(spec, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    if not isinstance(spec, Mapping):
+        raise PlanError(
+            f"a plan must be a mapping of module-name patterns to styles, got {type(spec).__name__}"
+        )
+    plan = Plan()
+    sections = {"layers", "attributes"}
+    flat = {k: v for k, v in spec.items() if k not in sections}
+    entries = list(flat.items()) + list((spec.get("layers") or {}).items())
+    for pattern, value in entries:
+        rule = _rule(str(pattern), value)
+        (plan.attributes if isinstance(rule, AttributeRule) else plan.layers).append(rule)
+    for pattern, action in (spec.get("attributes") or {}).items():
+        if action not in ATTRIBUTE_ACTIONS:
+            raise PlanError(
+                f"attribute {pattern!r}: unknown action {action!r}; use one of {ATTRIBUTE_ACTIONS}"
+            )
+        plan.attributes.append(AttributeRule(str(pattern), action))
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------- resolve
+def match_pattern(pattern: str, name: str) -> bool:
+    """``*`` stands for exactly one dotted segment; everything else must be equal."""
+    p, n = pattern.split("."), name.split(".")
+    return len(p) == len(n) and all(a == "*" or a == b for a, b in zip(p, n))
+
+
+def _no_match(pattern: str, names: list[str], what: str = "module") -> PlanError:
+    close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.3)
+    hint = (
+        f"closest module names: {', '.join(close)}"
+        if close
+        else f"module names look like: {', '.join(names[:5])}"
+    )
+    return PlanError(f"plan pattern {pattern!r} matches no {what} of the model; {hint}")
+
+
+def _type_error(name: str, module: nn.Module, style: str) -> PlanError:
+    expected = " or ".join(t.__name__ for t in TP_LAYERS[style][1])
+    suggest = {nn.Embedding: "vocab", nn.MultiheadAttention: "attention", nn.Linear: "colwise or rowwise"}
+    alt = next((s for t, s in suggest.items() if isinstance(module, t)), "replicate")
+    return PlanError(
+        f"style {style!r} applies to {expected}, but {name!r} is a {type(module).__name__}; "
+        f"use {alt!r} for it (or leave it out of the plan to replicate it)"
+    )
+
+
+def _divisible(name: str, what: str, size: int, tp: int, style: str) -> None:
+    if size % tp:
+        raise PlanError(
+            f"{name!r} ({style}): {what}={size} is not divisible by the tensor-parallel size {tp}; "
+            f"use a tensor-parallel size that divides {size}, or replicate {name!r}"
+        )
+
+
+def _check_layer(a: Assignment, tp: int) -> None:
+    m, style = a.module, a.style
+    if style == "replicate":
+        return
+    if not isinstance(m, TP_LAYERS[style][1]):
+        raise _type_error(a.name, m, style)
+    if style == "colwise":
+        _divisible(a.name, "out_features", m.out_features, tp, style)
+    elif style == "rowwise":
+        _divisible(a.name, "in_features", m.in_features, tp, style)
+    elif style == "vocab":
+        _divisible(a.name, "num_embeddings", m.num_embeddings, tp, style)
+        if m.max_norm is not None or m.sparse or m.scale_grad_by_freq:
+            raise PlanError(
+                f"{a.name!r} (vocab): max_norm, sparse and scale_grad_by_freq are not supported by "
+                "the vocabulary-parallel embedding; replicate it"
+            )
+    elif style == "attention":
+        if not m._qkv_same_embed_dim or m.bias_k is not None or m.add_zero_attn:
+            raise PlanError(
+                f"{a.name!r} (attention): needs kdim == vdim == embed_dim, no add_bias_kv and no "
+                "add_zero_attn; replicate it"
+            )
+        _divisible(a.name, "num_heads", m.num_heads, tp, style)
+
+
+def _split_name(name: str) -> tuple[str, str]:
+    parent, _, child = name.rpartition(".")
+    return parent, child
+
+
+def _check_dataflow(assignments: list[Assignment], modules: dict[str, nn.Module]) -> None:
+    """A row-parallel layer needs a sharded input, and a column-parallel output left sharded needs a
+    row-parallel consumer. In an ``nn.Sequential`` the neighbours are known (only element-wise modules
+    may sit between the two); elsewhere the pair must at least be siblings."""
+    style = {a.name: a for a in assignments}
+
+    def sharded_producer(a: Assignment) -> bool:
+        return a.style == "colwise" and not a.options.get("gather_output", False)
+
+    for a in assignments:
+        parent_name, child = _split_name(a.name)
+        parent = modules[parent_name]
+        siblings = [f"{parent_name}.{c}" if parent_name else c for c in parent._modules]
+        if isinstance(parent, nn.Sequential):
+            i = siblings.index(a.name)
+            step = -1 if a.style == "rowwise" else 1
+            j = i + step
+            while 0 <= j < len(siblings) and isinstance(modules[siblings[j]], ELEMENTWISE):
+                j += step
+            neighbour = style.get(siblings[j]) if 0 <= j < len(siblings) else None
+            candidates = [neighbour] if neighbour is not None else []
+        else:
+            candidates = [style[s] for s in siblings if s in style and s != a.name]
+        if a.style == "rowwise" and a.options.get("input_is_parallel", True):
+            if not any(sharded_producer(c) for c in candidates):
+                raise PlanError(
+                    f"rowwise layer {a.name!r} would be fed a replicated input: no colwise layer (without "
+                    f"gather_output) feeds it in {parent_name or 'the root module'!r}. Mark its producer 'colwise', "
+                    f"or give it {{style: rowwise, input_is_parallel: false}} to split its input"
+                )
+        if sharded_producer(a) and not any(c.style == "rowwise" for c in candidates):
+            raise PlanError(
+                f"colwise layer {a.name!r} leaves its output sharded, but no rowwise layer consumes it in "
+                f"{parent_name or 'the root module'!r}. Mark the consumer 'rowwise', or use "
+                f"{{style: colwise, gather_output: true}}"
+            )
+
+
+def tied_parameters(module: nn.Module) -> dict[int, list[str]]:
+    """id of every parameter registered under more than one name -> those names."""
+    names: dict[int, list[str]] = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    return {k: v for k, v in names.items() if len(v) > 1}
+
+
+def _check_tied(module: nn.Module, sharded: list[Assignment]) -> None:
+    tied = tied_parameters(module)
+    for a in sharded:
+        for local, p in a.module.named_parameters(remove_duplicate=False):
+            others = [n for n in tied.get(id(p), []) if not n.startswith(a.name + ".")]
+            if others:
+                raise PlanError(
+                    f"'{a.name}.{local}' is the same tensor as {others[0]!r} (tied weights); sharding one "
+                    "would untie them. Replicate both"
+                )
+
+
+def resolve_plan(module: nn.Module, plan: Any, tp_size: int) -> ResolvedPlan:
+    """Match ``plan`` against ``module``'s names and validate everything, without changing the module."""
+    plan = parse_plan(plan)
+    modules = dict(module.named_modules())
+    names = [n for n in modules if n]
+    owner: dict[str, str] = {}
+    assignments: list[Assignment] = []
+    for rule in plan.layers:
+        hits = [n for n in names if match_pattern(rule.pattern, n)]
+        if not hits:
+            raise _no_match(rule.pattern, names)
+        for n in hits:
+            if n in owner:
+                raise PlanError(
+                    f"module {n!r} is matched by two plan patterns, {owner[n]!r} and {rule.pattern!r}; "
+                    "keep one"
+                )
+            owner[n] = rule.pattern
+            a = Assignment(n, modules[n], rule.style, {**OPTIONS[rule.style], **rule.options})
+            _check_layer(a, tp_size)
+            assignments.append(a)
+    sharded = [a for a in assignments if a.style != "replicate"]
+    for a in sharded:
+        for b in sharded:
+            if a is not b and b.name.startswith(a.name + "."):
+                raise PlanError(
+                    f"{b.name!r} is inside {a.name!r}, which is sharded as a whole ({a.style}); "
+                    f"remove one of the two"
+                )
+    _check_tied(module, sharded)
+    _check_dataflow(sharded, modules)
+    attributes: list[tuple[str, str, int]] = []
+    for rule in plan.attributes:
+        owner_pattern, _, attr = rule.pattern.rpartition(".")
+        hits = [n for n in modules if match_pattern(owner_pattern, n)] if owner_pattern else [""]
+        if not hits:
+            raise _no_match(
+                rule.pattern,
+                [
+                    f"{n}.{k}"
+                    for n in names
+                    for k, v in vars(modules[n]).items()
+                    if isinstance(v, int) and not k.startswith("_")
+                ],
+                "attribute",
+            )
+        for n in hits:
+            value = getattr(modules[n], attr, None)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise PlanError(
+                    f"attribute {attr!r} of {n or 'the root module'!r} is {value!r}; 'divide' needs an "
+                    "integer attribute such as a head count"
+                )
+            if value % tp_size:
+                raise PlanError(
+                    f"head count {n + '.' if n else ''}{attr}={value} is not divisible by the "
+                    f"tensor-parallel size {tp_size}; use a tensor-parallel size that divides {value}"
+                )
+            attributes.append((n, attr, value))
+    return ResolvedPlan(assignments, attributes, tp_size)
+
+
+# ---------------------------------------------------------------------------------------------- apply
+def apply_plan(
+    module: nn.Module, resolved: ResolvedPlan, group: Optional[dist.ProcessGroup], tp_rank: int
+) -> list[SharedEntry]:
+    """Replace the planned layers of ``module`` in place by their sharded versions; returns the shared
+    entry operators (the strategy clears their caches after each step)."""
+    tp = resolved.tp_size
+    entries: dict[str, SharedEntry] = {}
+    for a in resolved.assignments:
+        if a.style == "replicate":
+            continue
+        parent_name, child = _split_name(a.name)
+        parent = module.get_submodule(parent_name)
+        cls = TP_LAYERS[a.style][0]
+        kwargs = dict(a.options)
+        if a.style in ("colwise", "attention"):
+            kwargs["entry"] = entries.setdefault(parent_name, SharedEntry(group))
+        new = cls(a.module, group, tp, tp_rank, **kwargs)
+        new.train(a.module.training)
+        setattr(parent, child, new)
+    for owner, attr, value in resolved.attributes:
+        setattr(module.get_submodule(owner), attr, value // tp)
+    return list(entries.values())

@@ -1,0 +1,108 @@
+"""Full (unsharded) state of a tensor-parallel module, and loading a full state into one.
+
+Checkpoints keep full tensors under the original names, so they load into the plain module on one
+device and into any tensor-parallel size. Saving gathers each sharded tensor over the tensor-parallel
+group (every rank must call, in the same order); loading slices locally and needs no communication.
+Optimizer state (e.g. Adam's moments) of a sharded parameter is treated the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_parallel.distributed.collectives import all_gather_list
+from lightning_parallel.tensor.layers import ShardSpec, _TPLayer, full_tensor, shard_tensor
+
+__all__ = [
+    "sharded_parameters",
+    "full_state_dict",
+    "load_full_state_dict",
+    "full_optimizer_state",
+    "shard_optimizer_state",
+]
+
+
+def sharded_parameters(module: nn.Module) -> dict[str, tuple[Tensor, ShardSpec, _TPLayer]]:
+    """state_dict key -> (local tensor, how it was cut, its layer), in a fixed order."""
+    out: dict[str, tuple[Tensor, ShardSpec, _TPLayer]] = {}
+    for prefix, layer in module.named_modules():
+        if isinstance(layer, _TPLayer):
+            for name, spec in layer.SHARDS.items():
+                tensor = getattr(layer, name, None)
+                if tensor is not None:
+                    out[f"{prefix}.{name}" if prefix else name] = (tensor, spec, layer)
+    return out
+
+
+def _full_shape(local: Tensor, spec: ShardSpec, tp_size: int) -> tuple[int, ...]:
+    shape = list(local.shape)
+    shape[spec.dim] *= tp_size
+    return tuple(shape)
+
+
+def full_state_dict(module: nn.Module, group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
+    """``module.state_dict()`` with every sharded tensor gathered to its full size (a collective)."""
+    state = module.state_dict()
+    for key, (tensor, spec, _) in sharded_parameters(module).items():
+        state[key] = full_tensor(all_gather_list(tensor.detach(), group), spec)
+    return state
+
+
+def load_full_state_dict(module: nn.Module, state: Mapping[str, Any], strict: bool = True) -> Any:
+    """Load a full state dict into a sharded module: each rank takes its own slice."""
+    local = dict(state)
+    for key, (tensor, spec, layer) in sharded_parameters(module).items():
+        if key in local and tuple(local[key].shape) == _full_shape(tensor, spec, layer.tp_size):
+            local[key] = shard_tensor(local[key], spec, layer.tp_size, layer.tp_rank)
+        elif key in local and local[key].shape != tensor.shape:
+            raise ValueError(
+                f"checkpoint tensor {key!r} has shape {tuple(local[key].shape)}; expected the full "
+                f"shape {_full_shape(tensor, spec, layer.tp_size)}"
+            )
+    return module.load_state_dict(local, strict=strict)
+
+
+def _param_index(optimizer_state: Mapping[str, Any], optimizer: Any) -> dict[int, Tensor]:
+    """optimizer.state_dict() index -> parameter (indices follow param_groups order)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    ids = [i for group in optimizer_state["param_groups"] for i in group["params"]]
+    return dict(zip(ids, params))
+
+
+def full_optimizer_state(
+    optimizer: Any, module: nn.Module, group: Optional[dist.ProcessGroup]
+) -> dict[str, Any]:
+    """``optimizer.state_dict()`` with the per-parameter tensors of sharded parameters gathered."""
+    state = optimizer.state_dict()
+    specs = {id(t): (spec, layer) for t, spec, layer in sharded_parameters(module).values()}
+    for index, param in _param_index(state, optimizer).items():
+        if id(param) not in specs or index not in state["state"]:
+            continue
+        spec, _ = specs[id(param)]
+        entry = dict(state["state"][index])
+        for k, v in entry.items():
+            if isinstance(v, Tensor) and v.shape == param.shape and v.dim() > 0:
+                entry[k] = full_tensor(all_gather_list(v, group), spec)
+        state["state"][index] = entry
+    return state
+
+
+def shard_optimizer_state(state: Mapping[str, Any], optimizer: Any, module: nn.Module) -> dict[str, Any]:
+    """The inverse of ``full_optimizer_state`` for this rank (no communication)."""
+    state = {**state, "state": dict(state["state"])}
+    specs = {id(t): (spec, layer) for t, spec, layer in sharded_parameters(module).values()}
+    for index, param in _param_index(state, optimizer).items():
+        if id(param) not in specs or index not in state["state"]:
+            continue
+        spec, layer = specs[id(param)]
+        full = _full_shape(param, spec, layer.tp_size)
+        state["state"][index] = {
+            k: shard_tensor(v, spec, layer.tp_size, layer.tp_rank)
+            if isinstance(v, Tensor) and tuple(v.shape) == full
+            else v
+            for k, v in state["state"][index].items()
+        }
+    return state

@@ -1,0 +1,126 @@
+"""The plan as a table: each planned module, its style, local weight shape, parameters per rank and the
+communication it adds, with totals. Computed from the unsharded module and a resolved plan, so it can be
+printed before any process exists (``python -m lightning_parallel.plan``).
+
+Communication is per call of the module in one forward+backward, in elements per token (the batch and
+sequence sizes multiply it). Column-parallel layers that share a parent share one backward all-reduce of
+their input (q, k and v), as the layers do at run time. Attention is counted as self-attention: used
+for cross-attention it adds one backward all-reduce (for the gradient of the keys' and values' source).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from lightning_parallel.tensor.plan import ResolvedPlan
+
+__all__ = ["PlanRow", "plan_rows", "params_per_rank", "collectives_per_step", "format_table"]
+
+
+@dataclass
+class PlanRow:
+    name: str
+    style: str
+    local_shape: str
+    params_per_rank: int
+    forward: str
+    backward: str
+
+
+def _numel(m: nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters())
+
+
+def _local(a, tp: int) -> tuple[str, int, str, str]:
+    m, style, opts = a.module, a.style, a.options
+    if style == "colwise":
+        bias = 0 if m.bias is None else m.out_features // tp
+        fwd = f"all-gather {m.out_features}/tok" if opts.get("gather_output") else "-"
+        return (
+            f"[{m.out_features // tp}, {m.in_features}]",
+            m.weight.numel() // tp + bias,
+            fwd,
+            f"all-reduce {m.in_features}/tok",
+        )
+    if style == "rowwise":
+        bias = 0 if m.bias is None else m.out_features
+        bwd = "-" if opts.get("input_is_parallel", True) else f"all-gather {m.in_features}/tok"
+        return (
+            f"[{m.out_features}, {m.in_features // tp}]",
+            m.weight.numel() // tp + bias,
+            f"all-reduce {m.out_features}/tok",
+            bwd,
+        )
+    if style == "vocab":
+        return (
+            f"[{m.num_embeddings // tp}, {m.embedding_dim}]",
+            m.weight.numel() // tp,
+            f"all-reduce {m.embedding_dim}/tok",
+            "-",
+        )
+    if style == "attention":
+        e = m.embed_dim
+        n = (
+            m.in_proj_weight.numel()
+            + (m.in_proj_bias.numel() if m.in_proj_bias is not None else 0)
+            + m.out_proj.weight.numel()
+        ) // tp + (m.out_proj.bias.numel() if m.out_proj.bias is not None else 0)
+        return f"[{3 * e // tp}, {e}]+[{e}, {e // tp}]", n, f"all-reduce {e}/tok", f"all-reduce {e}/tok"
+    return "(full)", _numel(m), "-", "-"
+
+
+def plan_rows(module: nn.Module, resolved: ResolvedPlan) -> list[PlanRow]:
+    """One row per planned module, then one for everything left replicated."""
+    tp = resolved.tp_size
+    rows, seen_entry, covered = [], set(), set()
+    for a in resolved.assignments:
+        shape, n, fwd, bwd = _local(a, tp)
+        if a.style == "colwise":  # one shared backward all-reduce per parent (q, k, v)
+            parent = a.name.rpartition(".")[0]
+            if parent in seen_entry:
+                bwd = "(shared)"
+            seen_entry.add(parent)
+        rows.append(PlanRow(a.name, a.style, shape, n, fwd, bwd))
+        covered.update(id(p) for p in a.module.parameters())
+    rest = sum(p.numel() for p in module.parameters() if id(p) not in covered)
+    rows.append(PlanRow("(all other parameters)", "replicate", "(full)", rest, "-", "-"))
+    return rows
+
+
+def params_per_rank(module: nn.Module, resolved: ResolvedPlan) -> int:
+    return sum(r.params_per_rank for r in plan_rows(module, resolved))
+
+
+def collectives_per_step(rows: list[PlanRow]) -> tuple[int, int]:
+    """(forward, backward) collectives, counting each module call once."""
+    fwd = sum(1 for r in rows if r.forward != "-")
+    bwd = sum(1 for r in rows if r.backward not in ("-", "(shared)"))
+    return fwd, bwd
+
+
+def format_table(module: nn.Module, resolved: ResolvedPlan) -> str:
+    rows = plan_rows(module, resolved)
+    total = _numel(module)
+    header = ("module", "style", "local weight", "params/rank", "forward comm", "backward comm")
+    table = [header] + [
+        (r.name, r.style, r.local_shape, f"{r.params_per_rank:,}", r.forward, r.backward) for r in rows
+    ]
+    per_rank = sum(r.params_per_rank for r in rows)
+    fwd, bwd = collectives_per_step(rows)
+    table.append(
+        ("TOTAL", f"tp={resolved.tp_size}", "", f"{per_rank:,}", f"{fwd} collectives", f"{bwd} collectives")
+    )
+    widths = [max(len(str(row[i])) for row in table) for i in range(len(header))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.insert(len(lines) - 1, "  ".join("-" * w for w in widths))
+    lines.append(
+        f"parameters: {total:,} in the model, {per_rank:,} per rank ({per_rank / max(total, 1):.0%})"
+    )
+    for owner, attr, value in resolved.attributes:
+        lines.append(f"attribute {owner}.{attr}: {value} -> {value // resolved.tp_size} per rank")
+    for name, why in resolved.report:
+        lines.append(f"replicated {name}: {why}")
+    return "\n".join(lines)

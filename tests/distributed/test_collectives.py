@@ -1,0 +1,99 @@
+"""The autograd-aware collectives on 2 real gloo processes: each operator's forward and backward, the
+collective counts, and global-norm clipping of sharded gradients.
+
+The per-rank program is this module itself (``python -m tests.distributed.test_collectives OUT``); it
+asserts on every rank and writes a marker, and the test checks both ranks finished."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers.harness import REPO, free_port, run_processes, worker_env
+
+
+def rank_program(out: Path) -> None:
+    from lightning_parallel.distributed.collectives import (
+        COUNTS,
+        clip_grad_norm_sharded,
+        copy_to_group,
+        gather_from_group,
+        reduce_from_group,
+        share_found_inf,
+        split_to_group,
+    )
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, check = dist.get_rank(), torch.testing.assert_close
+    weights = [torch.tensor([1.0, 2.0]), torch.tensor([10.0, 20.0])]
+
+    x = torch.tensor([3.0, 4.0], requires_grad=True)  # identity forward, all-reduce backward
+    y = copy_to_group(x, None)
+    check(y, x)
+    (y * weights[rank]).sum().backward()
+    check(x.grad, weights[0] + weights[1])
+
+    x = torch.tensor([1.0, 2.0]) * (rank + 1)  # all-reduce forward, identity backward
+    x.requires_grad_()
+    y = reduce_from_group(x, None)
+    check(y, torch.tensor([3.0, 6.0]))
+    (y * weights[rank]).sum().backward()
+    check(x.grad, weights[rank])
+
+    x = torch.full((2, 2), float(rank), requires_grad=True)  # all-gather forward, split backward
+    y = gather_from_group(x, None, -1)
+    check(y, torch.tensor([[0.0, 0.0, 1.0, 1.0]] * 2))
+    g = torch.arange(8.0).view(2, 4)
+    y.backward(g)
+    check(x.grad, g.chunk(2, -1)[rank])
+
+    x = torch.arange(8.0).view(2, 4).requires_grad_()  # split forward, all-gather backward
+    y = split_to_group(x, None, -1)
+    check(y, x.detach().chunk(2, -1)[rank])
+    y.backward(torch.full_like(y, float(rank + 1)))
+    check(x.grad, torch.tensor([[1.0, 1.0, 2.0, 2.0]] * 2))
+    assert COUNTS["all_reduce"] == 2 and COUNTS["all_gather"] == 2, dict(COUNTS)
+
+    # global-norm clipping: a weight split in two plus a replicated bias, against the unsharded norm
+    full_w, bias = torch.arange(1.0, 7.0), torch.tensor([2.0, -1.0])
+    shard = torch.nn.Parameter(full_w.chunk(2)[rank].clone())
+    shard.grad = full_w.chunk(2)[rank].clone()
+    b = torch.nn.Parameter(bias.clone())
+    b.grad = bias.clone()
+    total = clip_grad_norm_sharded([shard, b], 1.0, {id(shard)}, None)
+    expected = torch.cat([full_w, bias]).norm()
+    check(total, expected)
+    check(shard.grad, full_w.chunk(2)[rank] / (expected + 1e-6))
+    check(b.grad, bias / (expected + 1e-6))
+    # fp16 loss scaling: an overflow in one rank's shard makes every rank skip the step
+    scaler = torch.amp.GradScaler("cpu", init_scale=16.0)
+    share_found_inf(scaler, None)
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scale = torch.tensor([1.0, float("inf") if rank == 1 else 2.0])
+    scaler.scale((p * scale).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    check(p.detach(), torch.ones(2))  # skipped on rank 0 too, though its gradient was finite
+    assert scaler.get_scale() == 8.0
+    (out / f"ok{rank}").write_text("ok")
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+def test_conjugate_collectives_on_two_processes(tmp_path):
+    port = free_port()
+    cmd = [sys.executable, "-m", "tests.distributed.test_collectives", str(tmp_path)]
+    run_processes([cmd, cmd], [worker_env(r, 2, port) for r in range(2)], timeout=90, cwd=tmp_path)
+    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
+
+
+if __name__ == "__main__":
+    os.chdir(REPO)
+    rank_program(Path(sys.argv[1]))

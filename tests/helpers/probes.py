@@ -1,0 +1,17 @@
+"""Functions the worker calls after fit (case option ``probe``) to report what a strategy did inside."""
+
+from dataclasses import asdict
+
+
+def reducer_stats(trainer) -> dict:
+    reducer = trainer.strategy.reducer
+    views = all(
+        p.grad is not None and p.grad.untyped_storage().data_ptr() == b.buffer.untyped_storage().data_ptr()
+        for b in reducer.buckets for p in b.params
+    )
+    return {**asdict(reducer.stats), "bucket_names": reducer.bucket_names(), "grads_are_bucket_views": views}
+
+
+def samples_seen(trainer) -> float:
+    """The synced value of CountingMLP's metric (a collective: every rank calls it)."""
+    return float(trainer.lightning_module.seen.compute())

@@ -1,0 +1,38 @@
+"""A user's ordinary training script; only ``strategy=`` names lightning_parallel.
+
+    python train_mlp.py STRATEGY DEVICES NUM_NODES OUT.pt
+
+Started directly (Lightning's launcher makes the other ranks), or by torchrun / srun.
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, Trainer, seed_everything
+
+import lightning_parallel  # noqa: F401  (registers the lp_* names)
+from tests.helpers.models import MLP, RegressionData
+
+
+class RecordWorld(Callback):
+    def on_train_start(self, trainer, pl_module):
+        pl_module.world_seen = dist.get_world_size()
+
+
+def main(strategy: str, devices: int, num_nodes: int, out: str) -> None:
+    torch.set_num_threads(1)
+    seed_everything(0)
+    model = MLP()
+    data = RegressionData(batch_size=16 // (devices * num_nodes))
+    trainer = Trainer(accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy, max_steps=5,
+                      precision="64-true", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False, limit_val_batches=0, callbacks=[RecordWorld()])
+    trainer.fit(model, datamodule=data)
+    if trainer.is_global_zero:
+        world = getattr(model, "world_seen", None)  # None in the spawn parent: training ran in children
+        torch.save({"state_dict": model.state_dict(), "world_size": world}, out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

@@ -1,0 +1,126 @@
+"""Models and data for the tensor-parallel tests: plain user code that knows nothing about
+lightning_parallel (strategies must cope with unmodified modules)."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import LightningDataModule, LightningModule
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_parallel.models.gpt import CharGPT
+
+__all__ = ["TokenData", "SmallGPT", "SequenceData", "EncoderRegressor", "TransformerRegressor"]
+
+
+class TokenData(LightningDataModule):
+    """Random token windows for next-token prediction (the same on every process)."""
+
+    def __init__(
+        self, batch_size: int = 8, n: int = 128, block_size: int = 8, vocab_size: int = 32, seed: int = 3
+    ):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, vocab_size, (n, block_size + 1), generator=g)
+        self.dataset = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+        self.batch_size = batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=True, drop_last=True)
+
+
+class SmallGPT(CharGPT):
+    """The package's GPT (own attention with an ``n_head`` attribute), tiny and in float64-friendly sizes."""
+
+    def __init__(
+        self,
+        vocab_size: int = 32,
+        block_size: int = 8,
+        n_layer: int = 2,
+        n_head: int = 4,
+        n_embd: int = 16,
+        lr: float = 1e-2,
+        optimizer: str = "adamw",
+    ) -> None:
+        super().__init__(
+            vocab_size=vocab_size,
+            block_size=block_size,
+            n_layer=n_layer,
+            n_head=n_head,
+            n_embd=n_embd,
+            lr=lr,
+            optimizer=optimizer,
+        )
+
+
+class SequenceData(LightningDataModule):
+    """Random sequences with a regression target that depends on the whole sequence."""
+
+    def __init__(self, batch_size: int = 8, n: int = 128, seq_len: int = 6, d_model: int = 16, seed: int = 5):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(n, seq_len, d_model, generator=g, dtype=torch.float64)
+        y = torch.tanh(x.sum(1)[:, :2])
+        self.dataset = TensorDataset(x, y)
+        self.batch_size = batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=True, drop_last=True)
+
+
+class EncoderRegressor(LightningModule):
+    """``nn.TransformerEncoderLayer`` (so ``nn.MultiheadAttention``) with a causal mask, then a linear head."""
+
+    def __init__(
+        self,
+        d_model: int = 16,
+        nhead: int = 4,
+        dim_feedforward: int = 32,
+        out_dim: int = 2,
+        lr: float = 0.05,
+        batch_first: bool = True,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.encoder = nn.TransformerEncoderLayer(
+            d_model, nhead, dim_feedforward, dropout=0.0, batch_first=batch_first
+        )
+        self.head = nn.Linear(d_model, out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], dtype=x.dtype)
+        if not self.hparams.batch_first:
+            return self.head(self.encoder(x.transpose(0, 1), src_mask=mask).mean(0))
+        return self.head(self.encoder(x, src_mask=mask).mean(1))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+
+
+class TransformerRegressor(EncoderRegressor):
+    """A whole ``nn.Transformer`` (encoder and decoder stacks, so cross-attention too)."""
+
+    def __init__(
+        self, d_model: int = 16, nhead: int = 4, dim_feedforward: int = 32, out_dim: int = 2, lr: float = 0.05
+    ):
+        super().__init__(d_model, nhead, dim_feedforward, out_dim, lr)
+        del self.encoder
+        self.transformer = nn.Transformer(
+            d_model,
+            nhead,
+            num_encoder_layers=1,
+            num_decoder_layers=1,
+            dim_feedforward=dim_feedforward,
+            dropout=0.0,
+            batch_first=True,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tgt = x[:, -2:]
+        return self.head(self.transformer(x, tgt).mean(1))

@@ -1,0 +1,29 @@
+"""A rank that raises or dies must not leave its peers hanging: all exit non-zero within the bounded
+time, and the survivors name the rank that failed."""
+
+import pytest
+
+from tests.helpers.harness import distributed_command, start_processes
+
+FAILURE_TIMEOUT = 5.0
+
+
+def failing_case(strategy_class, mode):
+    return {"name": f"fail-{mode}", "model": "tests.helpers.models:FailingMLP", "data": "tests.helpers.models:RegressionData",
+            "model_kwargs": {"mode": mode, "fail_rank": 1, "fail_step": 2},
+            "strategy": {"class": f"lightning_parallel:{strategy_class}", "kwargs": {"failure_timeout": FAILURE_TIMEOUT}},
+            "data_kwargs": {"global_batch_size": 16}, "trainer": {"precision": "64-true", "max_steps": 50}}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("strategy_class", ["DDPStrategy", "DataParallelStrategy", "TensorParallelStrategy"])
+@pytest.mark.parametrize("mode", ["raise", "kill"])
+def test_peers_exit_within_the_failure_timeout(tmp_path, strategy_class, mode):
+    commands, envs, out = distributed_command([failing_case(strategy_class, mode)], 2, tmp_path)
+    # generous grace: the harness must not be the one that ends the survivors
+    result = start_processes(commands, envs, timeout=150, cwd=out, grace=120)
+    assert result.codes[1] != 0
+    assert result.codes[0] not in (0, -9), f"rank 0 exit {result.codes[0]}:\n{result.outputs[0][-2000:]}"
+    assert result.seconds < 60, f"took {result.seconds:.0f} s"
+    if mode == "raise":
+        assert "rank 1 failed: RuntimeError: injected failure (in training_step" in result.outputs[0]

@@ -1,0 +1,79 @@
+"""lp_ddp under every way processes get created: Lightning's own launcher (popen, spawn), torchrun on
+one node, and two "nodes" of one process each (num_nodes=2). Each run must equal single-device training."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+from tests.helpers.harness import REPO, assert_params_close, free_port, run_processes, run_single
+
+SCRIPT = str(REPO / "tests" / "helpers" / "scripts" / "train_mlp.py")
+REFERENCE_CASE = {"name": "ref", "model": "tests.helpers.models:MLP", "data": "tests.helpers.models:RegressionData",
+                  "data_kwargs": {"global_batch_size": 16}, "trainer": {"precision": "64-true", "max_steps": 5}}
+
+
+def env() -> dict:
+    e = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")}
+    e.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    return e
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return run_single(REFERENCE_CASE, tmp_path_factory.mktemp("ref"))["state_dict"]
+
+
+def check(out, reference, world_size, atol=1e-10):
+    result = torch.load(out, weights_only=False)
+    assert_params_close(result["state_dict"], reference, atol=atol)
+    if result["world_size"] is not None:
+        assert result["world_size"] == world_size
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("strategy", ["lp_ddp", "lp_ddp_spawn", "lp_dp"])
+def test_lightning_launchers(tmp_path, reference, strategy):
+    out = tmp_path / "out.pt"
+    run_processes([[sys.executable, SCRIPT, strategy, "2", "1", str(out)]], [env()], timeout=150, cwd=tmp_path)
+    # spawn: training runs in children and Lightning copies rank 0's weights back into the parent's
+    # module, which "64-true" never converted, so they arrive rounded to float32
+    check(out, reference, world_size=2, atol=1e-7 if strategy.endswith("spawn") else 1e-10)
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_single_node(tmp_path, reference):
+    out = tmp_path / "out.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+           SCRIPT, "lp_ddp", "2", "1", str(out)]
+    run_processes([cmd], [env()], timeout=150, cwd=tmp_path)
+    check(out, reference, world_size=2)
+
+
+@pytest.mark.timeout(180)
+def test_torchrun_two_nodes(tmp_path, reference):
+    """Two torchrun agents (node_rank 0 and 1) with one process each: Trainer(num_nodes=2, devices=1)."""
+    out, port = tmp_path / "out.pt", free_port()
+    cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={n}", "--nproc_per_node=1",
+             "--master_addr=127.0.0.1", f"--master_port={port}", SCRIPT, "lp_ddp", "1", "2", str(out)]
+            for n in (0, 1)]
+    run_processes(cmds, [env(), env()], timeout=150, cwd=tmp_path)
+    check(out, reference, world_size=2)
+
+
+@pytest.mark.timeout(180)
+def test_slurm_srun_environment(tmp_path, reference):
+    """What srun sets for 2 tasks on one node; Lightning's SLURMEnvironment takes it from there."""
+    out = tmp_path / "out.pt"
+    envs = []
+    for rank in (0, 1):
+        e = env()
+        e.update(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
+                 SLURM_NODEID="0", SLURM_NNODES="1", SLURM_JOB_NAME="train", SLURM_JOB_ID=str(10000 + free_port() % 5000),
+                 SLURM_NODELIST="127.0.0.1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port() if rank == 0 else 0))
+        envs.append(e)
+    envs[1]["MASTER_PORT"] = envs[0]["MASTER_PORT"]
+    cmd = [sys.executable, SCRIPT, "lp_ddp", "2", "1", str(out)]
+    run_processes([cmd, cmd], envs, timeout=150, cwd=tmp_path)
+    check(out, reference, world_size=2)

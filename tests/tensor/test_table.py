@@ -1,0 +1,60 @@
+"""The plan table: its per-rank parameter count is what each rank holds after the plan is applied
+(the multi-process check of the same is in tests/strategies/test_tensor_parallel.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_parallel.plan import main
+from lightning_parallel.tensor import apply_plan, resolve
+from lightning_parallel.tensor.table import collectives_per_step, format_table, params_per_rank, plan_rows
+from tests.helpers.harness import REPO
+from tests.helpers.models import MLP
+from tests.helpers.tp_models import EncoderRegressor, SmallGPT
+
+
+@pytest.mark.parametrize(
+    "make, plan",
+    [
+        (SmallGPT, "auto"),
+        (SmallGPT, REPO / "conf/plan/char_gpt.yaml"),
+        (EncoderRegressor, "auto"),
+        (MLP, REPO / "conf/plan/mlp.yaml"),
+    ],
+)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_params_per_rank_equal_what_each_rank_holds(make, plan, tp):
+    module = make()
+    expected = params_per_rank(module, resolve(module, plan, tp))
+    for rank in range(tp):
+        sharded = make()
+        apply_plan(sharded, resolve(sharded, plan, tp), group=None, tp_rank=rank)
+        assert sum(p.numel() for p in sharded.parameters()) == expected
+
+
+def test_megatron_collective_count_for_the_gpt():
+    module = SmallGPT(n_layer=3)
+    rows = plan_rows(module, resolve(module, REPO / "conf/plan/char_gpt.yaml", 2))
+    fwd, bwd = collectives_per_step(rows)
+    # 2 all-reduces forward and 2 backward per block, + token embedding (fwd) + gathered head (fwd and bwd)
+    assert (fwd, bwd) == (2 * 3 + 2, 2 * 3 + 1)
+
+
+def test_cli_prints_the_table(capsys):
+    assert main(["lightning_parallel.models.gpt:CharGPT", "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "model.blocks.1.attn.proj  rowwise" in out and "TOTAL" in out and "per rank" in out
+    assert main(["tests.helpers.models:MLP", "--tp", "3"]) == 0  # 32 hidden units: nothing splits over 3
+    assert "replicated net.0" in capsys.readouterr().out
+
+
+def test_cli_reports_plan_errors(capsys):
+    assert main(["tests.helpers.models:MLP", "--plan", str(REPO / "conf/plan/char_gpt.yaml")]) == 2
+    assert "matches no module of the model" in capsys.readouterr().err
+
+
+def test_format_table_lists_attributes_and_report():
+    module = SmallGPT()
+    text = format_table(module, resolve(module, "auto", 2))
+    assert "attribute model.blocks.0.attn.n_head: 4 -> 2 per rank" in text
+    assert "replicated model.head" in text

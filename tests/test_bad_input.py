@@ -1,0 +1,53 @@
+"""The catalogue of misconfigurations: each raises before training starts, naming the offending value
+and saying what would work. Strategies of every kind add their rows here."""
+
+import pytest
+from lightning.pytorch import Trainer
+from torch import nn
+
+import lightning_parallel as lp
+from lightning_parallel.models import CharGPT
+from lightning_parallel.tensor import resolve
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 8))
+
+
+def gpt() -> nn.Module:
+    return CharGPT(n_head=3, n_embd=48)
+
+CATALOGUE = [
+    # (id, callable that must raise, exception type, fragments the message must contain)
+    ("ddp-bucket-zero", lambda: lp.DDPStrategy(bucket_cap_mb=0), ValueError, ["bucket_cap_mb", "got 0", "default 25"]),
+    ("ddp-bucket-type", lambda: lp.DDPStrategy(bucket_cap_mb="big"), ValueError, ["'big'", "positive number"]),
+    ("ddp-first-bucket", lambda: lp.DDPStrategy(first_bucket_cap_mb=-1), ValueError, ["first_bucket_cap_mb", "got -1"]),
+    ("ddp-comm-hook", lambda: lp.DDPStrategy(comm_hook="int8"), ValueError, ["'int8'", "'fp16'", "'bf16'"]),
+    ("start-method", lambda: lp.DDPStrategy(start_method="thread"), ValueError, ["'thread'", "'popen'", "'spawn'"]),
+    ("failure-timeout", lambda: lp.DDPStrategy(failure_timeout=0), ValueError, ["failure_timeout", "got 0", "default 60"]),
+    ("unknown-kwarg", lambda: lp.DDPStrategy(bucket_size=5), TypeError, ["bucket_size", "bucket_cap_mb"]),
+    ("dp-unknown-kwarg", lambda: lp.DataParallelStrategy(bucket_cap_mb=5), TypeError, ["bucket_cap_mb", "failure_timeout"]),
+    ("strategy-name", lambda: Trainer(strategy="lp_ddpp", accelerator="cpu", devices=2), ValueError, ["lp_ddpp"]),
+    # tensor parallel: arguments, then plans checked on the unsharded module
+    ("tp-size", lambda: lp.TensorParallelStrategy(tensor_parallel_size=0), ValueError, ["tensor_parallel_size", "got 0"]),
+    ("tp-dp-type", lambda: lp.TensorParallelStrategy(data_parallel_size="2"), ValueError, ["data_parallel_size", "'2'"]),
+    ("tp-spawn", lambda: lp.TensorParallelStrategy(start_method="spawn"), ValueError, ["start_method='spawn'"]),
+    ("tp-plan-file", lambda: lp.TensorParallelStrategy(plan="missing.yaml"), ValueError, ["missing.yaml"]),
+    ("tp-plan-style", lambda: lp.TensorParallelStrategy(plan={"net.0": "diagonal"}), ValueError, ["'diagonal'"]),
+    ("tp-plan-no-match", lambda: resolve(mlp(), {"net.9": "colwise"}, 2), ValueError, ["net.9"]),
+    ("tp-plan-wrong-type", lambda: resolve(mlp(), {"1": "colwise"}, 2), ValueError, ["'1'"]),
+    ("tp-indivisible", lambda: resolve(mlp(), {"0": "colwise", "2": "rowwise"}, 4), ValueError, ["6", "4"]),
+    ("tp-heads", lambda: resolve(gpt(), {"model.blocks.*.attn.q": "colwise", "model.blocks.*.attn.k": "colwise",
+                                         "model.blocks.*.attn.v": "colwise", "model.blocks.*.attn.proj": "rowwise",
+                                         "model.blocks.*.attn.n_head": "divide"}, 2),
+     ValueError, ["n_head=3", "not divisible"]),
+    ("tp-rowwise-replicated-input", lambda: resolve(mlp(), {"2": "rowwise"}, 2), ValueError, ["rowwise layer '2'"]),
+]
+
+
+@pytest.mark.parametrize("name,make,exc,fragments", CATALOGUE, ids=[c[0] for c in CATALOGUE])
+def test_misconfiguration_is_named(name, make, exc, fragments):
+    with pytest.raises(exc) as err:
+        make()
+    for fragment in fragments:
+        assert fragment in str(err.value), f"{fragment!r} not in: {err.value}"
