@@ -19,6 +19,7 @@ from omegaconf import MISSING
 
 __all__ = [
     "StrategyConf",
+    "LPStrategyConf",
     "DDPStrategyConf",
     "DataParallelStrategyConf",
     "LightningDDPStrategyConf",
@@ -40,7 +41,15 @@ class StrategyConf:
 
 
 @dataclass
-class DDPStrategyConf(StrategyConf):
+class LPStrategyConf(StrategyConf):
+    """What every lightning_parallel strategy adds (``ParallelStrategyBase``)."""
+
+    # a failing or hung rank stops its peers within this many seconds
+    failure_timeout: float = 60.0
+
+
+@dataclass
+class DDPStrategyConf(LPStrategyConf):
     _target_: str = "lightning_parallel.DDPStrategy"
     bucket_cap_mb: float = 25.0
     first_bucket_cap_mb: float = 1.0
@@ -50,7 +59,7 @@ class DDPStrategyConf(StrategyConf):
 
 
 @dataclass
-class DataParallelStrategyConf(StrategyConf):
+class DataParallelStrategyConf(LPStrategyConf):
     _target_: str = "lightning_parallel.DataParallelStrategy"
 
 
@@ -66,7 +75,7 @@ class LightningDDPStrategyConf(StrategyConf):
 
 
 @dataclass
-class TensorParallelStrategyConf(StrategyConf):
+class TensorParallelStrategyConf(LPStrategyConf):
     _target_: str = "lightning_parallel.TensorParallelStrategy"
     tensor_parallel_size: Optional[int] = None
     data_parallel_size: int = 1
@@ -76,7 +85,7 @@ class TensorParallelStrategyConf(StrategyConf):
 
 
 @dataclass
-class PipelineParallelStrategyConf(StrategyConf):
+class PipelineParallelStrategyConf(LPStrategyConf):
     _target_: str = "lightning_parallel.PipelineParallelStrategy"
     schedule: str = "1f1b"
     num_microbatches: int = 4

@@ -112,7 +112,10 @@ class ParallelStrategyBase(_LightningDDPStrategy):
         super().setup_distributed()
         self.mesh = build_mesh(self.mesh_shape())
         if self.world_size > 1 and self._watchdog is None:
-            self._watchdog = FailureWatchdog(self.global_rank, self.world_size, timeout=self.failure_timeout).start()
+            from lightning_parallel.strategies.launcher import failure_exit_fn
+
+            self._watchdog = FailureWatchdog(self.global_rank, self.world_size, timeout=self.failure_timeout,
+                                             exit_fn=failure_exit_fn()).start()
 
     @property
     def dp_group(self) -> Optional[torch.distributed.ProcessGroup]:

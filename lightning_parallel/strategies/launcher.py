@@ -44,7 +44,7 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 
 import lightning.pytorch as pl
 
-__all__ = ["HydraSafeSubprocessLauncher", "finish_job", "install", "child_command", "RankFailedError", "ENTRY_ENV",
+__all__ = ["HydraSafeSubprocessLauncher", "finish_job", "failure_exit_fn", "install", "child_command", "RankFailedError", "ENTRY_ENV",
            "READY_ENV", "LAUNCH_ENV_VARS"]
 
 log = logging.getLogger(__name__)
@@ -184,6 +184,24 @@ def finish_job(wait_timeout: float = 60.0, job_failed: bool = False) -> None:
             failed.append(_failure_message(rank, proc, state.logs[rank - 1]))
     if failed:
         raise RankFailedError("\n".join(failed))
+
+
+def failure_exit_fn() -> Callable[[int], None]:
+    """What the failure watchdog (``distributed/watchdog.py``) does when a peer failed or hung.
+
+    Normally it ends the process (``os._exit``). The process that launched this job's ranks may host
+    more than this job (a Hydra sweep runs its jobs in-process): ending it would end the sweep. There
+    it stops the job's other ranks instead; this rank's collectives then fail, and the job fails.
+    """
+    state = _ACTIVE
+    if state is None:
+        return os._exit
+
+    def stop_other_ranks(code: int) -> None:
+        log.error("a peer rank failed or hung: stopping this job's other ranks (this process stays, the job fails)")
+        _kill(state.procs)
+
+    return stop_other_ranks
 
 
 atexit.register(lambda: finish_job(wait_timeout=10.0) if _ACTIVE is not None else None)
