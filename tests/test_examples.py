@@ -80,4 +80,10 @@ def test_lightning_cli_example(tmp_path) -> None:
     _run(["bash", str(EXAMPLES / "lightning_cli" / "run.sh")], tmp_path)
     saved = (tmp_path / "out" / "lightning_cli" / "lightning_logs" / "version_0" / "config.yaml").read_text()
     assert "class_path: lightning_parallel.DDPStrategy" in saved and "bucket_cap_mb: 5" in saved, saved
+    import lightning_parallel
+
+    if hasattr(lightning_parallel, "TensorParallelStrategy"):
+        saved = (tmp_path / "out" / "lightning_cli" / "lightning_logs" / "version_1" / "config.yaml").read_text()
+        assert "class_path: lightning_parallel.TensorParallelStrategy" in saved
+        assert "tensor_parallel_size: 2" in saved, saved
     assert_no_survivors(tmp_path)
