@@ -71,6 +71,7 @@ class _JobState:
         self.env_before = env_before
         self.threads_before = threads_before
         self.procs: list[subprocess.Popen] = []
+        self.ranks: list[int] = []  # the global rank of each process in ``procs``
         self.logs: list[Path] = []
         self.failed: list[str] = []
         self.observer: Optional[_Observer] = None
@@ -114,10 +115,10 @@ class _Observer(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.wait(0.5):
-            for rank, proc in enumerate(self.state.procs, start=1):
+            for rank, proc, log_path in zip(self.state.ranks, self.state.procs, self.state.logs):
                 code = proc.poll()
                 if code:
-                    message = _failure_message(rank, proc, self.state.logs[rank - 1])
+                    message = _failure_message(rank, proc, log_path)
                     self.state.failed.append(message)
                     log.error(message)
                     _kill(self.state.procs)
@@ -179,9 +180,9 @@ def finish_job(wait_timeout: float = 60.0, job_failed: bool = False) -> None:
     if state.ready_dir is not None:
         shutil.rmtree(state.ready_dir, ignore_errors=True)
     failed = list(state.failed)
-    for rank, proc in enumerate(state.procs, start=1):
+    for rank, proc, log_path in zip(state.ranks, state.procs, state.logs):
         if proc.returncode not in (0, None) and not any(f.startswith(f"rank {rank} ") for f in failed):
-            failed.append(_failure_message(rank, proc, state.logs[rank - 1]))
+            failed.append(_failure_message(rank, proc, log_path))
     if failed:
         raise RankFailedError("\n".join(failed))
 
@@ -275,13 +276,14 @@ class HydraSafeSubprocessLauncher(_SubprocessScriptLauncher):
         state = _ACTIVE
         if state is None or state.ready_dir is None:
             return
+        local_ranks = range(1, len(state.procs) + 1)
         while True:
-            if all(Path(state.ready_dir, str(r)).exists() for r in range(1, len(state.procs) + 1)):
+            if all(Path(state.ready_dir, str(r)).exists() for r in local_ranks):
                 return
-            for rank, proc in enumerate(state.procs, start=1):
-                if proc.poll() is not None and not Path(state.ready_dir, str(rank)).exists():
-                    raise RankFailedError(_failure_message(rank, proc, state.logs[rank - 1]) +
-                                            "\n(it exited before joining the process group)")
+            for local_rank, rank, proc, log_path in zip(local_ranks, state.ranks, state.procs, state.logs):
+                if proc.poll() is not None and not Path(state.ready_dir, str(local_rank)).exists():
+                    raise RankFailedError(_failure_message(rank, proc, log_path) +
+                                          "\n(it exited before joining the process group)")
             time.sleep(0.1)
 
     def _start_job_children(self) -> None:
@@ -319,6 +321,7 @@ class HydraSafeSubprocessLauncher(_SubprocessScriptLauncher):
                 log_path = Path(os.devnull)
                 proc = subprocess.Popen(command, env=child_env, cwd=cwd)
             state.procs.append(proc)
+            state.ranks.append(global_rank)
             state.logs.append(log_path)
         self.procs = state.procs
         state.observer = _Observer(state)

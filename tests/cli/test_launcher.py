@@ -45,7 +45,7 @@ def test_finish_job_restores_environment_and_reports_failed_children(monkeypatch
                         threads_before=1)
     state.procs = [subprocess.Popen([sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"],
                                     stdout=subprocess.DEVNULL)]
-    state.logs = [Path(os.devnull)]
+    state.ranks, state.logs = [1], [Path(os.devnull)]
     monkeypatch.setattr(L, "_ACTIVE", state)
     os.environ.update(MASTER_PORT="5555", LOCAL_RANK="0")  # what a launch leaves behind
     with pytest.raises(L.RankFailedError, match=r"rank 1 \(pid \d+\) exited with code 3"):
