@@ -36,6 +36,7 @@ from lightning_parallel.distributed.mesh import Mesh, MeshShape, build_mesh
 from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.sync_batchnorm import SyncBatchNormPlugin
 from lightning_parallel.distributed.watchdog import FailureWatchdog
+from lightning_parallel.strategies.launcher import HydraSafeSubprocessLauncher, failure_exit_fn
 
 __all__ = ["ParallelStrategyBase"]
 
@@ -96,8 +97,6 @@ class ParallelStrategyBase(_LightningDDPStrategy):
     def _configure_launcher(self) -> None:
         """Our popen launcher: per-job children and clean-up, so Hydra sweeps (``-m``) work."""
         if self._start_method == "popen":
-            from lightning_parallel.strategies.launcher import HydraSafeSubprocessLauncher
-
             assert self.cluster_environment is not None
             self._launcher = HydraSafeSubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
@@ -112,8 +111,6 @@ class ParallelStrategyBase(_LightningDDPStrategy):
         super().setup_distributed()
         self.mesh = build_mesh(self.mesh_shape())
         if self.world_size > 1 and self._watchdog is None:
-            from lightning_parallel.strategies.launcher import failure_exit_fn
-
             self._watchdog = FailureWatchdog(self.global_rank, self.world_size, timeout=self.failure_timeout,
                                              exit_fn=failure_exit_fn()).start()
 
