@@ -50,7 +50,9 @@ def collect_jobs(sweep_dir: Path) -> list[dict[str, Any]]:
             for column in COLUMNS[2:]:
                 row[column] = summary.get(column)
             if row["error"]:
-                row["error"] = str(row["error"]).strip().splitlines()[0][:200]
+                lines = [line.strip() for line in str(row["error"]).strip().splitlines() if line.strip()]
+                first = lines[0] if not lines[0].endswith(":") or len(lines) < 2 else f"{lines[0]} {lines[1]}"
+                row["error"] = first[:200]
         else:
             row["status"] = "no summary"
             row["error"] = "the job wrote no summary.json (killed, or not started)"
