@@ -38,6 +38,7 @@ from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.state import broadcast_module_states
 from lightning_parallel.distributed.sync_batchnorm import SyncBatchNormPlugin
 from lightning_parallel.distributed.watchdog import FailureWatchdog
+from lightning_parallel.strategies.launcher import HydraSafeSubprocessLauncher, failure_exit_fn
 
 __all__ = ["ParallelStrategyBase"]
 
@@ -95,6 +96,14 @@ class ParallelStrategyBase(_LightningDDPStrategy):
         self.failure_timeout = float(failure_timeout)
         self._watchdog: Optional[FailureWatchdog] = None
 
+    def _configure_launcher(self) -> None:
+        """Our popen launcher: per-job children and clean-up, so Hydra sweeps (``-m``) work."""
+        if self._start_method == "popen":
+            assert self.cluster_environment is not None
+            self._launcher = HydraSafeSubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            super()._configure_launcher()
+
     # ----------------------------------------------------------------- layout
     def mesh_shape(self) -> MeshShape:
         """The (dp, pp, tp) layout of this strategy; pure data data-parallel by default."""
@@ -104,7 +113,8 @@ class ParallelStrategyBase(_LightningDDPStrategy):
         super().setup_distributed()
         self.mesh = build_mesh(self.mesh_shape())
         if self.world_size > 1 and self._watchdog is None:
-            self._watchdog = FailureWatchdog(self.global_rank, self.world_size, timeout=self.failure_timeout).start()
+            self._watchdog = FailureWatchdog(self.global_rank, self.world_size, timeout=self.failure_timeout,
+                                             exit_fn=failure_exit_fn()).start()
 
     @property
     def dp_group(self) -> Optional[torch.distributed.ProcessGroup]:

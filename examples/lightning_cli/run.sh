@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# LightningCLI: a strategy class and its init args on the command line.
+set -euo pipefail
+PYTHON=${PYTHON:-python}
+HERE="$(cd "$(dirname "$0")" && pwd)"
+COMMON="--trainer.accelerator cpu --trainer.devices 2 --trainer.max_steps 10 --trainer.limit_val_batches 2
+        --trainer.enable_progress_bar false --trainer.default_root_dir ${OUT:-outputs}/lightning_cli
+        --model.n_layer 1 --model.n_embd 32 --data.max_chars 100000"
+
+$PYTHON "$HERE/main.py" fit $COMMON \
+  --trainer.strategy lightning_parallel.DDPStrategy --trainer.strategy.bucket_cap_mb 5
+
+# with the tensor-parallel strategy, once installed:
+if $PYTHON -c "import lightning_parallel as lp, sys; sys.exit(not hasattr(lp, 'TensorParallelStrategy'))"; then
+  $PYTHON "$HERE/main.py" fit $COMMON \
+    --trainer.strategy lightning_parallel.TensorParallelStrategy --trainer.strategy.tensor_parallel_size 2
+fi

@@ -1,0 +1,244 @@
+"""``lp-train``: the Hydra main job. Trains ``cfg.model`` on ``cfg.data`` with ``cfg.strategy``.
+
+    lp-train                                   # CharGPT, lp_ddp, 2 CPU processes
+    lp-train strategy=lp_dp trainer.devices=4
+    lp-train model._target_=my_pkg.MyModule data._target_=my_pkg.MyData
+    lp-train -m strategy=lp_ddp,lp_dp trainer.devices=1,2
+
+Each run writes ``summary.json`` into its Hydra output folder (see ``RunRecorder``). Under ``-m`` a
+failing job is recorded there with status "failed" and the sweep goes on; the sweep summary
+(``cli/sweep.py``) lists it and the sweep exits non-zero.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_parallel.config.store import quiet_schema_matching_warning
+
+__all__ = ["main", "train", "instantiate_user", "SUMMARY_KEYS", "CONF_DIR"]
+
+log = logging.getLogger("lp-train")
+
+# also in joblib workers, which import this module (the task function) before composing their job
+quiet_schema_matching_warning()
+
+# conf/ ships inside the package (lightning_parallel/conf links to the repo's conf/ and is copied as package
+# data on install). An absolute path, because Hydra's pkg:// provider needs an __init__.py there.
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+# what every summary.json holds (tests and the sweep summary rely on these)
+SUMMARY_KEYS = ("status", "strategy", "world_size", "devices", "num_nodes", "global_step", "train_loss",
+                "val_loss", "samples_per_second", "checkpoint", "overrides", "output_dir")
+
+
+# what a rank sees when a peer died: then the peer's own error is the cause
+_COMMUNICATION_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo", "NCCL")
+
+
+def _explicit_keys(section: str) -> set[str]:
+    """Keys of ``section`` set on the command line (``model.lr=1`` -> {"lr"})."""
+    from hydra.core.hydra_config import HydraConfig
+
+    keys = set()
+    if HydraConfig.initialized():
+        for override in HydraConfig.get().overrides.task:
+            key = str(override).split("=", 1)[0].lstrip("+~")
+            if key.startswith(section + "."):
+                keys.add(key[len(section) + 1:].split(".", 1)[0])
+    return keys
+
+
+def instantiate_user(node: DictConfig, section: str) -> Any:
+    """Instantiate a user's class from ``node`` (``_target_`` plus keywords), unmodified.
+
+    ``model._target_=my.Module`` keeps the other keys of the default group file (``n_layer`` ...). Those
+    the class does not accept are left out (and logged); keys set on the command line are always passed,
+    so a misspelt one fails with the class's own error.
+    """
+    from hydra.utils import get_class, instantiate
+
+    target = node._target_
+    cls = get_class(target)
+    kwargs = {k: v for k, v in node.items() if k != "_target_"}
+    params = inspect.signature(cls.__init__).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        explicit = _explicit_keys(section)
+        dropped = sorted(k for k in kwargs if k not in params and k not in explicit)
+        if dropped:
+            log.info("%s: %s takes no %s (defaults of the %s group); not passed", section, target,
+                     ", ".join(dropped), section)
+        kwargs = {k: v for k, v in kwargs.items() if k not in dropped}
+    config = OmegaConf.create({"_target_": target})
+    for key, value in kwargs.items():
+        config[key] = node[key]
+    return instantiate(config, _convert_="all")
+
+
+def _trainer_kwargs(cfg: DictConfig) -> dict[str, Any]:
+    kwargs = OmegaConf.to_container(cfg.trainer, resolve=True)
+    assert isinstance(kwargs, dict)
+    kwargs.update(kwargs.pop("extra", None) or {})
+    return kwargs
+
+
+def _global_rank(trainer: Any) -> int:
+    if trainer is not None:
+        return int(trainer.global_rank)
+    from lightning.fabric.utilities.rank_zero import _get_rank
+
+    return int(_get_rank() or 0)
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """The task function: one run. Returns the summary (written to ``summary.json`` by global rank 0)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from lightning_parallel.config import ConfigError, validate
+    from lightning_parallel.strategies.launcher import RankFailedError, finish_job
+
+    hydra_cfg = HydraConfig.get()
+    out_dir = Path(hydra_cfg.runtime.output_dir)
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    summary: dict[str, Any] = {
+        "status": "running",
+        "strategy": hydra_cfg.runtime.choices.get("strategy"),
+        "strategy_target": cfg.strategy.get("_target_"),
+        "model": cfg.model.get("_target_"),
+        "data": cfg.data.get("_target_"),
+        "devices": OmegaConf.to_container(cfg.trainer, resolve=True)["devices"],
+        "num_nodes": cfg.trainer.num_nodes,
+        "overrides": list(hydra_cfg.overrides.task),
+        "output_dir": str(out_dir),
+        "world_size": None, "global_step": 0, "train_loss": None, "val_loss": None,
+        "samples_per_second": None, "checkpoint": None,
+    }
+    trainer = None
+    started = time.perf_counter()
+    try:
+        validate(cfg)
+        summary.update(_fit(cfg, out_dir))
+        trainer = summary.pop("_trainer")
+        summary["status"] = "completed"
+    except ConfigError as err:
+        summary.update(status="failed", error=str(err))
+        log.error("%s", err)
+    except Exception as err:  # the job failed: record it (a sweep goes on)
+        trainer = getattr(err, "_lp_trainer", None)
+        summary.update(getattr(err, "_lp_results", {}))
+        summary.update(status="failed", error=f"{type(err).__name__}: {err}")
+        log.error("run failed: %s\n%s", err, traceback.format_exc())
+    finally:
+        try:
+            finish_job(job_failed=summary["status"] == "failed")
+        except RankFailedError as err:
+            summary["status"] = "failed"
+            own = summary.get("error", "")
+            if str(err) in own:  # already the reason this process failed
+                pass
+            elif not own or any(w in own for w in _COMMUNICATION_ERRORS):
+                # a child failed first; this process only saw its peer vanish: the child's error leads
+                summary["error"] = (str(err) + "\n" + own).strip()
+            else:
+                summary["error"] = (own + "\n" + str(err)).strip()
+            log.error("%s", err)
+    summary["wall_seconds"] = round(time.perf_counter() - started, 3)
+    if _global_rank(trainer) == 0:
+        (out_dir / cfg.summary_file).write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        if summary["status"] == "completed":
+            log.info("done: %s", json.dumps({k: summary.get(k) for k in SUMMARY_KEYS if k not in ("overrides",)},
+                                            default=str))
+    if summary["status"] != "completed" and not multirun:
+        sys.exit(2 if summary.get("error", "").startswith("invalid lp-train configuration") else 1)
+    return summary
+
+
+def _fit(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
+    from hydra.utils import instantiate
+    from lightning.pytorch import Trainer, seed_everything
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    import lightning_parallel  # noqa: F401  (registers the strategy names)
+    from lightning_parallel.cli.recorder import ProgressPrinter, RunRecorder
+    from lightning_parallel.strategies.launcher import install
+
+    seed_everything(cfg.seed, workers=True, verbose=False)
+    model = instantiate_user(cfg.model, "model")
+    data = instantiate_user(cfg.data, "data")
+    strategy = instantiate(cfg.strategy, _convert_="all") if "_target_" in cfg.strategy else cfg.strategy
+    recorder = RunRecorder(results_file=out_dir / ".run_results.json")
+    callbacks: list[Any] = [recorder, ProgressPrinter(recorder, cfg.progress_every_n_steps)]
+    if cfg.checkpoint.enabled:
+        callbacks.append(ModelCheckpoint(dirpath=out_dir / "checkpoints", save_last=cfg.checkpoint.save_last,
+                                         every_n_train_steps=cfg.checkpoint.every_n_train_steps))
+    trainer = Trainer(strategy=strategy, callbacks=callbacks, default_root_dir=str(out_dir),
+                      logger=CSVLogger(str(out_dir), name="csv"),
+                      enable_checkpointing=cfg.checkpoint.enabled, **_trainer_kwargs(cfg))
+    install(trainer.strategy)  # Lightning's built-in ddp gets the sweep-safe launcher too
+    try:
+        trainer.fit(model, datamodule=data, ckpt_path=cfg.ckpt_path)
+    except Exception as err:
+        err._lp_trainer = trainer  # type: ignore[attr-defined]
+        err._lp_results = recorder.results(trainer)  # type: ignore[attr-defined]
+        raise
+    results = recorder.load_results() or recorder.results(trainer)
+    (out_dir / ".run_results.json").unlink(missing_ok=True)
+    return {**results, "_trainer": trainer}
+
+
+def _entry_command() -> list[str]:
+    """How a child rank starts this same app: ``python -m lightning_parallel.cli.train`` + config flags."""
+    command = [sys.executable, "-m", "lightning_parallel.cli.train"]
+    argv = sys.argv[1:]
+    flags = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
+    for i, arg in enumerate(argv):
+        if arg.split("=", 1)[0] in flags:
+            command.append(arg)
+            if "=" not in arg and i + 1 < len(argv):
+                command.append(argv[i + 1])
+    return command
+
+
+def _per_rank_logs_when_launched_externally() -> None:
+    """Under torchrun or srun every rank runs ``lp-train``: give ranks > 0 their own log, no .hydra copy.
+
+    (Ranks that our own launcher starts get the same overrides in their command.)
+    """
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID"))
+    if rank is None or not rank.isdigit() or int(rank) == 0:
+        return
+    if not any(arg.startswith("hydra.job.name=") for arg in sys.argv[1:]):
+        sys.argv += [f"hydra.job.name=train_rank{rank}", "hydra.output_subdir=null"]
+
+
+def main() -> Optional[Any]:
+    """Console script ``lp-train``."""
+    import hydra
+
+    from lightning_parallel.config import register_configs
+    from lightning_parallel.strategies.launcher import ENTRY_ENV
+
+    os.environ[ENTRY_ENV] = json.dumps(_entry_command())
+    # like ``python -m``: the user's own modules in the current folder can be named by ``_target_``
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    _per_rank_logs_when_launched_externally()
+    register_configs()
+    app = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(train)
+    return app()
+
+
+if __name__ == "__main__":
+    main()

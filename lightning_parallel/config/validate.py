@@ -1,0 +1,178 @@
+"""Checks that need more than one field, run on the composed config before any process starts.
+
+Hydra and the schemas already reject unknown keys and wrong types while composing; what is left is
+whether the pieces fit together: is the world (``devices x num_nodes``) divisible by the tensor- or
+pipeline-parallel size, are there more pipeline stages than processes, do the classes named by
+``_target_`` exist. Every problem is reported at once, each naming the offending values and what
+would work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+__all__ = ["ConfigError", "validate", "world_size_of", "problems"]
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "async")
+
+
+class ConfigError(ValueError):
+    """An impossible configuration; the message lists every problem found."""
+
+
+def _devices_count(devices: Any) -> Optional[int]:
+    if isinstance(devices, int) and not isinstance(devices, bool):
+        return devices
+    if isinstance(devices, str):
+        if devices == "auto":
+            return None
+        if devices.isdigit():
+            return int(devices)
+        if "," in devices:
+            return len([d for d in devices.split(",") if d.strip()])
+        return -1
+    if isinstance(devices, (list, tuple)) or (hasattr(devices, "__len__") and not isinstance(devices, dict)):
+        return len(devices)
+    return -1
+
+
+def world_size_of(trainer: Any) -> Optional[int]:
+    """``devices x num_nodes`` as the Trainer will count it (None for ``devices=auto``)."""
+    n = _devices_count(trainer.devices)
+    return None if n is None or n < 0 else n * int(trainer.num_nodes)
+
+
+def _target_problem(section: str, target: Any) -> Optional[str]:
+    if not isinstance(target, str) or not target:
+        return f"{section}._target_ must name a class, e.g. {section}._target_=my_package.module.MyClass"
+    module_name, _, attr = target.replace(":", ".").rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        return f"{section}._target_={target}: module {module_name!r} cannot be imported ({err})"
+    if not hasattr(module, attr):
+        hint = ""
+        if module_name == "lightning_parallel":
+            from lightning_parallel import __all__ as public
+
+            hint = f"; this installation provides {sorted(n for n in public if n.endswith('Strategy'))}"
+        return f"{section}._target_={target}: {module_name!r} has no attribute {attr!r}{hint}"
+    return None
+
+
+def _unknown_keys(section: str, node: Any) -> list[str]:
+    """Keys that Hydra let in with ``+key=...`` although the node's schema has no such field."""
+    schema = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
+    if schema is None or not dataclasses.is_dataclass(schema):
+        return []
+    fields = [f.name for f in dataclasses.fields(schema)]
+    out = []
+    for key in node.keys():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f"; did you mean {section}.{close[0]}?" if close else ""
+            out.append(f"{section}.{key} is not an option of {schema.__name__} (options: "
+                       f"{', '.join(f for f in fields if not f.startswith('_'))}){hint}")
+    return out
+
+
+def problems(cfg: DictConfig) -> list[str]:
+    """Every problem with the composed ``lp-train`` config, as human-readable sentences."""
+    out: list[str] = []
+    out += _unknown_keys("strategy", cfg.strategy) + _unknown_keys("trainer", cfg.trainer)
+    trainer, strategy = cfg.trainer, cfg.strategy
+    devices = _devices_count(trainer.devices)
+    if devices is not None and devices < 1:
+        out.append(f"trainer.devices={trainer.devices!r} is not a device count; use a positive integer, a list of "
+                   "device indices, or 'auto'")
+    if trainer.num_nodes < 1:
+        out.append(f"trainer.num_nodes={trainer.num_nodes} must be at least 1")
+    if trainer.accelerator in ("gpu", "cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            out.append(f"trainer.accelerator={trainer.accelerator} but no CUDA device is visible; "
+                       "use trainer=cpu (accelerator=cpu)")
+    for section in ("model", "data"):
+        node = cfg.get(section)
+        if node is None or "_target_" not in node:
+            out.append(f"{section} needs a _target_ naming a class, e.g. {section}._target_=my_package.MyClass")
+            continue
+        problem = _target_problem(section, node._target_)
+        if problem:
+            out.append(problem)
+    if "_target_" in strategy:
+        problem = _target_problem("strategy", strategy._target_)
+        if problem:
+            out.append(problem)
+    world = world_size_of(trainer)
+    if world is not None and world >= 1:
+        out.extend(_parallel_problems(strategy, trainer, world, cfg))
+    return out
+
+
+def _positive(out: list[str], name: str, value: Any) -> bool:
+    if value is not None and value < 1:
+        out.append(f"{name}={value} must be a positive integer")
+        return False
+    return True
+
+
+def _parallel_problems(strategy: Any, trainer: Any, world: int, cfg: DictConfig) -> list[str]:
+    out: list[str] = []
+    where = f"trainer.devices={trainer.devices} x trainer.num_nodes={trainer.num_nodes} = {world} process(es)"
+    dp = strategy.get("data_parallel_size", 1)
+    if not _positive(out, "strategy.data_parallel_size", dp):
+        return out
+    if "tensor_parallel_size" in strategy:
+        tp = strategy.tensor_parallel_size
+        if not _positive(out, "strategy.tensor_parallel_size", tp):
+            return out
+        if tp is not None and world % tp:
+            out.append(f"{where} is not divisible by strategy.tensor_parallel_size={tp}; use a device count that "
+                       f"is a multiple of {tp}, or strategy.tensor_parallel_size=null to use all {world}")
+        elif world % dp:
+            out.append(f"{where} is not divisible by strategy.data_parallel_size={dp}")
+        elif tp is not None and tp * dp != world:
+            out.append(f"strategy.data_parallel_size={dp} x strategy.tensor_parallel_size={tp} = {dp * tp} must "
+                       f"equal the {where}; use strategy.data_parallel_size={world // tp}")
+    if "pipeline_parallel_size" in strategy:
+        pp = strategy.pipeline_parallel_size
+        if not _positive(out, "strategy.pipeline_parallel_size", pp):
+            return out
+        if strategy.schedule not in PIPELINE_SCHEDULES:
+            out.append(f"strategy.schedule={strategy.schedule!r} is unknown; use one of {PIPELINE_SCHEDULES}")
+        _positive(out, "strategy.num_microbatches", strategy.num_microbatches)
+        stages = pp if pp is not None else (world // dp if world % dp == 0 else None)
+        if pp is not None and pp > world:
+            out.append(f"strategy.pipeline_parallel_size={pp} pipeline stages is more than the {where}; "
+                       f"each stage needs its own process: use at most {world} stages or more devices")
+        elif pp is not None and world % pp:
+            out.append(f"{where} is not divisible by strategy.pipeline_parallel_size={pp}")
+        elif stages is None:
+            out.append(f"{where} is not divisible by strategy.data_parallel_size={dp}")
+        elif pp is not None and pp * dp != world:
+            out.append(f"strategy.data_parallel_size={dp} x strategy.pipeline_parallel_size={pp} = {dp * pp} must "
+                       f"equal the {where}; use strategy.data_parallel_size={world // pp}")
+        split_points = strategy.split_points
+        if stages and split_points is not None and len(split_points) + 1 != stages:
+            out.append(f"strategy.split_points has {len(split_points)} entries, giving {len(split_points) + 1} "
+                       f"stages, but the run has {stages} pipeline stages; give {stages - 1} split points")
+        n_layer = cfg.model.get("n_layer") if cfg.get("model") is not None else None
+        if stages and isinstance(n_layer, int) and stages > n_layer:
+            out.append(f"{stages} pipeline stages but model.n_layer={n_layer} blocks; every stage needs at least "
+                       f"one block: use model.n_layer>={stages} or fewer stages")
+    return out
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise ``ConfigError`` listing every problem of the composed config (nothing if it is fine)."""
+    found = problems(cfg)
+    if found:
+        lines = "\n".join(f"  - {p}" for p in found)
+        raise ConfigError(f"invalid lp-train configuration ({len(found)} problem(s)):\n{lines}")
