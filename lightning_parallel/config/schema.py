@@ -91,8 +91,10 @@ class PipelineParallelStrategyConf(LPStrategyConf):
     num_microbatches: int = 4
     pipeline_parallel_size: Optional[int] = None
     data_parallel_size: int = 1
-    split_points: Optional[List[str]] = None
+    split_points: Optional[List[Any]] = None  # block names where stages start, or block counts per stage
     balance: str = "parameters"
+    block_stack: Optional[str] = None
+    timeline_step: Optional[int] = 2  # the step whose timeline (Chrome trace + SVG) is written
 
 
 @dataclass
