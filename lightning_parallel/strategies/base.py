@@ -11,7 +11,9 @@ What the base adds on top:
 - a (dp, pp, tp) mesh built right after the default process group (``mesh_shape`` is the subclass's);
 - samplers, ``self.log(sync_dist=True)`` and torchmetrics reduce over the data-parallel group, so
   model-parallel peers that hold the same batch are not counted twice;
-- an optional ``GradientReducer`` driven by the backward hooks and by ``block_backward_sync``.
+- an optional ``GradientReducer`` driven by the backward hooks and by ``block_backward_sync``;
+- exact resume (``resume.ExactResumeMixin``: data position and RNG in the checkpoint) and checkpoint
+  files written atomically (``checkpoint.AtomicCheckpointIO``, the default CheckpointIO).
 """
 
 from __future__ import annotations
@@ -28,14 +30,16 @@ from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
 from torch import Tensor
 
 import lightning.pytorch as pl
+from lightning_parallel.checkpoint import AtomicCheckpointIO
 from lightning_parallel.distributed.mesh import Mesh, MeshShape, build_mesh
 from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.sync_batchnorm import SyncBatchNormPlugin
+from lightning_parallel.resume import ExactResumeMixin
 
 __all__ = ["ParallelStrategyBase"]
 
 
-class ParallelStrategyBase(_LightningDDPStrategy):
+class ParallelStrategyBase(ExactResumeMixin, _LightningDDPStrategy):
     """Base of all lightning_parallel strategies; not registered itself."""
 
     def __init__(
@@ -58,7 +62,7 @@ class ParallelStrategyBase(_LightningDDPStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             timeout=timeout,

@@ -1,0 +1,66 @@
+"""One rank of a resume test: ``python -m tests.reliability.resume_worker SPEC.json``.
+
+Each case fits ``DropoutMLP`` with a checkpoint every ``every`` steps; optionally kills its own
+process (``kill: [step, rank, "SIGKILL"|"SIGTERM"]``) after that step, or resumes with
+``ckpt_path="last"``. Writes {global step: loss} and the final parameters per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import lightning_parallel  # noqa: F401
+from tests.reliability.models import DropoutMLP, ShuffledData
+
+
+class Recorder(Callback):
+    def __init__(self, kill=None):
+        self.losses: dict[int, float] = {}
+        self.kill = kill
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses[trainer.global_step] = float(outputs["loss"])
+        if self.kill and trainer.global_step == self.kill[0] and trainer.global_rank == self.kill[1]:
+            os.kill(os.getpid(), getattr(signal, self.kill[2]))
+
+
+def run_case(case: dict, out: Path, rank: int, world_size: int) -> None:
+    seed_everything(0, workers=True)
+    recorder = Recorder(case.get("kill"))
+    checkpoint = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=case["every"], save_last=True,
+                                 save_top_k=-1)
+    trainer = Trainer(accelerator="cpu", devices=world_size, strategy=case["strategy"],
+                      precision="64-true", max_steps=case["steps"], logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=[recorder, checkpoint], limit_val_batches=0)
+    model = DropoutMLP()
+    trainer.fit(model, datamodule=ShuffledData(), ckpt_path="last" if case.get("resume") else None)
+    torch.save({"losses": recorder.losses, "state_dict": model.state_dict(), "global_step": trainer.global_step,
+                "interrupted": trainer.interrupted}, out / f"rank{rank}.pt")
+
+
+def main(spec_path: str) -> None:
+    torch.set_num_threads(1)
+    spec = json.loads(Path(spec_path).read_text())
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # Lightning may unset them
+    for case in spec["cases"]:
+        out = Path(case["dir"])
+        out.mkdir(parents=True, exist_ok=True)
+        run_case(case, out, rank, world_size)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1])
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
