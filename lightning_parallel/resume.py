@@ -147,6 +147,11 @@ class ExactResumeMixin:
         sampler = getattr(combined.flattened[0], "batch_sampler", None)
         return sampler if isinstance(sampler, ResumableBatchSampler) else None
 
+    def _train_loader(self) -> Optional[DataLoader]:
+        sampler = self.train_batch_sampler()
+        combined = self.lightning_module._trainer.fit_loop._combined_loader if sampler is not None else None
+        return combined.flattened[0] if combined is not None else None
+
     # ------------------------------------------------------------- hooks a strategy may extend
     def resume_state_dict(self) -> dict[str, Any]:
         """Extra state for exact resume, gathered on every rank; rank 0's copy is written."""
@@ -161,6 +166,8 @@ class ExactResumeMixin:
         pending = self._resume_pending()
         pending.clear()
         pending.update(state)
+        if "sampler" in state:
+            pending["saved_sampler"] = dict(state["sampler"])
         rngs = state.get("rng")
         if rngs is not None and len(rngs) != self.world_size:
             pending.pop("rng")  # another world size: random streams cannot continue exactly
@@ -178,9 +185,16 @@ class ExactResumeMixin:
         sampler = self.train_batch_sampler()
         if sampler is not None:
             sampler.consumed += 1
-        rngs = self._resume_pending().pop("rng", None)
+        pending = self._resume_pending()
+        rngs = pending.pop("rng", None)
         if rngs is not None:  # here, after the loader's iterator was created as in the original run
             _set_rng_state(rngs[self.global_rank])
+            saved = pending.pop("saved_sampler", None)
+            loader = self._train_loader()
+            if saved and saved["position"] >= saved["length"] and loader is not None and loader.generator is None:
+                # saved at an epoch end: the original run drew the next epoch's DataLoader seed from
+                # the global RNG after the save (``_BaseDataLoaderIter.__init__``); draw it again
+                torch.empty((), dtype=torch.int64).random_()
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
 
     def on_train_start(self) -> None:
