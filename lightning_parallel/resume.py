@@ -6,7 +6,8 @@ epoch-end checkpoint the sampler's epoch (hence the shuffle order) can be off by
 shared/LIGHTNING_NOTES.md). So the training dataloader gets a ``ResumableBatchSampler``, which keeps
 its own epoch and the number of batches the trainer has consumed, independent of the loop counters.
 Both are saved in the checkpoint under ``"lightning_parallel"`` together with every rank's RNG states,
-and restored before the first resumed batch.
+and restored before the first resumed batch. The mixin also adds ``preemption.PreemptionCheckpoint``
+(SIGTERM -> checkpoint -> clean stop).
 
 ``ExactResumeMixin`` carries the strategy hooks; ``ParallelStrategyBase`` inherits it, so every
 strategy gets exact resume for an unmodified LightningModule and DataModule. A strategy with more
@@ -173,6 +174,13 @@ class ExactResumeMixin:
             pending.pop("rng")  # another world size: random streams cannot continue exactly
 
     # ------------------------------------------------------------- Lightning strategy hooks
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)  # type: ignore[misc]
+        from lightning_parallel.preemption import PreemptionCheckpoint
+
+        if not any(isinstance(cb, PreemptionCheckpoint) for cb in trainer.callbacks):
+            trainer.callbacks.append(PreemptionCheckpoint())
+
     def process_dataloader(self, dataloader: Any) -> Any:
         dataloader = super().process_dataloader(dataloader)  # type: ignore[misc]
         trainer = getattr(self.lightning_module, "_trainer", None)
