@@ -61,7 +61,8 @@ def runs(tmp_path_factory):
         if sigterm:
             stopped = load(tmp / f"kill_{name}")
             assert [r["global_step"] for r in stopped] == [c["ckpt_step"]] * 2, "SIGTERM must stop the run"
-    killed_at = {n: torch.load(tmp / f"kill_{n}" / "ckpt" / "last.ckpt", weights_only=False)["global_step"]
+    # weights_only=True: what load_from_checkpoint uses; the resume state must not need pickled classes
+    killed_at = {n: torch.load(tmp / f"kill_{n}" / "ckpt" / "last.ckpt", weights_only=True)["global_step"]
                  for n in CASES}
     launch([{"strategy": c["strategy"], "steps": STEPS, "every": c["every"], "resume": True,
              "dir": str(tmp / f"kill_{n}")} for n, c in CASES.items()], tmp, "resumed")
