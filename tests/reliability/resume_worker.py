@@ -1,7 +1,7 @@
 """One rank of a resume test: ``python -m tests.reliability.resume_worker SPEC.json``.
 
 Each case fits ``DropoutMLP`` with a checkpoint every ``every`` steps; optionally kills its own
-process (``kill: [step, rank, "SIGKILL"|"SIGTERM"]``) after that step, or resumes with
+process (``kill: [step, rank, "SIGKILL"|"SIGTERM"]``; under Lightning's own launcher rank 0 is the launcher) after that step, or resumes with
 ``ckpt_path="last"``. Writes {global step: loss} and the final parameters per rank.
 """
 
@@ -33,7 +33,7 @@ class Recorder(Callback):
             os.kill(os.getpid(), getattr(signal, self.kill[2]))
 
 
-def run_case(case: dict, out: Path, rank: int, world_size: int) -> None:
+def run_case(case: dict, out: Path, world_size: int) -> None:
     seed_everything(0, workers=True)
     recorder = Recorder(case.get("kill"))
     checkpoint = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=case["every"], save_last=True,
@@ -44,17 +44,19 @@ def run_case(case: dict, out: Path, rank: int, world_size: int) -> None:
     model = DropoutMLP()
     trainer.fit(model, datamodule=ShuffledData(), ckpt_path="last" if case.get("resume") else None)
     torch.save({"losses": recorder.losses, "state_dict": model.state_dict(), "global_step": trainer.global_step,
-                "interrupted": trainer.interrupted}, out / f"rank{rank}.pt")
+                "interrupted": trainer.interrupted}, out / f"rank{trainer.global_rank}.pt")
 
 
 def main(spec_path: str) -> None:
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])  # Lightning may unset them
+    # WORLD_SIZE is set by an external launcher (Lightning may unset it later); without it Lightning's
+    # own launcher starts the other ranks from this process, which is then rank 0 and the launcher
+    world_size = int(os.environ.get("WORLD_SIZE", spec.get("devices", 2)))
     for case in spec["cases"]:
         out = Path(case["dir"])
         out.mkdir(parents=True, exist_ok=True)
-        run_case(case, out, rank, world_size)
+        run_case(case, out, world_size)
 
 
 if __name__ == "__main__":

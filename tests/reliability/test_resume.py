@@ -5,6 +5,8 @@ run's to 1e-10 (float64, 2 gloo processes, dropout + momentum + StepLR + shuffle
 - lp_ddp: checkpoint every 2 steps, rank 1 killed after step 9: resumes mid-epoch (epoch 1, batch 2).
 - lp_dp: checkpoint every 3 steps, rank 0 killed after step 7: resumes from an epoch-end checkpoint
   (step 6 = end of epoch 0), the case where Lightning's own loop gets the sampler epoch wrong.
+- lp_ddp under Lightning's own launcher, the launcher (rank 0) SIGKILLed after step 11: resumes from
+  step 8 with a fresh launch.
 - lp_ddp + SIGTERM to rank 1 after step 5: both ranks save ``last.ckpt`` at step 5 and stop cleanly;
   the resumed run continues exactly.
 """
@@ -25,18 +27,27 @@ CASES = {
     "lp_dp": {"strategy": "lp_dp", "every": 3, "kill": [7, 0, "SIGKILL"], "ckpt_step": 6},
     # SIGTERM to one rank after step 5, no periodic checkpoint: the preemption checkpoint is the only one
     "lp_ddp_sigterm": {"strategy": "lp_ddp", "every": 100, "kill": [5, 1, "SIGTERM"], "ckpt_step": 5},
+    # Lightning's own launcher (one command; rank 1 is its child) SIGKILLed with its rank 0 after step 11
+    "lp_ddp_launcher": {"strategy": "lp_ddp", "every": 4, "kill": [11, 0, "SIGKILL"], "ckpt_step": 8,
+                        "lightning_launcher": True},
 }
 
 
-def launch(cases: list[dict], tmp_path, name: str, expect_failure: bool = False) -> None:
+def launch(cases: list[dict], tmp_path, name: str, expect_failure: bool = False, lightning_launcher: bool = False) -> None:
     spec = tmp_path / f"{name}.json"
-    spec.write_text(json.dumps({"cases": cases}))
+    spec.write_text(json.dumps({"cases": cases, "devices": 2}))
     cwd = tmp_path / name
     cwd.mkdir()
     port = free_port()
     cmd = [sys.executable, "-m", "tests.reliability.resume_worker", str(spec)]
+    envs = [worker_env(r, 2, port) for r in range(2)]
+    if lightning_launcher:  # one process group: killing it takes the orphaned child rank too
+        env = {k: v for k, v in envs[0].items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK")}
+        cmd, envs = [cmd], [env]
+    else:
+        cmd = [cmd] * 2
     try:
-        run_processes([cmd] * 2, [worker_env(r, 2, port) for r in range(2)], timeout=150, cwd=cwd, grace=2.0)
+        run_processes(cmd, envs, timeout=150, cwd=cwd, grace=2.0)
     except RuntimeError:
         if not expect_failure:
             raise
@@ -57,15 +68,19 @@ def runs(tmp_path_factory):
     for name, c in CASES.items():
         sigterm = c["kill"][2] == "SIGTERM"  # exits cleanly after saving; SIGKILL leaves a failed run
         launch([{"strategy": c["strategy"], "steps": STEPS, "every": c["every"], "kill": c["kill"],
-                 "dir": str(tmp / f"kill_{name}")}], tmp, f"killed_{name}", expect_failure=not sigterm)
+                 "dir": str(tmp / f"kill_{name}")}], tmp, f"killed_{name}", expect_failure=not sigterm,
+               lightning_launcher=c.get("lightning_launcher", False))
         if sigterm:
             stopped = load(tmp / f"kill_{name}")
             assert [r["global_step"] for r in stopped] == [c["ckpt_step"]] * 2, "SIGTERM must stop the run"
     # weights_only=True: what load_from_checkpoint uses; the resume state must not need pickled classes
     killed_at = {n: torch.load(tmp / f"kill_{n}" / "ckpt" / "last.ckpt", weights_only=True)["global_step"]
                  for n in CASES}
-    launch([{"strategy": c["strategy"], "steps": STEPS, "every": c["every"], "resume": True,
-             "dir": str(tmp / f"kill_{n}")} for n, c in CASES.items()], tmp, "resumed")
+    resume = {n: {"strategy": c["strategy"], "steps": STEPS, "every": c["every"], "resume": True,
+                  "dir": str(tmp / f"kill_{n}")} for n, c in CASES.items()}
+    launch([r for n, r in resume.items() if not CASES[n].get("lightning_launcher")], tmp, "resumed")
+    launch([r for n, r in resume.items() if CASES[n].get("lightning_launcher")], tmp, "resumed_launcher",
+           lightning_launcher=True)
     return {n: (load(tmp / f"base_{c['strategy']}"), load(tmp / f"kill_{n}"), killed_at[n], tmp / f"kill_{n}" / "ckpt")
             for n, c in CASES.items()}
 
