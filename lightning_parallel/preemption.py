@@ -53,6 +53,9 @@ class PreemptionCheckpoint(Callback):
             self._previous = None
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if getattr(epoch_loop, "_should_accumulate", lambda: False)():
+            return  # mid-accumulation the gradients are not in the checkpoint: wait for the optimizer step
         if not _any_rank(self.requested):
             return
         path = self.checkpoint_path(trainer)

@@ -2,7 +2,7 @@
 
 Each case fits ``DropoutMLP`` with a checkpoint every ``every`` steps; optionally kills its own
 process (``kill: [step, rank, "SIGKILL"|"SIGTERM"]``; under Lightning's own launcher rank 0 is the launcher) after that step, or resumes with
-``ckpt_path="last"``. Writes {global step: loss} and the final parameters per rank.
+``ckpt_path="last"``. Writes {global step: loss of its last micro-batch} and the final parameters.
 """
 
 from __future__ import annotations
@@ -25,11 +25,14 @@ from tests.reliability.models import DropoutMLP, ShuffledData
 class Recorder(Callback):
     def __init__(self, kill=None):
         self.losses: dict[int, float] = {}
-        self.kill = kill
+        self.kill = kill  # [global step (or batch count, with a 4th item "batch"), rank, signal name]
+        self.batches = 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses[trainer.global_step] = float(outputs["loss"])
-        if self.kill and trainer.global_step == self.kill[0] and trainer.global_rank == self.kill[1]:
+        self.batches += 1
+        when = self.batches if self.kill and self.kill[3:] == ["batch"] else trainer.global_step
+        if self.kill and when == self.kill[0] and trainer.global_rank == self.kill[1]:
             os.kill(os.getpid(), getattr(signal, self.kill[2]))
 
 
@@ -40,7 +43,8 @@ def run_case(case: dict, out: Path, world_size: int) -> None:
                                  save_top_k=-1)
     trainer = Trainer(accelerator="cpu", devices=world_size, strategy=case["strategy"],
                       precision="64-true", max_steps=case["steps"], logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, callbacks=[recorder, checkpoint], limit_val_batches=0)
+                      enable_model_summary=False, callbacks=[recorder, checkpoint], limit_val_batches=0,
+                      accumulate_grad_batches=case.get("accumulate", 1))
     model = DropoutMLP()
     trainer.fit(model, datamodule=ShuffledData(), ckpt_path="last" if case.get("resume") else None)
     torch.save({"losses": recorder.losses, "state_dict": model.state_dict(), "global_step": trainer.global_step,

@@ -27,10 +27,18 @@ CASES = {
     "lp_dp": {"strategy": "lp_dp", "every": 3, "kill": [7, 0, "SIGKILL"], "ckpt_step": 6},
     # SIGTERM to one rank after step 5, no periodic checkpoint: the preemption checkpoint is the only one
     "lp_ddp_sigterm": {"strategy": "lp_ddp", "every": 100, "kill": [5, 1, "SIGTERM"], "ckpt_step": 5},
+    # the same with 2 micro-batches per step: SIGTERM lands after batch 9, the first micro-batch of step 5,
+    # so the checkpoint waits for the optimizer step (the accumulated gradient is not in a checkpoint)
+    "lp_ddp_sigterm_accumulate": {"strategy": "lp_ddp", "every": 100, "kill": [9, 1, "SIGTERM", "batch"], "ckpt_step": 5,
+                                  "accumulate": 2},
     # Lightning's own launcher (one command; rank 1 is its child) SIGKILLed with its rank 0 after step 11
     "lp_ddp_launcher": {"strategy": "lp_ddp", "every": 4, "kill": [11, 0, "SIGKILL"], "ckpt_step": 8,
                         "lightning_launcher": True},
 }
+
+
+def base_name(case: dict) -> str:
+    return f"{case['strategy']}-{case.get('accumulate', 1)}"
 
 
 def launch(cases: list[dict], tmp_path, name: str, expect_failure: bool = False, lightning_launcher: bool = False) -> None:
@@ -62,13 +70,13 @@ def load(path) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("resume")
-    strategies = sorted({c["strategy"] for c in CASES.values()})
-    launch([{"strategy": s, "steps": STEPS, "every": 2, "dir": str(tmp / f"base_{s}")} for s in strategies],
-           tmp, "uninterrupted")
+    bases = sorted({base_name(c) for c in CASES.values()})
+    launch([{"strategy": b.split("-")[0], "steps": STEPS, "every": 2, "accumulate": int(b.split("-")[1]),
+             "dir": str(tmp / f"base_{b}")} for b in bases], tmp, "uninterrupted")
     for name, c in CASES.items():
         sigterm = c["kill"][2] == "SIGTERM"  # exits cleanly after saving; SIGKILL leaves a failed run
         launch([{"strategy": c["strategy"], "steps": STEPS, "every": c["every"], "kill": c["kill"],
-                 "dir": str(tmp / f"kill_{name}")}], tmp, f"killed_{name}", expect_failure=not sigterm,
+                 "accumulate": c.get("accumulate", 1), "dir": str(tmp / f"kill_{name}")}], tmp, f"killed_{name}", expect_failure=not sigterm,
                lightning_launcher=c.get("lightning_launcher", False))
         if sigterm:
             stopped = load(tmp / f"kill_{name}")
@@ -77,11 +85,11 @@ def runs(tmp_path_factory):
     killed_at = {n: torch.load(tmp / f"kill_{n}" / "ckpt" / "last.ckpt", weights_only=True)["global_step"]
                  for n in CASES}
     resume = {n: {"strategy": c["strategy"], "steps": STEPS, "every": c["every"], "resume": True,
-                  "dir": str(tmp / f"kill_{n}")} for n, c in CASES.items()}
+                  "accumulate": c.get("accumulate", 1), "dir": str(tmp / f"kill_{n}")} for n, c in CASES.items()}
     launch([r for n, r in resume.items() if not CASES[n].get("lightning_launcher")], tmp, "resumed")
     launch([r for n, r in resume.items() if CASES[n].get("lightning_launcher")], tmp, "resumed_launcher",
            lightning_launcher=True)
-    return {n: (load(tmp / f"base_{c['strategy']}"), load(tmp / f"kill_{n}"), killed_at[n], tmp / f"kill_{n}" / "ckpt")
+    return {n: (load(tmp / f"base_{base_name(c)}"), load(tmp / f"kill_{n}"), killed_at[n], tmp / f"kill_{n}" / "ckpt")
             for n, c in CASES.items()}
 
 
@@ -93,7 +101,9 @@ def test_kill_then_resume_is_exact(runs, case):
     assert last_step == ckpt_step, "last.ckpt after the kill is the last periodic checkpoint"
     for rank in range(2):
         steps = sorted(resumed[rank]["losses"])
-        assert steps == list(range(ckpt_step + 1, STEPS + 1)), f"rank {rank} resumed at the wrong step: {steps}"
+        # keys are global_step at each batch end: with accumulation the first micro-batch of step k+1 has k
+        first = ckpt_step if CASES[case].get("accumulate", 1) > 1 else ckpt_step + 1
+        assert steps == list(range(first, STEPS + 1)), f"rank {rank} resumed at the wrong step: {steps}"
         worst = max(abs(resumed[rank]["losses"][s] - base[rank]["losses"][s]) for s in steps)
         assert worst <= 1e-10, f"rank {rank}: losses after resume differ by {worst:.3e}"
         diff = max_param_diff(resumed[rank]["state_dict"], base[rank]["state_dict"])
