@@ -13,7 +13,9 @@ What the base adds on top:
   model-parallel peers that hold the same batch are not counted twice;
 - an optional ``GradientReducer`` driven by the backward hooks and by ``block_backward_sync``;
 - a ``FailureWatchdog``: if one rank raises or dies, the others exit within ``failure_timeout`` seconds
-  (default 60) naming it, instead of waiting in a collective.
+  (default 60) naming it, instead of waiting in a collective;
+- exact resume (``resume.ExactResumeMixin``: data position and RNG in the checkpoint) and checkpoint
+  files written atomically (``checkpoint.AtomicCheckpointIO``, the default CheckpointIO).
 """
 
 from __future__ import annotations
@@ -33,11 +35,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
 import lightning.pytorch as pl
+from lightning_parallel.checkpoint import AtomicCheckpointIO
 from lightning_parallel.distributed.mesh import Mesh, MeshShape, build_mesh
 from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.state import broadcast_module_states
 from lightning_parallel.distributed.sync_batchnorm import SyncBatchNormPlugin
 from lightning_parallel.distributed.watchdog import FailureWatchdog
+from lightning_parallel.resume import ExactResumeMixin
 from lightning_parallel.strategies.launcher import HydraSafeSubprocessLauncher, failure_exit_fn
 
 __all__ = ["ParallelStrategyBase"]
@@ -53,7 +57,7 @@ def _init_arguments(cls: type) -> set[str]:
     return names
 
 
-class ParallelStrategyBase(_LightningDDPStrategy):
+class ParallelStrategyBase(ExactResumeMixin, _LightningDDPStrategy):
     """Base of all lightning_parallel strategies; not registered itself."""
 
     def __init__(
@@ -85,7 +89,7 @@ class ParallelStrategyBase(_LightningDDPStrategy):
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
+            checkpoint_io=checkpoint_io if checkpoint_io is not None else AtomicCheckpointIO(),
             precision_plugin=precision_plugin,
             process_group_backend=process_group_backend,
             timeout=timeout,

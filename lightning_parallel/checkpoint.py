@@ -1,0 +1,59 @@
+"""Checkpoint files that are never half-written.
+
+Lightning's ``TorchCheckpointIO`` serialises into memory and then writes straight over the target
+path, so a process killed (or a disk that fills up) during the write leaves a truncated ``last.ckpt``
+and the run cannot resume. ``AtomicCheckpointIO`` writes to a temporary file in the same folder,
+flushes it to disk, and renames it over the target: a rename inside one file system is atomic, so the
+target is always either the previous complete checkpoint or the new complete one.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+__all__ = ["AtomicCheckpointIO", "atomic_torch_save"]
+
+
+def atomic_torch_save(obj: Any, path: _PATH) -> None:
+    """``torch.save`` to ``path`` via a temporary file in the same folder and ``os.replace``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    try:  # make the rename itself durable
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``TorchCheckpointIO`` with write-to-temporary-then-rename; local paths only (remote URLs fall back)."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None or "://" in str(path):
+            return super().save_checkpoint(checkpoint, path, storage_options=storage_options)
+        atomic_torch_save(checkpoint, path)

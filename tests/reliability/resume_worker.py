@@ -1,0 +1,72 @@
+"""One rank of a resume test: ``python -m tests.reliability.resume_worker SPEC.json``.
+
+Each case fits ``DropoutMLP`` with a checkpoint every ``every`` steps; optionally kills its own
+process (``kill: [step, rank, "SIGKILL"|"SIGTERM"]``; under Lightning's own launcher rank 0 is the launcher) after that step, or resumes with
+``ckpt_path="last"``. Writes {global step: loss of its last micro-batch} and the final parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+from lightning.pytorch import Callback, Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+import lightning_parallel  # noqa: F401
+from tests.reliability.models import DropoutMLP, ShuffledData
+
+
+class Recorder(Callback):
+    def __init__(self, kill=None):
+        self.losses: dict[int, float] = {}
+        self.kill = kill  # [global step (or batch count, with a 4th item "batch"), rank, signal name]
+        self.batches = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses[trainer.global_step] = float(outputs["loss"])
+        self.batches += 1
+        when = self.batches if self.kill and self.kill[3:] == ["batch"] else trainer.global_step
+        if self.kill and when == self.kill[0] and trainer.global_rank == self.kill[1]:
+            os.kill(os.getpid(), getattr(signal, self.kill[2]))
+
+
+def run_case(case: dict, out: Path, world_size: int) -> None:
+    seed_everything(0, workers=True)
+    recorder = Recorder(case.get("kill"))
+    checkpoint = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=case["every"], save_last=True,
+                                 save_top_k=-1)
+    trainer = Trainer(accelerator="cpu", devices=world_size, strategy=case["strategy"],
+                      precision="64-true", max_steps=case["steps"], logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=[recorder, checkpoint], limit_val_batches=0,
+                      accumulate_grad_batches=case.get("accumulate", 1))
+    model = DropoutMLP()
+    trainer.fit(model, datamodule=ShuffledData(), ckpt_path="last" if case.get("resume") else None)
+    torch.save({"losses": recorder.losses, "state_dict": model.state_dict(), "global_step": trainer.global_step,
+                "interrupted": trainer.interrupted}, out / f"rank{trainer.global_rank}.pt")
+
+
+def main(spec_path: str) -> None:
+    torch.set_num_threads(1)
+    spec = json.loads(Path(spec_path).read_text())
+    # WORLD_SIZE is set by an external launcher (Lightning may unset it later); without it Lightning's
+    # own launcher starts the other ranks from this process, which is then rank 0 and the launcher
+    world_size = int(os.environ.get("WORLD_SIZE", spec.get("devices", 2)))
+    for case in spec["cases"]:
+        out = Path(case["dir"])
+        out.mkdir(parents=True, exist_ok=True)
+        run_case(case, out, world_size)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1])
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
