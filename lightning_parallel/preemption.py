@@ -26,7 +26,9 @@ __all__ = ["PreemptionCheckpoint"]
 def _any_rank(flag: bool) -> bool:
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return flag
-    t = torch.tensor([int(flag)])
+    backend = torch.distributed.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    t = torch.tensor([int(flag)], device=device)  # NCCL reduces only device tensors
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return bool(t.item())
 

@@ -222,7 +222,11 @@ class ExactResumeMixin:
         # checkpoint would be rounded into float32 parameters; convert first ("64-true": .double()).
         if self.lightning_module is not None and self.precision_plugin is not None:
             self.precision_plugin.convert_module(self.lightning_module)
-        super().load_model_state_dict(checkpoint, strict=strict)  # type: ignore[misc]
+        self.load_full_model_state(checkpoint["state_dict"], strict=strict)
+
+    def load_full_model_state(self, state_dict: Any, strict: bool = True) -> None:
+        """Load a full (single-device) state dict; model-parallel strategies take their part of it."""
+        self.lightning_module.load_state_dict(state_dict, strict=strict)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         checkpoint[CHECKPOINT_KEY] = self.resume_state_dict()

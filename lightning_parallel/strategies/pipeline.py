@@ -319,10 +319,10 @@ class PipelineParallelStrategy(ParallelStrategyBase):
             merged.update(part)
         return {k: merged[k] for k in self._full_keys if k in merged}
 
-    def load_model_state_dict(self, checkpoint: dict[str, Any], strict: bool = True) -> None:
+    def load_full_model_state(self, state_dict: dict[str, Any], strict: bool = True) -> None:
         """A full checkpoint (any layout, or a plain single-device one): each stage takes its tensors."""
         local_keys = set(self.lightning_module.state_dict().keys())
-        state = {k: v for k, v in checkpoint["state_dict"].items() if k in local_keys}
+        state = {k: v for k, v in state_dict.items() if k in local_keys}
         missing = local_keys - set(state)
         if strict and missing:
             raise KeyError(f"checkpoint lacks {sorted(missing)[:5]} (of {len(missing)}) for this pipeline stage")

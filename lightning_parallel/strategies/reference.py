@@ -15,13 +15,16 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import ParallelStrategy
 
+from lightning_parallel.resume import ExactResumeMixin
+
 __all__ = ["SingleDeviceReferenceStrategy"]
 
 
-class SingleDeviceReferenceStrategy(ParallelStrategy):
+class SingleDeviceReferenceStrategy(ExactResumeMixin, ParallelStrategy):
     """One process, one device, with the sample order of a distributed run (a 1-replica
-    ``DistributedSampler``). A ``ParallelStrategy`` only so that Lightning asks it for sampler
-    arguments; it creates no process group."""
+    ``DistributedSampler``), and the same exact resume as the distributed strategies, so that a
+    resumed reference continues where the original left off. A ``ParallelStrategy`` only so that
+    Lightning asks it for sampler arguments; it creates no process group."""
 
     strategy_name = "lp_reference"
 

@@ -237,10 +237,10 @@ class TensorParallelStrategy(ParallelStrategyBase):
             return super().lightning_module_state_dict()
         return full_state_dict(self.lightning_module, self.tp_group)
 
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+    def load_full_model_state(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         if not self._is_sharded():
-            return super().load_model_state_dict(checkpoint, strict=strict)
-        load_full_state_dict(self.lightning_module, checkpoint["state_dict"], strict=strict)
+            return super().load_full_model_state(state_dict, strict=strict)
+        load_full_state_dict(self.lightning_module, state_dict, strict=strict)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         if not self._is_sharded():

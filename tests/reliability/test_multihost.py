@@ -29,7 +29,7 @@ from tests.helpers.harness import REPO, assert_params_close, run_distributed
 ADDRS = ("10.77.0.1", "10.77.0.2")
 # Strategies to run across hosts, with their case overrides. A pipeline strategy joins by adding its
 # name here (one stage per host), e.g. "lp_pipeline_1f1b": {"model": ..., "strategy": ...}.
-MULTIHOST = {"lp_ddp": {}}
+MULTIHOST = {"lp_ddp": {}, "lp_pipeline_1f1b": {"dp_size": 1}}  # pipeline: one stage per host
 CASE = {"model": "tests.helpers.models:MLP", "data": "tests.helpers.models:RegressionData",
         "data_kwargs": {"global_batch_size": 16, "n": 64}, "model_kwargs": {"momentum": 0.9},
         "trainer": {"precision": "64-true", "max_steps": 6}}
