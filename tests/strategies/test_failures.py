@@ -16,7 +16,8 @@ def failing_case(strategy_class, mode):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("strategy_class", ["DDPStrategy", "DataParallelStrategy", "TensorParallelStrategy"])
+@pytest.mark.parametrize("strategy_class", ["DDPStrategy", "DataParallelStrategy", "TensorParallelStrategy",
+                                            "PipelineParallelStrategy"])
 @pytest.mark.parametrize("mode", ["raise", "kill"])
 def test_peers_exit_within_the_failure_timeout(tmp_path, strategy_class, mode):
     commands, envs, out = distributed_command([failing_case(strategy_class, mode)], 2, tmp_path)
