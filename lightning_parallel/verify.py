@@ -20,17 +20,16 @@ import argparse
 import importlib
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
+
+from lightning_parallel.processes import run_processes
 
 __all__ = ["verify", "main"]
 
@@ -96,32 +95,13 @@ def _launch(spec: dict, nprocs: int, workdir: Path, timeout: float) -> dict:
     path = workdir / f"spec{nprocs}.json"
     path.write_text(json.dumps(spec))
     port = _free_port()
-    procs, logs = [], []
-    for rank in range(nprocs):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nprocs),
-                   RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-        logs.append(open(workdir / f"run{nprocs}_rank{rank}.log", "w"))
-        procs.append(subprocess.Popen([sys.executable, "-m", "lightning_parallel.verify", "--worker", str(path)],
-                                      env=env, stdout=logs[-1], stderr=subprocess.STDOUT, start_new_session=True))
-    deadline = time.monotonic() + timeout
-    try:
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.poll() not in (None, 0) for p in procs):
-                time.sleep(2)
-                break
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-        for f in logs:
-            f.close()
-    if any(p.returncode != 0 for p in procs):
-        tails = "\n".join(f"--- rank {r} (exit {p.returncode}) ---\n"
-                          f"{(workdir / f'run{nprocs}_rank{r}.log').read_text()[-2000:]}" for r, p in enumerate(procs))
-        raise RuntimeError(f"the {nprocs}-process run failed:\n{tails}")
+    envs = [dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nprocs),
+                 RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1",
+                 PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+            for rank in range(nprocs)]
+    command = [sys.executable, "-m", "lightning_parallel.verify", "--worker", str(path)]
+    run_processes([command] * nprocs, envs, timeout, workdir, grace=2.0,
+                  log_names=[f"run{nprocs}_rank{r}.log" for r in range(nprocs)])
     return torch.load(workdir / f"result{nprocs}.pt", weights_only=False)
 
 

@@ -9,17 +9,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping
 
 import torch
 
+from lightning_parallel.processes import ProcessResults, run_processes, start_processes
 from tests.helpers.worker import run_case
 
 __all__ = ["free_port", "run_single", "run_distributed", "start_processes", "distributed_command", "run_processes", "max_param_diff", "assert_params_close", "REPO"]
@@ -54,52 +51,6 @@ def worker_env(rank: int, world_size: int, port: int, local_world_size: int | No
         PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]),
     )
     return env
-
-
-@dataclass
-class ProcessResults:
-    codes: list[int]  # -9: killed by the harness (time limit, or grace period after a peer failed)
-    outputs: list[str]
-    seconds: float
-
-
-def start_processes(commands: list[list[str]], envs: list[dict], timeout: float, cwd: Path,
-                    grace: float = 10.0) -> ProcessResults:
-    """Run one process per command until all exit; kill what is left at ``timeout``, or ``grace`` seconds
-    after the first non-zero exit. No process outlives the call."""
-    logs = [cwd / f"rank{r}.log" for r in range(len(commands))]
-    handles = [open(log, "w") for log in logs]
-    start = time.monotonic()
-    procs = [
-        subprocess.Popen(cmd, env=env, cwd=cwd, stdout=h, stderr=subprocess.STDOUT, start_new_session=True)
-        for cmd, env, h in zip(commands, envs, handles)
-    ]
-    deadline, failed_at = start + timeout, None
-    try:
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
-                failed_at = now
-            if now > deadline or (failed_at is not None and now > failed_at + grace):
-                break
-            time.sleep(0.1)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-        for h in handles:
-            h.close()
-    return ProcessResults([p.returncode for p in procs], [log.read_text() for log in logs], time.monotonic() - start)
-
-
-def run_processes(commands: list[list[str]], envs: list[dict], timeout: float, cwd: Path, grace: float = 10.0) -> list[str]:
-    """``start_processes``, raising with every rank's output tail unless all exited with 0."""
-    result = start_processes(commands, envs, timeout, cwd, grace)
-    if any(c != 0 for c in result.codes):
-        tails = "\n".join(f"--- rank {r} (exit {c}) ---\n{o[-3000:]}" for r, (c, o) in enumerate(zip(result.codes, result.outputs)))
-        raise RuntimeError(f"distributed run failed or timed out after {timeout}s:\n{tails}")
-    return result.outputs
 
 
 def distributed_command(cases: Iterable[dict], world_size: int, tmp_path: Path) -> tuple[list[list[str]], list[dict], Path]:

@@ -12,16 +12,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 import torch
+
+from lightning_parallel.processes import run_processes
 
 from lightning_parallel import STRATEGY_NAMES
 from tests.helpers.harness import REPO, assert_params_close, run_distributed
@@ -83,35 +83,16 @@ def run_two_hosts(cases: list[dict], out: Path, timeout: float = 200.0) -> None:
     spec = out / "spec.json"
     spec.write_text(json.dumps({"cases": cases, "out": str(out)}))
     with two_hosts() as (names, veths):
-        procs, logs = [], []
+        commands, envs = [], []
         for node, (ns, veth) in enumerate(zip(names, veths)):
-            env = dict(os.environ, GLOO_SOCKET_IFNAME=veth, OMP_NUM_THREADS="1",
-                       PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-            cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
-                   "--nproc_per_node=1", f"--node_rank={node}", f"--master_addr={ADDRS[0]}", "--master_port=29577",
-                   "-m", "tests.helpers.worker", str(spec)]
-            logs.append(open(out / f"node{node}.log", "w"))
-            procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=logs[-1], stderr=subprocess.STDOUT,
-                                          start_new_session=True))
-        deadline = time.monotonic() + timeout
-        try:
-            while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-                if any(p.poll() not in (None, 0) for p in procs):
-                    time.sleep(3)  # let the other node notice, then stop it
-                    break
-                time.sleep(0.2)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-            for f in logs:
-                f.close()
-        codes = [p.returncode for p in procs]
-        if any(c != 0 for c in codes):
-            tails = "\n".join(f"--- node {i} (exit {c}) ---\n{(out / f'node{i}.log').read_text()[-3000:]}"
-                              for i, c in enumerate(codes))
-            raise RuntimeError(f"2-host run failed:\n{tails}")
+            envs.append(dict(os.environ, GLOO_SOCKET_IFNAME=veth, OMP_NUM_THREADS="1",
+                             PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])))
+            commands.append(["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                             "--nproc_per_node=1", f"--node_rank={node}", f"--master_addr={ADDRS[0]}",
+                             "--master_port=29577", "-m", "tests.helpers.worker", str(spec)])
+        # the other node gets 3 s to notice a failure before it is stopped
+        run_processes(commands, envs, timeout, REPO, grace=3.0, log_names=[str(out / f"node{i}.log") for i in range(2)],
+                      what="node")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,66 @@
+"""Run a handful of local processes to completion, with a hard time limit and nothing left behind.
+
+Used by ``verify`` and by the test harness to start the ranks of a short run (not a training launcher:
+training uses Lightning's launchers, torchrun or srun). If one process fails, the others get ``grace``
+seconds to notice and exit on their own, then every survivor's process group is killed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+__all__ = ["ProcessResults", "start_processes", "run_processes"]
+
+
+@dataclass
+class ProcessResults:
+    codes: list[int]  # -9: killed here (time limit, or grace period after a peer failed)
+    outputs: list[str]
+    seconds: float
+
+
+def start_processes(commands: Sequence[Sequence[str]], envs: Sequence[dict], timeout: float, cwd: Path,
+                    grace: float = 10.0, log_names: Optional[Sequence[str]] = None) -> ProcessResults:
+    """Run one process per command until all exit; each one's output goes to ``cwd/<log name>``."""
+    names = list(log_names) if log_names else [f"rank{r}.log" for r in range(len(commands))]
+    logs = [Path(cwd) / name for name in names]
+    handles = [open(log, "w") for log in logs]
+    start = time.monotonic()
+    procs = [
+        subprocess.Popen(list(cmd), env=env, cwd=cwd, stdout=h, stderr=subprocess.STDOUT, start_new_session=True)
+        for cmd, env, h in zip(commands, envs, handles)
+    ]
+    deadline, failed_at = start + timeout, None
+    try:
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+                failed_at = now
+            if now > deadline or (failed_at is not None and now > failed_at + grace):
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        for h in handles:
+            h.close()
+    return ProcessResults([p.returncode for p in procs], [log.read_text() for log in logs], time.monotonic() - start)
+
+
+def run_processes(commands: Sequence[Sequence[str]], envs: Sequence[dict], timeout: float, cwd: Path,
+                  grace: float = 10.0, log_names: Optional[Sequence[str]] = None, what: str = "rank") -> list[str]:
+    """``start_processes``, raising with every process's output tail unless all exited with 0."""
+    result = start_processes(commands, envs, timeout, cwd, grace, log_names)
+    if any(c != 0 for c in result.codes):
+        tails = "\n".join(f"--- {what} {r} (exit {c}) ---\n{o[-3000:]}"
+                          for r, (c, o) in enumerate(zip(result.codes, result.outputs)))
+        raise RuntimeError(f"distributed run failed or timed out after {timeout}s:\n{tails}")
+    return result.outputs
