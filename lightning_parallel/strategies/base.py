@@ -97,6 +97,7 @@ class ParallelStrategyBase(ExactResumeMixin, _LightningDDPStrategy):
         )
         self.mesh: Optional[Mesh] = None
         self.reducer: Optional[GradientReducer] = None
+        self._sync_grads = True  # False on accumulating micro-steps (block_backward_sync)
         self.failure_timeout = float(failure_timeout)
         self._watchdog: Optional[FailureWatchdog] = None
 
@@ -186,16 +187,19 @@ class ParallelStrategyBase(ExactResumeMixin, _LightningDDPStrategy):
 
     @contextmanager
     def block_backward_sync(self) -> Generator:
-        """Lightning wraps accumulating micro-steps in this: keep gradients local until the last one."""
-        if self.reducer is None:
-            yield None
-            return
-        previous = self.reducer.sync_enabled
-        self.reducer.sync_enabled = False
+        """Lightning wraps accumulating micro-steps in this: keep gradients local until the last one.
+
+        Turns off the reducer's sync and ``self._sync_grads`` (which strategies without a reducer read)."""
+        previous = self._sync_grads, (self.reducer.sync_enabled if self.reducer is not None else None)
+        self._sync_grads = False
+        if self.reducer is not None:
+            self.reducer.sync_enabled = False
         try:
             yield None
         finally:
-            self.reducer.sync_enabled = previous
+            self._sync_grads = previous[0]
+            if self.reducer is not None:
+                self.reducer.sync_enabled = previous[1]
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         if self.reducer is not None:

@@ -29,13 +29,9 @@ class DataParallelStrategy(ParallelStrategyBase):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._sync_grads = True
 
     def configure_parallelism(self) -> None:
         broadcast_module_states(self.lightning_module, src=0)
-
-    def block_backward_sync(self):  # type: ignore[override]
-        return _NoSync(self)
 
     def post_backward(self, closure_loss: Tensor) -> None:
         if self._sync_grads:
@@ -59,14 +55,3 @@ class DataParallelStrategy(ParallelStrategyBase):
         return output
 
 
-class _NoSync:
-    """Keeps gradients local on accumulating micro-steps."""
-
-    def __init__(self, strategy: DataParallelStrategy) -> None:
-        self.strategy = strategy
-
-    def __enter__(self) -> None:
-        self.strategy._sync_grads = False
-
-    def __exit__(self, *exc: Any) -> None:
-        self.strategy._sync_grads = True

@@ -104,7 +104,6 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         self.partition: Optional[StagePartition] = None
         self.executor: Optional[StageExecutor] = None
         self._set_aside: list[Optional[Tensor]] = []
-        self._sync_grads = True
         self._full_keys: list[str] = []
         self._full_param_names: list[str] = []
         self.bubbles: list[float] = []
@@ -174,9 +173,6 @@ class PipelineParallelStrategy(ParallelStrategyBase):
             clip_grad_norm_sharded(list(plugin.main_params(optimizer)), float(clip_val), owned, group)
 
         self.precision_plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, self.precision_plugin)
-
-    def block_backward_sync(self):  # type: ignore[override]
-        return _NoSync(self)
 
     # ----------------------------------------------------------------- steps
     def training_step(self, batch: Any, batch_idx: int, *args: Any) -> Tensor:
@@ -343,17 +339,6 @@ class PipelineParallelStrategy(ParallelStrategyBase):
             return super().load_optimizer_state_dict(checkpoint)
         for optimizer, full in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(stage_state_from_full(full, optimizer, self.lightning_module, self._full_param_names))
-
-
-class _NoSync:
-    def __init__(self, strategy: PipelineParallelStrategy) -> None:
-        self.strategy = strategy
-
-    def __enter__(self) -> None:
-        self.strategy._sync_grads = False
-
-    def __exit__(self, *exc: Any) -> None:
-        self.strategy._sync_grads = True
 
 
 @contextmanager
