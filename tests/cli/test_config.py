@@ -104,12 +104,8 @@ def test_gpu_without_cuda_is_reported() -> None:
 
 
 def test_strategy_class_missing_from_this_installation_is_named() -> None:
-    import lightning_parallel
-
-    if hasattr(lightning_parallel, "PipelineParallelStrategy"):
-        pytest.skip("PipelineParallelStrategy exists")
-    found = _problems("strategy=pipeline_1f1b")
-    assert any("has no attribute 'PipelineParallelStrategy'; this installation provides" in p for p in found), found
+    found = _problems("strategy=lp_ddp", "strategy._target_=lightning_parallel.NoSuchStrategy")
+    assert any("has no attribute 'NoSuchStrategy'; this installation provides" in p for p in found), found
 
 
 @pytest.mark.timeout(120)
