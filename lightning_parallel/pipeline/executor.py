@@ -57,6 +57,18 @@ def batch_size(batch: Any) -> Optional[int]:
     return None
 
 
+def _as_tuple(x: Any) -> tuple:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _grad_or_placeholder(t: Tensor) -> Tensor:
+    """The gradient to send back for one received tensor: zeros if it got none (unused by this stage),
+    an empty placeholder for tensors that cannot have one (integers, masks)."""
+    if not t.is_floating_point():
+        return torch.empty(0)
+    return t.grad if t.grad is not None else torch.zeros_like(t)
+
+
 def loss_of(output: Any) -> Tensor:
     """The loss in what ``training_step`` returned (a tensor, or a dict with ``"loss"``)."""
     loss = output["loss"] if isinstance(output, dict) else output
@@ -89,7 +101,7 @@ class StageExecutor:
     def is_last(self) -> bool:
         return self.stage == self.num_stages - 1
 
-    def forward(self, step_fn: Callable[[Any], Any], microbatch: Any, index: int) -> tuple[Any, Optional[Tensor]]:
+    def forward(self, step_fn: Callable[[Any], Any], microbatch: Any, index: int) -> tuple[Any, Any]:
         """Run one forward; returns (what this stage produced, the input leaf it used)."""
         if not self.is_first:
             with self.timeline.record("wait", index):
@@ -101,8 +113,9 @@ class StageExecutor:
                 produced = end.tensor
         used, self.io.used = self.io.used, None
         if not self.is_last:
-            if not isinstance(produced, Tensor):
-                raise RuntimeError("a pipeline stage must pass one tensor to the next block")
+            if not all(isinstance(t, Tensor) for t in _as_tuple(produced)):
+                raise RuntimeError("a pipeline stage must pass a tensor or a tuple of tensors to the next block, "
+                                   f"got {type(produced).__name__}")
             self.link.send(produced, self.next_rank)
         return produced, used
 
@@ -110,7 +123,7 @@ class StageExecutor:
             weights: Sequence[float], backward: bool = True) -> StepResult:
         result = StepResult()
         produced: dict[int, Any] = {}
-        inputs: dict[int, Optional[Tensor]] = {}
+        inputs: dict[int, Any] = {}
         for action in actions:
             i = action.microbatch
             if action.kind == "F":
@@ -127,16 +140,20 @@ class StageExecutor:
         self.link.wait_sends()
         return result
 
-    def _backward(self, output: Any, used_input: Optional[Tensor], weight: float, index: int) -> None:
+    def _backward(self, output: Any, used_input: Any, weight: float, index: int) -> None:
         if self.is_last:
             with self.timeline.record("B", index):
                 (output * weight).backward()
         else:
             with self.timeline.record("wait", index):
                 grad = self.link.recv(self.next_rank)
+            pairs = [(o, g) for o, g in zip(_as_tuple(output), _as_tuple(grad)) if o.requires_grad and g.numel()]
             with self.timeline.record("B", index):
-                torch.autograd.backward(output, grad)
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if not self.is_first:
-            if used_input is None or used_input.grad is None:
+            if used_input is None:
+                raise RuntimeError(f"stage {self.stage}: no activation was received for micro-batch {index}")
+            grads = tuple(_grad_or_placeholder(t) for t in _as_tuple(used_input))
+            if all(g.numel() == 0 for g in grads):
                 raise RuntimeError(f"stage {self.stage}: the activation received for micro-batch {index} got no gradient")
-            self.link.send(used_input.grad, self.prev_rank)
+            self.link.send(grads if isinstance(used_input, tuple) else grads[0], self.prev_rank)

@@ -39,8 +39,8 @@ class StageOutput(BaseException):
 class StageInput:
     """Where the executor puts the received activation, and where the pre-hook records what it used."""
 
-    pending: Optional[Tensor] = None
-    used: Optional[Tensor] = None
+    pending: Optional[Any] = None  # a tensor, or a tuple of tensors
+    used: Optional[Any] = None
 
 
 class _Skip(nn.Module):
@@ -163,8 +163,9 @@ def _take_received_input(io: StageInput):
         if io.pending is None:
             raise RuntimeError("pipeline stage ran without an input from the previous stage")
         received, io.pending = io.pending, None
-        if received.is_floating_point():
-            received.requires_grad_(True)
+        for t in received if isinstance(received, tuple) else (received,):
+            if t.is_floating_point():
+                t.requires_grad_(True)
         io.used = received
         if args:
             return (received,) + tuple(args[1:]), kwargs

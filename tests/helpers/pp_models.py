@@ -47,3 +47,38 @@ class AsyncRuleEmulation(SequentialNet):
         self.optimizers().step()  # plain SGD: W(t) - lr * g
         self.previous = current
         return loss.detach()
+
+
+class _Lift(nn.Module):
+    def __init__(self, d_in: int, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d_in, d)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h, torch.tanh(h)  # the pair travels through the blocks (and between stages)
+
+
+class _PairBlock(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, pair):
+        x, aux = pair
+        return torch.tanh(self.lin(x)) + 0.1 * aux, 0.9 * aux
+
+
+class _Drop(nn.Module):
+    def forward(self, pair):
+        return pair[0] + pair[1]
+
+
+class TupleNet(MLP):
+    """Blocks of an nn.Sequential that pass a tuple (x, aux) to each other: tuples cross stages."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        h = self.hparams
+        self.net = nn.Sequential(_Lift(h.in_dim, h.hidden), *[_PairBlock(h.hidden) for _ in range(4)], _Drop(),
+                                 nn.Linear(h.hidden, h.out_dim))

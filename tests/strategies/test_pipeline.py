@@ -9,7 +9,8 @@ from tests.helpers.harness import assert_params_close, max_param_diff, run_distr
 PP = "lightning_parallel:PipelineParallelStrategy"
 GPT = ("tests.helpers.tp_models:SmallGPT", "tests.helpers.tp_models:TokenData", {"n_layer": 4})
 SEQ = ("tests.helpers.pp_models:SequentialNet", "tests.helpers.models:RegressionData", {})
-MODELS = {"gpt": GPT, "seq": SEQ}
+TUPLE = ("tests.helpers.pp_models:TupleNet", "tests.helpers.models:RegressionData", {})
+MODELS = {"gpt": GPT, "seq": SEQ, "tuple": TUPLE}
 
 
 def case(name, model, dp=1, trainer=None, model_kwargs=None, validate_after_fit=False, callbacks=(), data_kwargs=None,
@@ -24,8 +25,9 @@ def case(name, model, dp=1, trainer=None, model_kwargs=None, validate_after_fit=
 SGD = {"optimizer": "sgd", "lr": 0.5}
 CASES_2 = [
     case(f"{model}-{schedule}-m{m}", model, schedule=schedule, num_microbatches=m)
-    for model in MODELS for schedule in ("gpipe", "1f1b") for m in (4, 8)
+    for model in ("gpt", "seq") for schedule in ("gpipe", "1f1b") for m in (4, 8)
 ] + [
+    case("tuple-1f1b", "tuple", schedule="1f1b", split_points=[3, 4]),  # (x, aux) tuples cross the stages
     case("gpt-1f1b-accumulate", "gpt", schedule="1f1b", trainer={"accumulate_grad_batches": 2}),
     case("gpt-gpipe-clip", "gpt", schedule="gpipe", trainer={"gradient_clip_val": 0.05}, model_kwargs=SGD),
     case("gpt-split", "gpt", schedule="1f1b", split_points=["model.blocks.1"]),
