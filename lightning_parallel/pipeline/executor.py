@@ -4,12 +4,18 @@
 function on micro-batch i (``StageOutput`` ends it on all but the last stage), send the result on.
 ``B i``: on the last stage, backward of the weighted micro-batch loss; elsewhere, backward of the
 stage's output with the gradient received from the next stage; then send the input's gradient back.
+
+Without a flush (``async``) a micro-batch's forward and backward can fall in different steps, with an
+optimizer step between them that updates the parameters in place. Its autograd graph must still see
+the weights it ran with: forwards that may outlive the step save a snapshot of the parameters (one
+per step: PipeDream-2BW's second weight buffer) instead of the parameters themselves.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -19,7 +25,7 @@ from lightning_parallel.pipeline.partition import StageInput, StageOutput
 from lightning_parallel.pipeline.schedules import Action
 from lightning_parallel.pipeline.timeline import Timeline
 
-__all__ = ["split_microbatches", "batch_size", "StageExecutor", "StepResult"]
+__all__ = ["split_microbatches", "batch_size", "StageExecutor", "StepResult", "weights_snapshot"]
 
 
 def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
@@ -78,6 +84,22 @@ def loss_of(output: Any) -> Tensor:
     return loss
 
 
+@contextmanager
+def weights_snapshot(parameters: Sequence[Tensor]) -> Iterator[None]:
+    """Within this block, autograd saves a copy of each parameter (and of views of it) taken on entry,
+    so in-place updates made later (the optimizer's) do not change what the backward computes with."""
+    snapshot = {p.untyped_storage().data_ptr(): p.detach().clone() for p in parameters}
+
+    def pack(t: Tensor) -> Tensor:
+        copy = snapshot.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        if copy is None or copy.numel() == 0:
+            return t
+        return copy.as_strided(t.size(), t.stride(), t.storage_offset())
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+
+
 @dataclass
 class StepResult:
     losses: list[Tensor] = field(default_factory=list)  # last stage: each micro-batch's (unweighted) loss
@@ -92,6 +114,11 @@ class StageExecutor:
         self.stage, self.num_stages = stage, num_stages
         self.prev_rank, self.next_rank = prev_rank, next_rank
         self.link, self.io, self.timeline = link, io, timeline
+        self.in_flight: dict[int, tuple[Any, Any]] = {}  # previous batch: micro-batch -> (output, input)
+
+    @property
+    def has_in_flight(self) -> bool:
+        return bool(self.in_flight)
 
     @property
     def is_first(self) -> bool:
@@ -120,7 +147,12 @@ class StageExecutor:
         return produced, used
 
     def run(self, actions: Sequence[Action], microbatches: Sequence[Any], step_fn: Callable[[Any], Any],
-            weights: Sequence[float], backward: bool = True) -> StepResult:
+            weights: Sequence[float], backward: bool = True,
+            before_backward: Optional[Callable[[Action], None]] = None, flushed: bool = True) -> StepResult:
+        """Run ``actions`` in order. Backwards marked ``batch=-1`` take the graphs the previous call left
+        in flight; forwards whose backward is not in ``actions`` stay in flight for the next call.
+        ``flushed``: every stage ends this call with nothing in flight, so it is safe to wait for the
+        sends; otherwise a peer may receive them only in its next call, after collectives of its own."""
         result = StepResult()
         produced: dict[int, Any] = {}
         inputs: dict[int, Any] = {}
@@ -136,8 +168,22 @@ class StageExecutor:
                 if not backward:
                     produced.pop(i), inputs.pop(i)
             elif backward:
-                self._backward(produced.pop(i), inputs.pop(i), weights[i], i)
-        self.link.wait_sends()
+                if before_backward is not None:
+                    before_backward(action)
+                if action.batch == -1:
+                    output, used = self.in_flight.pop(i)
+                else:
+                    output, used = produced.pop(i), inputs.pop(i)
+                self._backward(output, used, weights[i], i)
+        if backward:  # forward-only runs (validation) leave training's in-flight graphs alone
+            if self.in_flight:
+                raise RuntimeError(f"stage {self.stage}: micro-batches {sorted(self.in_flight)} of the previous "
+                                   "batch were left without a backward")
+            self.in_flight = {i: (produced[i], inputs[i]) for i in produced}
+        if flushed:
+            self.link.wait_sends()
+        else:
+            self.link.forget_finished_sends()
         return result
 
     def _backward(self, output: Any, used_input: Any, weight: float, index: int) -> None:

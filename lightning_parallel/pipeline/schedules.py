@@ -12,8 +12,17 @@ Both do the same work (one F and one B per micro-batch per stage); 1F1B keeps at
 ``num_stages - stage`` micro-batches' activations alive instead of all of them. The idle slots (the
 bubble) are (p - 1) / (m + p - 1) of a step for both.
 
-``async`` (PipeDream-2BW) has the per-step order of 1F1B, but no flush: the next batch's forwards
-start while this batch's backwards drain, see ``async_order``.
+``async`` (PipeDream-2BW) is 1F1B with no flush: one endless stream in which stage ``s`` keeps
+``w = p - s - 1`` micro-batches in flight, so batch t+1's first forwards fill batch t's cool-down.
+``async_step`` cuts that stream at batch boundaries, one piece per training step; the backwards a
+piece carries over from the previous batch are marked ``batch=-1``. 2 stages, 4 micro-batches::
+
+    step t                          step t+1
+    stage 0: F0 B3' F1 B0 F2 B1 F3 B2 | F0 B3 F1 B0 ...      (B3' = batch t-1's micro-batch 3)
+    stage 1: F0 B0  F1 B1 F2 B2 F3 B3 | F0 B0 F1 B1 ...
+
+``cooldown`` lists what is still in flight when the stream must stop (before a checkpoint, at the
+end of an epoch or of fit). 1F1B itself is one ``async_step`` from an empty pipeline plus its cool-down.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["Action", "gpipe", "one_f_one_b", "schedule", "max_in_flight", "render", "SCHEDULES", "bubble_fraction"]
+__all__ = ["Action", "gpipe", "one_f_one_b", "async_step", "cooldown", "warmup_depth", "schedule", "max_in_flight", "render", "SCHEDULES", "bubble_fraction"]
 
 SCHEDULES = ("gpipe", "1f1b", "async")
 
@@ -30,9 +39,10 @@ SCHEDULES = ("gpipe", "1f1b", "async")
 class Action:
     kind: Literal["F", "B"]
     microbatch: int
+    batch: int = 0  # 0: this step's batch; -1: the previous batch (async carries its cool-down over)
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}"
+        return f"{self.kind}{self.microbatch}" + ("'" if self.batch == -1 else "")
 
 
 def gpipe(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
@@ -41,23 +51,43 @@ def gpipe(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
     return [Action("F", i) for i in range(num_microbatches)] + [Action("B", i) for i in range(num_microbatches)]
 
 
-def one_f_one_b(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
-    """Warm-up forwards, then alternate one backward and one forward, then the remaining backwards."""
+def warmup_depth(num_stages: int, num_microbatches: int, stage: int) -> int:
+    """How many micro-batches 1F1B keeps in flight on ``stage`` between its forwards and backwards."""
+    return min(num_stages - stage - 1, num_microbatches)
+
+
+def async_step(num_stages: int, num_microbatches: int, stage: int, carried: int) -> list[Action]:
+    """One batch's piece of the no-flush 1F1B stream: each forward, then (once more than the warm-up
+    depth is in flight) the backward of the oldest micro-batch in flight. The first ``carried``
+    backwards are the previous batch's last micro-batches (0 after a flush, else the warm-up depth)."""
     _check(num_stages, num_microbatches, stage)
-    warmup = min(num_stages - stage - 1, num_microbatches)
-    actions = [Action("F", i) for i in range(warmup)]
-    forward, backward = warmup, 0
-    while backward < num_microbatches:
-        if forward < num_microbatches:
-            actions.append(Action("F", forward))
-            forward += 1
-        actions.append(Action("B", backward))
-        backward += 1
+    depth = warmup_depth(num_stages, num_microbatches, stage)
+    if not 0 <= carried <= depth:
+        raise ValueError(f"stage {stage} can carry 0..{depth} micro-batches over, not {carried}")
+    in_flight = [Action("B", i, -1) for i in range(num_microbatches - carried, num_microbatches)]
+    actions = []
+    for i in range(num_microbatches):
+        actions.append(Action("F", i))
+        in_flight.append(Action("B", i))
+        if len(in_flight) > depth:
+            actions.append(in_flight.pop(0))
     return actions
 
 
+def cooldown(num_stages: int, num_microbatches: int, stage: int, batch: int = 0) -> list[Action]:
+    """The backwards an ``async_step`` leaves in flight, in order (``batch=-1``: run in a later step)."""
+    depth = warmup_depth(num_stages, num_microbatches, stage)
+    return [Action("B", i, batch) for i in range(num_microbatches - depth, num_microbatches)]
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
+    """Warm-up forwards, then alternate one forward and one backward, then the remaining backwards."""
+    return async_step(num_stages, num_microbatches, stage, carried=0) + cooldown(num_stages, num_microbatches, stage)
+
+
 def schedule(name: str, num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
-    """The actions of ``stage`` for one step of the named schedule (``async`` steps like ``1f1b``)."""
+    """The actions of ``stage`` for one flushed step of the named schedule (``async`` flushes like 1F1B;
+    its no-flush steps are ``async_step``)."""
     if name == "gpipe":
         return gpipe(num_stages, num_microbatches, stage)
     if name in ("1f1b", "async"):

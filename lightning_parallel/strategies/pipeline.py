@@ -22,9 +22,9 @@ the plain module; a full checkpoint loads into any number of stages.
 from __future__ import annotations
 
 import types
-from contextlib import contextmanager
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -35,9 +35,11 @@ from lightning_parallel.distributed.collectives import clip_grad_norm_sharded
 from lightning_parallel.distributed.mesh import MeshShape
 from lightning_parallel.distributed.p2p import PeerLink
 from lightning_parallel.distributed.state import all_reduce_gradients, broadcast_module_states
-from lightning_parallel.pipeline.executor import StageExecutor, batch_size, split_microbatches
+from lightning_parallel.pipeline.async_gradients import AsyncGradients, merge_stage_gradients
+from lightning_parallel.pipeline.executor import StageExecutor, batch_size, split_microbatches, weights_snapshot
+from lightning_parallel.pipeline.logs import LogMirror, capture_logs, summarize
 from lightning_parallel.pipeline.partition import StagePartition, partition
-from lightning_parallel.pipeline.schedules import bubble_fraction, schedule
+from lightning_parallel.pipeline.schedules import async_step, bubble_fraction, cooldown, schedule, warmup_depth
 from lightning_parallel.pipeline.state import merge_stage_states, stage_state_by_name, stage_state_from_full
 from lightning_parallel.pipeline.timeline import Timeline, bubble, from_dicts, to_dicts, write_chrome_trace, write_svg
 from lightning_parallel.strategies.base import ParallelStrategyBase
@@ -50,12 +52,20 @@ SUPPORTED = ("gpipe", "1f1b", "async")
 class PipelineParallelStrategy(ParallelStrategyBase):
     """Pipeline parallelism (and 2-D with data parallelism) on ``torch.distributed`` point-to-point.
 
-    The ``async`` rule, one step stale with double-buffered weights: the gradient of batch t is computed
-    with the weights from before the previous update, the same version on every stage for every
-    micro-batch of the batch: ``W(t+1) = W(t) - lr * grad f_t(W(t-1))`` (``W(-1) = W(0)``). Each rank
-    keeps the previous version beside the current one. This version runs each batch's micro-batches in
-    1F1B order and still drains at the end of the step (the next batch does not yet start during this
-    one's cool-down), so it has the update semantics of PipeDream-2BW but not yet its throughput gain.
+    The ``async`` schedule (PipeDream-2BW) never flushes between batches: batch t+1's first forwards
+    run in batch t's cool-down, and the optimizer step at the end of step t applies batch t-1's
+    gradient. Its rule, one step stale, the same weight version on every stage for every micro-batch:
+    ``W(t+1) = W(t) - lr * grad f_t(W(t-1))`` (``W(-1) = W(0)``), with W(k) the weights after k updates.
+    What that means in Lightning's terms:
+
+    - the first step of a fit applies no update (nothing has finished yet; Lightning still counts it),
+      and ``fit`` ends by applying the last batch's gradient, so N batches give N updates;
+    - values logged by ``training_step`` (and the loss passed to callbacks) at step t are batch t-1's,
+      logged as ``pipeline_async_batch`` = t-1 beside them; the last step of an epoch flushes the
+      pipeline and logs both its own batch and the previous one;
+    - the pipeline drains (finishes the in-flight backwards) before a checkpoint is written, and the
+      checkpoint holds the gradient not yet applied, so a resumed run continues the same updates;
+    - gradient accumulation is not supported (the rule is per batch): raise ``num_microbatches``.
 
     Args:
         schedule: ``"gpipe"`` (fill-drain), ``"1f1b"`` (one-forward-one-backward, flush each step), or
@@ -107,7 +117,10 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         self._full_keys: list[str] = []
         self._full_param_names: list[str] = []
         self.bubbles: list[float] = []
-        self._previous_weights: Optional[list[Tensor]] = None  # async: W(t-1)
+        self.logs: Optional[LogMirror] = None
+        self.async_grads = AsyncGradients()
+        self._summary_due = False  # async: the last step's summary is still to be logged
+        self._last_loss: Optional[Tensor] = None
 
     # ----------------------------------------------------------------- layout
     def _sizes(self) -> tuple[int, int]:
@@ -150,6 +163,11 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         if self.schedule == "1f1b" and self.num_microbatches < pp:
             raise ValueError(f"schedule='1f1b' needs num_microbatches >= the number of stages ({pp}), got "
                              f"{self.num_microbatches}; raise num_microbatches or use schedule='gpipe'.")
+        if self.schedule == "async" and self.lightning_module.trainer.accumulate_grad_batches > 1:
+            raise ValueError(
+                f"schedule='async' does not support accumulate_grad_batches="
+                f"{self.lightning_module.trainer.accumulate_grad_batches}: its update rule is per batch. Raise "
+                "num_microbatches (or the batch size) instead, or use schedule='1f1b'.")
         if self.partition is not None:
             return  # split by an earlier fit/validate of this trainer: keep the stages
         broadcast_module_states(module, src=0)  # every stage cuts its blocks from the same weights
@@ -162,6 +180,9 @@ class PipelineParallelStrategy(ParallelStrategyBase):
             stage, pp, ranks[stage - 1] if stage > 0 else None, ranks[stage + 1] if stage < pp - 1 else None,
             PeerLink(self.root_device), self.partition.io, Timeline(self.global_rank),
         )
+        # summaries go over gloo on CPU: gloo keeps tags apart (NCCL would mix them with activations)
+        objects = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self.logs = LogMirror(PeerLink(torch.device("cpu"), objects), ranks[-1], ranks[:-1], stage == pp - 1)
         owned = set(self.partition.owned)
         self._outside = [p for n, p in module.named_parameters() if n not in owned]
         self._install_global_norm_clipping({id(p) for n, p in module.named_parameters() if n in owned})
@@ -178,44 +199,105 @@ class PipelineParallelStrategy(ParallelStrategyBase):
     def training_step(self, batch: Any, batch_idx: int, *args: Any) -> Tensor:
         params = list(self.lightning_module.parameters())
         earlier = [p.grad for p in params]  # accumulated so far (or stale: the closure zeroes them next)
-        for p in params:
-            p.grad = None
-        actions = schedule(self.schedule, self.mesh.shape.pp, self.num_microbatches, self.mesh.pp_rank)
-        with self._stale_weights():
-            loss = self._run(actions, batch, lambda mb: Strategy.training_step(self, mb, batch_idx, *args), backward=True)
-        self._set_aside = [p.grad for p in params]
+        step_fn = lambda mb: Strategy.training_step(self, mb, batch_idx, *args)  # noqa: E731
+        if self.schedule == "async":
+            loss = self._async_step(params, batch, step_fn)
+        else:
+            for p in params:
+                p.grad = None
+            actions = schedule(self.schedule, self.mesh.shape.pp, self.num_microbatches, self.mesh.pp_rank)
+            self._run(actions, batch, step_fn, backward=True)
+            self._set_aside = [p.grad for p in params]
+            loss = self._show(self.logs.take("train"))
         for p, g in zip(params, earlier):
             p.grad = g
         self._record_timeline()
         return loss.detach().requires_grad_()  # Lightning's backward of this touches no parameter
 
-    @contextmanager
-    def _stale_weights(self) -> Iterator[None]:
-        """async: compute this batch's gradient with W(t-1), then put W(t) back for the optimizer."""
-        if self.schedule != "async" or self._previous_weights is None:
-            yield
+    def _async_step(self, params: list, batch: Any, step_fn: Any) -> Optional[Tensor]:
+        """One piece of the no-flush stream; the gradient it hands the optimizer is the previous batch's."""
+        pp, m, stage = self.mesh.shape.pp, self.num_microbatches, self.mesh.pp_rank
+        self.async_grads.place_from_checkpoint(*self._pending_layout())
+        carried = warmup_depth(pp, m, stage) if self.executor.has_in_flight else 0
+        flush = self._last_step_before_a_pause()
+        actions = async_step(pp, m, stage, carried) + (cooldown(pp, m, stage) if flush else [])
+        self.async_grads.begin(params, carried)
+        keeps_graphs = not flush and warmup_depth(pp, m, stage) > 0
+        with weights_snapshot(params) if keeps_graphs else nullcontext():  # graphs left in flight keep this step's weights
+            self._run(actions, batch, step_fn, backward=True, flushed=flush,
+                      before_backward=lambda a: self.async_grads.before_backward(params, a.batch))
+        # a stage that keeps no micro-batch in flight (the last) has finished this batch even without a flush
+        apply_now = self.async_grads.end(params, finished=not self.executor.has_in_flight)
+        self._set_aside = apply_now or []
+        shown = []
+        if self._summary_due:
+            shown.append(self.logs.take("train"))
+        if flush:
+            shown.append(self.logs.take("train"))
+        self._summary_due = not flush
+        losses = [self._show(summary) for summary in shown]
+        if apply_now is None:  # nothing finished yet: the optimizer step finds no gradient and changes nothing
+            return torch.tensor(float("nan"), dtype=torch.float64, device=self.root_device)
+        return losses[0] if losses else self._last_loss
+
+    def _last_step_before_a_pause(self) -> bool:
+        """Whether the pipeline must flush in this step: the epoch or the fit ends after it."""
+        trainer = self.lightning_module.trainer
+        loop = trainer.fit_loop.epoch_loop
+        return bool(loop.batch_progress.is_last_batch
+                    or loop.batch_idx + 1 >= trainer.num_training_batches
+                    or 0 <= trainer.max_steps <= trainer.global_step + 1)
+
+    def _show(self, summary: dict) -> Optional[Tensor]:
+        """Replay a summary's logs on this stage; the loss it carries (None for evaluation)."""
+        loss = LogMirror.replay(self.lightning_module, summary, self.root_device)
+        if summary["batch"] is not None:
+            self.lightning_module.log("pipeline_async_batch", float(summary["batch"]), on_step=True, on_epoch=False)
+        if loss is not None:
+            self._last_loss = loss
+        return loss
+
+    def drain(self) -> None:
+        """async: finish the backwards still in flight; their gradient waits for the next optimizer step."""
+        if self.executor is None or not self.executor.has_in_flight:
             return
         params = list(self.lightning_module.parameters())
-        current = [p.detach().clone() for p in params]
-        with torch.no_grad():
-            for p, old in zip(params, self._previous_weights):
-                p.copy_(old)
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for p, now in zip(params, current):
-                    p.copy_(now)
+        earlier = [p.grad for p in params]
+        self.async_grads.drain(params)
+        actions = cooldown(self.mesh.shape.pp, self.num_microbatches, self.mesh.pp_rank, batch=-1)
+        self.executor.run(actions, [], None, [0.0] * self.num_microbatches)
+        self.async_grads.drained(params)
+        for p, g in zip(params, earlier):
+            p.grad = g
 
-    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        if self.schedule != "async":
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-        before = [p.detach().clone() for p in self.lightning_module.parameters()]  # W(t)
-        if self._previous_weights is None:
-            self._previous_weights = before  # W(-1) = W(0)
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._previous_weights = before
-        return output
+    def on_train_end(self) -> None:
+        """async: the last batch's gradient is applied here, so N batches make N updates."""
+        if self.schedule == "async" and self.partition is not None:
+            self.drain()
+            if self._summary_due:  # the last step's logs can no longer be shown; keep the channel clean
+                self.logs.take("train")
+                self._summary_due = False
+            self._apply_pending_update()
+        super().on_train_end()
+
+    def _apply_pending_update(self) -> None:
+        self.async_grads.place_from_checkpoint(*self._pending_layout())
+        pending, self.async_grads.pending = self.async_grads.pending, None
+        if pending is None:
+            return
+        module = self.lightning_module
+        for p, g in zip(module.parameters(), pending):
+            p.grad = g
+        self.post_backward(torch.zeros(()))
+        for optimizer in self.optimizers:
+            # through the precision plugin: unscaling (16-mixed), clipping and the optimizer hooks
+            self.precision_plugin.optimizer_step(optimizer, module, lambda: torch.zeros(()))
+            optimizer.zero_grad()
+
+    def _pending_layout(self) -> tuple:
+        owned = set(self.partition.owned)
+        named = list(self.lightning_module.named_parameters())
+        return named, {n for n, _ in named if n not in owned}, self.mesh.pp_rank == 0
 
     def validation_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
         return self._forward_only(batch, lambda mb: Strategy.validation_step(self, mb, batch_idx, *args))
@@ -232,38 +314,32 @@ class PipelineParallelStrategy(ParallelStrategyBase):
     def _forward_only(self, batch: Any, step_fn: Any, outputs: bool = False) -> Any:
         actions = [a for a in schedule("gpipe", self.mesh.shape.pp, self.num_microbatches, self.mesh.pp_rank) if a.kind == "F"]
         with torch.no_grad():
-            return self._run(actions, batch, step_fn, backward=False, outputs=outputs)
+            # no wait for sends: under async, a receiver may still owe a receive from the last train step
+            result = self._run(actions, batch, step_fn, backward=False, outputs=outputs, flushed=False)
+        if outputs:
+            return result
+        return self._show(self.logs.take("eval"))
 
-    def _run(self, actions: list, batch: Any, step_fn: Any, backward: bool, outputs: bool = False) -> Any:
+    def _run(self, actions: list, batch: Any, step_fn: Any, backward: bool, outputs: bool = False,
+             before_backward: Any = None, flushed: bool = True) -> Any:
+        """Run this stage's actions on the batch's micro-batches; the last stage publishes its summary.
+        ``flushed``: the call leaves no stage with work in flight, so it may wait for its sends."""
         microbatches = split_microbatches(batch, self.num_microbatches)
         sizes = [batch_size(mb) or 1 for mb in microbatches]
         weights = [s / sum(sizes) for s in sizes]
         # Lightning divides each step's loss by accumulate_grad_batches before its backward; so do we
         scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
-        with _capture_logs(self.lightning_module) as logged:
-            result = self.executor.run(actions, microbatches, step_fn, [w * scale for w in weights], backward=backward)
+        with capture_logs(self.lightning_module) as logged:
+            result = self.executor.run(actions, microbatches, step_fn, [w * scale for w in weights], backward=backward,
+                                       before_backward=before_backward, flushed=flushed)
         if outputs:
             return result.outputs if self.is_last_stage else None
-        loss = sum(w * l for w, l in zip(weights, result.losses)) if result.losses else None
-        self._replay_logs(loss, logged, weights)
-        return self._loss_everywhere
-
-    def _replay_logs(self, loss: Optional[Tensor], logged: dict, weights: list[float]) -> None:
-        """Average the last stage's captured ``self.log`` calls and replay them on every stage."""
-        summary = None
         if self.is_last_stage:
-            summary = {"loss": None if loss is None else float(loss), "logs": {}}
-            for name, calls in logged.items():
-                values = [float(v) for v, _ in calls]
-                w = weights if len(values) == len(weights) else [1 / len(values)] * len(values)
-                summary["logs"][name] = (sum(a * b for a, b in zip(w, values)), calls[-1][1])
-        holder = [summary]
-        dist.broadcast_object_list(holder, src=self.mesh.ranks("pp")[-1], group=self.pp_group)
-        summary = holder[0]
-        value = summary["loss"] if summary["loss"] is not None else float("nan")
-        self._loss_everywhere = torch.tensor(value, dtype=torch.float64, device=self.root_device)
-        for name, (v, kwargs) in summary["logs"].items():
-            self.lightning_module.log(name, torch.tensor(v, dtype=torch.float64), **kwargs)
+            kind = "train" if backward else "eval"
+            number = self.lightning_module.trainer.global_step if self.schedule == "async" and backward else None
+            self.logs.publish(summarize(kind, result.losses, weights, logged, number))
+        self.logs.finish(flushed)
+        return result
 
     def _record_timeline(self) -> None:
         events = list(self.executor.timeline.events)
@@ -304,7 +380,9 @@ class PipelineParallelStrategy(ParallelStrategyBase):
 
     # ----------------------------------------------------------------- checkpoints
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full model, gathered from the stages, under the original names and order."""
+        """The full model, gathered from the stages, under the original names and order. (It is the first
+        thing Lightning asks for when writing a checkpoint: the async pipeline drains here.)"""
+        self.drain()
         local = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
         if self.mesh is None or self.mesh.shape.pp == 1:
             return local
@@ -314,6 +392,26 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         for part in parts:
             merged.update(part)
         return {k: merged[k] for k in self._full_keys if k in merged}
+
+    def resume_state_dict(self) -> dict[str, Any]:
+        """Adds the async gradient not yet applied (single-device names), so a resumed run applies it."""
+        state = super().resume_state_dict()
+        if self.schedule != "async" or self.partition is None:
+            return state
+        self.async_grads.place_from_checkpoint(*self._pending_layout())
+        pending = self.async_grads.pending
+        names = [n for n, _ in self.lightning_module.named_parameters()]
+        local = {n: g.detach().cpu() for n, g in zip(names, pending or []) if g is not None}
+        parts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(parts, local)
+        if any(parts):
+            state["async_pending_gradient"] = merge_stage_gradients(parts, self.mesh.shape.pp)
+        return state
+
+    def load_resume_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_resume_state_dict(state)
+        if self.schedule == "async":
+            self.async_grads.pending_by_name = state.get("async_pending_gradient")
 
     def load_full_model_state(self, state_dict: dict[str, Any], strict: bool = True) -> None:
         """A full checkpoint (any layout, or a plain single-device one): each stage takes its tensors."""
@@ -339,25 +437,6 @@ class PipelineParallelStrategy(ParallelStrategyBase):
             return super().load_optimizer_state_dict(checkpoint)
         for optimizer, full in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(stage_state_from_full(full, optimizer, self.lightning_module, self._full_param_names))
-
-
-@contextmanager
-def _capture_logs(module: Any) -> Iterator[dict[str, list]]:
-    """Record ``module.log`` calls instead of making them (they are replayed averaged, on every stage)."""
-    logged: dict[str, list] = {}
-
-    def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        if isinstance(value, Tensor) or isinstance(value, (int, float)):
-            logged.setdefault(name, []).append((float(value), kwargs))
-        else:
-            original(name, value, *args, **kwargs)
-
-    original = module.log
-    module.log = log
-    try:
-        yield logged
-    finally:
-        del module.log
 
 
 def _positive(name: str, value: Any) -> None:

@@ -3,14 +3,34 @@ stages' lists are interleaved by a simulated clock, and 1F1B keeps within its ac
 
 import pytest
 
-from lightning_parallel.pipeline.schedules import bubble_fraction, gpipe, max_in_flight, one_f_one_b, render, schedule
+from lightning_parallel.pipeline.schedules import (
+    Action, async_step, bubble_fraction, cooldown, gpipe, max_in_flight, one_f_one_b, render, schedule, warmup_depth,
+)
 
 
 def simulate(name: str, stages: int, m: int) -> list[list[str]]:
+    return run_clock([schedule(name, stages, m, s) for s in range(stages)], name)
+
+
+def async_stream(stages: int, m: int, batches: int) -> list[list[Action]]:
+    """Each stage's actions over ``batches`` async steps, from an empty pipeline to the final cool-down,
+    with micro-batch numbers made global (batch * m + i) so the stream can be checked as one."""
+    streams = []
+    for s in range(stages):
+        actions, carried = [], 0
+        for b in range(batches):
+            actions += [Action(a.kind, (b + a.batch) * m + a.microbatch) for a in async_step(stages, m, s, carried)]
+            carried = warmup_depth(stages, m, s)
+        actions += [Action(a.kind, (batches - 1) * m + a.microbatch) for a in cooldown(stages, m, s)]
+        streams.append(actions)
+    return streams
+
+
+def run_clock(lists: list[list[Action]], name: str = "") -> list[list[str]]:
     """Run all stages' action lists against each other with unit-time actions; returns the clock table.
     An F needs the previous stage's F of that micro-batch done; a B the next stage's B (or, on the last
     stage, its own F). Raises if the schedules deadlock."""
-    lists = [schedule(name, stages, m, s) for s in range(stages)]
+    stages = len(lists)
     done: set[tuple[str, int, int]] = set()
     clock: list[list[str]] = []
     while any(lists):
@@ -73,3 +93,28 @@ def test_render_and_errors():
         schedule("zero", 2, 4, 0)
     with pytest.raises(ValueError, match="bad schedule shape"):
         gpipe(2, 4, 2)
+
+
+@pytest.mark.parametrize("stages,m", [(2, 4), (3, 4), (4, 8), (4, 3), (2, 1)])
+def test_async_steps_join_into_one_1f1b_stream_with_no_flush(stages, m):
+    batches = 5
+    streams = async_stream(stages, m, batches)
+    for s, actions in enumerate(streams):
+        n = batches * m
+        assert sorted(a.microbatch for a in actions if a.kind == "F") == list(range(n))
+        assert sorted(a.microbatch for a in actions if a.kind == "B") == list(range(n))
+        assert max_in_flight(actions) <= stages - s
+        # it is exactly the continuous 1F1B stream over all batches' micro-batches
+        assert actions == one_f_one_b(stages, n, s)
+    clock = run_clock(streams, "async")
+    # one fill and one drain for all batches, instead of one per batch: (p-1)/(n+p-1) idle
+    assert len(clock) == 2 * (batches * m + stages - 1)
+
+
+def test_async_step_marks_the_previous_batch_and_checks_what_it_carries():
+    assert " ".join(map(str, async_step(2, 4, 0, carried=1))) == "F0 B3' F1 B0 F2 B1 F3 B2"
+    assert " ".join(map(str, async_step(2, 4, 0, carried=0))) == "F0 F1 B0 F2 B1 F3 B2"
+    assert " ".join(map(str, cooldown(2, 4, 0, batch=-1))) == "B3'"
+    assert cooldown(2, 4, 1) == []  # the last stage never carries anything over
+    with pytest.raises(ValueError, match="can carry 0..1 micro-batches over, not 2"):
+        async_step(2, 4, 0, carried=2)

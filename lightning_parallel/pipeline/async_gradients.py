@@ -1,0 +1,100 @@
+"""The gradients of two batches on one stage of the no-flush (PipeDream-2BW) pipeline.
+
+In a step of the async schedule a stage first finishes the backwards the previous batch left in
+flight, then starts this batch's. So at any time it holds up to two gradients:
+
+- ``partial``: the batch whose backwards are not all done yet (carried into the next step);
+- ``pending``: a finished batch's gradient, applied by the next optimizer step.
+
+The optimizer step at the end of step t applies batch t-1's gradient, which was computed with the
+weights of step t-1. Writing W(k) for the weights after k updates, that is the documented rule
+``W(t+1) = W(t) - lr * grad f_t(W(t-1))``, the same version on every stage for every micro-batch.
+Lightning's closure wipes ``.grad`` (``zero_grad``) between the step's forward and backward, so the
+gradients live here, and ``.grad`` only holds them while the executor runs backwards into them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["AsyncGradients", "merge_stage_gradients"]
+
+Grads = list[Optional[Tensor]]
+
+
+class AsyncGradients:
+    def __init__(self) -> None:
+        self.partial: Optional[Grads] = None
+        self.pending: Optional[Grads] = None
+        self.pending_by_name: Optional[dict[str, Tensor]] = None  # from a checkpoint, placed at first use
+        self._previous_open = False
+
+    def begin(self, params: Sequence[nn.Parameter], carried: int) -> None:
+        """Before a step's backwards: ``.grad`` continues the in-flight batch's gradient."""
+        for p, g in zip(params, self.partial or [None] * len(params)):
+            p.grad = g
+        self.partial = None
+        self._previous_open = carried > 0
+
+    def before_backward(self, params: Sequence[nn.Parameter], batch: int) -> None:
+        """Called before each backward: the first one of this step's batch closes the previous batch."""
+        if batch == 0 and self._previous_open:
+            self._close_previous(params)
+
+    def end(self, params: Sequence[nn.Parameter], finished: bool) -> Optional[Grads]:
+        """After a step's backwards: returns the gradient to apply now (None: nothing finished yet) and
+        keeps this batch's, as pending if ``finished`` (this stage has no backward of it left in flight)
+        or else as partial."""
+        if self._previous_open:  # every backward of this step belonged to the previous batch
+            self._close_previous(params)
+        apply_now, self.pending = self.pending, None
+        grads = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        if finished:
+            self.pending = grads
+        else:
+            self.partial = grads
+        return apply_now
+
+    def drain(self, params: Sequence[nn.Parameter]) -> None:
+        """Before a drain's backwards (the in-flight batch's cool-down): continue its gradient."""
+        self.begin(params, carried=0)
+
+    def drained(self, params: Sequence[nn.Parameter]) -> None:
+        """After a drain: the in-flight batch's gradient is finished and waits for the next step."""
+        if self.pending is not None:
+            raise RuntimeError("async pipeline: a finished gradient is already waiting to be applied")
+        self.pending = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+
+    def place_from_checkpoint(self, named: Sequence[tuple[str, nn.Parameter]], replicated: set[str], first_stage: bool) -> None:
+        """A checkpoint's full gradient (single-device names) becomes this stage's pending gradient.
+        Parameters replicated on every stage get it on the first stage only (stages' parts are summed)."""
+        if self.pending_by_name is None:
+            return
+        full, self.pending_by_name = self.pending_by_name, None
+        self.pending = [None if (n in replicated and not first_stage) or n not in full else full[n].to(p.device, p.dtype)
+                        for n, p in named]
+
+    def _close_previous(self, params: Sequence[nn.Parameter]) -> None:
+        self.pending = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        self._previous_open = False
+
+
+def merge_stage_gradients(parts: Sequence[dict[str, Tensor]], num_stages: int) -> dict[str, Tensor]:
+    """Per-rank pending gradients (rank order: replica-major, stage-minor) -> one full gradient:
+    summed over the stages of a replica (replicated modules' parts), averaged over the replicas."""
+    replicas = len(parts) // num_stages
+    full: dict[str, Tensor] = {}
+    for part in parts:
+        for name, g in part.items():
+            g = g / replicas
+            full[name] = g if name not in full else full[name] + g
+    return full
