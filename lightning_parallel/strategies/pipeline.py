@@ -120,6 +120,7 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         self.logs: Optional[LogMirror] = None
         self.async_grads = AsyncGradients()
         self._summary_due = False  # async: the last step's summary is still to be logged
+        self._held_summary: Optional[dict] = None  # async: that summary, taken early (for a checkpoint)
         self._last_loss: Optional[Tensor] = None
 
     # ----------------------------------------------------------------- layout
@@ -231,14 +232,21 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         self._set_aside = apply_now or []
         shown = []
         if self._summary_due:
-            shown.append(self.logs.take("train"))
+            shown.append(self._take_due_summary())
         if flush:
             shown.append(self.logs.take("train"))
         self._summary_due = not flush
         losses = [self._show(summary) for summary in shown]
-        if apply_now is None:  # nothing finished yet: the optimizer step finds no gradient and changes nothing
+        if apply_now is None or (not losses and self._last_loss is None):
+            # nothing finished yet (the optimizer step finds no gradient), or no loss known (just resumed)
             return torch.tensor(float("nan"), dtype=torch.float64, device=self.root_device)
         return losses[0] if losses else self._last_loss
+
+    def _take_due_summary(self) -> dict:
+        """The previous step's summary: held since a checkpoint, or read from the last stage now."""
+        summary = self._held_summary if self._held_summary is not None else self.logs.take("train")
+        self._held_summary, self._summary_due = None, False
+        return summary
 
     def _last_step_before_a_pause(self) -> bool:
         """Whether the pipeline must flush in this step: the epoch or the fit ends after it."""
@@ -270,13 +278,17 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         for p, g in zip(params, earlier):
             p.grad = g
 
+    def on_validation_start(self) -> None:
+        """async: validation inside fit starts from a drained pipeline (nothing left in flight)."""
+        self.drain()
+        super().on_validation_start()
+
     def on_train_end(self) -> None:
         """async: the last batch's gradient is applied here, so N batches make N updates."""
         if self.schedule == "async" and self.partition is not None:
             self.drain()
             if self._summary_due:  # the last step's logs can no longer be shown; keep the channel clean
-                self.logs.take("train")
-                self._summary_due = False
+                self._take_due_summary()
             self._apply_pending_update()
         super().on_train_end()
 
@@ -406,12 +418,17 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         dist.all_gather_object(parts, local)
         if any(parts):
             state["async_pending_gradient"] = merge_stage_gradients(parts, self.mesh.shape.pp)
+        if self._summary_due and self._held_summary is None:  # so the resumed step shows the right loss
+            self._held_summary = self.logs.take("train")
+        state["async_due_summary"] = self._held_summary
         return state
 
     def load_resume_state_dict(self, state: dict[str, Any]) -> None:
         super().load_resume_state_dict(state)
         if self.schedule == "async":
             self.async_grads.pending_by_name = state.get("async_pending_gradient")
+            self._held_summary = state.get("async_due_summary")
+            self._summary_due = self._held_summary is not None
 
     def load_full_model_state(self, state_dict: dict[str, Any], strict: bool = True) -> None:
         """A full checkpoint (any layout, or a plain single-device one): each stage takes its tensors."""

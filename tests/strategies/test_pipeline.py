@@ -115,6 +115,40 @@ def test_model_checkpoint_and_early_stopping_monitor_what_the_last_stage_logs(pp
         assert rank["callback_state"]["EarlyStopping"]["stopped_epoch"] == 1
 
 
+EPOCHS = case("seq-async-epochs", "seq", schedule="async", model_kwargs=SGD, data_kwargs={"global_batch_size": 16, "n": 64},
+              trainer={"max_steps": 10, "val_check_interval": 2, "limit_val_batches": 1},
+              callbacks=[{"class": "lightning.pytorch.callbacks:ModelCheckpoint",
+                          "kwargs": {"dirpath": "ckpts", "every_n_train_steps": 3, "save_top_k": -1}}])
+
+
+@pytest.fixture(scope="module")
+def async_runs(tmp_path_factory):
+    """10 async steps over 3 epochs of 4 batches: flushes at epoch ends, drains before each mid-epoch
+    validation and each checkpoint (every 3 steps); then a second fit resumes from the step-6 checkpoint
+    (mid-epoch, with the drained gradient not yet applied) and runs to step 10."""
+    tmp = tmp_path_factory.mktemp("async")
+    ckpt = tmp / "dist2" / EPOCHS["name"] / "ckpts" / "epoch=1-step=6.ckpt"
+    resume = {**EPOCHS, "name": "seq-async-resume", "callbacks": [], "ckpt_path": str(ckpt)}
+    return tmp, run_distributed([EPOCHS, resume], world_size=2, tmp_path=tmp, timeout=300)
+
+
+@pytest.mark.timeout(600)
+def test_async_across_epochs_validation_checkpoints_and_resume_follows_its_rule(async_runs):
+    tmp, results = async_runs
+    emulation = run_single({**EPOCHS, "name": "emulation", "model": "tests.helpers.pp_models:AsyncRuleEmulation",
+                            "strategy": "auto", "save_checkpoint": False, "callbacks": []}, tmp)
+    assert len(emulation["losses"]) == 10
+    for name in ("seq-async-epochs", "seq-async-resume"):
+        full = torch.load(tmp / "dist2" / name / "last.ckpt", weights_only=False)["state_dict"]
+        assert_params_close(full, emulation["state_dict"], atol=1e-10)
+    resumed = results["seq-async-resume"][1]["losses"]  # steps 6..9 show batches 5..8
+    assert len(resumed) == 4
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(emulation["losses"][5:9]), atol=1e-10, rtol=0)
+    saved = torch.load(tmp / "dist2" / "seq-async-epochs" / "ckpts" / "epoch=1-step=6.ckpt", weights_only=False)
+    assert saved["lightning_parallel"]["async_pending_gradient"]  # the drained batch's gradient travels
+    assert "val_loss" in results["seq-async-epochs"][0]["metrics"]
+
+
 @pytest.mark.timeout(600)
 def test_async_equals_an_emulation_of_its_update_rule(pp2):
     """W(t+1) = W(t) - lr * grad f_t(W(t-1)), written out by hand on one process (SGD, float64)."""
