@@ -23,7 +23,7 @@ from typing import Any, Optional, Sequence, Union
 
 from torch import Tensor, nn
 
-__all__ = ["StageOutput", "StageInput", "find_block_stack", "balance_by_parameters", "stage_bounds", "StagePartition", "partition"]
+__all__ = ["StageOutput", "StageInput", "find_block_stack", "balance", "block_parameters", "stage_bounds", "StagePartition", "partition"]
 
 
 class StageOutput(BaseException):
@@ -68,11 +68,17 @@ def find_block_stack(module: nn.Module, name: Optional[str] = None) -> tuple[str
     return best, stacks[best]
 
 
-def balance_by_parameters(sizes: Sequence[int], num_stages: int) -> list[int]:
-    """Block counts per stage (contiguous) minimising the largest stage's parameter count."""
-    n = len(sizes)
-    prefix = [0]
-    for s in sizes:
+def block_parameters(stack: nn.Module) -> list[int]:
+    """Each block's parameter count: the default cost to balance."""
+    return [sum(p.numel() for p in b.parameters()) for b in stack]
+
+
+def balance(costs: Sequence[float], num_stages: int) -> list[int]:
+    """Block counts per stage (contiguous) minimising the largest stage's total cost (parameter counts,
+    or measured seconds for ``balance="time"``)."""
+    n = len(costs)
+    prefix = [0.0]
+    for s in costs:
         prefix.append(prefix[-1] + s)
     inf = float("inf")
     # best[k][i]: smallest max-stage size splitting the first i blocks into k non-empty stages
@@ -93,15 +99,16 @@ def balance_by_parameters(sizes: Sequence[int], num_stages: int) -> list[int]:
 
 
 def stage_bounds(stack_name: str, stack: nn.Module, num_stages: int,
-                 split_points: Optional[Sequence[Union[str, int]]] = None) -> list[tuple[int, int]]:
+                 split_points: Optional[Sequence[Union[str, int]]] = None,
+                 costs: Optional[Sequence[float]] = None) -> list[tuple[int, int]]:
     """[start, end) block indices per stage, from ``split_points`` (block names where a stage starts,
-    or block counts per stage) or balanced by parameters."""
+    or block counts per stage), else balanced by ``costs`` per block (default: parameter counts)."""
     n = len(stack)
     if num_stages > n:
         raise ValueError(f"{num_stages} pipeline stages need at least {num_stages} blocks, but {stack_name!r} has {n}; "
                          f"use pipeline_parallel_size <= {n}.")
     if split_points is None:
-        counts = balance_by_parameters([sum(p.numel() for p in b.parameters()) for b in stack], num_stages)
+        counts = balance(block_parameters(stack) if costs is None else costs, num_stages)
     elif all(isinstance(s, int) for s in split_points):
         counts = list(split_points)
         if len(counts) != num_stages or sum(counts) != n or min(counts) < 1:
@@ -140,10 +147,11 @@ class StagePartition:
 
 
 def partition(module: nn.Module, num_stages: int, stage: int, stack_name: Optional[str] = None,
-              split_points: Optional[Sequence[Union[str, int]]] = None) -> StagePartition:
+              split_points: Optional[Sequence[Union[str, int]]] = None,
+              costs: Optional[Sequence[float]] = None) -> StagePartition:
     """Keep this stage's blocks in ``module`` (in place) and install the stage-boundary hooks."""
     name, stack = find_block_stack(module, stack_name)
-    bounds = stage_bounds(name, stack, num_stages, split_points)
+    bounds = stage_bounds(name, stack, num_stages, split_points, costs)
     part = StagePartition(stack_name=name, bounds=bounds, stage=stage)
     start, end = bounds[stage]
     for i in range(len(stack)):

@@ -29,6 +29,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies.strategy import Strategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_parallel.distributed.collectives import clip_grad_norm_sharded
@@ -38,7 +40,8 @@ from lightning_parallel.distributed.state import all_reduce_gradients, broadcast
 from lightning_parallel.pipeline.async_gradients import AsyncGradients, merge_stage_gradients
 from lightning_parallel.pipeline.executor import StageExecutor, batch_size, split_microbatches, weights_snapshot
 from lightning_parallel.pipeline.logs import LogMirror, capture_logs, summarize
-from lightning_parallel.pipeline.partition import StagePartition, partition
+from lightning_parallel.pipeline.partition import StagePartition, find_block_stack, partition
+from lightning_parallel.pipeline.profile import average_over_ranks, capture_block_inputs, time_blocks, untouched
 from lightning_parallel.pipeline.schedules import async_step, bubble_fraction, cooldown, schedule, warmup_depth
 from lightning_parallel.pipeline.state import merge_stage_states, stage_state_by_name, stage_state_from_full
 from lightning_parallel.pipeline.timeline import Timeline, bubble, from_dicts, to_dicts, write_chrome_trace, write_svg
@@ -47,6 +50,7 @@ from lightning_parallel.strategies.base import ParallelStrategyBase
 __all__ = ["PipelineParallelStrategy"]
 
 SUPPORTED = ("gpipe", "1f1b", "async")
+BALANCES = ("parameters", "time")
 
 
 class PipelineParallelStrategy(ParallelStrategyBase):
@@ -76,7 +80,9 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         data_parallel_size: replicas of the whole pipeline, each with its own batches.
         split_points: where stages start: block names (``["model.blocks.2"]``) or block counts per
             stage (``[2, 2]``); None balances by parameter count.
-        balance: ``"parameters"`` (the only balancing implemented; see README).
+        balance: how stages are chosen when ``split_points`` is None: ``"parameters"`` (equal parameter
+            counts) or ``"time"`` (each block's forward + backward time measured on the first micro-batch
+            before training, averaged over ranks; the random state is left as it was).
         block_stack: name of the ``nn.ModuleList``/``nn.Sequential`` to split; None finds the largest.
         timeline_step: the step whose timeline is written (Chrome trace + SVG) to the run's folder.
         **kwargs: process plumbing, as for Lightning's ``DDPStrategy``.
@@ -102,8 +108,11 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         _positive("data_parallel_size", data_parallel_size)
         if pipeline_parallel_size is not None:
             _positive("pipeline_parallel_size", pipeline_parallel_size)
-        if balance != "parameters":
-            raise ValueError(f"balance={balance!r} is not supported; use 'parameters', or give split_points.")
+        if balance not in BALANCES:
+            raise ValueError(f"balance={balance!r} is not supported; use 'parameters' or 'time', or give split_points.")
+        if balance == "time" and split_points is not None:
+            raise ValueError(f"balance='time' and split_points={list(split_points)!r} both choose the stages; give one "
+                             "of them (split_points fix the stages, balance='time' measures and chooses them).")
         if kwargs.get("start_method", "popen") != "popen":
             raise ValueError(f"start_method={kwargs['start_method']!r} is not supported by PipelineParallelStrategy: "
                              "Lightning's spawn launcher hands back only rank 0's stage; use 'popen' (default).")
@@ -111,6 +120,8 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         self.schedule, self.num_microbatches = schedule, num_microbatches
         self.pipeline_parallel_size, self.data_parallel_size = pipeline_parallel_size, data_parallel_size
         self.split_points, self.block_stack, self.timeline_step = split_points, block_stack, timeline_step
+        self.balance = balance
+        self.stage_report: list[dict[str, Any]] = []  # per stage: blocks, parameters, measured seconds
         self.partition: Optional[StagePartition] = None
         self.executor: Optional[StageExecutor] = None
         self._set_aside: list[Optional[Tensor]] = []
@@ -175,7 +186,9 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         self._full_keys = list(module.state_dict().keys())
         self._full_param_names = [n for n, _ in module.named_parameters()]
         stage = self.mesh.pp_rank
-        self.partition = partition(module, pp, stage, self.block_stack, self.split_points)
+        costs = self._measure_block_times(module) if self.balance == "time" else None
+        self.partition = partition(module, pp, stage, self.block_stack, self.split_points, costs)
+        self._report_stages(costs)
         ranks = self.mesh.ranks("pp")
         self.executor = StageExecutor(
             stage, pp, ranks[stage - 1] if stage > 0 else None, ranks[stage + 1] if stage < pp - 1 else None,
@@ -187,6 +200,44 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         owned = set(self.partition.owned)
         self._outside = [p for n, p in module.named_parameters() if n not in owned]
         self._install_global_norm_clipping({id(p) for n, p in module.named_parameters() if n in owned})
+
+    def _measure_block_times(self, module: Any) -> Optional[list[float]]:
+        """balance='time': each block's forward + backward seconds on the first training micro-batch."""
+        trainer = module.trainer
+        if trainer.state.fn != TrainerFn.FITTING:
+            rank_zero_warn("balance='time' measures on a training batch; outside fit the stages are balanced by "
+                           "parameters instead.")
+            return None
+        _, stack = find_block_stack(module, self.block_stack)
+        with untouched(module):
+            try:
+                batch = next(iter(trainer.fit_loop._data_source.dataloader()))
+            except (StopIteration, TypeError, AttributeError) as error:
+                raise ValueError("balance='time' needs a training dataloader with at least one batch to measure "
+                                 f"the blocks on ({error}); use balance='parameters' or split_points.") from error
+            sample = split_microbatches(self.batch_to_device(batch), self.num_microbatches)[0]
+            with capture_logs(module):
+                inputs = capture_block_inputs(list(stack), lambda: module.training_step(sample, 0))
+            times = time_blocks(list(stack), inputs)
+        return average_over_ranks(times)
+
+    def _report_stages(self, costs: Optional[list[float]]) -> None:
+        """Gather what each stage holds; rank 0 prints it (parameters per rank, as the user will ask)."""
+        start, end = self.partition.bounds[self.partition.stage]
+        owned = set(self.partition.owned)
+        named = list(self.lightning_module.named_parameters())
+        mine = {"rank": self.global_rank, "stage": self.partition.stage, "blocks": f"{start}..{end - 1}",
+                "parameters": sum(p.numel() for n, p in named if n in owned),
+                "replicated": sum(p.numel() for n, p in named if n not in owned),
+                "seconds": None if costs is None else sum(costs[start:end])}
+        parts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(parts, mine)
+        self.stage_report = parts
+        lines = [f"  rank {r['rank']}: stage {r['stage']}, blocks {r['blocks']} of {self.partition.stack_name!r}, "
+                 f"{r['parameters']:,} parameters in its blocks + {r['replicated']:,} replicated outside the stack"
+                 + ("" if r["seconds"] is None else f", {1e3 * r['seconds']:.2f} ms forward+backward measured")
+                 for r in parts]
+        rank_zero_info(f"Pipeline stages (balance={self.balance!r}):\n" + "\n".join(lines))
 
     def _install_global_norm_clipping(self, owned: set[int]) -> None:
         group = self.pp_group

@@ -82,3 +82,27 @@ class TupleNet(MLP):
         h = self.hparams
         self.net = nn.Sequential(_Lift(h.in_dim, h.hidden), *[_PairBlock(h.hidden) for _ in range(4)], _Drop(),
                                  nn.Linear(h.hidden, h.out_dim))
+
+
+class _Repeat(nn.Module):
+    """One linear layer applied ``times`` times: the same parameters, ``times`` the work."""
+
+    def __init__(self, d: int, times: int) -> None:
+        super().__init__()
+        self.lin, self.times = nn.Linear(d, d), times
+
+    def forward(self, x):
+        for _ in range(self.times):
+            x = torch.tanh(self.lin(x))
+        return x
+
+
+class UnevenTimeNet(MLP):
+    """Blocks 1-3 have equal parameter counts, but block 3 does 20 times the work. Balanced by
+    parameters the stages are blocks [0, 1] | [2, 3, 4]; by time, [0, 1, 2] | [3, 4]."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        h = self.hparams
+        self.net = nn.Sequential(nn.Linear(h.in_dim, h.hidden), _Repeat(h.hidden, 1), _Repeat(h.hidden, 1),
+                                 _Repeat(h.hidden, 20), nn.Linear(h.hidden, h.out_dim))

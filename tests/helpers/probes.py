@@ -15,3 +15,8 @@ def reducer_stats(trainer) -> dict:
 def samples_seen(trainer) -> float:
     """The synced value of CountingMLP's metric (a collective: every rank calls it)."""
     return float(trainer.lightning_module.seen.compute())
+
+
+def pipeline_stages(trainer) -> list:
+    """What each pipeline stage holds, as the strategy reported it."""
+    return trainer.strategy.stage_report

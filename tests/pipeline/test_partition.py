@@ -5,7 +5,7 @@ from torch import nn
 from lightning_parallel.models import CharGPT
 from lightning_parallel.pipeline.executor import split_microbatches
 from lightning_parallel.pipeline.partition import (
-    StageOutput, _Skip, balance_by_parameters, find_block_stack, partition, stage_bounds)
+    StageOutput, _Skip, balance, find_block_stack, partition, stage_bounds)
 
 
 def test_finds_the_modulelist_of_a_gpt_and_the_sequential_of_an_mlp():
@@ -18,10 +18,10 @@ def test_no_block_stack_says_what_was_looked_for():
         find_block_stack(nn.Linear(2, 2))
 
 
-def test_balance_by_parameters_minimises_the_largest_stage():
-    assert balance_by_parameters([1, 1, 1, 1], 2) == [2, 2]
-    assert balance_by_parameters([8, 1, 1, 1, 1], 2) == [1, 4]
-    assert sum(balance_by_parameters([3, 1, 4, 1, 5, 9, 2, 6], 3)) == 8
+def test_balance_minimises_the_largest_stage():
+    assert balance([1, 1, 1, 1], 2) == [2, 2]
+    assert balance([8, 1, 1, 1, 1], 2) == [1, 4]
+    assert sum(balance([3, 1, 4, 1, 5, 9, 2, 6], 3)) == 8
 
 
 def test_split_points_by_name_and_by_count_and_their_errors():

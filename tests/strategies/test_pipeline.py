@@ -10,7 +10,8 @@ PP = "lightning_parallel:PipelineParallelStrategy"
 GPT = ("tests.helpers.tp_models:SmallGPT", "tests.helpers.tp_models:TokenData", {"n_layer": 4})
 SEQ = ("tests.helpers.pp_models:SequentialNet", "tests.helpers.models:RegressionData", {})
 TUPLE = ("tests.helpers.pp_models:TupleNet", "tests.helpers.models:RegressionData", {})
-MODELS = {"gpt": GPT, "seq": SEQ, "tuple": TUPLE}
+UNEVEN = ("tests.helpers.pp_models:UnevenTimeNet", "tests.helpers.models:RegressionData", {})
+MODELS = {"gpt": GPT, "seq": SEQ, "tuple": TUPLE, "uneven": UNEVEN}
 
 
 def case(name, model, dp=1, trainer=None, model_kwargs=None, validate_after_fit=False, callbacks=(), data_kwargs=None,
@@ -42,7 +43,12 @@ CASES_2 = [
                     {"class": "lightning.pytorch.callbacks:EarlyStopping",
                      "kwargs": {"monitor": "val_loss", "patience": 0, "min_delta": 10.0}}]),
     case("gpt-async-m8", "gpt", schedule="async", num_microbatches=8, model_kwargs=SGD),
+    case("uneven-time", "uneven", schedule="1f1b", balance="time"),
+    case("uneven-parameters", "uneven", schedule="1f1b"),
 ]
+for c in CASES_2:
+    if c["name"].startswith("uneven"):
+        c["probe"] = "tests.helpers.probes:pipeline_stages"
 CASES_4 = [
     case("gpt-dp2-1f1b", "gpt", dp=2, schedule="1f1b"),
     case("seq-dp2-gpipe-accumulate-clip", "seq", dp=2, schedule="gpipe", model_kwargs=SGD,
@@ -66,7 +72,7 @@ def pp4(tmp_path_factory):
 
 def reference(c, tmp, **trainer):
     ref = {**c, "name": "ref-" + c["name"] + str(trainer), "strategy": "auto", "dp_size": 1, "save_checkpoint": False,
-           "trainer": {**c["trainer"], **trainer}}
+           "trainer": {**c["trainer"], **trainer}, "probe": None}
     return run_single(ref, tmp)
 
 
@@ -193,6 +199,21 @@ def test_two_stages_match_single_device(pp2, c):
 def test_four_processes_match_single_device(pp4, c):
     tmp, results = pp4
     check(tmp, results, 4, c)
+
+
+@pytest.mark.timeout(600)
+def test_balance_by_time_moves_the_slow_block_to_its_own_stage(pp2):
+    """Same parameters per block, but block 3 does 20x the work: measured times put the cut before it."""
+    _, results = pp2
+    by_time = results["uneven-time"][0]["probe"]
+    by_parameters = results["uneven-parameters"][0]["probe"]
+    assert [s["blocks"] for s in by_parameters] == ["0..1", "2..4"]
+    assert [s["blocks"] for s in by_time] == ["0..2", "3..4"]
+    assert by_time[1]["seconds"] > by_time[0]["seconds"]
+    assert all(s["seconds"] is None for s in by_parameters)
+    assert [s["parameters"] for s in by_parameters] == [544 + 1056, 2 * 1056 + 132]
+    for reports in (by_time, by_parameters):  # every rank reports the same table
+        assert all(r["probe"] == reports for r in results["uneven-time" if reports is by_time else "uneven-parameters"])
 
 
 @pytest.mark.timeout(600)

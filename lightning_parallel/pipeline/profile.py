@@ -1,0 +1,145 @@
+"""Measure each block's forward + backward time, for ``balance="time"``.
+
+Parameter counts are a poor proxy for time when blocks differ in what they compute per parameter
+(attention over long sequences, a block applied several times, convolutions). So before the model is
+cut, every rank runs the user's ``training_step`` once on a sample micro-batch with the whole model, and
+records each block's inputs (its activation and any extra arguments, e.g. a mask). Each block is then
+timed alone: forward, then backward of the sum of its outputs, ``repeats`` times, keeping the median.
+
+The random state is restored afterwards (dropout draws from it), so profiling does not change what
+training computes, and the times are averaged over all ranks so that every rank cuts the model at the
+same places.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+__all__ = ["capture_block_inputs", "time_blocks", "average_over_ranks", "untouched"]
+
+
+@contextmanager
+def untouched(module: nn.Module) -> Iterator[None]:
+    """Python, NumPy and torch (CPU and CUDA) random states, the module's buffers (BatchNorm statistics)
+    and its gradients are the same after the block as before: measuring changes nothing in training."""
+    states = random.getstate(), np.random.get_state()
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    grads = [(p, p.grad) for p in module.parameters()]
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            random.setstate(states[0])
+            np.random.set_state(states[1])
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+            for p, g in grads:
+                p.grad = g
+
+
+class _StopForward(BaseException):
+    """Ends the sample step once the last block has run (what follows is not timed)."""
+
+
+def capture_block_inputs(blocks: Sequence[nn.Module], run_step: Callable[[], Any]) -> list[tuple[tuple, dict]]:
+    """Run ``run_step`` (which must call every block once, in order) and return each block's detached
+    (args, kwargs)."""
+    captured: list[tuple[tuple, dict]] = [((), {})] * len(blocks)
+    seen = [False] * len(blocks)
+
+    def pre_hook(index: int):
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            captured[index] = (_detached(args), _detached(kwargs))
+            seen[index] = True
+
+        return hook
+
+    def last_hook(module: nn.Module, args: tuple, output: Any) -> None:
+        raise _StopForward
+
+    handles = [b.register_forward_pre_hook(pre_hook(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    handles.append(blocks[-1].register_forward_hook(last_hook))
+    try:
+        with torch.no_grad():
+            run_step()
+    except _StopForward:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    if not all(seen):
+        missing = [i for i, s in enumerate(seen) if not s]
+        raise RuntimeError(f"balance='time': blocks {missing} of the stack did not run in training_step's forward; "
+                           "use balance='parameters' or split_points.")
+    return captured
+
+
+def time_blocks(blocks: Sequence[nn.Module], inputs: Sequence[tuple[tuple, dict]], repeats: int = 3) -> list[float]:
+    """Median seconds of forward + backward of each block alone on its captured inputs."""
+    times = []
+    for block, (args, kwargs) in zip(blocks, inputs):
+        samples = []
+        for _ in range(repeats + 1):  # the first run warms up (allocations, lazy init), and is dropped
+            a, k = _requiring_grad(args), _requiring_grad(kwargs)
+            start = time.perf_counter()
+            out = block(*a, **k)
+            total = sum(t.float().sum() for t in _tensors(out) if t.requires_grad)
+            if isinstance(total, Tensor):
+                total.backward()
+            _synchronize(out)
+            samples.append(time.perf_counter() - start)
+        times.append(statistics.median(samples[1:]))
+    return times
+
+
+def average_over_ranks(times: Sequence[float], group: Any = None) -> list[float]:
+    """The mean of each block's time over the ranks: every rank balances with the same numbers."""
+    if not dist.is_available() or not dist.is_initialized():
+        return list(times)
+    t = torch.tensor(list(times), dtype=torch.float64)
+    dist.all_reduce(t, group=group)
+    return (t / dist.get_world_size(group)).tolist()
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+def _map(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    if isinstance(value, Tensor):
+        return fn(value)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_map(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _map(v, fn) for k, v in value.items()}
+    return value
+
+
+def _detached(value: Any) -> Any:
+    return _map(value, lambda t: t.detach())
+
+
+def _requiring_grad(value: Any) -> Any:
+    return _map(value, lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t)
+
+
+def _synchronize(value: Any) -> None:
+    if any(t.is_cuda for t in _tensors(value)):
+        torch.cuda.synchronize()

@@ -1,0 +1,68 @@
+"""balance="time": block times measured on captured inputs, with nothing in training changed."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from lightning_parallel.pipeline.partition import balance, block_parameters
+from lightning_parallel.pipeline.profile import capture_block_inputs, time_blocks, untouched
+from tests.helpers.pp_models import UnevenTimeNet
+
+
+def test_the_slow_block_is_measured_slow_and_moves_the_cut():
+    torch.manual_seed(0)
+    model = UnevenTimeNet().double()
+    x = torch.randn(4, 16, dtype=torch.float64)
+    blocks = list(model.net)
+    inputs = capture_block_inputs(blocks, lambda: model(x))
+    assert torch.equal(inputs[0][0][0], x)
+    times = time_blocks(blocks, inputs)
+    assert times[3] > 3 * times[1] and times[3] > 3 * times[2]  # 20x the work; fixed costs blur the ratio
+    assert balance(block_parameters(model.net), 2) == [2, 3]
+    assert balance(times, 2) == [3, 2]
+    assert all(p.grad is not None for p in model.net[3].parameters())  # the caller's `untouched` restores them
+
+
+def test_extra_block_arguments_are_captured_with_their_keywords():
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, mask=None):
+            return self.lin(x) * mask
+
+    blocks = nn.ModuleList([Block(), Block()])
+    mask = torch.ones(2, 4)
+
+    def run():
+        h = torch.randn(2, 4)
+        for b in blocks:
+            h = b(h, mask=mask)
+
+    inputs = capture_block_inputs(list(blocks), run)
+    assert all(torch.equal(kwargs["mask"], mask) for _, kwargs in inputs)
+    assert len(time_blocks(list(blocks), inputs, repeats=1)) == 2
+
+
+def test_untouched_restores_random_states_buffers_and_gradients():
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Dropout(0.5))
+    torch.manual_seed(1), random.seed(1), np.random.seed(1)
+    expected = torch.rand(3), random.random(), np.random.rand()
+    torch.manual_seed(1), random.seed(1), np.random.seed(1)
+    stats = model[1].running_mean.clone()
+    with untouched(model):
+        model(torch.randn(8, 3)).sum().backward()  # draws random numbers, moves BatchNorm statistics
+        torch.rand(5), random.random(), np.random.rand()
+    assert torch.equal(model[1].running_mean, stats)
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1] and np.random.rand() == expected[2]
+
+
+def test_a_block_that_never_runs_is_named():
+    blocks = [nn.Linear(2, 2), nn.Linear(2, 2)]
+    with pytest.raises(RuntimeError, match=r"blocks \[1\] of the stack did not run"):
+        capture_block_inputs(blocks, lambda: blocks[0](torch.ones(1, 2)))
