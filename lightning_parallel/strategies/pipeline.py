@@ -16,7 +16,8 @@ How a step runs (Lightning's closure is training_step -> zero_grad -> backward):
   loggers, ``ModelCheckpoint`` and ``EarlyStopping`` see the same values everywhere.
 
 Checkpoints hold the full model under the original names (gathered from the stages), so they load into
-the plain module; a full checkpoint loads into any number of stages.
+the plain module; a full checkpoint loads into any number of stages. With ``save_distributed=True`` each
+stage writes only its own tensors (``sharded_checkpoint``).
 """
 
 from __future__ import annotations
@@ -303,7 +304,13 @@ class PipelineParallelStrategy(ParallelStrategyBase):
             all_reduce_gradients(self.lightning_module.parameters(), self.dp_group, average=True)
 
     # ----------------------------------------------------------------- checkpoints
-    def lightning_module_state_dict(self) -> dict[str, Any]:
+    def full_state_keys(self) -> list[str]:
+        return list(self._full_keys) if self.partition is not None else super().full_state_keys()
+
+    def full_parameter_names(self) -> list[str]:
+        return list(self._full_param_names) if self.partition is not None else super().full_parameter_names()
+
+    def full_model_state(self) -> dict[str, Any]:
         """The full model, gathered from the stages, under the original names and order."""
         local = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
         if self.mesh is None or self.mesh.shape.pp == 1:
@@ -324,19 +331,19 @@ class PipelineParallelStrategy(ParallelStrategyBase):
             raise KeyError(f"checkpoint lacks {sorted(missing)[:5]} (of {len(missing)}) for this pipeline stage")
         self.lightning_module.load_state_dict(state, strict=False)
 
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+    def full_optimizer_state_dict(self, optimizer: Any) -> dict[str, Any]:
         """The single-device optimizer state, gathered from the stages (loads into any layout)."""
         if self.partition is None:
-            return super().optimizer_state(optimizer)
+            return super().full_optimizer_state_dict(optimizer)
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         local = stage_state_by_name(optimizer, self.lightning_module)
         stages: list[Any] = [None] * self.mesh.shape.pp
         dist.all_gather_object(stages, local, group=self.pp_group)
         return merge_stage_states(stages, self._full_param_names)
 
-    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+    def load_full_optimizer_state(self, checkpoint: dict[str, Any]) -> None:
         if self.partition is None:
-            return super().load_optimizer_state_dict(checkpoint)
+            return super().load_full_optimizer_state(checkpoint)
         for optimizer, full in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(stage_state_from_full(full, optimizer, self.lightning_module, self._full_param_names))
 

@@ -15,3 +15,10 @@ def reducer_stats(trainer) -> dict:
 def samples_seen(trainer) -> float:
     """The synced value of CountingMLP's metric (a collective: every rank calls it)."""
     return float(trainer.lightning_module.seen.compute())
+
+
+def local_shards(trainer) -> dict:
+    """This rank's state_dict keys and, for tensor-parallel shards, (dim, chunks, rank, size)."""
+    strategy = trainer.strategy
+    layouts = {k: (v.dim, v.chunks, v.rank, v.size) for k, v in strategy.shard_layouts().items()}
+    return {"keys": sorted(strategy.lightning_module.state_dict().keys()), "layouts": layouts}
