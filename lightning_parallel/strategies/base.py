@@ -12,6 +12,8 @@ What the base adds on top:
 - samplers, ``self.log(sync_dist=True)`` and torchmetrics reduce over the data-parallel group, so
   model-parallel peers that hold the same batch are not counted twice;
 - an optional ``GradientReducer`` driven by the backward hooks and by ``block_backward_sync``;
+- a NaN/inf training loss raises before the optimizer step, naming step, batch and rank
+  (``loss_check``; ``check_finite_loss = False`` turns it off);
 - a ``FailureWatchdog``: if one rank raises or dies, the others exit within ``failure_timeout`` seconds
   (default 60) naming it, instead of waiting in a collective;
 - exact resume (``resume.ExactResumeMixin``: data position and RNG in the checkpoint) and checkpoint
@@ -43,6 +45,7 @@ from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.state import broadcast_module_states
 from lightning_parallel.distributed.sync_batchnorm import SyncBatchNormPlugin
 from lightning_parallel.distributed.watchdog import FailureWatchdog
+from lightning_parallel.loss_check import check_finite_loss, training_loss
 from lightning_parallel.resume import ExactResumeMixin
 from lightning_parallel.sharded_checkpoint import ShardedCheckpointMixin
 from lightning_parallel.strategies.launcher import HydraSafeSubprocessLauncher, failure_exit_fn
@@ -71,6 +74,9 @@ class ParallelStrategyBase(ShardedCheckpointMixin, ExactResumeMixin, _LightningD
 
     #: False where sharded checkpoints would be wrong or pointless (lp_dp: the optimizer lives on rank 0)
     supports_save_distributed = True
+    #: raise on a NaN/inf training loss before backward (a strategy whose returned loss is a placeholder,
+    #: e.g. a pipeline stage without a loss yet, checks its real loss itself or sets this to False)
+    check_finite_loss = True
 
     def __init__(
         self,
@@ -205,6 +211,17 @@ class ParallelStrategyBase(ShardedCheckpointMixin, ExactResumeMixin, _LightningD
         for module in self.lightning_module.modules():
             if isinstance(module, Metric):
                 module.process_group = self.dp_group
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        if self.check_finite_loss:
+            batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
+            self.check_loss(training_loss(output), batch_idx, self.global_rank)
+        return output
+
+    def check_loss(self, loss: Optional[Tensor], batch_idx: Optional[int], rank: int) -> None:
+        """Raise ``NonFiniteLossError`` for a NaN/inf loss computed on global rank ``rank``."""
+        check_finite_loss(loss, self.lightning_module.trainer.global_step, batch_idx, rank)
 
     def reduce(
         self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"

@@ -109,6 +109,7 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         self._full_param_names: list[str] = []
         self.bubbles: list[float] = []
         self._previous_weights: Optional[list[Tensor]] = None  # async: W(t-1)
+        self._loss_is_real = False
 
     # ----------------------------------------------------------------- layout
     def _sizes(self) -> tuple[int, int]:
@@ -184,6 +185,8 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         actions = schedule(self.schedule, self.mesh.shape.pp, self.num_microbatches, self.mesh.pp_rank)
         with self._stale_weights():
             loss = self._run(actions, batch, lambda mb: Strategy.training_step(self, mb, batch_idx, *args), backward=True)
+        if self.check_finite_loss and self._loss_is_real:  # the last stage's loss, on every stage
+            self.check_loss(loss, batch_idx, self.mesh.ranks("pp")[-1])
         self._set_aside = [p.grad for p in params]
         for p, g in zip(params, earlier):
             p.grad = g
@@ -261,6 +264,7 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         holder = [summary]
         dist.broadcast_object_list(holder, src=self.mesh.ranks("pp")[-1], group=self.pp_group)
         summary = holder[0]
+        self._loss_is_real = summary["loss"] is not None  # else NaN below is a placeholder, not a failure
         value = summary["loss"] if summary["loss"] is not None else float("nan")
         self._loss_everywhere = torch.tensor(value, dtype=torch.float64, device=self.root_device)
         for name, (v, kwargs) in summary["logs"].items():
