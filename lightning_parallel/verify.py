@@ -10,7 +10,7 @@ per step, the largest parameter difference and the difference of the (data-paral
 
 Contract with the user's code: the DataModule has a ``batch_size`` attribute, the per-process batch
 size, read by its ``train_dataloader``; the reference run sets it to ``batch_size * dp_size``. Strategies
-report full parameters through ``lightning_module_state_dict()`` and the loss mean through ``reduce``,
+report full parameters through ``full_model_state()`` and the loss mean through ``reduce``,
 so model-parallel strategies take part without changes here.
 """
 
@@ -65,7 +65,8 @@ def _worker(spec_path: str) -> None:
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
             loss = trainer.strategy.reduce(loss.detach(), reduce_op="mean") if world > 1 else loss.detach()
-            params = trainer.strategy.lightning_module_state_dict()
+            strategy = trainer.strategy  # full tensors even when the strategy saves sharded checkpoints
+            params = strategy.full_model_state() if hasattr(strategy, "full_model_state") else strategy.lightning_module_state_dict()
             if rank == 0:
                 self.steps.append({"loss": float(loss), "params": {k: v.detach().cpu().clone() for k, v in params.items()}})
 

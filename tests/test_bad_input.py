@@ -29,6 +29,12 @@ CATALOGUE = [
     ("start-method", lambda: lp.DDPStrategy(start_method="thread"), ValueError, ["'thread'", "'popen'", "'spawn'"]),
     ("failure-timeout", lambda: lp.DDPStrategy(failure_timeout=0), ValueError, ["failure_timeout", "got 0", "default 60"]),
     ("unknown-kwarg", lambda: lp.DDPStrategy(bucket_size=5), TypeError, ["bucket_size", "bucket_cap_mb"]),
+    ("save-distributed-type", lambda: lp.TensorParallelStrategy(save_distributed="yes"), ValueError,
+     ["save_distributed", "'yes'", "True or False"]),
+    ("save-distributed-lp-dp", lambda: lp.DataParallelStrategy(save_distributed=True), ValueError,
+     ["save_distributed=True", "lp_dp", "lp_tensor_parallel"]),
+    ("save-distributed-checkpoint-io", lambda: lp.PipelineParallelStrategy(save_distributed=True, checkpoint_io=object()),
+     ValueError, ["save_distributed=True", "checkpoint_io"]),
     ("dp-unknown-kwarg", lambda: lp.DataParallelStrategy(bucket_cap_mb=5), TypeError, ["bucket_cap_mb", "failure_timeout"]),
     ("strategy-name", lambda: Trainer(strategy="lp_ddpp", accelerator="cpu", devices=2), ValueError, ["lp_ddpp"]),
     # tensor parallel: arguments, then plans checked on the unsharded module

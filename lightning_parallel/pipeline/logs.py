@@ -43,15 +43,17 @@ def capture_logs(module: Any) -> Iterator[dict[str, list]]:
 
 
 def summarize(kind: str, losses: Sequence[Tensor], weights: Sequence[float], logged: dict[str, list],
-              batch: Optional[int] = None) -> dict[str, Any]:
-    """One step's loss and logs, each averaged over the micro-batches with the loss weights."""
+              batch: Optional[int] = None, batch_idx: Optional[int] = None) -> dict[str, Any]:
+    """One step's loss and logs, each averaged over the micro-batches with the loss weights. ``batch``:
+    the global step it was computed in (async, where it is shown a step later), ``batch_idx``: its index
+    in the epoch."""
     loss = sum(w * float(l) for w, l in zip(weights, losses)) if losses else None
     logs = {}
     for name, calls in logged.items():
         values = [v for v, _ in calls]
         w = weights if len(values) == len(weights) else [1 / len(values)] * len(values)
         logs[name] = (sum(a * b for a, b in zip(w, values)), calls[-1][1])
-    return {"kind": kind, "loss": loss, "logs": logs, "batch": batch}
+    return {"kind": kind, "loss": loss, "logs": logs, "batch": batch, "batch_idx": batch_idx}
 
 
 class LogMirror:

@@ -13,10 +13,11 @@ from typing import Any, Mapping, Sequence
 
 from torch import nn
 
-__all__ = ["stage_state_by_name", "merge_stage_states", "stage_state_from_full"]
+__all__ = ["names_in_optimizer", "stage_state_by_name", "merge_stage_states", "stage_state_from_full"]
 
 
-def _names_in_optimizer(optimizer: Any, module: nn.Module) -> list[str]:
+def names_in_optimizer(optimizer: Any, module: nn.Module) -> list[str]:
+    """The names of the optimizer's parameters, in its param_groups order."""
     names = {id(p): n for n, p in module.named_parameters()}
     return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
@@ -24,7 +25,7 @@ def _names_in_optimizer(optimizer: Any, module: nn.Module) -> list[str]:
 def stage_state_by_name(optimizer: Any, module: nn.Module) -> dict[str, Any]:
     """This stage's optimizer state keyed by parameter name (what the stages exchange)."""
     state = optimizer.state_dict()
-    names = _names_in_optimizer(optimizer, module)
+    names = names_in_optimizer(optimizer, module)
     order = [i for group in state["param_groups"] for i in group["params"]]
     by_index = dict(zip(order, names))
     groups = [{k: v for k, v in g.items() if k != "params"} | {"names": [by_index[i] for i in g["params"]]}
@@ -59,7 +60,7 @@ def stage_state_from_full(full: Mapping[str, Any], optimizer: Any, module: nn.Mo
         raise ValueError(f"the checkpoint's optimizer has {len(ordered)} parameters, the model {len(full_names)}; "
                          "it was saved for another model or optimizer")
     name_of = dict(zip(ordered, full_names))
-    local_names = _names_in_optimizer(optimizer, module)
+    local_names = names_in_optimizer(optimizer, module)
     local_index = {n: i for i, n in enumerate(local_names)}
     param_groups, state, start = [], {}, 0
     for g, group in zip(full["param_groups"], optimizer.param_groups):

@@ -12,10 +12,14 @@ What the base adds on top:
 - samplers, ``self.log(sync_dist=True)`` and torchmetrics reduce over the data-parallel group, so
   model-parallel peers that hold the same batch are not counted twice;
 - an optional ``GradientReducer`` driven by the backward hooks and by ``block_backward_sync``;
+- a NaN/inf training loss raises before the optimizer step, naming step, batch and rank
+  (``loss_check``; ``check_finite_loss = False`` turns it off);
 - a ``FailureWatchdog``: if one rank raises or dies, the others exit within ``failure_timeout`` seconds
   (default 60) naming it, instead of waiting in a collective;
 - exact resume (``resume.ExactResumeMixin``: data position and RNG in the checkpoint) and checkpoint
-  files written atomically (``checkpoint.AtomicCheckpointIO``, the default CheckpointIO).
+  files written atomically (``checkpoint.AtomicCheckpointIO``, the default CheckpointIO);
+- ``save_distributed=True``: one shard per rank through torch.distributed.checkpoint
+  (``sharded_checkpoint.ShardedCheckpointMixin``); such directories load under every layout.
 """
 
 from __future__ import annotations
@@ -41,7 +45,9 @@ from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.state import broadcast_module_states
 from lightning_parallel.distributed.sync_batchnorm import SyncBatchNormPlugin
 from lightning_parallel.distributed.watchdog import FailureWatchdog
+from lightning_parallel.loss_check import check_finite_loss, training_loss
 from lightning_parallel.resume import ExactResumeMixin
+from lightning_parallel.sharded_checkpoint import ShardedCheckpointMixin
 from lightning_parallel.strategies.launcher import HydraSafeSubprocessLauncher, failure_exit_fn
 
 __all__ = ["ParallelStrategyBase"]
@@ -57,8 +63,20 @@ def _init_arguments(cls: type) -> set[str]:
     return names
 
 
-class ParallelStrategyBase(ExactResumeMixin, _LightningDDPStrategy):
-    """Base of all lightning_parallel strategies; not registered itself."""
+class ParallelStrategyBase(ShardedCheckpointMixin, ExactResumeMixin, _LightningDDPStrategy):
+    """Base of all lightning_parallel strategies; not registered itself.
+
+    Args:
+        save_distributed: write checkpoints as a directory with one shard per rank
+            (torch.distributed.checkpoint) instead of one gathered file; see ``sharded_checkpoint``.
+        failure_timeout: seconds after which the other ranks stop when one fails or dies.
+    """
+
+    #: False where sharded checkpoints would be wrong or pointless (lp_dp: the optimizer lives on rank 0)
+    supports_save_distributed = True
+    #: raise on a NaN/inf training loss before backward (a strategy whose returned loss is a placeholder,
+    #: e.g. a pipeline stage without a loss yet, checks its real loss itself or sets this to False)
+    check_finite_loss = True
 
     def __init__(
         self,
@@ -71,6 +89,7 @@ class ParallelStrategyBase(ExactResumeMixin, _LightningDDPStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         failure_timeout: float = 60.0,
+        save_distributed: bool = False,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -80,6 +99,7 @@ class ParallelStrategyBase(ExactResumeMixin, _LightningDDPStrategy):
             )
         if not isinstance(failure_timeout, (int, float)) or failure_timeout <= 0:
             raise ValueError(f"failure_timeout must be a positive number of seconds, got {failure_timeout!r} (default 60).")
+        self._check_save_distributed(save_distributed, checkpoint_io)
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(
                 f"start_method={start_method!r} is not supported; use 'popen' (default), 'spawn', 'fork' or "
@@ -99,7 +119,23 @@ class ParallelStrategyBase(ExactResumeMixin, _LightningDDPStrategy):
         self.reducer: Optional[GradientReducer] = None
         self._sync_grads = True  # False on accumulating micro-steps (block_backward_sync)
         self.failure_timeout = float(failure_timeout)
+        self.save_distributed = save_distributed
         self._watchdog: Optional[FailureWatchdog] = None
+
+    def _check_save_distributed(self, value: Any, checkpoint_io: Any) -> None:
+        if not isinstance(value, bool):
+            raise ValueError(f"save_distributed must be True or False, got {value!r} (default False).")
+        if value and not self.supports_save_distributed:
+            raise ValueError(
+                f"save_distributed=True is not supported by {type(self).__name__} ({self.strategy_name}): "
+                "it holds no sharded state; use save_distributed=False, or lp_ddp, lp_tensor_parallel or "
+                "lp_pipeline_* for one shard per rank."
+            )
+        if value and checkpoint_io is not None:
+            raise ValueError(
+                f"save_distributed=True writes through torch.distributed.checkpoint, so checkpoint_io="
+                f"{type(checkpoint_io).__name__}(...) would be ignored; pass one or the other."
+            )
 
     def _configure_launcher(self) -> None:
         """Our popen launcher: per-job children and clean-up, so Hydra sweeps (``-m``) work."""
@@ -157,6 +193,7 @@ class ParallelStrategyBase(ExactResumeMixin, _LightningDDPStrategy):
             else:
                 broadcast_module_states(self.lightning_module)
         self.setup_precision_plugin()
+        self.load_pending_sharded_checkpoint()
 
     def configure_ddp(self) -> None:
         """Called by Lightning's ``DDPStrategy.setup`` while fitting: install our parallelism instead."""
@@ -174,6 +211,17 @@ class ParallelStrategyBase(ExactResumeMixin, _LightningDDPStrategy):
         for module in self.lightning_module.modules():
             if isinstance(module, Metric):
                 module.process_group = self.dp_group
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        if self.check_finite_loss:
+            batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
+            self.check_loss(training_loss(output), batch_idx, self.global_rank)
+        return output
+
+    def check_loss(self, loss: Optional[Tensor], batch_idx: Optional[int], rank: int) -> None:
+        """Raise ``NonFiniteLossError`` for a NaN/inf loss computed on global rank ``rank``."""
+        check_finite_loss(loss, self.lightning_module.trainer.global_step, batch_idx, rank)
 
     def reduce(
         self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"

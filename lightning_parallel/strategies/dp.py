@@ -26,6 +26,7 @@ class DataParallelStrategy(ParallelStrategyBase):
     """Gradients to rank 0, optimizer step on rank 0 only, parameters broadcast back."""
 
     strategy_name = "lp_dp"
+    supports_save_distributed = False
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -16,7 +16,8 @@ How a step runs (Lightning's closure is training_step -> zero_grad -> backward):
   loggers, ``ModelCheckpoint`` and ``EarlyStopping`` see the same values everywhere.
 
 Checkpoints hold the full model under the original names (gathered from the stages), so they load into
-the plain module; a full checkpoint loads into any number of stages.
+the plain module; a full checkpoint loads into any number of stages. With ``save_distributed=True`` each
+stage writes only its own tensors (``sharded_checkpoint``).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from lightning_parallel.distributed.collectives import clip_grad_norm_sharded
 from lightning_parallel.distributed.mesh import MeshShape
 from lightning_parallel.distributed.p2p import PeerLink
 from lightning_parallel.distributed.state import all_reduce_gradients, broadcast_module_states
+from lightning_parallel.loss_check import check_finite_loss
 from lightning_parallel.pipeline.async_gradients import AsyncGradients, merge_stage_gradients
 from lightning_parallel.pipeline.executor import StageExecutor, batch_size, split_microbatches, weights_snapshot
 from lightning_parallel.pipeline.logs import LogMirror, capture_logs, summarize
@@ -253,12 +255,12 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         earlier = [p.grad for p in params]  # accumulated so far (or stale: the closure zeroes them next)
         step_fn = lambda mb: Strategy.training_step(self, mb, batch_idx, *args)  # noqa: E731
         if self.schedule == "async":
-            loss = self._async_step(params, batch, step_fn)
+            loss = self._async_step(params, batch, step_fn, batch_idx)
         else:
             for p in params:
                 p.grad = None
             actions = schedule(self.schedule, self.mesh.shape.pp, self.num_microbatches, self.mesh.pp_rank)
-            self._run(actions, batch, step_fn, backward=True)
+            self._run(actions, batch, step_fn, backward=True, batch_idx=batch_idx)
             self._set_aside = [p.grad for p in params]
             loss = self._show(self.logs.take("train"))
         for p, g in zip(params, earlier):
@@ -266,7 +268,7 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         self._record_timeline()
         return loss.detach().requires_grad_()  # Lightning's backward of this touches no parameter
 
-    def _async_step(self, params: list, batch: Any, step_fn: Any) -> Optional[Tensor]:
+    def _async_step(self, params: list, batch: Any, step_fn: Any, batch_idx: int) -> Optional[Tensor]:
         """One piece of the no-flush stream; the gradient it hands the optimizer is the previous batch's."""
         pp, m, stage = self.mesh.shape.pp, self.num_microbatches, self.mesh.pp_rank
         self.async_grads.place_from_checkpoint(*self._pending_layout())
@@ -276,7 +278,7 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         self.async_grads.begin(params, carried)
         keeps_graphs = not flush and warmup_depth(pp, m, stage) > 0
         with weights_snapshot(params) if keeps_graphs else nullcontext():  # graphs left in flight keep this step's weights
-            self._run(actions, batch, step_fn, backward=True, flushed=flush,
+            self._run(actions, batch, step_fn, backward=True, flushed=flush, batch_idx=batch_idx,
                       before_backward=lambda a: self.async_grads.before_backward(params, a.batch))
         # a stage that keeps no micro-batch in flight (the last) has finished this batch even without a flush
         apply_now = self.async_grads.end(params, finished=not self.executor.has_in_flight)
@@ -308,8 +310,13 @@ class PipelineParallelStrategy(ParallelStrategyBase):
                     or 0 <= trainer.max_steps <= trainer.global_step + 1)
 
     def _show(self, summary: dict) -> Optional[Tensor]:
-        """Replay a summary's logs on this stage; the loss it carries (None for evaluation)."""
+        """Replay a summary's logs on this stage; the loss it carries (None for evaluation). A non-finite
+        training loss stops every stage alike, naming the last stage's rank, before the optimizer step."""
         loss = LogMirror.replay(self.lightning_module, summary, self.root_device)
+        if self.check_finite_loss and loss is not None and summary["kind"] == "train":
+            late = summary["batch"] is not None  # async: the loss of the step numbered in the summary
+            step = summary["batch"] if late else self.lightning_module.trainer.global_step
+            check_finite_loss(loss, step, summary["batch_idx"], self.mesh.ranks("pp")[-1])
         if summary["batch"] is not None:
             self.lightning_module.log("pipeline_async_batch", float(summary["batch"]), on_step=True, on_epoch=False)
         if loss is not None:
@@ -384,7 +391,7 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         return self._show(self.logs.take("eval"))
 
     def _run(self, actions: list, batch: Any, step_fn: Any, backward: bool, outputs: bool = False,
-             before_backward: Any = None, flushed: bool = True) -> Any:
+             before_backward: Any = None, flushed: bool = True, batch_idx: Optional[int] = None) -> Any:
         """Run this stage's actions on the batch's micro-batches; the last stage publishes its summary.
         ``flushed``: the call leaves no stage with work in flight, so it may wait for its sends."""
         microbatches = split_microbatches(batch, self.num_microbatches)
@@ -400,7 +407,7 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         if self.is_last_stage:
             kind = "train" if backward else "eval"
             number = self.lightning_module.trainer.global_step if self.schedule == "async" and backward else None
-            self.logs.publish(summarize(kind, result.losses, weights, logged, number))
+            self.logs.publish(summarize(kind, result.losses, weights, logged, number, batch_idx))
         self.logs.finish(flushed)
         return result
 
@@ -442,10 +449,20 @@ class PipelineParallelStrategy(ParallelStrategyBase):
             all_reduce_gradients(self.lightning_module.parameters(), self.dp_group, average=True)
 
     # ----------------------------------------------------------------- checkpoints
+    def full_state_keys(self) -> list[str]:
+        return list(self._full_keys) if self.partition is not None else super().full_state_keys()
+
+    def full_parameter_names(self) -> list[str]:
+        return list(self._full_param_names) if self.partition is not None else super().full_parameter_names()
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full model, gathered from the stages, under the original names and order. (It is the first
-        thing Lightning asks for when writing a checkpoint: the async pipeline drains here.)"""
+        """The first thing Lightning asks for when writing a checkpoint: the async pipeline drains here, so
+        what is saved (full or sharded) holds no half-finished batch."""
         self.drain()
+        return super().lightning_module_state_dict()
+
+    def full_model_state(self) -> dict[str, Any]:
+        """The full model, gathered from the stages, under the original names and order."""
         local = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
         if self.mesh is None or self.mesh.shape.pp == 1:
             return local
@@ -490,19 +507,19 @@ class PipelineParallelStrategy(ParallelStrategyBase):
             raise KeyError(f"checkpoint lacks {sorted(missing)[:5]} (of {len(missing)}) for this pipeline stage")
         self.lightning_module.load_state_dict(state, strict=False)
 
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+    def full_optimizer_state_dict(self, optimizer: Any) -> dict[str, Any]:
         """The single-device optimizer state, gathered from the stages (loads into any layout)."""
         if self.partition is None:
-            return super().optimizer_state(optimizer)
+            return super().full_optimizer_state_dict(optimizer)
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         local = stage_state_by_name(optimizer, self.lightning_module)
         stages: list[Any] = [None] * self.mesh.shape.pp
         dist.all_gather_object(stages, local, group=self.pp_group)
         return merge_stage_states(stages, self._full_param_names)
 
-    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+    def load_full_optimizer_state(self, checkpoint: dict[str, Any]) -> None:
         if self.partition is None:
-            return super().load_optimizer_state_dict(checkpoint)
+            return super().load_full_optimizer_state(checkpoint)
         for optimizer, full in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(stage_state_from_full(full, optimizer, self.lightning_module, self._full_param_names))
 

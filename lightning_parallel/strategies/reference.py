@@ -16,14 +16,16 @@ import torch
 from lightning.pytorch.strategies import ParallelStrategy
 
 from lightning_parallel.resume import ExactResumeMixin
+from lightning_parallel.sharded_checkpoint import ShardedCheckpointMixin
 
 __all__ = ["SingleDeviceReferenceStrategy"]
 
 
-class SingleDeviceReferenceStrategy(ExactResumeMixin, ParallelStrategy):
+class SingleDeviceReferenceStrategy(ShardedCheckpointMixin, ExactResumeMixin, ParallelStrategy):
     """One process, one device, with the sample order of a distributed run (a 1-replica
     ``DistributedSampler``), and the same exact resume as the distributed strategies, so that a
-    resumed reference continues where the original left off. A ``ParallelStrategy`` only so that
+    resumed reference continues where the original left off, also from a sharded (``save_distributed``)
+    checkpoint directory. A ``ParallelStrategy`` only so that
     Lightning asks it for sampler arguments; it creates no process group."""
 
     strategy_name = "lp_reference"

@@ -6,7 +6,8 @@ or a YAML file; see ``lightning_parallel.tensor.plan``), validated first on the 
 ranks of a tensor-parallel group see the same batches (the sampler runs over the data-parallel group);
 with ``data_parallel_size > 1`` the gradient reducer averages over the data-parallel group. Gradient
 clipping by norm uses the global norm over the shards, and checkpoints hold full, unsharded tensors
-under the original names, so they load into the plain module and into any tensor-parallel size.
+under the original names, so they load into the plain module and into any tensor-parallel size; with
+``save_distributed=True`` each rank writes only its shards (``sharded_checkpoint``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from lightning_parallel.distributed.collectives import clip_grad_norm_sharded, s
 from lightning_parallel.distributed.mesh import MeshShape
 from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.state import broadcast_module_states
+from lightning_parallel.sharded_checkpoint import ShardLayout
 from lightning_parallel.strategies.base import ParallelStrategyBase
 from lightning_parallel.tensor import Plan, ResolvedPlan, apply_plan, parse_plan, resolve
 from lightning_parallel.tensor.layers import SharedEntry, _TPLayer
@@ -232,26 +234,31 @@ class TensorParallelStrategy(ParallelStrategyBase):
             entry.clear()  # do not keep the step's activations alive
 
     # ----------------------------------------------------------------- checkpoints: full tensors
-    def lightning_module_state_dict(self) -> dict[str, Any]:
+    def full_model_state(self) -> dict[str, Any]:
         if not self._is_sharded():
-            return super().lightning_module_state_dict()
+            return super().full_model_state()
         return full_state_dict(self.lightning_module, self.tp_group)
+
+    def shard_layouts(self) -> dict[str, ShardLayout]:
+        """For ``save_distributed``: which slice of each full tensor this rank holds."""
+        return {key: ShardLayout(spec.dim, spec.chunks, layer.tp_rank, layer.tp_size, self.tp_group)
+                for key, (_, spec, layer) in sharded_parameters(self.lightning_module).items()}
 
     def load_full_model_state(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         if not self._is_sharded():
             return super().load_full_model_state(state_dict, strict=strict)
         load_full_state_dict(self.lightning_module, state_dict, strict=strict)
 
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+    def full_optimizer_state_dict(self, optimizer: Any) -> dict[str, Any]:
         if not self._is_sharded():
-            return super().optimizer_state(optimizer)
+            return super().full_optimizer_state_dict(optimizer)
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         return full_optimizer_state(optimizer, self.lightning_module, self.tp_group)
 
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+    def load_full_optimizer_state(self, checkpoint: Mapping[str, Any]) -> None:
         if not self._is_sharded():
-            return super().load_optimizer_state_dict(checkpoint)
+            return super().load_full_optimizer_state(checkpoint)
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(shard_optimizer_state(state, optimizer, self.lightning_module))
 

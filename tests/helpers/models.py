@@ -124,3 +124,17 @@ class CountingMLP(MLP):
     def training_step(self, batch, batch_idx):
         self.seen.update(torch.tensor(float(len(batch[0]))))
         return super().training_step(batch, batch_idx)
+
+
+class NaNLossMLP(MLP):
+    """Returns a NaN loss at one global step, on one rank (or on every rank: ``nan_rank=None``)."""
+
+    def __init__(self, nan_step: int = 2, nan_rank=None, **kwargs):
+        super().__init__(**kwargs)
+        self.nan_step, self.nan_rank = nan_step, nan_rank
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_step == self.nan_step and self.nan_rank in (None, self.global_rank):
+            loss = loss * float("nan")
+        return loss

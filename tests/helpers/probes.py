@@ -20,3 +20,10 @@ def samples_seen(trainer) -> float:
 def pipeline_stages(trainer) -> list:
     """What each pipeline stage holds, as the strategy reported it."""
     return trainer.strategy.stage_report
+
+
+def local_shards(trainer) -> dict:
+    """This rank's state_dict keys and, for tensor-parallel shards, (dim, chunks, rank, size)."""
+    strategy = trainer.strategy
+    layouts = {k: (v.dim, v.chunks, v.rank, v.size) for k, v in strategy.shard_layouts().items()}
+    return {"keys": sorted(strategy.lightning_module.state_dict().keys()), "layouts": layouts}

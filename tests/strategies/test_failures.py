@@ -28,3 +28,33 @@ def test_peers_exit_within_the_failure_timeout(tmp_path, strategy_class, mode):
     assert result.seconds < 60, f"took {result.seconds:.0f} s"
     if mode == "raise":
         assert "rank 1 failed: RuntimeError: injected failure (in training_step" in result.outputs[0]
+
+
+def nan_case(strategy_class, nan_rank):
+    name, _, schedule = strategy_class.partition("-")
+    extra = {"schedule": schedule} if schedule else {}
+    return {"name": "nan", "model": "tests.helpers.models:NaNLossMLP", "data": "tests.helpers.models:RegressionData",
+            "model_kwargs": {"nan_step": 2, "nan_rank": nan_rank},
+            "strategy": {"class": f"lightning_parallel:{name}", "kwargs": {"failure_timeout": FAILURE_TIMEOUT, **extra}},
+            "data_kwargs": {"global_batch_size": 16}, "trainer": {"precision": "64-true", "max_steps": 50}}
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("strategy_class,nan_rank", [("DDPStrategy", 1), ("TensorParallelStrategy", 1),
+                                                     ("TensorParallelStrategy", None),
+                                                     ("PipelineParallelStrategy", None),
+                                                     ("PipelineParallelStrategy-async", None)])
+def test_non_finite_loss_names_step_and_rank(tmp_path, strategy_class, nan_rank):
+    commands, envs, out = distributed_command([nan_case(strategy_class, nan_rank)], 2, tmp_path)
+    result = start_processes(commands, envs, timeout=150, cwd=out, grace=120)
+    assert result.codes[0] not in (0, -9) and result.codes[1] not in (0, -9), result.codes
+    assert result.seconds < 60, f"took {result.seconds:.0f} s"
+    expected = "NonFiniteLossError: non-finite training loss (nan) at global step 2, batch 2, on rank"
+    for rank in (0, 1):
+        assert expected in result.outputs[rank], result.outputs[rank][-3000:]
+    if strategy_class.startswith("PipelineParallelStrategy"):  # only the last stage (rank 1) computes the loss
+        # (async shows batch 2's loss in step 3, before step 3's optimizer step applies batch 2's gradient)
+        assert "on rank 1;" in result.outputs[0] and "on rank 1;" in result.outputs[1]
+    if nan_rank == 1:  # rank 0 never saw a NaN: it names rank 1 (through the watchdog)
+        assert "rank 1 failed: NonFiniteLossError" in result.outputs[0]
+        assert "on rank 1;" in result.outputs[0]
