@@ -7,6 +7,12 @@ records its ``self.log`` calls instead of making them, averages them over the mi
 loss weights, and sends one summary per step to the other stages on the object channel (no
 collective: under the async schedule the stages are not in step, and a summary can be read a step
 later). Every stage then replays the summary with ``self.log``.
+
+A torchmetrics ``Metric`` logged as an object is logged for real on the last stage, and its state (and
+the value of its last ``forward``) travels in the summary instead of a number: the other stages load it
+into their own copy of the metric (modules outside the block stack exist on every stage) and log that
+copy with the same arguments. Lightning then treats the metric alike everywhere: per-step values, and
+``compute()`` at the end of the epoch, synced over each stage's own data-parallel group.
 """
 
 from __future__ import annotations
@@ -17,21 +23,31 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 from torch import Tensor
+from torchmetrics import Metric
 
 from lightning_parallel.distributed.p2p import PeerLink
 
-__all__ = ["capture_logs", "summarize", "LogMirror"]
+__all__ = ["capture_logs", "summarize", "metric_state", "load_metric_state", "LogMirror", "METRICS"]
+
+METRICS = "__metrics__"  # the key under which capture_logs records metric objects
 
 
 @contextmanager
-def capture_logs(module: Any) -> Iterator[dict[str, list]]:
-    """Record ``module.log`` calls of numbers and tensors instead of making them."""
-    logged: dict[str, list] = {}
+def capture_logs(module: Any, log_objects: bool = True) -> Iterator[dict[str, list]]:
+    """Record ``module.log`` calls of numbers and tensors instead of making them; metric objects are
+    logged (unless ``log_objects`` is False), and recorded as ``(Metric, its module path, kwargs, the
+    value of its forward at each call)`` under ``logged[METRICS][name]``."""
+    logged: dict[str, Any] = {METRICS: {}}
+    paths = {id(m): n for n, m in module.named_modules()}
 
     def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if isinstance(value, Tensor) or isinstance(value, (int, float)):
             logged.setdefault(name, []).append((float(value), kwargs))
-        else:
+            return
+        if isinstance(value, Metric) and id(value) in paths:
+            calls = logged[METRICS].get(name, (None, None, None, []))[3]
+            logged[METRICS][name] = (value, paths[id(value)], kwargs, calls + [_cpu(value._forward_cache)])
+        if log_objects:
             original(name, value, *args, **kwargs)
 
     original = module.log
@@ -49,11 +65,58 @@ def summarize(kind: str, losses: Sequence[Tensor], weights: Sequence[float], log
     in the epoch."""
     loss = sum(w * float(l) for w, l in zip(weights, losses)) if losses else None
     logs = {}
+    metrics = {name: (path, {**metric_state(metric), "forward_cache": _weighted(values, weights)}, kwargs)
+               for name, (metric, path, kwargs, values) in logged.get(METRICS, {}).items()}
     for name, calls in logged.items():
+        if name == METRICS:
+            continue
         values = [v for v, _ in calls]
         w = weights if len(values) == len(weights) else [1 / len(values)] * len(values)
         logs[name] = (sum(a * b for a, b in zip(w, values)), calls[-1][1])
-    return {"kind": kind, "loss": loss, "logs": logs, "batch": batch, "batch_idx": batch_idx}
+    return {"kind": kind, "loss": loss, "logs": logs, "metrics": metrics, "batch": batch, "batch_idx": batch_idx}
+
+
+def _cpu(v: Any) -> Any:
+    if isinstance(v, Tensor):
+        return v.detach().cpu()
+    if isinstance(v, (list, tuple)):
+        return [_cpu(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _cpu(x) for k, x in v.items()}
+    return v
+
+
+def _weighted(values: Sequence[Any], weights: Sequence[float]) -> Any:
+    """A metric's value for the whole batch from its per-micro-batch values: their weighted mean (exact
+    for averaging metrics such as MSE or accuracy), or the last value where that is not defined."""
+    if len(values) == len(weights) and all(isinstance(v, Tensor) and v.is_floating_point() for v in values):
+        return sum(w * v for w, v in zip(weights, values))
+    return values[-1] if values else None
+
+
+def metric_state(metric: Metric) -> dict[str, Any]:
+    """What a copy of ``metric`` needs to log and compute the same values (tensors on the CPU)."""
+    return {"states": {k: _cpu(getattr(metric, k)) for k in metric._defaults}, "update_count": metric._update_count,
+            "forward_cache": _cpu(metric._forward_cache)}
+
+
+def load_metric_state(metric: Metric, state: dict[str, Any], device: torch.device) -> None:
+    """Make ``metric`` a copy of the one ``state`` was taken from."""
+    for name, value in state["states"].items():
+        setattr(metric, name, _to(value, device))
+    metric._update_count = state["update_count"]
+    metric._forward_cache = _to(state["forward_cache"], device)
+    metric._computed = None
+
+
+def _to(v: Any, device: torch.device) -> Any:
+    if isinstance(v, Tensor):
+        return v.to(device)
+    if isinstance(v, list):
+        return [_to(x, device) for x in v]
+    if isinstance(v, dict):
+        return {k: _to(x, device) for k, x in v.items()}
+    return v
 
 
 class LogMirror:
@@ -85,11 +148,18 @@ class LogMirror:
         else:
             self.link.forget_finished_sends()
 
-    @staticmethod
-    def replay(module: Any, summary: dict[str, Any], device: torch.device) -> Optional[Tensor]:
-        """``self.log`` each value on this stage; returns the loss as a tensor (None if there is none)."""
+    def replay(self, module: Any, summary: dict[str, Any], device: torch.device) -> Optional[Tensor]:
+        """``self.log`` each value on this stage; returns the loss as a tensor (None if there is none).
+        Metric objects were logged on the last stage already; the other stages load their state first."""
         for name, (value, kwargs) in summary["logs"].items():
             module.log(name, torch.tensor(value, dtype=torch.float64), **kwargs)
+        for name, (path, state, kwargs) in summary.get("metrics", {}).items():
+            metric = module.get_submodule(path)
+            if self.is_last:  # logged during the step already: only its step value becomes the whole batch's
+                metric._forward_cache = _to(state["forward_cache"], device)
+            else:
+                load_metric_state(metric, state, device)
+            module.log(name, metric, **kwargs)  # Lightning takes the step value when log() is called
         if summary["loss"] is None:
             return None
         return torch.tensor(summary["loss"], dtype=torch.float64, device=device)

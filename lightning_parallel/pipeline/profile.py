@@ -23,16 +23,20 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torchmetrics import Metric
+
+from lightning_parallel.pipeline.logs import load_metric_state, metric_state
 
 __all__ = ["capture_block_inputs", "time_blocks", "average_over_ranks", "untouched"]
 
 
 @contextmanager
 def untouched(module: nn.Module) -> Iterator[None]:
-    """Python, NumPy and torch (CPU and CUDA) random states, the module's buffers (BatchNorm statistics)
-    and its gradients are the same after the block as before: measuring changes nothing in training."""
+    """Python, NumPy and torch (CPU and CUDA) random states, the module's buffers (BatchNorm statistics),
+    torchmetrics states and gradients are the same after the block as before: measuring changes nothing."""
     states = random.getstate(), np.random.get_state()
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    metrics = [(m, metric_state(m), m.device) for m in module.modules() if isinstance(m, Metric)]
     grads = [(p, p.grad) for p in module.parameters()]
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
@@ -44,6 +48,8 @@ def untouched(module: nn.Module) -> Iterator[None]:
             with torch.no_grad():
                 for b, saved in buffers:
                     b.copy_(saved)
+            for m, saved, device in metrics:
+                load_metric_state(m, saved, device)
             for p, g in grads:
                 p.grad = g
 

@@ -218,7 +218,7 @@ class PipelineParallelStrategy(ParallelStrategyBase):
                 raise ValueError("balance='time' needs a training dataloader with at least one batch to measure "
                                  f"the blocks on ({error}); use balance='parameters' or split_points.") from error
             sample = split_microbatches(self.batch_to_device(batch), self.num_microbatches)[0]
-            with capture_logs(module):
+            with capture_logs(module, log_objects=False):
                 inputs = capture_block_inputs(list(stack), lambda: module.training_step(sample, 0))
             times = time_blocks(list(stack), inputs)
         return average_over_ranks(times)
@@ -312,7 +312,7 @@ class PipelineParallelStrategy(ParallelStrategyBase):
     def _show(self, summary: dict) -> Optional[Tensor]:
         """Replay a summary's logs on this stage; the loss it carries (None for evaluation). A non-finite
         training loss stops every stage alike, naming the last stage's rank, before the optimizer step."""
-        loss = LogMirror.replay(self.lightning_module, summary, self.root_device)
+        loss = self.logs.replay(self.lightning_module, summary, self.root_device)
         if self.check_finite_loss and loss is not None and summary["kind"] == "train":
             late = summary["batch"] is not None  # async: the loss of the step numbered in the summary
             step = summary["batch"] if late else self.lightning_module.trainer.global_step

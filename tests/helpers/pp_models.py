@@ -106,3 +106,26 @@ class UnevenTimeNet(MLP):
         h = self.hparams
         self.net = nn.Sequential(nn.Linear(h.in_dim, h.hidden), _Repeat(h.hidden, 1), _Repeat(h.hidden, 1),
                                  _Repeat(h.hidden, 20), nn.Linear(h.hidden, h.out_dim))
+
+
+class MetricNet(SequentialNet):
+    """Logs torchmetrics objects (not numbers) from training_step and validation_step."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        import torchmetrics
+
+        self.train_mse = torchmetrics.MeanSquaredError()
+        self.val_mae = torchmetrics.MeanAbsoluteError()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        out = self(x)
+        self.train_mse(out, y)
+        self.log("train_mse", self.train_mse, on_step=True, on_epoch=True)
+        return nn.functional.mse_loss(out, y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.val_mae(self(x), y)
+        self.log("val_mae", self.val_mae)

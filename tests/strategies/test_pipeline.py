@@ -11,7 +11,8 @@ GPT = ("tests.helpers.tp_models:SmallGPT", "tests.helpers.tp_models:TokenData", 
 SEQ = ("tests.helpers.pp_models:SequentialNet", "tests.helpers.models:RegressionData", {})
 TUPLE = ("tests.helpers.pp_models:TupleNet", "tests.helpers.models:RegressionData", {})
 UNEVEN = ("tests.helpers.pp_models:UnevenTimeNet", "tests.helpers.models:RegressionData", {})
-MODELS = {"gpt": GPT, "seq": SEQ, "tuple": TUPLE, "uneven": UNEVEN}
+METRIC = ("tests.helpers.pp_models:MetricNet", "tests.helpers.models:RegressionData", {})
+MODELS = {"gpt": GPT, "seq": SEQ, "tuple": TUPLE, "uneven": UNEVEN, "metric": METRIC}
 
 
 def case(name, model, dp=1, trainer=None, model_kwargs=None, validate_after_fit=False, callbacks=(), data_kwargs=None,
@@ -45,6 +46,8 @@ CASES_2 = [
     case("gpt-async-m8", "gpt", schedule="async", num_microbatches=8, model_kwargs=SGD),
     case("uneven-time", "uneven", schedule="1f1b", balance="time"),
     case("uneven-parameters", "uneven", schedule="1f1b"),
+    case("metric-objects", "metric", schedule="1f1b", data_kwargs={"global_batch_size": 16, "n": 64},
+         trainer={"max_steps": 6, "limit_val_batches": 2}),
 ]
 for c in CASES_2:
     if c["name"].startswith("uneven"):
@@ -54,8 +57,9 @@ CASES_4 = [
     case("seq-dp2-gpipe-accumulate-clip", "seq", dp=2, schedule="gpipe", model_kwargs=SGD,
          trainer={"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}),
     case("seq-pp4", "seq", schedule="gpipe", pipeline_parallel_size=4, data_parallel_size=1, model_kwargs={"depth": 4}),
+    case("metric-dp2", "metric", dp=2, schedule="1f1b", data_kwargs={"global_batch_size": 16, "n": 64},
+         trainer={"max_steps": 6, "limit_val_batches": 2}),
 ]
-CASES_4[-1]["dp_size"] = 1
 
 
 @pytest.fixture(scope="module")
@@ -214,6 +218,26 @@ def test_balance_by_time_moves_the_slow_block_to_its_own_stage(pp2):
     assert [s["parameters"] for s in by_parameters] == [544 + 1056, 2 * 1056 + 132]
     for reports in (by_time, by_parameters):  # every rank reports the same table
         assert all(r["probe"] == reports for r in results["uneven-time" if reports is by_time else "uneven-parameters"])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name,world", [("metric-objects", 2), ("metric-dp2", 4)])
+def test_torchmetrics_objects_logged_on_the_last_stage_reach_every_stage(pp2, pp4, name, world):
+    """A Metric logged by training/validation_step: every rank reports the single-device values, the step
+    value for the whole batch (not the last micro-batch) and compute() over the epoch (dp: over replicas)."""
+    tmp, results = pp2 if world == 2 else pp4
+    c = next(c for c in CASES_2 + CASES_4 if c["name"] == name)
+    ref = reference(c, tmp)["metrics"]
+    ranks = results[name]
+    for key in ("train_mse_epoch", "val_mae"):  # computed over the epoch: synced over the replicas
+        for rank in ranks:
+            assert rank["metrics"][key] == pytest.approx(ref[key], rel=1e-5), (key, rank["metrics"], ref)
+    # the step value is each replica's own half batch (as with Lightning's ddp); every stage of a replica
+    # shows the same, and (equal halves) their mean is the whole batch's
+    replicas = [ranks[i : i + 2] for i in range(0, len(ranks), 2)]
+    assert all(a["metrics"]["train_mse_step"] == b["metrics"]["train_mse_step"] for a, b in replicas)
+    mean = sum(r[0]["metrics"]["train_mse_step"] for r in replicas) / len(replicas)
+    assert mean == pytest.approx(ref["train_mse_step"], rel=1e-5)
 
 
 @pytest.mark.timeout(600)
