@@ -34,7 +34,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-from lightning_parallel.distributed.collectives import clip_grad_norm_sharded
+from lightning_parallel.distributed.collectives import clip_grad_norm_sharded, share_found_inf
 from lightning_parallel.distributed.mesh import MeshShape
 from lightning_parallel.distributed.p2p import PeerLink
 from lightning_parallel.distributed.state import all_reduce_gradients, broadcast_module_states
@@ -182,6 +182,13 @@ class PipelineParallelStrategy(ParallelStrategyBase):
                 f"schedule='async' does not support accumulate_grad_batches="
                 f"{self.lightning_module.trainer.accumulate_grad_batches}: its update rule is per batch. Raise "
                 "num_microbatches (or the batch size) instead, or use schedule='1f1b'.")
+        if self.schedule == "async" and self._scaler() is not None:
+            raise ValueError(
+                "schedule='async' does not support precision='16-mixed' with a gradient scaler: a batch's gradient "
+                "is finished a step later, under a loss scale that may have changed. Use precision='bf16-mixed' "
+                "(no scaler), or schedule='1f1b'.")
+        if self._scaler() is not None:  # 16-mixed: every stage skips an overflowing step together
+            share_found_inf(self._scaler(), group=None)
         if self.partition is not None:
             return  # split by an earlier fit/validate of this trainer: keep the stages
         broadcast_module_states(module, src=0)  # every stage cuts its blocks from the same weights
@@ -240,6 +247,11 @@ class PipelineParallelStrategy(ParallelStrategyBase):
                  + ("" if r["seconds"] is None else f", {1e3 * r['seconds']:.2f} ms forward+backward measured")
                  for r in parts]
         rank_zero_info(f"Pipeline stages (balance={self.balance!r}):\n" + "\n".join(lines))
+
+    def _scaler(self) -> Optional[Any]:
+        """The precision plugin's enabled GradScaler (16-mixed), or None."""
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        return scaler if scaler is not None and scaler.is_enabled() else None
 
     def _install_global_norm_clipping(self, owned: set[int]) -> None:
         group = self.pp_group
@@ -397,8 +409,11 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         microbatches = split_microbatches(batch, self.num_microbatches)
         sizes = [batch_size(mb) or 1 for mb in microbatches]
         weights = [s / sum(sizes) for s in sizes]
-        # Lightning divides each step's loss by accumulate_grad_batches before its backward; so do we
+        # Lightning divides each step's loss by accumulate_grad_batches before its backward, and a 16-mixed
+        # gradient scaler multiplies it by the loss scale (unscale_ divides it out later); so do we
         scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+        if backward and self._scaler() is not None:
+            scale *= self._scaler().get_scale()
         with capture_logs(self.lightning_module) as logged:
             result = self.executor.run(actions, microbatches, step_fn, [w * scale for w in weights], backward=backward,
                                        before_backward=before_backward, flushed=flushed)

@@ -80,6 +80,10 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
         trainer_kwargs["callbacks"].append(load_object(cb["class"])(**kwargs))
     if case.get("callbacks"):
         trainer_kwargs["enable_checkpointing"] = True
+    if case.get("fp16_cpu"):  # Lightning turns 16-mixed into bf16 on CPU; this keeps fp16 and a real GradScaler
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        trainer_kwargs["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
     trainer = Trainer(strategy=build_strategy(case.get("strategy", "auto"), world_size), **trainer_kwargs)
     trainer.fit(model, datamodule=data, ckpt_path=case.get("ckpt_path"))
     if case.get("validate_after_fit"):

@@ -38,6 +38,8 @@ CASES_2 = [
     case("seq-async", "seq", schedule="async", model_kwargs=SGD),
     case("seq-bf16", "seq", schedule="1f1b", trainer={"precision": "bf16-mixed"},
          data_kwargs={"global_batch_size": 16, "dtype": "float32"}),
+    {**case("seq-fp16-scaler", "seq", schedule="gpipe", trainer={"precision": None},
+            data_kwargs={"global_batch_size": 16, "dtype": "float32"}), "fp16_cpu": True},
     case("seq-monitor", "seq", schedule="gpipe", trainer={"limit_val_batches": 2, "max_steps": 48, "max_epochs": 3},
          callbacks=[{"class": "lightning.pytorch.callbacks:ModelCheckpoint",
                      "kwargs": {"monitor": "val_loss", "dirpath": "ckpts", "save_top_k": 1}},
@@ -100,7 +102,7 @@ def check(tmp, results, world, c):
 
 
 ASYNC = [c for c in CASES_2 if "async" in c["name"]]
-OTHER = [c for c in CASES_2 if c["name"] in ("seq-bf16", "seq-monitor")]
+OTHER = [c for c in CASES_2 if c["name"] in ("seq-bf16", "seq-monitor", "seq-fp16-scaler")]
 CASES_2_SYNC = [c for c in CASES_2 if c not in ASYNC + OTHER]
 
 
@@ -112,6 +114,21 @@ def test_bf16_mixed_runs_and_stays_close(pp2):
                       "data_kwargs": {"global_batch_size": 16, "dtype": "float32"}}, tmp)
     full = torch.load(tmp / "dist2" / c["name"] / "last.ckpt", weights_only=False)["state_dict"]
     assert max_param_diff(full, ref["state_dict"]) < 2e-2
+
+
+@pytest.mark.timeout(600)
+def test_fp16_with_a_gradient_scaler_scales_the_micro_batch_losses(pp2):
+    """16-mixed with a GradScaler: the stages' backwards run on the scaled loss, so unscaling gives the true
+    gradient. (Unscaled, every step would be 65536 times too small and the weights would hardly move.)"""
+    tmp, results = pp2
+    c = next(c for c in OTHER if c["name"] == "seq-fp16-scaler")
+    ref = run_single({**c, "name": "ref-fp16", "strategy": "auto", "dp_size": 1, "save_checkpoint": False}, tmp)
+    initial = run_single({**c, "name": "init-fp16", "strategy": "auto", "dp_size": 1, "save_checkpoint": False,
+                          "trainer": {**c["trainer"], "max_steps": 0}}, tmp)
+    full = torch.load(tmp / "dist2" / c["name"] / "last.ckpt", weights_only=False)["state_dict"]
+    moved = max_param_diff(initial["state_dict"], ref["state_dict"])
+    assert moved > 1e-2
+    assert max_param_diff(full, ref["state_dict"]) < 0.02 * moved
 
 
 @pytest.mark.timeout(600)
