@@ -6,7 +6,9 @@ epoch-end checkpoint the sampler's epoch (hence the shuffle order) can be off by
 shared/LIGHTNING_NOTES.md). So the training dataloader gets a ``ResumableBatchSampler``, which keeps
 its own epoch and the number of batches the trainer has consumed, independent of the loop counters.
 Both are saved in the checkpoint under ``"lightning_parallel"`` together with every rank's RNG states,
-and restored before the first resumed batch. The mixin also adds ``preemption.PreemptionCheckpoint``
+and restored before the first resumed batch. Two slips of Lightning's own loop bookkeeping are repaired
+on load (``loop_state``: checkpoints saved in ``on_train_epoch_end``, and the resumed step saved again
+mid-accumulation). The mixin also adds ``preemption.PreemptionCheckpoint``
 (SIGTERM -> checkpoint -> clean stop).
 
 ``ExactResumeMixin`` carries the strategy hooks; ``ParallelStrategyBase`` inherits it, so every
@@ -22,7 +24,10 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
+
+from lightning_parallel.loop_state import mark_resumed_step_saved, normalize_epoch_end
 
 __all__ = ["ResumableBatchSampler", "ExactResumeMixin", "CHECKPOINT_KEY"]
 
@@ -211,10 +216,13 @@ class ExactResumeMixin:
 
     def on_train_start(self) -> None:
         # after the fit loop built its loader, before the first batch is fetched
-        state = self._resume_pending().pop("sampler", None)
+        pending = self._resume_pending()
+        state = pending.pop("sampler", None)
         sampler = self.train_batch_sampler()
         if state is not None and sampler is not None:
             sampler.load_state_dict(state)
+        if "resumed_step" in pending:
+            mark_resumed_step_saved(self.lightning_module.trainer, pending.pop("resumed_step"))
         super().on_train_start()  # type: ignore[misc]
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
@@ -230,9 +238,16 @@ class ExactResumeMixin:
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         checkpoint[CHECKPOINT_KEY] = self.resume_state_dict()
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and trainer.training and trainer.fit_loop.epoch_loop._should_accumulate():
+            rank_zero_warn(f"{filepath}: saved between the micro-batches of an accumulated step (global step "
+                           f"{trainer.global_step}); their gradients are not saved, so resuming from it is not exact.")
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
         self.load_resume_state_dict(checkpoint.get(CHECKPOINT_KEY, {}))
+        normalize_epoch_end(checkpoint)  # before Lightning restores its loops from it
+        if "global_step" in checkpoint:
+            self._resume_pending()["resumed_step"] = int(checkpoint["global_step"])
         return checkpoint
