@@ -97,12 +97,12 @@ def launch(cases: list[dict], tmp_path: Path, name: str, kill: list | None = Non
     else:
         cmd = [cmd] * 2
     if kill is None or kill[2] == "SIGTERM":  # SIGTERM: saves, stops and exits cleanly
-        run_processes(cmd, envs, timeout=150, cwd=cwd, grace=2.0)
+        run_processes(cmd, envs, timeout=240, cwd=cwd, grace=2.0)
         return
-    result = start_processes(cmd, envs, timeout=150, cwd=cwd, grace=2.0)
+    result = start_processes(cmd, envs, timeout=240, cwd=cwd, grace=2.0)
     rank = kill[1]
     assert result.codes[rank] == -signal.SIGKILL, f"{name}: rank {rank} was to be SIGKILLed: {result.codes}"
-    marker = Path(cases[0]["dir"]) / f"killed_rank{rank}.json"
+    marker = Path(cases[-1]["dir"]) / f"killed_rank{rank}.json"  # the killed run ends its launch
     assert marker.exists(), f"{name}: rank {rank} died, but not by the test's kill:\n{result.outputs[rank][-2000:]}"
 
 
@@ -111,32 +111,39 @@ def load(path: Path) -> list[dict]:
 
 
 def run_resume_cases(cases: dict[str, dict], tmp: Path) -> dict[str, tuple]:
-    """Uninterrupted runs (one launch), one killed launch per case, then the resumed runs (grouped)."""
-    bases = [json.loads(b) for b in sorted({json.dumps(training(c), sort_keys=True) for c in cases.values()})]
-    base_dir = {json.dumps(b, sort_keys=True): tmp / f"base{i}" for i, b in enumerate(bases)}
-    launch([{**b, "steps": STEPS, "every": 2, "dir": str(base_dir[json.dumps(b, sort_keys=True)])} for b in bases],
-           tmp, "uninterrupted")
+    """Launches (start-up dominates): the uninterrupted runs together with the SIGTERM runs, which stop
+    cleanly; one launch per SIGKILL, which ends its launch; then the resumed runs together."""
+    def run(name: str, **extra) -> dict:
+        c = cases[name]
+        return {**training(c), "steps": STEPS, "every": c["every"], "dir": str(tmp / f"kill_{name}"), **extra}
+
+    def key(case: dict) -> str:
+        return json.dumps(training(case), sort_keys=True)
+
+    bases = sorted({key(c) for c in cases.values()})
+    base_dir = {b: tmp / f"base{i}" for i, b in enumerate(bases)}
+    sigterm = [n for n, c in cases.items() if c["kill"][2] == "SIGTERM" and not c.get("lightning_launcher")]
+    launch([{**json.loads(b), "steps": STEPS, "every": 2, "dir": str(base_dir[b])} for b in bases]
+           + [run(n, kill=cases[n]["kill"]) for n in sigterm], tmp, "uninterrupted")
+    for name in sigterm:
+        stopped = load(tmp / f"kill_{name}")
+        assert [r["global_step"] for r in stopped] == [cases[name]["ckpt_step"]] * 2, "SIGTERM must stop the run"
+        assert (tmp / f"kill_{name}" / f"killed_rank{cases[name]['kill'][1]}.json").exists(), "no SIGTERM was sent"
     for name, c in cases.items():
-        launch([{**training(c), "steps": STEPS, "every": c["every"], "kill": c["kill"], "dir": str(tmp / f"kill_{name}")}],
-               tmp, f"killed_{name}", kill=c["kill"], lightning_launcher=c.get("lightning_launcher", False))
-        if c["kill"][2] == "SIGTERM":
-            stopped = load(tmp / f"kill_{name}")
-            assert [r["global_step"] for r in stopped] == [c["ckpt_step"]] * 2, "SIGTERM must stop the run"
-    for name, c in cases.items():  # killed again after resuming
-        if "kill_again" in c:
-            launch([{**training(c), "steps": STEPS, "every": c["every"], "kill": c["kill_again"], "resume": True,
-                     "dir": str(tmp / f"kill_{name}")}], tmp, f"killed_again_{name}", kill=c["kill_again"])
+        if name in sigterm:
+            continue
+        launch([run(name, kill=c["kill"])], tmp, f"killed_{name}", kill=c["kill"],
+               lightning_launcher=c.get("lightning_launcher", False))
+        if "kill_again" in c:  # killed again after resuming
+            launch([run(name, kill=c["kill_again"], resume=True)], tmp, f"killed_again_{name}", kill=c["kill_again"])
     # weights_only=True: what load_from_checkpoint uses; the resume state must not need pickled classes
     killed_at = {n: torch.load(tmp / f"kill_{n}" / "ckpt" / "last.ckpt", weights_only=True)["global_step"]
                  for n in cases}
-    resume = {n: {**training(c), "steps": STEPS, "every": c["every"], "resume": True, "dir": str(tmp / f"kill_{n}")}
-              for n, c in cases.items()}
     for own_launcher in (False, True):
-        group = [r for n, r in resume.items() if bool(cases[n].get("lightning_launcher")) == own_launcher]
+        group = [run(n, resume=True) for n, c in cases.items() if bool(c.get("lightning_launcher")) == own_launcher]
         if group:
             launch(group, tmp, f"resumed_launcher{own_launcher}", lightning_launcher=own_launcher)
-    return {n: (load(base_dir[json.dumps(training(c), sort_keys=True)]), load(tmp / f"kill_{n}"), killed_at[n])
-            for n, c in cases.items()}
+    return {n: (load(base_dir[key(c)]), load(tmp / f"kill_{n}"), killed_at[n]) for n, c in cases.items()}
 
 
 @pytest.fixture(scope="module")
