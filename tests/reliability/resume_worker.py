@@ -3,7 +3,8 @@
 Each case fits ``DropoutMLP`` with a checkpoint every ``every`` steps; optionally kills its own
 process (``kill: [step, rank, "SIGKILL"|"SIGTERM"]``; under Lightning's own launcher rank 0 is the launcher) after that step, or resumes with
 ``ckpt_path="last"``. A case may name a registered strategy with extra init arguments
-(``strategy_kwargs``) and the per-replica ``batch_size``. Writes {global step: loss of its last
+(``strategy_kwargs``), the per-replica ``batch_size``, ``every: "epoch"`` (checkpoints in
+``on_train_epoch_end``), ``epochs`` (``max_epochs`` instead of ``max_steps``) and ``val_batches``. Writes {global step: loss of its last
 micro-batch}, the trace of every batch [(global step after it, loss)], and the final parameters (this
 rank's shard or stage).
 """
@@ -56,8 +57,9 @@ def run_case(case: dict, out: Path, world_size: int) -> None:
         entry = StrategyRegistry[strategy]  # the registered name's class and fixed arguments, plus the case's
         strategy = entry["strategy"](**{**entry["init_params"], **case["strategy_kwargs"]})
     trainer = Trainer(accelerator="cpu", devices=world_size, strategy=strategy,
-                      precision="64-true", max_steps=case["steps"], logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, callbacks=[recorder, checkpoint], limit_val_batches=0,
+                      precision="64-true", max_steps=case["steps"] if "epochs" not in case else -1,
+                      max_epochs=case.get("epochs"), logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=[recorder, checkpoint], limit_val_batches=case.get("val_batches", 0),
                       accumulate_grad_batches=case.get("accumulate", 1), default_root_dir=out)
     model = DropoutMLP()
     data = ShuffledData(batch_size=case.get("batch_size", 4))

@@ -18,7 +18,11 @@ the 2 ranks form one replica).
 - lp_ddp with ``accumulate_grad_batches=2`` (3 steps per epoch) and 4 (does not divide the 6 batches:
   Lightning also steps at the epoch's last batch, after 2 micro-batches), from epoch-end checkpoints
   saved in the last batch's ``on_train_batch_end`` (``every_n_train_steps``) and in ``on_train_epoch_end``
-  (``every_n_epochs=1``), once killed again after resuming. These failed before ``loop_state``: see there.
+  (``every_n_epochs=1``), once killed again after resuming, once under ``max_epochs`` with validation.
+  Three of them failed before ``loop_state`` (see there).
+- Known gap, kept as a strict xfail: a checkpoint saved in the last batch's ``on_train_batch_end`` while
+  validation runs at the epoch end. The resumed run skips that validation, so the global RNG misses the
+  draw made by the validation loader's iterator.
 
 Every killed rank leaves a marker file before it kills itself and must have died by that signal; the
 checkpoint it left is checked to be at the expected step, and the resumed batch trace (global step after
@@ -72,8 +76,18 @@ CASES = {
                                               "ckpt_step": 4, "accumulate": 4},
     "lp_ddp_accumulate_uneven_epoch_end": {"strategy": "lp_ddp", "every": 3, "kill": [7, 0, "SIGKILL"],
                                            "ckpt_step": 6, "accumulate": 4},
+    # the same save under epoch-based training (max_epochs; Lightning's own restart is right there, and the
+    # rewritten loop state must be too) with validation at each epoch end, which runs before the save
+    "lp_ddp_accumulate_on_epoch_end_max_epochs_validated": {
+        "strategy": "lp_ddp", "every": "epoch", "kill": [5, 1, "SIGKILL"], "ckpt_step": 3, "accumulate": 2,
+        "epochs": 4, "val_batches": 2},
+    # KNOWN GAP: saved before the epoch-end validation; the resumed run skips that validation, so the
+    # global RNG misses the draw of the validation loader's iterator and the dropout masks shift
+    "lp_ddp_validated_batch_end": {"strategy": "lp_ddp", "every": 3, "kill": [5, 1, "SIGKILL"], "ckpt_step": 3,
+                                   "accumulate": 2, "val_batches": 2, "known_gap": True},
 }
-TRAINING_KEYS = ("strategy", "strategy_kwargs", "accumulate", "batch_size")  # what makes two runs the same run
+# what makes two runs the same run (not when they checkpoint or die)
+TRAINING_KEYS = ("strategy", "strategy_kwargs", "accumulate", "batch_size", "epochs", "val_batches")
 
 
 def training(case: dict) -> dict:
@@ -173,6 +187,8 @@ def check_resumed(case: dict, base: list[dict], resumed: list[dict], last_step: 
 
 
 @pytest.mark.timeout(600)  # the first case also runs the module fixture: every launch
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [
+    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="validation skipped on resume: one RNG draw short"))
+    if c.get("known_gap") else n for n, c in CASES.items()])
 def test_kill_then_resume_is_exact(runs, case):
     check_resumed(CASES[case], *runs[case])
