@@ -51,6 +51,7 @@ class ResumableBatchSampler:
         self._next_epoch = 0
         self._pending: Optional[tuple[int, int]] = None
         self._pass_start: Optional[int] = None
+        self.iterators = 0
 
     # BatchSampler look-alike (Lightning and DataLoader read these)
     @property
@@ -65,6 +66,12 @@ class ResumableBatchSampler:
         return len(self.batch_sampler)
 
     def __iter__(self) -> Iterator[Any]:
+        # Called once per DataLoader iterator, which draws its seed from the global RNG when it is
+        # created: counted, so exact resume knows whether a draw happened before or after its restore.
+        self.iterators += 1
+        return self._pass()
+
+    def _pass(self) -> Iterator[Any]:
         # A generator: nothing below runs until the first batch is requested, so merely creating a
         # DataLoader iterator (Lightning does so to check loaders) does not count as an epoch.
         if self._pending is not None:
@@ -198,32 +205,52 @@ class ExactResumeMixin:
         dataloader = install_resumable_sampler(dataloader)
         return dataloader
 
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        sampler = self.train_batch_sampler()
-        if sampler is not None:
-            sampler.consumed += 1
+    def _restore_rng(self) -> None:
         pending = self._resume_pending()
         rngs = pending.pop("rng", None)
-        if rngs is not None:  # here, after the loader's iterator was created as in the original run
-            _set_rng_state(rngs[self.global_rank])
-            saved = pending.pop("saved_sampler", None)
-            loader = self._train_loader()
-            if saved and saved["position"] >= saved["length"] and loader is not None and loader.generator is None:
-                # saved at an epoch end: the original run drew the next epoch's DataLoader seed from
-                # the global RNG after the save (``_BaseDataLoaderIter.__init__``); draw it again
-                torch.empty((), dtype=torch.int64).random_()
-        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
+        if rngs is None:
+            return
+        _set_rng_state(rngs[self.global_rank])
+        sampler = self.train_batch_sampler()
+        pending["iterators_at_restore"] = sampler.iterators if sampler is not None else None
+
+    def _replay_epoch_seed(self) -> None:
+        """Saved at an epoch end, the original run then drew the next epoch's DataLoader seed from the
+        global RNG (``_BaseDataLoaderIter.__init__``). If this run created the iterator of its first batch
+        before the RNG was restored, that draw was overwritten: draw it again."""
+        pending = self._resume_pending()
+        created, saved = pending.pop("iterators_at_restore", None), pending.pop("saved_sampler", None)
+        sampler, loader = self.train_batch_sampler(), self._train_loader()
+        if created is None or not saved or sampler is None or loader is None or loader.generator is not None:
+            return
+        if saved["position"] >= saved["length"] and sampler.iterators == created:
+            torch.empty((), dtype=torch.int64).random_()
 
     def on_train_start(self) -> None:
-        # after the fit loop built its loader, before the first batch is fetched
+        # after the fit loop built its loader and iterator, before the first batch is fetched
         pending = self._resume_pending()
         state = pending.pop("sampler", None)
         sampler = self.train_batch_sampler()
         if state is not None and sampler is not None:
             sampler.load_state_dict(state)
+        if not pending.pop("rng_at_first_batch", False):
+            # The RNG comes back where it was saved: before whatever Lightning's restart replays of what
+            # followed the save (a validation due after the saved batch is fast-forwarded, which creates
+            # the validation loader's iterator: one draw, as the original run's validation made).
+            self._restore_rng()
         if "resumed_step" in pending:
             mark_resumed_step_saved(self.lightning_module.trainer, pending.pop("resumed_step"))
         super().on_train_start()  # type: ignore[misc]
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        sampler = self.train_batch_sampler()
+        if sampler is not None:
+            sampler.consumed += 1
+        # saved in on_train_epoch_end (see loop_state): the epoch's validation ran before the save, but the
+        # restart fast-forwards it again (another draw), so the RNG comes back only now
+        self._restore_rng()
+        self._replay_epoch_seed()
+        super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         # Lightning restores weights before the precision plugin converts the module, so a float64
@@ -247,7 +274,8 @@ class ExactResumeMixin:
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
         self.load_resume_state_dict(checkpoint.get(CHECKPOINT_KEY, {}))
-        normalize_epoch_end(checkpoint)  # before Lightning restores its loops from it
+        # before Lightning restores its loops from it
+        self._resume_pending()["rng_at_first_batch"] = normalize_epoch_end(checkpoint)
         if "global_step" in checkpoint:
             self._resume_pending()["resumed_step"] = int(checkpoint["global_step"])
         return checkpoint

@@ -4,7 +4,7 @@ Each case fits ``DropoutMLP`` with a checkpoint every ``every`` steps; optionall
 process (``kill: [step, rank, "SIGKILL"|"SIGTERM"]``; under Lightning's own launcher rank 0 is the launcher) after that step, or resumes with
 ``ckpt_path="last"``. A case may name a registered strategy with extra init arguments
 (``strategy_kwargs``), the per-replica ``batch_size``, ``every: "epoch"`` (checkpoints in
-``on_train_epoch_end``), ``epochs`` (``max_epochs`` instead of ``max_steps``) and ``val_batches``. Writes {global step: loss of its last
+``on_train_epoch_end``) or ``"validation"`` (in ``on_validation_end``), ``epochs`` (``max_epochs`` instead of ``max_steps``) and ``val_batches``. Writes {global step: loss of its last
 micro-batch}, the trace of every batch [(global step after it, loss)], and the final parameters (this
 rank's shard or stage).
 """
@@ -50,7 +50,8 @@ class Recorder(Callback):
 def run_case(case: dict, out: Path, world_size: int) -> None:
     seed_everything(0, workers=True)
     recorder = Recorder(case.get("kill"), out)
-    every = {"every_n_epochs": 1} if case["every"] == "epoch" else {"every_n_train_steps": case["every"]}
+    every = {"epoch": {"every_n_epochs": 1}, "validation": {"every_n_epochs": 1, "save_on_train_epoch_end": False}
+             }.get(case["every"], {"every_n_train_steps": case["every"]})
     checkpoint = ModelCheckpoint(dirpath=out / "ckpt", save_last=True, save_top_k=-1, **every)
     strategy = case["strategy"]
     if case.get("strategy_kwargs"):

@@ -20,9 +20,9 @@ the 2 ranks form one replica).
   saved in the last batch's ``on_train_batch_end`` (``every_n_train_steps``) and in ``on_train_epoch_end``
   (``every_n_epochs=1``), once killed again after resuming, once under ``max_epochs`` with validation.
   Three of them failed before ``loop_state`` (see there).
-- Known gap, kept as a strict xfail: a checkpoint saved in the last batch's ``on_train_batch_end`` while
-  validation runs at the epoch end. The resumed run skips that validation, so the global RNG misses the
-  draw made by the validation loader's iterator.
+- lp_ddp with validation at each epoch end, saved before it (last batch's ``on_train_batch_end``) and
+  after it (``on_validation_end``): the validation loader's iterator draws from the global RNG, and the
+  restart skips or replays it (failed before the RNG was restored at ``on_train_start``).
 
 Every killed rank leaves a marker file before it kills itself and must have died by that signal; the
 checkpoint it left is checked to be at the expected step, and the resumed batch trace (global step after
@@ -81,10 +81,13 @@ CASES = {
     "lp_ddp_accumulate_on_epoch_end_max_epochs_validated": {
         "strategy": "lp_ddp", "every": "epoch", "kill": [5, 1, "SIGKILL"], "ckpt_step": 3, "accumulate": 2,
         "epochs": 4, "val_batches": 2},
-    # KNOWN GAP: saved before the epoch-end validation; the resumed run skips that validation, so the
-    # global RNG misses the draw of the validation loader's iterator and the dropout masks shift
+    # validation at each epoch end: saved before it (every_n_train_steps, in the last batch's
+    # on_train_batch_end), which the restart skips, and after it (in on_validation_end); the random state
+    # must account for the validation loader's iterator (it draws from the global RNG) in both
     "lp_ddp_validated_batch_end": {"strategy": "lp_ddp", "every": 3, "kill": [5, 1, "SIGKILL"], "ckpt_step": 3,
-                                   "accumulate": 2, "val_batches": 2, "known_gap": True},
+                                   "accumulate": 2, "val_batches": 2},
+    "lp_ddp_validated_validation_end": {"strategy": "lp_ddp", "every": "validation", "kill": [5, 1, "SIGKILL"],
+                                        "ckpt_step": 3, "accumulate": 2, "val_batches": 2},
 }
 # what makes two runs the same run (not when they checkpoint or die)
 TRAINING_KEYS = ("strategy", "strategy_kwargs", "accumulate", "batch_size", "epochs", "val_batches")
@@ -187,8 +190,6 @@ def check_resumed(case: dict, base: list[dict], resumed: list[dict], last_step: 
 
 
 @pytest.mark.timeout(600)  # the first case also runs the module fixture: every launch
-@pytest.mark.parametrize("case", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason="validation skipped on resume: one RNG draw short"))
-    if c.get("known_gap") else n for n, c in CASES.items()])
+@pytest.mark.parametrize("case", list(CASES))
 def test_kill_then_resume_is_exact(runs, case):
     check_resumed(CASES[case], *runs[case])
