@@ -6,7 +6,9 @@ epoch-end checkpoint the sampler's epoch (hence the shuffle order) can be off by
 shared/LIGHTNING_NOTES.md). So the training dataloader gets a ``ResumableBatchSampler``, which keeps
 its own epoch and the number of batches the trainer has consumed, independent of the loop counters.
 Both are saved in the checkpoint under ``"lightning_parallel"`` together with every rank's RNG states,
-and restored before the first resumed batch. The mixin also adds ``preemption.PreemptionCheckpoint``
+and restored before the first resumed batch. Two slips of Lightning's own loop bookkeeping are repaired
+on load (``loop_state``: checkpoints saved in ``on_train_epoch_end``, and the resumed step saved again
+mid-accumulation). The mixin also adds ``preemption.PreemptionCheckpoint``
 (SIGTERM -> checkpoint -> clean stop).
 
 ``ExactResumeMixin`` carries the strategy hooks; ``ParallelStrategyBase`` inherits it, so every
@@ -22,7 +24,10 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
+
+from lightning_parallel.loop_state import mark_resumed_step_saved, normalize_epoch_end
 
 __all__ = ["ResumableBatchSampler", "ExactResumeMixin", "CHECKPOINT_KEY"]
 
@@ -46,6 +51,7 @@ class ResumableBatchSampler:
         self._next_epoch = 0
         self._pending: Optional[tuple[int, int]] = None
         self._pass_start: Optional[int] = None
+        self.iterators = 0
 
     # BatchSampler look-alike (Lightning and DataLoader read these)
     @property
@@ -60,6 +66,12 @@ class ResumableBatchSampler:
         return len(self.batch_sampler)
 
     def __iter__(self) -> Iterator[Any]:
+        # Called once per DataLoader iterator, which draws its seed from the global RNG when it is
+        # created: counted, so exact resume knows whether a draw happened before or after its restore.
+        self.iterators += 1
+        return self._pass()
+
+    def _pass(self) -> Iterator[Any]:
         # A generator: nothing below runs until the first batch is requested, so merely creating a
         # DataLoader iterator (Lightning does so to check loaders) does not count as an epoch.
         if self._pending is not None:
@@ -193,29 +205,52 @@ class ExactResumeMixin:
         dataloader = install_resumable_sampler(dataloader)
         return dataloader
 
+    def _restore_rng(self) -> None:
+        pending = self._resume_pending()
+        rngs = pending.pop("rng", None)
+        if rngs is None:
+            return
+        _set_rng_state(rngs[self.global_rank])
+        sampler = self.train_batch_sampler()
+        pending["iterators_at_restore"] = sampler.iterators if sampler is not None else None
+
+    def _replay_epoch_seed(self) -> None:
+        """Saved at an epoch end, the original run then drew the next epoch's DataLoader seed from the
+        global RNG (``_BaseDataLoaderIter.__init__``). If this run created the iterator of its first batch
+        before the RNG was restored, that draw was overwritten: draw it again."""
+        pending = self._resume_pending()
+        created, saved = pending.pop("iterators_at_restore", None), pending.pop("saved_sampler", None)
+        sampler, loader = self.train_batch_sampler(), self._train_loader()
+        if created is None or not saved or sampler is None or loader is None or loader.generator is not None:
+            return
+        if saved["position"] >= saved["length"] and sampler.iterators == created:
+            torch.empty((), dtype=torch.int64).random_()
+
+    def on_train_start(self) -> None:
+        # after the fit loop built its loader and iterator, before the first batch is fetched
+        pending = self._resume_pending()
+        state = pending.pop("sampler", None)
+        sampler = self.train_batch_sampler()
+        if state is not None and sampler is not None:
+            sampler.load_state_dict(state)
+        if not pending.pop("rng_at_first_batch", False):
+            # The RNG comes back where it was saved: before whatever Lightning's restart replays of what
+            # followed the save (a validation due after the saved batch is fast-forwarded, which creates
+            # the validation loader's iterator: one draw, as the original run's validation made).
+            self._restore_rng()
+        if "resumed_step" in pending:
+            mark_resumed_step_saved(self.lightning_module.trainer, pending.pop("resumed_step"))
+        super().on_train_start()  # type: ignore[misc]
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         sampler = self.train_batch_sampler()
         if sampler is not None:
             sampler.consumed += 1
-        pending = self._resume_pending()
-        rngs = pending.pop("rng", None)
-        if rngs is not None:  # here, after the loader's iterator was created as in the original run
-            _set_rng_state(rngs[self.global_rank])
-            saved = pending.pop("saved_sampler", None)
-            loader = self._train_loader()
-            if saved and saved["position"] >= saved["length"] and loader is not None and loader.generator is None:
-                # saved at an epoch end: the original run drew the next epoch's DataLoader seed from
-                # the global RNG after the save (``_BaseDataLoaderIter.__init__``); draw it again
-                torch.empty((), dtype=torch.int64).random_()
+        # saved in on_train_epoch_end (see loop_state): the epoch's validation ran before the save, but the
+        # restart fast-forwards it again (another draw), so the RNG comes back only now
+        self._restore_rng()
+        self._replay_epoch_seed()
         super().on_train_batch_start(batch, batch_idx)  # type: ignore[misc]
-
-    def on_train_start(self) -> None:
-        # after the fit loop built its loader, before the first batch is fetched
-        state = self._resume_pending().pop("sampler", None)
-        sampler = self.train_batch_sampler()
-        if state is not None and sampler is not None:
-            sampler.load_state_dict(state)
-        super().on_train_start()  # type: ignore[misc]
 
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         # Lightning restores weights before the precision plugin converts the module, so a float64
@@ -230,9 +265,17 @@ class ExactResumeMixin:
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         checkpoint[CHECKPOINT_KEY] = self.resume_state_dict()
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and trainer.state.fn == "fit" and trainer.fit_loop.epoch_loop._should_accumulate():
+            rank_zero_warn(f"{filepath}: saved between the micro-batches of an accumulated step (global step "
+                           f"{trainer.global_step}); their gradients are not saved, so resuming from it is not exact.")
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
         self.load_resume_state_dict(checkpoint.get(CHECKPOINT_KEY, {}))
+        # before Lightning restores its loops from it
+        self._resume_pending()["rng_at_first_batch"] = normalize_epoch_end(checkpoint)
+        if "global_step" in checkpoint:
+            self._resume_pending()["resumed_step"] = int(checkpoint["global_step"])
         return checkpoint

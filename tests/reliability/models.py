@@ -22,6 +22,9 @@ class ShuffledData(LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=True)
 
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.dataset, batch_size=self.batch_size)
+
 
 class DropoutMLP(LightningModule):
     def __init__(self, dim: int = 8, hidden: int = 16):
@@ -33,6 +36,10 @@ class DropoutMLP(LightningModule):
         loss = nn.functional.mse_loss(self.net(x), y)
         self.log("train_loss", loss, sync_dist=True)
         return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
 
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)

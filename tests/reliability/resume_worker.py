@@ -2,7 +2,11 @@
 
 Each case fits ``DropoutMLP`` with a checkpoint every ``every`` steps; optionally kills its own
 process (``kill: [step, rank, "SIGKILL"|"SIGTERM"]``; under Lightning's own launcher rank 0 is the launcher) after that step, or resumes with
-``ckpt_path="last"``. Writes {global step: loss of its last micro-batch} and the final parameters.
+``ckpt_path="last"``. A case may name a registered strategy with extra init arguments
+(``strategy_kwargs``), the per-replica ``batch_size``, ``every: "epoch"`` (checkpoints in
+``on_train_epoch_end``) or ``"validation"`` (in ``on_validation_end``), ``epochs`` (``max_epochs`` instead of ``max_steps``) and ``val_batches``. Writes {global step: loss of its last
+micro-batch}, the trace of every batch [(global step after it, loss)], and the final parameters (this
+rank's shard or stage).
 """
 
 from __future__ import annotations
@@ -17,38 +21,53 @@ from pathlib import Path
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_parallel  # noqa: F401
 from tests.reliability.models import DropoutMLP, ShuffledData
 
 
 class Recorder(Callback):
-    def __init__(self, kill=None):
+    def __init__(self, kill=None, out: Path | None = None):
+        self.out = out
         self.losses: dict[int, float] = {}
+        self.trace: list[tuple[int, float]] = []
         self.kill = kill  # [global step (or batch count, with a 4th item "batch"), rank, signal name]
         self.batches = 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.losses[trainer.global_step] = float(outputs["loss"])
+        self.trace.append((trainer.global_step, float(outputs["loss"])))
         self.batches += 1
         when = self.batches if self.kill and self.kill[3:] == ["batch"] else trainer.global_step
         if self.kill and when == self.kill[0] and trainer.global_rank == self.kill[1]:
+            # evidence for the test that the kill came from here, at this point
+            (self.out / f"killed_rank{trainer.global_rank}.json").write_text(
+                json.dumps({"global_step": trainer.global_step, "batches": self.batches}))
             os.kill(os.getpid(), getattr(signal, self.kill[2]))
 
 
 def run_case(case: dict, out: Path, world_size: int) -> None:
     seed_everything(0, workers=True)
-    recorder = Recorder(case.get("kill"))
-    checkpoint = ModelCheckpoint(dirpath=out / "ckpt", every_n_train_steps=case["every"], save_last=True,
-                                 save_top_k=-1)
-    trainer = Trainer(accelerator="cpu", devices=world_size, strategy=case["strategy"],
-                      precision="64-true", max_steps=case["steps"], logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, callbacks=[recorder, checkpoint], limit_val_batches=0,
-                      accumulate_grad_batches=case.get("accumulate", 1))
+    recorder = Recorder(case.get("kill"), out)
+    every = {"epoch": {"every_n_epochs": 1}, "validation": {"every_n_epochs": 1, "save_on_train_epoch_end": False}
+             }.get(case["every"], {"every_n_train_steps": case["every"]})
+    checkpoint = ModelCheckpoint(dirpath=out / "ckpt", save_last=True, save_top_k=-1, **every)
+    strategy = case["strategy"]
+    if case.get("strategy_kwargs"):
+        entry = StrategyRegistry[strategy]  # the registered name's class and fixed arguments, plus the case's
+        strategy = entry["strategy"](**{**entry["init_params"], **case["strategy_kwargs"]})
+    trainer = Trainer(accelerator="cpu", devices=world_size, strategy=strategy,
+                      precision="64-true", max_steps=case["steps"] if "epochs" not in case else -1,
+                      max_epochs=case.get("epochs"), logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=[recorder, checkpoint], limit_val_batches=case.get("val_batches", 0),
+                      accumulate_grad_batches=case.get("accumulate", 1), default_root_dir=out)
     model = DropoutMLP()
-    trainer.fit(model, datamodule=ShuffledData(), ckpt_path="last" if case.get("resume") else None)
-    torch.save({"losses": recorder.losses, "state_dict": model.state_dict(), "global_step": trainer.global_step,
-                "interrupted": trainer.interrupted}, out / f"rank{trainer.global_rank}.pt")
+    data = ShuffledData(batch_size=case.get("batch_size", 4))
+    trainer.fit(model, datamodule=data, ckpt_path="last" if case.get("resume") else None)
+    torch.save({"losses": recorder.losses, "trace": recorder.trace, "state_dict": model.state_dict(),
+                "global_step": trainer.global_step, "interrupted": trainer.interrupted},
+               out / f"rank{trainer.global_rank}.pt")
 
 
 def main(spec_path: str) -> None:

@@ -2,6 +2,9 @@
 with ``ckpt_path="last"``, and the following losses and the final parameters equal an uninterrupted
 run's to 1e-10 (float64, 2 gloo processes, dropout + momentum + StepLR + shuffled data).
 
+6 batches per epoch in every case (48 samples; 4 per rank under data parallelism, 8 per replica where
+the 2 ranks form one replica).
+
 - lp_ddp: checkpoint every 2 steps, rank 1 killed after step 9: resumes mid-epoch (epoch 1, batch 2).
 - lp_dp: checkpoint every 3 steps, rank 0 killed after step 7: resumes from an epoch-end checkpoint
   (step 6 = end of epoch 0), the case where Lightning's own loop gets the sampler epoch wrong.
@@ -9,19 +12,41 @@ run's to 1e-10 (float64, 2 gloo processes, dropout + momentum + StepLR + shuffle
   step 8 with a fresh launch.
 - lp_ddp + SIGTERM to rank 1 after step 5: both ranks save ``last.ckpt`` at step 5 and stop cleanly;
   the resumed run continues exactly.
+- lp_tensor_parallel (tp=2, one replica: both ranks see the same batch): resumes mid-epoch.
+- lp_pipeline_1f1b (2 stages, loss on the last stage only) mid-epoch; lp_pipeline_gpipe from an
+  epoch-end checkpoint.
+- lp_ddp with ``accumulate_grad_batches=2`` (3 steps per epoch) and 4 (does not divide the 6 batches:
+  Lightning also steps at the epoch's last batch, after 2 micro-batches), from epoch-end checkpoints
+  saved in the last batch's ``on_train_batch_end`` (``every_n_train_steps``) and in ``on_train_epoch_end``
+  (``every_n_epochs=1``), once killed again after resuming, once under ``max_epochs`` with validation.
+  Three of them failed before ``loop_state`` (see there).
+- lp_ddp with validation at each epoch end, saved before it (last batch's ``on_train_batch_end``) and
+  after it (``on_validation_end``): the validation loader's iterator draws from the global RNG, and the
+  restart skips or replays it (failed before the RNG was restored at ``on_train_start``).
+
+Every killed rank leaves a marker file before it kills itself and must have died by that signal; the
+checkpoint it left is checked to be at the expected step, and the resumed batch trace (global step after
+each batch, loss) must equal the uninterrupted run's from the batch after that step's save.
 """
 
 from __future__ import annotations
 
 import json
+import signal
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+from lightning_parallel.processes import start_processes
 from tests.helpers.harness import free_port, max_param_diff, run_processes, worker_env
 
-STEPS = 14  # 6 batches per epoch: crosses two epoch boundaries
+STEPS = 14
+# the 2 ranks form one replica: 8 samples per batch on both, and the same losses on both
+TP = {"strategy": "lp_tensor_parallel", "strategy_kwargs": {"plan": {"net.0": "colwise", "net.3": "rowwise"}},
+      "batch_size": 8, "one_replica": True}
+PP = {"strategy_kwargs": {"split_points": [3, 1]}, "batch_size": 8, "one_replica": True}  # dropout: stage 0; loss: 1
 CASES = {
     "lp_ddp": {"strategy": "lp_ddp", "every": 2, "kill": [9, 1, "SIGKILL"], "ckpt_step": 8},
     "lp_dp": {"strategy": "lp_dp", "every": 3, "kill": [7, 0, "SIGKILL"], "ckpt_step": 6},
@@ -34,14 +59,48 @@ CASES = {
     # Lightning's own launcher (one command; rank 1 is its child) SIGKILLed with its rank 0 after step 11
     "lp_ddp_launcher": {"strategy": "lp_ddp", "every": 4, "kill": [11, 0, "SIGKILL"], "ckpt_step": 8,
                         "lightning_launcher": True},
+    "lp_tensor_parallel": {**TP, "every": 2, "kill": [9, 0, "SIGKILL"], "ckpt_step": 8},
+    "lp_pipeline_1f1b": {**PP, "strategy": "lp_pipeline_1f1b", "every": 4, "kill": [10, 1, "SIGKILL"], "ckpt_step": 8},
+    "lp_pipeline_gpipe": {**PP, "strategy": "lp_pipeline_gpipe", "every": 3, "kill": [7, 0, "SIGKILL"], "ckpt_step": 6},
+    # accumulate_grad_batches=2: 3 steps per epoch, step 3 ends epoch 0. Saved in the last batch's
+    # on_train_batch_end; killed again after resuming (at step 5, before the next save), so the last
+    # checkpoint must still be step 3's and not step 3 saved again in the middle of step 4's micro-batches
+    "lp_ddp_accumulate_epoch_end": {"strategy": "lp_ddp", "every": 3, "kill": [5, 1, "SIGKILL"],
+                                    "kill_again": [5, 0, "SIGKILL"], "ckpt_step": 3, "accumulate": 2},
+    # the same epoch end, saved by ModelCheckpoint(every_n_epochs=1) in on_train_epoch_end
+    "lp_ddp_accumulate_on_epoch_end": {"strategy": "lp_ddp", "every": "epoch", "kill": [5, 1, "SIGKILL"],
+                                       "ckpt_step": 3, "accumulate": 2},
+    # accumulate_grad_batches=4 does not divide 6 batches: steps after batches 4 and 6 of each epoch (the
+    # epoch's last batch steps after 2 micro-batches); step 4 ends epoch 1, step 6 ends epoch 2
+    "lp_ddp_accumulate_uneven_on_epoch_end": {"strategy": "lp_ddp", "every": "epoch", "kill": [5, 1, "SIGKILL"],
+                                              "ckpt_step": 4, "accumulate": 4},
+    "lp_ddp_accumulate_uneven_epoch_end": {"strategy": "lp_ddp", "every": 3, "kill": [7, 0, "SIGKILL"],
+                                           "ckpt_step": 6, "accumulate": 4},
+    # the same save under epoch-based training (max_epochs; Lightning's own restart is right there, and the
+    # rewritten loop state must be too) with validation at each epoch end, which runs before the save
+    "lp_ddp_accumulate_on_epoch_end_max_epochs_validated": {
+        "strategy": "lp_ddp", "every": "epoch", "kill": [5, 1, "SIGKILL"], "ckpt_step": 3, "accumulate": 2,
+        "epochs": 4, "val_batches": 2},
+    # validation at each epoch end: saved before it (every_n_train_steps, in the last batch's
+    # on_train_batch_end), which the restart skips, and after it (in on_validation_end); the random state
+    # must account for the validation loader's iterator (it draws from the global RNG) in both
+    "lp_ddp_validated_batch_end": {"strategy": "lp_ddp", "every": 3, "kill": [5, 1, "SIGKILL"], "ckpt_step": 3,
+                                   "accumulate": 2, "val_batches": 2},
+    "lp_ddp_validated_validation_end": {"strategy": "lp_ddp", "every": "validation", "kill": [5, 1, "SIGKILL"],
+                                        "ckpt_step": 3, "accumulate": 2, "val_batches": 2},
 }
+# what makes two runs the same run (not when they checkpoint or die)
+TRAINING_KEYS = ("strategy", "strategy_kwargs", "accumulate", "batch_size", "epochs", "val_batches")
 
 
-def base_name(case: dict) -> str:
-    return f"{case['strategy']}-{case.get('accumulate', 1)}"
+def training(case: dict) -> dict:
+    """The fields that decide the training itself (not when it checkpoints or dies)."""
+    return {k: case[k] for k in TRAINING_KEYS if k in case}
 
 
-def launch(cases: list[dict], tmp_path, name: str, expect_failure: bool = False, lightning_launcher: bool = False) -> None:
+def launch(cases: list[dict], tmp_path: Path, name: str, kill: list | None = None,
+           lightning_launcher: bool = False) -> None:
+    """Run ``cases`` on 2 processes; with ``kill``, the run must die by that signal on that rank."""
     spec = tmp_path / f"{name}.json"
     spec.write_text(json.dumps({"cases": cases, "devices": 2}))
     cwd = tmp_path / name
@@ -54,59 +113,83 @@ def launch(cases: list[dict], tmp_path, name: str, expect_failure: bool = False,
         cmd, envs = [cmd], [env]
     else:
         cmd = [cmd] * 2
-    try:
-        run_processes(cmd, envs, timeout=150, cwd=cwd, grace=2.0)
-    except RuntimeError:
-        if not expect_failure:
-            raise
+    if kill is None or kill[2] == "SIGTERM":  # SIGTERM: saves, stops and exits cleanly
+        run_processes(cmd, envs, timeout=240, cwd=cwd, grace=2.0)
         return
-    assert not expect_failure, f"{name}: the run was supposed to be killed"
+    result = start_processes(cmd, envs, timeout=240, cwd=cwd, grace=2.0)
+    rank = kill[1]
+    assert result.codes[rank] == -signal.SIGKILL, f"{name}: rank {rank} was to be SIGKILLed: {result.codes}"
+    marker = Path(cases[-1]["dir"]) / f"killed_rank{rank}.json"  # the killed run ends its launch
+    assert marker.exists(), f"{name}: rank {rank} died, but not by the test's kill:\n{result.outputs[rank][-2000:]}"
 
 
-def load(path) -> list[dict]:
+def load(path: Path) -> list[dict]:
     return [torch.load(path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def run_resume_cases(cases: dict[str, dict], tmp: Path) -> dict[str, tuple]:
+    """Launches (start-up dominates): the uninterrupted runs together with the SIGTERM runs, which stop
+    cleanly; one launch per SIGKILL, which ends its launch; then the resumed runs together."""
+    def run(name: str, **extra) -> dict:
+        c = cases[name]
+        return {**training(c), "steps": STEPS, "every": c["every"], "dir": str(tmp / f"kill_{name}"), **extra}
+
+    def key(case: dict) -> str:
+        return json.dumps(training(case), sort_keys=True)
+
+    bases = sorted({key(c) for c in cases.values()})
+    base_dir = {b: tmp / f"base{i}" for i, b in enumerate(bases)}
+    sigterm = [n for n, c in cases.items() if c["kill"][2] == "SIGTERM" and not c.get("lightning_launcher")]
+    launch([{**json.loads(b), "steps": STEPS, "every": 2, "dir": str(base_dir[b])} for b in bases]
+           + [run(n, kill=cases[n]["kill"]) for n in sigterm], tmp, "uninterrupted")
+    for name in sigterm:
+        stopped = load(tmp / f"kill_{name}")
+        assert [r["global_step"] for r in stopped] == [cases[name]["ckpt_step"]] * 2, "SIGTERM must stop the run"
+        assert (tmp / f"kill_{name}" / f"killed_rank{cases[name]['kill'][1]}.json").exists(), "no SIGTERM was sent"
+    for name, c in cases.items():
+        if name in sigterm:
+            continue
+        launch([run(name, kill=c["kill"])], tmp, f"killed_{name}", kill=c["kill"],
+               lightning_launcher=c.get("lightning_launcher", False))
+        if "kill_again" in c:  # killed again after resuming
+            launch([run(name, kill=c["kill_again"], resume=True)], tmp, f"killed_again_{name}", kill=c["kill_again"])
+    # weights_only=True: what load_from_checkpoint uses; the resume state must not need pickled classes
+    killed_at = {n: torch.load(tmp / f"kill_{n}" / "ckpt" / "last.ckpt", weights_only=True)["global_step"]
+                 for n in cases}
+    for own_launcher in (False, True):
+        group = [run(n, resume=True) for n, c in cases.items() if bool(c.get("lightning_launcher")) == own_launcher]
+        if group:
+            launch(group, tmp, f"resumed_launcher{own_launcher}", lightning_launcher=own_launcher)
+    return {n: (load(base_dir[key(c)]), load(tmp / f"kill_{n}"), killed_at[n]) for n, c in cases.items()}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("resume")
-    bases = sorted({base_name(c) for c in CASES.values()})
-    launch([{"strategy": b.split("-")[0], "steps": STEPS, "every": 2, "accumulate": int(b.split("-")[1]),
-             "dir": str(tmp / f"base_{b}")} for b in bases], tmp, "uninterrupted")
-    for name, c in CASES.items():
-        sigterm = c["kill"][2] == "SIGTERM"  # exits cleanly after saving; SIGKILL leaves a failed run
-        launch([{"strategy": c["strategy"], "steps": STEPS, "every": c["every"], "kill": c["kill"],
-                 "accumulate": c.get("accumulate", 1), "dir": str(tmp / f"kill_{name}")}], tmp, f"killed_{name}", expect_failure=not sigterm,
-               lightning_launcher=c.get("lightning_launcher", False))
-        if sigterm:
-            stopped = load(tmp / f"kill_{name}")
-            assert [r["global_step"] for r in stopped] == [c["ckpt_step"]] * 2, "SIGTERM must stop the run"
-    # weights_only=True: what load_from_checkpoint uses; the resume state must not need pickled classes
-    killed_at = {n: torch.load(tmp / f"kill_{n}" / "ckpt" / "last.ckpt", weights_only=True)["global_step"]
-                 for n in CASES}
-    resume = {n: {"strategy": c["strategy"], "steps": STEPS, "every": c["every"], "resume": True,
-                  "accumulate": c.get("accumulate", 1), "dir": str(tmp / f"kill_{n}")} for n, c in CASES.items()}
-    launch([r for n, r in resume.items() if not CASES[n].get("lightning_launcher")], tmp, "resumed")
-    launch([r for n, r in resume.items() if CASES[n].get("lightning_launcher")], tmp, "resumed_launcher",
-           lightning_launcher=True)
-    return {n: (load(tmp / f"base_{base_name(c)}"), load(tmp / f"kill_{n}"), killed_at[n], tmp / f"kill_{n}" / "ckpt")
-            for n, c in CASES.items()}
+    return run_resume_cases(CASES, tmp_path_factory.mktemp("resume"))
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("case", list(CASES))
-def test_kill_then_resume_is_exact(runs, case):
-    base, resumed, last_step, ckpt_dir = runs[case]
-    ckpt_step = CASES[case]["ckpt_step"]
-    assert last_step == ckpt_step, "last.ckpt after the kill is the last periodic checkpoint"
+def check_resumed(case: dict, base: list[dict], resumed: list[dict], last_step: int) -> None:
+    ckpt_step = case["ckpt_step"]
+    assert last_step == ckpt_step, f"last.ckpt after the kill is at step {last_step}, expected {ckpt_step}"
     for rank in range(2):
-        steps = sorted(resumed[rank]["losses"])
-        # keys are global_step at each batch end: with accumulation the first micro-batch of step k+1 has k
-        first = ckpt_step if CASES[case].get("accumulate", 1) > 1 else ckpt_step + 1
-        assert steps == list(range(first, STEPS + 1)), f"rank {rank} resumed at the wrong step: {steps}"
-        worst = max(abs(resumed[rank]["losses"][s] - base[rank]["losses"][s]) for s in steps)
+        # the batch trace [(global step after the batch, loss)] after the checkpointed optimizer step; the
+        # steps also fix how the resumed run groups micro-batches into optimizer steps
+        trace = base[rank]["trace"]
+        start = next(i for i, (step, _) in enumerate(trace) if step == ckpt_step) + 1  # the batch after the save
+        expected, got = trace[start:], resumed[rank]["trace"]
+        assert [s for s, _ in got] == [s for s, _ in expected], f"rank {rank} resumed at the wrong batch: {got}"
+        worst = max(abs(a - b) for (_, a), (_, b) in zip(got, expected))
         assert worst <= 1e-10, f"rank {rank}: losses after resume differ by {worst:.3e}"
         diff = max_param_diff(resumed[rank]["state_dict"], base[rank]["state_dict"])
         assert diff <= 1e-10, f"rank {rank}: final parameters differ by {diff:.3e}"
-    moved = max(abs(resumed[0]["losses"][s] - resumed[0]["losses"][ckpt_step + 1]) for s in steps)
-    assert moved > 1e-4, "the losses must change after the checkpoint, or the comparison proves nothing"
+    if case.get("one_replica"):  # tensor-parallel peers saw the same batches; the last stage's loss is mirrored
+        worst = max(abs(a - b) for (_, a), (_, b) in zip(resumed[0]["trace"], resumed[1]["trace"]))
+        assert worst <= 1e-12, f"the ranks of one replica disagree on the loss by {worst:.3e}"
+    losses = [loss for _, loss in resumed[0]["trace"]]
+    assert max(losses) - min(losses) > 1e-4, "the losses must change after the checkpoint, or the comparison proves nothing"
+
+
+@pytest.mark.timeout(600)  # the first case also runs the module fixture: every launch
+@pytest.mark.parametrize("case", list(CASES))
+def test_kill_then_resume_is_exact(runs, case):
+    check_resumed(CASES[case], *runs[case])
