@@ -14,7 +14,7 @@ the 2 ranks form one replica).
   the resumed run continues exactly.
 - lp_tensor_parallel (tp=2, one replica: both ranks see the same batch): resumes mid-epoch.
 - lp_pipeline_1f1b (2 stages, loss on the last stage only) mid-epoch; lp_pipeline_gpipe from an
-  epoch-end checkpoint.
+  epoch-end checkpoint; lp_pipeline_async (no flush: the unapplied gradient travels) mid-epoch.
 - lp_ddp with ``accumulate_grad_batches=2`` (3 steps per epoch) and 4 (does not divide the 6 batches:
   Lightning also steps at the epoch's last batch, after 2 micro-batches), from epoch-end checkpoints
   saved in the last batch's ``on_train_batch_end`` (``every_n_train_steps``) and in ``on_train_epoch_end``
@@ -62,6 +62,9 @@ CASES = {
     "lp_tensor_parallel": {**TP, "every": 2, "kill": [9, 0, "SIGKILL"], "ckpt_step": 8},
     "lp_pipeline_1f1b": {**PP, "strategy": "lp_pipeline_1f1b", "every": 4, "kill": [10, 1, "SIGKILL"], "ckpt_step": 8},
     "lp_pipeline_gpipe": {**PP, "strategy": "lp_pipeline_gpipe", "every": 3, "kill": [7, 0, "SIGKILL"], "ckpt_step": 6},
+    # no flush: the checkpoint at step 8 drains the pipeline and holds batch 7's gradient (applied by the
+    # resumed step 8) and batch 7's loss (shown by it); SGD with momentum, dropout on stage 0
+    "lp_pipeline_async": {**PP, "strategy": "lp_pipeline_async", "every": 4, "kill": [10, 0, "SIGKILL"], "ckpt_step": 8},
     # accumulate_grad_batches=2: 3 steps per epoch, step 3 ends epoch 0. Saved in the last batch's
     # on_train_batch_end; killed again after resuming (at step 5, before the next save), so the last
     # checkpoint must still be step 3's and not step 3 saved again in the middle of step 4's micro-batches
