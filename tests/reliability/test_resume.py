@@ -62,26 +62,23 @@ CASES = {
     "lp_tensor_parallel": {**TP, "every": 2, "kill": [9, 0, "SIGKILL"], "ckpt_step": 8},
     "lp_pipeline_1f1b": {**PP, "strategy": "lp_pipeline_1f1b", "every": 4, "kill": [10, 1, "SIGKILL"], "ckpt_step": 8},
     "lp_pipeline_gpipe": {**PP, "strategy": "lp_pipeline_gpipe", "every": 3, "kill": [7, 0, "SIGKILL"], "ckpt_step": 6},
-    # accumulate_grad_batches=2: 3 steps per epoch, step 3 ends epoch 0. Saved in the last batch's
-    # on_train_batch_end; killed again after resuming (at step 5, before the next save), so the last
-    # checkpoint must still be step 3's and not step 3 saved again in the middle of step 4's micro-batches
-    "lp_ddp_accumulate_epoch_end": {"strategy": "lp_ddp", "every": 3, "kill": [5, 1, "SIGKILL"],
-                                    "kill_again": [5, 0, "SIGKILL"], "ckpt_step": 3, "accumulate": 2},
-    # the same epoch end, saved by ModelCheckpoint(every_n_epochs=1) in on_train_epoch_end
-    "lp_ddp_accumulate_on_epoch_end": {"strategy": "lp_ddp", "every": "epoch", "kill": [5, 1, "SIGKILL"],
-                                       "ckpt_step": 3, "accumulate": 2},
     # accumulate_grad_batches=4 does not divide 6 batches: steps after batches 4 and 6 of each epoch (the
-    # epoch's last batch steps after 2 micro-batches); step 4 ends epoch 1, step 6 ends epoch 2
+    # epoch's last batch steps after 2 micro-batches); step 4 ends epoch 1, step 6 ends epoch 2.
+    # Saved in the last batch's on_train_batch_end, then killed again after resuming (after step 7, before
+    # the next save): the last checkpoint must still be step 6's, not step 6 saved again after the first
+    # micro-batch of step 7
+    "lp_ddp_accumulate_uneven_epoch_end": {"strategy": "lp_ddp", "every": 3, "kill": [7, 0, "SIGKILL"],
+                                           "kill_again": [7, 1, "SIGKILL"], "ckpt_step": 6, "accumulate": 4},
+    # the epoch end of step 4, saved by ModelCheckpoint(every_n_epochs=1) in on_train_epoch_end
     "lp_ddp_accumulate_uneven_on_epoch_end": {"strategy": "lp_ddp", "every": "epoch", "kill": [5, 1, "SIGKILL"],
                                               "ckpt_step": 4, "accumulate": 4},
-    "lp_ddp_accumulate_uneven_epoch_end": {"strategy": "lp_ddp", "every": 3, "kill": [7, 0, "SIGKILL"],
-                                           "ckpt_step": 6, "accumulate": 4},
-    # the same save under epoch-based training (max_epochs; Lightning's own restart is right there, and the
-    # rewritten loop state must be too) with validation at each epoch end, which runs before the save
+    # accumulate_grad_batches=2: 3 steps per epoch, step 3 ends epoch 0. Saved in on_train_epoch_end under
+    # epoch-based training (max_epochs; Lightning's own restart is right there, and the rewritten loop
+    # state must be too), with validation at each epoch end, which runs before the save
     "lp_ddp_accumulate_on_epoch_end_max_epochs_validated": {
         "strategy": "lp_ddp", "every": "epoch", "kill": [5, 1, "SIGKILL"], "ckpt_step": 3, "accumulate": 2,
         "epochs": 4, "val_batches": 2},
-    # validation at each epoch end: saved before it (every_n_train_steps, in the last batch's
+    # the same epoch end with validation: saved before it (every_n_train_steps, in the last batch's
     # on_train_batch_end), which the restart skips, and after it (in on_validation_end); the random state
     # must account for the validation loader's iterator (it draws from the global RNG) in both
     "lp_ddp_validated_batch_end": {"strategy": "lp_ddp", "every": 3, "kill": [5, 1, "SIGKILL"], "ckpt_step": 3,
