@@ -15,14 +15,14 @@ the 2 ranks form one replica).
 - lp_tensor_parallel (tp=2, one replica: both ranks see the same batch): resumes mid-epoch.
 - lp_pipeline_1f1b (2 stages, loss on the last stage only) mid-epoch; lp_pipeline_gpipe from an
   epoch-end checkpoint.
-- lp_ddp with ``accumulate_grad_batches=2`` (3 steps per epoch) and 4 (does not divide the 6 batches:
-  Lightning also steps at the epoch's last batch, after 2 micro-batches), from epoch-end checkpoints
-  saved in the last batch's ``on_train_batch_end`` (``every_n_train_steps``) and in ``on_train_epoch_end``
-  (``every_n_epochs=1``), once killed again after resuming, once under ``max_epochs`` with validation.
-  Three of them failed before ``loop_state`` (see there).
-- lp_ddp with validation at each epoch end, saved before it (last batch's ``on_train_batch_end``) and
-  after it (``on_validation_end``): the validation loader's iterator draws from the global RNG, and the
-  restart skips or replays it (failed before the RNG was restored at ``on_train_start``).
+- lp_ddp with ``accumulate_grad_batches=4`` (does not divide the 6 batches: Lightning also steps at the
+  epoch's last batch, after 2 micro-batches) from epoch-end checkpoints saved in the last batch's
+  ``on_train_batch_end`` (``every_n_train_steps``; killed again after resuming) and in
+  ``on_train_epoch_end`` (``every_n_epochs=1``); both failed before ``loop_state`` (see there).
+- lp_ddp with ``accumulate_grad_batches=2`` (3 steps per epoch) and validation at each epoch end, from
+  epoch-end checkpoints saved in ``on_train_epoch_end`` under ``max_epochs``, and before (last batch's
+  ``on_train_batch_end``) and after (``on_validation_end``) the validation, whose loader's iterator
+  draws from the global RNG (the save before it failed before the RNG was restored at ``on_train_start``).
 
 Every killed rank leaves a marker file before it kills itself and must have died by that signal; the
 checkpoint it left is checked to be at the expected step, and the resumed batch trace (global step after
