@@ -267,9 +267,11 @@ class ExactResumeMixin:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         checkpoint[CHECKPOINT_KEY] = self.resume_state_dict()
         trainer = getattr(self.lightning_module, "_trainer", None)
-        if trainer is not None and trainer.state.fn == "fit" and trainer.fit_loop.epoch_loop._should_accumulate():
-            rank_zero_warn(f"{filepath}: saved between the micro-batches of an accumulated step (global step "
-                           f"{trainer.global_step}); their gradients are not saved, so resuming from it is not exact.")
+        fitting = trainer is not None and trainer.state.fn == "fit"
+        if fitting and trainer.fit_loop.epoch_loop._should_accumulate():
+            rank_zero_warn(f"{filepath}: saved between the micro-batches of an accumulated step (global "
+                           f"step {trainer.global_step}); their gradients are not saved, so resuming from it "
+                           "is not exact.")
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
