@@ -151,6 +151,7 @@ class ExactResumeMixin:
     """
 
     def _resume_pending(self) -> dict[str, Any]:
+        # the loaded resume state (a strategy's own keys included) plus bookkeeping under "_" keys
         if not hasattr(self, "_lp_resume_pending"):
             self._lp_resume_pending: dict[str, Any] = {}
         return self._lp_resume_pending
@@ -184,7 +185,7 @@ class ExactResumeMixin:
         pending.clear()
         pending.update(state)
         if "sampler" in state:
-            pending["saved_sampler"] = dict(state["sampler"])
+            pending["_saved_sampler"] = dict(state["sampler"])
         rngs = state.get("rng")
         if rngs is not None and len(rngs) != self.world_size:
             pending.pop("rng")  # another world size: random streams cannot continue exactly
@@ -212,14 +213,14 @@ class ExactResumeMixin:
             return
         _set_rng_state(rngs[self.global_rank])
         sampler = self.train_batch_sampler()
-        pending["iterators_at_restore"] = sampler.iterators if sampler is not None else None
+        pending["_iterators_at_restore"] = sampler.iterators if sampler is not None else None
 
     def _replay_epoch_seed(self) -> None:
         """Saved at an epoch end, the original run then drew the next epoch's DataLoader seed from the
         global RNG (``_BaseDataLoaderIter.__init__``). If this run created the iterator of its first batch
         before the RNG was restored, that draw was overwritten: draw it again."""
         pending = self._resume_pending()
-        created, saved = pending.pop("iterators_at_restore", None), pending.pop("saved_sampler", None)
+        created, saved = pending.pop("_iterators_at_restore", None), pending.pop("_saved_sampler", None)
         sampler, loader = self.train_batch_sampler(), self._train_loader()
         if created is None or not saved or sampler is None or loader is None or loader.generator is not None:
             return
@@ -233,13 +234,13 @@ class ExactResumeMixin:
         sampler = self.train_batch_sampler()
         if state is not None and sampler is not None:
             sampler.load_state_dict(state)
-        if not pending.pop("rng_at_first_batch", False):
+        if not pending.pop("_rng_at_first_batch", False):
             # The RNG comes back where it was saved: before whatever Lightning's restart replays of what
             # followed the save (a validation due after the saved batch is fast-forwarded, which creates
             # the validation loader's iterator: one draw, as the original run's validation made).
             self._restore_rng()
-        if "resumed_step" in pending:
-            mark_resumed_step_saved(self.lightning_module.trainer, pending.pop("resumed_step"))
+        if "_resumed_step" in pending:
+            mark_resumed_step_saved(self.lightning_module.trainer, pending.pop("_resumed_step"))
         super().on_train_start()  # type: ignore[misc]
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -266,16 +267,18 @@ class ExactResumeMixin:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         checkpoint[CHECKPOINT_KEY] = self.resume_state_dict()
         trainer = getattr(self.lightning_module, "_trainer", None)
-        if trainer is not None and trainer.state.fn == "fit" and trainer.fit_loop.epoch_loop._should_accumulate():
-            rank_zero_warn(f"{filepath}: saved between the micro-batches of an accumulated step (global step "
-                           f"{trainer.global_step}); their gradients are not saved, so resuming from it is not exact.")
+        fitting = trainer is not None and trainer.state.fn == "fit"
+        if fitting and trainer.fit_loop.epoch_loop._should_accumulate():
+            rank_zero_warn(f"{filepath}: saved between the micro-batches of an accumulated step (global "
+                           f"step {trainer.global_step}); their gradients are not saved, so resuming from it "
+                           "is not exact.")
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)  # type: ignore[misc]
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
         self.load_resume_state_dict(checkpoint.get(CHECKPOINT_KEY, {}))
         # before Lightning restores its loops from it
-        self._resume_pending()["rng_at_first_batch"] = normalize_epoch_end(checkpoint)
+        self._resume_pending()["_rng_at_first_batch"] = normalize_epoch_end(checkpoint)
         if "global_step" in checkpoint:
-            self._resume_pending()["resumed_step"] = int(checkpoint["global_step"])
+            self._resume_pending()["_resumed_step"] = int(checkpoint["global_step"])
         return checkpoint

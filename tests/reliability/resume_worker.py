@@ -4,7 +4,8 @@ Each case fits ``DropoutMLP`` with a checkpoint every ``every`` steps; optionall
 process (``kill: [step, rank, "SIGKILL"|"SIGTERM"]``; under Lightning's own launcher rank 0 is the launcher) after that step, or resumes with
 ``ckpt_path="last"``. A case may name a registered strategy with extra init arguments
 (``strategy_kwargs``), the per-replica ``batch_size``, ``every: "epoch"`` (checkpoints in
-``on_train_epoch_end``) or ``"validation"`` (in ``on_validation_end``), ``epochs`` (``max_epochs`` instead of ``max_steps``) and ``val_batches``. Writes {global step: loss of its last
+``on_train_epoch_end``) or ``"validation"`` (in ``on_validation_end``), ``epochs`` (``max_epochs``
+instead of ``max_steps``) and ``val_batches``. Writes {global step: loss of its last
 micro-batch}, the trace of every batch [(global step after it, loss)], and the final parameters (this
 rank's shard or stage).
 """
@@ -50,7 +51,8 @@ class Recorder(Callback):
 def run_case(case: dict, out: Path, world_size: int) -> None:
     seed_everything(0, workers=True)
     recorder = Recorder(case.get("kill"), out)
-    every = {"epoch": {"every_n_epochs": 1}, "validation": {"every_n_epochs": 1, "save_on_train_epoch_end": False}
+    every = {"epoch": {"every_n_epochs": 1},
+             "validation": {"every_n_epochs": 1, "save_on_train_epoch_end": False},
              }.get(case["every"], {"every_n_train_steps": case["every"]})
     checkpoint = ModelCheckpoint(dirpath=out / "ckpt", save_last=True, save_top_k=-1, **every)
     strategy = case["strategy"]
@@ -60,7 +62,8 @@ def run_case(case: dict, out: Path, world_size: int) -> None:
     trainer = Trainer(accelerator="cpu", devices=world_size, strategy=strategy,
                       precision="64-true", max_steps=case["steps"] if "epochs" not in case else -1,
                       max_epochs=case.get("epochs"), logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, callbacks=[recorder, checkpoint], limit_val_batches=case.get("val_batches", 0),
+                      enable_model_summary=False, callbacks=[recorder, checkpoint],
+                      limit_val_batches=case.get("val_batches", 0),
                       accumulate_grad_batches=case.get("accumulate", 1), default_root_dir=out)
     model = DropoutMLP()
     data = ShuffledData(batch_size=case.get("batch_size", 4))

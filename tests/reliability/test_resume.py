@@ -15,14 +15,14 @@ the 2 ranks form one replica).
 - lp_tensor_parallel (tp=2, one replica: both ranks see the same batch): resumes mid-epoch.
 - lp_pipeline_1f1b (2 stages, loss on the last stage only) mid-epoch; lp_pipeline_gpipe from an
   epoch-end checkpoint; lp_pipeline_async (no flush: the unapplied gradient travels) mid-epoch.
-- lp_ddp with ``accumulate_grad_batches=2`` (3 steps per epoch) and 4 (does not divide the 6 batches:
-  Lightning also steps at the epoch's last batch, after 2 micro-batches), from epoch-end checkpoints
-  saved in the last batch's ``on_train_batch_end`` (``every_n_train_steps``) and in ``on_train_epoch_end``
-  (``every_n_epochs=1``), once killed again after resuming, once under ``max_epochs`` with validation.
-  Three of them failed before ``loop_state`` (see there).
-- lp_ddp with validation at each epoch end, saved before it (last batch's ``on_train_batch_end``) and
-  after it (``on_validation_end``): the validation loader's iterator draws from the global RNG, and the
-  restart skips or replays it (failed before the RNG was restored at ``on_train_start``).
+- lp_ddp with ``accumulate_grad_batches=4`` (does not divide the 6 batches: Lightning also steps at the
+  epoch's last batch, after 2 micro-batches) from epoch-end checkpoints saved in the last batch's
+  ``on_train_batch_end`` (``every_n_train_steps``; killed again after resuming) and in
+  ``on_train_epoch_end`` (``every_n_epochs=1``); both failed before ``loop_state`` (see there).
+- lp_ddp with ``accumulate_grad_batches=2`` (3 steps per epoch) and validation at each epoch end, from
+  epoch-end checkpoints saved in ``on_train_epoch_end`` under ``max_epochs``, and before (last batch's
+  ``on_train_batch_end``) and after (``on_validation_end``) the validation, whose loader's iterator
+  draws from the global RNG (the save before it failed before the RNG was restored at ``on_train_start``).
 
 Every killed rank leaves a marker file before it kills itself and must have died by that signal; the
 checkpoint it left is checked to be at the expected step, and the resumed batch trace (global step after
@@ -46,7 +46,8 @@ STEPS = 14
 # the 2 ranks form one replica: 8 samples per batch on both, and the same losses on both
 TP = {"strategy": "lp_tensor_parallel", "strategy_kwargs": {"plan": {"net.0": "colwise", "net.3": "rowwise"}},
       "batch_size": 8, "one_replica": True}
-PP = {"strategy_kwargs": {"split_points": [3, 1]}, "batch_size": 8, "one_replica": True}  # dropout: stage 0; loss: 1
+# dropout on stage 0, the loss on stage 1
+PP = {"strategy_kwargs": {"split_points": [3, 1]}, "batch_size": 8, "one_replica": True}
 CASES = {
     "lp_ddp": {"strategy": "lp_ddp", "every": 2, "kill": [9, 1, "SIGKILL"], "ckpt_step": 8},
     "lp_dp": {"strategy": "lp_dp", "every": 3, "kill": [7, 0, "SIGKILL"], "ckpt_step": 6},
@@ -60,37 +61,38 @@ CASES = {
     "lp_ddp_launcher": {"strategy": "lp_ddp", "every": 4, "kill": [11, 0, "SIGKILL"], "ckpt_step": 8,
                         "lightning_launcher": True},
     "lp_tensor_parallel": {**TP, "every": 2, "kill": [9, 0, "SIGKILL"], "ckpt_step": 8},
-    "lp_pipeline_1f1b": {**PP, "strategy": "lp_pipeline_1f1b", "every": 4, "kill": [10, 1, "SIGKILL"], "ckpt_step": 8},
-    "lp_pipeline_gpipe": {**PP, "strategy": "lp_pipeline_gpipe", "every": 3, "kill": [7, 0, "SIGKILL"], "ckpt_step": 6},
+    "lp_pipeline_1f1b": {**PP, "strategy": "lp_pipeline_1f1b", "every": 4, "kill": [10, 1, "SIGKILL"],
+                         "ckpt_step": 8},
+    "lp_pipeline_gpipe": {**PP, "strategy": "lp_pipeline_gpipe", "every": 3, "kill": [7, 0, "SIGKILL"],
+                          "ckpt_step": 6},
     # no flush: the checkpoint at step 8 drains the pipeline and holds batch 7's gradient (applied by the
     # resumed step 8) and batch 7's loss (shown by it); SGD with momentum, dropout on stage 0
-    "lp_pipeline_async": {**PP, "strategy": "lp_pipeline_async", "every": 4, "kill": [10, 0, "SIGKILL"], "ckpt_step": 8},
-    # accumulate_grad_batches=2: 3 steps per epoch, step 3 ends epoch 0. Saved in the last batch's
-    # on_train_batch_end; killed again after resuming (at step 5, before the next save), so the last
-    # checkpoint must still be step 3's and not step 3 saved again in the middle of step 4's micro-batches
-    "lp_ddp_accumulate_epoch_end": {"strategy": "lp_ddp", "every": 3, "kill": [5, 1, "SIGKILL"],
-                                    "kill_again": [5, 0, "SIGKILL"], "ckpt_step": 3, "accumulate": 2},
-    # the same epoch end, saved by ModelCheckpoint(every_n_epochs=1) in on_train_epoch_end
-    "lp_ddp_accumulate_on_epoch_end": {"strategy": "lp_ddp", "every": "epoch", "kill": [5, 1, "SIGKILL"],
-                                       "ckpt_step": 3, "accumulate": 2},
+    "lp_pipeline_async": {**PP, "strategy": "lp_pipeline_async", "every": 4, "kill": [10, 0, "SIGKILL"],
+                          "ckpt_step": 8},
     # accumulate_grad_batches=4 does not divide 6 batches: steps after batches 4 and 6 of each epoch (the
-    # epoch's last batch steps after 2 micro-batches); step 4 ends epoch 1, step 6 ends epoch 2
-    "lp_ddp_accumulate_uneven_on_epoch_end": {"strategy": "lp_ddp", "every": "epoch", "kill": [5, 1, "SIGKILL"],
-                                              "ckpt_step": 4, "accumulate": 4},
+    # epoch's last batch steps after 2 micro-batches); step 4 ends epoch 1, step 6 ends epoch 2.
+    # Saved in the last batch's on_train_batch_end, then killed again after resuming (after step 7, before
+    # the next save): the last checkpoint must still be step 6's, not step 6 saved again after the first
+    # micro-batch of step 7
     "lp_ddp_accumulate_uneven_epoch_end": {"strategy": "lp_ddp", "every": 3, "kill": [7, 0, "SIGKILL"],
-                                           "ckpt_step": 6, "accumulate": 4},
-    # the same save under epoch-based training (max_epochs; Lightning's own restart is right there, and the
-    # rewritten loop state must be too) with validation at each epoch end, which runs before the save
+                                           "kill_again": [7, 1, "SIGKILL"], "ckpt_step": 6, "accumulate": 4},
+    # the epoch end of step 4, saved by ModelCheckpoint(every_n_epochs=1) in on_train_epoch_end
+    "lp_ddp_accumulate_uneven_on_epoch_end": {"strategy": "lp_ddp", "every": "epoch",
+                                              "kill": [5, 1, "SIGKILL"], "ckpt_step": 4, "accumulate": 4},
+    # accumulate_grad_batches=2: 3 steps per epoch, step 3 ends epoch 0. Saved in on_train_epoch_end under
+    # epoch-based training (max_epochs; Lightning's own restart is right there, and the rewritten loop
+    # state must be too), with validation at each epoch end, which runs before the save
     "lp_ddp_accumulate_on_epoch_end_max_epochs_validated": {
         "strategy": "lp_ddp", "every": "epoch", "kill": [5, 1, "SIGKILL"], "ckpt_step": 3, "accumulate": 2,
         "epochs": 4, "val_batches": 2},
-    # validation at each epoch end: saved before it (every_n_train_steps, in the last batch's
+    # the same epoch end with validation: saved before it (every_n_train_steps, in the last batch's
     # on_train_batch_end), which the restart skips, and after it (in on_validation_end); the random state
     # must account for the validation loader's iterator (it draws from the global RNG) in both
-    "lp_ddp_validated_batch_end": {"strategy": "lp_ddp", "every": 3, "kill": [5, 1, "SIGKILL"], "ckpt_step": 3,
-                                   "accumulate": 2, "val_batches": 2},
-    "lp_ddp_validated_validation_end": {"strategy": "lp_ddp", "every": "validation", "kill": [5, 1, "SIGKILL"],
-                                        "ckpt_step": 3, "accumulate": 2, "val_batches": 2},
+    "lp_ddp_validated_batch_end": {"strategy": "lp_ddp", "every": 3, "kill": [5, 1, "SIGKILL"],
+                                   "ckpt_step": 3, "accumulate": 2, "val_batches": 2},
+    "lp_ddp_validated_validation_end": {"strategy": "lp_ddp", "every": "validation",
+                                        "kill": [5, 1, "SIGKILL"], "ckpt_step": 3, "accumulate": 2,
+                                        "val_batches": 2},
 }
 # what makes two runs the same run (not when they checkpoint or die)
 TRAINING_KEYS = ("strategy", "strategy_kwargs", "accumulate", "batch_size", "epochs", "val_batches")
@@ -123,7 +125,8 @@ def launch(cases: list[dict], tmp_path: Path, name: str, kill: list | None = Non
     rank = kill[1]
     assert result.codes[rank] == -signal.SIGKILL, f"{name}: rank {rank} was to be SIGKILLed: {result.codes}"
     marker = Path(cases[-1]["dir"]) / f"killed_rank{rank}.json"  # the killed run ends its launch
-    assert marker.exists(), f"{name}: rank {rank} died, but not by the test's kill:\n{result.outputs[rank][-2000:]}"
+    tail = result.outputs[rank][-2000:]
+    assert marker.exists(), f"{name}: rank {rank} died, not by the test's kill:\n{tail}"
 
 
 def load(path: Path) -> list[dict]:
@@ -147,20 +150,24 @@ def run_resume_cases(cases: dict[str, dict], tmp: Path) -> dict[str, tuple]:
            + [run(n, kill=cases[n]["kill"]) for n in sigterm], tmp, "uninterrupted")
     for name in sigterm:
         stopped = load(tmp / f"kill_{name}")
-        assert [r["global_step"] for r in stopped] == [cases[name]["ckpt_step"]] * 2, "SIGTERM must stop the run"
-        assert (tmp / f"kill_{name}" / f"killed_rank{cases[name]['kill'][1]}.json").exists(), "no SIGTERM was sent"
+        steps = [r["global_step"] for r in stopped]
+        assert steps == [cases[name]["ckpt_step"]] * 2, f"SIGTERM must stop the run: {steps}"
+        signalled = tmp / f"kill_{name}" / f"killed_rank{cases[name]['kill'][1]}.json"
+        assert signalled.exists(), "no SIGTERM was sent"
     for name, c in cases.items():
         if name in sigterm:
             continue
         launch([run(name, kill=c["kill"])], tmp, f"killed_{name}", kill=c["kill"],
                lightning_launcher=c.get("lightning_launcher", False))
         if "kill_again" in c:  # killed again after resuming
-            launch([run(name, kill=c["kill_again"], resume=True)], tmp, f"killed_again_{name}", kill=c["kill_again"])
+            launch([run(name, kill=c["kill_again"], resume=True)], tmp, f"killed_again_{name}",
+                   kill=c["kill_again"])
     # weights_only=True: what load_from_checkpoint uses; the resume state must not need pickled classes
     killed_at = {n: torch.load(tmp / f"kill_{n}" / "ckpt" / "last.ckpt", weights_only=True)["global_step"]
                  for n in cases}
     for own_launcher in (False, True):
-        group = [run(n, resume=True) for n, c in cases.items() if bool(c.get("lightning_launcher")) == own_launcher]
+        group = [run(n, resume=True) for n, c in cases.items()
+                 if bool(c.get("lightning_launcher")) == own_launcher]
         if group:
             launch(group, tmp, f"resumed_launcher{own_launcher}", lightning_launcher=own_launcher)
     return {n: (load(base_dir[key(c)]), load(tmp / f"kill_{n}"), killed_at[n]) for n, c in cases.items()}
@@ -178,18 +185,18 @@ def check_resumed(case: dict, base: list[dict], resumed: list[dict], last_step: 
         # the batch trace [(global step after the batch, loss)] after the checkpointed optimizer step; the
         # steps also fix how the resumed run groups micro-batches into optimizer steps
         trace = base[rank]["trace"]
-        start = next(i for i, (step, _) in enumerate(trace) if step == ckpt_step) + 1  # the batch after the save
+        start = next(i for i, (step, _) in enumerate(trace) if step == ckpt_step) + 1  # after the save
         expected, got = trace[start:], resumed[rank]["trace"]
-        assert [s for s, _ in got] == [s for s, _ in expected], f"rank {rank} resumed at the wrong batch: {got}"
+        assert [s for s, _ in got] == [s for s, _ in expected], f"rank {rank} resumed at a wrong batch: {got}"
         worst = max(abs(a - b) for (_, a), (_, b) in zip(got, expected))
         assert worst <= 1e-10, f"rank {rank}: losses after resume differ by {worst:.3e}"
         diff = max_param_diff(resumed[rank]["state_dict"], base[rank]["state_dict"])
         assert diff <= 1e-10, f"rank {rank}: final parameters differ by {diff:.3e}"
-    if case.get("one_replica"):  # tensor-parallel peers saw the same batches; the last stage's loss is mirrored
+    if case.get("one_replica"):  # tensor-parallel peers saw the same batches; the last stage's loss mirrored
         worst = max(abs(a - b) for (_, a), (_, b) in zip(resumed[0]["trace"], resumed[1]["trace"]))
         assert worst <= 1e-12, f"the ranks of one replica disagree on the loss by {worst:.3e}"
     losses = [loss for _, loss in resumed[0]["trace"]]
-    assert max(losses) - min(losses) > 1e-4, "the losses must change after the checkpoint, or the comparison proves nothing"
+    assert max(losses) - min(losses) > 1e-4, "the losses must change after the save, or this proves nothing"
 
 
 @pytest.mark.timeout(600)  # the first case also runs the module fixture: every launch
