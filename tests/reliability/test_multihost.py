@@ -91,7 +91,7 @@ def run_two_hosts(cases: list[dict], out: Path, timeout: float = 200.0) -> None:
                              "--nproc_per_node=1", f"--node_rank={node}", f"--master_addr={ADDRS[0]}",
                              "--master_port=29577", "-m", "tests.helpers.worker", str(spec)])
         # the other node gets 3 s to notice a failure before it is stopped
-        run_processes(commands, envs, timeout, REPO, grace=3.0, log_names=[str(out / f"node{i}.log") for i in range(2)],
+        run_processes(commands, envs, timeout, out, grace=3.0, log_names=[str(out / f"node{i}.log") for i in range(2)],
                       what="node")
 
 
