@@ -2,6 +2,7 @@
 
     python benchmarks/bench_pipeline.py                       # 2 stages on 2 CPU processes, m = 4 and 8
     python benchmarks/bench_pipeline.py --rounds 5 --steps 30
+    python benchmarks/bench_pipeline.py --rounds 1 --timeline-dir docs   # + the timeline pictures (step 10)
 
 The same GPT-style model (``CharGPT`` blocks, a causal mask computed in ``forward``) is cut after half
 its blocks. Ours runs inside ``Trainer.fit`` on the unmodified LightningModule; torch's runs a hand
@@ -39,8 +40,12 @@ def ours(args: argparse.Namespace) -> None:
 
     seed_everything(0)
     timer = step_timer()
-    strategy = PipelineParallelStrategy(schedule=args.schedule, num_microbatches=args.microbatches, timeline_step=None)
+    timeline_step = 10 if args.timeline_dir else None
+    strategy = PipelineParallelStrategy(schedule=args.schedule, num_microbatches=args.microbatches,
+                                        timeline_step=timeline_step)
+    root = Path(args.timeline_dir or ".") / f"pipeline_timeline_{args.schedule}_m{args.microbatches}"
     trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, logger=False,
+                      default_root_dir=str(root),
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       limit_val_batches=0, callbacks=[timer])
     trainer.fit(build_model(args), datamodule=CharCorpusData(batch_size=args.batch_size, block_size=64))
@@ -156,6 +161,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=128)
+    parser.add_argument("--timeline-dir", default="", help="write our schedules' step-10 timelines (SVG + trace) here")
     args = parser.parse_args()
     if args.worker:
         return ours(args) if args.impl == "ours" else torch_pipelining(args)
@@ -163,6 +169,8 @@ def main() -> None:
     out = Path(tempfile.mkdtemp()) / "results.jsonl"
     common = ["--out", str(out), "--steps", str(args.steps), "--warmup", str(args.warmup),
               "--batch-size", str(args.batch_size), "--layers", str(args.layers), "--width", str(args.width)]
+    if args.timeline_dir:
+        common += ["--timeline-dir", str(Path(args.timeline_dir).resolve())]
     runs = [("ours", s) for s in ("gpipe", "1f1b", "async")] + [("torch", s) for s in ("gpipe", "1f1b")]
     for round_ in range(args.rounds):
         for m in (4, 8):

@@ -42,7 +42,7 @@ def capture_logs(module: Any, log_objects: bool = True) -> Iterator[dict[str, li
 
     def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if isinstance(value, Tensor) or isinstance(value, (int, float)):
-            logged.setdefault(name, []).append((float(value), kwargs))
+            logged.setdefault(name, []).append((float(value.detach() if isinstance(value, Tensor) else value), kwargs))
             return
         if isinstance(value, Metric) and id(value) in paths:
             calls = logged[METRICS].get(name, (None, None, None, []))[3]
