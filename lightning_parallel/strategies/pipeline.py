@@ -1,4 +1,4 @@
-"""``lp_pipeline_gpipe`` / ``lp_pipeline_1f1b``: pipeline parallelism with micro-batches for unmodified
+"""``lp_pipeline_gpipe`` / ``_1f1b`` / ``_async``: pipeline parallelism with micro-batches for unmodified
 LightningModules, optionally combined with data parallelism (``data_parallel_size`` x stages).
 
 How a step runs (Lightning's closure is training_step -> zero_grad -> backward):
@@ -23,7 +23,6 @@ stage writes only its own tensors (``sharded_checkpoint``).
 from __future__ import annotations
 
 import types
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
@@ -39,15 +38,15 @@ from lightning_parallel.distributed.mesh import MeshShape
 from lightning_parallel.distributed.p2p import PeerLink
 from lightning_parallel.distributed.state import all_reduce_gradients, broadcast_module_states
 from lightning_parallel.loss_check import check_finite_loss
-from lightning_parallel.pipeline.async_gradients import AsyncGradients, merge_stage_gradients
-from lightning_parallel.pipeline.executor import StageExecutor, batch_size, split_microbatches, weights_snapshot
+from lightning_parallel.pipeline.executor import StageExecutor, batch_size, split_microbatches
 from lightning_parallel.pipeline.logs import LogMirror, capture_logs, summarize
 from lightning_parallel.pipeline.partition import StagePartition, find_block_stack, partition
 from lightning_parallel.pipeline.profile import average_over_ranks, capture_block_inputs, time_blocks, untouched
-from lightning_parallel.pipeline.schedules import async_step, bubble_fraction, cooldown, schedule, warmup_depth
+from lightning_parallel.pipeline.schedules import bubble_fraction, schedule
 from lightning_parallel.pipeline.state import merge_stage_states, stage_state_by_name, stage_state_from_full
 from lightning_parallel.pipeline.timeline import Timeline, bubble, from_dicts, to_dicts, write_chrome_trace, write_svg
 from lightning_parallel.strategies.base import ParallelStrategyBase
+from lightning_parallel.strategies.pipeline_async import AsyncPipelineMixin
 
 __all__ = ["PipelineParallelStrategy"]
 
@@ -55,23 +54,11 @@ SUPPORTED = ("gpipe", "1f1b", "async")
 BALANCES = ("parameters", "time")
 
 
-class PipelineParallelStrategy(ParallelStrategyBase):
+class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
     """Pipeline parallelism (and 2-D with data parallelism) on ``torch.distributed`` point-to-point.
 
-    The ``async`` schedule (PipeDream-2BW) never flushes between batches: batch t+1's first forwards
-    run in batch t's cool-down, and the optimizer step at the end of step t applies batch t-1's
-    gradient. Its rule, one step stale, the same weight version on every stage for every micro-batch:
-    ``W(t+1) = W(t) - lr * grad f_t(W(t-1))`` (``W(-1) = W(0)``), with W(k) the weights after k updates.
-    What that means in Lightning's terms:
-
-    - the first step of a fit applies no update (nothing has finished yet; Lightning still counts it),
-      and ``fit`` ends by applying the last batch's gradient, so N batches give N updates;
-    - values logged by ``training_step`` (and the loss passed to callbacks) at step t are batch t-1's,
-      logged as ``pipeline_async_batch`` = t-1 beside them; the last step of an epoch flushes the
-      pipeline and logs both its own batch and the previous one;
-    - the pipeline drains (finishes the in-flight backwards) before a checkpoint is written, and the
-      checkpoint holds the gradient not yet applied, so a resumed run continues the same updates;
-    - gradient accumulation is not supported (the rule is per batch): raise ``num_microbatches``.
+    ``async`` (PipeDream-2BW) has no flush between batches; what that means for a Lightning user is in
+    ``pipeline_async.py`` (``AsyncPipelineMixin``) and the README.
 
     Args:
         schedule: ``"gpipe"`` (fill-drain), ``"1f1b"`` (one-forward-one-backward, flush each step), or
@@ -131,9 +118,7 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         self._full_param_names: list[str] = []
         self.bubbles: list[float] = []
         self.logs: Optional[LogMirror] = None
-        self.async_grads = AsyncGradients()
-        self._summary_due = False  # async: the last step's summary is still to be logged
-        self._held_summary: Optional[dict] = None  # async: that summary, taken early (for a checkpoint)
+        self._init_async_state()
         self._last_loss: Optional[Tensor] = None
 
     # ----------------------------------------------------------------- layout
@@ -280,47 +265,6 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         self._record_timeline()
         return loss.detach().requires_grad_()  # Lightning's backward of this touches no parameter
 
-    def _async_step(self, params: list, batch: Any, step_fn: Any, batch_idx: int) -> Optional[Tensor]:
-        """One piece of the no-flush stream; the gradient it hands the optimizer is the previous batch's."""
-        pp, m, stage = self.mesh.shape.pp, self.num_microbatches, self.mesh.pp_rank
-        self.async_grads.place_from_checkpoint(*self._pending_layout())
-        carried = warmup_depth(pp, m, stage) if self.executor.has_in_flight else 0
-        flush = self._last_step_before_a_pause()
-        actions = async_step(pp, m, stage, carried) + (cooldown(pp, m, stage) if flush else [])
-        self.async_grads.begin(params, carried)
-        keeps_graphs = not flush and warmup_depth(pp, m, stage) > 0
-        with weights_snapshot(params) if keeps_graphs else nullcontext():  # graphs left in flight keep this step's weights
-            self._run(actions, batch, step_fn, backward=True, flushed=flush, batch_idx=batch_idx,
-                      before_backward=lambda a: self.async_grads.before_backward(params, a.batch))
-        # a stage that keeps no micro-batch in flight (the last) has finished this batch even without a flush
-        apply_now = self.async_grads.end(params, finished=not self.executor.has_in_flight)
-        self._set_aside = apply_now or []
-        shown = []
-        if self._summary_due:
-            shown.append(self._take_due_summary())
-        if flush:
-            shown.append(self.logs.take("train"))
-        self._summary_due = not flush
-        losses = [self._show(summary) for summary in shown]
-        if apply_now is None or (not losses and self._last_loss is None):
-            # nothing finished yet (the optimizer step finds no gradient), or no loss known (just resumed)
-            return torch.tensor(float("nan"), dtype=torch.float64, device=self.root_device)
-        return losses[0] if losses else self._last_loss
-
-    def _take_due_summary(self) -> dict:
-        """The previous step's summary: held since a checkpoint, or read from the last stage now."""
-        summary = self._held_summary if self._held_summary is not None else self.logs.take("train")
-        self._held_summary, self._summary_due = None, False
-        return summary
-
-    def _last_step_before_a_pause(self) -> bool:
-        """Whether the pipeline must flush in this step: the epoch or the fit ends after it."""
-        trainer = self.lightning_module.trainer
-        loop = trainer.fit_loop.epoch_loop
-        return bool(loop.batch_progress.is_last_batch
-                    or loop.batch_idx + 1 >= trainer.num_training_batches
-                    or 0 <= trainer.max_steps <= trainer.global_step + 1)
-
     def _show(self, summary: dict) -> Optional[Tensor]:
         """Replay a summary's logs on this stage; the loss it carries (None for evaluation). A non-finite
         training loss stops every stage alike, naming the last stage's rank, before the optimizer step."""
@@ -334,52 +278,6 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         if loss is not None:
             self._last_loss = loss
         return loss
-
-    def drain(self) -> None:
-        """async: finish the backwards still in flight; their gradient waits for the next optimizer step."""
-        if self.executor is None or not self.executor.has_in_flight:
-            return
-        params = list(self.lightning_module.parameters())
-        earlier = [p.grad for p in params]
-        self.async_grads.drain(params)
-        actions = cooldown(self.mesh.shape.pp, self.num_microbatches, self.mesh.pp_rank, batch=-1)
-        self.executor.run(actions, [], None, [0.0] * self.num_microbatches)
-        self.async_grads.drained(params)
-        for p, g in zip(params, earlier):
-            p.grad = g
-
-    def on_validation_start(self) -> None:
-        """async: validation inside fit starts from a drained pipeline (nothing left in flight)."""
-        self.drain()
-        super().on_validation_start()
-
-    def on_train_end(self) -> None:
-        """async: the last batch's gradient is applied here, so N batches make N updates."""
-        if self.schedule == "async" and self.partition is not None:
-            self.drain()
-            if self._summary_due:  # the last step's logs can no longer be shown; keep the channel clean
-                self._take_due_summary()
-            self._apply_pending_update()
-        super().on_train_end()
-
-    def _apply_pending_update(self) -> None:
-        self.async_grads.place_from_checkpoint(*self._pending_layout())
-        pending, self.async_grads.pending = self.async_grads.pending, None
-        if pending is None:
-            return
-        module = self.lightning_module
-        for p, g in zip(module.parameters(), pending):
-            p.grad = g
-        self.post_backward(torch.zeros(()))
-        for optimizer in self.optimizers:
-            # through the precision plugin: unscaling (16-mixed), clipping and the optimizer hooks
-            self.precision_plugin.optimizer_step(optimizer, module, lambda: torch.zeros(()))
-            optimizer.zero_grad()
-
-    def _pending_layout(self) -> tuple:
-        owned = set(self.partition.owned)
-        named = list(self.lightning_module.named_parameters())
-        return named, {n for n, _ in named if n not in owned}, self.mesh.pp_rank == 0
 
     def validation_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
         return self._forward_only(batch, lambda mb: Strategy.validation_step(self, mb, batch_idx, *args))
@@ -470,12 +368,6 @@ class PipelineParallelStrategy(ParallelStrategyBase):
     def full_parameter_names(self) -> list[str]:
         return list(self._full_param_names) if self.partition is not None else super().full_parameter_names()
 
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The first thing Lightning asks for when writing a checkpoint: the async pipeline drains here, so
-        what is saved (full or sharded) holds no half-finished batch."""
-        self.drain()
-        return super().lightning_module_state_dict()
-
     def full_model_state(self) -> dict[str, Any]:
         """The full model, gathered from the stages, under the original names and order."""
         local = {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()}
@@ -487,31 +379,6 @@ class PipelineParallelStrategy(ParallelStrategyBase):
         for part in parts:
             merged.update(part)
         return {k: merged[k] for k in self._full_keys if k in merged}
-
-    def resume_state_dict(self) -> dict[str, Any]:
-        """Adds the async gradient not yet applied (single-device names), so a resumed run applies it."""
-        state = super().resume_state_dict()
-        if self.schedule != "async" or self.partition is None:
-            return state
-        self.async_grads.place_from_checkpoint(*self._pending_layout())
-        pending = self.async_grads.pending
-        names = [n for n, _ in self.lightning_module.named_parameters()]
-        local = {n: g.detach().cpu() for n, g in zip(names, pending or []) if g is not None}
-        parts: list[Any] = [None] * self.world_size
-        dist.all_gather_object(parts, local)
-        if any(parts):
-            state["async_pending_gradient"] = merge_stage_gradients(parts, self.mesh.shape.pp)
-        if self._summary_due and self._held_summary is None:  # so the resumed step shows the right loss
-            self._held_summary = self.logs.take("train")
-        state["async_due_summary"] = self._held_summary
-        return state
-
-    def load_resume_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_resume_state_dict(state)
-        if self.schedule == "async":
-            self.async_grads.pending_by_name = state.get("async_pending_gradient")
-            self._held_summary = state.get("async_due_summary")
-            self._summary_due = self._held_summary is not None
 
     def load_full_model_state(self, state_dict: dict[str, Any], strict: bool = True) -> None:
         """A full checkpoint (any layout, or a plain single-device one): each stage takes its tensors."""
