@@ -110,3 +110,35 @@ def test_an_unfinished_directory_is_not_loaded(tmp_path):
     assert not is_sharded_checkpoint(broken)
     with pytest.raises(FileNotFoundError, match="not a complete sharded checkpoint"):
         SingleDeviceReferenceStrategy().load_checkpoint(broken)
+
+
+def written_bytes(directory) -> int:
+    """What the shards hold of the model and optimizer (every stored slice once)."""
+    return sum(info.length for info in FileSystemReader(str(directory)).read_metadata().storage_data.values())
+
+
+@pytest.mark.timeout(900)
+def test_two_dimensional_layouts_write_each_replicated_tensor_once(tmp_path):
+    """dp=2 x tp=2 and dp=2 x pp=2 on 4 processes: 4 shard files, as many bytes as the same model saved by
+    tp=2 or pp=2 alone (the two replicas do not both write), and one device continues from the directory
+    exactly like single-device training."""
+    two_d = {
+        "dp2-tp2": {"class": "lightning_parallel:TensorParallelStrategy",
+                    "kwargs": {"plan": "auto", "data_parallel_size": 2, "save_distributed": True}},
+        "dp2-pp2": {"class": "lightning_parallel:PipelineParallelStrategy",
+                    "kwargs": {"schedule": "1f1b", "data_parallel_size": 2, "save_distributed": True}},
+    }
+    cases = [{**case(f"save-{name}", "tp", 3), "strategy": strategy, "dp_size": 2, "probe": None}
+             for name, strategy in two_d.items()]
+    run_distributed(cases, world_size=4, tmp_path=tmp_path / "save", timeout=400)
+    run_distributed([case("save-tp", "tp", 3), case("save-pp", "pp", 3)], world_size=2, tmp_path=tmp_path / "1d",
+                    timeout=200)
+    one_layout = {name: written_bytes(tmp_path / "1d" / "dist2" / f"save-{name[-3:-1]}" / "last.ckpt") for name in two_d}
+    reference = run_single(case("ref", "single", 5), tmp_path)["state_dict"]
+    for name in two_d:
+        directory = tmp_path / "save" / "dist4" / f"save-{name}" / "last.ckpt"
+        assert is_sharded_checkpoint(directory)
+        assert sorted(p.name for p in directory.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
+        assert written_bytes(directory) == pytest.approx(one_layout[name], rel=0.02), name
+        single = run_single({**case(f"from-{name}", "single", 5, ckpt_path=str(directory)), "probe": None}, tmp_path)
+        assert_params_close(single["state_dict"], reference, atol=1e-10)
