@@ -174,7 +174,7 @@ class StageExecutor:
                     output, used = self.in_flight.pop(i)
                 else:
                     output, used = produced.pop(i), inputs.pop(i)
-                self._backward(output, used, weights[i], i)
+                self._backward(output, used, weights[i], i, previous=action.batch == -1)
         if backward:  # forward-only runs (validation) leave training's in-flight graphs alone
             if self.in_flight:
                 raise RuntimeError(f"stage {self.stage}: micro-batches {sorted(self.in_flight)} of the previous "
@@ -186,15 +186,15 @@ class StageExecutor:
             self.link.forget_finished_sends()
         return result
 
-    def _backward(self, output: Any, used_input: Any, weight: float, index: int) -> None:
+    def _backward(self, output: Any, used_input: Any, weight: float, index: int, previous: bool = False) -> None:
         if self.is_last:
-            with self.timeline.record("B", index):
+            with self.timeline.record("B", index, previous):
                 (output * weight).backward()
         else:
-            with self.timeline.record("wait", index):
+            with self.timeline.record("wait", index, previous):
                 grad = self.link.recv(self.next_rank)
             pairs = [(o, g) for o, g in zip(_as_tuple(output), _as_tuple(grad)) if o.requires_grad and g.numel()]
-            with self.timeline.record("B", index):
+            with self.timeline.record("B", index, previous):
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if not self.is_first:
             if used_input is None:

@@ -24,6 +24,12 @@ class Event:
     microbatch: int
     start: float
     end: float
+    previous: bool = False  # async: a backward of the previous batch, carried into this step
+
+    @property
+    def label(self) -> str:
+        """``F2``, ``B0``, or ``B3'`` for the previous batch's micro-batch 3."""
+        return f"{self.kind}{self.microbatch}" + ("'" if self.previous else "")
 
 
 @dataclass
@@ -34,12 +40,12 @@ class Timeline:
     events: list[Event] = field(default_factory=list)
 
     @contextmanager
-    def record(self, kind: str, microbatch: int) -> Iterator[None]:
+    def record(self, kind: str, microbatch: int, previous: bool = False) -> Iterator[None]:
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.events.append(Event(self.rank, kind, microbatch, start, time.perf_counter()))
+            self.events.append(Event(self.rank, kind, microbatch, start, time.perf_counter(), previous))
 
     def clear(self) -> None:
         self.events.clear()
@@ -57,13 +63,13 @@ def bubble(events: list[Event]) -> float:
 
 def _normalised(events: list[Event]) -> list[Event]:
     t0 = min(e.start for e in events)
-    return [Event(e.rank, e.kind, e.microbatch, e.start - t0, e.end - t0) for e in events]
+    return [Event(e.rank, e.kind, e.microbatch, e.start - t0, e.end - t0, e.previous) for e in events]
 
 
 def write_chrome_trace(events: list[Event], path: Path) -> Path:
     """Events of all ranks (clocks of one machine, or roughly aligned) as a Chrome trace."""
     trace = [
-        {"name": f"{e.kind}{e.microbatch}" if e.kind != "wait" else "wait", "cat": e.kind, "ph": "X",
+        {"name": e.label if e.kind != "wait" else "wait", "cat": e.kind, "ph": "X",
          "ts": e.start * 1e6, "dur": (e.end - e.start) * 1e6, "pid": 0, "tid": e.rank}
         for e in _normalised(events)
     ]
@@ -89,11 +95,11 @@ def write_svg(events: list[Event], path: Path, title: str = "") -> Path:
             x, w = left + e.start * scale, max(1.0, (e.end - e.start) * scale)
             h = row - 8 if e.kind != "wait" else 6
             dy = 0 if e.kind != "wait" else row - 14
-            label = f"{e.kind}{e.microbatch}" if e.kind != "wait" else f"wait (micro-batch {e.microbatch})"
+            label = e.label if e.kind != "wait" else f"wait (micro-batch {e.microbatch})"
             parts.append(f'<rect x="{x:.1f}" y="{y + dy}" width="{w:.1f}" height="{h}" fill="{colors[e.kind]}" '
                          f'stroke="white" stroke-width="0.5"><title>{label}: {(e.end - e.start) * 1e3:.2f} ms</title></rect>')
             if e.kind != "wait" and w > 14:
-                parts.append(f'<text x="{x + 3:.1f}" y="{y + 17}" fill="white">{e.kind}{e.microbatch}</text>')
+                parts.append(f'<text x="{x + 3:.1f}" y="{y + 17}" fill="white">{e.label}</text>')
     parts.append("</svg>")
     path.write_text("\n".join(parts))
     return path

@@ -338,7 +338,8 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
             folder.mkdir(parents=True, exist_ok=True)
             everyone = [e for rank_events in gathered for e in from_dicts(rank_events)]
             title = (f"{self.schedule}, {self.mesh.shape.pp} stages, {self.num_microbatches} micro-batches, step {step}; "
-                     f"theory bubble {bubble_fraction(self.mesh.shape.pp, self.num_microbatches):.0%}")
+                     f"theory bubble {bubble_fraction(self.mesh.shape.pp, self.num_microbatches):.0%}"
+                     + (" with a flush, 0% without (B3' = the previous batch's)" if self.schedule == "async" else ""))
             write_chrome_trace(everyone, folder / f"pipeline_timeline_step{step}.json")
             write_svg(everyone, folder / f"pipeline_timeline_step{step}.svg", title)
 
