@@ -70,6 +70,7 @@ class PeerLink:
         self.via_host = device.type != "cpu" and dist.get_backend(group) == "gloo"
         self._wire = torch.device("cpu") if self.via_host else device
         self._pending: list[tuple[dist.Work, Tensor]] = []
+        self._posted: dict[tuple[int, int], tuple[dist.Work, Tensor]] = {}  # early header receives
 
     def send(self, activation: Union[Tensor, tuple[Tensor, ...]], dst: int, tag: int = 0) -> None:
         """Send a tensor or a tuple of tensors: one header, then each tensor."""
@@ -80,9 +81,21 @@ class PeerLink:
             t = t.to(self._wire)
             self._pending.append((dist.isend(t, dst, group=self.group, tag=tag), t))
 
+    def post_header_recv(self, src: int, tag: int = 0) -> None:
+        """Post the receive of the next transfer's header from ``src`` now, so the sender's data can flow
+        as soon as it is sent (gloo writes only into a posted receive). Only where a transfer from ``src``
+        is sure to come: the receive cannot be taken back."""
+        if (src, tag) not in self._posted:
+            header = torch.empty(_HEADER, dtype=torch.int64, device=self._wire)
+            self._posted[(src, tag)] = (dist.irecv(header, src, group=self.group, tag=tag), header)
+
     def recv(self, src: int, tag: int = 0) -> Union[Tensor, tuple[Tensor, ...]]:
-        header = torch.empty(_HEADER, dtype=torch.int64, device=self._wire)
-        dist.recv(header, src, group=self.group, tag=tag)
+        if (src, tag) in self._posted:
+            work, header = self._posted.pop((src, tag))
+            work.wait()
+        else:
+            header = torch.empty(_HEADER, dtype=torch.int64, device=self._wire)
+            dist.recv(header, src, group=self.group, tag=tag)
         specs, is_tuple = decode_header(header.cpu())
         tensors = []
         for shape, dtype in specs:

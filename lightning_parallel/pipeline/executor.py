@@ -14,6 +14,7 @@ per step: PipeDream-2BW's second weight buffer) instead of the parameters themse
 from __future__ import annotations
 
 from contextlib import contextmanager
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -115,6 +116,7 @@ class StageExecutor:
         self.prev_rank, self.next_rank = prev_rank, next_rank
         self.link, self.io, self.timeline = link, io, timeline
         self.in_flight: dict[int, tuple[Any, Any]] = {}  # previous batch: micro-batch -> (output, input)
+        self._expected: Counter = Counter()  # transfers still to come in this run, per peer
 
     @property
     def has_in_flight(self) -> bool:
@@ -128,11 +130,32 @@ class StageExecutor:
     def is_last(self) -> bool:
         return self.stage == self.num_stages - 1
 
+    def _receive(self, peer: int) -> Any:
+        """The next transfer from ``peer``; then post the header receive of the one after it, if this run
+        has one (it is known from the actions), so that transfer does not wait for a round trip."""
+        value = self.link.recv(peer)
+        self._expected[peer] -= 1
+        if self._expected[peer] > 0:
+            self.link.post_header_recv(peer)
+        return value
+
+    def _expect(self, actions: Sequence[Action], backward: bool) -> None:
+        """Count this run's transfers per peer (activations from the previous stage, gradients from the
+        next) and post the first header receive from each."""
+        self._expected = Counter()
+        for action in actions:
+            if action.kind == "F" and not self.is_first:
+                self._expected[self.prev_rank] += 1
+            elif action.kind == "B" and backward and not self.is_last:
+                self._expected[self.next_rank] += 1
+        for peer in self._expected:
+            self.link.post_header_recv(peer)
+
     def forward(self, step_fn: Callable[[Any], Any], microbatch: Any, index: int) -> tuple[Any, Any]:
         """Run one forward; returns (what this stage produced, the input leaf it used)."""
         if not self.is_first:
             with self.timeline.record("wait", index):
-                self.io.pending = self.link.recv(self.prev_rank)
+                self.io.pending = self._receive(self.prev_rank)
         with self.timeline.record("F", index):
             try:
                 produced = step_fn(microbatch)
@@ -154,6 +177,7 @@ class StageExecutor:
         ``flushed``: every stage ends this call with nothing in flight, so it is safe to wait for the
         sends; otherwise a peer may receive them only in its next call, after collectives of its own."""
         result = StepResult()
+        self._expect(actions, backward)
         produced: dict[int, Any] = {}
         inputs: dict[int, Any] = {}
         for action in actions:
@@ -192,7 +216,7 @@ class StageExecutor:
                 (output * weight).backward()
         else:
             with self.timeline.record("wait", index, previous):
-                grad = self.link.recv(self.next_rank)
+                grad = self._receive(self.next_rank)
             pairs = [(o, g) for o, g in zip(_as_tuple(output), _as_tuple(grad)) if o.requires_grad and g.numel()]
             with self.timeline.record("B", index, previous):
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
