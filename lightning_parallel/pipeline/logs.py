@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torchmetrics import Metric
 
@@ -77,13 +78,7 @@ def summarize(kind: str, losses: Sequence[Tensor], weights: Sequence[float], log
 
 
 def _cpu(v: Any) -> Any:
-    if isinstance(v, Tensor):
-        return v.detach().cpu()
-    if isinstance(v, (list, tuple)):
-        return [_cpu(x) for x in v]
-    if isinstance(v, dict):
-        return {k: _cpu(x) for k, x in v.items()}
-    return v
+    return apply_to_collection(v, Tensor, lambda t: t.detach().cpu())
 
 
 def _weighted(values: Sequence[Any], weights: Sequence[float]) -> Any:
@@ -110,13 +105,7 @@ def load_metric_state(metric: Metric, state: dict[str, Any], device: torch.devic
 
 
 def _to(v: Any, device: torch.device) -> Any:
-    if isinstance(v, Tensor):
-        return v.to(device)
-    if isinstance(v, list):
-        return [_to(x, device) for x in v]
-    if isinstance(v, dict):
-        return {k: _to(x, device) for k, x in v.items()}
-    return v
+    return apply_to_collection(v, Tensor, lambda t: t.to(device))
 
 
 class LogMirror:

@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 import torch
 import torch.distributed as dist
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torchmetrics import Metric
 
@@ -128,22 +129,12 @@ def _tensors(value: Any) -> list[Tensor]:
     return []
 
 
-def _map(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
-    if isinstance(value, Tensor):
-        return fn(value)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_map(v, fn) for v in value)
-    if isinstance(value, dict):
-        return {k: _map(v, fn) for k, v in value.items()}
-    return value
-
-
 def _detached(value: Any) -> Any:
-    return _map(value, lambda t: t.detach())
+    return apply_to_collection(value, Tensor, lambda t: t.detach())
 
 
 def _requiring_grad(value: Any) -> Any:
-    return _map(value, lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t)
+    return apply_to_collection(value, Tensor, lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t)
 
 
 def _synchronize(value: Any) -> None:

@@ -44,7 +44,7 @@ class AsyncPipelineMixin:
     def _async_step(self, params: list, batch: Any, step_fn: Any, batch_idx: int) -> Optional[Tensor]:
         """One piece of the no-flush stream; the gradient it hands the optimizer is the previous batch's."""
         pp, m, stage = self.mesh.shape.pp, self.num_microbatches, self.mesh.pp_rank
-        self.async_grads.place_from_checkpoint(*self._pending_layout())
+        self._place_checkpoint_gradient()
         carried = warmup_depth(pp, m, stage) if self.executor.has_in_flight else 0
         flush = self._last_step_before_a_pause()
         actions = async_step(pp, m, stage, carried) + (cooldown(pp, m, stage) if flush else [])
@@ -110,7 +110,7 @@ class AsyncPipelineMixin:
         super().on_train_end()
 
     def _apply_pending_update(self) -> None:
-        self.async_grads.place_from_checkpoint(*self._pending_layout())
+        self._place_checkpoint_gradient()
         pending, self.async_grads.pending = self.async_grads.pending, None
         if pending is None:
             return
@@ -123,10 +123,14 @@ class AsyncPipelineMixin:
             self.precision_plugin.optimizer_step(optimizer, module, lambda: torch.zeros(()))
             optimizer.zero_grad()
 
-    def _pending_layout(self) -> tuple:
+    def _place_checkpoint_gradient(self) -> None:
+        """A resumed run's unapplied gradient (single-device names) becomes this stage's, once; every
+        other step this is one check (the layout is built only when there is something to place)."""
+        if self.async_grads.pending_by_name is None:
+            return
         owned = set(self.partition.owned)
         named = list(self.lightning_module.named_parameters())
-        return named, {n for n, _ in named if n not in owned}, self.mesh.pp_rank == 0
+        self.async_grads.place_from_checkpoint(named, {n for n, _ in named if n not in owned}, self.mesh.pp_rank == 0)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The first thing Lightning asks for when writing a checkpoint: the async pipeline drains here, so
@@ -139,7 +143,7 @@ class AsyncPipelineMixin:
         state = super().resume_state_dict()
         if self.schedule != "async" or self.partition is None:
             return state
-        self.async_grads.place_from_checkpoint(*self._pending_layout())
+        self._place_checkpoint_gradient()
         pending = self.async_grads.pending
         names = [n for n, _ in self.lightning_module.named_parameters()]
         local = {n: g.detach().cpu() for n, g in zip(names, pending or []) if g is not None}
