@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -34,6 +33,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from lightning_parallel.distributed.rendezvous import HostedStore  # noqa: E402
 from lightning_parallel.models.gpt import GPT  # noqa: E402
 from lightning_parallel.tensor import apply_plan, resolve_plan  # noqa: E402
 
@@ -121,9 +121,8 @@ def count_collectives(model: GPT, x: torch.Tensor, y: torch.Tensor) -> dict[str,
     return dict(counts)
 
 
-def worker(rank: int, args: argparse.Namespace, port: int) -> None:
+def worker(rank: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     g = torch.Generator().manual_seed(1)
     x = torch.randint(0, 128, (args.batch, args.seq), generator=g)
@@ -164,7 +163,7 @@ def worker(rank: int, args: argparse.Namespace, port: int) -> None:
     dist.destroy_process_group()
 
 
-def trainer_worker(rank: int, args: argparse.Namespace, port: int) -> None:
+def trainer_worker(rank: int, args: argparse.Namespace) -> None:
     """The same comparison one level up, as a user would run it: ``Trainer.fit`` of ``CharGPT`` with
     ``TensorParallelStrategy`` vs Lightning's ``ModelParallelStrategy`` with ``parallelize_module`` in
     ``configure_model``. Step time = ``on_train_batch_start`` to ``on_train_batch_end``."""
@@ -177,8 +176,6 @@ def trainer_worker(rank: int, args: argparse.Namespace, port: int) -> None:
 
     torch.set_num_threads(1)
     os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
         WORLD_SIZE="2",
         RANK=str(rank),
         LOCAL_RANK=str(rank),
@@ -275,10 +272,9 @@ def main() -> None:
         help="compare inside Trainer.fit: lp_tensor_parallel vs Lightning's ModelParallelStrategy",
     )
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(trainer_worker if args.trainer else worker, args=(args, port), nprocs=2, join=True)
+    with HostedStore(world_size=2) as store:  # the workers inherit where it is (MASTER_ADDR/PORT)
+        os.environ.update(store.env())
+        mp.spawn(trainer_worker if args.trainer else worker, args=(args,), nprocs=2, join=True)
 
 
 if __name__ == "__main__":

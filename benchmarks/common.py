@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -18,15 +17,9 @@ if str(REPO) not in sys.path:  # the benchmarks import the package from this che
 __all__ = ["REPO", "torchrun", "step_timer", "append_record", "read_records", "median_of"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(script: str, nprocs: int, args: list[str], timeout: float = 600) -> None:
     """Run ``script --worker ARGS`` on ``nprocs`` processes (one thread each) and wait for it."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nprocs}", f"--master_port={free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nprocs}", "--standalone",
            script, "--worker", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout, text=True)

@@ -2,7 +2,9 @@
 
 Used by ``verify`` and by the test harness to start the ranks of a short run (not a training launcher:
 training uses Lightning's launchers, torchrun or srun). If one process fails, the others get ``grace``
-seconds to notice and exit on their own, then every survivor's process group is killed.
+seconds to notice and exit on their own, then every survivor's process group is killed. With
+``rendezvous=True`` the processes are the ranks of one ``torch.distributed`` run, and this process
+hosts their rendezvous store (``distributed/rendezvous.py``: no free-port race).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from lightning_parallel.distributed.rendezvous import HostedStore
+
 __all__ = ["ProcessResults", "start_processes", "run_processes"]
 
 
@@ -26,8 +30,13 @@ class ProcessResults:
 
 
 def start_processes(commands: Sequence[Sequence[str]], envs: Sequence[dict], timeout: float, cwd: Path,
-                    grace: float = 10.0, log_names: Optional[Sequence[str]] = None) -> ProcessResults:
+                    grace: float = 10.0, log_names: Optional[Sequence[str]] = None,
+                    rendezvous: bool = False) -> ProcessResults:
     """Run one process per command until all exit; each one's output goes to ``cwd/<log name>``."""
+    if rendezvous:
+        with HostedStore(world_size=len(commands)) as store:
+            envs = [{**env, **store.env()} for env in envs]
+            return start_processes(commands, envs, timeout, cwd, grace, log_names)
     names = list(log_names) if log_names else [f"rank{r}.log" for r in range(len(commands))]
     logs = [Path(cwd) / name for name in names]
     handles = [open(log, "w") for log in logs]
@@ -56,9 +65,10 @@ def start_processes(commands: Sequence[Sequence[str]], envs: Sequence[dict], tim
 
 
 def run_processes(commands: Sequence[Sequence[str]], envs: Sequence[dict], timeout: float, cwd: Path,
-                  grace: float = 10.0, log_names: Optional[Sequence[str]] = None, what: str = "rank") -> list[str]:
+                  grace: float = 10.0, log_names: Optional[Sequence[str]] = None, what: str = "rank",
+                  rendezvous: bool = False) -> list[str]:
     """``start_processes``, raising with every process's output tail unless all exited with 0."""
-    result = start_processes(commands, envs, timeout, cwd, grace, log_names)
+    result = start_processes(commands, envs, timeout, cwd, grace, log_names, rendezvous)
     if any(c != 0 for c in result.codes):
         tails = "\n".join(f"--- {what} {r} (exit {c}) ---\n{o[-3000:]}"
                           for r, (c, o) in enumerate(zip(result.codes, result.outputs)))

@@ -20,7 +20,6 @@ import argparse
 import importlib
 import json
 import os
-import socket
 import sys
 import tempfile
 import traceback
@@ -39,12 +38,6 @@ def _load(path: str) -> Any:
     if not attr:
         raise ValueError(f"{path!r} is not 'package.module:Name'; give the module and the class, e.g. 'mypkg.models:Net'.")
     return getattr(importlib.import_module(module), attr)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(spec_path: str) -> None:
@@ -95,14 +88,13 @@ def _worker(spec_path: str) -> None:
 def _launch(spec: dict, nprocs: int, workdir: Path, timeout: float) -> dict:
     path = workdir / f"spec{nprocs}.json"
     path.write_text(json.dumps(spec))
-    port = _free_port()
-    envs = [dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(nprocs),
+    envs = [dict(os.environ, WORLD_SIZE=str(nprocs),
                  RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1",
                  PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
             for rank in range(nprocs)]
     command = [sys.executable, "-m", "lightning_parallel.verify", "--worker", str(path)]
     run_processes([command] * nprocs, envs, timeout, workdir, grace=2.0,
-                  log_names=[f"run{nprocs}_rank{r}.log" for r in range(nprocs)])
+                  log_names=[f"run{nprocs}_rank{r}.log" for r in range(nprocs)], rendezvous=True)
     return torch.load(workdir / f"result{nprocs}.pt", weights_only=False)
 
 

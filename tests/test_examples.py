@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli.lp import REPO, assert_no_survivors, env, explain
+from tests.cli.lp import REPO, assert_no_survivors, env, explain, run_bounded
 
 EXAMPLES = REPO / "examples"
 LP_TRAIN = f"{sys.executable} -m lightning_parallel.cli.train"
@@ -19,7 +19,7 @@ LP_TRAIN = f"{sys.executable} -m lightning_parallel.cli.train"
 def _run(command: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
     e = env(str(cwd))
     e.update(LP_TRAIN=LP_TRAIN, PYTHON=sys.executable, TORCHRUN=f"{sys.executable} -m torch.distributed.run", OUT=str(cwd / "out"))
-    proc = subprocess.run(command, cwd=cwd, env=e, capture_output=True, text=True, timeout=timeout)
+    proc = run_bounded(command, cwd, e, timeout)
     assert proc.returncode == 0, explain(proc)
     return proc
 
@@ -43,7 +43,7 @@ def test_hydra_app_on_a_user_module(tmp_path) -> None:
 
 @pytest.mark.timeout(280)
 def test_sweep_example(tmp_path) -> None:
-    proc = _run(["bash", str(EXAMPLES / "sweep" / "run.sh")], tmp_path, timeout=275)
+    proc = _run(["bash", str(EXAMPLES / "sweep" / "run.sh")], tmp_path, timeout=240)
     for name, n_jobs in (("from_config", 4), ("command_line", 2)):
         root = tmp_path / "out" / name
         summaries = [json.loads((root / str(i) / "summary.json").read_text()) for i in range(n_jobs)]

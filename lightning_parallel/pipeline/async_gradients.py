@@ -15,9 +15,8 @@ gradients live here, and ``.grad`` only holds them while the executor runs backw
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
-import torch
 from torch import Tensor, nn
 
 __all__ = ["AsyncGradients", "merge_stage_gradients"]

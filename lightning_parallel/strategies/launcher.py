@@ -18,7 +18,11 @@ process, i.e. the whole sweep. This launcher differs in four ways:
 - children mark (in a temporary folder) that they are about to join the process group, and the
   launching process waits for that, interruptibly: a child that dies before the rendezvous (import
   error, failing ``__init__``) fails the job at once instead of blocking rank 0 in the rendezvous
-  until the process-group timeout (30 minutes).
+  until the process-group timeout (30 minutes);
+- on one node with children to start, unless ``MASTER_PORT`` is set, the launching process binds the rendezvous store
+  *before* it starts the children (``distributed/rendezvous.py``), instead of picking a free port and
+  leaving it unbound while the children import: in CI another process took such a port and rank 0
+  failed with ``EADDRINUSE``.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 
 import lightning.pytorch as pl
+from lightning_parallel.distributed.rendezvous import AGENT_STORE_ENV, HostedStore
 
 __all__ = ["HydraSafeSubprocessLauncher", "finish_job", "failure_exit_fn", "install", "child_command", "RankFailedError", "ENTRY_ENV",
            "READY_ENV", "LAUNCH_ENV_VARS"]
@@ -53,9 +58,13 @@ log = logging.getLogger(__name__)
 # flags): under the joblib launcher a job runs in a worker whose ``sys.argv`` is not the app's.
 ENTRY_ENV = "LP_HYDRA_ENTRY"
 # What a launch writes into os.environ; ``finish_job`` restores each to its value before the launch.
-LAUNCH_ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "OMP_NUM_THREADS")
+LAUNCH_ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "OMP_NUM_THREADS",
+                   AGENT_STORE_ENV)
 # A folder where each child marks (``<local rank>``) that it is about to join the process group.
 READY_ENV = "LP_LAUNCH_READY_DIR"
+# How long the launching process waits for its children to reach the rendezvous (importing torch
+# and the user's code); a child that hangs before it then fails the job instead of stalling a sweep.
+READY_TIMEOUT_S = 600.0
 _CONFIG_FLAGS = ("--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd")
 
 
@@ -76,6 +85,7 @@ class _JobState:
         self.failed: list[str] = []
         self.observer: Optional[_Observer] = None
         self.ready_dir: Optional[str] = None
+        self.store: Optional[HostedStore] = None
 
 
 _ACTIVE: Optional[_JobState] = None
@@ -171,6 +181,8 @@ def finish_job(wait_timeout: float = 60.0, job_failed: bool = False) -> None:
         _destroy_process_group()
     _kill(state.procs, grace=5.0 if job_failed else wait_timeout)
     _destroy_process_group()
+    if state.store is not None:
+        state.store.close()
     for key, value in state.env_before.items():
         if value is None:
             os.environ.pop(key, None)
@@ -185,6 +197,20 @@ def finish_job(wait_timeout: float = 60.0, job_failed: bool = False) -> None:
             failed.append(_failure_message(rank, proc, log_path))
     if failed:
         raise RankFailedError("\n".join(failed))
+
+
+def _end_failed_launch() -> None:
+    """The launching process's run raised, outside Hydra (a script, a notebook, a test): end the launch now.
+
+    Otherwise ``LOCAL_RANK`` and ``MASTER_PORT`` stay in ``os.environ`` and the next ``Trainer.fit`` in
+    this process believes its processes were created externally: it starts no children and waits for
+    them forever. (Under Hydra the job's end does this: ``lp-train``, or the next job's launch.) A
+    child's failure is logged; the exception the user sees stays this process's own.
+    """
+    try:
+        finish_job(job_failed=True)
+    except RankFailedError as err:
+        log.error("%s", err)
 
 
 def failure_exit_fn() -> Callable[[int], None]:
@@ -249,7 +275,6 @@ class HydraSafeSubprocessLauncher(_SubprocessScriptLauncher):
     """Lightning's subprocess launcher with a per-job life cycle; see the module docstring."""
 
     def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
-        global _ACTIVE
         job = _hydra_job()
         job_key = str(job.runtime.output_dir) if job is not None else None
         if _ACTIVE is not None and _ACTIVE.job_key != job_key:
@@ -264,7 +289,12 @@ class HydraSafeSubprocessLauncher(_SubprocessScriptLauncher):
             # a child of ours, about to join the process group: tell the launching process
             Path(os.environ[READY_ENV], os.environ.get("LOCAL_RANK", "0")).touch()
         _set_num_threads_if_needed(num_processes=self.num_processes)
-        return function(*args, **kwargs)
+        try:
+            return function(*args, **kwargs)
+        except BaseException:
+            if job is None and _ACTIVE is not None:
+                _end_failed_launch()
+            raise
 
     def _wait_until_children_ready(self) -> None:
         """Wait (interruptibly) until every child is about to join the process group.
@@ -277,9 +307,15 @@ class HydraSafeSubprocessLauncher(_SubprocessScriptLauncher):
         if state is None or state.ready_dir is None:
             return
         local_ranks = range(1, len(state.procs) + 1)
+        deadline = time.monotonic() + READY_TIMEOUT_S
         while True:
-            if all(Path(state.ready_dir, str(r)).exists() for r in local_ranks):
+            missing = [rank for local_rank, rank in zip(local_ranks, state.ranks)
+                       if not Path(state.ready_dir, str(local_rank)).exists()]
+            if not missing:
                 return
+            if time.monotonic() > deadline:
+                raise RankFailedError(f"rank(s) {missing} did not reach the process group within {READY_TIMEOUT_S:.0f} s "
+                                      f"of their start; their output: {[str(state.logs[state.ranks.index(r)]) for r in missing]}")
             for local_rank, rank, proc, log_path in zip(local_ranks, state.ranks, state.procs, state.logs):
                 if proc.poll() is not None and not Path(state.ready_dir, str(local_rank)).exists():
                     raise RankFailedError(_failure_message(rank, proc, log_path) +
@@ -298,6 +334,11 @@ class HydraSafeSubprocessLauncher(_SubprocessScriptLauncher):
         with _LOCK:
             _ACTIVE = state
         env = self.cluster_environment
+        if self.num_nodes == 1 and self.num_processes > 1 and "MASTER_PORT" not in os.environ:
+            state.store = HostedStore(self.num_processes, host=env.main_address)
+            os.environ.update(state.store.env())
+            if getattr(env, "_main_port", -1) not in (-1, state.store.port):  # read before the launch: re-point it
+                env._main_port = state.store.port
         os.environ["MASTER_ADDR"] = env.main_address
         os.environ["MASTER_PORT"] = str(env.main_port)
         os.environ["NODE_RANK"] = str(env.node_rank())

@@ -17,10 +17,8 @@ import types
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
-import lightning.pytorch as pl
 import torch
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Sequence
+
+import pytest
+
+from lightning_parallel.distributed.rendezvous import AGENT_STORE_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 LP_TRAIN = [sys.executable, "-m", "lightning_parallel.cli.train"]
@@ -24,16 +29,66 @@ def env(marker: str = "") -> dict[str, str]:
     out = dict(os.environ)
     out[MARKER] = marker
     out["PYTHONPATH"] = os.pathsep.join([str(REPO), out.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    out.pop("LOCAL_RANK", None)
-    out.pop("WORLD_SIZE", None)
+    for key in ("LOCAL_RANK", "WORLD_SIZE", "RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", AGENT_STORE_ENV):
+        out.pop(key, None)  # a fresh shell: nothing left by an earlier in-process run
     return out
 
 
 def run(args: Sequence[str], cwd: Path, timeout: float = 240, command: Sequence[str] = LP_TRAIN
         ) -> subprocess.CompletedProcess:
-    proc = subprocess.run([*command, *args], cwd=cwd, env=env(str(cwd)), capture_output=True, text=True,
-                          timeout=timeout)
-    return proc
+    return run_bounded([*command, *args], cwd, env(str(cwd)), timeout)
+
+
+def run_bounded(command: Sequence[str], cwd: Path, environ: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """``subprocess.run`` that, on a time-out, fails the test saying where it hung and leaves nothing behind.
+
+    The command runs in its own session. On a time-out every process in it gets SIGABRT first, which
+    with ``PYTHONFAULTHANDLER=1`` prints each thread's Python stack (rank 0's to the captured stderr,
+    the other ranks' to their ``*.out`` files); then SIGKILL. The failure shows those stacks and the
+    tail of every log under ``cwd``: a hang in CI must say where it was, and must not leave processes
+    running into the next test.
+    """
+    proc = subprocess.Popen(list(command), cwd=cwd, env={**environ, "PYTHONFAULTHANDLER": "1"}, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except BaseException as exc:  # our time-out, or pytest-timeout's (it raises in this thread), or ^C
+        stdout, stderr = _stop_session(proc)
+        report = (f"{' '.join(command)} was stopped ({type(exc).__name__}) after {timeout:.0f} s or less\n"
+                  f"--- stdout ---\n{stdout[-3000:]}\n--- stderr (with the stacks when it was stopped) ---\n"
+                  f"{stderr[-8000:]}\n{log_tails(cwd)}")
+        if isinstance(exc, subprocess.TimeoutExpired):
+            pytest.fail(report, pytrace=False)
+        print(report)  # pytest shows a failed test's captured output
+        raise
+    return subprocess.CompletedProcess(list(command), proc.returncode, stdout, stderr)
+
+
+def _stop_session(proc: subprocess.Popen) -> tuple[str, str]:
+    """SIGABRT (stacks), then SIGKILL, to every process in ``proc``'s session; returns its output."""
+    _signal_session(proc.pid, signal.SIGABRT)
+    try:
+        stdout, stderr = proc.communicate(timeout=15)
+    except subprocess.TimeoutExpired:
+        _signal_session(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+    _signal_session(proc.pid, signal.SIGKILL)  # children that outlived the abort
+    return stdout or "", stderr or ""
+
+
+def _signal_session(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pid, sig)  # start_new_session: the session's process group id is the leader's pid
+    except ProcessLookupError:
+        pass
+
+
+def log_tails(cwd: Path, lines: int = 25, limit: int = 12000) -> str:
+    """The last lines of every ``*.out`` and ``*.log`` under ``cwd``, newest last."""
+    logs = sorted((p for pattern in ("*.out", "*.log") for p in cwd.rglob(pattern)), key=lambda p: p.stat().st_mtime)
+    text = "".join(f"--- {p.relative_to(cwd)} ---\n" + "\n".join(p.read_text(errors="replace").splitlines()[-lines:]) + "\n"
+                   for p in logs)
+    return text[-limit:]
 
 
 def explain(proc: subprocess.CompletedProcess) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -41,16 +42,24 @@ def test_child_command_is_this_job_only(tmp_path, monkeypatch) -> None:
 def test_finish_job_restores_environment_and_reports_failed_children(monkeypatch) -> None:
     monkeypatch.setenv("MASTER_PORT", "1234")
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    state = L._JobState(job_key="job-0", env_before={"MASTER_PORT": "1234", "LOCAL_RANK": None},
+    monkeypatch.delenv(L.AGENT_STORE_ENV, raising=False)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    state = L._JobState(job_key="job-0", env_before={"MASTER_PORT": "1234", "LOCAL_RANK": None, "MASTER_ADDR": None,
+                                                     L.AGENT_STORE_ENV: None},
                         threads_before=1)
+    state.store = L.HostedStore(world_size=2)
+    port = state.store.port
     state.procs = [subprocess.Popen([sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"],
                                     stdout=subprocess.DEVNULL)]
     state.ranks, state.logs = [1], [Path(os.devnull)]
     monkeypatch.setattr(L, "_ACTIVE", state)
-    os.environ.update(MASTER_PORT="5555", LOCAL_RANK="0")  # what a launch leaves behind
+    os.environ.update(state.store.env(), LOCAL_RANK="0")  # what a launch leaves behind
     with pytest.raises(L.RankFailedError, match=r"rank 1 \(pid \d+\) exited with code 3"):
         L.finish_job(wait_timeout=20)
-    assert os.environ["MASTER_PORT"] == "1234" and "LOCAL_RANK" not in os.environ
+    assert os.environ["MASTER_PORT"] == "1234"
+    assert not {"LOCAL_RANK", "MASTER_ADDR", L.AGENT_STORE_ENV} & set(os.environ)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # the job's rendezvous store is closed
     assert L._ACTIVE is None
     L.finish_job()  # idempotent
 
@@ -63,4 +72,7 @@ def test_users_own_hydra_app_sweeps_with_our_strategy(tmp_path) -> None:
     root = sweep_dir(tmp_path)
     worlds = [json.loads((root / str(i) / "world.json").read_text()) for i in range(3)]
     assert [w["world_size"] for w in worlds] == [2, 1, 2], worlds
+    # each 2-process job met at its own store, held by the launching process from before its child started
+    assert [w["hosted_store"] for w in worlds] == [True, False, True], worlds
+    assert worlds[0]["port"] != worlds[2]["port"], worlds
     assert_no_survivors(tmp_path)

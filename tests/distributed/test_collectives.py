@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers.harness import REPO, free_port, run_processes, worker_env
+from tests.helpers.harness import REPO, run_processes, worker_env
 
 
 def rank_program(out: Path) -> None:
@@ -88,9 +88,9 @@ def rank_program(out: Path) -> None:
 
 @pytest.mark.timeout(120)
 def test_conjugate_collectives_on_two_processes(tmp_path):
-    port = free_port()
     cmd = [sys.executable, "-m", "tests.distributed.test_collectives", str(tmp_path)]
-    run_processes([cmd, cmd], [worker_env(r, 2, port) for r in range(2)], timeout=90, cwd=tmp_path)
+    run_processes([cmd, cmd], [worker_env(r, 2) for r in range(2)], timeout=90, cwd=tmp_path,
+                  rendezvous=True)
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
 
 

@@ -37,12 +37,11 @@ def run_single(case: dict, tmp_path: Path) -> dict:
     return run_case({**case, "dp_size": 1}, world_size=1, out_dir=out)
 
 
-def worker_env(rank: int, world_size: int, port: int, local_world_size: int | None = None) -> dict:
+def worker_env(rank: int, world_size: int, local_world_size: int | None = None) -> dict:
+    """A rank's environment; ``run_processes(..., rendezvous=True)`` adds where the rendezvous store is."""
     local = local_world_size or world_size
     env = dict(os.environ)
     env.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
         WORLD_SIZE=str(world_size),
         RANK=str(rank),
         LOCAL_RANK=str(rank % local),
@@ -60,16 +59,15 @@ def distributed_command(cases: Iterable[dict], world_size: int, tmp_path: Path) 
     out.mkdir(parents=True, exist_ok=True)
     spec = out / "spec.json"
     spec.write_text(json.dumps({"cases": cases, "out": str(out)}))
-    port = free_port()
     cmd = [sys.executable, "-m", "tests.helpers.worker", str(spec)]
-    return [cmd] * world_size, [worker_env(r, world_size, port) for r in range(world_size)], out
+    return [cmd] * world_size, [worker_env(r, world_size) for r in range(world_size)], out
 
 
 def run_distributed(cases: Iterable[dict], world_size: int, tmp_path: Path, timeout: float = 240.0) -> dict[str, list[dict]]:
     """Run ``cases`` on ``world_size`` processes; returns {case name: [rank 0 result, rank 1 result, ...]}."""
     cases = list(cases)
     commands, envs, out = distributed_command(cases, world_size, tmp_path)
-    run_processes(commands, envs, timeout, out)
+    run_processes(commands, envs, timeout, out, rendezvous=True)
     return {
         c["name"]: [torch.load(out / c["name"] / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
         for c in cases

@@ -5,6 +5,7 @@ launcher, so it holds outside lp-train too. Each job writes ``world.json`` into 
 """
 
 import json
+import os
 from dataclasses import dataclass
 
 import hydra
@@ -30,6 +31,9 @@ class WorldSize(Callback):
         import torch.distributed as dist
 
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+        # set by the launch when this process hosts the job's rendezvous store
+        self.hosted_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        self.port = os.environ.get("MASTER_PORT")
 
 
 @hydra.main(version_base="1.3", config_name="app")
@@ -42,7 +46,8 @@ def app(cfg: AppConf) -> None:
     if trainer.is_global_zero:
         out = HydraConfig.get().runtime.output_dir
         with open(f"{out}/world.json", "w") as f:
-            json.dump({"devices": cfg.devices, "world_size": world.world}, f)
+            json.dump({"devices": cfg.devices, "world_size": world.world, "hosted_store": world.hosted_store,
+                       "port": world.port}, f)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ import pytest
 import torch
 
 from lightning_parallel.processes import start_processes
-from tests.helpers.harness import free_port, max_param_diff, run_processes, worker_env
+from tests.helpers.harness import max_param_diff, run_processes, worker_env
 
 STEPS = 14
 # the 2 ranks form one replica: 8 samples per batch on both, and the same losses on both
@@ -110,18 +110,17 @@ def launch(cases: list[dict], tmp_path: Path, name: str, kill: list | None = Non
     spec.write_text(json.dumps({"cases": cases, "devices": 2}))
     cwd = tmp_path / name
     cwd.mkdir()
-    port = free_port()
     cmd = [sys.executable, "-m", "tests.reliability.resume_worker", str(spec)]
-    envs = [worker_env(r, 2, port) for r in range(2)]
+    envs = [worker_env(r, 2) for r in range(2)]
     if lightning_launcher:  # one process group: killing it takes the orphaned child rank too
         env = {k: v for k, v in envs[0].items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK")}
         cmd, envs = [cmd], [env]
     else:
         cmd = [cmd] * 2
     if kill is None or kill[2] == "SIGTERM":  # SIGTERM: saves, stops and exits cleanly
-        run_processes(cmd, envs, timeout=240, cwd=cwd, grace=2.0)
+        run_processes(cmd, envs, timeout=240, cwd=cwd, grace=2.0, rendezvous=True)
         return
-    result = start_processes(cmd, envs, timeout=240, cwd=cwd, grace=2.0)
+    result = start_processes(cmd, envs, timeout=240, cwd=cwd, grace=2.0, rendezvous=True)
     rank = kill[1]
     assert result.codes[rank] == -signal.SIGKILL, f"{name}: rank {rank} was to be SIGKILLed: {result.codes}"
     marker = Path(cases[-1]["dir"]) / f"killed_rank{rank}.json"  # the killed run ends its launch

@@ -22,7 +22,7 @@ def failing_case(strategy_class, mode):
 def test_peers_exit_within_the_failure_timeout(tmp_path, strategy_class, mode):
     commands, envs, out = distributed_command([failing_case(strategy_class, mode)], 2, tmp_path)
     # generous grace: the harness must not be the one that ends the survivors
-    result = start_processes(commands, envs, timeout=150, cwd=out, grace=120)
+    result = start_processes(commands, envs, timeout=150, cwd=out, grace=120, rendezvous=True)
     assert result.codes[1] != 0
     assert result.codes[0] not in (0, -9), f"rank 0 exit {result.codes[0]}:\n{result.outputs[0][-2000:]}"
     assert result.seconds < 60, f"took {result.seconds:.0f} s"
@@ -46,7 +46,7 @@ def nan_case(strategy_class, nan_rank):
                                                      ("PipelineParallelStrategy-async", None)])
 def test_non_finite_loss_names_step_and_rank(tmp_path, strategy_class, nan_rank):
     commands, envs, out = distributed_command([nan_case(strategy_class, nan_rank)], 2, tmp_path)
-    result = start_processes(commands, envs, timeout=150, cwd=out, grace=120)
+    result = start_processes(commands, envs, timeout=150, cwd=out, grace=120, rendezvous=True)
     assert result.codes[0] not in (0, -9) and result.codes[1] not in (0, -9), result.codes
     assert result.seconds < 60, f"took {result.seconds:.0f} s"
     expected = "NonFiniteLossError: non-finite training loss (nan) at global step 2, batch 2, on rank"

@@ -45,7 +45,7 @@ def test_lightning_launchers(tmp_path, reference, strategy):
 @pytest.mark.timeout(180)
 def test_torchrun_single_node(tmp_path, reference):
     out = tmp_path / "out.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
            SCRIPT, "lp_ddp", "2", "1", str(out)]
     run_processes([cmd], [env()], timeout=150, cwd=tmp_path)
     check(out, reference, world_size=2)
@@ -71,9 +71,8 @@ def test_slurm_srun_environment(tmp_path, reference):
         e = env()
         e.update(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
                  SLURM_NODEID="0", SLURM_NNODES="1", SLURM_JOB_NAME="train", SLURM_JOB_ID=str(10000 + free_port() % 5000),
-                 SLURM_NODELIST="127.0.0.1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port() if rank == 0 else 0))
+                 SLURM_NODELIST="127.0.0.1")
         envs.append(e)
-    envs[1]["MASTER_PORT"] = envs[0]["MASTER_PORT"]
     cmd = [sys.executable, SCRIPT, "lp_ddp", "2", "1", str(out)]
-    run_processes([cmd, cmd], envs, timeout=150, cwd=tmp_path)
+    run_processes([cmd, cmd], envs, timeout=150, cwd=tmp_path, rendezvous=True)  # sets MASTER_ADDR/PORT
     check(out, reference, world_size=2)

@@ -6,6 +6,8 @@ parameters to 1e-10. One ``run_distributed`` call per world size holds all cases
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -352,6 +354,8 @@ def test_layout_that_does_not_fit_the_devices_fails_before_any_process_group(kwa
     with pytest.raises(ValueError, match=message):
         _fit_one_process(TensorParallelStrategy(**kwargs))
     assert not torch.distributed.is_initialized()
+    # the launch was ended: a next fit in this process starts its own processes again
+    assert not {"LOCAL_RANK", "MASTER_PORT", "WORLD_SIZE"} & set(os.environ)
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,55 @@
+"""A rendezvous store that the launching process holds before any rank starts.
+
+Why not the usual recipe (find a free port, close it, give its number to the ranks, and let rank 0
+bind it when it reaches ``init_process_group``)? Between the close and the bind the port is free for
+as long as the ranks take to import torch, seconds on a busy machine. Two things then go wrong, and
+both were seen in CI:
+
+- another process binds the port, and rank 0 fails with ``EADDRINUSE``;
+- a rank that is already trying to connect to the port, which is not listening yet, can be given
+  that same port as its own source port. Linux then connects the socket to itself (a TCP
+  "self-connect"). The rank takes its own echo for the store's answers and waits forever, and the
+  port is busy when rank 0 tries to bind it.
+
+A store that is bound (to a port the OS picks) before the first rank starts closes the gap. torch's
+``env://`` rendezvous connects every rank, rank 0 too, as a client of such a store when
+``TORCHELASTIC_USE_AGENT_STORE=True``. That is how torchrun's agent hosts its store.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+__all__ = ["HostedStore", "AGENT_STORE_ENV"]
+
+#: torch's switch (``torch/distributed/rendezvous.py``): every rank is a client of a store someone else hosts
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+
+
+class HostedStore:
+    """A ``TCPStore`` server held by this process for one run's ranks; ``env()`` tells them where it is.
+
+    Keep the object alive until the run's process group is destroyed; ``close()`` stops the server.
+    """
+
+    def __init__(self, world_size: int, host: str = "127.0.0.1", timeout: timedelta = timedelta(minutes=30)) -> None:
+        self.host = host
+        self._store: Optional[dist.TCPStore] = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout,
+                                                             wait_for_workers=False)
+        self.port: int = self._store.port
+
+    def env(self) -> dict[str, str]:
+        """The environment variables that send each rank's ``env://`` rendezvous to this store."""
+        return {"MASTER_ADDR": self.host, "MASTER_PORT": str(self.port), AGENT_STORE_ENV: "True"}
+
+    def close(self) -> None:
+        self._store = None  # the server stops when its last reference goes
+
+    def __enter__(self) -> "HostedStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
