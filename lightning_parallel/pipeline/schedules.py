@@ -28,9 +28,10 @@ end of an epoch or of fit). 1F1B itself is one ``async_step`` from an empty pipe
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Sequence
 
-__all__ = ["Action", "gpipe", "one_f_one_b", "async_step", "cooldown", "warmup_depth", "schedule", "max_in_flight", "render", "SCHEDULES", "bubble_fraction"]
+__all__ = ["Action", "gpipe", "one_f_one_b", "async_step", "cooldown", "warmup_depth", "schedule", "max_in_flight", "render", "SCHEDULES", "bubble_fraction",
+           "expected_bubbles"]
 
 SCHEDULES = ("gpipe", "1f1b", "async")
 
@@ -107,6 +108,39 @@ def max_in_flight(actions: list[Action]) -> int:
 def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
     """The idle share of a synchronous step in theory, with F and B of equal cost per stage."""
     return (num_stages - 1) / (num_microbatches + num_stages - 1)
+
+
+def expected_bubbles(name: str, num_stages: int, num_microbatches: int, forward: Sequence[float],
+                     backward: Sequence[float]) -> list[float]:
+    """The idle share of each stage when stage ``s`` takes ``forward[s]`` and ``backward[s]`` per
+    micro-batch and communication is free: the theory for stages of unequal cost.
+
+    ``bubble_fraction`` assumes equal stages; a real model's last stage also runs the head and the
+    loss. Each action starts when its stage is free and its input exists (F after the previous stage's
+    F, B after the next stage's B). Idle is measured like the timeline's: from the step's start to the
+    stage's last action. With equal costs, stage 0 gets ``bubble_fraction``.
+    """
+    plans = [schedule(name, num_stages, num_microbatches, s) for s in range(num_stages)]
+    finished: dict[tuple[str, int, int], float] = {}
+    clock, position = [0.0] * num_stages, [0] * num_stages
+    while any(position[s] < len(plans[s]) for s in range(num_stages)):
+        progressed = False
+        for s in range(num_stages):
+            if position[s] == len(plans[s]):
+                continue
+            action = plans[s][position[s]]
+            source = s - 1 if action.kind == "F" else s + 1
+            needs = (action.kind, source, action.microbatch) if 0 <= source < num_stages else None
+            if needs is not None and needs not in finished:
+                continue
+            cost = forward[s] if action.kind == "F" else backward[s]
+            clock[s] = max(clock[s], finished.get(needs, 0.0)) + cost
+            finished[(action.kind, s, action.microbatch)] = clock[s]
+            position[s] += 1
+            progressed = True
+        if not progressed:  # pragma: no cover - would mean a schedule whose dependencies form a cycle
+            raise RuntimeError(f"schedule {name!r} cannot proceed")
+    return [1 - num_microbatches * (forward[s] + backward[s]) / clock[s] for s in range(num_stages)]
 
 
 def render(name: str, num_stages: int, num_microbatches: int) -> str:

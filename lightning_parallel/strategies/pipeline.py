@@ -117,6 +117,7 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         self._full_keys: list[str] = []
         self._full_param_names: list[str] = []
         self.bubbles: list[float] = []
+        self.last_timeline: list[Any] = []  # this rank's timeline events of the last training step
         self.logs: Optional[LogMirror] = None
         self._init_async_state()
         self._last_loss: Optional[Tensor] = None
@@ -327,6 +328,7 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
     def _record_timeline(self) -> None:
         events = list(self.executor.timeline.events)
         self.executor.timeline.clear()
+        self.last_timeline = events
         self.bubbles.append(bubble(events))
         step = self.lightning_module.trainer.global_step
         if self.timeline_step is None or step != self.timeline_step:

@@ -4,7 +4,8 @@ stages' lists are interleaved by a simulated clock, and 1F1B keeps within its ac
 import pytest
 
 from lightning_parallel.pipeline.schedules import (
-    Action, async_step, bubble_fraction, cooldown, gpipe, max_in_flight, one_f_one_b, render, schedule, warmup_depth,
+    Action, async_step, bubble_fraction, cooldown, expected_bubbles, gpipe, max_in_flight, one_f_one_b, render, schedule,
+    warmup_depth,
 )
 
 
@@ -78,6 +79,22 @@ def test_stages_run_against_each_other_without_deadlock_in_the_ideal_time(name, 
     assert len(clock) == 2 * (m + stages - 1)  # fill + drain: the bubble of (p-1)/(m+p-1)
     idle = sum(cell == ".." for row in clock for cell in row) / (len(clock) * stages)
     assert abs(idle - bubble_fraction(stages, m)) < 1e-12
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages,m", [(2, 4), (2, 8), (3, 4), (4, 8)])
+def test_expected_bubbles_of_equal_stages_is_the_formula_on_stage_0(name, stages, m):
+    bubbles = expected_bubbles(name, stages, m, [1.0] * stages, [2.0] * stages)
+    assert abs(bubbles[0] - bubble_fraction(stages, m)) < 1e-12
+    assert all(b < bubbles[0] for b in bubbles[1:])  # later stages end before the first one's last B
+
+
+def test_expected_bubbles_of_a_slower_last_stage():
+    # gpipe, 2 stages, 2 micro-batches; stage 1 twice as slow. Stage 0: F0 0-1, F1 1-2, waits for stage 1
+    # (F0 1-3, F1 3-5, B0 5-7, B1 7-9), then B0 7-8 and B1 9-10: 4 busy of 10. Stage 1: 8 busy of 9.
+    assert expected_bubbles("gpipe", 2, 2, [1.0, 2.0], [1.0, 2.0]) == pytest.approx([0.6, 1 / 9])
+    for name in ("gpipe", "1f1b"):
+        assert expected_bubbles(name, 2, 4, [1.0, 1.3], [2.0, 2.6])[0] > bubble_fraction(2, 4)
 
 
 @pytest.mark.parametrize("stages,m", [(2, 4), (3, 6), (4, 8), (4, 4)])
