@@ -2,14 +2,9 @@
 
 Why not the usual recipe (find a free port, close it, give its number to the ranks, and let rank 0
 bind it when it reaches ``init_process_group``)? Between the close and the bind the port is free for
-as long as the ranks take to import torch, seconds on a busy machine. Two things then go wrong, and
-both were seen in CI:
-
-- another process binds the port, and rank 0 fails with ``EADDRINUSE``;
-- a rank that is already trying to connect to the port, which is not listening yet, can be given
-  that same port as its own source port. Linux then connects the socket to itself (a TCP
-  "self-connect"). The rank takes its own echo for the store's answers and waits forever, and the
-  port is busy when rank 0 tries to bind it.
+as long as the ranks take to import torch, seconds on a busy machine. Any other process can bind it
+meanwhile, and rank 0 then fails with ``EADDRINUSE`` (seen in CI); worse, if that process is another
+run's store, this run's other ranks join it and wait on ranks that are not theirs.
 
 A store that is bound (to a port the OS picks) before the first rank starts closes the gap. torch's
 ``env://`` rendezvous connects every rank, rank 0 too, as a client of such a store when

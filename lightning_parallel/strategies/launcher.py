@@ -4,7 +4,7 @@ Lightning's ``_SubprocessScriptLauncher`` re-runs ``sys.argv`` in each extra loc
 sweep (see LIGHTNING_NOTES.md, "Launchers") that child re-runs the whole sweep; the launching
 process keeps ``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_PORT`` in ``os.environ`` so the next job starts
 no children; its process group is never destroyed; and a failing child SIGKILLs the launching
-process, i.e. the whole sweep. This launcher differs in four ways:
+process, i.e. the whole sweep. This launcher differs in these ways:
 
 - under Hydra the child command is this job's own overrides (``HydraConfig.get().overrides.task``)
   plus ``hydra.run.dir=<this job's folder> hydra.mode=RUN``: one job, not the sweep;
@@ -19,10 +19,11 @@ process, i.e. the whole sweep. This launcher differs in four ways:
   launching process waits for that, interruptibly: a child that dies before the rendezvous (import
   error, failing ``__init__``) fails the job at once instead of blocking rank 0 in the rendezvous
   until the process-group timeout (30 minutes);
-- on one node with children to start, unless ``MASTER_PORT`` is set, the launching process binds the rendezvous store
-  *before* it starts the children (``distributed/rendezvous.py``), instead of picking a free port and
-  leaving it unbound while the children import: in CI another process took such a port and rank 0
-  failed with ``EADDRINUSE``.
+- on one node with children to start, unless ``MASTER_PORT`` is set, the launching process binds the
+  rendezvous store *before* it starts the children (``distributed/rendezvous.py``), instead of picking
+  a free port and leaving it unbound while the children import: in CI another process took such a
+  port and rank 0 failed with ``EADDRINUSE``;
+- outside Hydra, a launch whose run raises in the launching process ends at once (``_end_failed_launch``).
 """
 
 from __future__ import annotations
