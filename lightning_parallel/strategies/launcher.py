@@ -307,20 +307,20 @@ class HydraSafeSubprocessLauncher(_SubprocessScriptLauncher):
         state = _ACTIVE
         if state is None or state.ready_dir is None:
             return
-        local_ranks = range(1, len(state.procs) + 1)
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:
-            missing = [rank for local_rank, rank in zip(local_ranks, state.ranks)
+            waiting = [(rank, proc, log_path) for local_rank, rank, proc, log_path
+                       in zip(range(1, len(state.procs) + 1), state.ranks, state.procs, state.logs)
                        if not Path(state.ready_dir, str(local_rank)).exists()]
-            if not missing:
+            if not waiting:
                 return
-            if time.monotonic() > deadline:
-                raise RankFailedError(f"rank(s) {missing} did not reach the process group within {READY_TIMEOUT_S:.0f} s "
-                                      f"of their start; their output: {[str(state.logs[state.ranks.index(r)]) for r in missing]}")
-            for local_rank, rank, proc, log_path in zip(local_ranks, state.ranks, state.procs, state.logs):
-                if proc.poll() is not None and not Path(state.ready_dir, str(local_rank)).exists():
+            for rank, proc, log_path in waiting:
+                if proc.poll() is not None:
                     raise RankFailedError(_failure_message(rank, proc, log_path) +
                                           "\n(it exited before joining the process group)")
+            if time.monotonic() > deadline:
+                raise RankFailedError(f"rank(s) {[w[0] for w in waiting]} did not reach the process group within "
+                                      f"{READY_TIMEOUT_S:.0f} s of their start; their output: {[str(w[2]) for w in waiting]}")
             time.sleep(0.1)
 
     def _start_job_children(self) -> None:
@@ -338,7 +338,7 @@ class HydraSafeSubprocessLauncher(_SubprocessScriptLauncher):
         if self.num_nodes == 1 and self.num_processes > 1 and "MASTER_PORT" not in os.environ:
             state.store = HostedStore(self.num_processes, host=env.main_address)
             os.environ.update(state.store.env())
-            if getattr(env, "_main_port", -1) not in (-1, state.store.port):  # read before the launch: re-point it
+            if hasattr(env, "_main_port"):  # LightningEnvironment keeps the first port it read
                 env._main_port = state.store.port
         os.environ["MASTER_ADDR"] = env.main_address
         os.environ["MASTER_PORT"] = str(env.main_port)
