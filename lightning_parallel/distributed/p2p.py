@@ -2,13 +2,24 @@
 
 An activation is one tensor or a tuple of them. A receiver cannot allocate a buffer without knowing
 shape and dtype, and both can change from batch to batch (variable sequence length; bf16 under
-autocast). So every transfer starts with one fixed-size int64 header describing all its tensors,
-``[count, is_tuple, (ndim, dtype code, *shape) per tensor]``, followed by the tensors themselves: a
-single tensor costs two messages, and on a loaded CPU every message counts. Sends are non-blocking,
-receives block: with every stage sending before it waits, no schedule can deadlock on a send. A send's
-handle and buffer are kept until it completes, which can be a step later: without a flush (``async``)
-the receiver of the last gradients of a batch posts its receive in the next step. Tensors go through
-host memory when the backend is gloo (gloo cannot send CUDA tensors).
+autocast). So every transfer carries a fixed-size int64 header describing all its tensors,
+``[count, is_tuple, follow, (ndim, dtype code, *shape) per tensor]``, packed with the tensors' bytes
+into one message: on a loaded CPU every message and every round trip counts.
+
+gloo writes data only into a posted receive of exactly the sent size; a receive posted after the send
+costs a round trip (the receiver says it is ready, then the data flows). To post receives early, both
+ends predict a message's size: the size of the previous message between the same two ranks on the
+same tag, which both know. Shapes rarely change, so the prediction is nearly always right. When it is
+wrong, the sender fills the predicted size with the header alone, marked ``follow`` = the real
+message's size, and sends the real message after it::
+
+    predicted size right:  [header | tensor bytes]                  one message
+    predicted size wrong:  [header, follow=N | unused] [header | tensor bytes (N bytes)]
+
+Sends are non-blocking, receives block: with every stage sending before it waits, no schedule can
+deadlock on a send. A send's handle and buffer are kept until it completes, which can be a step later:
+without a flush (``async``) the receiver of the last gradients of a batch posts its receive in the next
+step. Tensors go through host memory when the backend is gloo (gloo cannot send CUDA tensors).
 
 Small Python objects (what the last stage logged) go on their own ``tag``, so they never mix with the
 activation and gradient traffic between the same two ranks; a stage can read them a step later.
@@ -23,42 +34,77 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["PeerLink", "MAX_DIMS", "MAX_TENSORS", "OBJECT_TAG"]
+__all__ = ["PeerLink", "MAX_DIMS", "MAX_TENSORS", "OBJECT_TAG", "encode_header", "decode_header", "pack", "unpack"]
 
 MAX_DIMS = 8
 MAX_TENSORS = 8  # elements of a tuple crossing a stage boundary
 OBJECT_TAG = 7  # the channel for pickled objects; activations and gradients use tag 0
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8]
 _SLOT = MAX_DIMS + 2  # header words per tensor
-_HEADER = 2 + MAX_TENSORS * _SLOT
+_HEADER = 3 + MAX_TENSORS * _SLOT
+HEADER_BYTES = _HEADER * 8
+_ALIGN = 8  # every tensor starts at a multiple of this many bytes, so it can be viewed in its own dtype
 
 
-def encode_header(tensors: list[Tensor], is_tuple: bool) -> Tensor:
+def encode_header(tensors: list[Tensor], is_tuple: bool, follow: int = 0) -> Tensor:
     """The int64 header that lets the receiver allocate every buffer of the transfer."""
     if len(tensors) > MAX_TENSORS:
         raise ValueError(f"can send at most {MAX_TENSORS} tensors across a stage boundary, got a tuple of {len(tensors)}")
     header = torch.zeros(_HEADER, dtype=torch.int64)
-    header[0], header[1] = len(tensors), int(is_tuple)
+    header[0], header[1], header[2] = len(tensors), int(is_tuple), follow
     for i, t in enumerate(tensors):
         if t.dim() > MAX_DIMS:
             raise ValueError(f"can send tensors of at most {MAX_DIMS} dimensions, got shape {tuple(t.shape)}")
         if t.dtype not in _DTYPES:
             raise ValueError(f"cannot send dtype {t.dtype} across a stage boundary; supported: {_DTYPES}")
-        slot = 2 + i * _SLOT
+        slot = 3 + i * _SLOT
         header[slot], header[slot + 1] = t.dim(), _DTYPES.index(t.dtype)
         header[slot + 2 : slot + 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
     return header
 
 
-def decode_header(header: Tensor) -> tuple[list[tuple[tuple[int, ...], torch.dtype]], bool]:
-    """(shape, dtype) of each tensor of the transfer, and whether it is a tuple."""
+def decode_header(header: Tensor) -> tuple[list[tuple[tuple[int, ...], torch.dtype]], bool, int]:
+    """(shape, dtype) of each tensor of the transfer, whether it is a tuple, and ``follow`` (the size of
+    the message that really holds the tensors, when this one could not)."""
     values = header.tolist()
     specs = []
     for i in range(values[0]):
-        slot = 2 + i * _SLOT
+        slot = 3 + i * _SLOT
         ndim = values[slot]
         specs.append((tuple(values[slot + 2 : slot + 2 + ndim]), _DTYPES[values[slot + 1]]))
-    return specs, bool(values[1])
+    return specs, bool(values[1]), values[2]
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def _message_size(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
+    return HEADER_BYTES + sum(_padded(torch.Size(shape).numel() * dtype.itemsize) for shape, dtype in specs)
+
+
+def pack(tensors: list[Tensor], is_tuple: bool, device: torch.device) -> Tensor:
+    """One uint8 message on ``device``: the header, then each tensor's bytes (aligned)."""
+    header = encode_header(tensors, is_tuple)
+    message = torch.empty(_message_size([(tuple(t.shape), t.dtype) for t in tensors]), dtype=torch.uint8, device=device)
+    message[:HEADER_BYTES].view(torch.int64).copy_(header)
+    offset = HEADER_BYTES
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        message[offset : offset + nbytes].view(t.dtype).copy_(t.detach().reshape(-1))
+        offset += _padded(nbytes)
+    return message
+
+
+def unpack(message: Tensor, device: torch.device) -> Union[Tensor, tuple[Tensor, ...]]:
+    """The tensors of a ``pack``-ed message, each in memory of its own on ``device``."""
+    specs, is_tuple, _ = decode_header(message[:HEADER_BYTES].view(torch.int64).cpu())
+    tensors, offset = [], HEADER_BYTES
+    for shape, dtype in specs:
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        tensors.append(message[offset : offset + nbytes].view(dtype).view(shape).to(device, copy=True))
+        offset += _padded(nbytes)
+    return tuple(tensors) if is_tuple else tensors[0]
 
 
 class PeerLink:
@@ -70,39 +116,43 @@ class PeerLink:
         self.via_host = device.type != "cpu" and dist.get_backend(group) == "gloo"
         self._wire = torch.device("cpu") if self.via_host else device
         self._pending: list[tuple[dist.Work, Tensor]] = []
-        self._posted: dict[tuple[int, int], tuple[dist.Work, Tensor]] = {}  # early header receives
+        self._posted: dict[tuple[int, int], tuple[dist.Work, Tensor]] = {}  # receives posted early
+        self._predicted: dict[tuple[str, int, int], int] = {}  # ("send"|"recv", peer, tag) -> next message size
 
     def send(self, activation: Union[Tensor, tuple[Tensor, ...]], dst: int, tag: int = 0) -> None:
-        """Send a tensor or a tuple of tensors: one header, then each tensor."""
+        """Send a tensor or a tuple of tensors, as one message when its size is the predicted one."""
         is_tuple = isinstance(activation, (tuple, list))
-        tensors = list(activation) if is_tuple else [activation]
-        header = encode_header(tensors, is_tuple)
-        for t in [header] + [t.detach().contiguous() for t in tensors]:
-            t = t.to(self._wire)
-            self._pending.append((dist.isend(t, dst, group=self.group, tag=tag), t))
+        message = pack(list(activation) if is_tuple else [activation], is_tuple, self._wire)
+        key = ("send", dst, tag)
+        predicted = self._predicted.get(key, HEADER_BYTES)
+        if message.numel() != predicted:
+            stand_in = torch.zeros(predicted, dtype=torch.uint8, device=self._wire)
+            stand_in[:HEADER_BYTES].view(torch.int64)[2] = message.numel()
+            self._isend(stand_in, dst, tag)
+            self._predicted[key] = message.numel()
+        self._isend(message, dst, tag)
 
-    def post_header_recv(self, src: int, tag: int = 0) -> None:
-        """Post the receive of the next transfer's header from ``src`` now, so the sender's data can flow
-        as soon as it is sent (gloo writes only into a posted receive). Only where a transfer from ``src``
-        is sure to come: the receive cannot be taken back."""
+    def _isend(self, message: Tensor, dst: int, tag: int) -> None:
+        self._pending.append((dist.isend(message, dst, group=self.group, tag=tag), message))
+
+    def post_recv(self, src: int, tag: int = 0) -> None:
+        """Post the receive of the next message from ``src`` now, at its predicted size, so the sender's
+        data can flow as soon as it is sent. Only where a transfer from ``src`` is sure to come: the
+        receive cannot be taken back."""
         if (src, tag) not in self._posted:
-            header = torch.empty(_HEADER, dtype=torch.int64, device=self._wire)
-            self._posted[(src, tag)] = (dist.irecv(header, src, group=self.group, tag=tag), header)
+            message = torch.empty(self._predicted.get(("recv", src, tag), HEADER_BYTES), dtype=torch.uint8, device=self._wire)
+            self._posted[(src, tag)] = (dist.irecv(message, src, group=self.group, tag=tag), message)
 
     def recv(self, src: int, tag: int = 0) -> Union[Tensor, tuple[Tensor, ...]]:
-        if (src, tag) in self._posted:
-            work, header = self._posted.pop((src, tag))
-            work.wait()
-        else:
-            header = torch.empty(_HEADER, dtype=torch.int64, device=self._wire)
-            dist.recv(header, src, group=self.group, tag=tag)
-        specs, is_tuple = decode_header(header.cpu())
-        tensors = []
-        for shape, dtype in specs:
-            buffer = torch.empty(shape, dtype=dtype, device=self._wire)
-            dist.recv(buffer, src, group=self.group, tag=tag)
-            tensors.append(buffer.to(self.device))
-        return tuple(tensors) if is_tuple else tensors[0]
+        self.post_recv(src, tag)
+        work, message = self._posted.pop((src, tag))
+        work.wait()
+        follow = int(message[:HEADER_BYTES].view(torch.int64)[2])
+        if follow:
+            self._predicted[("recv", src, tag)] = follow
+            message = torch.empty(follow, dtype=torch.uint8, device=self._wire)
+            dist.recv(message, src, group=self.group, tag=tag)
+        return unpack(message, self.device)
 
     def send_object(self, obj: Any, dst: int) -> None:
         """Send a picklable object on the object channel (non-blocking, like every send)."""

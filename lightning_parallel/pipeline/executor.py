@@ -131,17 +131,17 @@ class StageExecutor:
         return self.stage == self.num_stages - 1
 
     def _receive(self, peer: int) -> Any:
-        """The next transfer from ``peer``; then post the header receive of the one after it, if this run
-        has one (it is known from the actions), so that transfer does not wait for a round trip."""
+        """The next transfer from ``peer``; then post the receive of the one after it, if this run has one
+        (it is known from the actions), so that transfer does not wait for a round trip."""
         value = self.link.recv(peer)
         self._expected[peer] -= 1
         if self._expected[peer] > 0:
-            self.link.post_header_recv(peer)
+            self.link.post_recv(peer)
         return value
 
     def _expect(self, actions: Sequence[Action], backward: bool) -> None:
         """Count this run's transfers per peer (activations from the previous stage, gradients from the
-        next) and post the first header receive from each."""
+        next) and post the first receive from each."""
         self._expected = Counter()
         for action in actions:
             if action.kind == "F" and not self.is_first:
@@ -149,7 +149,7 @@ class StageExecutor:
             elif action.kind == "B" and backward and not self.is_last:
                 self._expected[self.next_rank] += 1
         for peer in self._expected:
-            self.link.post_header_recv(peer)
+            self.link.post_recv(peer)
 
     def forward(self, step_fn: Callable[[Any], Any], microbatch: Any, index: int) -> tuple[Any, Any]:
         """Run one forward; returns (what this stage produced, the input leaf it used)."""
