@@ -141,7 +141,7 @@ class LogMirror:
         """``self.log`` each value on this stage; returns the loss as a tensor (None if there is none).
         Metric objects were logged on the last stage already; the other stages load their state first."""
         for name, (value, kwargs) in summary["logs"].items():
-            module.log(name, torch.tensor(value, dtype=torch.float64), **kwargs)
+            module.log(name, torch.tensor(value, dtype=torch.float64, device=device), **kwargs)  # sync_dist: NCCL wants it there
         for name, (path, state, kwargs) in summary.get("metrics", {}).items():
             metric = module.get_submodule(path)
             if self.is_last:  # logged during the step already: only its step value becomes the whole batch's

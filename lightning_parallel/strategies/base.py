@@ -32,7 +32,8 @@ from typing import Any, Generator, Literal, Optional, Union
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -151,7 +152,16 @@ class ParallelStrategyBase(ShardedCheckpointMixin, ExactResumeMixin, _LightningD
         return MeshShape(dp=self.world_size)
 
     def setup_distributed(self) -> None:
-        super().setup_distributed()
+        """Lightning's, except that a GPU is bound to the process group only for NCCL: Lightning binds it
+        for any backend, and with gloo on CUDA that makes ``new_group`` try to split the gloo group, which
+        gloo cannot do (torch 2.11: ``AttributeError: ... perform_nocolor_split``; seen on an H100)."""
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        assert self.cluster_environment is not None
+        bind = self.root_device.type != "cpu" and self._process_group_backend != "gloo"
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
+                              device_id=self.root_device if bind else None)
         self.mesh = build_mesh(self.mesh_shape())
         if self.world_size > 1 and self._watchdog is None:
             self._watchdog = FailureWatchdog(self.global_rank, self.world_size, timeout=self.failure_timeout,
