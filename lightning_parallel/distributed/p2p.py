@@ -10,11 +10,11 @@ gloo writes data only into a posted receive of exactly the sent size; a receive 
 costs a round trip (the receiver says it is ready, then the data flows). To post receives early, both
 ends predict a message's size: the size of the previous message between the same two ranks on the
 same tag, which both know. Shapes rarely change, so the prediction is nearly always right. When it is
-wrong, the sender fills the predicted size with the header alone, marked ``follow`` = the real
-message's size, and sends the real message after it::
+wrong, the sender first sends a stand-in of the predicted size whose only content is ``follow`` = the
+real message's size, then the real message::
 
     predicted size right:  [header | tensor bytes]                  one message
-    predicted size wrong:  [header, follow=N | unused] [header | tensor bytes (N bytes)]
+    predicted size wrong:  [follow=N | unused]         [header | tensor bytes (N bytes)]
 
 Sends are non-blocking, receives block: with every stage sending before it waits, no schedule can
 deadlock on a send. A send's handle and buffer are kept until it completes, which can be a step later:
