@@ -40,8 +40,9 @@ MAX_DIMS = 8
 MAX_TENSORS = 8  # elements of a tuple crossing a stage boundary
 OBJECT_TAG = 7  # the channel for pickled objects; activations and gradients use tag 0
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8]
-_SLOT = MAX_DIMS + 2  # header words per tensor
-_HEADER = 3 + MAX_TENSORS * _SLOT
+_COUNT, _IS_TUPLE, _FOLLOW, _FIRST_SLOT = 0, 1, 2, 3  # the header's words
+_SLOT = MAX_DIMS + 2  # header words per tensor: ndim, dtype code, shape
+_HEADER = _FIRST_SLOT + MAX_TENSORS * _SLOT
 HEADER_BYTES = _HEADER * 8
 _ALIGN = 8  # every tensor starts at a multiple of this many bytes, so it can be viewed in its own dtype
 
@@ -51,13 +52,13 @@ def encode_header(tensors: list[Tensor], is_tuple: bool, follow: int = 0) -> Ten
     if len(tensors) > MAX_TENSORS:
         raise ValueError(f"can send at most {MAX_TENSORS} tensors across a stage boundary, got a tuple of {len(tensors)}")
     header = torch.zeros(_HEADER, dtype=torch.int64)
-    header[0], header[1], header[2] = len(tensors), int(is_tuple), follow
+    header[_COUNT], header[_IS_TUPLE], header[_FOLLOW] = len(tensors), int(is_tuple), follow
     for i, t in enumerate(tensors):
         if t.dim() > MAX_DIMS:
             raise ValueError(f"can send tensors of at most {MAX_DIMS} dimensions, got shape {tuple(t.shape)}")
         if t.dtype not in _DTYPES:
             raise ValueError(f"cannot send dtype {t.dtype} across a stage boundary; supported: {_DTYPES}")
-        slot = 3 + i * _SLOT
+        slot = _FIRST_SLOT + i * _SLOT
         header[slot], header[slot + 1] = t.dim(), _DTYPES.index(t.dtype)
         header[slot + 2 : slot + 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
     return header
@@ -68,42 +69,44 @@ def decode_header(header: Tensor) -> tuple[list[tuple[tuple[int, ...], torch.dty
     the message that really holds the tensors, when this one could not)."""
     values = header.tolist()
     specs = []
-    for i in range(values[0]):
-        slot = 3 + i * _SLOT
+    for i in range(values[_COUNT]):
+        slot = _FIRST_SLOT + i * _SLOT
         ndim = values[slot]
         specs.append((tuple(values[slot + 2 : slot + 2 + ndim]), _DTYPES[values[slot + 1]]))
-    return specs, bool(values[1]), values[2]
+    return specs, bool(values[_IS_TUPLE]), values[_FOLLOW]
 
 
-def _padded(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
+def _layout(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[int, list[slice]]:
+    """The message size, and where each tensor's bytes lie in it (after the header, each aligned)."""
+    places, offset = [], HEADER_BYTES
+    for shape, dtype in specs:
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        places.append(slice(offset, offset + nbytes))
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    return offset, places
 
 
-def _message_size(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
-    return HEADER_BYTES + sum(_padded(torch.Size(shape).numel() * dtype.itemsize) for shape, dtype in specs)
+def _message(header: Tensor, size: int, device: torch.device) -> Tensor:
+    """A uint8 message of ``size`` bytes that starts with ``header``."""
+    message = torch.zeros(size, dtype=torch.uint8, device=device)
+    message[:HEADER_BYTES].view(torch.int64).copy_(header)
+    return message
 
 
 def pack(tensors: list[Tensor], is_tuple: bool, device: torch.device) -> Tensor:
     """One uint8 message on ``device``: the header, then each tensor's bytes (aligned)."""
-    header = encode_header(tensors, is_tuple)
-    message = torch.empty(_message_size([(tuple(t.shape), t.dtype) for t in tensors]), dtype=torch.uint8, device=device)
-    message[:HEADER_BYTES].view(torch.int64).copy_(header)
-    offset = HEADER_BYTES
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        message[offset : offset + nbytes].view(t.dtype).copy_(t.detach().reshape(-1))
-        offset += _padded(nbytes)
+    size, places = _layout([(tuple(t.shape), t.dtype) for t in tensors])
+    message = _message(encode_header(tensors, is_tuple), size, device)
+    for t, place in zip(tensors, places):
+        message[place].view(t.dtype).copy_(t.detach().reshape(-1))
     return message
 
 
 def unpack(message: Tensor, device: torch.device) -> Union[Tensor, tuple[Tensor, ...]]:
     """The tensors of a ``pack``-ed message, each in memory of its own on ``device``."""
     specs, is_tuple, _ = decode_header(message[:HEADER_BYTES].view(torch.int64).cpu())
-    tensors, offset = [], HEADER_BYTES
-    for shape, dtype in specs:
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        tensors.append(message[offset : offset + nbytes].view(dtype).view(shape).to(device, copy=True))
-        offset += _padded(nbytes)
+    _, places = _layout(specs)
+    tensors = [message[place].view(dtype).view(shape).to(device, copy=True) for (shape, dtype), place in zip(specs, places)]
     return tuple(tensors) if is_tuple else tensors[0]
 
 
@@ -126,8 +129,7 @@ class PeerLink:
         key = ("send", dst, tag)
         predicted = self._predicted.get(key, HEADER_BYTES)
         if message.numel() != predicted:
-            stand_in = torch.zeros(predicted, dtype=torch.uint8, device=self._wire)
-            stand_in[:HEADER_BYTES].view(torch.int64)[2] = message.numel()
+            stand_in = _message(encode_header([], False, follow=message.numel()), predicted, self._wire)
             self._isend(stand_in, dst, tag)
             self._predicted[key] = message.numel()
         self._isend(message, dst, tag)
@@ -147,7 +149,7 @@ class PeerLink:
         self.post_recv(src, tag)
         work, message = self._posted.pop((src, tag))
         work.wait()
-        follow = int(message[:HEADER_BYTES].view(torch.int64)[2])
+        follow = int(message[:HEADER_BYTES].view(torch.int64)[_FOLLOW])
         if follow:
             self._predicted[("recv", src, tag)] = follow
             message = torch.empty(follow, dtype=torch.uint8, device=self._wire)
