@@ -7,13 +7,14 @@ hundreds of small tensors would otherwise pay hundreds of latencies.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["broadcast_tensors", "broadcast_module_states", "global_rank", "all_reduce_gradients"]
+__all__ = ["broadcast_tensors", "broadcast_module_states", "global_rank", "all_reduce_gradients",
+           "start_gradient_reduce"]
 
 
 def global_rank(group: Optional[dist.ProcessGroup], group_rank: int) -> int:
@@ -46,26 +47,50 @@ def broadcast_module_states(
         broadcast_tensors(tensors, src=src, group=group)
 
 
+def start_gradient_reduce(params: Sequence[nn.Parameter], grads: Sequence[Optional[Tensor]],
+                          group: Optional[dist.ProcessGroup], average: bool) -> Callable[[], list[Optional[Tensor]]]:
+    """Start summing (or averaging) ``grads`` (one per parameter, None where this rank has none) over
+    ``group``, one non-blocking collective per dtype; the returned function waits for them and gives the
+    reduced gradients (None where no rank had one). Started early, the collective overlaps other work,
+    and a rank that gets there first does not wait for the slowest at that point."""
+    by_kind: dict[tuple[torch.dtype, torch.device], list[int]] = defaultdict(list)
+    for i, p in enumerate(params):
+        by_kind[(p.dtype, p.device)].append(i)
+    started = []
+    for same in by_kind.values():
+        like = params[same[0]]
+        flat = torch.cat([(grads[i] if grads[i] is not None else torch.zeros_like(params[i])).reshape(-1) for i in same]
+                         + [torch.tensor([float(grads[i] is not None) for i in same], dtype=like.dtype, device=like.device)])
+        started.append((same, flat, dist.all_reduce(flat, group=group, async_op=True)))
+    size = dist.get_world_size(group)
+
+    def finish() -> list[Optional[Tensor]]:
+        reduced: list[Optional[Tensor]] = [None] * len(params)
+        for same, flat, work in started:
+            work.wait()
+            n = flat.numel() - len(same)
+            if average:
+                flat[:n].div_(size)
+            had = flat[n:].tolist()
+            offset = 0
+            for k, i in enumerate(same):
+                if had[k] > 0:
+                    reduced[i] = flat[offset : offset + params[i].numel()].view_as(params[i])
+                offset += params[i].numel()
+        return reduced
+
+    return finish
+
+
 def all_reduce_gradients(params: Iterable[nn.Parameter], group: Optional[dist.ProcessGroup], average: bool) -> None:
     """Sum (or average) ``.grad`` over ``group``, one collective per dtype. A parameter without a
     gradient takes part with zeros, and gets one if any rank had it."""
     params = [p for p in params if p.requires_grad]
-    by_kind: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = defaultdict(list)
-    for p in params:
-        by_kind[(p.dtype, p.device)].append(p)
-    size = dist.get_world_size(group)
-    for same in by_kind.values():
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in same]
-                         + [torch.tensor([float(p.grad is not None) for p in same], dtype=same[0].dtype, device=same[0].device)])
-        dist.all_reduce(flat, group=group)
-        if average:
-            flat[: flat.numel() - len(same)].div_(size)
-        offset, n = 0, flat.numel() - len(same)
-        for i, p in enumerate(same):
-            if flat[n + i] > 0:
-                value = flat[offset : offset + p.numel()].view_as(p)
-                if p.grad is None:
-                    p.grad = value.clone()
-                else:
-                    p.grad.copy_(value)
-            offset += p.numel()
+    reduced = start_gradient_reduce(params, [p.grad for p in params], group, average)()
+    for p, value in zip(params, reduced):
+        if value is None:
+            continue
+        if p.grad is None:
+            p.grad = value.clone()
+        else:
+            p.grad.copy_(value)

@@ -11,23 +11,32 @@ weights of step t-1. Writing W(k) for the weights after k updates, that is the d
 ``W(t+1) = W(t) - lr * grad f_t(W(t-1))``, the same version on every stage for every micro-batch.
 Lightning's closure wipes ``.grad`` (``zero_grad``) between the step's forward and backward, so the
 gradients live here, and ``.grad`` only holds them while the executor runs backwards into them.
+
+A finished gradient must still be summed over the stages for the modules replicated on every stage.
+That reduction (``reduce``) starts the moment a batch's gradient is finished on this stage, and is
+waited for only when the gradient is applied, a step later. A blocking all-reduce at the optimizer
+step would make every stage wait for the slowest there, a flush in all but name: stage 0 could not
+start the next batch's forwards while the last stage finishes this one.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from torch import Tensor, nn
 
-__all__ = ["AsyncGradients", "merge_stage_gradients"]
+__all__ = ["AsyncGradients", "Reduce", "merge_stage_gradients"]
 
 Grads = list[Optional[Tensor]]
+Reduce = Callable[[Grads], Callable[[], Grads]]  # start a reduction now; the result is waited for later
 
 
 class AsyncGradients:
-    def __init__(self) -> None:
+    def __init__(self, reduce: Optional[Reduce] = None) -> None:
+        self.reduce = reduce
         self.partial: Optional[Grads] = None
-        self.pending: Optional[Grads] = None
+        self.pending: Optional[Grads] = None  # as this stage computed it (what a checkpoint saves)
+        self._reduced: Optional[Callable[[], Grads]] = None  # pending's reduction, started when it finished
         self.pending_by_name: Optional[dict[str, Tensor]] = None  # from a checkpoint, placed at first use
         self._previous_open = False
 
@@ -49,15 +58,23 @@ class AsyncGradients:
         or else as partial."""
         if self._previous_open:  # every backward of this step belonged to the previous batch
             self._close_previous(params)
-        apply_now, self.pending = self.pending, None
+        apply_now = self.take_pending()
         grads = [p.grad for p in params]
         for p in params:
             p.grad = None
         if finished:
-            self.pending = grads
+            self._finished(grads)
         else:
             self.partial = grads
         return apply_now
+
+    def take_pending(self) -> Optional[Grads]:
+        """The finished gradient to apply now, reduced over the stages (waits for that); None if none."""
+        grads, reduced = self.pending, self._reduced
+        self.pending, self._reduced = None, None
+        if grads is None:
+            return None
+        return reduced() if reduced is not None else grads
 
     def drain(self, params: Sequence[nn.Parameter]) -> None:
         """Before a drain's backwards (the in-flight batch's cool-down): continue its gradient."""
@@ -67,7 +84,7 @@ class AsyncGradients:
         """After a drain: the in-flight batch's gradient is finished and waits for the next step."""
         if self.pending is not None:
             raise RuntimeError("async pipeline: a finished gradient is already waiting to be applied")
-        self.pending = [p.grad for p in params]
+        self._finished([p.grad for p in params])
         for p in params:
             p.grad = None
 
@@ -77,14 +94,21 @@ class AsyncGradients:
         if self.pending_by_name is None:
             return
         full, self.pending_by_name = self.pending_by_name, None
-        self.pending = [None if (n in replicated and not first_stage) or n not in full else full[n].to(p.device, p.dtype)
-                        for n, p in named]
+        self._finished([None if (n in replicated and not first_stage) or n not in full else full[n].to(p.device, p.dtype)
+                        for n, p in named])
 
     def _close_previous(self, params: Sequence[nn.Parameter]) -> None:
-        self.pending = [p.grad for p in params]
+        self._finished([p.grad for p in params])
         for p in params:
             p.grad = None
         self._previous_open = False
+
+    def _finished(self, grads: Grads) -> None:
+        """A batch's gradient is complete on this stage: it waits to be applied, and its reduction over
+        the stages starts now. Every stage finishes the same batches in the same order, so the
+        reductions pair up."""
+        self.pending = grads
+        self._reduced = self.reduce(grads) if self.reduce is not None else None
 
 
 def merge_stage_gradients(parts: Sequence[dict[str, Tensor]], num_stages: int) -> dict[str, Tensor]:

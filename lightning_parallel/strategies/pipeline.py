@@ -194,6 +194,8 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         self.logs = LogMirror(PeerLink(torch.device("cpu"), objects), ranks[-1], ranks[:-1], stage == pp - 1)
         owned = set(self.partition.owned)
         self._outside = [p for n, p in module.named_parameters() if n not in owned]
+        if self.schedule == "async" and pp > 1:
+            self.async_grads.reduce = self._replicated_gradient_reduce(module, owned)
         self._install_global_norm_clipping({id(p) for n, p in module.named_parameters() if n in owned})
 
     def _measure_block_times(self, module: Any) -> Optional[list[float]]:
@@ -359,7 +361,8 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
     def post_backward(self, closure_loss: Tensor) -> None:
         if not self._sync_grads:
             return
-        if self.mesh.shape.pp > 1:  # replicated modules: each stage holds part of their gradient
+        if self.mesh.shape.pp > 1 and self.schedule != "async":  # replicated modules: each stage holds part
+            # of their gradient (async started this reduction when the gradient was finished)
             all_reduce_gradients(self._outside, self.pp_group, average=False)
         if self.mesh.shape.dp > 1:
             all_reduce_gradients(self.lightning_module.parameters(), self.dp_group, average=True)

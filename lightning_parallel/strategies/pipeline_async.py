@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_parallel.pipeline.async_gradients import AsyncGradients, merge_stage_gradients
+from lightning_parallel.distributed.state import start_gradient_reduce
+from lightning_parallel.pipeline.async_gradients import AsyncGradients, Reduce, merge_stage_gradients
 from lightning_parallel.pipeline.executor import weights_snapshot
 from lightning_parallel.pipeline.schedules import async_step, cooldown, warmup_depth
 
@@ -111,7 +112,7 @@ class AsyncPipelineMixin:
 
     def _apply_pending_update(self) -> None:
         self._place_checkpoint_gradient()
-        pending, self.async_grads.pending = self.async_grads.pending, None
+        pending = self.async_grads.take_pending()
         if pending is None:
             return
         module = self.lightning_module
@@ -122,6 +123,33 @@ class AsyncPipelineMixin:
             # through the precision plugin: unscaling (16-mixed), clipping and the optimizer hooks
             self.precision_plugin.optimizer_step(optimizer, module, lambda: torch.zeros(()))
             optimizer.zero_grad()
+
+    def _replicated_gradient_reduce(self, module: Any, owned: set[str]) -> Reduce:
+        """The sum over the stages of the gradients of the modules replicated on every stage, started when
+        a batch's gradient is finished (``AsyncGradients``). It runs on a process group of its own: other
+        collectives of the stages (clipping, checkpoints) come between its start and its end, and must
+        not be paired with it."""
+        group = None
+        for ranks in self.mesh.shape.all_axis_groups("pp"):  # every rank creates every group, in one order
+            made = dist.new_group(ranks)
+            if self.global_rank in ranks:
+                group = made
+        named = list(module.named_parameters())
+        replicated = [i for i, (n, p) in enumerate(named) if n not in owned and p.requires_grad]
+        params = [named[i][1] for i in replicated]
+
+        def reduce(grads: list) -> Any:
+            finish = start_gradient_reduce(params, [grads[i] for i in replicated], group, average=False)
+
+            def reduced() -> list:
+                out = list(grads)
+                for i, g in zip(replicated, finish()):
+                    out[i] = g
+                return out
+
+            return reduced
+
+        return reduce
 
     def _place_checkpoint_gradient(self) -> None:
         """A resumed run's unapplied gradient (single-device names) becomes this stage's, once; every

@@ -82,8 +82,33 @@ def rank_program(out: Path) -> None:
     scaler.update()
     check(p.detach(), torch.ones(2))  # skipped on rank 0 too, though its gradient was finite
     assert scaler.get_scale() == 8.0
+    check_gradient_reductions(rank)
     (out / f"ok{rank}").write_text("ok")
     dist.destroy_process_group()
+
+
+def check_gradient_reductions(rank: int) -> None:
+    """``state.start_gradient_reduce``: a parameter only one rank has a gradient for gets it on both,
+    one no rank has stays None; two reductions in flight at once finish in either order."""
+    from lightning_parallel.distributed.state import all_reduce_gradients, start_gradient_reduce
+
+    check = torch.testing.assert_close
+    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3, dtype=torch.float64)),
+              torch.nn.Parameter(torch.zeros(1))]
+    first = [torch.full((2,), rank + 1.0), torch.ones(3, dtype=torch.float64) if rank == 0 else None, None]
+    second = [torch.full((2,), 10.0 * (rank + 1)), None, None]
+    finish_first = start_gradient_reduce(params, first, None, average=False)
+    finish_second = start_gradient_reduce(params, second, None, average=True)
+    got_second, got_first = finish_second(), finish_first()
+    check(got_first[0], torch.full((2,), 3.0))
+    check(got_first[1], torch.ones(3, dtype=torch.float64))  # rank 1 had none: it gets rank 0's
+    assert got_first[2] is None
+    check(got_second[0], torch.full((2,), 15.0))
+    check(first[0], torch.full((2,), rank + 1.0))  # the inputs are left as they were
+    params[0].grad = torch.full((2,), float(rank))
+    all_reduce_gradients(params, None, average=True)
+    check(params[0].grad, torch.full((2,), 0.5))
+    assert params[1].grad is None and params[2].grad is None
 
 
 @pytest.mark.timeout(120)
