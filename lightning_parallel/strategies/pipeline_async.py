@@ -15,6 +15,12 @@ same weight version on every stage for every micro-batch: ``W(t+1) = W(t) - lr *
   written; the checkpoint holds the gradient not yet applied and the loss not yet shown, so a resumed
   run makes the same updates;
 - gradient accumulation and a 16-mixed gradient scaler are refused (the strategy checks at set-up).
+
+Nothing makes the stages wait for each other at a step's end: the gradients of the modules replicated on
+every stage are summed over the stages by a reduction started when a batch's gradient is finished and
+waited for when it is applied, a step later (``AsyncGradients``). A blocking all-reduce at the optimizer
+step would hold stage 0 there until the last stage finished, and the last stage would then wait for
+stage 0's first forward: a flush in all but name.
 """
 
 from __future__ import annotations
