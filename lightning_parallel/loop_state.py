@@ -15,17 +15,20 @@ Both were found with ``tests/reliability/test_resume.py`` (a rank SIGKILLed, ``f
 2. **The step it resumed from is saved again.** ``ModelCheckpoint`` does not keep the step it last saved,
    so with ``every_n_train_steps=k`` and accumulation, the first resumed batch (a micro-batch of step k + 1,
    while ``global_step`` is still k) writes step k again, mid-accumulation, over ``last.ckpt``. Its gradient
-   is in no checkpoint: a second kill resumes one micro-batch short. ``mark_resumed_step_saved`` tells the
-   checkpoint callbacks that step k is saved (it is: it was just loaded).
+   is in no checkpoint: a second kill resumes one micro-batch short. ``mark_step_saved`` tells the
+   checkpoint callbacks that step k is saved (it is: it was just loaded). The preemption checkpoint uses it
+   too, naming the ``last.ckpt`` it wrote: otherwise ``ModelCheckpoint(save_last=True)`` saves "last" again
+   in ``on_train_end``, as ``last-v1.ckpt`` (the newest, so ``ckpt_path="last"`` picks it), and at an
+   epoch's last batch that copy, made after the epoch ended, does not resume exactly.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-__all__ = ["normalize_epoch_end", "mark_resumed_step_saved"]
+__all__ = ["normalize_epoch_end", "mark_step_saved"]
 
 
 def _saved_after_last_batch(batches: dict[str, Any], epochs: dict[str, Any]) -> bool:
@@ -57,8 +60,11 @@ def normalize_epoch_end(checkpoint: dict[str, Any]) -> bool:
     return True
 
 
-def mark_resumed_step_saved(trainer: Any, global_step: int) -> None:
-    """The checkpoint callbacks must not save the step the run resumed from again (see 2. above)."""
+def mark_step_saved(trainer: Any, global_step: int, last_path: Optional[str] = None) -> None:
+    """The checkpoint callbacks must not save ``global_step`` again: the run resumed from it, or a
+    preemption checkpoint holds it (``last_path``: where that was written, as each callback's "last")."""
     for callback in trainer.checkpoint_callbacks:
         if isinstance(callback, ModelCheckpoint):
             callback._last_global_step_saved = global_step  # Lightning's own "already saved" guard
+            if last_path is not None and callback.save_last:
+                callback.last_model_path = callback._last_checkpoint_saved = last_path

@@ -2,10 +2,15 @@
 
 Lightning's own SIGTERM handler runs a ``broadcast`` inside the signal handler, i.e. in the middle of
 whatever collective the rank was in, and only honours rank 0's signal. Here the handler only sets a
-flag; at the end of each training batch the ranks agree (one tiny all-reduce: any rank signalled)
-and, if so, all of them save a checkpoint where ``fit(ckpt_path="last")`` finds it (the
-``ModelCheckpoint`` folder's ``last.ckpt``; without one, ``default_root_dir/hpc_ckpt_N.ckpt`` for
-``ckpt_path="hpc"``) and stop training cleanly.
+flag. At the end of each optimizer step the ranks vote (one tiny all-reduce: did any rank get the
+signal?) and read the vote one step later; if it says so, all of them save a checkpoint where
+``fit(ckpt_path="last")`` finds it (the ``ModelCheckpoint`` folder's ``last.ckpt``; without one,
+``default_root_dir/hpc_ckpt_N.ckpt`` for ``ckpt_path="hpc"``) and stop training cleanly.
+
+Why a step late: a vote read at once would make every rank wait there for the slowest, at every step.
+Lockstep strategies hardly notice, but the asynchronous pipeline would be flushed in all but name (stage 0
+could not start the next batch until the last stage had finished this one). Reading the vote a step later
+costs one step of the grace period a scheduler gives before its SIGKILL (usually tens of seconds).
 """
 
 from __future__ import annotations
@@ -13,33 +18,34 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-__all__ = ["PreemptionCheckpoint"]
+from lightning_parallel.distributed.collectives import start_gather_numbers
+from lightning_parallel.loop_state import mark_step_saved
+
+__all__ = ["PreemptionCheckpoint", "start_vote"]
 
 
-def _any_rank(flag: bool) -> bool:
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return flag
-    backend = torch.distributed.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    t = torch.tensor([int(flag)], device=device)  # NCCL reduces only device tensors
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return bool(t.item())
+def start_vote(flag: bool) -> Callable[[], bool]:
+    """Start asking every rank whether ``flag`` is set on any of them; call the result to wait for the
+    answer. Every rank must start the same votes in the same order (they pair up like collectives)."""
+    flags = start_gather_numbers(float(flag))
+    return lambda: any(flags())
 
 
 class PreemptionCheckpoint(Callback):
-    """Added by every lightning_parallel strategy; saves and stops after the batch a SIGTERM arrived in."""
+    """Added by every lightning_parallel strategy; saves and stops at the optimizer step after the one a
+    SIGTERM arrived in (see the module docstring for why a step late)."""
 
     def __init__(self) -> None:
         self.requested = False
         self.saved_path: Optional[str] = None
         self._previous: Any = None
+        self._vote: Optional[Callable[[], bool]] = None  # started at the last optimizer step, read at this one
 
     def _handler(self, signum: int, frame: Any) -> None:
         self.requested = True
@@ -50,6 +56,9 @@ class PreemptionCheckpoint(Callback):
             self._previous = signal.signal(signal.SIGTERM, self._handler)
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._vote is not None:  # training is over: nothing left to resume, but the vote must finish
+            self._vote()
+            self._vote = None
         if self._previous is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
@@ -58,10 +67,13 @@ class PreemptionCheckpoint(Callback):
         epoch_loop = trainer.fit_loop.epoch_loop
         if getattr(epoch_loop, "_should_accumulate", lambda: False)():
             return  # mid-accumulation the gradients are not in the checkpoint: wait for the optimizer step
-        if not _any_rank(self.requested):
+        vote, self._vote = self._vote, None
+        if vote is None or not vote():
+            self._vote = start_vote(self.requested)
             return
         path = self.checkpoint_path(trainer)
         trainer.save_checkpoint(path)
+        mark_step_saved(trainer, trainer.global_step, path)  # or ModelCheckpoint saves another 'last'
         self.saved_path = path
         trainer.should_stop = True
         rank_zero_info(f"SIGTERM received: saved {path} at step {trainer.global_step}; stopping. "

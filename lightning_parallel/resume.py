@@ -27,7 +27,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 
-from lightning_parallel.loop_state import mark_resumed_step_saved, normalize_epoch_end
+from lightning_parallel.loop_state import mark_step_saved, normalize_epoch_end
 
 __all__ = ["ResumableBatchSampler", "ExactResumeMixin", "CHECKPOINT_KEY"]
 
@@ -240,7 +240,7 @@ class ExactResumeMixin:
             # the validation loader's iterator: one draw, as the original run's validation made).
             self._restore_rng()
         if "_resumed_step" in pending:
-            mark_resumed_step_saved(self.lightning_module.trainer, pending.pop("_resumed_step"))
+            mark_step_saved(self.lightning_module.trainer, pending.pop("_resumed_step"))
         super().on_train_start()  # type: ignore[misc]
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

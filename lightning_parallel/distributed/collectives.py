@@ -16,7 +16,7 @@ kind, so benchmarks can compare against the Megatron count without a profiler.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ __all__ = [
     "clip_grad_norm_sharded",
     "share_found_inf",
     "group_rank",
+    "start_gather_numbers",
     "COUNTS",
 ]
 
@@ -54,6 +55,25 @@ def all_reduce_sum(tensor: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor
         COUNTS["all_reduce"] += 1
         dist.all_reduce(tensor, group=group)
     return tensor
+
+
+def start_gather_numbers(value: float, group: Optional[dist.ProcessGroup] = None) -> Callable[[], list[float]]:
+    """Start gathering one number from every rank of ``group``; call the result for the list (in group
+    rank order), which waits for it. Started now and read a step later, it costs no rank a wait for the
+    slowest (the async pipeline depends on that). Every rank must start the same gathers in one order."""
+    if group_size(group) == 1:
+        return lambda: [value]
+    nccl = dist.get_backend(group) == "nccl"  # NCCL gathers only device tensors
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    mine = torch.tensor([value], dtype=torch.float64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(group_size(group))]
+    work = dist.all_gather(everyone, mine, group=group, async_op=True)
+
+    def numbers() -> list[float]:
+        work.wait()
+        return [float(t) for t in everyone]
+
+    return numbers
 
 
 def all_gather_dim(tensor: Tensor, group: Optional[dist.ProcessGroup], dim: int = -1) -> Tensor:

@@ -10,8 +10,9 @@ the 2 ranks form one replica).
   (step 6 = end of epoch 0), the case where Lightning's own loop gets the sampler epoch wrong.
 - lp_ddp under Lightning's own launcher, the launcher (rank 0) SIGKILLed after step 11: resumes from
   step 8 with a fresh launch.
-- lp_ddp + SIGTERM to rank 1 after step 5: both ranks save ``last.ckpt`` at step 5 and stop cleanly;
-  the resumed run continues exactly.
+- lp_ddp + SIGTERM to rank 1 after step 5: the ranks' vote at step 5 says so, they read it a step later
+  (``preemption.py``), so both save ``last.ckpt`` at step 6 and stop cleanly; the resumed run continues
+  exactly.
 - lp_tensor_parallel (tp=2, one replica: both ranks see the same batch): resumes mid-epoch.
 - lp_pipeline_1f1b (2 stages, loss on the last stage only) mid-epoch; lp_pipeline_gpipe from an
   epoch-end checkpoint; lp_pipeline_async (no flush: the unapplied gradient travels) mid-epoch.
@@ -51,11 +52,12 @@ PP = {"strategy_kwargs": {"split_points": [3, 1]}, "batch_size": 8, "one_replica
 CASES = {
     "lp_ddp": {"strategy": "lp_ddp", "every": 2, "kill": [9, 1, "SIGKILL"], "ckpt_step": 8},
     "lp_dp": {"strategy": "lp_dp", "every": 3, "kill": [7, 0, "SIGKILL"], "ckpt_step": 6},
-    # SIGTERM to one rank after step 5, no periodic checkpoint: the preemption checkpoint is the only one
-    "lp_ddp_sigterm": {"strategy": "lp_ddp", "every": 100, "kill": [5, 1, "SIGTERM"], "ckpt_step": 5},
+    # SIGTERM to one rank after step 5, no periodic checkpoint: the preemption checkpoint is the only one;
+    # step 5's vote carries it and is read at step 6 (a vote read at once would sync the ranks every step)
+    "lp_ddp_sigterm": {"strategy": "lp_ddp", "every": 100, "kill": [5, 1, "SIGTERM"], "ckpt_step": 6},
     # the same with 2 micro-batches per step: SIGTERM lands after batch 9, the first micro-batch of step 5,
-    # so the checkpoint waits for the optimizer step (the accumulated gradient is not in a checkpoint)
-    "lp_ddp_sigterm_accumulate": {"strategy": "lp_ddp", "every": 100, "kill": [9, 1, "SIGTERM", "batch"], "ckpt_step": 5,
+    # so the vote waits for the optimizer step (the accumulated gradient is not in a checkpoint)
+    "lp_ddp_sigterm_accumulate": {"strategy": "lp_ddp", "every": 100, "kill": [9, 1, "SIGTERM", "batch"], "ckpt_step": 6,
                                   "accumulate": 2},
     # Lightning's own launcher (one command; rank 1 is its child) SIGKILLed with its rank 0 after step 11
     "lp_ddp_launcher": {"strategy": "lp_ddp", "every": 4, "kill": [11, 0, "SIGKILL"], "ckpt_step": 8,
@@ -153,6 +155,9 @@ def run_resume_cases(cases: dict[str, dict], tmp: Path) -> dict[str, tuple]:
         assert steps == [cases[name]["ckpt_step"]] * 2, f"SIGTERM must stop the run: {steps}"
         signalled = tmp / f"kill_{name}" / f"killed_rank{cases[name]['kill'][1]}.json"
         assert signalled.exists(), "no SIGTERM was sent"
+        # the preemption checkpoint is the run's "last": ModelCheckpoint must not save another one after it
+        extra = sorted(p.name for p in (tmp / f"kill_{name}" / "ckpt").glob("last-v*.ckpt"))
+        assert not extra, f"{name}: checkpoints saved after the preemption one: {extra}"
     for name, c in cases.items():
         if name in sigterm:
             continue
