@@ -22,9 +22,10 @@ stage writes only its own tensors (``sharded_checkpoint``).
 
 from __future__ import annotations
 
+import statistics
 import types
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-from lightning_parallel.distributed.collectives import clip_grad_norm_sharded, share_found_inf
+from lightning_parallel.distributed.collectives import clip_grad_norm_sharded, share_found_inf, start_gather_numbers
 from lightning_parallel.distributed.mesh import MeshShape
 from lightning_parallel.distributed.p2p import PeerLink
 from lightning_parallel.distributed.state import all_reduce_gradients, broadcast_module_states
@@ -116,7 +117,8 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         self._set_aside: list[Optional[Tensor]] = []
         self._full_keys: list[str] = []
         self._full_param_names: list[str] = []
-        self.bubbles: list[float] = []
+        self.bubbles: list[float] = []  # this rank's measured bubble, per training step
+        self._bubbles_gathered: Optional[Callable[[], list[float]]] = None  # every rank's, of the last step
         self.last_timeline: list[Any] = []  # this rank's timeline events of the last training step
         self.logs: Optional[LogMirror] = None
         self._init_async_state()
@@ -266,6 +268,7 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         for p, g in zip(params, earlier):
             p.grad = g
         self._record_timeline()
+        self._log_bubbles()
         return loss.detach().requires_grad_()  # Lightning's backward of this touches no parameter
 
     def _show(self, summary: dict) -> Optional[Tensor]:
@@ -346,6 +349,20 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
                      + (" with a flush, 0% without (B3' = the previous batch's)" if self.schedule == "async" else ""))
             write_chrome_trace(everyone, folder / f"pipeline_timeline_step{step}.json")
             write_svg(everyone, folder / f"pipeline_timeline_step{step}.svg", title)
+
+    def _log_bubbles(self) -> None:
+        """Log the previous step's bubble of every stage (``pipeline_bubble_stage<s>``, averaged over the
+        replicas) and their mean (``pipeline_bubble``), the same values on every rank. The gather is
+        started at one step and read at the next, so no stage waits for another here."""
+        if self._bubbles_gathered is not None:
+            everyone = self._bubbles_gathered()
+            shape = self.mesh.shape
+            stages = [statistics.mean(v for r, v in enumerate(everyone) if shape.coordinates(r)[1] == s)
+                      for s in range(shape.pp)]
+            for s, value in enumerate(stages):
+                self.lightning_module.log(f"pipeline_bubble_stage{s}", value, on_step=True, on_epoch=False)
+            self.lightning_module.log("pipeline_bubble", statistics.mean(stages), on_step=True, on_epoch=False)
+        self._bubbles_gathered = start_gather_numbers(self.bubbles[-1])
 
     # ----------------------------------------------------------------- gradients
     def pre_backward(self, closure_loss: Tensor) -> None:

@@ -114,6 +114,9 @@ class AsyncPipelineMixin:
             if self._summary_due:  # the last step's logs can no longer be shown; keep the channel clean
                 self._take_due_summary()
             self._apply_pending_update()
+        if self._bubbles_gathered is not None:  # the last step's bubbles: no step is left to log them
+            self._bubbles_gathered()
+            self._bubbles_gathered = None
         super().on_train_end()
 
     def _apply_pending_update(self) -> None:

@@ -287,6 +287,21 @@ def test_logged_metrics_reach_every_stage(pp2):
         assert abs(ranks[0]["metrics"][key] - ref["metrics"][key]) < 1e-9, (ranks[0]["metrics"], ref["metrics"])
 
 
+def test_every_stage_logs_every_stages_bubble(pp2):
+    """``pipeline_bubble_stage<s>`` (the previous step's, gathered without a wait) and their mean, alike
+    on every rank; with 4 micro-batches on 2 stages each stage idles part of a synchronous step."""
+    _, results = pp2
+    for name in ("gpt-1f1b-m4", "gpt-async-m8"):
+        ranks = results[name]
+        bubbles = {k: v for k, v in ranks[0]["metrics"].items() if k.startswith("pipeline_bubble")}
+        assert set(bubbles) == {"pipeline_bubble", "pipeline_bubble_stage0", "pipeline_bubble_stage1"}, ranks[0]["metrics"]
+        assert all(0 <= v < 1 for v in bubbles.values()), bubbles
+        assert abs(bubbles["pipeline_bubble"] - (bubbles["pipeline_bubble_stage0"] + bubbles["pipeline_bubble_stage1"]) / 2) < 1e-6  # logged as float32
+        assert {k: ranks[1]["metrics"][k] for k in bubbles} == bubbles
+    sync = results["gpt-1f1b-m4"][0]["metrics"]
+    assert sync["pipeline_bubble_stage0"] > 0.01 and sync["pipeline_bubble_stage1"] > 0.01, sync
+
+
 @pytest.mark.timeout(600)
 def test_timeline_files_written(pp2):
     tmp, _ = pp2
