@@ -9,26 +9,33 @@ collective: under the async schedule the stages are not in step, and a summary c
 later). Every stage then replays the summary with ``self.log``.
 
 A torchmetrics ``Metric`` logged as an object is logged for real on the last stage, and its state (and
-the value of its last ``forward``) travels in the summary instead of a number: the other stages load it
-into their own copy of the metric (modules outside the block stack exist on every stage) and log that
+its value for the step's whole batch) travels in the summary instead of a number: the other stages load
+it into their own copy of the metric (modules outside the block stack exist on every stage) and log that
 copy with the same arguments. Lightning then treats the metric alike everywhere: per-step values, and
 ``compute()`` at the end of the epoch, synced over each stage's own data-parallel group.
+
+A metric's ``forward`` gives its value on one micro-batch only. The step value Lightning shows must be
+the whole batch's, and for metrics that are not averages (a maximum, F1, AUROC) no mix of micro-batch
+values gives it: ``WholeBatchMetrics`` feeds every call of the step to a second, reset copy as well, and
+that copy's ``compute()`` is the whole batch's value.
 """
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torchmetrics import Metric
 
 from lightning_parallel.distributed.p2p import PeerLink
 
-__all__ = ["capture_logs", "summarize", "metric_state", "load_metric_state", "LogMirror", "METRICS"]
+__all__ = ["capture_logs", "summarize", "metric_state", "load_metric_state", "LogMirror", "METRICS", "WholeBatchMetrics"]
 
 METRICS = "__metrics__"  # the key under which capture_logs records metric objects
 
@@ -59,15 +66,58 @@ def capture_logs(module: Any, log_objects: bool = True) -> Iterator[dict[str, li
         del module.log
 
 
+class WholeBatchMetrics:
+    """While a step's micro-batches run, each call of a ``Metric`` of the module also updates a reset copy
+    of it (made once, never synced), so that copy's ``compute()`` is the metric's value on the whole batch."""
+
+    def __init__(self) -> None:
+        self._copies: dict[int, Metric] = {}  # id(metric) -> its copy
+
+    @contextmanager
+    def track(self, module: Any) -> Iterator[None]:
+        metrics = [m for m in module.modules() if isinstance(m, Metric)]
+        for metric in metrics:
+            twin = self._copies.get(id(metric))
+            if twin is None:
+                shared = {id(v): v for v in vars(metric).values() if isinstance(v, dist.ProcessGroup)}  # not copyable
+                twin = self._copies[id(metric)] = copy.deepcopy(metric, memo=shared)
+                twin.sync_on_compute = twin.dist_sync_on_step = twin._to_sync = False  # a collective here would
+                # be on the last stage alone: a deadlock
+            twin.reset()
+            metric.forward = _also_updating(metric.forward, twin)  # nn.Module.__call__ finds it first
+        try:
+            yield
+        finally:
+            for metric in metrics:
+                del metric.forward
+
+    def value(self, metric: Metric) -> Any:
+        """The whole batch's value of ``metric`` in the last tracked step (None if it was not called)."""
+        twin = self._copies.get(id(metric))
+        return twin.compute() if twin is not None and twin._update_count else None
+
+
+def _also_updating(forward: Any, twin: Metric) -> Any:
+    def forward_and_update_twin(*args: Any, **kwargs: Any) -> Any:
+        twin.update(*args, **kwargs)
+        return forward(*args, **kwargs)
+
+    return forward_and_update_twin
+
+
 def summarize(kind: str, losses: Sequence[Tensor], weights: Sequence[float], logged: dict[str, list],
-              batch: Optional[int] = None, batch_idx: Optional[int] = None) -> dict[str, Any]:
-    """One step's loss and logs, each averaged over the micro-batches with the loss weights. ``batch``:
-    the global step it was computed in (async, where it is shown a step later), ``batch_idx``: its index
-    in the epoch."""
+              batch: Optional[int] = None, batch_idx: Optional[int] = None,
+              whole_batch: Optional[WholeBatchMetrics] = None) -> dict[str, Any]:
+    """One step's loss and logs, each averaged over the micro-batches with the loss weights; a metric
+    object's step value is its whole-batch value (``whole_batch``). ``batch``: the global step it was
+    computed in (async, where it is shown a step later), ``batch_idx``: its index in the epoch."""
     loss = sum(w * float(l) for w, l in zip(weights, losses)) if losses else None
     logs = {}
-    metrics = {name: (path, {**metric_state(metric), "forward_cache": _weighted(values, weights)}, kwargs)
-               for name, (metric, path, kwargs, values) in logged.get(METRICS, {}).items()}
+    metrics = {}
+    for name, (metric, path, kwargs, values) in logged.get(METRICS, {}).items():
+        value = whole_batch.value(metric) if whole_batch is not None else None
+        step_value = _cpu(value) if value is not None else _weighted(values, weights)
+        metrics[name] = (path, {**metric_state(metric), "forward_cache": step_value}, kwargs)
     for name, calls in logged.items():
         if name == METRICS:
             continue
@@ -82,8 +132,9 @@ def _cpu(v: Any) -> Any:
 
 
 def _weighted(values: Sequence[Any], weights: Sequence[float]) -> Any:
-    """A metric's value for the whole batch from its per-micro-batch values: their weighted mean (exact
-    for averaging metrics such as MSE or accuracy), or the last value where that is not defined."""
+    """A metric's value for the whole batch from its per-micro-batch values, when it was not tracked:
+    their weighted mean (exact for averaging metrics such as MSE or accuracy), or the last value where
+    that is not defined."""
     if len(values) == len(weights) and all(isinstance(v, Tensor) and v.is_floating_point() for v in values):
         return sum(w * v for w, v in zip(weights, values))
     return values[-1] if values else None

@@ -40,7 +40,7 @@ from lightning_parallel.distributed.p2p import PeerLink
 from lightning_parallel.distributed.state import all_reduce_gradients, broadcast_module_states
 from lightning_parallel.loss_check import check_finite_loss
 from lightning_parallel.pipeline.executor import StageExecutor, batch_size, split_microbatches
-from lightning_parallel.pipeline.logs import LogMirror, capture_logs, summarize
+from lightning_parallel.pipeline.logs import LogMirror, WholeBatchMetrics, capture_logs, summarize
 from lightning_parallel.pipeline.partition import StagePartition, find_block_stack, partition
 from lightning_parallel.pipeline.profile import average_over_ranks, capture_block_inputs, time_blocks, untouched
 from lightning_parallel.pipeline.schedules import bubble_fraction, schedule
@@ -118,6 +118,7 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         self._full_keys: list[str] = []
         self._full_param_names: list[str] = []
         self.bubbles: list[float] = []  # this rank's measured bubble, per training step
+        self.whole_batch = WholeBatchMetrics()  # the step values of metric objects logged on the last stage
         self._bubbles_gathered: Optional[Callable[[], list[float]]] = None  # every rank's, of the last step
         self.last_timeline: list[Any] = []  # this rank's timeline events of the last training step
         self.logs: Optional[LogMirror] = None
@@ -318,7 +319,7 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
         if backward and self._scaler() is not None:
             scale *= self._scaler().get_scale()
-        with capture_logs(self.lightning_module) as logged:
+        with capture_logs(self.lightning_module) as logged, self.whole_batch.track(self.lightning_module):
             result = self.executor.run(actions, microbatches, step_fn, [w * scale for w in weights], backward=backward,
                                        before_backward=before_backward, flushed=flushed)
         if outputs:
@@ -326,7 +327,7 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         if self.is_last_stage:
             kind = "train" if backward else "eval"
             number = self.lightning_module.trainer.global_step if self.schedule == "async" and backward else None
-            self.logs.publish(summarize(kind, result.losses, weights, logged, number, batch_idx))
+            self.logs.publish(summarize(kind, result.losses, weights, logged, number, batch_idx, self.whole_batch))
         self.logs.finish(flushed)
         return result
 

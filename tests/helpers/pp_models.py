@@ -116,6 +116,7 @@ class MetricNet(SequentialNet):
         import torchmetrics
 
         self.train_mse = torchmetrics.MeanSquaredError()
+        self.train_worst = torchmetrics.MaxMetric()  # not an average of micro-batch values
         self.val_mae = torchmetrics.MeanAbsoluteError()
 
     def training_step(self, batch, batch_idx):
@@ -123,6 +124,8 @@ class MetricNet(SequentialNet):
         out = self(x)
         self.train_mse(out, y)
         self.log("train_mse", self.train_mse, on_step=True, on_epoch=True)
+        self.train_worst((out - y).abs())
+        self.log("train_worst", self.train_worst, on_step=True, on_epoch=False)
         return nn.functional.mse_loss(out, y)
 
     def validation_step(self, batch, batch_idx):

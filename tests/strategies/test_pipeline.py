@@ -271,6 +271,10 @@ def test_torchmetrics_objects_logged_on_the_last_stage_reach_every_stage(pp2, pp
     assert all(a["metrics"]["train_mse_step"] == b["metrics"]["train_mse_step"] for a, b in replicas)
     mean = sum(r[0]["metrics"]["train_mse_step"] for r in replicas) / len(replicas)
     assert mean == pytest.approx(ref["train_mse_step"], rel=1e-5)
+    # a maximum: the whole batch's, which no mix of the micro-batches' own maxima gives
+    worst = [r[0]["metrics"]["train_worst"] for r in replicas]
+    assert all(a["metrics"]["train_worst"] == b["metrics"]["train_worst"] for a, b in replicas)
+    assert max(worst) == pytest.approx(ref["train_worst"], rel=1e-6), (worst, ref["train_worst"])
 
 
 @pytest.mark.timeout(600)
