@@ -2,12 +2,14 @@
 
     python benchmarks/bench_pipeline.py                       # 2 stages on 2 CPU processes, m = 4 and 8
     python benchmarks/bench_pipeline.py --rounds 5 --steps 30
+    python benchmarks/bench_pipeline.py --m 4 --rounds 10 --steps 30      # m = 4 only
     python benchmarks/bench_pipeline.py --rounds 1 --timeline-dir docs   # + the timeline pictures (step 10)
 
 The same GPT-style model (``CharGPT`` blocks, a causal mask computed in ``forward``) is cut after half
 its blocks. Ours runs inside ``Trainer.fit`` on the unmodified LightningModule; torch's runs a hand
 written loop over two stage modules and a ``loss_fn``, which is what that API needs. Reported per
-schedule: median step time, the ratio torch/ours (> 1: ours is faster), the bubble measured by our
+schedule: median step time, the ratio torch/ours (> 1: ours is faster; like async's ratio to gpipe, the
+median of the rounds' own ratios, since each round runs both back to back), the bubble measured by our
 timeline next to the theory (p-1)/(m+p-1) and next to the theory for the stage costs measured (the
 last stage also runs the head and the loss; ``schedules.expected_bubbles``), and the activations each stage holds at its peak
 (micro-batches in flight x bytes autograd saves for one micro-batch, measured with saved-tensor hooks).
@@ -23,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import append_record, median_of, read_records, step_timer, torchrun  # noqa: E402
+from common import append_record, median_of, median_ratio, read_records, step_timer, torchrun  # noqa: E402
 
 from lightning_parallel.pipeline.schedules import expected_bubbles  # noqa: E402
 
@@ -55,7 +57,7 @@ def ours(args: argparse.Namespace) -> None:
     trainer.fit(build_model(args), datamodule=CharCorpusData(batch_size=args.batch_size, block_size=64))
     bubble = statistics.median(strategy.bubbles[args.warmup :])
     forward, backward = (statistics.median(c[args.warmup :]) * 1e3 for c in (costs.forward, costs.backward))
-    append_record(args.out, {"impl": "ours", "schedule": args.schedule, "m": args.microbatches,
+    append_record(args.out, {"impl": "ours", "schedule": args.schedule, "m": args.microbatches, "round": args.round,
                              "rank": trainer.global_rank, "bubble": bubble, "forward_ms": forward, "backward_ms": backward,
                              "step_ms": statistics.median(timer.times[args.warmup :]) * 1e3})
     del torch
@@ -141,7 +143,7 @@ def torch_pipelining(args: argparse.Namespace) -> None:
             schedule.step(target=y)
         optimizer.step()
         times.append(time.perf_counter() - start)
-    append_record(args.out, {"impl": "torch", "schedule": args.schedule, "m": args.microbatches, "rank": rank,
+    append_record(args.out, {"impl": "torch", "schedule": args.schedule, "m": args.microbatches, "round": args.round, "rank": rank,
                              "step_ms": statistics.median(times[args.warmup :]) * 1e3})
     dist.destroy_process_group()
 
@@ -179,6 +181,8 @@ def main() -> None:
     parser.add_argument("--schedule", default="gpipe", help=argparse.SUPPRESS)
     parser.add_argument("--microbatches", type=int, default=4, help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--m", type=int, nargs="+", default=[4, 8], help="numbers of micro-batches to run")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
@@ -197,9 +201,10 @@ def main() -> None:
         common += ["--timeline-dir", str(Path(args.timeline_dir).resolve())]
     runs = [("ours", s) for s in ("gpipe", "1f1b", "async")] + [("torch", s) for s in ("gpipe", "1f1b")]
     for round_ in range(args.rounds):
-        for m in (4, 8):
+        for m in args.m:
             for impl, schedule in runs:
-                torchrun(__file__, 2, ["--impl", impl, "--schedule", schedule, "--microbatches", str(m), *common])
+                torchrun(__file__, 2, ["--impl", impl, "--schedule", schedule, "--microbatches", str(m),
+                                       "--round", str(round_), *common])
         print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
     records = read_records(out)
     print(f"\nCharGPT(n_layer={args.layers}, n_embd={args.width}), 2 stages on 2 CPU processes (gloo), batch "
@@ -207,22 +212,23 @@ def main() -> None:
     print("| m | schedule | ours ms | torch ms | torch/ours | bubble measured (stage 0, 1) | theory |"
           " theory for the measured stage costs (stage 0, 1) | activations held, stage 0 / 1 |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for m in (4, 8):
+    for m in args.m:
         args.microbatches = m
         per_mb = activation_bytes_per_microbatch(args)
-        gpipe_ms = median_of(records, "step_ms", impl="ours", schedule="gpipe", m=m, rank=0)
         for schedule in ("gpipe", "1f1b", "async"):
-            ours_ms = median_of(records, "step_ms", impl="ours", schedule=schedule, m=m, rank=0)
-            theirs = median_of(records, "step_ms", impl="torch", schedule=schedule, m=m, rank=0)
+            mine = {"impl": "ours", "schedule": schedule, "m": m, "rank": 0}
+            ours_ms = median_of(records, "step_ms", **mine)
+            theirs = median_of(records, "step_ms", **{**mine, "impl": "torch"})
             bubbles = [median_of(records, "bubble", impl="ours", schedule=schedule, m=m, rank=r) for r in (0, 1)]
             costs = [[median_of(records, key, impl="ours", schedule=schedule, m=m, rank=r) for r in (0, 1)]
                      for key in ("forward_ms", "backward_ms")]
             unequal = expected_bubbles(schedule, 2, m, *costs) if schedule != "async" else None
             in_flight = [m, m] if schedule == "gpipe" else [2, 1]
             held = " / ".join(f"{n * b / 2**20:.1f} MiB" for n, b in zip(in_flight, per_mb))
-            ratio = f"{theirs / ours_ms:.2f}" if theirs == theirs else "-"
+            ratio = f"{median_ratio(records, 'step_ms', {**mine, 'impl': 'torch'}, mine):.2f}" if theirs == theirs else "-"
             theory = 1 / (m + 1)
-            note = f" (vs gpipe {gpipe_ms / ours_ms:.2f}x)" if schedule == "async" else ""
+            faster = median_ratio(records, "step_ms", {**mine, "schedule": "gpipe"}, mine)
+            note = f" (vs gpipe {faster:.2f}x)" if schedule == "async" else ""
             expected = f"{unequal[0]:.0%}, {unequal[1]:.0%}" if unequal else "-"
             print(f"| {m} | {schedule}{note} | {ours_ms:.1f} | {theirs:.1f} | {ratio} | "
                   f"{bubbles[0]:.0%}, {bubbles[1]:.0%} | {theory:.0%} | {expected} | {held} |")

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # the benchmarks import the package from this checkout
     sys.path.insert(0, str(REPO))
 
-__all__ = ["REPO", "torchrun", "step_timer", "append_record", "read_records", "median_of"]
+__all__ = ["REPO", "torchrun", "step_timer", "append_record", "read_records", "median_of", "median_ratio"]
 
 
 def torchrun(script: str, nprocs: int, args: list[str], timeout: float = 600) -> None:
@@ -58,3 +58,14 @@ def read_records(path: Path) -> list[dict]:
 def median_of(records: list[dict], key: str, **match) -> float:
     values = [r[key] for r in records if all(r.get(k) == v for k, v in match.items())]
     return statistics.median(values) if values else float("nan")
+
+
+def median_ratio(records: list[dict], key: str, numerator: dict, denominator: dict) -> float:
+    """The median over rounds of ``numerator[key] / denominator[key]``, pairing records by their "round".
+    Each round runs both back to back, so a slow spell of a shared machine hits both sides of a ratio."""
+    def by_round(match: dict) -> dict:
+        return {r["round"]: r[key] for r in records if all(r.get(k) == v for k, v in match.items())}
+
+    top, bottom = by_round(numerator), by_round(denominator)
+    ratios = [top[r] / bottom[r] for r in top if r in bottom]
+    return statistics.median(ratios) if ratios else float("nan")
