@@ -2,7 +2,7 @@
 
 Lightning's own SIGTERM handler runs a ``broadcast`` inside the signal handler, i.e. in the middle of
 whatever collective the rank was in, and only honours rank 0's signal. Here the handler only sets a
-flag. At the end of each optimizer step the ranks vote (one tiny all-reduce: did any rank get the
+flag. At the end of each optimizer step the ranks vote (one tiny all-gather: did any rank get the
 signal?) and read the vote one step later; if it says so, all of them save a checkpoint where
 ``fit(ckpt_path="last")`` finds it (the ``ModelCheckpoint`` folder's ``last.ckpt``; without one,
 ``default_root_dir/hpc_ckpt_N.ckpt`` for ``ckpt_path="hpc"``) and stop training cleanly.
@@ -51,6 +51,7 @@ class PreemptionCheckpoint(Callback):
         self.requested = True
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._vote = None  # a fit that ended in an exception may have left one, on a group now gone
         # replaces Lightning's handler for this fit; Lightning restores the original ones at teardown
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._handler)

@@ -163,6 +163,7 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
     def configure_parallelism(self) -> None:
         module = self.lightning_module
         dp, pp = self._sizes()
+        self._bubbles_gathered = None  # a fit that ended in an exception may have left one, on a group now gone
         if self.schedule == "1f1b" and self.num_microbatches < pp:
             raise ValueError(f"schedule='1f1b' needs num_microbatches >= the number of stages ({pp}), got "
                              f"{self.num_microbatches}; raise num_microbatches or use schedule='gpipe'.")
