@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import statistics
 import types
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -320,7 +321,9 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
         if backward and self._scaler() is not None:
             scale *= self._scaler().get_scale()
-        with capture_logs(self.lightning_module) as logged, self.whole_batch.track(self.lightning_module):
+        # only the last stage runs the user's step, so only it calls metrics
+        tracked = self.whole_batch.track(self.lightning_module) if self.is_last_stage else nullcontext()
+        with capture_logs(self.lightning_module) as logged, tracked:
             result = self.executor.run(actions, microbatches, step_fn, [w * scale for w in weights], backward=backward,
                                        before_backward=before_backward, flushed=flushed)
         if outputs:
