@@ -8,9 +8,10 @@ How a step runs (Lightning's closure is training_step -> zero_grad -> backward):
   batch, so a step equals the full-batch step. The gradients it produced are set aside (the closure's
   ``zero_grad`` would wipe them) and the full-batch loss is returned on every stage.
 - ``backward``: Lightning's backward of the returned loss touches no parameter; ``pre_backward`` puts
-  the set-aside gradients back (added, for gradient accumulation), ``post_backward`` sums the gradients
-  of the replicated modules outside the block stack over the stages, and averages everything over the
-  data-parallel group (skipped on accumulating micro-steps).
+  the set-aside gradients back (added, for gradient accumulation), those of the replicated modules
+  outside the block stack summed over the stages (a sum started as soon as the stage's backwards were
+  done); ``post_backward`` averages everything over the data-parallel group (skipped on accumulating
+  micro-steps).
 - ``self.log`` calls made by the user's code on the last stage are captured per micro-batch, averaged
   with the same weights, and replayed on every stage, so the progress bar (rank 0 is the first stage),
   loggers, ``ModelCheckpoint`` and ``EarlyStopping`` see the same values everywhere.
@@ -38,7 +39,7 @@ from torch import Tensor
 from lightning_parallel.distributed.collectives import clip_grad_norm_sharded, share_found_inf, start_gather_numbers
 from lightning_parallel.distributed.mesh import MeshShape
 from lightning_parallel.distributed.p2p import PeerLink
-from lightning_parallel.distributed.state import all_reduce_gradients, broadcast_module_states
+from lightning_parallel.distributed.state import all_reduce_gradients, broadcast_module_states, start_gradient_reduce
 from lightning_parallel.loss_check import check_finite_loss
 from lightning_parallel.pipeline.executor import StageExecutor, batch_size, split_microbatches
 from lightning_parallel.pipeline.logs import LogMirror, WholeBatchMetrics, capture_logs, summarize
@@ -116,6 +117,7 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         self.partition: Optional[StagePartition] = None
         self.executor: Optional[StageExecutor] = None
         self._set_aside: list[Optional[Tensor]] = []
+        self._replicated_sum: Optional[Callable[[], None]] = None  # the stages' sum of replicated gradients, in flight
         self._full_keys: list[str] = []
         self._full_param_names: list[str] = []
         self.bubbles: list[float] = []  # this rank's measured bubble, per training step
@@ -164,7 +166,8 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
     def configure_parallelism(self) -> None:
         module = self.lightning_module
         dp, pp = self._sizes()
-        self._bubbles_gathered = None  # a fit that ended in an exception may have left one, on a group now gone
+        # a fit that ended in an exception may have left collectives in flight, on groups now gone
+        self._bubbles_gathered = self._replicated_sum = None
         if self.schedule == "1f1b" and self.num_microbatches < pp:
             raise ValueError(f"schedule='1f1b' needs num_microbatches >= the number of stages ({pp}), got "
                              f"{self.num_microbatches}; raise num_microbatches or use schedule='gpipe'.")
@@ -267,6 +270,7 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
             actions = schedule(self.schedule, self.mesh.shape.pp, self.num_microbatches, self.mesh.pp_rank)
             self._run(actions, batch, step_fn, backward=True, batch_idx=batch_idx)
             self._set_aside = [p.grad for p in params]
+            self._start_replicated_sum(params)
             loss = self._show(self.logs.take("train"))
         for p, g in zip(params, earlier):
             p.grad = g
@@ -358,19 +362,47 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
     def _log_bubbles(self) -> None:
         """Log the previous step's bubble of every stage (``pipeline_bubble_stage<s>``, averaged over the
         replicas) and their mean (``pipeline_bubble``), the same values on every rank. The gather is
-        started at one step and read at the next, so no stage waits for another here."""
-        if self._bubbles_gathered is not None:
-            everyone = self._bubbles_gathered()
-            shape = self.mesh.shape
-            stages = [statistics.mean(v for r, v in enumerate(everyone) if shape.coordinates(r)[1] == s)
-                      for s in range(shape.pp)]
-            for s, value in enumerate(stages):
-                self.lightning_module.log(f"pipeline_bubble_stage{s}", value, on_step=True, on_epoch=False)
-            self.lightning_module.log("pipeline_bubble", statistics.mean(stages), on_step=True, on_epoch=False)
-        self._bubbles_gathered = start_gather_numbers(self.bubbles[-1])
+        started at one step and read at the next, so no stage waits for another here. Logged on the steps
+        whose logs Lightning writes (``log_every_n_steps``), the only ones loggers see: a ``self.log`` costs
+        about a millisecond on a CPU, on the critical path of every step."""
+        gathered, self._bubbles_gathered = self._bubbles_gathered, start_gather_numbers(self.bubbles[-1])
+        if gathered is None:
+            return
+        everyone = gathered()
+        trainer = self.lightning_module.trainer
+        if not (trainer._logger_connector.should_update_logs or trainer.fast_dev_run):
+            return
+        shape = self.mesh.shape
+        stages = [statistics.mean(v for r, v in enumerate(everyone) if shape.coordinates(r)[1] == s)
+                  for s in range(shape.pp)]
+        for s, value in enumerate(stages):
+            self.lightning_module.log(f"pipeline_bubble_stage{s}", value, on_step=True, on_epoch=False)
+        self.lightning_module.log("pipeline_bubble", statistics.mean(stages), on_step=True, on_epoch=False)
 
     # ----------------------------------------------------------------- gradients
+    def _start_replicated_sum(self, params: list) -> None:
+        """Start summing over the stages this micro-step's gradients of the modules replicated outside the
+        block stack (each stage holds part of them: the first its embedding's, the last its head's), as
+        soon as this stage's backwards are done, so the collective overlaps the rest of the step;
+        ``pre_backward`` waits for it and adds the sums. Summed every micro-step, the gradients that
+        accumulate are sums already, whatever the loop's ``zero_grad`` does in between."""
+        if self.mesh.shape.pp == 1:
+            return
+        replicated = {id(p) for p in self._outside if p.requires_grad}
+        chosen = [i for i, p in enumerate(params) if id(p) in replicated]
+        finish = start_gradient_reduce([params[i] for i in chosen], [self._set_aside[i] for i in chosen], self.pp_group,
+                                       average=False)
+
+        def summed() -> None:
+            for i, value in zip(chosen, finish()):
+                self._set_aside[i] = value
+
+        self._replicated_sum = summed
+
     def pre_backward(self, closure_loss: Tensor) -> None:
+        if self._replicated_sum is not None:
+            summed, self._replicated_sum = self._replicated_sum, None
+            summed()
         for p, fresh in zip(self.lightning_module.parameters(), self._set_aside):
             if fresh is None:
                 continue
@@ -383,9 +415,6 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
     def post_backward(self, closure_loss: Tensor) -> None:
         if not self._sync_grads:
             return
-        if self.mesh.shape.pp > 1 and self.schedule != "async":  # replicated modules: each stage holds part
-            # of their gradient (async started this reduction when the gradient was finished)
-            all_reduce_gradients(self._outside, self.pp_group, average=False)
         if self.mesh.shape.dp > 1:
             all_reduce_gradients(self.lightning_module.parameters(), self.dp_group, average=True)
 
