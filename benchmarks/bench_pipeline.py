@@ -12,7 +12,8 @@ schedule: median step time, the ratio torch/ours (> 1: ours is faster; like asyn
 median of the rounds' own ratios, since each round runs both back to back), the bubble measured by our
 timeline next to the theory (p-1)/(m+p-1) and next to the theory for the stage costs measured (the
 last stage also runs the head and the loss; ``schedules.expected_bubbles``), and the activations each stage holds at its peak
-(micro-batches in flight x bytes autograd saves for one micro-batch, measured with saved-tensor hooks).
+(the most micro-batches whose activations the stage held at once in a step, as the executor counted
+them, x the bytes autograd saves for one micro-batch, measured with saved-tensor hooks).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ def ours(args: argparse.Namespace) -> None:
     forward, backward = (statistics.median(c[args.warmup :]) * 1e3 for c in (costs.forward, costs.backward))
     append_record(args.out, {"impl": "ours", "schedule": args.schedule, "m": args.microbatches, "round": args.round,
                              "rank": trainer.global_rank, "bubble": bubble, "forward_ms": forward, "backward_ms": backward,
+                             "held": max(strategy.peak_held[args.warmup :]),
                              "step_ms": statistics.median(timer.times[args.warmup :]) * 1e3})
     del torch
 
@@ -210,7 +212,7 @@ def main() -> None:
     print(f"\nCharGPT(n_layer={args.layers}, n_embd={args.width}), 2 stages on 2 CPU processes (gloo), batch "
           f"{args.batch_size}, {args.steps} steps ({args.warmup} warm-up), median over {args.rounds} rounds\n")
     print("| m | schedule | ours ms | torch ms | torch/ours | bubble measured (stage 0, 1) | theory |"
-          " theory for the measured stage costs (stage 0, 1) | activations held, stage 0 / 1 |")
+          " theory for the measured stage costs (stage 0, 1) | activations held at peak, stage 0 / 1 (micro-batches x MiB) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for m in args.m:
         args.microbatches = m
@@ -223,8 +225,8 @@ def main() -> None:
             costs = [[median_of(records, key, impl="ours", schedule=schedule, m=m, rank=r) for r in (0, 1)]
                      for key in ("forward_ms", "backward_ms")]
             unequal = expected_bubbles(schedule, 2, m, *costs) if schedule != "async" else None
-            in_flight = [m, m] if schedule == "gpipe" else [2, 1]
-            held = " / ".join(f"{n * b / 2**20:.1f} MiB" for n, b in zip(in_flight, per_mb))
+            in_flight = [median_of(records, "held", impl="ours", schedule=schedule, m=m, rank=r) for r in (0, 1)]
+            held = " / ".join(f"{n:.0f} x {b / 2**20:.1f} = {n * b / 2**20:.1f} MiB" for n, b in zip(in_flight, per_mb))
             ratio = f"{median_ratio(records, 'step_ms', {**mine, 'impl': 'torch'}, mine):.2f}" if theirs == theirs else "-"
             theory = 1 / (m + 1)
             faster = median_ratio(records, "step_ms", {**mine, "schedule": "gpipe"}, mine)

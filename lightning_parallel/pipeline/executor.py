@@ -105,6 +105,7 @@ def weights_snapshot(parameters: Sequence[Tensor]) -> Iterator[None]:
 class StepResult:
     losses: list[Tensor] = field(default_factory=list)  # last stage: each micro-batch's (unweighted) loss
     outputs: list[Any] = field(default_factory=list)  # last stage: what the step function returned
+    peak_held: int = 0  # most micro-batches whose activations this stage held at once (forward done, backward not)
 
 
 class StageExecutor:
@@ -184,6 +185,8 @@ class StageExecutor:
             i = action.microbatch
             if action.kind == "F":
                 produced[i], inputs[i] = self.forward(step_fn, microbatches[i], i)
+                if backward:
+                    result.peak_held = max(result.peak_held, len(produced) + len(self.in_flight))
                 if self.is_last:
                     result.outputs.append(produced[i])
                     if backward:

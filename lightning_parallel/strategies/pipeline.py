@@ -121,6 +121,7 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         self._full_keys: list[str] = []
         self._full_param_names: list[str] = []
         self.bubbles: list[float] = []  # this rank's measured bubble, per training step
+        self.peak_held: list[int] = []  # per training step: most micro-batches whose activations this stage held
         self.whole_batch = WholeBatchMetrics()  # the step values of metric objects logged on the last stage
         self._bubbles_gathered: Optional[Callable[[], list[float]]] = None  # every rank's, of the last step
         self.last_timeline: list[Any] = []  # this rank's timeline events of the last training step
@@ -330,6 +331,8 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         with capture_logs(self.lightning_module) as logged, tracked:
             result = self.executor.run(actions, microbatches, step_fn, [w * scale for w in weights], backward=backward,
                                        before_backward=before_backward, flushed=flushed)
+        if backward:
+            self.peak_held.append(result.peak_held)
         if outputs:
             return result.outputs if self.is_last_stage else None
         if self.is_last_stage:

@@ -22,6 +22,11 @@ def pipeline_stages(trainer) -> list:
     return trainer.strategy.stage_report
 
 
+def pipeline_peak_held(trainer) -> list:
+    """Per training step, the most micro-batches whose activations this stage held at once."""
+    return trainer.strategy.peak_held
+
+
 def local_shards(trainer) -> dict:
     """This rank's state_dict keys and, for tensor-parallel shards, (dim, chunks, rank, size)."""
     strategy = trainer.strategy

@@ -55,6 +55,8 @@ CASES_2 = [
 for c in CASES_2:
     if c["name"].startswith("uneven"):
         c["probe"] = "tests.helpers.probes:pipeline_stages"
+    if c["name"] in ("gpt-gpipe-m8", "gpt-1f1b-m8", "gpt-async-m8"):
+        c["probe"] = "tests.helpers.probes:pipeline_peak_held"
 CASES_4 = [
     case("gpt-dp2-1f1b", "gpt", dp=2, schedule="1f1b"),
     case("seq-dp2-gpipe-accumulate-clip", "seq", dp=2, schedule="gpipe", model_kwargs=SGD,
@@ -290,6 +292,16 @@ def test_logged_metrics_reach_every_stage(pp2):
         c = next(c for c in CASES_2 if c["name"] == name)
         ref = reference(c, tmp)
         assert abs(ranks[0]["metrics"][key] - ref["metrics"][key]) < 1e-9, (ranks[0]["metrics"], ref["metrics"])
+
+
+def test_activations_held_at_once_as_the_schedule_says(pp2):
+    """Counted while the steps ran: GPipe holds all 8 micro-batches on both stages; 1F1B at most
+    pp - stage (2, 1), and so does async, counting the previous batch's micro-batch still in flight."""
+    _, results = pp2
+    for name, held in (("gpt-gpipe-m8", [8, 8]), ("gpt-1f1b-m8", [2, 1]), ("gpt-async-m8", [2, 1])):
+        per_rank = [r["probe"] for r in results[name]]
+        assert all(len(steps) == 5 for steps in per_rank), (name, per_rank)
+        assert [set(steps) for steps in per_rank] == [{h} for h in held], (name, per_rank)
 
 
 def test_every_stage_logs_every_stages_bubble(pp2):
