@@ -9,7 +9,7 @@ The same GPT-style model (``CharGPT`` blocks, a causal mask computed in ``forwar
 its blocks. Ours runs inside ``Trainer.fit`` on the unmodified LightningModule; torch's runs a hand
 written loop over two stage modules and a ``loss_fn``, which is what that API needs. Reported per
 schedule: median step time, the ratio torch/ours (> 1: ours is faster; like async's ratio to gpipe, the
-median of the rounds' own ratios, since each round runs both back to back), the bubble measured by our
+median of the rounds' own ratios, since each round runs both back to back, in reverse order every other round), the bubble measured by our
 timeline next to the theory (p-1)/(m+p-1) and next to the theory for the stage costs measured (the
 last stage also runs the head and the loss; ``schedules.expected_bubbles``), and the activations each stage holds at its peak
 (the most micro-batches whose activations the stage held at once in a step, as the executor counted
@@ -204,7 +204,8 @@ def main() -> None:
     runs = [("ours", s) for s in ("gpipe", "1f1b", "async")] + [("torch", s) for s in ("gpipe", "1f1b")]
     for round_ in range(args.rounds):
         for m in args.m:
-            for impl, schedule in runs:
+            # every other round in reverse order, so no side always runs first (or last) in a round
+            for impl, schedule in runs if round_ % 2 == 0 else runs[::-1]:
                 torchrun(__file__, 2, ["--impl", impl, "--schedule", schedule, "--microbatches", str(m),
                                        "--round", str(round_), *common])
         print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
