@@ -117,6 +117,7 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         self.partition: Optional[StagePartition] = None
         self.executor: Optional[StageExecutor] = None
         self._set_aside: list[Optional[Tensor]] = []
+        self._replicated: list[int] = []  # set by configure_parallelism
         self._replicated_sum: Optional[Callable[[], None]] = None  # the stages' sum of replicated gradients, in flight
         self._full_keys: list[str] = []
         self._full_param_names: list[str] = []
@@ -202,9 +203,10 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         objects = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         self.logs = LogMirror(PeerLink(torch.device("cpu"), objects), ranks[-1], ranks[:-1], stage == pp - 1)
         owned = set(self.partition.owned)
-        self._outside = [p for n, p in module.named_parameters() if n not in owned]
+        # positions in module.parameters() of the trainable parameters outside the stack, on every stage
+        self._replicated = [i for i, (n, p) in enumerate(module.named_parameters()) if n not in owned and p.requires_grad]
         if self.schedule == "async" and pp > 1:
-            self.async_grads.reduce = self._replicated_gradient_reduce(module, owned)
+            self.async_grads.reduce = self._replicated_gradient_reduce(module, self._replicated)
         self._install_global_norm_clipping({id(p) for n, p in module.named_parameters() if n in owned})
 
     def _measure_block_times(self, module: Any) -> Optional[list[float]]:
@@ -391,8 +393,7 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         accumulate are sums already, whatever the loop's ``zero_grad`` does in between."""
         if self.mesh.shape.pp == 1:
             return
-        replicated = {id(p) for p in self._outside if p.requires_grad}
-        chosen = [i for i, p in enumerate(params) if id(p) in replicated]
+        chosen = self._replicated
         finish = start_gradient_reduce([params[i] for i in chosen], [self._set_aside[i] for i in chosen], self.pp_group,
                                        average=False)
 

@@ -133,7 +133,7 @@ class AsyncPipelineMixin:
             self.precision_plugin.optimizer_step(optimizer, module, lambda: torch.zeros(()))
             optimizer.zero_grad()
 
-    def _replicated_gradient_reduce(self, module: Any, owned: set[str]) -> Reduce:
+    def _replicated_gradient_reduce(self, module: Any, replicated: list[int]) -> Reduce:
         """The sum over the stages of the gradients of the modules replicated on every stage, started when
         a batch's gradient is finished (``AsyncGradients``). It runs on a process group of its own: other
         collectives of the stages (clipping, checkpoints) come between its start and its end, and must
@@ -143,9 +143,8 @@ class AsyncPipelineMixin:
             made = dist.new_group(ranks)
             if self.global_rank in ranks:
                 group = made
-        named = list(module.named_parameters())
-        replicated = [i for i, (n, p) in enumerate(named) if n not in owned and p.requires_grad]
-        params = [named[i][1] for i in replicated]
+        everything = list(module.parameters())
+        params = [everything[i] for i in replicated]
 
         def reduce(grads: list) -> Any:
             finish = start_gradient_reduce(params, [grads[i] for i in replicated], group, average=False)
