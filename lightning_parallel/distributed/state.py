@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 __all__ = ["broadcast_tensors", "broadcast_module_states", "global_rank", "all_reduce_gradients",
-           "start_gradient_reduce"]
+           "start_gradient_reduce", "start_sum_at"]
 
 
 def global_rank(group: Optional[dist.ProcessGroup], group_rank: int) -> int:
@@ -80,6 +80,22 @@ def start_gradient_reduce(params: Sequence[nn.Parameter], grads: Sequence[Option
         return reduced
 
     return finish
+
+
+def start_sum_at(positions: Sequence[int], params: Sequence[nn.Parameter], grads: Sequence[Optional[Tensor]],
+                 group: Optional[dist.ProcessGroup]) -> Callable[[], list[Optional[Tensor]]]:
+    """Start summing over ``group`` only the gradients at ``positions`` (those of the parameters every
+    rank holds a part of the gradient of); the returned function waits and gives ``grads`` with those
+    replaced by their sums."""
+    finish = start_gradient_reduce([params[i] for i in positions], [grads[i] for i in positions], group, average=False)
+
+    def summed() -> list[Optional[Tensor]]:
+        out = list(grads)
+        for i, value in zip(positions, finish()):
+            out[i] = value
+        return out
+
+    return summed
 
 
 def all_reduce_gradients(params: Iterable[nn.Parameter], group: Optional[dist.ProcessGroup], average: bool) -> None:

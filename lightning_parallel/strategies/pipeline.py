@@ -39,7 +39,7 @@ from torch import Tensor
 from lightning_parallel.distributed.collectives import clip_grad_norm_sharded, share_found_inf, start_gather_numbers
 from lightning_parallel.distributed.mesh import MeshShape
 from lightning_parallel.distributed.p2p import PeerLink
-from lightning_parallel.distributed.state import all_reduce_gradients, broadcast_module_states, start_gradient_reduce
+from lightning_parallel.distributed.state import all_reduce_gradients, broadcast_module_states, start_sum_at
 from lightning_parallel.loss_check import check_finite_loss
 from lightning_parallel.pipeline.executor import StageExecutor, batch_size, split_microbatches
 from lightning_parallel.pipeline.logs import LogMirror, WholeBatchMetrics, capture_logs, summarize
@@ -118,7 +118,7 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         self.executor: Optional[StageExecutor] = None
         self._set_aside: list[Optional[Tensor]] = []
         self._replicated: list[int] = []  # set by configure_parallelism
-        self._replicated_sum: Optional[Callable[[], None]] = None  # the stages' sum of replicated gradients, in flight
+        self._replicated_sum: Optional[Callable[[], list]] = None  # the stages' sum of replicated gradients, in flight
         self._full_keys: list[str] = []
         self._full_param_names: list[str] = []
         self.bubbles: list[float] = []  # this rank's measured bubble, per training step
@@ -393,20 +393,11 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         accumulate are sums already, whatever the loop's ``zero_grad`` does in between."""
         if self.mesh.shape.pp == 1:
             return
-        chosen = self._replicated
-        finish = start_gradient_reduce([params[i] for i in chosen], [self._set_aside[i] for i in chosen], self.pp_group,
-                                       average=False)
-
-        def summed() -> None:
-            for i, value in zip(chosen, finish()):
-                self._set_aside[i] = value
-
-        self._replicated_sum = summed
+        self._replicated_sum = start_sum_at(self._replicated, params, self._set_aside, self.pp_group)
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         if self._replicated_sum is not None:
-            summed, self._replicated_sum = self._replicated_sum, None
-            summed()
+            self._set_aside, self._replicated_sum = self._replicated_sum(), None
         for p, fresh in zip(self.lightning_module.parameters(), self._set_aside):
             if fresh is None:
                 continue

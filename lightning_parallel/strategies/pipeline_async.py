@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_parallel.distributed.state import start_gradient_reduce
+from lightning_parallel.distributed.state import start_sum_at
 from lightning_parallel.pipeline.async_gradients import AsyncGradients, Reduce, merge_stage_gradients
 from lightning_parallel.pipeline.executor import weights_snapshot
 from lightning_parallel.pipeline.schedules import async_step, cooldown, warmup_depth
@@ -143,21 +143,8 @@ class AsyncPipelineMixin:
             made = dist.new_group(ranks)
             if self.global_rank in ranks:
                 group = made
-        everything = list(module.parameters())
-        params = [everything[i] for i in replicated]
-
-        def reduce(grads: list) -> Any:
-            finish = start_gradient_reduce(params, [grads[i] for i in replicated], group, average=False)
-
-            def reduced() -> list:
-                out = list(grads)
-                for i, g in zip(replicated, finish()):
-                    out[i] = g
-                return out
-
-            return reduced
-
-        return reduce
+        params = list(module.parameters())
+        return lambda grads: start_sum_at(replicated, params, grads, group)
 
     def _place_checkpoint_gradient(self) -> None:
         """A resumed run's unapplied gradient (single-device names) becomes this stage's, once; every
