@@ -10,7 +10,7 @@ its blocks. Ours runs inside ``Trainer.fit`` on the unmodified LightningModule; 
 written loop over two stage modules and a ``loss_fn``, which is what that API needs. Reported per
 schedule: median step time, the ratio torch/ours (> 1: ours is faster; like async's ratio to gpipe, the
 median of the rounds' own ratios, since each round runs both back to back, in reverse order every other round), the bubble measured by our
-timeline next to the theory (p-1)/(m+p-1) and next to the theory for the stage costs measured (the
+timeline on both sides (torch's per-micro-batch forward, loss and backward wrapped in the same recorder) next to the theory (p-1)/(m+p-1) and next to the theory for the stage costs measured (the
 last stage also runs the head and the loss; ``schedules.expected_bubbles``), and the activations each stage holds at its peak
 (the most micro-batches whose activations the stage held at once in a step, as the executor counted
 them, x the bytes autograd saves for one micro-batch, measured with saved-tensor hooks).
@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import append_record, median_of, median_ratio, read_records, step_timer, torchrun  # noqa: E402
 
 from lightning_parallel.pipeline.schedules import expected_bubbles  # noqa: E402
+from lightning_parallel.pipeline.timeline import bubble  # noqa: E402
 
 
 def build_model(args: argparse.Namespace):
@@ -56,10 +57,9 @@ def ours(args: argparse.Namespace) -> None:
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       limit_val_batches=0, callbacks=[timer, costs])
     trainer.fit(build_model(args), datamodule=CharCorpusData(batch_size=args.batch_size, block_size=64))
-    bubble = statistics.median(strategy.bubbles[args.warmup :])
     forward, backward = (statistics.median(c[args.warmup :]) * 1e3 for c in (costs.forward, costs.backward))
     append_record(args.out, {"impl": "ours", "schedule": args.schedule, "m": args.microbatches, "round": args.round,
-                             "rank": trainer.global_rank, "bubble": bubble, "forward_ms": forward, "backward_ms": backward,
+                             "rank": trainer.global_rank, "bubble": statistics.median(strategy.bubbles[args.warmup :]), "forward_ms": forward, "backward_ms": backward,
                              "held": max(strategy.peak_held[args.warmup :]),
                              "step_ms": statistics.median(timer.times[args.warmup :]) * 1e3})
     del torch
@@ -132,11 +132,13 @@ def torch_pipelining(args: argparse.Namespace) -> None:
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
     schedule = cls(stage, n_microbatches=args.microbatches, loss_fn=loss_fn)
+    timeline = record_timeline(stage, schedule, rank)
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
     loader = iter(CharCorpusData(batch_size=args.batch_size, block_size=64).train_dataloader())
-    times = []
+    times, bubbles = [], []
     for _ in range(args.steps):
         x, y = next(loader)
+        timeline.clear()
         start = time.perf_counter()
         optimizer.zero_grad()
         if rank == 0:
@@ -145,9 +147,32 @@ def torch_pipelining(args: argparse.Namespace) -> None:
             schedule.step(target=y)
         optimizer.step()
         times.append(time.perf_counter() - start)
+        bubbles.append(bubble(timeline.events))
     append_record(args.out, {"impl": "torch", "schedule": args.schedule, "m": args.microbatches, "round": args.round, "rank": rank,
-                             "step_ms": statistics.median(times[args.warmup :]) * 1e3})
+                             "step_ms": statistics.median(times[args.warmup :]) * 1e3,
+                             "bubble": statistics.median(bubbles[args.warmup :])})
     dist.destroy_process_group()
+
+
+def record_timeline(stage, schedule, rank: int):
+    """Our ``Timeline`` around torch's per-micro-batch forward, loss and backward, so that torch's
+    bubble is measured exactly as ours is (idle share of the span from the first forward to the last
+    backward; the last stage's loss counts as forward, as in ours)."""
+    from lightning_parallel.pipeline.timeline import Timeline
+
+    timeline = Timeline(rank)
+
+    def timed(kind: str, fn, microbatch_arg: int):
+        def wrapper(*args, **kwargs):
+            with timeline.record(kind, args[microbatch_arg]):
+                return fn(*args, **kwargs)
+
+        return wrapper
+
+    stage.forward_one_chunk = timed("F", stage.forward_one_chunk, 0)
+    stage.backward_one_chunk = timed("B", stage.backward_one_chunk, 0)
+    schedule._maybe_compute_loss = timed("F", schedule._maybe_compute_loss, 3)
+    return timeline
 
 
 def activation_bytes_per_microbatch(args: argparse.Namespace) -> list[int]:
@@ -212,9 +237,9 @@ def main() -> None:
     records = read_records(out)
     print(f"\nCharGPT(n_layer={args.layers}, n_embd={args.width}), 2 stages on 2 CPU processes (gloo), batch "
           f"{args.batch_size}, {args.steps} steps ({args.warmup} warm-up), median over {args.rounds} rounds\n")
-    print("| m | schedule | ours ms | torch ms | torch/ours | bubble measured (stage 0, 1) | theory |"
+    print("| m | schedule | ours ms | torch ms | torch/ours | bubble measured, ours (stage 0, 1) | torch (stage 0, 1) | theory |"
           " theory for the measured stage costs (stage 0, 1) | activations held at peak, stage 0 / 1 (micro-batches x MiB) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for m in args.m:
         args.microbatches = m
         per_mb = activation_bytes_per_microbatch(args)
@@ -222,7 +247,8 @@ def main() -> None:
             mine = {"impl": "ours", "schedule": schedule, "m": m, "rank": 0}
             ours_ms = median_of(records, "step_ms", **mine)
             theirs = median_of(records, "step_ms", **{**mine, "impl": "torch"})
-            bubbles = [median_of(records, "bubble", impl="ours", schedule=schedule, m=m, rank=r) for r in (0, 1)]
+            bubbles = {impl: [median_of(records, "bubble", impl=impl, schedule=schedule, m=m, rank=r) for r in (0, 1)]
+                       for impl in ("ours", "torch")}
             costs = [[median_of(records, key, impl="ours", schedule=schedule, m=m, rank=r) for r in (0, 1)]
                      for key in ("forward_ms", "backward_ms")]
             unequal = expected_bubbles(schedule, 2, m, *costs) if schedule != "async" else None
@@ -232,9 +258,13 @@ def main() -> None:
             theory = 1 / (m + 1)
             faster = median_ratio(records, "step_ms", {**mine, "schedule": "gpipe"}, mine)
             note = f" (vs gpipe {faster:.2f}x)" if schedule == "async" else ""
-            expected = f"{unequal[0]:.0%}, {unequal[1]:.0%}" if unequal else "-"
+            expected = percents(unequal) if unequal else "-"
             print(f"| {m} | {schedule}{note} | {ours_ms:.1f} | {theirs:.1f} | {ratio} | "
-                  f"{bubbles[0]:.0%}, {bubbles[1]:.0%} | {theory:.0%} | {expected} | {held} |")
+                  f"{percents(bubbles['ours'])} | {percents(bubbles['torch'])} | {theory:.0%} | {expected} | {held} |")
+
+
+def percents(values: list[float]) -> str:
+    return ", ".join("-" if v != v else f"{v:.0%}" for v in values)
 
 
 if __name__ == "__main__":

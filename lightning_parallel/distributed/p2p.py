@@ -48,20 +48,21 @@ _ALIGN = 8  # every tensor starts at a multiple of this many bytes, so it can be
 
 
 def encode_header(tensors: list[Tensor], is_tuple: bool, follow: int = 0) -> Tensor:
-    """The int64 header that lets the receiver allocate every buffer of the transfer."""
+    """The int64 header that lets the receiver allocate every buffer of the transfer. Built as a Python
+    list and turned into a tensor once: a dozen small tensor writes cost more than the transfer itself."""
     if len(tensors) > MAX_TENSORS:
         raise ValueError(f"can send at most {MAX_TENSORS} tensors across a stage boundary, got a tuple of {len(tensors)}")
-    header = torch.zeros(_HEADER, dtype=torch.int64)
-    header[_COUNT], header[_IS_TUPLE], header[_FOLLOW] = len(tensors), int(is_tuple), follow
+    words = [0] * _HEADER
+    words[_COUNT], words[_IS_TUPLE], words[_FOLLOW] = len(tensors), int(is_tuple), follow
     for i, t in enumerate(tensors):
         if t.dim() > MAX_DIMS:
             raise ValueError(f"can send tensors of at most {MAX_DIMS} dimensions, got shape {tuple(t.shape)}")
         if t.dtype not in _DTYPES:
             raise ValueError(f"cannot send dtype {t.dtype} across a stage boundary; supported: {_DTYPES}")
         slot = _FIRST_SLOT + i * _SLOT
-        header[slot], header[slot + 1] = t.dim(), _DTYPES.index(t.dtype)
-        header[slot + 2 : slot + 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-    return header
+        words[slot], words[slot + 1] = t.dim(), _DTYPES.index(t.dtype)
+        words[slot + 2 : slot + 2 + t.dim()] = t.shape
+    return torch.tensor(words, dtype=torch.int64)
 
 
 def decode_header(header: Tensor) -> tuple[list[tuple[tuple[int, ...], torch.dtype]], bool, int]:
@@ -76,6 +77,10 @@ def decode_header(header: Tensor) -> tuple[list[tuple[tuple[int, ...], torch.dty
     return specs, bool(values[_IS_TUPLE]), values[_FOLLOW]
 
 
+def _header_of(message: Tensor) -> Tensor:
+    return message[:HEADER_BYTES].view(torch.int64)
+
+
 def _layout(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[int, list[slice]]:
     """The message size, and where each tensor's bytes lie in it (after the header, each aligned)."""
     places, offset = [], HEADER_BYTES
@@ -87,9 +92,10 @@ def _layout(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[int, list
 
 
 def _message(header: Tensor, size: int, device: torch.device) -> Tensor:
-    """A uint8 message of ``size`` bytes that starts with ``header``."""
-    message = torch.zeros(size, dtype=torch.uint8, device=device)
-    message[:HEADER_BYTES].view(torch.int64).copy_(header)
+    """A uint8 message of ``size`` bytes that starts with ``header`` (the bytes after it are left as they
+    are: the receiver reads only what the header describes)."""
+    message = torch.empty(size, dtype=torch.uint8, device=device)
+    _header_of(message).copy_(header)
     return message
 
 
@@ -102,9 +108,10 @@ def pack(tensors: list[Tensor], is_tuple: bool, device: torch.device) -> Tensor:
     return message
 
 
-def unpack(message: Tensor, device: torch.device) -> Union[Tensor, tuple[Tensor, ...]]:
-    """The tensors of a ``pack``-ed message, each in memory of its own on ``device``."""
-    specs, is_tuple, _ = decode_header(message[:HEADER_BYTES].view(torch.int64).cpu())
+def unpack(message: Tensor, device: torch.device, header: Optional[tuple] = None) -> Union[Tensor, tuple[Tensor, ...]]:
+    """The tensors of a ``pack``-ed message, each in memory of its own on ``device`` (``header``: the
+    message's header already decoded)."""
+    specs, is_tuple, _ = header or decode_header(_header_of(message))
     _, places = _layout(specs)
     tensors = [message[place].view(dtype).view(shape).to(device, copy=True) for (shape, dtype), place in zip(specs, places)]
     return tuple(tensors) if is_tuple else tensors[0]
@@ -149,12 +156,14 @@ class PeerLink:
         self.post_recv(src, tag)
         work, message = self._posted.pop((src, tag))
         work.wait()
-        follow = int(message[:HEADER_BYTES].view(torch.int64)[_FOLLOW])
+        header = decode_header(_header_of(message))
+        follow = header[2]
         if follow:
             self._predicted[("recv", src, tag)] = follow
             message = torch.empty(follow, dtype=torch.uint8, device=self._wire)
             dist.recv(message, src, group=self.group, tag=tag)
-        return unpack(message, self.device)
+            header = decode_header(_header_of(message))
+        return unpack(message, self.device, header)
 
     def send_object(self, obj: Any, dst: int) -> None:
         """Send a picklable object on the object channel (non-blocking, like every send)."""
