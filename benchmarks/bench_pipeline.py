@@ -254,12 +254,13 @@ def main() -> None:
             unequal = expected_bubbles(schedule, 2, m, *costs) if schedule != "async" else None
             in_flight = [median_of(records, "held", impl="ours", schedule=schedule, m=m, rank=r) for r in (0, 1)]
             held = " / ".join(f"{n:.0f} x {b / 2**20:.1f} = {n * b / 2**20:.1f} MiB" for n, b in zip(in_flight, per_mb))
+            theirs_ms = f"{theirs:.1f}" if theirs == theirs else "-"
             ratio = f"{median_ratio(records, 'step_ms', {**mine, 'impl': 'torch'}, mine):.2f}" if theirs == theirs else "-"
             theory = 1 / (m + 1)
             faster = median_ratio(records, "step_ms", {**mine, "schedule": "gpipe"}, mine)
             note = f" (vs gpipe {faster:.2f}x)" if schedule == "async" else ""
             expected = percents(unequal) if unequal else "-"
-            print(f"| {m} | {schedule}{note} | {ours_ms:.1f} | {theirs:.1f} | {ratio} | "
+            print(f"| {m} | {schedule}{note} | {ours_ms:.1f} | {theirs_ms} | {ratio} | "
                   f"{percents(bubbles['ours'])} | {percents(bubbles['torch'])} | {theory:.0%} | {expected} | {held} |")
 
 
