@@ -59,7 +59,8 @@ def ours(args: argparse.Namespace) -> None:
     trainer.fit(build_model(args), datamodule=CharCorpusData(batch_size=args.batch_size, block_size=64))
     forward, backward = (statistics.median(c[args.warmup :]) * 1e3 for c in (costs.forward, costs.backward))
     append_record(args.out, {"impl": "ours", "schedule": args.schedule, "m": args.microbatches, "round": args.round,
-                             "rank": trainer.global_rank, "bubble": statistics.median(strategy.bubbles[args.warmup :]), "forward_ms": forward, "backward_ms": backward,
+                             "rank": trainer.global_rank, "bubble": statistics.median(strategy.bubbles[args.warmup :]),
+                             "forward_ms": forward, "backward_ms": backward,
                              "held": max(strategy.peak_held[args.warmup :]),
                              "step_ms": statistics.median(timer.times[args.warmup :]) * 1e3})
     del torch
