@@ -3,8 +3,10 @@
 import torch
 from lightning.pytorch import LightningModule
 from torch import nn
+from torch.utils.data import DataLoader, default_collate
 
 from tests.helpers.models import MLP
+from tests.helpers.tp_models import TokenData
 
 
 class SequentialNet(MLP):
@@ -132,3 +134,22 @@ class MetricNet(SequentialNet):
         x, y = batch
         self.val_mae(self(x), y)
         self.log("val_mae", self.val_mae)
+
+
+class VariableLengthTokens(TokenData):
+    """Token windows cut, batch by batch, to a length read from the batch itself (``block_size`` - 3 to
+    ``block_size`` tokens), so the activations crossing the stages change shape between steps. The same
+    batch gets the same cut in every run; ``lengths`` keeps the cuts made."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.lengths: list[int] = []
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=True, drop_last=True, collate_fn=self._cut)
+
+    def _cut(self, samples: list) -> tuple:
+        x, y = default_collate(samples)
+        length = x.shape[1] - int(x[0, 0]) % 4
+        self.lengths.append(length)
+        return x[:, :length], y[:, :length]

@@ -27,6 +27,11 @@ def pipeline_peak_held(trainer) -> list:
     return trainer.strategy.peak_held
 
 
+def sequence_lengths(trainer) -> list:
+    """The sequence lengths ``VariableLengthTokens`` cut its batches to, in order."""
+    return trainer.datamodule.lengths
+
+
 def local_shards(trainer) -> dict:
     """This rank's state_dict keys and, for tensor-parallel shards, (dim, chunks, rank, size)."""
     strategy = trainer.strategy

@@ -12,7 +12,8 @@ SEQ = ("tests.helpers.pp_models:SequentialNet", "tests.helpers.models:Regression
 TUPLE = ("tests.helpers.pp_models:TupleNet", "tests.helpers.models:RegressionData", {})
 UNEVEN = ("tests.helpers.pp_models:UnevenTimeNet", "tests.helpers.models:RegressionData", {})
 METRIC = ("tests.helpers.pp_models:MetricNet", "tests.helpers.models:RegressionData", {})
-MODELS = {"gpt": GPT, "seq": SEQ, "tuple": TUPLE, "uneven": UNEVEN, "metric": METRIC}
+GPT_VARIABLE = (GPT[0], "tests.helpers.pp_models:VariableLengthTokens", GPT[2])
+MODELS = {"gpt": GPT, "gpt-variable": GPT_VARIABLE, "seq": SEQ, "tuple": TUPLE, "uneven": UNEVEN, "metric": METRIC}
 
 
 def case(name, model, dp=1, trainer=None, model_kwargs=None, validate_after_fit=False, callbacks=(), data_kwargs=None,
@@ -34,6 +35,7 @@ CASES_2 = [
     case("gpt-1f1b-accumulate", "gpt", schedule="1f1b", trainer={"accumulate_grad_batches": 2}),
     case("gpt-gpipe-clip", "gpt", schedule="gpipe", trainer={"gradient_clip_val": 0.05}, model_kwargs=SGD),
     case("gpt-split", "gpt", schedule="1f1b", split_points=["model.blocks.1"]),
+    case("gpt-variable-length", "gpt-variable", schedule="1f1b"),  # sequence length changes between steps
     case("seq-uneven", "seq", schedule="gpipe", num_microbatches=3),
     case("seq-validate", "seq", schedule="1f1b", trainer={"limit_val_batches": 2}, validate_after_fit=True),
     case("seq-async", "seq", schedule="async", model_kwargs=SGD),
@@ -57,6 +59,8 @@ for c in CASES_2:
         c["probe"] = "tests.helpers.probes:pipeline_stages"
     if c["name"] in ("gpt-gpipe-m8", "gpt-1f1b-m8", "gpt-async-m8"):
         c["probe"] = "tests.helpers.probes:pipeline_peak_held"
+    if c["name"] == "gpt-variable-length":
+        c["probe"] = "tests.helpers.probes:sequence_lengths"
 CASES_4 = [
     case("gpt-dp2-1f1b", "gpt", dp=2, schedule="1f1b"),
     case("seq-dp2-gpipe-accumulate-clip", "seq", dp=2, schedule="gpipe", model_kwargs=SGD,
@@ -239,6 +243,16 @@ def test_two_stages_match_single_device(pp2, c):
 def test_four_processes_match_single_device(pp4, c):
     tmp, results = pp4
     check(tmp, results, 4, c)
+
+
+@pytest.mark.timeout(600)
+def test_sequence_length_changes_between_steps_in_the_variable_length_case(pp2):
+    """The case gpt-variable-length matches single-device training above; here: its batches really
+    changed length, on both stages alike (so activations and gradients of new shapes crossed)."""
+    _, results = pp2
+    stages = [r["probe"] for r in results["gpt-variable-length"]]
+    assert stages[0] == stages[1]
+    assert len(set(stages[0][:5])) > 1, f"the first 5 batches were all cut to one length: {stages[0]}"
 
 
 @pytest.mark.timeout(600)
