@@ -64,7 +64,12 @@ class FailureWatchdog:
         return self
 
     def stop(self) -> None:
+        """End the thread, then mark this rank done. The thread is joined (within a bound): a daemon thread
+        still inside a store call when the interpreter exits aborts the process ("terminate called without
+        an active exception"), which happened to a rank of the 2-host test after its work was saved."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=max(10.0, 2 * self.interval))
         try:
             self.store.set(f"lp/hb/{self.rank}", "done")
         except Exception:  # the store may already be gone at the very end of a job
