@@ -157,7 +157,7 @@ class PeerLink:
         work, message = self._posted.pop((src, tag))
         work.wait()
         header = decode_header(_header_of(message))
-        follow = header[2]
+        _, _, follow = header
         if follow:
             self._predicted[("recv", src, tag)] = follow
             message = torch.empty(follow, dtype=torch.uint8, device=self._wire)
