@@ -1,0 +1,187 @@
+"""The model zoo: tiny configs of the model families users bring, as they would wrap them.
+
+Each is an ordinary LightningModule around a model built with the family's own code (``from_config``
+for Hugging Face, never a download): next-token prediction on ``tests.helpers.tp_models:TokenData``
+(vocabulary 32, 8 tokens). Nothing here knows about lightning_parallel.
+
+    hf_gpt2         transformers GPT2LMHeadModel: Conv1D layers, fused c_attn, tied wte / lm_head
+    hf_llama        transformers LlamaForCausalLM: grouped-query attention (4 / 2 heads), SwiGLU, RoPE
+    hf_bert         transformers BertForMaskedLM: an encoder; q/k/v named query/key/value, the MLP split
+                    over two submodules (intermediate.dense, output.dense), tied decoder
+    torch_encoder   nn.TransformerEncoder (its forward reads layers[0].self_attn) with a causal mask
+    lightning_demo  lightning.pytorch.demos.Transformer: a whole nn.Transformer (two stacks)
+    inline_mlp      a GPT whose block computes its MLP inline: down(silu(gate(x)) * up(x)), no submodule
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+__all__ = ["ZooLM", "ARCHITECTURES", "InlineMLPGPT", "build", "parameter_count"]
+
+VOCAB, BLOCK = 32, 8
+
+
+def _hf_gpt2(width: int, layers: int, heads: int) -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=VOCAB, n_positions=BLOCK, n_embd=width, n_layer=layers, n_head=heads,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    return GPT2LMHeadModel(config)
+
+
+def _hf_llama(width: int, layers: int, heads: int) -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=heads // 2, max_position_embeddings=BLOCK)
+    return LlamaForCausalLM(config)
+
+
+def _hf_bert(width: int, layers: int, heads: int) -> nn.Module:
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(vocab_size=VOCAB, hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads,
+                        intermediate_size=2 * width, max_position_embeddings=BLOCK, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)
+    return BertForMaskedLM(config)
+
+
+class _Logits(nn.Module):
+    """A Hugging Face model called the way users call it, returning the logits."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(input_ids=idx).logits
+
+
+class TorchEncoderLM(nn.Module):
+    """Embedding, ``nn.TransformerEncoder`` with a causal mask, linear head."""
+
+    def __init__(self, width: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(VOCAB, width)
+        self.pos = nn.Parameter(torch.randn(BLOCK, width) * 0.02)
+        layer = nn.TransformerEncoderLayer(width, heads, 2 * width, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(width, VOCAB)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.embedding(idx) + self.pos[: idx.shape[1]]
+        mask = nn.Transformer.generate_square_subsequent_mask(idx.shape[1], dtype=x.dtype)
+        return self.head(self.encoder(x, mask=mask, is_causal=True))
+
+
+class LightningDemo(nn.Module):
+    """``lightning.pytorch.demos.Transformer`` (encoder and decoder stacks), fed the input as the source
+    and the target as the decoder's input, as its own ``LightningTransformer`` does."""
+
+    def __init__(self, width: int, layers: int, heads: int) -> None:
+        super().__init__()
+        from lightning.pytorch.demos import Transformer
+
+        self.model = Transformer(vocab_size=VOCAB, ninp=width, nhead=heads, nhid=2 * width, nlayers=layers,
+                                 dropout=0.0)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.model(idx, idx).view(idx.shape[0], idx.shape[1], VOCAB)
+
+
+class InlineBlock(nn.Module):
+    """Pre-norm block with hand-written attention and an MLP computed inline in ``forward``."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.n_head = heads
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width, bias=False)
+        self.out = nn.Linear(width, width, bias=False)
+        self.gate = nn.Linear(width, 2 * width, bias=False)
+        self.up = nn.Linear(width, 2 * width, bias=False)
+        self.down = nn.Linear(2 * width, width, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(C, dim=-1)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(y.transpose(1, 2).reshape(B, T, C))
+        h = self.norm2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class InlineMLPGPT(nn.Module):
+    """A GPT of ``InlineBlock``s with a fused q/k/v projection and a head tied to the embedding."""
+
+    def __init__(self, width: int, layers: int, heads: int, vocab: int = VOCAB, block: int = BLOCK) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(block, width)
+        self.blocks = nn.ModuleList(InlineBlock(width, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+ARCHITECTURES: dict[str, Callable[[int, int, int], nn.Module]] = {
+    "hf_gpt2": lambda w, n, h: _Logits(_hf_gpt2(w, n, h)),
+    "hf_llama": lambda w, n, h: _Logits(_hf_llama(w, n, h)),
+    "hf_bert": lambda w, n, h: _Logits(_hf_bert(w, n, h)),
+    "torch_encoder": TorchEncoderLM,
+    "lightning_demo": LightningDemo,
+    "inline_mlp": InlineMLPGPT,
+}
+
+
+def build(arch: str, width: int = 16, layers: int = 2, heads: int = 4) -> nn.Module:
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown zoo architecture {arch!r}; choose from {sorted(ARCHITECTURES)}")
+    return ARCHITECTURES[arch](width, layers, heads)
+
+
+class ZooLM(LightningModule):
+    """Next-token prediction with a zoo model; plain SGD by default (an update proportional to the
+    gradient shows every difference), or AdamW."""
+
+    def __init__(self, arch: str = "hf_llama", width: int = 16, layers: int = 2, heads: int = 4,
+                 lr: float = 0.5, optimizer: str = "sgd") -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = build(arch, width, layers, heads)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        return self.net(idx)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self(x).flatten(0, 1), y.flatten()))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        if self.hparams.optimizer == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+def parameter_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
