@@ -1,9 +1,13 @@
 """Cut an unmodified module into pipeline stages without rewriting its ``forward``.
 
-The block stack (an ``nn.ModuleList`` looped over in ``forward``, or an ``nn.Sequential``) is found by
-size. Each stage keeps a contiguous range of blocks; the others are replaced by ``_Skip`` (no
-parameters, passes its first argument through), so indices and parameter names stay as they were. Two
-hooks turn the user's own ``forward`` into a stage:
+The block stack (an ``nn.ModuleList`` looped over in ``forward``, or an ``nn.Sequential``) is the one
+with the most parameters, unless named. Each stage keeps a contiguous range of blocks. The blocks held
+by other stages stay in place, the same objects of the same classes with the same attributes and
+submodules (the model's own code may read them: ``nn.TransformerEncoder`` reads ``layers[0].self_attn``),
+but their parameters and buffers become meta tensors held as plain attributes, outside the module's
+registry: ``parameters()``, ``state_dict()`` and the optimizer see only this stage's tensors, under the
+single-device names, and a held-elsewhere block stores nothing. Calling such a block returns its first
+input. Two hooks turn the user's own ``forward`` into a stage:
 
 - on the first block of a stage (but the first stage), a pre-hook swaps the input for the activation
   received from the previous stage (extra per-block arguments, e.g. a mask computed in ``forward``,
@@ -11,9 +15,9 @@ hooks turn the user's own ``forward`` into a stage:
 - on the last block of a stage (but the last stage), a hook raises ``StageOutput`` with the block's
   output: the rest of ``forward`` and of ``training_step`` belongs to later stages.
 
-Modules outside the stack (embeddings, final norm, head) stay on every stage, replicated: the first
-stage's embedding and the last stage's head do the work, and their gradients are summed over the
-pipeline group so every copy takes the same step.
+Modules outside the stack (embeddings, final norm, head, and any other block stack, e.g. the encoder
+of an ``nn.Transformer`` whose decoder is pipelined) stay on every stage, replicated: each stage runs
+them, and their gradients are summed over the pipeline group so every copy takes the same step.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from typing import Any, Optional, Sequence, Union
 
 from torch import Tensor, nn
 
-__all__ = ["StageOutput", "StageInput", "find_block_stack", "balance", "block_parameters", "stage_bounds", "StagePartition", "partition"]
+__all__ = ["StageInput", "StageOutput", "StagePartition", "balance", "block_parameters", "find_block_stack",
+           "hold_elsewhere", "other_stacks", "partition", "stage_bounds"]
 
 
 class StageOutput(BaseException):
@@ -43,17 +48,18 @@ class StageInput:
     used: Optional[Any] = None
 
 
-class _Skip(nn.Module):
-    """Stands in for a block that lives on another stage."""
+def _candidate_stacks(module: nn.Module) -> dict[str, nn.Module]:
+    return {n: m for n, m in module.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2}
 
-    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        return x
+
+def _parameter_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
 
 
 def find_block_stack(module: nn.Module, name: Optional[str] = None) -> tuple[str, nn.Module]:
     """The block stack: ``name`` if given, else the ModuleList/Sequential (>= 2 children) with the most
     parameters (the shallowest on a tie)."""
-    stacks = {n: m for n, m in module.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2}
+    stacks = _candidate_stacks(module)
     if name is not None:
         if name not in stacks:
             raise ValueError(f"block stack {name!r} is not an nn.ModuleList/nn.Sequential of the module; candidates: "
@@ -64,8 +70,19 @@ def find_block_stack(module: nn.Module, name: Optional[str] = None) -> tuple[str
             f"{type(module).__name__} has no block stack to pipeline: looked for an nn.ModuleList looped over in "
             "forward, or an nn.Sequential, with at least 2 blocks. Put the repeated layers in one of those."
         )
-    best = max(stacks, key=lambda n: (sum(p.numel() for p in stacks[n].parameters()), -n.count(".")))
+    best = max(stacks, key=lambda n: (_parameter_count(stacks[n]), -n.count(".")))
     return best, stacks[best]
+
+
+def other_stacks(module: nn.Module, chosen: str) -> list[str]:
+    """The candidate stacks that are not pipelined: neither inside ``chosen`` nor holding it (e.g. the
+    encoder when the decoder of an ``nn.Transformer`` is chosen). They run whole on every stage."""
+    return [n for n in _candidate_stacks(module) if not (_within(n, chosen) or _within(chosen, n))]
+
+
+def _within(inner: str, outer: str) -> bool:
+    """Whether the module named ``inner`` is ``outer`` or inside it (names from ``named_modules``)."""
+    return outer == "" or inner == outer or inner.startswith(f"{outer}.")
 
 
 def block_parameters(stack: nn.Module) -> list[int]:
@@ -140,30 +157,88 @@ class StagePartition:
     stage: int
     io: StageInput = field(default_factory=StageInput)
     owned: list[str] = field(default_factory=list)  # names of this stage's parameters that live nowhere else
+    unpipelined: list[str] = field(default_factory=list)  # other candidate stacks, run whole on every stage
 
     @property
     def num_stages(self) -> int:
         return len(self.bounds)
 
+    def describe_stack(self) -> str:
+        """Which stack is pipelined, and which other candidates run whole on every stage."""
+        text = f"block stack {self.stack_name!r} ({sum(b - a for a, b in self.bounds)} blocks) is pipelined"
+        if not self.unpipelined:
+            return text
+        others = ", ".join(repr(n) for n in self.unpipelined)
+        return (f"{text}; other stacks run whole on every stage, replicated: {others} (block_stack=<name> "
+                "pipelines another)")
+
 
 def partition(module: nn.Module, num_stages: int, stage: int, stack_name: Optional[str] = None,
               split_points: Optional[Sequence[Union[str, int]]] = None,
               costs: Optional[Sequence[float]] = None) -> StagePartition:
-    """Keep this stage's blocks in ``module`` (in place) and install the stage-boundary hooks."""
+    """Keep this stage's blocks in ``module`` (in place), hold the others elsewhere (``hold_elsewhere``)
+    and install the stage-boundary hooks."""
     name, stack = find_block_stack(module, stack_name)
     bounds = stage_bounds(name, stack, num_stages, split_points, costs)
-    part = StagePartition(stack_name=name, bounds=bounds, stage=stage)
+    part = StagePartition(stack_name=name, bounds=bounds, stage=stage, unpipelined=other_stacks(module, name))
     start, end = bounds[stage]
-    for i in range(len(stack)):
-        if not start <= i < end:
-            stack[i] = _Skip()
     prefix = f"{name}." if name else ""
     part.owned = [f"{prefix}{i}.{n}" for i in range(start, end) for n, _ in stack[i].named_parameters()]
+    hold_elsewhere(module, stack, [i for i in range(len(stack)) if not start <= i < end])
     if stage > 0:
         stack[start].register_forward_pre_hook(_take_received_input(part.io), with_kwargs=True)
     if stage < num_stages - 1:
         stack[end - 1].register_forward_hook(_end_of_stage)
     return part
+
+
+def hold_elsewhere(root: nn.Module, stack: nn.Module, indices: Sequence[int]) -> None:
+    """Make the blocks ``stack[i]`` for ``i`` in ``indices`` (held by other stages) return their first
+    input when called, and free their parameters and buffers: each becomes a meta tensor of the same
+    shape, dtype and class held as a plain attribute, so reading it works but no registry
+    (``parameters``, ``state_dict``, ``to``) sees it. Submodules that ``root`` also reaches other than
+    through those blocks (shared with this stage's part) keep their tensors."""
+    kept = _reachable(root, stack, {str(i) for i in indices})
+    for i in indices:
+        block = stack[i]
+        if id(block) in kept:
+            raise ValueError(f"block {i} of the stack, a {type(block).__name__}, is also used by another block or "
+                             "module of the model; pipelined blocks must be distinct modules.")
+        block.forward = _first_input
+        for sub in block.modules():
+            if id(sub) not in kept:
+                _free_tensors(sub)
+
+
+def _reachable(root: nn.Module, stack: nn.Module, skipped: set[str]) -> set[int]:
+    """ids of the modules reached from ``root`` without entering ``stack``'s children named in ``skipped``."""
+    seen: set[int] = set()
+    todo = [root]
+    while todo:
+        module = todo.pop()
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        todo.extend(child for name, child in module._modules.items()
+                    if child is not None and not (module is stack and name in skipped))
+    return seen
+
+
+def _free_tensors(module: nn.Module) -> None:
+    """Move ``module``'s own parameters and buffers out of its registry, as meta tensors."""
+    for name, param in list(module._parameters.items()):
+        del module._parameters[name]
+        meta = None if param is None else nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        object.__setattr__(module, name, meta)
+    for name, buffer in list(module._buffers.items()):
+        del module._buffers[name]
+        module._non_persistent_buffers_set.discard(name)
+        object.__setattr__(module, name, None if buffer is None else buffer.to("meta"))
+
+
+def _first_input(*args: Any, **kwargs: Any) -> Any:
+    """The forward of a block held by another stage: its first argument, unchanged."""
+    return args[0] if args else next(iter(kwargs.values()))
 
 
 def _take_received_input(io: StageInput):

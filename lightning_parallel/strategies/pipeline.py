@@ -75,7 +75,9 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         balance: how stages are chosen when ``split_points`` is None: ``"parameters"`` (equal parameter
             counts) or ``"time"`` (each block's forward + backward time measured on the first micro-batch
             before training, averaged over ranks; the random state is left as it was).
-        block_stack: name of the ``nn.ModuleList``/``nn.Sequential`` to split; None finds the largest.
+        block_stack: name of the ``nn.ModuleList``/``nn.Sequential`` to split; None takes the one with the
+            most parameters (of an ``nn.Transformer``, the decoder's layers). Other stacks run whole on
+            every stage, like an embedding; rank 0 names both at start-up.
         timeline_step: the step whose timeline is written (Chrome trace + SVG) to the run's folder.
         **kwargs: process plumbing, as for Lightning's ``DDPStrategy``.
     """
@@ -245,7 +247,8 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
                  f"{r['parameters']:,} parameters in its blocks + {r['replicated']:,} replicated outside the stack"
                  + ("" if r["seconds"] is None else f", {1e3 * r['seconds']:.2f} ms forward+backward measured")
                  for r in parts]
-        rank_zero_info(f"Pipeline stages (balance={self.balance!r}):\n" + "\n".join(lines))
+        rank_zero_info(f"Pipeline stages (balance={self.balance!r}); {self.partition.describe_stack()}:\n"
+                       + "\n".join(lines))
 
     def _scaler(self) -> Optional[Any]:
         """The precision plugin's enabled GradScaler (16-mixed), or None."""

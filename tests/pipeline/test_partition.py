@@ -1,3 +1,6 @@
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -5,7 +8,14 @@ from torch import nn
 from lightning_parallel.models import CharGPT
 from lightning_parallel.pipeline.executor import split_microbatches
 from lightning_parallel.pipeline.partition import (
-    StageOutput, _Skip, balance, find_block_stack, partition, stage_bounds)
+    StageOutput,
+    balance,
+    find_block_stack,
+    hold_elsewhere,
+    other_stacks,
+    partition,
+    stage_bounds,
+)
 
 
 def test_finds_the_modulelist_of_a_gpt_and_the_sequential_of_an_mlp():
@@ -42,11 +52,64 @@ def test_a_stage_keeps_only_its_blocks_under_their_names_and_stops_at_its_end():
     gpt = CharGPT(n_layer=4, vocab_size=16, block_size=8, n_embd=16)
     x = torch.randint(0, 16, (2, 8))
     part = partition(gpt, num_stages=2, stage=0)
-    assert isinstance(gpt.model.blocks[2], _Skip) and not isinstance(gpt.model.blocks[1], _Skip)
+    assert not any(n.startswith("model.blocks.2.") for n in gpt.state_dict())
+    assert any(n.startswith("model.blocks.1.") for n, _ in gpt.named_parameters())
     assert all(n.startswith(("model.blocks.0.", "model.blocks.1.")) for n in part.owned)
     with pytest.raises(StageOutput) as out:
         gpt(x)
     assert out.value.tensor.shape == (2, 8, 16)
+
+
+def _encoder() -> nn.TransformerEncoder:
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+
+def test_a_block_held_elsewhere_keeps_its_class_and_attributes_and_frees_its_tensors():
+    """nn.TransformerEncoder.forward reads layers[0].self_attn (and, in eval mode, its tensors) on every
+    stage: the block stays, and its parameters become meta tensors outside the registry."""
+    torch.manual_seed(0)
+    encoder, x = _encoder(), torch.randn(2, 5, 16)
+    full = encoder(x).detach()
+    first = encoder.layers[0]
+    weight = weakref.ref(first.self_attn.in_proj_weight)
+    received = first(x).detach()
+    part = partition(encoder, num_stages=2, stage=1)
+    gc.collect()
+    assert weight() is None  # the stage holds no memory of the block it does not run
+    assert encoder.layers[0] is first and type(first) is nn.TransformerEncoderLayer
+    assert first.self_attn.batch_first and first.self_attn.in_proj_weight.is_meta
+    assert first.self_attn.in_proj_weight.shape == (48, 16) and isinstance(first.linear1.weight, nn.Parameter)
+    assert [n for n, _ in encoder.named_parameters()] == part.owned and all(n.startswith("layers.1.") for n in part.owned)
+    assert set(encoder.state_dict()) == set(part.owned)
+    for mode in (encoder.train, encoder.eval):  # eval: the fast-path checks read layers[0]'s tensors
+        mode()
+        part.io.pending = received
+        with torch.no_grad():
+            torch.testing.assert_close(encoder(x), full, atol=1e-5, rtol=0)
+
+
+def test_a_submodule_shared_with_the_stage_keeps_its_tensors_and_a_shared_block_is_refused():
+    shared = nn.Linear(2, 2)
+    root = nn.ModuleDict({"blocks": nn.ModuleList([nn.Sequential(shared), nn.Linear(2, 2)]), "head": shared})
+    hold_elsewhere(root, root["blocks"], [0])
+    assert not shared.weight.is_meta and "head.weight" in root.state_dict()
+    same = nn.Linear(2, 2)
+    stack = nn.ModuleList([same, same])
+    with pytest.raises(ValueError, match="block 1 of the stack, a Linear, is also used by another block"):
+        hold_elsewhere(stack, stack, [1])
+
+
+def test_a_two_stack_model_names_its_chosen_stack_and_the_other():
+    model = nn.Transformer(16, 4, 2, 2, 32, batch_first=True)
+    assert find_block_stack(model)[0] == "decoder.layers"  # larger: cross-attention
+    assert other_stacks(model, "decoder.layers") == ["encoder.layers"]
+    part = partition(model, num_stages=2, stage=0)
+    assert part.stack_name == "decoder.layers" and part.unpipelined == ["encoder.layers"]
+    text = part.describe_stack()
+    assert "'decoder.layers' (2 blocks) is pipelined" in text and "'encoder.layers'" in text and "block_stack=" in text
+    assert "other stacks" not in partition(_encoder(), 2, 0).describe_stack()
+    assert other_stacks(CharGPT(n_layer=2), "model.blocks") == []  # stacks inside the blocks are not others
 
 
 def test_split_microbatches_is_even_when_it_can_be_and_refuses_too_small_batches():
