@@ -1,9 +1,8 @@
 """Models for pipeline tests: plain user code."""
 
 import torch
-from lightning.pytorch import LightningModule
 from torch import nn
-from torch.utils.data import DataLoader, default_collate
+from torch.utils.data import DataLoader, Subset, default_collate
 
 from tests.helpers.models import MLP
 from tests.helpers.tp_models import TokenData
@@ -22,12 +21,13 @@ class SequentialNet(MLP):
         self.net = nn.Sequential(*layers)
 
 
-class AsyncRuleEmulation(SequentialNet):
-    """One process, plain SGD written out: W(t+1) = W(t) - lr * grad f_t(W(t-1)), W(-1) = W(0).
-    The documented rule of the async pipeline schedule, to compare it with."""
+class AsyncRule:
+    """Mixin for a LightningModule: one process, plain SGD written out, W(t+1) = W(t) - lr * grad f_t(W(t-1)),
+    W(-1) = W(0), with f_t the module's own ``training_step`` loss on batch t. The documented rule of the
+    async pipeline schedule, to compare it with. The optimizer must be plain SGD."""
 
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.automatic_optimization = False
         self.previous = None
 
@@ -39,9 +39,8 @@ class AsyncRuleEmulation(SequentialNet):
         with torch.no_grad():
             for p, old in zip(params, self.previous):
                 p.copy_(old)
-        x, y = batch
-        loss = nn.functional.mse_loss(self(x), y)
-        grads = torch.autograd.grad(loss, params)
+        loss = super().training_step(batch, batch_idx)
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
         with torch.no_grad():
             for p, now, g in zip(params, current, grads):
                 p.copy_(now)
@@ -49,6 +48,10 @@ class AsyncRuleEmulation(SequentialNet):
         self.optimizers().step()  # plain SGD: W(t) - lr * g
         self.previous = current
         return loss.detach()
+
+
+class AsyncRuleEmulation(AsyncRule, SequentialNet):
+    """``SequentialNet`` trained by the async rule on one process."""
 
 
 class _Lift(nn.Module):
@@ -134,6 +137,13 @@ class MetricNet(SequentialNet):
         x, y = batch
         self.val_mae(self(x), y)
         self.log("val_mae", self.val_mae)
+
+
+class TokenDataWithValidation(TokenData):
+    """``TokenData`` whose validation set is its first 32 windows, in order."""
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(Subset(self.dataset, range(32)), batch_size=self.batch_size)
 
 
 class VariableLengthTokens(TokenData):

@@ -22,7 +22,9 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-__all__ = ["ZooLM", "ARCHITECTURES", "InlineMLPGPT", "build", "parameter_count"]
+from tests.helpers.pp_models import AsyncRule
+
+__all__ = ["ARCHITECTURES", "AsyncZooLM", "InlineMLPGPT", "ZooLM", "build", "parameter_count"]
 
 VOCAB, BLOCK = 32, 8
 
@@ -180,6 +182,10 @@ class ZooLM(LightningModule):
         if self.hparams.optimizer == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+class AsyncZooLM(AsyncRule, ZooLM):
+    """A zoo model trained by the async pipeline's rule on one process (``pp_models.AsyncRule``); SGD."""
 
 
 def parameter_count(module: nn.Module) -> int:
