@@ -29,6 +29,7 @@ from lightning_parallel.distributed.state import broadcast_module_states
 from lightning_parallel.sharded_checkpoint import ShardLayout
 from lightning_parallel.strategies.base import ParallelStrategyBase
 from lightning_parallel.tensor import Plan, ResolvedPlan, apply_plan, parse_plan, resolve
+from lightning_parallel.tensor.coverage import check_coverage, sample_forward
 from lightning_parallel.tensor.layers import SharedEntry, _TPLayer
 from lightning_parallel.tensor.state import (
     full_optimizer_state,
@@ -72,6 +73,8 @@ class TensorParallelStrategy(ParallelStrategyBase):
         plan: ``"auto"``, a dict of module-name patterns to styles, a YAML file path, or a ``Plan``.
         verify_plan: on the first batch, also run the unsharded module and fail with the largest
             difference if the outputs disagree.
+        require_sharded: the least share of the model's parameters the plan must split; a plan that
+            splits less fails before training, naming what stayed whole and why. 0 accepts any plan.
         **kwargs: process plumbing, as for Lightning's ``DDPStrategy``.
     """
 
@@ -83,9 +86,12 @@ class TensorParallelStrategy(ParallelStrategyBase):
         data_parallel_size: int = 1,
         plan: Union[str, Path, Mapping[str, Any], Plan] = "auto",
         verify_plan: bool = False,
+        require_sharded: float = 0.2,
         **kwargs: Any,
     ) -> None:
         _positive("tensor_parallel_size", tensor_parallel_size, allow_none=True)
+        if not isinstance(require_sharded, (int, float)) or not 0 <= require_sharded <= 1:
+            raise ValueError(f"require_sharded must be a share between 0 and 1, got {require_sharded!r}")
         _positive("data_parallel_size", data_parallel_size)
         if kwargs.get("start_method", "popen") != "popen":
             raise ValueError(
@@ -100,6 +106,7 @@ class TensorParallelStrategy(ParallelStrategyBase):
         self.plan = plan
         self._plan = parsed
         self.verify_plan = verify_plan
+        self.require_sharded = float(require_sharded)
         self.resolved: Optional[ResolvedPlan] = None
         self._entries: list[SharedEntry] = []
         self._reference: Optional[dict[str, nn.Module]] = None
@@ -155,12 +162,11 @@ class TensorParallelStrategy(ParallelStrategyBase):
             broadcast_module_states(
                 module, src=0, group=None
             )  # every rank cuts its slice of the same weights
-            self.resolved = resolve(module, self._plan, tp)
+            self.resolved = resolve(module, self._plan, tp, run=sample_forward(module, self.batch_to_device))
+            check_coverage(module, self.resolved, self.require_sharded)
             if self.verify_plan:
                 self._keep_reference(module)
             self._entries = apply_plan(module, self.resolved, self.tp_group, self.mesh.tp_rank)
-            for name, why in self.resolved.report:
-                rank_zero_info(f"lp_tensor_parallel: {name} stays replicated: {why}")
         if dp > 1:
             self.reducer = GradientReducer(list(module.named_parameters()), group=self.dp_group)
         self._install_global_norm_clipping()

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional
 
 from torch import nn
 
@@ -32,8 +32,9 @@ __all__ = [
 ]
 
 
-def resolve(module: nn.Module, plan: Any, tp_size: int) -> ResolvedPlan:
-    """A validated plan for ``module``: ``"auto"``, a dict, a YAML path, or a ``Plan``."""
+def resolve(module: nn.Module, plan: Any, tp_size: int, run: Optional[Callable[[], Any]] = None) -> ResolvedPlan:
+    """A validated plan for ``module``: ``"auto"`` (traced from ``run()``, a forward on real inputs, when
+    given), a dict, a YAML path, or a ``Plan``."""
     if isinstance(plan, str) and plan == "auto":
-        return resolve_auto(module, tp_size)
+        return resolve_auto(module, tp_size, run)
     return resolve_plan(module, plan, tp_size)

@@ -1,6 +1,16 @@
-"""``plan="auto"``: find a sharding plan from the module's structure, conservatively.
+"""``plan="auto"``: find a sharding plan, from the real data flow when a forward can be run.
 
-What is sharded, and the evidence required:
+With a sample forward (``run``: the strategy passes the user's ``training_step`` on the first batch,
+the plan table ``example_input_array``), ``traced_plan.find_traced_plan`` reads the operator-level trace
+(``tensor.trace``) and keeps every column-parallel choice whose sharded values the model's own code
+handles correctly up to a row-parallel partner (``tensor.shard_flow``): MLP pairs in a submodule or
+inline, gated products (SwiGLU), attention through ``scaled_dot_product_attention`` or matmul-softmax,
+fused q/k/v split per chunk, grouped-query attention, ``Conv1D``; sizes written in ``forward`` (a head
+count, a split size) are divided through the attribute they are read from. A large layer whose output
+is needed whole (the output head) is column-parallel with a gathered output; tied weights are sharded
+alike or not at all. ``nn.MultiheadAttention`` and ``nn.Embedding`` are decided by type.
+
+Without a forward, the structural rules below apply, and the evidence required is:
 - ``nn.MultiheadAttention`` (and so ``nn.TransformerEncoderLayer``/``DecoderLayer``): heads split;
 - attention written by hand: a module with an integer head-count attribute (``n_head``, ``num_heads``,
   ...), three q/k/v-named ``nn.Linear`` of equal width and one output projection: q/k/v colwise, the
@@ -17,7 +27,7 @@ Everything else stays replicated, and the reason is reported.
 from __future__ import annotations
 
 import operator
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -33,6 +43,8 @@ from lightning_parallel.tensor.plan import (
     resolve_plan,
     tied_parameters,
 )
+from lightning_parallel.tensor.trace import is_projection, trace_dataflow
+from lightning_parallel.tensor.traced_plan import find_traced_plan
 
 __all__ = ["auto_plan", "resolve_auto"]
 
@@ -227,19 +239,69 @@ def _untie(finder: _Finder) -> None:
         finder.attributes = [a for a in finder.attributes if a.pattern.rpartition(".")[0] != parent]
 
 
-def auto_plan(module: nn.Module, tp_size: int) -> tuple[Plan, list[tuple[str, str]]]:
-    """A plan for ``module`` and the list of (name, reason) of what stays replicated."""
+def _traced(module: nn.Module, tp_size: int, run: Callable[[], Any]) -> _Finder:
+    """The plan proven by a trace of ``run``; MultiheadAttention and embeddings decided by type."""
     finder = _Finder(module, tp_size)
-    finder.run()
-    _untie(finder)
+    for name, m in module.named_modules():
+        if isinstance(m, nn.MultiheadAttention):
+            finder.mha(name, m)
+        elif isinstance(m, nn.Embedding):
+            finder.embedding(name, m)
+    trace = trace_dataflow(module, run)
+    found = find_traced_plan(trace, tp_size, sum(p.numel() for p in module.parameters()))
+    for name, chunks in found.columns.items():
+        finder.take(name, "colwise", **({"chunks": chunks} if chunks > 1 else {}))
+    for name in found.rows:
+        finder.take(name, "rowwise")
+    for name in found.gathered:
+        finder.take(name, "colwise", gather_output=True)
+    finder.attributes = [AttributeRule(f"{owner}.{attr}" if owner else attr, "divide")
+                         for owner, attr in sorted(found.attributes)]
+    for name, m in module.named_modules():
+        if is_projection(m) and name not in finder.layers and not finder._inside_taken(name):
+            finder.report.setdefault(name, found.reasons.get(name, "not called in the traced forward"))
+    return finder
+
+
+def _untie_inconsistent(finder: _Finder) -> None:
+    """A tied weight is sharded on every holder alike, or on none (repeated: replicating one holder can
+    make another tie inconsistent)."""
+    changed = True
+    while changed:
+        changed = False
+        for names in tied_parameters(finder.module).values():
+            holders = {n.rpartition(".")[0] for n in names}
+            rules = [finder.layers.get(h) for h in holders]
+            if all(r is None for r in rules) or all(
+                r is not None and (r.style == "vocab" or r.options.get("gather_output")) for r in rules
+            ):
+                continue
+            changed = True
+            for h in holders:
+                finder.layers.pop(h, None)
+                finder.report[h] = "holds a tied weight that another of its holders cannot shard alike"
+
+
+def auto_plan(
+    module: nn.Module, tp_size: int, run: Optional[Callable[[], Any]] = None
+) -> tuple[Plan, list[tuple[str, str]]]:
+    """A plan for ``module`` and the list of (name, reason) of what stays replicated; from a trace of
+    ``run()`` (a forward of ``module`` on real inputs) when given, else from the module's structure."""
+    if run is not None:
+        finder = _traced(module, tp_size, run)
+        _untie_inconsistent(finder)
+    else:
+        finder = _Finder(module, tp_size)
+        finder.run()
+        _untie(finder)
     return Plan(list(finder.layers.values()), finder.attributes), sorted(finder.report.items())
 
 
-def resolve_auto(module: nn.Module, tp_size: int) -> ResolvedPlan:
+def resolve_auto(module: nn.Module, tp_size: int, run: Optional[Callable[[], Any]] = None) -> ResolvedPlan:
     """``auto_plan`` resolved and validated like a written plan."""
-    plan, report = auto_plan(module, tp_size)
+    plan, report = auto_plan(module, tp_size, run)
     try:
-        resolved = resolve_plan(module, plan, tp_size)
+        resolved = resolve_plan(module, plan, tp_size, check_dataflow=run is None)
     except PlanError as err:  # a bug in the finder, not in the user's input
         raise PlanError(f"the automatic plan is inconsistent ({err}); write a plan instead") from err
     resolved.report = report

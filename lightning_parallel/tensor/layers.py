@@ -5,7 +5,8 @@ the same parameter names as the layer it replaces, so a module's ``state_dict`` 
 ``SHARDS`` on each layer says how every local tensor was cut from the full one; ``full_tensor`` and
 ``shard_tensor`` turn one into the other (checkpoints store full tensors).
 
-    ColumnParallelLinear      weight [out/tp, in]: output features split; output sharded or gathered
+    ColumnParallelLinear      weight [out/tp, in]: output features split (per packed chunk for a fused
+                              q|k|v); output sharded or gathered. Also for Conv1D (weight [in, out/tp])
     RowParallelLinear         weight [out, in/tp]: input features split, partial outputs all-reduced
     VocabParallelEmbedding    weight [V/tp, D]: rows split by token id, other ids masked, all-reduced
     ParallelMultiheadAttention  ``nn.MultiheadAttention`` with heads split: q/k/v column-, out row-parallel
@@ -42,6 +43,7 @@ __all__ = [
     "shard_tensor",
     "full_tensor",
     "TP_LAYERS",
+    "Conv1DType",
 ]
 
 
@@ -106,25 +108,42 @@ class _TPLayer(nn.Module):
         self.group, self.tp_size, self.tp_rank = group, tp_size, tp_rank
 
 
-class ColumnParallelLinear(_TPLayer):
-    """``nn.Linear`` with its output features split over the group."""
+def _linear_shape(layer: nn.Module) -> tuple[int, int, bool]:
+    """(in_features, out_features, transposed) of an ``nn.Linear`` or a Hugging Face ``Conv1D`` (weight
+    stored ``[in, out]``)."""
+    if isinstance(layer, nn.Linear):
+        return layer.in_features, layer.out_features, False
+    in_features, out_features = layer.weight.shape
+    return in_features, out_features, True
 
-    SHARDS = {"weight": ShardSpec(0), "bias": ShardSpec(0)}
+
+def _project(x: Tensor, weight: Tensor, bias: Optional[Tensor], transposed: bool) -> Tensor:
+    return F.linear(x, weight.t() if transposed else weight, bias)
+
+
+class ColumnParallelLinear(_TPLayer):
+    """``nn.Linear`` (or ``Conv1D``) with its output features split over the group. With ``chunks`` > 1
+    the output is that many packed blocks (a fused q|k|v) and each block is split, so every rank holds
+    its share of q, of k and of v."""
 
     def __init__(
         self,
-        linear: nn.Linear,
+        linear: nn.Module,
         group: Optional[dist.ProcessGroup],
         tp_size: int,
         tp_rank: int,
         gather_output: bool = False,
+        chunks: int = 1,
         entry: Optional[SharedEntry] = None,
     ) -> None:
         super().__init__()
-        _check_divisible("out_features", linear.out_features, tp_size)
+        self.in_features, self.out_features, self.transposed = _linear_shape(linear)
+        _check_divisible("out_features", self.out_features, tp_size * chunks)
         self._init_tp(group, tp_size, tp_rank)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.gather_output = gather_output
+        self.gather_output, self.chunks = gather_output, chunks
+        if gather_output and chunks > 1:
+            raise ValueError("gather_output=True needs chunks=1 (packed blocks would be gathered out of order)")
+        self.SHARDS = {"weight": ShardSpec(1 if self.transposed else 0, chunks), "bias": ShardSpec(0, chunks)}
         self.entry = entry or SharedEntry(group)
         self.weight = _new_param(linear.weight, self.SHARDS["weight"], tp_size, tp_rank)
         self.bias = (
@@ -132,47 +151,47 @@ class ColumnParallelLinear(_TPLayer):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        y = F.linear(self.entry(x), self.weight, self.bias)
+        y = _project(self.entry(x), self.weight, self.bias, self.transposed)
         return gather_from_group(y, self.group, -1) if self.gather_output else y
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features} "
-            f"(local {self.weight.shape[0]}), gather_output={self.gather_output}"
+            f"(local {self.out_features // self.tp_size}), gather_output={self.gather_output}, chunks={self.chunks}"
         )
 
 
 class RowParallelLinear(_TPLayer):
-    """``nn.Linear`` with its input features split; partial outputs are summed over the group."""
-
-    SHARDS = {"weight": ShardSpec(1)}
+    """``nn.Linear`` (or ``Conv1D``) with its input features split; partial outputs are summed over the
+    group."""
 
     def __init__(
         self,
-        linear: nn.Linear,
+        linear: nn.Module,
         group: Optional[dist.ProcessGroup],
         tp_size: int,
         tp_rank: int,
         input_is_parallel: bool = True,
     ) -> None:
         super().__init__()
-        _check_divisible("in_features", linear.in_features, tp_size)
+        self.in_features, self.out_features, self.transposed = _linear_shape(linear)
+        _check_divisible("in_features", self.in_features, tp_size)
         self._init_tp(group, tp_size, tp_rank)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
         self.input_is_parallel = input_is_parallel
+        self.SHARDS = {"weight": ShardSpec(0 if self.transposed else 1)}
         self.weight = _new_param(linear.weight, self.SHARDS["weight"], tp_size, tp_rank)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
 
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
             x = split_to_group(x, self.group, -1)
-        y = reduce_from_group(F.linear(x, self.weight), self.group)
+        y = reduce_from_group(_project(x, self.weight, None, self.transposed), self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (
-            f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
-            f"input_is_parallel={self.input_is_parallel}"
+            f"in_features={self.in_features} (local {self.in_features // self.tp_size}), "
+            f"out_features={self.out_features}, input_is_parallel={self.input_is_parallel}"
         )
 
 
@@ -320,10 +339,21 @@ class ParallelMultiheadAttention(_TPLayer):
         return f"embed_dim={self.embed_dim}, num_heads={self.full_num_heads} (local {self.num_heads})"
 
 
+class _Conv1DMeta(type):
+    """``isinstance(m, Conv1DType)`` is True for Hugging Face's ``Conv1D`` (without importing it)."""
+
+    def __instancecheck__(cls, instance: object) -> bool:
+        return type(instance).__name__ == "Conv1D" and hasattr(instance, "nf")
+
+
+# Stands for ``transformers.pytorch_utils.Conv1D`` in type checks (and is named so in messages).
+Conv1DType = _Conv1DMeta("Conv1D", (), {})
+
+
 # plan style -> (layer class, the module types it replaces)
 TP_LAYERS: dict[str, tuple[type, tuple[type, ...]]] = {
-    "colwise": (ColumnParallelLinear, (nn.Linear,)),
-    "rowwise": (RowParallelLinear, (nn.Linear,)),
+    "colwise": (ColumnParallelLinear, (nn.Linear, Conv1DType)),
+    "rowwise": (RowParallelLinear, (nn.Linear, Conv1DType)),
     "vocab": (VocabParallelEmbedding, (nn.Embedding,)),
     "attention": (ParallelMultiheadAttention, (nn.MultiheadAttention,)),
 }

@@ -29,7 +29,7 @@ from typing import Any, Mapping, Optional, Union
 import torch.distributed as dist
 from torch import nn
 
-from lightning_parallel.tensor.layers import TP_LAYERS, SharedEntry
+from lightning_parallel.tensor.layers import TP_LAYERS, SharedEntry, _linear_shape
 
 __all__ = [
     "PlanError",
@@ -49,7 +49,7 @@ __all__ = [
 
 STYLES = ("colwise", "rowwise", "vocab", "attention", "replicate")
 OPTIONS: dict[str, dict[str, Any]] = {
-    "colwise": {"gather_output": False},
+    "colwise": {"gather_output": False, "chunks": 1},
     "rowwise": {"input_is_parallel": True},
     "vocab": {},
     "attention": {},
@@ -226,7 +226,8 @@ def _no_match(pattern: str, names: list[str], what: str = "module") -> PlanError
 
 def _type_error(name: str, module: nn.Module, style: str) -> PlanError:
     expected = " or ".join(t.__name__ for t in TP_LAYERS[style][1])
-    suggest = {nn.Embedding: "vocab", nn.MultiheadAttention: "attention", nn.Linear: "colwise or rowwise"}
+    suggest = {nn.Embedding: "vocab", nn.MultiheadAttention: "attention", nn.Linear: "colwise or rowwise",
+               TP_LAYERS["colwise"][1][1]: "colwise or rowwise"}
     alt = next((s for t, s in suggest.items() if isinstance(module, t)), "replicate")
     return PlanError(
         f"style {style!r} applies to {expected}, but {name!r} is a {type(module).__name__}; "
@@ -249,9 +250,14 @@ def _check_layer(a: Assignment, tp: int) -> None:
     if not isinstance(m, TP_LAYERS[style][1]):
         raise _type_error(a.name, m, style)
     if style == "colwise":
-        _divisible(a.name, "out_features", m.out_features, tp, style)
+        chunks = a.options.get("chunks", 1)
+        if not isinstance(chunks, int) or chunks < 1:
+            raise PlanError(f"{a.name!r} (colwise): chunks={chunks!r} must be a positive integer (3 for a fused q|k|v)")
+        if chunks > 1 and a.options.get("gather_output"):
+            raise PlanError(f"{a.name!r} (colwise): gather_output needs chunks=1")
+        _divisible(a.name, "out_features", _linear_shape(m)[1], tp * chunks, style)
     elif style == "rowwise":
-        _divisible(a.name, "in_features", m.in_features, tp, style)
+        _divisible(a.name, "in_features", _linear_shape(m)[0], tp, style)
     elif style == "vocab":
         _divisible(a.name, "num_embeddings", m.num_embeddings, tp, style)
         if m.max_norm is not None or m.sparse or m.scale_grad_by_freq:
@@ -319,20 +325,37 @@ def tied_parameters(module: nn.Module) -> dict[int, list[str]]:
     return {k: v for k, v in names.items() if len(v) > 1}
 
 
+def _shard_dim(a: Assignment) -> int:
+    """The dimension along which ``a``'s weight is cut (vocab rows and Linear outputs alike: 0)."""
+    if a.style == "colwise":
+        return 1 if _linear_shape(a.module)[2] else 0
+    if a.style == "rowwise":
+        return 0 if _linear_shape(a.module)[2] else 1
+    return 0
+
+
 def _check_tied(module: nn.Module, sharded: list[Assignment]) -> None:
+    """A tied weight (an output head sharing the embedding's) may be sharded only where every holder cuts
+    it the same way (vocab embedding rows = column-parallel head rows, output not left sharded)."""
     tied = tied_parameters(module)
+    holders = {a.name: a for a in sharded}
     for a in sharded:
         for local, p in a.module.named_parameters(remove_duplicate=False):
             others = [n for n in tied.get(id(p), []) if not n.startswith(a.name + ".")]
-            if others:
-                raise PlanError(
-                    f"'{a.name}.{local}' is the same tensor as {others[0]!r} (tied weights); sharding one "
-                    "would untie them. Replicate both"
-                )
+            for other in others:
+                b = holders.get(other.rpartition(".")[0])
+                if b is None or _shard_dim(b) != _shard_dim(a) or b.options.get("chunks", 1) != 1 \
+                        or a.options.get("chunks", 1) != 1:
+                    raise PlanError(
+                        f"'{a.name}.{local}' is the same tensor as {other!r} (tied weights), and the plan does not "
+                        "shard both alike; shard both (the embedding as 'vocab', the head as "
+                        "{style: colwise, gather_output: true}), or replicate both"
+                    )
 
 
-def resolve_plan(module: nn.Module, plan: Any, tp_size: int) -> ResolvedPlan:
-    """Match ``plan`` against ``module``'s names and validate everything, without changing the module."""
+def resolve_plan(module: nn.Module, plan: Any, tp_size: int, check_dataflow: bool = True) -> ResolvedPlan:
+    """Match ``plan`` against ``module``'s names and validate everything, without changing the module.
+    ``check_dataflow=False`` skips the neighbour check of column/row pairs (a traced plan proved them)."""
     plan = parse_plan(plan)
     modules = dict(module.named_modules())
     names = [n for n in modules if n]
@@ -361,7 +384,8 @@ def resolve_plan(module: nn.Module, plan: Any, tp_size: int) -> ResolvedPlan:
                     f"remove one of the two"
                 )
     _check_tied(module, sharded)
-    _check_dataflow(sharded, modules)
+    if check_dataflow:
+        _check_dataflow(sharded, modules)
     attributes: list[tuple[str, str, int]] = []
     for rule in plan.attributes:
         owner_pattern, _, attr = rule.pattern.rpartition(".")
@@ -401,6 +425,8 @@ def apply_plan(
     entry operators (the strategy clears their caches after each step)."""
     tp = resolved.tp_size
     entries: dict[str, SharedEntry] = {}
+    tied = {n: names for names in tied_parameters(module).values() for n in names}
+    shared: dict[str, nn.Parameter] = {}  # a tied full weight's name -> the sharded parameter made for it
     for a in resolved.assignments:
         if a.style == "replicate":
             continue
@@ -412,6 +438,12 @@ def apply_plan(
             kwargs["entry"] = entries.setdefault(parent_name, SharedEntry(group))
         new = cls(a.module, group, tp, tp_rank, **kwargs)
         new.train(a.module.training)
+        for local, _ in list(new.named_parameters(recurse=False)):
+            for full in tied.get(f"{a.name}.{local}", []):
+                if full in shared:  # tied: both layers hold one sharded parameter
+                    setattr(new, local, shared[full])
+                else:
+                    shared[full] = getattr(new, local)
         setattr(parent, child, new)
     for owner, attr, value in resolved.attributes:
         setattr(module.get_submodule(owner), attr, value // tp)

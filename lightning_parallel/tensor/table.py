@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from lightning_parallel.tensor.layers import _linear_shape
 from lightning_parallel.tensor.plan import ResolvedPlan
 
 __all__ = ["PlanRow", "plan_rows", "params_per_rank", "collectives_per_step", "format_table"]
@@ -35,24 +36,18 @@ def _numel(m: nn.Module) -> int:
 
 def _local(a, tp: int) -> tuple[str, int, str, str]:
     m, style, opts = a.module, a.style, a.options
+    if style in ("colwise", "rowwise"):
+        n_in, n_out, transposed = _linear_shape(m)
+        local = [n_out // tp, n_in] if style == "colwise" else [n_out, n_in // tp]
+        shape = str(local[::-1] if transposed else local)
     if style == "colwise":
-        bias = 0 if m.bias is None else m.out_features // tp
-        fwd = f"all-gather {m.out_features}/tok" if opts.get("gather_output") else "-"
-        return (
-            f"[{m.out_features // tp}, {m.in_features}]",
-            m.weight.numel() // tp + bias,
-            fwd,
-            f"all-reduce {m.in_features}/tok",
-        )
+        bias = 0 if m.bias is None else n_out // tp
+        fwd = f"all-gather {n_out}/tok" if opts.get("gather_output") else "-"
+        return shape, m.weight.numel() // tp + bias, fwd, f"all-reduce {n_in}/tok"
     if style == "rowwise":
-        bias = 0 if m.bias is None else m.out_features
-        bwd = "-" if opts.get("input_is_parallel", True) else f"all-gather {m.in_features}/tok"
-        return (
-            f"[{m.out_features}, {m.in_features // tp}]",
-            m.weight.numel() // tp + bias,
-            f"all-reduce {m.out_features}/tok",
-            bwd,
-        )
+        bias = 0 if m.bias is None else n_out
+        bwd = "-" if opts.get("input_is_parallel", True) else f"all-gather {n_in}/tok"
+        return shape, m.weight.numel() // tp + bias, f"all-reduce {n_out}/tok", bwd
     if style == "vocab":
         return (
             f"[{m.num_embeddings // tp}, {m.embedding_dim}]",

@@ -37,3 +37,11 @@ def local_shards(trainer) -> dict:
     strategy = trainer.strategy
     layouts = {k: (v.dim, v.chunks, v.rank, v.size) for k, v in strategy.shard_layouts().items()}
     return {"keys": sorted(strategy.lightning_module.state_dict().keys()), "layouts": layouts}
+
+
+
+def tensor_parallel_plan(trainer) -> dict:
+    """The resolved plan's styles, what stayed whole and why, and the parameters this rank holds."""
+    resolved = trainer.strategy.resolved
+    return {"styles": resolved.styles(), "attributes": resolved.attributes, "report": resolved.report,
+            "local_parameters": sum(p.numel() for p in trainer.lightning_module.parameters())}

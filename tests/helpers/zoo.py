@@ -15,7 +15,7 @@ for Hugging Face, never a download): next-token prediction on ``tests.helpers.tp
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from lightning.pytorch import LightningModule
@@ -52,17 +52,6 @@ def _hf_bert(width: int, layers: int, heads: int) -> nn.Module:
                         intermediate_size=2 * width, max_position_embeddings=BLOCK, hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0)
     return BertForMaskedLM(config)
-
-
-class _Logits(nn.Module):
-    """A Hugging Face model called the way users call it, returning the logits."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, idx: Tensor) -> Tensor:
-        return self.model(input_ids=idx).logits
 
 
 class TorchEncoderLM(nn.Module):
@@ -102,7 +91,7 @@ class InlineBlock(nn.Module):
 
     def __init__(self, width: int, heads: int) -> None:
         super().__init__()
-        self.n_head = heads
+        self.n_head, self.n_embd = heads, width
         self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
         self.qkv = nn.Linear(width, 3 * width, bias=False)
         self.out = nn.Linear(width, width, bias=False)
@@ -111,11 +100,11 @@ class InlineBlock(nn.Module):
         self.down = nn.Linear(2 * width, width, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(self.norm1(x)).split(C, dim=-1)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(self.n_embd, dim=-1)  # as nanoGPT writes it
+        q, k, v = (t.view(B, T, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.out(y.transpose(1, 2).reshape(B, T, C))
+        x = x + self.out(y.transpose(1, 2).reshape(B, T, -1))
         h = self.norm2(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
 
@@ -140,9 +129,9 @@ class InlineMLPGPT(nn.Module):
 
 
 ARCHITECTURES: dict[str, Callable[[int, int, int], nn.Module]] = {
-    "hf_gpt2": lambda w, n, h: _Logits(_hf_gpt2(w, n, h)),
-    "hf_llama": lambda w, n, h: _Logits(_hf_llama(w, n, h)),
-    "hf_bert": lambda w, n, h: _Logits(_hf_bert(w, n, h)),
+    "hf_gpt2": _hf_gpt2,
+    "hf_llama": _hf_llama,
+    "hf_bert": _hf_bert,
     "torch_encoder": TorchEncoderLM,
     "lightning_demo": LightningDemo,
     "inline_mlp": InlineMLPGPT,
@@ -163,10 +152,12 @@ class ZooLM(LightningModule):
                  lr: float = 0.5, optimizer: str = "sgd") -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = build(arch, width, layers, heads)
+        self.model = build(arch, width, layers, heads)  # as users hold a Hugging Face model: self.model
 
     def forward(self, idx: Tensor) -> Tensor:
-        return self.net(idx)
+        if hasattr(self.model, "config"):  # a Hugging Face model, called the way users call it
+            return self.model(input_ids=idx).logits
+        return self.model(idx)
 
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch

@@ -74,7 +74,7 @@ def test_pattern_matching_nothing_lists_the_closest_names():
         (
             SmallGPT(),
             {"model.tok_emb": "colwise"},
-            r"style 'colwise' applies to Linear, but 'model.tok_emb' is a Embedding; use 'vocab' for it",
+            r"style 'colwise' applies to Linear or Conv1D, but 'model.tok_emb' is a Embedding; use 'vocab' for it",
         ),
         (
             SmallGPT(),
@@ -227,20 +227,17 @@ def test_named_plans_come_from_conf_plan():
         parse_plan("mpl")
 
 
-def test_tied_weights_are_not_sharded():
+def test_tied_weights_are_sharded_alike_or_not_at_all():
     gpt = SmallGPT()
     gpt.model.head.weight = gpt.model.tok_emb.weight
     with pytest.raises(
         PlanError,
         match=r"'model.tok_emb.weight' is the same tensor as 'model.head.weight' \(tied "
-        r"weights\); sharding one would untie them",
+        r"weights\), and the plan does not shard both alike",
     ):
         resolve_plan(gpt, {"model.tok_emb": "vocab"}, 2)
-    from lightning_parallel.tensor import resolve
-
-    resolved = resolve(gpt, "auto", 2)
-    assert "model.tok_emb" not in resolved.styles()
-    assert dict(resolved.report)["model.tok_emb"] == "holds a tied weight (shared with another layer)"
+    both = {"model.tok_emb": "vocab", "model.head": {"style": "colwise", "gather_output": True}}
+    assert resolve_plan(gpt, both, 2).styles() == {"model.tok_emb": "vocab", "model.head": "colwise"}
 
 
 def test_hydra_node_parses_like_the_file():

@@ -1,0 +1,74 @@
+"""What a plan covers, said at start-up, and refused when it splits (almost) nothing.
+
+``sample_forward`` gives ``plan="auto"`` the forward to trace: the user's ``training_step`` on the first
+training batch (or ``forward`` on ``example_input_array`` outside ``fit``), with random state, buffers,
+metrics and logs left as they were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_parallel.pipeline.logs import capture_logs
+from lightning_parallel.pipeline.profile import untouched
+from lightning_parallel.tensor.plan import PlanError, ResolvedPlan
+from lightning_parallel.tensor.table import collectives_per_step, plan_rows
+
+__all__ = ["check_coverage", "sample_forward", "sharded_share"]
+
+
+def sample_forward(module: Any, to_device: Callable[[Any], Any]) -> Callable[[], Any] | None:
+    """A callable running the module's real computation once, or None when there is nothing to run."""
+    trainer = getattr(module, "_trainer", None)
+    batch = None
+    if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+        try:
+            batch = next(iter(trainer.fit_loop._data_source.dataloader()))
+        except (StopIteration, TypeError, AttributeError):
+            batch = None
+    example = getattr(module, "example_input_array", None)
+    if batch is None and example is None:
+        return None
+
+    def run() -> Any:
+        with untouched(module), capture_logs(module, log_objects=False):
+            if batch is not None:
+                return module.training_step(to_device(batch), 0)
+            return module(*example) if isinstance(example, tuple) else module(example)
+
+    return run
+
+
+def sharded_share(module: nn.Module, resolved: ResolvedPlan) -> float:
+    """The share of the model's parameters that the plan splits over the ranks."""
+    total = sum(p.numel() for p in module.parameters())
+    split = {id(p): p.numel() for a in resolved.assignments if a.style != "replicate" for p in a.module.parameters()}
+    return sum(split.values()) / max(total, 1)
+
+
+def check_coverage(module: nn.Module, resolved: ResolvedPlan, required: float) -> None:
+    """Say what the plan covers (rank 0); fail before training if it splits less than ``required``."""
+    rows = plan_rows(module, resolved)
+    total = sum(p.numel() for p in module.parameters())
+    per_rank = sum(r.params_per_rank for r in rows)
+    forward, backward = collectives_per_step(rows)
+    share = sharded_share(module, resolved)
+    rank_zero_info(
+        f"lp_tensor_parallel: tp={resolved.tp_size} splits {share:.0%} of the parameters; each rank holds "
+        f"{per_rank:,} of {total:,} ({per_rank / max(total, 1):.0%}); {forward} collectives forward and "
+        f"{backward} backward per step"
+    )
+    for name, why in resolved.report:
+        rank_zero_info(f"lp_tensor_parallel: {name} stays replicated: {why}")
+    if share < required:
+        whole = "; ".join(f"{n}: {why}" for n, why in resolved.report[:8]) or "no layer was planned"
+        raise PlanError(
+            f"the plan splits only {share:.0%} of the model's parameters (require_sharded={required}): "
+            f"tensor parallelism would only add communication. Left whole: {whole}. Write a plan "
+            "(see docs/tensor_parallel.md and conf/plan/), or pass require_sharded=0 to train anyway"
+        )

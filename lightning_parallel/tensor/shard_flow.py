@@ -1,0 +1,283 @@
+"""Which values of a traced forward would be split over the tensor-parallel ranks, given the layers
+that are made column-parallel, and whether the model's own code still computes the right thing on them.
+
+A value's ``Layout`` describes each dimension as a list of factors (outer to inner); one factor, the
+sharded one, is split into ``tp`` contiguous blocks. ``view`` and ``reshape`` regroup factors (heads
+split out of the feature dimension, and merged back), ``split`` along a dimension made of chunks
+(fused q|k|v) cuts it per chunk, element-wise operations keep the layout when every other operand
+broadcasts over the sharded dimension, attention and batched matmuls keep a sharded batch or head
+dimension. Any other use of a sharded value is an ``Escape``: the rank would compute on part of the
+features something that needs all of them. A projection layer fed a value sharded on its input
+features, and only there, is a row-parallel partner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lightning_parallel.tensor.trace import Node
+
+__all__ = ["Demand", "Escape", "Layout", "entry_layout", "propagate"]
+
+Factor = tuple[int, bool]  # (size, is the sharded factor)
+
+
+class Escape(Exception):
+    """A sharded value reaches an operation that cannot run on a shard."""
+
+
+@dataclass(frozen=True)
+class Demand:
+    """A size written into the model's code (``view(B, T, self.n_head, -1)``, ``split(self.split_size)``)
+    that must be divided by tp on each rank; found on the module whose ``forward`` issued it."""
+
+    owner: str
+    value: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    dims: tuple[tuple[Factor, ...], ...]
+
+    @property
+    def sharded_dim(self) -> int:
+        return next(i for i, fs in enumerate(self.dims) if any(s for _, s in fs))
+
+    def shape(self) -> tuple[int, ...]:
+        out = []
+        for fs in self.dims:
+            n = 1
+            for size, _ in fs:
+                n *= size
+            out.append(n)
+        return tuple(out)
+
+    def features_split(self) -> bool:
+        """Sharded only on the last dimension, as its outermost factor: a row-parallel input."""
+        last = [f for f in self.dims[-1] if f[0] != 1]
+        return self.sharded_dim == len(self.dims) - 1 and bool(last) and last[0][1]
+
+
+def entry_layout(shape: Sequence[int], chunks: int = 1) -> Layout:
+    """The output of a column-parallel layer: its last dimension (``chunks`` packed blocks) sharded."""
+    n = shape[-1]
+    last: tuple[Factor, ...] = ((chunks, False), (n // chunks, True)) if chunks > 1 else ((n, True),)
+    return Layout(tuple(((s, False),) for s in shape[:-1]) + (last,))
+
+
+def _plain(shape: Sequence[int]) -> tuple[tuple[Factor, ...], ...]:
+    return tuple(((s, False),) for s in shape)
+
+
+def _dim(d: int, ndim: int) -> int:
+    return d + ndim if d < 0 else d
+
+
+def _regroup(layout: Layout, out_shape: Sequence[int], node: Node) -> Layout:
+    """Re-split the flat list of factors into dimensions of ``out_shape`` (a view)."""
+    factors = [list(f) for fs in layout.dims for f in fs if f[0] != 1]
+    dims: list[tuple[Factor, ...]] = []
+    i = 0
+    for size in out_shape:
+        group: list[Factor] = []
+        need = size
+        while need > 1:
+            if i >= len(factors):
+                raise Escape(f"{node.name}: cannot follow the sharded dimension into shape {tuple(out_shape)}")
+            fsize, sharded = factors[i]
+            if fsize <= need and need % fsize == 0:
+                group.append((fsize, sharded))
+                need //= fsize
+                i += 1
+            elif fsize % need == 0:  # split this factor: the outer part goes here
+                if sharded:
+                    group.append((need, True))
+                    factors[i] = [fsize // need, False]
+                else:
+                    group.append((need, False))
+                    factors[i] = [fsize // need, False]
+                need = 1
+            else:
+                raise Escape(f"{node.name}: shape {tuple(out_shape)} cuts across the sharded dimension")
+        dims.append(tuple(group) or ((1, False),))
+    return Layout(tuple(dims))
+
+
+def _check_split_factor(layout: Layout, tp: int, node: Node) -> None:
+    for fs in layout.dims:
+        for size, sharded in fs:
+            if sharded and size % tp:
+                raise Escape(f"{node.name}: the sharded factor has {size} parts, not divisible by tp={tp}")
+
+
+def _pointwise(node: Node, shapes: list, layouts: dict, out_ndim: int) -> Layout:
+    """All sharded operands agree; every other tensor operand broadcasts over the sharded dimension."""
+    sharded = [(r, layouts[r.key]) for r in node.inputs() if r.key in layouts]
+    first = sharded[0][1]
+    pos = first.sharded_dim - len(first.dims)  # from the right, as broadcasting aligns
+    for _, lay in sharded:
+        if lay.sharded_dim - len(lay.dims) != pos or lay.dims[lay.sharded_dim] != first.dims[first.sharded_dim]:
+            raise Escape(f"{node.name}: operands sharded differently")
+    for r in node.inputs():
+        if r.key not in layouts:
+            shape = shapes[r.key]
+            if len(shape) >= -pos and shape[pos] != 1:
+                raise Escape(f"{node.name}: combines a sharded value with a whole one ({tuple(shape)})")
+    dims = list(_plain(shapes[node.outputs[0].key]))
+    dims[out_ndim + pos] = first.dims[first.sharded_dim]
+    return Layout(tuple(dims))
+
+
+VIEWS = {"view", "_unsafe_view", "reshape", "_reshape_alias"}
+SAME = {"clone", "_to_copy", "detach", "alias", "contiguous", "lift_fresh", "to", "type_as"}
+REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "var", "std", "logsumexp", "norm", "linalg_vector_norm"}
+SOFTMAX = {"_softmax", "softmax", "_log_softmax", "log_softmax"}
+
+
+def propagate(node: Node, shapes: list, layouts: dict, tp: int, demands: list[Demand]) -> list[Layout | None]:
+    """The layouts of ``node``'s outputs given its inputs' (``layouts``: key -> Layout for sharded values).
+    Raises ``Escape`` when the node cannot run on shards; appends sizes that must be divided to
+    ``demands``."""
+    ins = node.inputs()
+    if not any(r.key in layouts for r in ins):
+        return [None] * len(node.outputs)
+    name = node.name
+    a = node.args
+    src = layouts.get(a[0].key) if a and hasattr(a[0], "key") else None
+    out_shapes = [shapes[o.key] if o is not None else None for o in node.outputs]
+    if name in VIEWS and src is not None:
+        out = _regroup(src, out_shapes[0], node)
+        _check_split_factor(out, tp, node)
+        # sizes as written (-1 stays -1). A size that splits heads out of the features must shrink on each
+        # rank; one that merges sharded dimensions is taken to be computed from the input's shape
+        size = a[1][out.sharded_dim]
+        if name == "view" and size != -1 and size < src.shape()[src.sharded_dim]:
+            demands.append(Demand(node.owner, size))
+        return [out]
+    if name == "expand" and src is not None:
+        d = src.sharded_dim + len(out_shapes[0]) - len(src.dims)
+        dims = list(_plain(out_shapes[0]))
+        dims[d] = src.dims[src.sharded_dim]
+        return [Layout(tuple(dims))]
+    if name in ("transpose", "t", "permute", "unsqueeze", "squeeze", "select", "slice", "narrow") and src is not None:
+        return [_rearrange(node, src, out_shapes[0])]
+    if name in ("split", "split_with_sizes", "unbind", "chunk") and src is not None:
+        return _split(node, src, out_shapes, demands)
+    if name == "cat":
+        return [_cat(node, layouts, out_shapes[0], shapes)]
+    if name in SOFTMAX and src is not None:
+        if _dim(a[1], len(src.dims)) == src.sharded_dim:
+            raise Escape(f"{name} over the sharded dimension")
+        return [src]
+    if name in REDUCTIONS and src is not None:
+        return [_reduce(node, src, out_shapes[0])]
+    if name in ("bmm", "baddbmm"):
+        return [_bmm(node, layouts, out_shapes[0])]
+    if "scaled_dot_product" in name:
+        return _attention(node, layouts, out_shapes, shapes)
+    if name in SAME or (node.func is not None and torch.Tag.pointwise in node.func.tags) or name in (
+            "native_dropout", "masked_fill", "where", "dropout"):
+        out = _pointwise(node, shapes, layouts, len(out_shapes[0]))
+        return [out if s is not None and len(s) == len(out.dims) else None for s in out_shapes]
+    raise Escape(f"{name} reads the sharded features")
+
+
+def _rearrange(node: Node, src: Layout, out_shape: Sequence[int]) -> Layout:
+    name, a, n = node.name, node.args, len(src.dims)
+    dims = list(src.dims)
+    if name in ("transpose", "t"):
+        d0, d1 = (0, 1) if name == "t" else (_dim(a[1], n), _dim(a[2], n))
+        dims[d0], dims[d1] = dims[d1], dims[d0]
+    elif name == "permute":
+        dims = [dims[_dim(d, n)] for d in a[1]]
+    elif name == "unsqueeze":
+        dims.insert(_dim(a[1], n + 1), ((1, False),))
+    elif name == "squeeze":
+        drop = [_dim(d, n) for d in (a[1] if isinstance(a[1], (list, tuple)) else [a[1]])] if len(a) > 1 else \
+            [i for i, fs in enumerate(dims) if all(s == 1 for s, _ in fs)]
+        dims = [fs for i, fs in enumerate(dims) if i not in drop or any(s != 1 for s, _ in fs)]
+    else:  # select / slice / narrow: fine on any dimension but the sharded one
+        d = _dim(a[1] if len(a) > 1 else 0, n)
+        if d == src.sharded_dim:
+            raise Escape(f"{name} along the sharded dimension")
+        if name == "select":
+            dims.pop(d)
+        else:
+            dims[d] = ((out_shape[d], False),)
+    return Layout(tuple(dims))
+
+
+def _split(node: Node, src: Layout, out_shapes: list, demands: list[Demand]) -> list[Layout | None]:
+    a, n = node.args, len(src.dims)
+    d = _dim(a[2] if len(a) > 2 else (a[1] if node.name == "unbind" and len(a) > 1 else 0), n) \
+        if node.name != "unbind" else _dim(a[1] if len(a) > 1 else 0, n)
+    if d != src.sharded_dim:
+        out = []
+        for s in out_shapes:
+            if s is None:
+                out.append(None)
+                continue
+            dims = list(src.dims)
+            if node.name == "unbind":
+                dims.pop(d)
+            else:
+                dims[d] = ((s[d], False),)
+            out.append(Layout(tuple(dims)))
+        return out
+    factors = [f for f in src.dims[d] if f[0] != 1]
+    sizes = {s[d] for s in out_shapes if s is not None}
+    if len(factors) == 2 and not factors[0][1] and factors[1][1] and sizes == {factors[1][0]}:
+        if node.name == "split":  # split(size): a written size of one chunk
+            demands.append(Demand(node.owner, a[1]))
+        dims = list(src.dims)
+        dims[d] = (factors[1],)
+        return [Layout(tuple(dims)) for _ in out_shapes]
+    raise Escape(f"{node.name} cuts the sharded dimension (not along packed chunks)")
+
+
+def _cat(node: Node, layouts: dict, out_shape: Sequence[int], shapes: list) -> Layout:
+    tensors = [t for t in node.args[0] if 0 not in shapes[t.key]]  # empty parts (a fresh KV cache) add nothing
+    d = _dim(node.args[1] if len(node.args) > 1 else 0, len(out_shape))
+    lays = [layouts.get(t.key) for t in tensors]
+    if any(lay is None for lay in lays) or len({(lay.sharded_dim, lay.dims[lay.sharded_dim]) for lay in lays}) != 1:
+        raise Escape("cat of sharded and whole values")
+    if lays[0].sharded_dim == d:
+        raise Escape("cat along the sharded dimension")
+    dims = list(lays[0].dims)
+    dims[d] = ((out_shape[d], False),)
+    return Layout(tuple(dims))
+
+
+def _reduce(node: Node, src: Layout, out_shape: Sequence[int]) -> Layout:
+    a, n = node.args, len(src.dims)
+    dims_arg = a[1] if len(a) > 1 and a[1] is not None else list(range(n))
+    reduced = {_dim(d, n) for d in (dims_arg if isinstance(dims_arg, (list, tuple)) else [dims_arg])}
+    if src.sharded_dim in reduced:
+        raise Escape(f"{node.name} over the sharded dimension")
+    if len(out_shape) == n:
+        return Layout(tuple(((1, False),) if i in reduced else fs for i, fs in enumerate(src.dims)))
+    return Layout(tuple(fs for i, fs in enumerate(src.dims) if i not in reduced))
+
+
+def _bmm(node: Node, layouts: dict, out_shape: Sequence[int]) -> Layout:
+    operands = [r for r in node.args if hasattr(r, "key")][-2:]
+    lays = [layouts.get(r.key) for r in operands]
+    if any(lay is None or lay.sharded_dim != 0 for lay in lays) or lays[0].dims[0] != lays[1].dims[0]:
+        raise Escape(f"{node.name} contracts or mixes the sharded dimension")
+    return Layout((lays[0].dims[0],) + _plain(out_shape[1:]))
+
+
+def _attention(node: Node, layouts: dict, out_shapes: list, shapes: list) -> list[Layout | None]:
+    q, k, v = node.args[:3]
+    lays = [layouts.get(t.key) for t in (q, k, v)]
+    if any(lay is None or lay.sharded_dim != 1 or not lay.dims[1][0][1] for lay in lays):
+        raise Escape("attention over values not all sharded by heads")
+    mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 and hasattr(node.args[3], "key") else None)
+    if hasattr(mask, "key") and (mask.key in layouts or (len(shapes[mask.key]) == 4 and shapes[mask.key][1] != 1)):
+        raise Escape("attention mask with a whole head dimension")
+    heads = shapes[q.key][1]
+    return [Layout(tuple(((s, i == 1),) for i, s in enumerate(shape)))
+            if shape is not None and len(shape) >= 2 and shape[1] == heads else None for shape in out_shapes]

@@ -1,0 +1,157 @@
+"""Megatron's patterns found in a traced forward: which projections are column-parallel, which are
+their row-parallel partners, which written sizes must be divided, and why everything else stays whole.
+
+Every projection starts as a column-parallel candidate. The sharded values are followed through the
+trace (``shard_flow.propagate``); a candidate is dropped when one of its values escapes, when it has no
+row-parallel partner, or when it is itself a partner. Repeat until nothing changes: what remains is
+correct by construction of the data flow, whatever the names or the nesting of the modules.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from lightning_parallel.tensor.shard_flow import Demand, Escape, entry_layout, propagate
+from lightning_parallel.tensor.trace import Trace, is_conv1d, is_projection
+
+__all__ = ["TracedPlan", "find_traced_plan", "out_features"]
+
+# attributes equal to a written size that are never the size to divide
+NOT_DIVIDED = re.compile(r"head_dim|head_size|layer_idx|groups|max_|position|vocab")
+HEAD_SHARE = 0.05  # an output head is worth a gathered column-parallel shard above this share of the model
+
+
+def out_features(m: nn.Module) -> int:
+    return m.nf if is_conv1d(m) else m.out_features
+
+
+@dataclass
+class TracedPlan:
+    columns: dict[str, int] = field(default_factory=dict)  # name -> packed chunks (3 for a fused q|k|v)
+    rows: set[str] = field(default_factory=set)
+    gathered: set[str] = field(default_factory=set)  # column-parallel with a gathered output
+    attributes: set[tuple[str, str]] = field(default_factory=set)  # (owner, attribute) to divide
+    reasons: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class _Flow:
+    failed: dict[str, str] = field(default_factory=dict)
+    rows: dict[str, set[str]] = field(default_factory=dict)
+    demands: list[tuple[Demand, frozenset]] = field(default_factory=list)
+
+
+def _chunks(trace: Trace, key: int, width: int) -> int:
+    """A projection output cut at once into k equal parts of the last dimension is k packed blocks."""
+    for node in trace.nodes:
+        if node.layer is None and node.args and getattr(node.args[0], "key", None) == key:
+            sizes = [trace.shapes[o.key][-1] for o in node.outputs if o is not None]
+            last = len(trace.shapes[key]) - 1
+            dim = node.args[2] if len(node.args) > 2 else 0
+            if node.name in ("split", "split_with_sizes") and dim in (-1, last) and len(set(sizes)) == 1 \
+                    and len(sizes) > 1 and sum(sizes) == width:
+                return len(sizes)
+            return 1
+    return 1
+
+
+def _run_flow(trace: Trace, columns: dict[str, int], tp: int) -> _Flow:
+    flow = _Flow()
+    layouts: dict[int, object] = {}
+    owners: dict[int, frozenset] = {}
+    for node in trace.nodes:
+        labeled = [r for r in node.inputs() if r.key in layouts]
+        sources = frozenset().union(*(owners[r.key] for r in labeled)) if labeled else frozenset()
+        if node.layer is not None:
+            module = trace.modules.get(node.layer)
+            if labeled:
+                first = node.inputs()[0] if node.inputs() else None
+                if is_projection(module) and len(labeled) == 1 and first is labeled[0] \
+                        and layouts[first.key].features_split():
+                    flow.rows.setdefault(node.layer, set()).update(sources)
+                else:
+                    for s in sources:
+                        flow.failed.setdefault(s, f"its sharded output is read whole by {node.layer}")
+            if node.layer in columns and node.outputs and node.outputs[0] is not None:
+                out = node.outputs[0]
+                layouts[out.key] = entry_layout(trace.shapes[out.key], columns[node.layer])
+                owners[out.key] = frozenset([node.layer])
+            continue
+        if not labeled:
+            continue
+        demands: list[Demand] = []
+        try:
+            outs = propagate(node, trace.shapes, layouts, tp, demands)
+        except Escape as escape:
+            for s in sources:
+                flow.failed.setdefault(s, f"{escape} (in {node.owner or 'the root module'})")
+            continue
+        flow.demands.extend((d, sources) for d in demands)
+        for o, layout in zip(node.outputs, outs):
+            if o is not None and layout is not None:
+                layouts[o.key], owners[o.key] = layout, sources
+    return flow
+
+
+def _divisible_attributes(module: nn.Module, value: int) -> list[str]:
+    return [k for k, v in vars(module).items()
+            if isinstance(v, int) and not isinstance(v, bool) and v == value and not k.startswith("_")
+            and not NOT_DIVIDED.search(k)]
+
+
+def find_traced_plan(trace: Trace, tp: int, total_params: int) -> TracedPlan:
+    """Column/row pairs, gathered heads and divided attributes proven by ``trace`` for ``tp`` ranks."""
+    plan = TracedPlan()
+    calls = {n.layer: n for n in trace.nodes if n.layer is not None and is_projection(trace.modules.get(n.layer))}
+    candidates: dict[str, int] = {}
+    for name, node in calls.items():
+        width = out_features(trace.modules[name])
+        k = _chunks(trace, node.outputs[0].key, width) if node.outputs and node.outputs[0] else 1
+        if width % (k * tp) == 0:
+            candidates[name] = k
+        else:
+            plan.reasons[name] = f"output width {width} is not divisible by tp={tp}" + (f" x {k} chunks" if k > 1 else "")
+    while True:
+        flow = _run_flow(trace, candidates, tp)
+        bad = dict(flow.failed)
+        for row in flow.rows:
+            if row in candidates:
+                bad.setdefault(row, "row-parallel partner of " + ", ".join(sorted(flow.rows[row])))
+        partnered = set().union(*flow.rows.values()) if flow.rows else set()
+        for name in candidates:
+            if name not in partnered:
+                bad.setdefault(name, "no row-parallel partner: its output is not reduced by a projection")
+        attributes: set[tuple[str, str]] = set()
+        for demand, sources in flow.demands:
+            found = _divisible_attributes(trace.modules.get(demand.owner, nn.Module()), demand.value)
+            if not found:
+                for s in sources:
+                    bad.setdefault(s, f"the size {demand.value} is written in the forward of {demand.owner!r} "
+                                      "and read from no attribute that could be divided")
+            attributes |= {(demand.owner, a) for a in found}
+        if not bad:
+            break
+        for name, why in bad.items():
+            candidates.pop(name, None)
+            plan.reasons[name] = why
+    plan.columns = candidates
+    plan.rows = set(flow.rows)
+    plan.attributes = attributes
+    for name in calls:
+        plan.reasons.pop(name, None) if name in plan.columns or name in plan.rows else None
+    vocabularies = {m.num_embeddings for m in trace.modules.values() if isinstance(m, nn.Embedding)}
+    for name in list(plan.reasons):
+        module = trace.modules[name]
+        if name not in plan.rows and _is_output_head(module, tp, total_params, vocabularies):
+            plan.gathered.add(name)
+            plan.reasons.pop(name)
+    return plan
+
+
+def _is_output_head(module: nn.Module | None, tp: int, total_params: int, vocabularies: set[int]) -> bool:
+    """A large Linear onto a vocabulary: worth its memory split even with its output gathered."""
+    return isinstance(module, nn.Linear) and module.out_features % tp == 0 and module.out_features in vocabularies \
+        and module.weight.numel() >= HEAD_SHARE * total_params
