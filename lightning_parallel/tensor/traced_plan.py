@@ -48,10 +48,12 @@ def _chunks(trace: Trace, key: int, width: int) -> int:
     """A projection output cut at once into k equal parts of the last dimension is k packed blocks."""
     for node in trace.nodes:
         if node.layer is None and node.args and getattr(node.args[0], "key", None) == key:
+            if node.name not in ("split", "split_with_sizes"):
+                return 1
             sizes = [trace.shapes[o.key][-1] for o in node.outputs if o is not None]
             last = len(trace.shapes[key]) - 1
             dim = node.args[2] if len(node.args) > 2 else 0
-            if node.name in ("split", "split_with_sizes") and dim in (-1, last) and len(set(sizes)) == 1 \
+            if dim in (-1, last) and len(set(sizes)) == 1 \
                     and len(sizes) > 1 and sum(sizes) == width:
                 return len(sizes)
             return 1

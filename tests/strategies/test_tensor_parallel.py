@@ -261,8 +261,10 @@ def test_ranks_hold_the_share_the_table_reports(tp2, name):
     """Parameters, not only compute, are split: what each rank holds equals the plan table's count."""
     tmp, results = tp2
     c = next(c for c in CASES_2 if c["name"] == name)
-    module = load_object(c["model"])(**c["model_kwargs"])
-    expected = params_per_rank(module, resolve(module, c["strategy"]["kwargs"]["plan"], 2))
+    module = load_object(c["model"])(**c["model_kwargs"]).double()  # the run's precision: 64-true
+    batch = next(iter(load_object(c["data"])(batch_size=16).train_dataloader()))
+    run = lambda: module.training_step(batch, 0)  # noqa: E731  (what the strategy traces for "auto")
+    expected = params_per_rank(module, resolve(module, c["strategy"]["kwargs"]["plan"], 2, run=run))
     total = sum(p.numel() for p in module.parameters())
     for rank in results[name]:
         held = sum(t.numel() for t in rank["state_dict"].values())
