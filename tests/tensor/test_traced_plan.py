@@ -1,0 +1,74 @@
+"""plan="auto" from a trace of one real forward (one process): what it finds on the zoo, and the checks
+around it. The multi-process equality with one device is in tests/strategies/test_tensor_parallel_zoo.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from lightning_parallel.tensor import PlanError, resolve
+from lightning_parallel.tensor.coverage import check_coverage, sharded_share
+from lightning_parallel.tensor.shard_flow import Escape, _regroup, entry_layout
+from lightning_parallel.tensor.trace import Node
+from tests.helpers.models import MLP
+from tests.helpers.zoo import ZooLM
+
+
+def traced(arch: str, tp: int = 2):
+    module = ZooLM(arch=arch).double()
+    x, y = torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8))
+    return module, resolve(module, "auto", tp, run=lambda: F.cross_entropy(module(x).flatten(0, 1), y.flatten()))
+
+
+def test_gpt2_fused_qkv_conv1d_and_tied_head():
+    _, plan = traced("hf_gpt2")
+    styles = plan.styles()
+    h = "model.transformer.h.0"
+    assert styles[f"{h}.attn.c_attn"] == "colwise" and styles[f"{h}.attn.c_proj"] == "rowwise"
+    assert styles[f"{h}.mlp.c_fc"] == "colwise" and styles[f"{h}.mlp.c_proj"] == "rowwise"
+    assert next(a for a in plan.assignments if a.name == f"{h}.attn.c_attn").options["chunks"] == 3
+    assert (f"{h}.attn", "split_size", 16) in plan.attributes
+    assert styles["model.transformer.wte"] == "vocab" and styles["model.lm_head"] == "colwise"
+
+
+def test_llama_gqa_and_swiglu_need_no_attribute():
+    module, plan = traced("hf_llama")
+    styles = plan.styles()
+    layer = "model.model.layers.1"
+    assert [styles[f"{layer}.self_attn.{p}_proj"] for p in "qkvo"] == ["colwise"] * 3 + ["rowwise"]
+    assert [styles[f"{layer}.mlp.{p}_proj"] for p in ("gate", "up", "down")] == ["colwise", "colwise", "rowwise"]
+    assert plan.attributes == [] and plan.report == []
+    assert sharded_share(module, plan) > 0.9
+
+
+def test_inline_mlp_found_inside_the_block_forward():
+    _, plan = traced("inline_mlp")
+    styles = plan.styles()
+    assert [styles[f"model.blocks.0.{n}"] for n in ("gate", "up", "down", "qkv", "out")] == \
+        ["colwise", "colwise", "rowwise", "colwise", "rowwise"]
+
+
+def test_each_replicated_layer_has_a_reason():
+    _, plan = traced("hf_bert")
+    reasons = dict(plan.report)
+    assert "tied weight" in reasons["model.cls.predictions.decoder"]
+    assert "native_layer_norm" in reasons["model.cls.predictions.transform.dense"]
+
+
+def test_a_plan_that_splits_too_little_fails_before_training():
+    module = MLP()
+    plan = resolve(module, {"net.4": {"style": "rowwise", "input_is_parallel": False}}, 2)
+    with pytest.raises(PlanError, match=r"splits only \d+% .*require_sharded=0.9.*require_sharded=0"):
+        check_coverage(module, plan, 0.9)
+    check_coverage(module, plan, 0.0)
+
+
+def test_views_regroup_the_sharded_factor():
+    node = Node(None, (), {}, [], "attn", layer="view")
+    heads = _regroup(entry_layout((2, 8, 16)), (2, 8, 4, 4), node)
+    assert heads.sharded_dim == 2 and heads.dims[2] == ((4, True),)
+    back = _regroup(heads, (2, 8, 16), node)
+    assert back.features_split()
+    with pytest.raises(Escape):
+        _regroup(entry_layout((2, 8, 16), chunks=1), (2, 8, 3, 5), node)
