@@ -236,7 +236,8 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         start, end = self.partition.bounds[self.partition.stage]
         owned = set(self.partition.owned)
         named = list(self.lightning_module.named_parameters())
-        mine = {"rank": self.global_rank, "stage": self.partition.stage, "blocks": f"{start}..{end - 1}",
+        mine = {"rank": self.global_rank, "stage": self.partition.stage, "stack": self.partition.stack_name,
+                "blocks": f"{start}..{end - 1}",
                 "parameters": sum(p.numel() for n, p in named if n in owned),
                 "replicated": sum(p.numel() for n, p in named if n not in owned),
                 "seconds": None if costs is None else sum(costs[start:end])}

@@ -9,7 +9,7 @@ import torch
 
 from lightning_parallel.pipeline.partition import find_block_stack, other_stacks
 from tests.helpers.harness import assert_params_close, max_param_diff, run_distributed, run_single
-from tests.helpers.zoo import ARCHITECTURES, build
+from tests.helpers.zoo import ARCHITECTURES, ZooLM, build
 from tests.strategies.test_pipeline import PP, check, reference
 
 ZOO, EMULATION = "tests.helpers.zoo:ZooLM", "tests.helpers.zoo:AsyncZooLM"
@@ -51,6 +51,8 @@ def test_zoo_on_two_stages_matches_single_device(zoo2, c):
     check(tmp, results, 2, c)
     reports = [r["probe"] for r in results[c["name"]]]
     assert reports[0] == reports[1] and [r["blocks"] for r in reports[0]] == ["0..0", "1..1"]
+    stack, _ = find_block_stack(ZooLM(**c["model_kwargs"]))
+    assert all(r["stack"] == stack for r in reports[0])  # for lightning_demo: its decoder's layers
 
 
 @pytest.mark.timeout(300)
@@ -89,5 +91,5 @@ def test_two_stack_model_pipelines_its_largest_stack_and_names_the_other():
     """``lightning.pytorch.demos.Transformer`` holds an ``nn.Transformer``: the decoder's layers (larger:
     cross-attention) are pipelined, the encoder's run whole on every stage."""
     demo = build("lightning_demo")
-    assert find_block_stack(demo)[0] == "model.transformer.decoder.layers"
+    assert find_block_stack(demo)[0] == "model.transformer.decoder.layers"  # what the strategy reported above
     assert other_stacks(demo, "model.transformer.decoder.layers") == ["model.transformer.encoder.layers"]
