@@ -9,13 +9,15 @@ layer's backward is exactly the transpose of its forward:
     split_to_group     split forward,      all-gather backward   (shard a replicated last dimension)
 
 Every function takes the ``group`` to talk over (None = the whole world). A group of size one makes
-every operator the identity and issues no collective. ``COUNTS`` tallies the collectives issued, by
+every operator the identity and issues no collective. A ``SimulatedGroup`` stands for a group in a
+one-process dry run: shapes are those of one of its ranks, nothing is sent, values mean nothing. ``COUNTS`` tallies the collectives issued, by
 kind, so benchmarks can compare against the Megatron count without a profiler.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 import torch
@@ -36,21 +38,36 @@ __all__ = [
     "group_rank",
     "start_gather_numbers",
     "COUNTS",
+    "SimulatedGroup",
 ]
 
 COUNTS: Counter = Counter()
 
 
+@dataclass(frozen=True)
+class SimulatedGroup:
+    """A process group of ``size`` ranks seen from rank ``rank`` in one process (``tensor.dry_run``)."""
+
+    size: int
+    rank: int = 0
+
+
 def group_size(group: Optional[dist.ProcessGroup]) -> int:
+    if isinstance(group, SimulatedGroup):
+        return group.size
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
 def group_rank(group: Optional[dist.ProcessGroup]) -> int:
+    if isinstance(group, SimulatedGroup):
+        return group.rank
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
 def all_reduce_sum(tensor: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
     """Sum ``tensor`` over ``group`` in place (no autograd); returns it."""
+    if isinstance(group, SimulatedGroup):
+        return tensor
     if group_size(group) > 1:
         COUNTS["all_reduce"] += 1
         dist.all_reduce(tensor, group=group)
@@ -81,6 +98,8 @@ def all_gather_dim(tensor: Tensor, group: Optional[dist.ProcessGroup], dim: int 
     size = group_size(group)
     if size == 1:
         return tensor
+    if isinstance(group, SimulatedGroup):
+        return torch.cat([tensor] * size, dim=dim)
     COUNTS["all_gather"] += 1
     tensor = tensor.contiguous()
     parts = [torch.empty_like(tensor) for _ in range(size)]
@@ -92,6 +111,8 @@ def all_gather_list(tensor: Tensor, group: Optional[dist.ProcessGroup]) -> list[
     """Every rank's ``tensor``, in group-rank order (no autograd); shapes must match."""
     if group_size(group) == 1:
         return [tensor]
+    if isinstance(group, SimulatedGroup):
+        return [tensor] * group.size
     COUNTS["all_gather"] += 1
     tensor = tensor.contiguous()
     parts = [torch.empty_like(tensor) for _ in range(group_size(group))]

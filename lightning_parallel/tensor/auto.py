@@ -27,6 +27,7 @@ Everything else stays replicated, and the reason is reported.
 from __future__ import annotations
 
 import operator
+import re
 from typing import Any, Callable, Optional
 
 import torch
@@ -43,8 +44,9 @@ from lightning_parallel.tensor.plan import (
     resolve_plan,
     tied_parameters,
 )
+from lightning_parallel.tensor.dry_run import DryRunFailure, dry_run
 from lightning_parallel.tensor.trace import is_projection, trace_dataflow
-from lightning_parallel.tensor.traced_plan import find_traced_plan
+from lightning_parallel.tensor.traced_plan import TracedPlan, find_traced_plan
 
 __all__ = ["auto_plan", "resolve_auto"]
 
@@ -239,7 +241,7 @@ def _untie(finder: _Finder) -> None:
         finder.attributes = [a for a in finder.attributes if a.pattern.rpartition(".")[0] != parent]
 
 
-def _traced(module: nn.Module, tp_size: int, run: Callable[[], Any]) -> _Finder:
+def _traced(module: nn.Module, tp_size: int, run: Callable[[], Any]) -> tuple[_Finder, TracedPlan]:
     """The plan proven by a trace of ``run``; MultiheadAttention and embeddings decided by type."""
     finder = _Finder(module, tp_size)
     for name, m in module.named_modules():
@@ -260,7 +262,33 @@ def _traced(module: nn.Module, tp_size: int, run: Callable[[], Any]) -> _Finder:
     for name, m in module.named_modules():
         if is_projection(m) and name not in finder.layers and not finder._inside_taken(name):
             finder.report.setdefault(name, found.reasons.get(name, "not called in the traced forward"))
-    return finder
+    return finder, found
+
+
+def _repeated(name: str) -> str:
+    """``blocks.3.attn.q`` -> ``blocks.*.attn.q``: the same layer in every repeated block."""
+    return re.sub(r"\.\d+(?=\.|$)", ".*", name)
+
+
+def _drop_failing_region(finder: _Finder, found: TracedPlan, failure: DryRunFailure) -> bool:
+    """Replicate the first region in call order that the failing module holds or sits in, and the same
+    region in every repeated block; False when no region is to blame."""
+    where = failure.module
+    inside = [r for r in found.regions if any(
+        n == where or n.startswith(where + ".") or where.startswith(n + ".") or not where for n in r)]
+    if not inside:
+        return False
+    patterns = {_repeated(n) for n in inside[0]}
+    dropped = [r for r in found.regions if {_repeated(n) for n in r} == patterns]
+    names = set().union(*dropped)
+    for r in dropped:
+        found.regions.remove(r)
+    for name in names:
+        finder.layers.pop(name, None)
+        finder.report[name] = f"sharded, the forward fails on a rank in {where or 'the root module'!r} ({failure})"
+    stale = {f"{owner}.{attr}" if owner else attr for (owner, attr), cols in found.attributes.items() if cols <= names}
+    finder.attributes = [a for a in finder.attributes if a.pattern not in stale]
+    return True
 
 
 def _untie_inconsistent(finder: _Finder) -> None:
@@ -286,23 +314,37 @@ def auto_plan(
     module: nn.Module, tp_size: int, run: Optional[Callable[[], Any]] = None
 ) -> tuple[Plan, list[tuple[str, str]]]:
     """A plan for ``module`` and the list of (name, reason) of what stays replicated; from a trace of
-    ``run()`` (a forward of ``module`` on real inputs) when given, else from the module's structure."""
-    if run is not None:
-        finder = _traced(module, tp_size, run)
-        _untie_inconsistent(finder)
-    else:
+    ``run()`` (a forward of ``module`` on real inputs) when given, tried on one simulated rank, else from
+    the module's structure."""
+    if run is None:
         finder = _Finder(module, tp_size)
         finder.run()
         _untie(finder)
-    return Plan(list(finder.layers.values()), finder.attributes), sorted(finder.report.items())
+        return Plan(list(finder.layers.values()), finder.attributes), sorted(finder.report.items())
+    finder, found = _traced(module, tp_size, run)
+    while True:
+        _untie_inconsistent(finder)
+        plan = Plan(list(finder.layers.values()), finder.attributes)
+        failure = dry_run(module, _checked(module, plan, tp_size, traced=True), run)
+        if failure is None:
+            return plan, sorted(finder.report.items())
+        if not _drop_failing_region(finder, found, failure):
+            raise PlanError(
+                f"the automatic plan fails on a rank in {failure.module or 'the root module'!r} ({failure}) and no "
+                "sharded region is to blame; write a plan (docs/tensor_parallel.md)"
+            )
+
+
+def _checked(module: nn.Module, plan: Plan, tp_size: int, traced: bool) -> ResolvedPlan:
+    try:
+        return resolve_plan(module, plan, tp_size, check_dataflow=not traced)
+    except PlanError as err:  # a bug in the finder, not in the user's input
+        raise PlanError(f"the automatic plan is inconsistent ({err}); write a plan instead") from err
 
 
 def resolve_auto(module: nn.Module, tp_size: int, run: Optional[Callable[[], Any]] = None) -> ResolvedPlan:
     """``auto_plan`` resolved and validated like a written plan."""
     plan, report = auto_plan(module, tp_size, run)
-    try:
-        resolved = resolve_plan(module, plan, tp_size, check_dataflow=run is None)
-    except PlanError as err:  # a bug in the finder, not in the user's input
-        raise PlanError(f"the automatic plan is inconsistent ({err}); write a plan instead") from err
+    resolved = _checked(module, plan, tp_size, traced=run is not None)
     resolved.report = report
     return resolved

@@ -77,6 +77,8 @@ def plan_rows(module: nn.Module, resolved: ResolvedPlan) -> list[PlanRow]:
             if parent in seen_entry:
                 bwd = "(shared)"
             seen_entry.add(parent)
+        if a.style != "replicate":  # a weight tied to one already counted (embedding and head) is held once
+            n -= sum(p.numel() // tp for p in a.module.parameters() if id(p) in covered)
         rows.append(PlanRow(a.name, a.style, shape, n, fwd, bwd))
         covered.update(id(p) for p in a.module.parameters())
     rest = sum(p.numel() for p in module.parameters() if id(p) not in covered)

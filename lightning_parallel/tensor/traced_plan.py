@@ -33,8 +33,9 @@ class TracedPlan:
     columns: dict[str, int] = field(default_factory=dict)  # name -> packed chunks (3 for a fused q|k|v)
     rows: set[str] = field(default_factory=set)
     gathered: set[str] = field(default_factory=set)  # column-parallel with a gathered output
-    attributes: set[tuple[str, str]] = field(default_factory=set)  # (owner, attribute) to divide
+    attributes: dict[tuple[str, str], set[str]] = field(default_factory=dict)  # (owner, attr) -> its columns
     reasons: dict[str, str] = field(default_factory=dict)
+    regions: list[set[str]] = field(default_factory=list)  # columns with their row partners, in call order
 
 
 @dataclass
@@ -98,6 +99,20 @@ def _run_flow(trace: Trace, columns: dict[str, int], tp: int) -> _Flow:
     return flow
 
 
+def _regions(rows: dict[str, set[str]], order: list[str]) -> list[set[str]]:
+    """Columns joined by a shared row partner (q, k, v and their output projection), with the partners."""
+    regions: list[set[str]] = []
+    for row, columns in rows.items():
+        members = {row} | columns
+        touching = [r for r in regions if r & members]
+        for r in touching:
+            regions.remove(r)
+            members |= r
+        regions.append(members)
+    first = {name: i for i, name in enumerate(order)}
+    return sorted(regions, key=lambda r: min(first.get(n, len(first)) for n in r))
+
+
 def _divisible_attributes(module: nn.Module, value: int) -> list[str]:
     return [k for k, v in vars(module).items()
             if isinstance(v, int) and not isinstance(v, bool) and v == value and not k.startswith("_")
@@ -126,14 +141,15 @@ def find_traced_plan(trace: Trace, tp: int, total_params: int) -> TracedPlan:
         for name in candidates:
             if name not in partnered:
                 bad.setdefault(name, "no row-parallel partner: its output is not reduced by a projection")
-        attributes: set[tuple[str, str]] = set()
+        attributes: dict[tuple[str, str], set[str]] = {}
         for demand, sources in flow.demands:
             found = _divisible_attributes(trace.modules.get(demand.owner, nn.Module()), demand.value)
             if not found:
                 for s in sources:
                     bad.setdefault(s, f"the size {demand.value} is written in the forward of {demand.owner!r} "
                                       "and read from no attribute that could be divided")
-            attributes |= {(demand.owner, a) for a in found}
+            for a in found:
+                attributes.setdefault((demand.owner, a), set()).update(sources)
         if not bad:
             break
         for name, why in bad.items():
@@ -142,18 +158,23 @@ def find_traced_plan(trace: Trace, tp: int, total_params: int) -> TracedPlan:
     plan.columns = candidates
     plan.rows = set(flow.rows)
     plan.attributes = attributes
+    plan.regions = _regions(flow.rows, list(calls))
     for name in calls:
         plan.reasons.pop(name, None) if name in plan.columns or name in plan.rows else None
-    vocabularies = {m.num_embeddings for m in trace.modules.values() if isinstance(m, nn.Embedding)}
+    embeddings = [m for m in trace.modules.values() if isinstance(m, nn.Embedding)]
     for name in list(plan.reasons):
         module = trace.modules[name]
-        if name not in plan.rows and _is_output_head(module, tp, total_params, vocabularies):
+        if name not in plan.rows and _is_output_head(module, tp, total_params, embeddings):
             plan.gathered.add(name)
             plan.reasons.pop(name)
     return plan
 
 
-def _is_output_head(module: nn.Module | None, tp: int, total_params: int, vocabularies: set[int]) -> bool:
-    """A large Linear onto a vocabulary: worth its memory split even with its output gathered."""
-    return isinstance(module, nn.Linear) and module.out_features % tp == 0 and module.out_features in vocabularies \
-        and module.weight.numel() >= HEAD_SHARE * total_params
+def _is_output_head(module: Optional[nn.Module], tp: int, total_params: int, embeddings: list[nn.Embedding]) -> bool:
+    """A Linear onto a vocabulary, tied to its embedding or large: worth splitting even with its output
+    gathered."""
+    if not isinstance(module, nn.Linear) or module.out_features % tp:
+        return False
+    tied = any(e.weight is module.weight for e in embeddings)
+    vocabulary = any(e.num_embeddings == module.out_features for e in embeddings)
+    return tied or (vocabulary and module.weight.numel() >= HEAD_SHARE * total_params)

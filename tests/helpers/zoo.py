@@ -11,6 +11,8 @@ for Hugging Face, never a download): next-token prediction on ``tests.helpers.tp
     torch_encoder   nn.TransformerEncoder (its forward reads layers[0].self_attn) with a causal mask
     lightning_demo  lightning.pytorch.demos.Transformer: a whole nn.Transformer (two stacks)
     inline_mlp      a GPT whose block computes its MLP inline: down(silu(gate(x)) * up(x)), no submodule
+    nanogpt         nanoGPT's GPT: head sizes computed from the input's width (C // n_head, view(B, T, C)),
+                    so its attention cannot be split without changing the code; lm_head tied to wte
 """
 
 from __future__ import annotations
@@ -128,6 +130,51 @@ class InlineMLPGPT(nn.Module):
         return self.head(self.norm(x))
 
 
+class NanoAttention(nn.Module):
+    """nanoGPT's CausalSelfAttention, shape handling verbatim."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(width, 3 * width)
+        self.c_proj = nn.Linear(width, width)
+        self.n_head, self.n_embd = heads, width
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attn = NanoAttention(width, heads)
+        self.mlp = nn.ModuleDict({"c_fc": nn.Linear(width, 4 * width), "c_proj": nn.Linear(4 * width, width)})
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp["c_proj"](F.gelu(self.mlp["c_fc"](self.ln_2(x))))
+
+
+class NanoGPT(nn.Module):
+    def __init__(self, width: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, width), nn.Embedding(BLOCK, width)
+        self.h = nn.ModuleList(NanoBlock(width, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(width)
+        self.lm_head = nn.Linear(width, VOCAB, bias=False)
+        self.wte.weight = self.lm_head.weight  # as nanoGPT ties them
+
+    def forward(self, idx: Tensor) -> Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
 ARCHITECTURES: dict[str, Callable[[int, int, int], nn.Module]] = {
     "hf_gpt2": _hf_gpt2,
     "hf_llama": _hf_llama,
@@ -135,6 +182,7 @@ ARCHITECTURES: dict[str, Callable[[int, int, int], nn.Module]] = {
     "torch_encoder": TorchEncoderLM,
     "lightning_demo": LightningDemo,
     "inline_mlp": InlineMLPGPT,
+    "nanogpt": NanoGPT,
 }
 
 

@@ -49,6 +49,18 @@ def test_inline_mlp_found_inside_the_block_forward():
         ["colwise", "colwise", "rowwise", "colwise", "rowwise"]
 
 
+def test_a_region_that_fails_on_a_rank_is_dropped_with_its_reason():
+    """nanoGPT's attention views with C // n_head (C from the unsplit input): the trace cannot see where C
+    came from, the one-rank dry run can; the MLPs, embeddings and tied head stay split."""
+    _, plan = traced("nanogpt")
+    styles, reasons = plan.styles(), dict(plan.report)
+    assert "model.h.0.attn.c_attn" not in styles and "model.h.1.attn.c_proj" not in styles
+    assert "the forward fails on a rank in 'model.h.0.attn'" in reasons["model.h.1.attn.c_attn"]
+    assert "is invalid for input of size" in reasons["model.h.0.attn.c_attn"]
+    assert styles["model.h.1.mlp.c_fc"] == "colwise" and styles["model.h.1.mlp.c_proj"] == "rowwise"
+    assert styles["model.wte"] == "vocab" and styles["model.lm_head"] == "colwise"
+
+
 def test_each_replicated_layer_has_a_reason():
     _, plan = traced("hf_bert")
     reasons = dict(plan.report)

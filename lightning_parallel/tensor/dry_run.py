@@ -1,0 +1,65 @@
+"""Run the model's forward once as one tensor-parallel rank would, in one process, before any change.
+
+A trace shows where values flow, not where a size came from: ``view(B, T, C)`` with ``C`` read from the
+unsplit input fails on a rank whose tensor holds ``C / tp`` features, although the trace looks the
+same as ``view(B, T, -1)``. So the automatic plan is tried: the planned layers are swapped for rank 0's
+shards with a ``SimulatedGroup`` (no communication, values meaningless, shapes exact), the forward runs,
+and everything is put back. An exception names the module whose ``forward`` failed.
+"""
+
+from __future__ import annotations
+
+import traceback
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Optional
+
+from torch import nn
+
+from lightning_parallel.distributed.collectives import SimulatedGroup
+from lightning_parallel.tensor.plan import ResolvedPlan, apply_plan
+
+__all__ = ["DryRunFailure", "dry_run"]
+
+
+class DryRunFailure(Exception):
+    def __init__(self, module: str, error: BaseException) -> None:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        super().__init__(f"{type(error).__name__}: {first}")
+        self.module = module
+
+
+@contextmanager
+def _as_rank_zero(module: nn.Module, resolved: ResolvedPlan) -> Iterator[None]:
+    apply_plan(module, resolved, SimulatedGroup(resolved.tp_size), 0)
+    try:
+        yield
+    finally:
+        for a in resolved.assignments:
+            if a.style != "replicate":
+                parent, _, child = a.name.rpartition(".")
+                setattr(module.get_submodule(parent), child, a.module)
+        for owner, attr, value in resolved.attributes:
+            setattr(module.get_submodule(owner), attr, value)
+
+
+def _failing_module(error: BaseException, names: dict[int, str]) -> str:
+    """The innermost module (by name) whose ``forward`` was running when ``error`` was raised (a sharded
+    layer has the name of the layer it replaced)."""
+    found = ""
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nn.Module) and id(owner) in names:
+            found = names[id(owner)]
+    return found
+
+
+def dry_run(module: nn.Module, resolved: ResolvedPlan, run: Callable[[], Any]) -> Optional[DryRunFailure]:
+    """None if ``run()`` works with ``module`` sharded as ``resolved`` says (seen from rank 0), else where
+    and how it failed. The module is left as it was."""
+    with _as_rank_zero(module, resolved):
+        names = {id(m): n for n, m in module.named_modules()}
+        try:
+            run()
+        except Exception as error:  # noqa: BLE001  (any failure of the user's code on a shard)
+            return DryRunFailure(_failing_module(error, names), error)
+    return None
