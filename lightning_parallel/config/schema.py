@@ -82,6 +82,7 @@ class TensorParallelStrategyConf(LPStrategyConf):
     # "auto", a path to a plan YAML, or a mapping; by default the ``plan`` group's choice
     plan: Any = "${plan}"
     verify_plan: bool = False
+    require_sharded: float = 0.2
 
 
 @dataclass
