@@ -8,7 +8,9 @@ inline, gated products (SwiGLU), attention through ``scaled_dot_product_attentio
 fused q/k/v split per chunk, grouped-query attention, ``Conv1D``; sizes written in ``forward`` (a head
 count, a split size) are divided through the attribute they are read from. A large layer whose output
 is needed whole (the output head) is column-parallel with a gathered output; tied weights are sharded
-alike or not at all. ``nn.MultiheadAttention`` and ``nn.Embedding`` are decided by type.
+alike or not at all. ``nn.MultiheadAttention`` and ``nn.Embedding`` are decided by type. The plan is
+tried on one simulated rank (``dry_run``), and where a model declares its own plan (Hugging Face's
+``_tp_plan``) every disagreement with it is reported (``declared``).
 
 Without a forward, the structural rules below apply, and the evidence required is:
 - ``nn.MultiheadAttention`` (and so ``nn.TransformerEncoderLayer``/``DecoderLayer``): heads split;
@@ -44,6 +46,7 @@ from lightning_parallel.tensor.plan import (
     resolve_plan,
     tied_parameters,
 )
+from lightning_parallel.tensor.declared import disagreements
 from lightning_parallel.tensor.dry_run import DryRunFailure, dry_run
 from lightning_parallel.tensor.trace import is_projection, trace_dataflow
 from lightning_parallel.tensor.traced_plan import TracedPlan, find_traced_plan
@@ -327,6 +330,9 @@ def auto_plan(
         plan = Plan(list(finder.layers.values()), finder.attributes)
         failure = dry_run(module, _checked(module, plan, tp_size, traced=True), run)
         if failure is None:
+            styles = {name: rule.style for name, rule in finder.layers.items()}
+            for name, declared in disagreements(module, styles).items():
+                finder.report[name] = f"{finder.report.get(name, 'not split')}; {declared}"
             return plan, sorted(finder.report.items())
         if not _drop_failing_region(finder, found, failure):
             raise PlanError(

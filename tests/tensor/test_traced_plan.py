@@ -84,3 +84,19 @@ def test_views_regroup_the_sharded_factor():
     assert back.features_split()
     with pytest.raises(Escape):
         _regroup(entry_layout((2, 8, 16), chunks=1), (2, 8, 3, 5), node)
+
+
+def test_a_model_declared_plan_is_checked_not_trusted():
+    module, plan = traced("hf_llama")
+    from lightning_parallel.tensor.declared import declared_styles, disagreements
+
+    declared = declared_styles(module)
+    assert declared["model.model.layers.0.self_attn.q_proj"] == "colwise"
+    assert declared["model.model.embed_tokens"] == "vocab"
+    assert disagreements(module, plan.styles()) == {}  # the data flow finds Llama's own plan
+    nano = ZooLM(arch="nanogpt").double()
+    nano.model._tp_plan = {"h.*.attn.c_attn": "colwise", "h.*.attn.c_proj": "rowwise"}
+    x = torch.randint(0, 32, (4, 8))
+    reasons = dict(resolve(nano, "auto", 2, run=lambda: nano(x)).report)
+    assert "the model's own plan says 'colwise'" in reasons["model.h.0.attn.c_attn"]
+    assert "the forward fails on a rank" in reasons["model.h.0.attn.c_attn"]
