@@ -36,5 +36,6 @@ def declared_styles(module: nn.Module) -> dict[str, str]:
 
 def disagreements(module: nn.Module, styles: dict[str, str]) -> dict[str, str]:
     """Name -> what the model's own plan says, for layers where the found ``styles`` differ from it."""
-    return {name: f"the model's own plan says {declared!r}" for name, declared in declared_styles(module).items()
-            if styles.get(name, "replicate") != declared}
+    declared = declared_styles(module)
+    return {name: f"the model's own plan says {style!r}" for name, style in declared.items()
+            if styles.get(name, "replicate") != style}

@@ -18,7 +18,8 @@ from tests.helpers.zoo import ZooLM
 def traced(arch: str, tp: int = 2):
     module = ZooLM(arch=arch).double()
     x, y = torch.randint(0, 32, (4, 8)), torch.randint(0, 32, (4, 8))
-    return module, resolve(module, "auto", tp, run=lambda: F.cross_entropy(module(x).flatten(0, 1), y.flatten()))
+    run = lambda: F.cross_entropy(module(x).flatten(0, 1), y.flatten())  # noqa: E731
+    return module, resolve(module, "auto", tp, run=run)
 
 
 def test_gpt2_fused_qkv_conv1d_and_tied_head():
@@ -37,7 +38,8 @@ def test_llama_gqa_and_swiglu_need_no_attribute():
     styles = plan.styles()
     layer = "model.model.layers.1"
     assert [styles[f"{layer}.self_attn.{p}_proj"] for p in "qkvo"] == ["colwise"] * 3 + ["rowwise"]
-    assert [styles[f"{layer}.mlp.{p}_proj"] for p in ("gate", "up", "down")] == ["colwise", "colwise", "rowwise"]
+    mlp = [styles[f"{layer}.mlp.{p}_proj"] for p in ("gate", "up", "down")]
+    assert mlp == ["colwise", "colwise", "rowwise"]
     assert plan.attributes == [] and plan.report == []
     assert sharded_share(module, plan) > 0.9
 
