@@ -32,7 +32,9 @@ __all__ = [
 ]
 
 
-def resolve(module: nn.Module, plan: Any, tp_size: int, run: Optional[Callable[[], Any]] = None) -> ResolvedPlan:
+def resolve(
+    module: nn.Module, plan: Any, tp_size: int, run: Optional[Callable[[], Any]] = None
+) -> ResolvedPlan:
     """A validated plan for ``module``: ``"auto"`` (traced from ``run()``, a forward on real inputs, when
     given), a dict, a YAML path, or a ``Plan``."""
     if isinstance(plan, str) and plan == "auto":

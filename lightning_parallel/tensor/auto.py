@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from lightning_parallel.tensor.declared import disagreements
+from lightning_parallel.tensor.dry_run import DryRunFailure, dry_run
 from lightning_parallel.tensor.plan import (
     ELEMENTWISE,
     AttributeRule,
@@ -46,8 +48,6 @@ from lightning_parallel.tensor.plan import (
     resolve_plan,
     tied_parameters,
 )
-from lightning_parallel.tensor.declared import disagreements
-from lightning_parallel.tensor.dry_run import DryRunFailure, dry_run
 from lightning_parallel.tensor.trace import is_projection, trace_dataflow
 from lightning_parallel.tensor.traced_plan import TracedPlan, find_traced_plan
 
