@@ -260,8 +260,10 @@ def _traced(module: nn.Module, tp_size: int, run: Callable[[], Any]) -> tuple[_F
         finder.take(name, "rowwise")
     for name in found.gathered:
         finder.take(name, "colwise", gather_output=True)
-    finder.attributes = [AttributeRule(f"{owner}.{attr}" if owner else attr, "divide")
-                         for owner, attr in sorted(found.attributes)]
+    finder.attributes = [
+        AttributeRule(f"{owner}.{attr}" if owner else attr, "divide")
+        for owner, attr in sorted(found.attributes)
+    ]
     for name, m in module.named_modules():
         if is_projection(m) and name not in finder.layers and not finder._inside_taken(name):
             finder.report.setdefault(name, found.reasons.get(name, "not called in the traced forward"))
@@ -277,8 +279,11 @@ def _drop_failing_region(finder: _Finder, found: TracedPlan, failure: DryRunFail
     """Replicate the first region in call order that the failing module holds or sits in, and the same
     region in every repeated block; False when no region is to blame."""
     where = failure.module
-    inside = [r for r in found.regions if any(
-        n == where or n.startswith(where + ".") or where.startswith(n + ".") or not where for n in r)]
+    inside = [
+        r
+        for r in found.regions
+        if any(n == where or n.startswith(where + ".") or where.startswith(n + ".") or not where for n in r)
+    ]
     if not inside:
         return False
     patterns = {_repeated(n) for n in inside[0]}
@@ -288,8 +293,14 @@ def _drop_failing_region(finder: _Finder, found: TracedPlan, failure: DryRunFail
         found.regions.remove(r)
     for name in names:
         finder.layers.pop(name, None)
-        finder.report[name] = f"sharded, the forward fails on a rank in {where or 'the root module'!r} ({failure})"
-    stale = {f"{owner}.{attr}" if owner else attr for (owner, attr), cols in found.attributes.items() if cols <= names}
+        finder.report[name] = (
+            f"sharded, the forward fails on a rank in {where or 'the root module'!r} ({failure})"
+        )
+    stale = {
+        f"{owner}.{attr}" if owner else attr
+        for (owner, attr), cols in found.attributes.items()
+        if cols <= names
+    }
     finder.attributes = [a for a in finder.attributes if a.pattern not in stale]
     return True
 

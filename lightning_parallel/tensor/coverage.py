@@ -47,7 +47,12 @@ def sample_forward(module: Any, to_device: Callable[[Any], Any]) -> Callable[[],
 def sharded_share(module: nn.Module, resolved: ResolvedPlan) -> float:
     """The share of the model's parameters that the plan splits over the ranks."""
     total = sum(p.numel() for p in module.parameters())
-    split = {id(p): p.numel() for a in resolved.assignments if a.style != "replicate" for p in a.module.parameters()}
+    split = {
+        id(p): p.numel()
+        for a in resolved.assignments
+        if a.style != "replicate"
+        for p in a.module.parameters()
+    }
     return sum(split.values()) / max(total, 1)
 
 

@@ -13,9 +13,18 @@ from lightning_parallel.tensor.plan import match_pattern
 __all__ = ["declared_styles", "disagreements"]
 
 # Hugging Face style -> ours (None: a style we have no equivalent for; reported, never applied)
-STYLES = {"colwise": "colwise", "rowwise": "rowwise", "colwise_gather_output": "colwise",
-          "embedding_rowwise": "vocab", "rowwise_split_input": "rowwise", "local_colwise": None,
-          "local_rowwise": None, "sequence_parallel": None, "gather": None, "replicate": "replicate"}
+STYLES = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "colwise_gather_output": "colwise",
+    "embedding_rowwise": "vocab",
+    "rowwise_split_input": "rowwise",
+    "local_colwise": None,
+    "local_rowwise": None,
+    "sequence_parallel": None,
+    "gather": None,
+    "replicate": "replicate",
+}
 
 
 def declared_styles(module: nn.Module) -> dict[str, str]:
@@ -37,5 +46,8 @@ def declared_styles(module: nn.Module) -> dict[str, str]:
 def disagreements(module: nn.Module, styles: dict[str, str]) -> dict[str, str]:
     """Name -> what the model's own plan says, for layers where the found ``styles`` differ from it."""
     declared = declared_styles(module)
-    return {name: f"the model's own plan says {style!r}" for name, style in declared.items()
-            if styles.get(name, "replicate") != style}
+    return {
+        name: f"the model's own plan says {style!r}"
+        for name, style in declared.items()
+        if styles.get(name, "replicate") != style
+    }

@@ -142,7 +142,9 @@ class ColumnParallelLinear(_TPLayer):
         self._init_tp(group, tp_size, tp_rank)
         self.gather_output, self.chunks = gather_output, chunks
         if gather_output and chunks > 1:
-            raise ValueError("gather_output=True needs chunks=1 (packed blocks would be gathered out of order)")
+            raise ValueError(
+                "gather_output=True needs chunks=1 (packed blocks would be gathered out of order)"
+            )
         self.SHARDS = {"weight": ShardSpec(1 if self.transposed else 0, chunks), "bias": ShardSpec(0, chunks)}
         self.entry = entry or SharedEntry(group)
         self.weight = _new_param(linear.weight, self.SHARDS["weight"], tp_size, tp_rank)

@@ -226,8 +226,12 @@ def _no_match(pattern: str, names: list[str], what: str = "module") -> PlanError
 
 def _type_error(name: str, module: nn.Module, style: str) -> PlanError:
     expected = " or ".join(t.__name__ for t in TP_LAYERS[style][1])
-    suggest = {nn.Embedding: "vocab", nn.MultiheadAttention: "attention", nn.Linear: "colwise or rowwise",
-               TP_LAYERS["colwise"][1][1]: "colwise or rowwise"}
+    suggest = {
+        nn.Embedding: "vocab",
+        nn.MultiheadAttention: "attention",
+        nn.Linear: "colwise or rowwise",
+        TP_LAYERS["colwise"][1][1]: "colwise or rowwise",
+    }
     alt = next((s for t, s in suggest.items() if isinstance(module, t)), "replicate")
     return PlanError(
         f"style {style!r} applies to {expected}, but {name!r} is a {type(module).__name__}; "
@@ -252,7 +256,9 @@ def _check_layer(a: Assignment, tp: int) -> None:
     if style == "colwise":
         chunks = a.options.get("chunks", 1)
         if not isinstance(chunks, int) or chunks < 1:
-            raise PlanError(f"{a.name!r} (colwise): chunks={chunks!r} must be a positive integer (3 for a fused q|k|v)")
+            raise PlanError(
+                f"{a.name!r} (colwise): chunks={chunks!r} must be a positive integer (3 for a fused q|k|v)"
+            )
         if chunks > 1 and a.options.get("gather_output"):
             raise PlanError(f"{a.name!r} (colwise): gather_output needs chunks=1")
         _divisible(a.name, "out_features", _linear_shape(m)[1], tp * chunks, style)
@@ -344,8 +350,12 @@ def _check_tied(module: nn.Module, sharded: list[Assignment]) -> None:
             others = [n for n in tied.get(id(p), []) if not n.startswith(a.name + ".")]
             for other in others:
                 b = holders.get(other.rpartition(".")[0])
-                if b is None or _shard_dim(b) != _shard_dim(a) or b.options.get("chunks", 1) != 1 \
-                        or a.options.get("chunks", 1) != 1:
+                if (
+                    b is None
+                    or _shard_dim(b) != _shard_dim(a)
+                    or b.options.get("chunks", 1) != 1
+                    or a.options.get("chunks", 1) != 1
+                ):
                     raise PlanError(
                         f"'{a.name}.{local}' is the same tensor as {other!r} (tied weights), and the plan does not "
                         "shard both alike; shard both (the embedding as 'vocab', the head as "

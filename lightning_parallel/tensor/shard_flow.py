@@ -86,7 +86,9 @@ def _regroup(layout: Layout, out_shape: Sequence[int], node: Node) -> Layout:
         need = size
         while need > 1:
             if i >= len(factors):
-                raise Escape(f"{node.name}: cannot follow the sharded dimension into shape {tuple(out_shape)}")
+                raise Escape(
+                    f"{node.name}: cannot follow the sharded dimension into shape {tuple(out_shape)}"
+                )
             fsize, sharded = factors[i]
             if fsize <= need and need % fsize == 0:
                 group.append((fsize, sharded))
@@ -119,7 +121,10 @@ def _pointwise(node: Node, shapes: list, layouts: dict, out_ndim: int) -> Layout
     first = sharded[0][1]
     pos = first.sharded_dim - len(first.dims)  # from the right, as broadcasting aligns
     for _, lay in sharded:
-        if lay.sharded_dim - len(lay.dims) != pos or lay.dims[lay.sharded_dim] != first.dims[first.sharded_dim]:
+        if (
+            lay.sharded_dim - len(lay.dims) != pos
+            or lay.dims[lay.sharded_dim] != first.dims[first.sharded_dim]
+        ):
             raise Escape(f"{node.name}: operands sharded differently")
     for r in node.inputs():
         if r.key not in layouts:
@@ -133,7 +138,19 @@ def _pointwise(node: Node, shapes: list, layouts: dict, out_ndim: int) -> Layout
 
 VIEWS = {"view", "_unsafe_view", "reshape", "_reshape_alias"}
 SAME = {"clone", "_to_copy", "detach", "alias", "contiguous", "lift_fresh", "to", "type_as"}
-REDUCTIONS = {"sum", "mean", "amax", "amin", "max", "min", "var", "std", "logsumexp", "norm", "linalg_vector_norm"}
+REDUCTIONS = {
+    "sum",
+    "mean",
+    "amax",
+    "amin",
+    "max",
+    "min",
+    "var",
+    "std",
+    "logsumexp",
+    "norm",
+    "linalg_vector_norm",
+}
 SOFTMAX = {"_softmax", "softmax", "_log_softmax", "log_softmax"}
 
 
@@ -162,7 +179,10 @@ def propagate(node: Node, shapes: list, layouts: dict, tp: int, demands: list[De
         dims = list(_plain(out_shapes[0]))
         dims[d] = src.dims[src.sharded_dim]
         return [Layout(tuple(dims))]
-    if name in ("transpose", "t", "permute", "unsqueeze", "squeeze", "select", "slice", "narrow") and src is not None:
+    if (
+        name in ("transpose", "t", "permute", "unsqueeze", "squeeze", "select", "slice", "narrow")
+        and src is not None
+    ):
         return [_rearrange(node, src, out_shapes[0])]
     if name in ("split", "split_with_sizes", "unbind", "chunk") and src is not None:
         return _split(node, src, out_shapes, demands)
@@ -178,8 +198,11 @@ def propagate(node: Node, shapes: list, layouts: dict, tp: int, demands: list[De
         return [_bmm(node, layouts, out_shapes[0])]
     if "scaled_dot_product" in name:
         return _attention(node, layouts, out_shapes, shapes)
-    if name in SAME or (node.func is not None and torch.Tag.pointwise in node.func.tags) or name in (
-            "native_dropout", "masked_fill", "where", "dropout"):
+    if (
+        name in SAME
+        or (node.func is not None and torch.Tag.pointwise in node.func.tags)
+        or name in ("native_dropout", "masked_fill", "where", "dropout")
+    ):
         out = _pointwise(node, shapes, layouts, len(out_shapes[0]))
         return [out if s is not None and len(s) == len(out.dims) else None for s in out_shapes]
     raise Escape(f"{name} reads the sharded features")
@@ -196,8 +219,11 @@ def _rearrange(node: Node, src: Layout, out_shape: Sequence[int]) -> Layout:
     elif name == "unsqueeze":
         dims.insert(_dim(a[1], n + 1), ((1, False),))
     elif name == "squeeze":
-        drop = [_dim(d, n) for d in (a[1] if isinstance(a[1], (list, tuple)) else [a[1]])] if len(a) > 1 else \
-            [i for i, fs in enumerate(dims) if all(s == 1 for s, _ in fs)]
+        drop = (
+            [_dim(d, n) for d in (a[1] if isinstance(a[1], (list, tuple)) else [a[1]])]
+            if len(a) > 1
+            else [i for i, fs in enumerate(dims) if all(s == 1 for s, _ in fs)]
+        )
         dims = [fs for i, fs in enumerate(dims) if i not in drop or any(s != 1 for s, _ in fs)]
     else:  # select / slice / narrow: fine on any dimension but the sharded one
         d = _dim(a[1] if len(a) > 1 else 0, n)
@@ -212,8 +238,11 @@ def _rearrange(node: Node, src: Layout, out_shape: Sequence[int]) -> Layout:
 
 def _split(node: Node, src: Layout, out_shapes: list, demands: list[Demand]) -> list[Layout | None]:
     a, n = node.args, len(src.dims)
-    d = _dim(a[2] if len(a) > 2 else (a[1] if node.name == "unbind" and len(a) > 1 else 0), n) \
-        if node.name != "unbind" else _dim(a[1] if len(a) > 1 else 0, n)
+    d = (
+        _dim(a[2] if len(a) > 2 else (a[1] if node.name == "unbind" and len(a) > 1 else 0), n)
+        if node.name != "unbind"
+        else _dim(a[1] if len(a) > 1 else 0, n)
+    )
     if d != src.sharded_dim:
         out = []
         for s in out_shapes:
@@ -239,10 +268,15 @@ def _split(node: Node, src: Layout, out_shapes: list, demands: list[Demand]) -> 
 
 
 def _cat(node: Node, layouts: dict, out_shape: Sequence[int], shapes: list) -> Layout:
-    tensors = [t for t in node.args[0] if 0 not in shapes[t.key]]  # empty parts (a fresh KV cache) add nothing
+    tensors = [
+        t for t in node.args[0] if 0 not in shapes[t.key]
+    ]  # empty parts (a fresh KV cache) add nothing
     d = _dim(node.args[1] if len(node.args) > 1 else 0, len(out_shape))
     lays = [layouts.get(t.key) for t in tensors]
-    if any(lay is None for lay in lays) or len({(lay.sharded_dim, lay.dims[lay.sharded_dim]) for lay in lays}) != 1:
+    if (
+        any(lay is None for lay in lays)
+        or len({(lay.sharded_dim, lay.dims[lay.sharded_dim]) for lay in lays}) != 1
+    ):
         raise Escape("cat of sharded and whole values")
     if lays[0].sharded_dim == d:
         raise Escape("cat along the sharded dimension")
@@ -275,9 +309,17 @@ def _attention(node: Node, layouts: dict, out_shapes: list, shapes: list) -> lis
     lays = [layouts.get(t.key) for t in (q, k, v)]
     if any(lay is None or lay.sharded_dim != 1 or not lay.dims[1][0][1] for lay in lays):
         raise Escape("attention over values not all sharded by heads")
-    mask = node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 and hasattr(node.args[3], "key") else None)
-    if hasattr(mask, "key") and (mask.key in layouts or (len(shapes[mask.key]) == 4 and shapes[mask.key][1] != 1)):
+    mask = node.kwargs.get(
+        "attn_mask", node.args[3] if len(node.args) > 3 and hasattr(node.args[3], "key") else None
+    )
+    if hasattr(mask, "key") and (
+        mask.key in layouts or (len(shapes[mask.key]) == 4 and shapes[mask.key][1] != 1)
+    ):
         raise Escape("attention mask with a whole head dimension")
     heads = shapes[q.key][1]
-    return [Layout(tuple(((s, i == 1),) for i, s in enumerate(shape)))
-            if shape is not None and len(shape) >= 2 and shape[1] == heads else None for shape in out_shapes]
+    return [
+        Layout(tuple(((s, i == 1),) for i, s in enumerate(shape)))
+        if shape is not None and len(shape) >= 2 and shape[1] == heads
+        else None
+        for shape in out_shapes
+    ]

@@ -27,7 +27,11 @@ LEAF_TYPES: tuple[type, ...] = (nn.Linear, nn.Embedding, nn.MultiheadAttention)
 def is_conv1d(module: nn.Module) -> bool:
     """Hugging Face's ``Conv1D``: a Linear with a transposed weight ``[in, out]`` (matched by shape, so
     ``transformers`` need not be imported)."""
-    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and getattr(module, "weight", None) is not None
+    return (
+        type(module).__name__ == "Conv1D"
+        and hasattr(module, "nf")
+        and getattr(module, "weight", None) is not None
+    )
 
 
 def is_projection(module: nn.Module) -> bool:
@@ -122,8 +126,9 @@ class _Recorder(TorchDispatchMode):
                 flat, _ = tree_flatten(output)
                 outputs = [self.ref(t) if isinstance(t, Tensor) else None for t in flat]
                 largs, lkwargs = self._leaf_inputs
-                self.trace.nodes.append(Node(None, largs, lkwargs, outputs, self.stack[-1],
-                                             layer=self.names.get(id(module), "?")))
+                self.trace.nodes.append(
+                    Node(None, largs, lkwargs, outputs, self.stack[-1], layer=self.names.get(id(module), "?"))
+                )
 
 
 def trace_dataflow(root: nn.Module, run: Callable[[], Any]) -> Trace:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Optional
 
 from torch import nn
 
@@ -54,8 +55,7 @@ def _chunks(trace: Trace, key: int, width: int) -> int:
             sizes = [trace.shapes[o.key][-1] for o in node.outputs if o is not None]
             last = len(trace.shapes[key]) - 1
             dim = node.args[2] if len(node.args) > 2 else 0
-            if dim in (-1, last) and len(set(sizes)) == 1 \
-                    and len(sizes) > 1 and sum(sizes) == width:
+            if dim in (-1, last) and len(set(sizes)) == 1 and len(sizes) > 1 and sum(sizes) == width:
                 return len(sizes)
             return 1
     return 1
@@ -72,8 +72,12 @@ def _run_flow(trace: Trace, columns: dict[str, int], tp: int) -> _Flow:
             module = trace.modules.get(node.layer)
             if labeled:
                 first = node.inputs()[0] if node.inputs() else None
-                if is_projection(module) and len(labeled) == 1 and first is labeled[0] \
-                        and layouts[first.key].features_split():
+                if (
+                    is_projection(module)
+                    and len(labeled) == 1
+                    and first is labeled[0]
+                    and layouts[first.key].features_split()
+                ):
                     flow.rows.setdefault(node.layer, set()).update(sources)
                 else:
                     for s in sources:
@@ -114,15 +118,23 @@ def _regions(rows: dict[str, set[str]], order: list[str]) -> list[set[str]]:
 
 
 def _divisible_attributes(module: nn.Module, value: int) -> list[str]:
-    return [k for k, v in vars(module).items()
-            if isinstance(v, int) and not isinstance(v, bool) and v == value and not k.startswith("_")
-            and not NOT_DIVIDED.search(k)]
+    return [
+        k
+        for k, v in vars(module).items()
+        if isinstance(v, int)
+        and not isinstance(v, bool)
+        and v == value
+        and not k.startswith("_")
+        and not NOT_DIVIDED.search(k)
+    ]
 
 
 def find_traced_plan(trace: Trace, tp: int, total_params: int) -> TracedPlan:
     """Column/row pairs, gathered heads and divided attributes proven by ``trace`` for ``tp`` ranks."""
     plan = TracedPlan()
-    calls = {n.layer: n for n in trace.nodes if n.layer is not None and is_projection(trace.modules.get(n.layer))}
+    calls = {
+        n.layer: n for n in trace.nodes if n.layer is not None and is_projection(trace.modules.get(n.layer))
+    }
     candidates: dict[str, int] = {}
     for name, node in calls.items():
         width = out_features(trace.modules[name])
@@ -130,7 +142,9 @@ def find_traced_plan(trace: Trace, tp: int, total_params: int) -> TracedPlan:
         if width % (k * tp) == 0:
             candidates[name] = k
         else:
-            plan.reasons[name] = f"output width {width} is not divisible by tp={tp}" + (f" x {k} chunks" if k > 1 else "")
+            plan.reasons[name] = f"output width {width} is not divisible by tp={tp}" + (
+                f" x {k} chunks" if k > 1 else ""
+            )
     while True:
         flow = _run_flow(trace, candidates, tp)
         bad = dict(flow.failed)
@@ -146,8 +160,11 @@ def find_traced_plan(trace: Trace, tp: int, total_params: int) -> TracedPlan:
             found = _divisible_attributes(trace.modules.get(demand.owner, nn.Module()), demand.value)
             if not found:
                 for s in sources:
-                    bad.setdefault(s, f"the size {demand.value} is written in the forward of {demand.owner!r} "
-                                      "and read from no attribute that could be divided")
+                    bad.setdefault(
+                        s,
+                        f"the size {demand.value} is written in the forward of {demand.owner!r} "
+                        "and read from no attribute that could be divided",
+                    )
             for a in found:
                 attributes.setdefault((demand.owner, a), set()).update(sources)
         if not bad:
@@ -170,7 +187,9 @@ def find_traced_plan(trace: Trace, tp: int, total_params: int) -> TracedPlan:
     return plan
 
 
-def _is_output_head(module: Optional[nn.Module], tp: int, total_params: int, embeddings: list[nn.Embedding]) -> bool:
+def _is_output_head(
+    module: Optional[nn.Module], tp: int, total_params: int, embeddings: list[nn.Embedding]
+) -> bool:
     """A Linear onto a vocabulary, tied to its embedding or large: worth splitting even with its output
     gathered."""
     if not isinstance(module, nn.Linear) or module.out_features % tp:

@@ -17,16 +17,36 @@ F64 = {"precision": "64-true", "max_steps": 5}
 # parameters each rank keeps, as a share of the model, at tp=2 (tiny configs: embeddings and norms weigh more
 # than in real sizes). BERT's output head stays whole: its bias is tied to a parameter of another module.
 # nanoGPT's attention computes head sizes from the input's width, so only its MLP, embeddings and head split.
-MAX_SHARE = {"hf_gpt2": 0.55, "hf_llama": 0.55, "hf_bert": 0.60, "torch_encoder": 0.55, "lightning_demo": 0.55,
-             "inline_mlp": 0.55, "nanogpt": 0.70}
+MAX_SHARE = {
+    "hf_gpt2": 0.55,
+    "hf_llama": 0.55,
+    "hf_bert": 0.60,
+    "torch_encoder": 0.55,
+    "lightning_demo": 0.55,
+    "inline_mlp": 0.55,
+    "nanogpt": 0.70,
+}
 
 
 def case(arch: str, plan: str, dp: int = 1) -> dict:
-    return {"name": f"{arch}-{plan}-dp{dp}", "model": "tests.helpers.zoo:ZooLM", "model_kwargs": {"arch": arch},
-            "data": "tests.helpers.tp_models:TokenData", "data_kwargs": {"global_batch_size": 16}, "dp_size": dp,
-            "trainer": F64, "save_checkpoint": True, "probe": "tests.helpers.probes:tensor_parallel_plan",
-            "strategy": {"class": TP, "kwargs": {"plan": WRITTEN.get(arch, "auto") if plan == "written" else "auto",
-                                                  "data_parallel_size": dp}}}
+    return {
+        "name": f"{arch}-{plan}-dp{dp}",
+        "model": "tests.helpers.zoo:ZooLM",
+        "model_kwargs": {"arch": arch},
+        "data": "tests.helpers.tp_models:TokenData",
+        "data_kwargs": {"global_batch_size": 16},
+        "dp_size": dp,
+        "trainer": F64,
+        "save_checkpoint": True,
+        "probe": "tests.helpers.probes:tensor_parallel_plan",
+        "strategy": {
+            "class": TP,
+            "kwargs": {
+                "plan": WRITTEN.get(arch, "auto") if plan == "written" else "auto",
+                "data_parallel_size": dp,
+            },
+        },
+    }
 
 
 CASES_2 = [case(a, "auto") for a in ZOO] + [case(a, "written") for a in WRITTEN]
@@ -36,8 +56,10 @@ CASES_4 = [case("hf_llama", "auto", dp=2)]
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zoo-single")
-    return {a: run_single({**case(a, "auto"), "name": f"single-{a}", "strategy": "auto", "probe": None}, tmp)
-            for a in ZOO}
+    return {
+        a: run_single({**case(a, "auto"), "name": f"single-{a}", "strategy": "auto", "probe": None}, tmp)
+        for a in ZOO
+    }
 
 
 @pytest.fixture(scope="module")

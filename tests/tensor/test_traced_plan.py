@@ -47,8 +47,13 @@ def test_llama_gqa_and_swiglu_need_no_attribute():
 def test_inline_mlp_found_inside_the_block_forward():
     _, plan = traced("inline_mlp")
     styles = plan.styles()
-    assert [styles[f"model.blocks.0.{n}"] for n in ("gate", "up", "down", "qkv", "out")] == \
-        ["colwise", "colwise", "rowwise", "colwise", "rowwise"]
+    assert [styles[f"model.blocks.0.{n}"] for n in ("gate", "up", "down", "qkv", "out")] == [
+        "colwise",
+        "colwise",
+        "rowwise",
+        "colwise",
+        "rowwise",
+    ]
 
 
 def test_a_region_that_fails_on_a_rank_is_dropped_with_its_reason():
