@@ -1,8 +1,11 @@
-"""``python -m lightning_parallel.plan <module target> --tp 2 [--plan auto|FILE.yaml] [--kwargs JSON]``
+"""``python -m lightning_parallel.plan <module target> --tp 2 [--plan auto|NAME|FILE.yaml] [--kwargs JSON]
+[--data package.module:DataModule [--data-kwargs JSON]]``
 
 Prints the sharding plan of a module as a table (style, local weight shape, parameters per rank and
 communication per layer, with totals) without starting any process. The target is ``package.module:Class``
-(built with ``--kwargs``) or a ``conf/plan`` file can be given as ``--plan``.
+(built with ``--kwargs``); a named plan of ``conf/plan`` or a YAML file can be given as ``--plan``. For
+``auto``, the plan is traced from ``training_step`` on the first batch of ``--data`` (as the strategy does),
+else from ``forward`` on the module's ``example_input_array``, else found from the module's structure.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import sys
 from typing import Optional
 
 from lightning_parallel.tensor import PlanError, resolve
+from lightning_parallel.tensor.coverage import forward_on
 from lightning_parallel.tensor.table import format_table
 
 __all__ = ["main"]
@@ -34,12 +38,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
     parser.add_argument("--plan", default="auto", help="'auto' (default) or a plan YAML file")
     parser.add_argument("--kwargs", default="{}", help="JSON keyword arguments for the target")
+    parser.add_argument("--data", default=None, help="package.module:DataModule whose first batch is traced")
+    parser.add_argument("--data-kwargs", default="{}", help="JSON keyword arguments for the data module")
     args = parser.parse_args(argv)
     if args.tp < 1:
         parser.error(f"--tp must be a positive integer, got {args.tp}")
     module = _load(args.target)(**json.loads(args.kwargs))
+    batch = None
+    if args.data:
+        data = _load(args.data)(**json.loads(args.data_kwargs))
+        data.setup("fit")
+        batch = next(iter(data.train_dataloader()))
     try:
-        resolved = resolve(module, args.plan, args.tp)
+        resolved = resolve(module, args.plan, args.tp, run=forward_on(module, batch))
     except PlanError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -22,15 +22,21 @@ from lightning_parallel.tensor.table import collectives_per_step, plan_rows
 __all__ = ["check_coverage", "sample_forward", "sharded_share"]
 
 
-def sample_forward(module: Any, to_device: Callable[[Any], Any]) -> Callable[[], Any] | None:
+def sample_forward(module: Any, to_device: Callable[[Any], Any]) -> Optional[Callable[[], Any]]:
     """A callable running the module's real computation once, or None when there is nothing to run."""
     trainer = getattr(module, "_trainer", None)
     batch = None
     if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
         try:
-            batch = next(iter(trainer.fit_loop._data_source.dataloader()))
+            batch = to_device(next(iter(trainer.fit_loop._data_source.dataloader())))
         except (StopIteration, TypeError, AttributeError):
             batch = None
+    return forward_on(module, batch)
+
+
+def forward_on(module: Any, batch: Any = None) -> Optional[Callable[[], Any]]:
+    """``training_step(batch, 0)``, else ``forward`` on ``example_input_array``, leaving random state,
+    buffers, metrics and logs as they were; None when neither is available."""
     example = getattr(module, "example_input_array", None)
     if batch is None and example is None:
         return None
@@ -38,7 +44,7 @@ def sample_forward(module: Any, to_device: Callable[[Any], Any]) -> Callable[[],
     def run() -> Any:
         with untouched(module), capture_logs(module, log_objects=False):
             if batch is not None:
-                return module.training_step(to_device(batch), 0)
+                return module.training_step(batch, 0)
             return module(*example) if isinstance(example, tuple) else module(example)
 
     return run

@@ -48,6 +48,15 @@ def test_cli_prints_the_table(capsys):
     assert "replicated net.0" in capsys.readouterr().out
 
 
+def test_cli_traces_the_first_batch_of_a_data_module(capsys):
+    args = ["tests.helpers.zoo:ZooLM", "--kwargs", '{"arch": "hf_gpt2"}', "--data", "tests.helpers.tp_models:TokenData"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "model.transformer.h.1.attn.c_attn  colwise" in out and "split_size: 16 -> 8" in out
+    assert main(args[:3]) == 0  # no batch, no example_input_array: the structural rules leave GPT-2 whole
+    assert "model.transformer.h.1.attn.c_attn  colwise" not in capsys.readouterr().out
+
+
 def test_cli_reports_plan_errors(capsys):
     assert main(["tests.helpers.models:MLP", "--plan", str(REPO / "conf/plan/char_gpt.yaml")]) == 2
     assert "matches no module of the model" in capsys.readouterr().err
