@@ -137,7 +137,11 @@ class _Finder:
             self.take(name, "attention")
 
     def embedding(self, name: str, m: nn.Embedding) -> None:
-        if m.num_embeddings % self.tp:
+        if type(m).forward is not nn.Embedding.forward:
+            self.report[name] = (
+                f"{type(m).__name__} has a forward of its own (the vocabulary-parallel layer would replace it)"
+            )
+        elif m.num_embeddings % self.tp:
             self.report[name] = f"num_embeddings={m.num_embeddings} not divisible by tp={self.tp}"
         elif m.max_norm is not None or m.sparse or m.scale_grad_by_freq:
             self.report[name] = "embedding with max_norm, sparse or scale_grad_by_freq"

@@ -68,6 +68,19 @@ def entry_layout(shape: Sequence[int], chunks: int = 1) -> Layout:
     return Layout(tuple(((s, False),) for s in shape[:-1]) + (last,))
 
 
+def _split_of(factors: tuple[Factor, ...]) -> tuple[Factor, ...]:
+    """What a rank holds of a dimension, whatever its factoring: the sharded factor and every factor inside
+    it form one factor cut into contiguous blocks (4 heads, or 2 kv heads each repeated twice, alike)."""
+    real = [f for f in factors if f[0] != 1]
+    at = next((i for i, (_, sharded) in enumerate(real) if sharded), None)
+    if at is None:
+        return tuple(real)
+    inner = 1
+    for size, _ in real[at:]:
+        inner *= size
+    return (*real[:at], (inner, True))
+
+
 def _plain(shape: Sequence[int]) -> tuple[tuple[Factor, ...], ...]:
     return tuple(((s, False),) for s in shape)
 
@@ -121,10 +134,8 @@ def _pointwise(node: Node, shapes: list, layouts: dict, out_ndim: int) -> Layout
     first = sharded[0][1]
     pos = first.sharded_dim - len(first.dims)  # from the right, as broadcasting aligns
     for _, lay in sharded:
-        if (
-            lay.sharded_dim - len(lay.dims) != pos
-            or lay.dims[lay.sharded_dim] != first.dims[first.sharded_dim]
-        ):
+        same = _split_of(lay.dims[lay.sharded_dim]) == _split_of(first.dims[first.sharded_dim])
+        if lay.sharded_dim - len(lay.dims) != pos or not same:
             raise Escape(f"{node.name}: operands sharded differently")
     for r in node.inputs():
         if r.key not in layouts:
@@ -195,7 +206,9 @@ def propagate(node: Node, shapes: list, layouts: dict, tp: int, demands: list[De
     if name in REDUCTIONS and src is not None:
         return [_reduce(node, src, out_shapes[0])]
     if name in ("bmm", "baddbmm"):
-        return [_bmm(node, layouts, out_shapes[0])]
+        return [_bmm(node, layouts, shapes, out_shapes[0])]
+    if name == "stack":
+        return [_stack(node, layouts, out_shapes[0])]
     if "scaled_dot_product" in name:
         return _attention(node, layouts, out_shapes, shapes)
     if (
@@ -275,7 +288,7 @@ def _cat(node: Node, layouts: dict, out_shape: Sequence[int], shapes: list) -> L
     lays = [layouts.get(t.key) for t in tensors]
     if (
         any(lay is None for lay in lays)
-        or len({(lay.sharded_dim, lay.dims[lay.sharded_dim]) for lay in lays}) != 1
+        or len({(lay.sharded_dim, _split_of(lay.dims[lay.sharded_dim])) for lay in lays}) != 1
     ):
         raise Escape("cat of sharded and whole values")
     if lays[0].sharded_dim == d:
@@ -296,12 +309,31 @@ def _reduce(node: Node, src: Layout, out_shape: Sequence[int]) -> Layout:
     return Layout(tuple(fs for i, fs in enumerate(src.dims) if i not in reduced))
 
 
-def _bmm(node: Node, layouts: dict, out_shape: Sequence[int]) -> Layout:
-    operands = [r for r in node.args if hasattr(r, "key")][-2:]
-    lays = [layouts.get(r.key) for r in operands]
-    if any(lay is None or lay.sharded_dim != 0 for lay in lays) or lays[0].dims[0] != lays[1].dims[0]:
+def _bmm(node: Node, layouts: dict, shapes: list, out_shape: Sequence[int]) -> Layout:
+    """Batched matmuls keep a sharded batch (heads) dimension; ``baddbmm``'s added input must be sharded
+    alike or broadcast over it (an ALiBi bias of every head is not)."""
+    refs = [r for r in node.args if hasattr(r, "key")]
+    lays = [layouts.get(r.key) for r in refs[-2:]]
+    if any(lay is None or lay.sharded_dim != 0 for lay in lays) or _split_of(lays[0].dims[0]) != _split_of(
+        lays[1].dims[0]
+    ):
         raise Escape(f"{node.name} contracts or mixes the sharded dimension")
+    if len(refs) == 3:
+        added = layouts.get(refs[0].key)
+        if (added is None and shapes[refs[0].key][0] != 1) or (added is not None and added.sharded_dim != 0):
+            raise Escape(f"{node.name} adds a value with a whole head dimension")
     return Layout((lays[0].dims[0],) + _plain(out_shape[1:]))
+
+
+def _stack(node: Node, layouts: dict, out_shape: Sequence[int]) -> Layout:
+    """``stack`` of values sharded alike along a new dimension (rotary embeddings interleaved by hand)."""
+    lays = [layouts.get(t.key) for t in node.args[0]]
+    if any(lay is None for lay in lays) or len({_split_of(lay.dims[lay.sharded_dim]) for lay in lays}) != 1:
+        raise Escape("stack of sharded and whole values")
+    d = _dim(node.args[1] if len(node.args) > 1 else 0, len(out_shape))
+    dims = list(lays[0].dims)
+    dims.insert(d, ((out_shape[d], False),))
+    return Layout(tuple(dims))
 
 
 def _attention(node: Node, layouts: dict, out_shapes: list, shapes: list) -> list[Layout | None]:

@@ -21,7 +21,10 @@ from lightning_parallel.tensor.trace import Trace, is_conv1d, is_projection
 __all__ = ["TracedPlan", "find_traced_plan", "out_features"]
 
 # attributes equal to a written size that are never the size to divide
-NOT_DIVIDED = re.compile(r"head_dim|head_size|layer_idx|groups|max_|position|vocab")
+# attributes that may hold a written size: head counts, split sizes, widths; never per-head sizes,
+# rotary dimensions, positions or group counts (equal by chance)
+DIVIDED = re.compile(r"head|split|embd|embed|hidden")
+NOT_DIVIDED = re.compile(r"head_dim|head_size|layer_idx|groups|max_|position|vocab|rotary|rope|ndims")
 HEAD_SHARE = 0.05  # an output head is worth a gathered column-parallel shard above this share of the model
 
 
@@ -125,6 +128,7 @@ def _divisible_attributes(module: nn.Module, value: int) -> list[str]:
         and not isinstance(v, bool)
         and v == value
         and not k.startswith("_")
+        and DIVIDED.search(k)
         and not NOT_DIVIDED.search(k)
     ]
 
@@ -148,24 +152,18 @@ def find_traced_plan(trace: Trace, tp: int, total_params: int) -> TracedPlan:
     while True:
         flow = _run_flow(trace, candidates, tp)
         bad = dict(flow.failed)
-        for row in flow.rows:
-            if row in candidates:
-                bad.setdefault(row, "row-parallel partner of " + ", ".join(sorted(flow.rows[row])))
         partnered = set().union(*flow.rows.values()) if flow.rows else set()
         for name in candidates:
             if name not in partnered:
                 bad.setdefault(name, "no row-parallel partner: its output is not reduced by a projection")
+        for row, columns in flow.rows.items():  # a partner of columns that all fail is a candidate still
+            if row in candidates and not columns <= set(bad):
+                bad.setdefault(row, "row-parallel partner of " + ", ".join(sorted(columns)))
+        # a written size with no attribute to divide may be computed from a split tensor's shape: kept,
+        # and the dry run (tensor.dry_run) drops the region if it was not
         attributes: dict[tuple[str, str], set[str]] = {}
         for demand, sources in flow.demands:
-            found = _divisible_attributes(trace.modules.get(demand.owner, nn.Module()), demand.value)
-            if not found:
-                for s in sources:
-                    bad.setdefault(
-                        s,
-                        f"the size {demand.value} is written in the forward of {demand.owner!r} "
-                        "and read from no attribute that could be divided",
-                    )
-            for a in found:
+            for a in _divisible_attributes(trace.modules.get(demand.owner, nn.Module()), demand.value):
                 attributes.setdefault((demand.owner, a), set()).update(sources)
         if not bad:
             break
@@ -179,12 +177,20 @@ def find_traced_plan(trace: Trace, tp: int, total_params: int) -> TracedPlan:
     for name in calls:
         plan.reasons.pop(name, None) if name in plan.columns or name in plan.rows else None
     embeddings = [m for m in trace.modules.values() if isinstance(m, nn.Embedding)]
-    for name in list(plan.reasons):
-        module = trace.modules[name]
-        if name not in plan.rows and _is_output_head(module, tp, total_params, embeddings):
+    heads = [
+        n
+        for n in calls
+        if n in plan.reasons and _is_output_head(trace.modules[n], tp, total_params, embeddings)
+    ]
+    for name in heads:  # tied to an embedding, or the last projection onto a vocabulary
+        if _tied(trace.modules[name], embeddings) or name == heads[-1]:
             plan.gathered.add(name)
             plan.reasons.pop(name)
     return plan
+
+
+def _tied(module: nn.Module, embeddings: list[nn.Embedding]) -> bool:
+    return any(e.weight is module.weight for e in embeddings)
 
 
 def _is_output_head(
@@ -194,6 +200,6 @@ def _is_output_head(
     gathered."""
     if not isinstance(module, nn.Linear) or module.out_features % tp:
         return False
-    tied = any(e.weight is module.weight for e in embeddings)
+    tied = _tied(module, embeddings)
     vocabulary = any(e.num_embeddings == module.out_features for e in embeddings)
     return tied or (vocabulary and module.weight.numel() >= HEAD_SHARE * total_params)
