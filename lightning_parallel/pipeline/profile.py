@@ -37,7 +37,7 @@ def untouched(module: nn.Module) -> Iterator[None]:
     torchmetrics states and gradients are the same after the block as before: measuring changes nothing."""
     states = random.getstate(), np.random.get_state()
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    metrics = [(m, metric_state(m), m.device) for m in module.modules() if isinstance(m, Metric)]
+    metrics = [(m, _cloned(metric_state(m)), m.device) for m in module.modules() if isinstance(m, Metric)]
     grads = [(p, p.grad) for p in module.parameters()]
     devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=devices):
@@ -53,6 +53,11 @@ def untouched(module: nn.Module) -> Iterator[None]:
                 load_metric_state(m, saved, device)
             for p, g in grads:
                 p.grad = g
+
+
+def _cloned(state: Any) -> Any:
+    """Copies of the tensors in ``state`` (metrics update their states in place)."""
+    return apply_to_collection(state, Tensor, lambda t: t.detach().clone())
 
 
 class _StopForward(BaseException):

@@ -66,3 +66,17 @@ def test_a_block_that_never_runs_is_named():
     blocks = [nn.Linear(2, 2), nn.Linear(2, 2)]
     with pytest.raises(RuntimeError, match=r"blocks \[1\] of the stack did not run"):
         capture_block_inputs(blocks, lambda: blocks[0](torch.ones(1, 2)))
+
+
+def test_untouched_restores_metrics_updated_in_place():
+    import torchmetrics
+    from torch import nn
+
+    from lightning_parallel.pipeline.profile import untouched
+
+    module = nn.Module()
+    module.seen = torchmetrics.SumMetric()
+    module.seen.update(torch.tensor(3.0))
+    with untouched(module):
+        module.seen.update(torch.tensor(16.0))  # SumMetric adds in place
+    assert float(module.seen.compute()) == 3.0
