@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from lightning_parallel.sharded_checkpoint import META_FILE, is_sharded_checkpoint
+from lightning_parallel.checkpointing import META_FILE, is_sharded_checkpoint
 from lightning_parallel.strategies import SingleDeviceReferenceStrategy
 from tests.helpers.harness import REPO, assert_params_close, run_distributed, run_single
 from tests.helpers.models import MLP
@@ -90,7 +90,7 @@ def test_sharded_checkpoint_saves_per_rank_and_continues_under_every_layout(tmp_
         assert_params_close(single["state_dict"], reference[model], atol=1e-10)
 
         out = tmp_path / f"{s}.ckpt"  # consolidated: a plain single-device checkpoint
-        subprocess.run([sys.executable, "-m", "lightning_parallel.sharded_checkpoint", "consolidate", str(dirs[s]),
+        subprocess.run([sys.executable, "-m", "lightning_parallel.cli.checkpoint", "consolidate", str(dirs[s]),
                         str(out)], check=True, cwd=REPO, timeout=120)
         state = torch.load(out, weights_only=False)["state_dict"]
         assert_params_close(state, three[model], atol=1e-10)

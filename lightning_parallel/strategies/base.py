@@ -13,13 +13,12 @@ What the base adds on top:
   model-parallel peers that hold the same batch are not counted twice;
 - an optional ``GradientReducer`` driven by the backward hooks and by ``block_backward_sync``;
 - a NaN/inf training loss raises before the optimizer step, naming step, batch and rank
-  (``loss_check``; ``check_finite_loss = False`` turns it off);
+  (``checkpointing.loss_check``; ``check_finite_loss = False`` turns it off);
 - a ``FailureWatchdog``: if one rank raises or dies, the others exit within ``failure_timeout`` seconds
   (default 60) naming it, instead of waiting in a collective;
-- exact resume (``resume.ExactResumeMixin``: data position and RNG in the checkpoint) and checkpoint
-  files written atomically (``checkpoint.AtomicCheckpointIO``, the default CheckpointIO);
-- ``save_distributed=True``: one shard per rank through torch.distributed.checkpoint
-  (``sharded_checkpoint.ShardedCheckpointMixin``); such directories load under every layout.
+- checkpoints and exact resume (``checkpointing.Checkpointer``: data position and RNG in the checkpoint,
+  files written atomically, ``save_distributed=True`` for one shard per rank through
+  torch.distributed.checkpoint); a strategy states its part through ``checkpointing.CheckpointContract``.
 """
 
 from __future__ import annotations
@@ -40,15 +39,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
 import lightning.pytorch as pl
-from lightning_parallel.checkpoint import AtomicCheckpointIO
+from lightning_parallel.checkpointing import AtomicCheckpointIO, Checkpointer
+from lightning_parallel.checkpointing.loss_check import check_finite_loss, training_loss
 from lightning_parallel.distributed.mesh import Mesh, MeshShape, build_mesh
 from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.state import broadcast_module_states
 from lightning_parallel.distributed.sync_batchnorm import SyncBatchNormPlugin
 from lightning_parallel.distributed.watchdog import FailureWatchdog
-from lightning_parallel.loss_check import check_finite_loss, training_loss
-from lightning_parallel.resume import ExactResumeMixin
-from lightning_parallel.sharded_checkpoint import ShardedCheckpointMixin
 from lightning_parallel.strategies.launcher import HydraSafeSubprocessLauncher, failure_exit_fn
 
 __all__ = ["ParallelStrategyBase"]
@@ -64,12 +61,12 @@ def _init_arguments(cls: type) -> set[str]:
     return names
 
 
-class ParallelStrategyBase(ShardedCheckpointMixin, ExactResumeMixin, _LightningDDPStrategy):
+class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
     """Base of all lightning_parallel strategies; not registered itself.
 
     Args:
         save_distributed: write checkpoints as a directory with one shard per rank
-            (torch.distributed.checkpoint) instead of one gathered file; see ``sharded_checkpoint``.
+            (torch.distributed.checkpoint) instead of one gathered file; see ``checkpointing.sharded``.
         failure_timeout: seconds after which the other ranks stop when one fails or dies.
     """
 
@@ -191,7 +188,9 @@ class ParallelStrategyBase(ShardedCheckpointMixin, ExactResumeMixin, _LightningD
             # Trainer(sync_batchnorm=True): torch's SyncBatchNorm refuses CPU and syncs over WORLD
             self._layer_sync = SyncBatchNormPlugin(self.dp_group)
         if trainer.state.fn == TrainerFn.FITTING:
-            return super().setup(trainer)
+            super().setup(trainer)
+            self.restore_after_setup(trainer)
+            return
         # validate/test/predict: Lightning's DDPStrategy would broadcast rank 0's tensors to every rank,
         # which would overwrite the other ranks' shards or stages. Keep each rank's part.
         self.accelerator.setup(trainer)
@@ -203,7 +202,7 @@ class ParallelStrategyBase(ShardedCheckpointMixin, ExactResumeMixin, _LightningD
             else:
                 broadcast_module_states(self.lightning_module)
         self.setup_precision_plugin()
-        self.load_pending_sharded_checkpoint()
+        self.restore_after_setup(trainer)
 
     def configure_ddp(self) -> None:
         """Called by Lightning's ``DDPStrategy.setup`` while fitting: install our parallelism instead."""

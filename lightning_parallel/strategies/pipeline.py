@@ -18,7 +18,7 @@ How a step runs (Lightning's closure is training_step -> zero_grad -> backward):
 
 Checkpoints hold the full model under the original names (gathered from the stages), so they load into
 the plain module; a full checkpoint loads into any number of stages. With ``save_distributed=True`` each
-stage writes only its own tensors (``sharded_checkpoint``).
+stage writes only its own tensors (``checkpointing.sharded``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from lightning_parallel.distributed.collectives import clip_grad_norm_sharded, s
 from lightning_parallel.distributed.mesh import MeshShape
 from lightning_parallel.distributed.p2p import PeerLink
 from lightning_parallel.distributed.state import all_reduce_gradients, broadcast_module_states, start_sum_at
-from lightning_parallel.loss_check import check_finite_loss
+from lightning_parallel.checkpointing.loss_check import check_finite_loss
 from lightning_parallel.pipeline.executor import StageExecutor, batch_size, split_microbatches
 from lightning_parallel.pipeline.logs import LogMirror, WholeBatchMetrics, capture_logs, summarize
 from lightning_parallel.pipeline.partition import StagePartition, find_block_stack, partition
@@ -445,10 +445,10 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
             raise KeyError(f"checkpoint lacks {sorted(missing)[:5]} (of {len(missing)}) for this pipeline stage")
         self.lightning_module.load_state_dict(state, strict=False)
 
-    def full_optimizer_state_dict(self, optimizer: Any) -> dict[str, Any]:
+    def full_optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The single-device optimizer state, gathered from the stages (loads into any layout)."""
         if self.partition is None:
-            return super().full_optimizer_state_dict(optimizer)
+            return super().full_optimizer_state(optimizer)
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         local = stage_state_by_name(optimizer, self.lightning_module)
         stages: list[Any] = [None] * self.mesh.shape.pp

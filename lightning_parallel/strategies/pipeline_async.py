@@ -26,7 +26,7 @@ stage 0's first forward: a flush in all but name.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -155,15 +155,15 @@ class AsyncPipelineMixin:
         named = list(self.lightning_module.named_parameters())
         self.async_grads.place_from_checkpoint(named, {n for n, _ in named if n not in owned}, self.mesh.pp_rank == 0)
 
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The first thing Lightning asks for when writing a checkpoint: the async pipeline drains here, so
-        what is saved (full or sharded) holds no half-finished batch."""
+    def prepare_checkpoint(self) -> None:
+        """Before a checkpoint's state is read: the async pipeline drains, so what is saved (full or sharded)
+        holds no half-finished batch."""
         self.drain()
-        return super().lightning_module_state_dict()
 
-    def resume_state_dict(self) -> dict[str, Any]:
-        """Adds the async gradient not yet applied (single-device names), so a resumed run applies it."""
-        state = super().resume_state_dict()
+    def extra_resume_state(self) -> dict[str, Any]:
+        """The async gradient not yet applied (single-device names), so a resumed run applies it, and the
+        loss a resumed step shows: the summary still due, or (none due after an epoch's flush) the last one."""
+        state: dict[str, Any] = {}
         if self.schedule != "async" or self.partition is None:
             return state
         self._place_checkpoint_gradient()
@@ -177,11 +177,13 @@ class AsyncPipelineMixin:
         if self._summary_due and self._held_summary is None:  # so the resumed step shows the right loss
             self._held_summary = self.logs.take("train")
         state["async_due_summary"] = self._held_summary
+        state["async_last_loss"] = float(self._last_loss) if self._last_loss is not None else None
         return state
 
-    def load_resume_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_resume_state_dict(state)
+    def load_extra_resume_state(self, state: Mapping[str, Any]) -> None:
         if self.schedule == "async":
             self.async_grads.pending_by_name = state.get("async_pending_gradient")
             self._held_summary = state.get("async_due_summary")
             self._summary_due = self._held_summary is not None
+            last = state.get("async_last_loss")
+            self._last_loss = torch.tensor(last, dtype=torch.float64, device=self.root_device) if last is not None else None

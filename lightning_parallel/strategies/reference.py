@@ -15,13 +15,12 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import ParallelStrategy
 
-from lightning_parallel.resume import ExactResumeMixin
-from lightning_parallel.sharded_checkpoint import ShardedCheckpointMixin
+from lightning_parallel.checkpointing import Checkpointer
 
 __all__ = ["SingleDeviceReferenceStrategy"]
 
 
-class SingleDeviceReferenceStrategy(ShardedCheckpointMixin, ExactResumeMixin, ParallelStrategy):
+class SingleDeviceReferenceStrategy(Checkpointer, ParallelStrategy):
     """One process, one device, with the sample order of a distributed run (a 1-replica
     ``DistributedSampler``), and the same exact resume as the distributed strategies, so that a
     resumed reference continues where the original left off, also from a sharded (``save_distributed``)
@@ -54,6 +53,10 @@ class SingleDeviceReferenceStrategy(ShardedCheckpointMixin, ExactResumeMixin, Pa
     @property
     def global_rank(self) -> int:
         return 0
+
+    def setup(self, trainer: Any) -> None:
+        super().setup(trainer)
+        self.restore_after_setup(trainer)
 
     def model_to_device(self) -> None:
         self.model.to(self.root_device)

@@ -7,7 +7,7 @@ ranks of a tensor-parallel group see the same batches (the sampler runs over the
 with ``data_parallel_size > 1`` the gradient reducer averages over the data-parallel group. Gradient
 clipping by norm uses the global norm over the shards, and checkpoints hold full, unsharded tensors
 under the original names, so they load into the plain module and into any tensor-parallel size; with
-``save_distributed=True`` each rank writes only its shards (``sharded_checkpoint``).
+``save_distributed=True`` each rank writes only its shards (``checkpointing.sharded``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from lightning_parallel.distributed.collectives import clip_grad_norm_sharded, s
 from lightning_parallel.distributed.mesh import MeshShape
 from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.state import broadcast_module_states
-from lightning_parallel.sharded_checkpoint import ShardLayout
+from lightning_parallel.checkpointing import ShardLayout
 from lightning_parallel.strategies.base import ParallelStrategyBase
 from lightning_parallel.tensor import Plan, ResolvedPlan, apply_plan, parse_plan, resolve
 from lightning_parallel.tensor.coverage import check_coverage, sample_forward
@@ -253,9 +253,9 @@ class TensorParallelStrategy(ParallelStrategyBase):
             return super().load_full_model_state(state_dict, strict=strict)
         load_full_state_dict(self.lightning_module, state_dict, strict=strict)
 
-    def full_optimizer_state_dict(self, optimizer: Any) -> dict[str, Any]:
+    def full_optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         if not self._is_sharded():
-            return super().full_optimizer_state_dict(optimizer)
+            return super().full_optimizer_state(optimizer)
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         return full_optimizer_state(optimizer, self.lightning_module, self.tp_group)

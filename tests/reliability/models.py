@@ -27,9 +27,9 @@ class ShuffledData(LightningDataModule):
 
 
 class DropoutMLP(LightningModule):
-    def __init__(self, dim: int = 8, hidden: int = 16):
+    def __init__(self, dim: int = 8, hidden: int = 16, dropout: float = 0.2):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.Tanh(), nn.Dropout(0.2), nn.Linear(hidden, 1))
+        self.net = nn.Sequential(nn.Linear(dim, hidden), nn.Tanh(), nn.Dropout(dropout), nn.Linear(hidden, 1))
 
     def training_step(self, batch, batch_idx):
         x, y = batch

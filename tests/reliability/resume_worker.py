@@ -3,11 +3,13 @@
 Each case fits ``DropoutMLP`` with a checkpoint every ``every`` steps; optionally kills its own
 process (``kill: [step, rank, "SIGKILL"|"SIGTERM"]``; under Lightning's own launcher rank 0 is the launcher) after that step, or resumes with
 ``ckpt_path="last"``. A case may name a registered strategy with extra init arguments
-(``strategy_kwargs``), the per-replica ``batch_size``, ``every: "epoch"`` (checkpoints in
+(``strategy_kwargs``), ``sharded`` (``save_distributed=True``), ``model_kwargs``, the per-replica
+``batch_size``, ``every: "epoch"`` (checkpoints in
 ``on_train_epoch_end``) or ``"validation"`` (in ``on_validation_end``), ``epochs`` (``max_epochs``
-instead of ``max_steps``) and ``val_batches``. Writes {global step: loss of its last
-micro-batch}, the trace of every batch [(global step after it, loss)], and the final parameters (this
-rank's shard or stage).
+instead of ``max_steps``), ``val_batches``, ``save_at_batch`` (a ``trainer.save_checkpoint`` after that
+batch, its warnings recorded) and ``full_state`` (the gathered single-device state at the end of training).
+Writes {global step: loss of its last micro-batch}, the trace of every batch [(global step after it, loss)],
+and the final parameters (this rank's shard or stage).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import signal
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -29,8 +32,12 @@ from tests.reliability.models import DropoutMLP, ShuffledData
 
 
 class Recorder(Callback):
-    def __init__(self, kill=None, out: Path | None = None):
+    def __init__(self, kill=None, out: Path | None = None, save_at_batch: int | None = None,
+                 full_state: bool = False):
         self.out = out
+        self.save_at_batch = save_at_batch
+        self.warned: list[str] = []
+        self.full_state = {} if full_state else None
         self.losses: dict[int, float] = {}
         self.trace: list[tuple[int, float]] = []
         self.kill = kill  # [global step (or batch count, with a 4th item "batch"), rank, signal name]
@@ -40,6 +47,11 @@ class Recorder(Callback):
         self.losses[trainer.global_step] = float(outputs["loss"])
         self.trace.append((trainer.global_step, float(outputs["loss"])))
         self.batches += 1
+        if self.batches == self.save_at_batch:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                trainer.save_checkpoint(self.out / "ckpt" / "at_batch.ckpt")
+            self.warned = [str(w.message) for w in caught]
         when = self.batches if self.kill and self.kill[3:] == ["batch"] else trainer.global_step
         if self.kill and when == self.kill[0] and trainer.global_rank == self.kill[1]:
             # evidence for the test that the kill came from here, at this point
@@ -47,29 +59,35 @@ class Recorder(Callback):
                 json.dumps({"global_step": trainer.global_step, "batches": self.batches}))
             os.kill(os.getpid(), getattr(signal, self.kill[2]))
 
+    def on_train_end(self, trainer, pl_module):
+        if self.full_state is not None:  # every rank takes part (the gather is a collective)
+            self.full_state = {k: v.detach().clone() for k, v in trainer.strategy.full_model_state().items()}
+
 
 def run_case(case: dict, out: Path, world_size: int) -> None:
     seed_everything(0, workers=True)
-    recorder = Recorder(case.get("kill"), out)
+    recorder = Recorder(case.get("kill"), out, case.get("save_at_batch"), case.get("full_state", False))
     every = {"epoch": {"every_n_epochs": 1},
              "validation": {"every_n_epochs": 1, "save_on_train_epoch_end": False},
              }.get(case["every"], {"every_n_train_steps": case["every"]})
     checkpoint = ModelCheckpoint(dirpath=out / "ckpt", save_last=True, save_top_k=-1, **every)
     strategy = case["strategy"]
-    if case.get("strategy_kwargs"):
+    kwargs = {**case.get("strategy_kwargs", {}), **({"save_distributed": True} if case.get("sharded") else {})}
+    if kwargs:
         entry = StrategyRegistry[strategy]  # the registered name's class and fixed arguments, plus the case's
-        strategy = entry["strategy"](**{**entry["init_params"], **case["strategy_kwargs"]})
+        strategy = entry["strategy"](**{**entry["init_params"], **kwargs})
     trainer = Trainer(accelerator="cpu", devices=world_size, strategy=strategy,
                       precision="64-true", max_steps=case["steps"] if "epochs" not in case else -1,
                       max_epochs=case.get("epochs"), logger=False, enable_progress_bar=False,
                       enable_model_summary=False, callbacks=[recorder, checkpoint],
                       limit_val_batches=case.get("val_batches", 0),
                       accumulate_grad_batches=case.get("accumulate", 1), default_root_dir=out)
-    model = DropoutMLP()
+    model = DropoutMLP(**case.get("model_kwargs", {}))
     data = ShuffledData(batch_size=case.get("batch_size", 4))
     trainer.fit(model, datamodule=data, ckpt_path="last" if case.get("resume") else None)
     torch.save({"losses": recorder.losses, "trace": recorder.trace, "state_dict": model.state_dict(),
-                "global_step": trainer.global_step, "interrupted": trainer.interrupted},
+                "global_step": trainer.global_step, "interrupted": trainer.interrupted,
+                "warned": recorder.warned, "full_state": recorder.full_state},
                out / f"rank{trainer.global_rank}.pt")
 
 

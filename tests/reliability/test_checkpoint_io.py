@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import lightning_parallel
-from lightning_parallel import checkpoint as ckpt_module
-from lightning_parallel.checkpoint import AtomicCheckpointIO
+from lightning_parallel.checkpointing import atomic as ckpt_module
+from lightning_parallel.checkpointing import AtomicCheckpointIO
 
 
 _real_save = torch.save

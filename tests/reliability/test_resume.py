@@ -11,7 +11,7 @@ the 2 ranks form one replica).
 - lp_ddp under Lightning's own launcher, the launcher (rank 0) SIGKILLed after step 11: resumes from
   step 8 with a fresh launch.
 - lp_ddp + SIGTERM to rank 1 after step 5: the ranks' vote at step 5 says so, they read it a step later
-  (``preemption.py``), so both save ``last.ckpt`` at step 6 and stop cleanly; the resumed run continues
+  (``checkpointing/preemption.py``), so both save ``last.ckpt`` at step 6 and stop cleanly; the resumed run continues
   exactly.
 - lp_tensor_parallel (tp=2, one replica: both ranks see the same batch): resumes mid-epoch.
 - lp_pipeline_1f1b (2 stages, loss on the last stage only) mid-epoch; lp_pipeline_gpipe from an
@@ -19,11 +19,18 @@ the 2 ranks form one replica).
 - lp_ddp with ``accumulate_grad_batches=4`` (does not divide the 6 batches: Lightning also steps at the
   epoch's last batch, after 2 micro-batches) from epoch-end checkpoints saved in the last batch's
   ``on_train_batch_end`` (``every_n_train_steps``; killed again after resuming) and in
-  ``on_train_epoch_end`` (``every_n_epochs=1``); both failed before ``loop_state`` (see there).
+  ``on_train_epoch_end`` (``every_n_epochs=1``); ``checkpointing/loop_state.py`` repairs both.
 - lp_ddp with ``accumulate_grad_batches=2`` (3 steps per epoch) and validation at each epoch end, from
   epoch-end checkpoints saved in ``on_train_epoch_end`` under ``max_epochs``, and before (last batch's
   ``on_train_batch_end``) and after (``on_validation_end``) the validation, whose loader's iterator
   draws from the global RNG (the save before it failed before the RNG was restored at ``on_train_start``).
+
+The checkpoint matrix: {full, sharded (``save_distributed``)} x {mid-epoch, epoch end (``every_n_epochs=1``:
+saved in ``on_train_epoch_end``)} x {lp_ddp, lp_tensor_parallel, lp_pipeline_1f1b, lp_pipeline_async} (the full
+lp_ddp epoch end is the accumulating case above); a sharded epoch-end checkpoint of lp_tensor_parallel
+resumed under lp_pipeline_1f1b (no dropout: the two layouts draw different masks), compared on the gathered
+single-device parameters; and a save between the micro-batches of an accumulated step, which warns on both
+storage paths.
 
 Every killed rank leaves a marker file before it kills itself and must have died by that signal; the
 checkpoint it left is checked to be at the expected step, and the resumed batch trace (global step after
@@ -33,6 +40,7 @@ each batch, loss) must equal the uninterrupted run's from the batch after that s
 from __future__ import annotations
 
 import json
+import math
 import signal
 import sys
 from pathlib import Path
@@ -96,8 +104,31 @@ CASES = {
                                         "kill": [5, 1, "SIGKILL"], "ckpt_step": 3, "accumulate": 2,
                                         "val_batches": 2},
 }
-# what makes two runs the same run (not when they checkpoint or die)
-TRAINING_KEYS = ("strategy", "strategy_kwargs", "accumulate", "batch_size", "epochs", "val_batches")
+# every_n_epochs=1 saves in on_train_epoch_end: step 6 ends epoch 0, the run dies after step 7
+EPOCH_END = {"every": "epoch", "ckpt_step": 6}
+MATRIX = {
+    "lp_ddp": {"strategy": "lp_ddp"},
+    "lp_tensor_parallel": TP,
+    "lp_pipeline_1f1b": {**PP, "strategy": "lp_pipeline_1f1b"},
+    "lp_pipeline_async": {**PP, "strategy": "lp_pipeline_async"},
+}
+for _name, _training in MATRIX.items():
+    if _name != "lp_ddp":  # lp_ddp's full epoch end: lp_ddp_accumulate_uneven_on_epoch_end
+        CASES[f"{_name}_on_epoch_end"] = {**_training, **EPOCH_END, "kill": [7, 1, "SIGKILL"]}
+    CASES[f"{_name}_sharded"] = {**_training, "every": 4, "kill": [10, 1, "SIGKILL"], "ckpt_step": 8, "sharded": True}
+    CASES[f"{_name}_sharded_on_epoch_end"] = {**_training, **EPOCH_END, "kill": [7, 0, "SIGKILL"], "sharded": True}
+# saved sharded by tensor parallel at an epoch end, resumed by 2 pipeline stages
+NO_DROPOUT = {"model_kwargs": {"dropout": 0.0}, "full_state": True}
+CASES["tp_to_pipeline_sharded_on_epoch_end"] = {
+    **TP, **NO_DROPOUT, **EPOCH_END, "kill": [7, 1, "SIGKILL"], "sharded": True,
+    "resume_as": {**PP, "strategy": "lp_pipeline_1f1b", **NO_DROPOUT}}
+# a save after the first of 2 micro-batches (run in the uninterrupted launch; it only has to warn)
+MID_ACCUMULATION = {f"{name}_save_mid_accumulation": {"strategy": "lp_ddp", "accumulate": 2, "steps": 2, "every": 100,
+                                                      "save_at_batch": 1, "sharded": sharded}
+                    for name, sharded in (("full", False), ("sharded", True))}
+# what makes two runs the same run (not when they checkpoint or die, nor how they store checkpoints)
+TRAINING_KEYS = ("strategy", "strategy_kwargs", "accumulate", "batch_size", "epochs", "val_batches", "model_kwargs",
+                 "full_state")
 
 
 def training(case: dict) -> dict:
@@ -134,12 +165,23 @@ def load(path: Path) -> list[dict]:
     return [torch.load(path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
 
-def run_resume_cases(cases: dict[str, dict], tmp: Path) -> dict[str, tuple]:
+def saved_step(path: Path) -> int:
+    """The global step of a checkpoint file or sharded directory. ``weights_only=True``: what
+    ``load_from_checkpoint`` uses; the resume state must not need pickled classes."""
+    return torch.load(path / "meta.pt" if path.is_dir() else path, weights_only=True)["global_step"]
+
+
+def run_resume_cases(cases: dict[str, dict], tmp: Path, once: dict[str, dict] | None = None) -> dict[str, tuple]:
     """Launches (start-up dominates): the uninterrupted runs together with the SIGTERM runs, which stop
-    cleanly; one launch per SIGKILL, which ends its launch; then the resumed runs together."""
-    def run(name: str, **extra) -> dict:
+    cleanly, and the ``once`` cases (run as given, results under their name); one launch per SIGKILL, which
+    ends its launch; then the resumed runs together (a case's ``resume_as`` changes their training)."""
+    once = once or {}
+
+    def run(name: str, resume: bool = False, **extra) -> dict:
         c = cases[name]
-        return {**training(c), "steps": STEPS, "every": c["every"], "dir": str(tmp / f"kill_{name}"), **extra}
+        trained = training(c.get("resume_as", c)) if resume else training(c)
+        return {**trained, "steps": STEPS, "every": c["every"], "dir": str(tmp / f"kill_{name}"),
+                "sharded": c.get("sharded", False), "resume": resume, **extra}
 
     def key(case: dict) -> str:
         return json.dumps(training(case), sort_keys=True)
@@ -148,7 +190,8 @@ def run_resume_cases(cases: dict[str, dict], tmp: Path) -> dict[str, tuple]:
     base_dir = {b: tmp / f"base{i}" for i, b in enumerate(bases)}
     sigterm = [n for n, c in cases.items() if c["kill"][2] == "SIGTERM" and not c.get("lightning_launcher")]
     launch([{**json.loads(b), "steps": STEPS, "every": 2, "dir": str(base_dir[b])} for b in bases]
-           + [run(n, kill=cases[n]["kill"]) for n in sigterm], tmp, "uninterrupted")
+           + [run(n, kill=cases[n]["kill"]) for n in sigterm]
+           + [{**c, "dir": str(tmp / n)} for n, c in once.items()], tmp, "uninterrupted")
     for name in sigterm:
         stopped = load(tmp / f"kill_{name}")
         steps = [r["global_step"] for r in stopped]
@@ -166,20 +209,19 @@ def run_resume_cases(cases: dict[str, dict], tmp: Path) -> dict[str, tuple]:
         if "kill_again" in c:  # killed again after resuming
             launch([run(name, kill=c["kill_again"], resume=True)], tmp, f"killed_again_{name}",
                    kill=c["kill_again"])
-    # weights_only=True: what load_from_checkpoint uses; the resume state must not need pickled classes
-    killed_at = {n: torch.load(tmp / f"kill_{n}" / "ckpt" / "last.ckpt", weights_only=True)["global_step"]
-                 for n in cases}
+    killed_at = {n: saved_step(tmp / f"kill_{n}" / "ckpt" / "last.ckpt") for n in cases}
     for own_launcher in (False, True):
         group = [run(n, resume=True) for n, c in cases.items()
                  if bool(c.get("lightning_launcher")) == own_launcher]
         if group:
             launch(group, tmp, f"resumed_launcher{own_launcher}", lightning_launcher=own_launcher)
-    return {n: (load(base_dir[key(c)]), load(tmp / f"kill_{n}"), killed_at[n]) for n, c in cases.items()}
+    results = {n: (load(base_dir[key(c)]), load(tmp / f"kill_{n}"), killed_at[n]) for n, c in cases.items()}
+    return results | {n: (load(tmp / n),) for n in once}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return run_resume_cases(CASES, tmp_path_factory.mktemp("resume"))
+    return run_resume_cases(CASES, tmp_path_factory.mktemp("resume"), once=MID_ACCUMULATION)
 
 
 def check_resumed(case: dict, base: list[dict], resumed: list[dict], last_step: int) -> None:
@@ -192,9 +234,12 @@ def check_resumed(case: dict, base: list[dict], resumed: list[dict], last_step: 
         start = next(i for i, (step, _) in enumerate(trace) if step == ckpt_step) + 1  # after the save
         expected, got = trace[start:], resumed[rank]["trace"]
         assert [s for s, _ in got] == [s for s, _ in expected], f"rank {rank} resumed at a wrong batch: {got}"
-        worst = max(abs(a - b) for (_, a), (_, b) in zip(got, expected))
+        assert [math.isnan(a) for _, a in got] == [math.isnan(b) for _, b in expected], f"rank {rank}: {got}"
+        worst = max(abs(a - b) for (_, a), (_, b) in zip(got, expected) if not math.isnan(a))
         assert worst <= 1e-10, f"rank {rank}: losses after resume differ by {worst:.3e}"
-        diff = max_param_diff(resumed[rank]["state_dict"], base[rank]["state_dict"])
+        # the same layout: this rank's parameters; another: the gathered single-device ones
+        compared = "full_state" if "resume_as" in case else "state_dict"
+        diff = max_param_diff(resumed[rank][compared], base[rank][compared])
         assert diff <= 1e-10, f"rank {rank}: final parameters differ by {diff:.3e}"
     if case.get("one_replica"):  # tensor-parallel peers saw the same batches; the last stage's loss mirrored
         worst = max(abs(a - b) for (_, a), (_, b) in zip(resumed[0]["trace"], resumed[1]["trace"]))
@@ -207,3 +252,13 @@ def check_resumed(case: dict, base: list[dict], resumed: list[dict], last_step: 
 @pytest.mark.parametrize("case", list(CASES))
 def test_kill_then_resume_is_exact(runs, case):
     check_resumed(CASES[case], *runs[case])
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", list(MID_ACCUMULATION))
+def test_a_save_between_micro_batches_warns(runs, case):
+    (ranks,) = runs[case]
+    warned = [m for m in ranks[0]["warned"] if "saved between the micro-batches of an accumulated step" in m]
+    assert len(warned) == 1, ranks[0]["warned"]
+    assert "global step 0" in warned[0]
+    assert ranks[1]["warned"] == [] or not any("micro-batches" in m for m in ranks[1]["warned"])

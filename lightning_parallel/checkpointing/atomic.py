@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.types import _PATH
@@ -53,7 +53,7 @@ def atomic_torch_save(obj: Any, path: _PATH) -> None:
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` with write-to-temporary-then-rename; local paths only (remote URLs fall back)."""
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
         if storage_options is not None or "://" in str(path):
             return super().save_checkpoint(checkpoint, path, storage_options=storage_options)
         atomic_torch_save(checkpoint, path)

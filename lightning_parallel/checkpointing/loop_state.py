@@ -1,6 +1,6 @@
 """Two places where Lightning's own loop bookkeeping (2.6) breaks exact resume, and their repairs.
 
-Both were found with ``tests/reliability/test_resume.py`` (a rank SIGKILLed, ``fit(ckpt_path="last")``):
+Both are covered by ``tests/reliability/test_resume.py`` (a rank SIGKILLed, ``fit(ckpt_path="last")``):
 
 1. **A checkpoint saved after the epoch's last batch** (in ``on_train_epoch_end``, e.g. ``ModelCheckpoint(
    every_n_epochs=1)``) holds the epoch loop's per-epoch counters at the end of the epoch (``ready ==
@@ -24,11 +24,11 @@ Both were found with ``tests/reliability/test_resume.py`` (a rank SIGKILLed, ``f
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-__all__ = ["normalize_epoch_end", "mark_step_saved"]
+__all__ = ["mark_step_saved", "normalize_epoch_end"]
 
 
 def _saved_after_last_batch(batches: dict[str, Any], epochs: dict[str, Any]) -> bool:
@@ -60,7 +60,7 @@ def normalize_epoch_end(checkpoint: dict[str, Any]) -> bool:
     return True
 
 
-def mark_step_saved(trainer: Any, global_step: int, last_path: Optional[str] = None) -> None:
+def mark_step_saved(trainer: Any, global_step: int, last_path: str | None = None) -> None:
     """The checkpoint callbacks must not save ``global_step`` again: the run resumed from it, or a
     preemption checkpoint holds it (``last_path``: where that was written, as each callback's "last")."""
     for callback in trainer.checkpoint_callbacks:

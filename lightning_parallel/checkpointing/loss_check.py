@@ -11,18 +11,18 @@ naming this rank, instead of leaving them waiting in the next collective.
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 from torch import Tensor
 
-__all__ = ["NonFiniteLossError", "training_loss", "check_finite_loss"]
+__all__ = ["NonFiniteLossError", "check_finite_loss", "training_loss"]
 
 
 class NonFiniteLossError(RuntimeError):
     """The training loss was NaN or infinite; raised before the optimizer step could corrupt the weights."""
 
 
-def training_loss(output: Any) -> Optional[Tensor]:
+def training_loss(output: Any) -> Tensor | None:
     """The loss in what ``training_step`` returned (a tensor, or a dict's ``"loss"``), or None."""
     if isinstance(output, Tensor):
         return output
@@ -31,7 +31,7 @@ def training_loss(output: Any) -> Optional[Tensor]:
     return None
 
 
-def check_finite_loss(loss: Optional[Tensor], global_step: int, batch_idx: Optional[int], rank: int) -> None:
+def check_finite_loss(loss: Tensor | None, global_step: int, batch_idx: int | None, rank: int) -> None:
     """Raise ``NonFiniteLossError`` if ``loss`` holds a NaN or infinity (one scalar read: a device sync)."""
     if loss is None or loss.numel() == 0:
         return

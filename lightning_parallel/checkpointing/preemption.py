@@ -18,14 +18,15 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_parallel.checkpointing.loop_state import mark_step_saved
 from lightning_parallel.distributed.collectives import start_gather_numbers
-from lightning_parallel.loop_state import mark_step_saved
 
 __all__ = ["PreemptionCheckpoint", "start_vote"]
 
@@ -43,9 +44,9 @@ class PreemptionCheckpoint(Callback):
 
     def __init__(self) -> None:
         self.requested = False
-        self.saved_path: Optional[str] = None
+        self.saved_path: str | None = None
         self._previous: Any = None
-        self._vote: Optional[Callable[[], bool]] = None  # started at the last optimizer step, read at this one
+        self._vote: Callable[[], bool] | None = None  # started at the last optimizer step, read at this one
 
     def _handler(self, signum: int, frame: Any) -> None:
         self.requested = True

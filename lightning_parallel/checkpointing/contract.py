@@ -1,0 +1,105 @@
+"""What a strategy states so that checkpoints work under its layout: the contract, with single-device defaults.
+
+The checkpoint hooks (``checkpointer.py``) read and write a strategy only through these methods:
+
+- its **full state**: the model (``full_model_state``) and each optimizer (``full_optimizer_state``) as a
+  single device would hold them, under single-device names and order (``full_state_keys``,
+  ``full_parameter_names``);
+- how it **loads a full state** (``load_full_model_state``, ``load_full_optimizer_state``): each rank takes
+  its part;
+- which **shards it owns** (``shard_layouts``: a state-dict key or parameter name -> the slice of the full
+  tensor this rank holds; keys absent are held whole) and the optimizer state it owns
+  (``local_optimizer_state`` by parameter name, cut as ``optimizer_state_layouts`` says: by default like its
+  parameter, so a strategy that shards optimizer state alone states only those two);
+- the **extra resume state** it needs (``extra_resume_state`` / ``load_extra_resume_state``) and what must
+  happen before any state is read (``prepare_checkpoint``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+from lightning.fabric.utilities.optimizer import _optimizer_to_device
+
+from lightning_parallel.pipeline.state import stage_state_by_name
+
+__all__ = ["CheckpointContract", "ShardLayout"]
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """This rank's tensor is slice ``rank`` of ``size`` along ``dim`` of the full one (``chunks`` packed blocks
+    are each sliced; see ``tensor.layers.ShardSpec``)."""
+
+    dim: int
+    chunks: int
+    rank: int
+    size: int
+    group: dist.ProcessGroup | None
+
+
+def unwrapped(optimizer: Any) -> Any:
+    """The torch optimizer inside a ``LightningOptimizer``."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+class CheckpointContract:
+    """A strategy's part in checkpoints; the defaults are those of a single device (every rank whole)."""
+
+    def prepare_checkpoint(self) -> None:
+        """Called before any state is read for a checkpoint (a pipeline drains here)."""
+
+    # ------------------------------------------------------------------ full state
+    def full_model_state(self) -> dict[str, Any]:
+        """The single-device ``state_dict``, on every rank that calls it (a collective where it gathers)."""
+        return self.lightning_module.state_dict()
+
+    def load_full_model_state(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+        """Load a single-device ``state_dict``; each rank takes its part."""
+        self.lightning_module.load_state_dict(state_dict, strict=strict)
+
+    def full_optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The single-device ``optimizer.state_dict()`` (torch's ZeroRedundancyOptimizer: on rank 0 only)."""
+        optimizer = unwrapped(optimizer)
+        if hasattr(optimizer, "consolidate_state_dict"):
+            optimizer.consolidate_state_dict()
+            return optimizer.state_dict() if self.is_global_zero else {}
+        return optimizer.state_dict()
+
+    def load_full_optimizer_state(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load ``checkpoint["optimizer_states"]`` (single-device states) into this rank's optimizers."""
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            optimizer.load_state_dict(state)
+            _optimizer_to_device(optimizer, self.root_device)
+
+    def full_state_keys(self) -> list[str]:
+        """``state_dict`` keys in single-device order."""
+        return list(self.lightning_module.state_dict().keys())
+
+    def full_parameter_names(self) -> list[str]:
+        """Parameter names in single-device ``named_parameters`` order (the optimizer's index order)."""
+        return [n for n, _ in self.lightning_module.named_parameters()]
+
+    # ------------------------------------------------------------------ owned shards
+    def shard_layouts(self) -> dict[str, ShardLayout]:
+        """state_dict key / parameter name -> the slice of the full tensor this rank holds."""
+        return {}
+
+    def local_optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """This rank's optimizer state by parameter name: ``{"state": {name: {...}}, "groups": [...]}``."""
+        return stage_state_by_name(unwrapped(optimizer), self.lightning_module)
+
+    def optimizer_state_layouts(self) -> dict[str, ShardLayout]:
+        """Parameter name -> the slice its optimizer-state tensors (of the parameter's shape) are."""
+        return self.shard_layouts()
+
+    # ------------------------------------------------------------------ resume
+    def extra_resume_state(self) -> dict[str, Any]:
+        """More state for exact resume (every rank calls it; rank 0's is written)."""
+        return {}
+
+    def load_extra_resume_state(self, state: Mapping[str, Any]) -> None:
+        """Take back what ``extra_resume_state`` saved (called on load, before ``setup``)."""

@@ -1,0 +1,26 @@
+"""``python -m lightning_parallel.cli.checkpoint consolidate DIR OUT.ckpt``: a sharded checkpoint directory
+(``save_distributed=True``) as one single-device ``.ckpt`` for ``load_from_checkpoint``."""
+
+from __future__ import annotations
+
+import argparse
+
+from lightning_parallel.checkpointing.sharded import consolidate
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lightning_parallel.cli.checkpoint",
+                                     description="Turn a save_distributed checkpoint directory into one .ckpt file.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("consolidate", help="DIR OUT.ckpt: a single-device checkpoint for load_from_checkpoint")
+    c.add_argument("directory")
+    c.add_argument("output")
+    args = parser.parse_args(argv)
+    consolidate(args.directory, args.output)
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
