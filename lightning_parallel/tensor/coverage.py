@@ -22,7 +22,7 @@ from lightning_parallel.tensor.table import collectives_per_step, plan_rows
 __all__ = ["check_coverage", "sample_forward", "sharded_share"]
 
 
-def sample_forward(module: Any, to_device: Callable[[Any], Any]) -> Optional[Callable[[], Any]]:
+def sample_forward(module: Any, to_device: Callable[[Any], Any]) -> Callable[[], Any] | None:
     """A callable running the module's real computation once, or None when there is nothing to run."""
     trainer = getattr(module, "_trainer", None)
     batch = None
@@ -34,7 +34,7 @@ def sample_forward(module: Any, to_device: Callable[[Any], Any]) -> Optional[Cal
     return forward_on(module, batch)
 
 
-def forward_on(module: Any, batch: Any = None) -> Optional[Callable[[], Any]]:
+def forward_on(module: Any, batch: Any = None) -> Callable[[], Any] | None:
     """``training_step(batch, 0)``, else ``forward`` on ``example_input_array``, leaving random state,
     buffers, metrics and logs as they were; None when neither is available."""
     example = getattr(module, "example_input_array", None)

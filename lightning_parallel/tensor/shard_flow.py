@@ -165,10 +165,16 @@ REDUCTIONS = {
 SOFTMAX = {"_softmax", "softmax", "_log_softmax", "log_softmax"}
 
 
-def propagate(node: Node, shapes: list, layouts: dict, tp: int, demands: list[Demand]) -> list[Layout | None]:
+def propagate(
+    node: Node, shapes: list, layouts: dict, tp: int, demands: list[Demand], parameters: dict[int, str]
+) -> list[Layout | None]:
     """The layouts of ``node``'s outputs given its inputs' (``layouts``: key -> Layout for sharded values).
-    Raises ``Escape`` when the node cannot run on shards; appends sizes that must be divided to
-    ``demands``."""
+    Raises ``Escape`` when the node cannot run on shards, or when a whole parameter (``parameters``) meets
+    sharded values: each rank would compute only part of its gradient. Appends sizes that must be
+    divided to ``demands``."""
+    for r in node.inputs():
+        if r.key in parameters and r.key not in layouts and any(i.key in layouts for i in node.inputs()):
+            raise Escape(f"{node.name}: the whole parameter {parameters[r.key]!r} meets sharded values")
     ins = node.inputs()
     if not any(r.key in layouts for r in ins):
         return [None] * len(node.outputs)

@@ -75,6 +75,8 @@ class Trace:
     nodes: list[Node] = field(default_factory=list)
     shapes: list[tuple[int, ...]] = field(default_factory=list)
     modules: dict[str, nn.Module] = field(default_factory=dict)
+    # values that are a parameter, or computed from parameters alone (``1 + weight``): key -> its name
+    parameters: dict[int, str] = field(default_factory=dict)
 
 
 class _Recorder(TorchDispatchMode):
@@ -86,6 +88,7 @@ class _Recorder(TorchDispatchMode):
         self.alive: list[Tensor] = []  # keeps ids from being reused during the trace
         self.stack: list[str] = [""]
         self.leaf_depth = 0
+        self.param_names = {id(p): n for n, p in root.named_parameters()}
 
     def ref(self, t: Tensor) -> Ref:
         k = (id(t), t._version)
@@ -93,6 +96,8 @@ class _Recorder(TorchDispatchMode):
             self.keys[k] = len(self.trace.shapes)
             self.trace.shapes.append(tuple(t.shape))
             self.alive.append(t)
+            if id(t) in self.param_names:
+                self.trace.parameters[self.keys[k]] = self.param_names[id(t)]
         return Ref(self.keys[k])
 
     def refs(self, tree: Any) -> Any:
@@ -106,7 +111,13 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         flat, _ = tree_flatten(out)
         outputs = [self.ref(t) if isinstance(t, Tensor) else None for t in flat]
-        self.trace.nodes.append(Node(func, inputs[0], inputs[1], outputs, self.stack[-1]))
+        node = Node(func, inputs[0], inputs[1], outputs, self.stack[-1])
+        sources = node.inputs()
+        if sources and all(r.key in self.trace.parameters for r in sources):
+            for o in outputs:
+                if o is not None:
+                    self.trace.parameters.setdefault(o.key, self.trace.parameters[sources[0].key])
+        self.trace.nodes.append(node)
         return out
 
     # global module hooks

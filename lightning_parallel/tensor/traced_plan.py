@@ -94,7 +94,7 @@ def _run_flow(trace: Trace, columns: dict[str, int], tp: int) -> _Flow:
             continue
         demands: list[Demand] = []
         try:
-            outs = propagate(node, trace.shapes, layouts, tp, demands)
+            outs = propagate(node, trace.shapes, layouts, tp, demands, trace.parameters)
         except Escape as escape:
             for s in sources:
                 flow.failed.setdefault(s, f"{escape} (in {node.owner or 'the root module'})")

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from tests.helpers.pp_models import AsyncRule
+from tests.helpers.zoo_more import MORE, SEQ2SEQ, VISION, build_more
 
 __all__ = ["ARCHITECTURES", "AsyncZooLM", "InlineMLPGPT", "ZooLM", "build", "parameter_count"]
 
@@ -34,25 +35,49 @@ VOCAB, BLOCK = 32, 8
 def _hf_gpt2(width: int, layers: int, heads: int) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=VOCAB, n_positions=BLOCK, n_embd=width, n_layer=layers, n_head=heads,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=BLOCK,
+        n_embd=width,
+        n_layer=layers,
+        n_head=heads,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     return GPT2LMHeadModel(config)
 
 
 def _hf_llama(width: int, layers: int, heads: int) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=heads // 2, max_position_embeddings=BLOCK)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=width,
+        intermediate_size=2 * width,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 2,
+        max_position_embeddings=BLOCK,
+    )
     return LlamaForCausalLM(config)
 
 
 def _hf_bert(width: int, layers: int, heads: int) -> nn.Module:
     from transformers import BertConfig, BertForMaskedLM
 
-    config = BertConfig(vocab_size=VOCAB, hidden_size=width, num_hidden_layers=layers, num_attention_heads=heads,
-                        intermediate_size=2 * width, max_position_embeddings=BLOCK, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=width,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=2 * width,
+        max_position_embeddings=BLOCK,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     return BertForMaskedLM(config)
 
 
@@ -81,8 +106,9 @@ class LightningDemo(nn.Module):
         super().__init__()
         from lightning.pytorch.demos import Transformer
 
-        self.model = Transformer(vocab_size=VOCAB, ninp=width, nhead=heads, nhid=2 * width, nlayers=layers,
-                                 dropout=0.0)
+        self.model = Transformer(
+            vocab_size=VOCAB, ninp=width, nhead=heads, nhid=2 * width, nlayers=layers, dropout=0.0
+        )
 
     def forward(self, idx: Tensor) -> Tensor:
         return self.model(idx, idx).view(idx.shape[0], idx.shape[1], VOCAB)
@@ -187,8 +213,13 @@ ARCHITECTURES: dict[str, Callable[[int, int, int], nn.Module]] = {
 
 
 def build(arch: str, width: int = 16, layers: int = 2, heads: int = 4) -> nn.Module:
+    """A zoo model, or one of the further Hugging Face families of ``tests.helpers.zoo_more``."""
+    if arch in MORE:
+        return build_more(arch, width, layers, heads)
     if arch not in ARCHITECTURES:
-        raise ValueError(f"unknown zoo architecture {arch!r}; choose from {sorted(ARCHITECTURES)}")
+        raise ValueError(
+            f"unknown zoo architecture {arch!r}; choose from {sorted(ARCHITECTURES) + sorted(MORE)}"
+        )
     return ARCHITECTURES[arch](width, layers, heads)
 
 
@@ -196,26 +227,44 @@ class ZooLM(LightningModule):
     """Next-token prediction with a zoo model; plain SGD by default (an update proportional to the
     gradient shows every difference), or AdamW."""
 
-    def __init__(self, arch: str = "hf_llama", width: int = 16, layers: int = 2, heads: int = 4,
-                 lr: float = 0.5, optimizer: str = "sgd") -> None:
+    def __init__(
+        self,
+        arch: str = "hf_llama",
+        width: int = 16,
+        layers: int = 2,
+        heads: int = 4,
+        lr: float = 0.5,
+        optimizer: str = "sgd",
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model = build(arch, width, layers, heads)  # as users hold a Hugging Face model: self.model
 
     def forward(self, idx: Tensor) -> Tensor:
+        arch = self.hparams.arch
+        if arch in SEQ2SEQ:  # the tokens as encoder and decoder input
+            return self.model(input_ids=idx, decoder_input_ids=idx).logits
+        if arch in VISION:  # the 8 tokens as a 1-channel 4x4 image, the first target token as the class
+            pixels = (idx.to(self.dtype) / VOCAB).view(idx.shape[0], 1, 2, 4).repeat_interleave(2, dim=2)
+            return self.model(pixel_values=pixels).logits
         if hasattr(self.model, "config"):  # a Hugging Face model, called the way users call it
             return self.model(input_ids=idx).logits
         return self.model(idx)
 
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+    def loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         x, y = batch
-        loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        logits = self(x)
+        if self.hparams.arch in VISION:
+            return F.cross_entropy(logits, y[:, 0])
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self.loss(batch)
         self.log("train_loss", loss)
         return loss
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        x, y = batch
-        self.log("val_loss", F.cross_entropy(self(x).flatten(0, 1), y.flatten()))
+        self.log("val_loss", self.loss(batch))
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.hparams.optimizer == "adamw":
@@ -229,4 +278,3 @@ class AsyncZooLM(AsyncRule, ZooLM):
 
 def parameter_count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
-

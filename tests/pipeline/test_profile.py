@@ -70,9 +70,6 @@ def test_a_block_that_never_runs_is_named():
 
 def test_untouched_restores_metrics_updated_in_place():
     import torchmetrics
-    from torch import nn
-
-    from lightning_parallel.pipeline.profile import untouched
 
     module = nn.Module()
     module.seen = torchmetrics.SumMetric()
