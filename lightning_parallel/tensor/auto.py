@@ -342,10 +342,13 @@ def auto_plan(
     finder, found = _traced(module, tp_size, run)
     while True:
         _untie_inconsistent(finder)
-        plan = Plan(list(finder.layers.values()), finder.attributes)
+        kept = {n for n, rule in finder.layers.items() if rule.style != "replicate"}
+        sums = sorted(n for n, cols in found.gradient_sums.items() if cols & kept)
+        plan = Plan(list(finder.layers.values()), finder.attributes, sums)
         failure = dry_run(module, _checked(module, plan, tp_size, traced=True), run)
         if failure is None:
             styles = {name: rule.style for name, rule in finder.layers.items()}
+            styles.update({name.rpartition(".")[0]: "gradient_sum" for name in sums})
             for name, declared in disagreements(module, styles).items():
                 finder.report[name] = f"{finder.report.get(name, 'not split')}; {declared}"
             return plan, sorted(finder.report.items())

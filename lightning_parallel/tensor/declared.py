@@ -24,6 +24,7 @@ STYLES = {
     "sequence_parallel": None,
     "gather": None,
     "replicate": "replicate",
+    "replicated_with_grad_allreduce": "gradient_sum",
 }
 
 

@@ -30,7 +30,7 @@ class DryRunFailure(Exception):
 
 @contextmanager
 def _as_rank_zero(module: nn.Module, resolved: ResolvedPlan) -> Iterator[None]:
-    apply_plan(module, resolved, SimulatedGroup(resolved.tp_size), 0)
+    apply_plan(module, resolved, SimulatedGroup(resolved.tp_size), 0, gradient_hooks=False)
     try:
         yield
     finally:

@@ -29,6 +29,7 @@ from typing import Any, Mapping, Optional, Union
 import torch.distributed as dist
 from torch import nn
 
+from lightning_parallel.distributed.collectives import all_reduce_sum
 from lightning_parallel.tensor.layers import TP_LAYERS, SharedEntry, _linear_shape
 
 __all__ = [
@@ -95,6 +96,8 @@ class AttributeRule:
 class Plan:
     layers: list[LayerRule] = field(default_factory=list)
     attributes: list[AttributeRule] = field(default_factory=list)
+    # whole parameters used only on split values (a per-head norm's weight): gradients summed over the group
+    gradient_sums: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -113,6 +116,7 @@ class ResolvedPlan:
     attributes: list[tuple[str, str, int]]  # (owner module name, attribute, value before dividing)
     tp_size: int
     report: list[tuple[str, str]] = field(default_factory=list)  # (name, why it stays replicated), from auto
+    gradient_sums: list[str] = field(default_factory=list)  # parameter names, see Plan
 
     def styles(self) -> dict[str, str]:
         return {a.name: a.style for a in self.assignments}
@@ -424,15 +428,24 @@ def resolve_plan(module: nn.Module, plan: Any, tp_size: int, check_dataflow: boo
                     f"tensor-parallel size {tp_size}; use a tensor-parallel size that divides {value}"
                 )
             attributes.append((n, attr, value))
-    return ResolvedPlan(assignments, attributes, tp_size)
+    parameters = dict(module.named_parameters())
+    for name in plan.gradient_sums:
+        if name not in parameters:
+            raise _no_match(name, list(parameters), "parameter")
+    return ResolvedPlan(assignments, attributes, tp_size, gradient_sums=list(plan.gradient_sums))
 
 
 # ---------------------------------------------------------------------------------------------- apply
 def apply_plan(
-    module: nn.Module, resolved: ResolvedPlan, group: Optional[dist.ProcessGroup], tp_rank: int
+    module: nn.Module,
+    resolved: ResolvedPlan,
+    group: Optional[dist.ProcessGroup],
+    tp_rank: int,
+    gradient_hooks: bool = True,
 ) -> list[SharedEntry]:
-    """Replace the planned layers of ``module`` in place by their sharded versions; returns the shared
-    entry operators (the strategy clears their caches after each step)."""
+    """Replace the planned layers of ``module`` in place by their sharded versions, and (with
+    ``gradient_hooks``) sum the gradients of ``resolved.gradient_sums`` over the group as each backward
+    makes them; returns the shared entry operators (the strategy clears their caches after each step)."""
     tp = resolved.tp_size
     entries: dict[str, SharedEntry] = {}
     tied = {n: names for names in tied_parameters(module).values() for n in names}
@@ -457,4 +470,7 @@ def apply_plan(
         setattr(parent, child, new)
     for owner, attr, value in resolved.attributes:
         setattr(module.get_submodule(owner), attr, value // tp)
+    if gradient_hooks:
+        for name in resolved.gradient_sums:
+            module.get_parameter(name).register_hook(lambda g: all_reduce_sum(g.clone(), group))
     return list(entries.values())

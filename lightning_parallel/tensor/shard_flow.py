@@ -170,14 +170,15 @@ def propagate(
 ) -> list[Layout | None]:
     """The layouts of ``node``'s outputs given its inputs' (``layouts``: key -> Layout for sharded values).
     Raises ``Escape`` when the node cannot run on shards, or when a whole parameter (``parameters``) meets
-    sharded values: each rank would compute only part of its gradient. Appends sizes that must be
+    sharded values other than element-wise (broadcast over the split dimension, it gets part of its
+    gradient on each rank: ``traced_plan`` sums those over the group). Appends sizes that must be
     divided to ``demands``."""
-    for r in node.inputs():
-        if r.key in parameters and r.key not in layouts and any(i.key in layouts for i in node.inputs()):
-            raise Escape(f"{node.name}: the whole parameter {parameters[r.key]!r} meets sharded values")
     ins = node.inputs()
     if not any(r.key in layouts for r in ins):
         return [None] * len(node.outputs)
+    whole = [r for r in ins if r.key in parameters and r.key not in layouts]
+    if whole and not _is_pointwise(node):
+        raise Escape(f"{node.name}: the whole parameter {parameters[whole[0].key]!r} meets sharded values")
     name = node.name
     a = node.args
     src = layouts.get(a[0].key) if a and hasattr(a[0], "key") else None
@@ -217,14 +218,17 @@ def propagate(
         return [_stack(node, layouts, out_shapes[0])]
     if "scaled_dot_product" in name:
         return _attention(node, layouts, out_shapes, shapes)
-    if (
-        name in SAME
-        or (node.func is not None and torch.Tag.pointwise in node.func.tags)
-        or name in ("native_dropout", "masked_fill", "where", "dropout")
-    ):
+    if _is_pointwise(node):
         out = _pointwise(node, shapes, layouts, len(out_shapes[0]))
         return [out if s is not None and len(s) == len(out.dims) else None for s in out_shapes]
     raise Escape(f"{name} reads the sharded features")
+
+
+def _is_pointwise(node: Node) -> bool:
+    pointwise = node.func is not None and torch.Tag.pointwise in node.func.tags
+    return (
+        pointwise or node.name in SAME or node.name in ("native_dropout", "masked_fill", "where", "dropout")
+    )
 
 
 def _rearrange(node: Node, src: Layout, out_shape: Sequence[int]) -> Layout:

@@ -16,7 +16,7 @@ from typing import Optional
 from torch import nn
 
 from lightning_parallel.tensor.shard_flow import Demand, Escape, entry_layout, propagate
-from lightning_parallel.tensor.trace import Trace, is_conv1d, is_projection
+from lightning_parallel.tensor.trace import Node, Trace, is_conv1d, is_projection
 
 __all__ = ["TracedPlan", "find_traced_plan", "out_features"]
 
@@ -40,12 +40,15 @@ class TracedPlan:
     attributes: dict[tuple[str, str], set[str]] = field(default_factory=dict)  # (owner, attr) -> its columns
     reasons: dict[str, str] = field(default_factory=dict)
     regions: list[set[str]] = field(default_factory=list)  # columns with their row partners, in call order
+    gradient_sums: dict[str, set[str]] = field(default_factory=dict)  # whole parameter -> columns it meets
 
 
 @dataclass
 class _Flow:
     failed: dict[str, str] = field(default_factory=dict)
     rows: dict[str, set[str]] = field(default_factory=dict)
+    # parameter name -> (columns whose sharded values it meets, [used on whole values too])
+    parameter_uses: dict[str, tuple[set[str], list[bool]]] = field(default_factory=dict)
     demands: list[tuple[Demand, frozenset]] = field(default_factory=list)
 
 
@@ -90,6 +93,7 @@ def _run_flow(trace: Trace, columns: dict[str, int], tp: int) -> _Flow:
                 layouts[out.key] = entry_layout(trace.shapes[out.key], columns[node.layer])
                 owners[out.key] = frozenset([node.layer])
             continue
+        _note_parameter_uses(node, trace, labeled, sources, flow)
         if not labeled:
             continue
         demands: list[Demand] = []
@@ -103,7 +107,28 @@ def _run_flow(trace: Trace, columns: dict[str, int], tp: int) -> _Flow:
         for o, layout in zip(node.outputs, outs):
             if o is not None and layout is not None:
                 layouts[o.key], owners[o.key] = layout, sources
+    for name, (on_shards, whole) in flow.parameter_uses.items():
+        if (
+            on_shards and whole[0]
+        ):  # part of its gradient from shards, part whole: a sum would count the whole twice
+            for c in on_shards:
+                flow.failed.setdefault(c, f"the parameter {name!r} is used both on sharded values and whole")
     return flow
+
+
+def _note_parameter_uses(node: Node, trace: Trace, labeled: list, sources: frozenset, flow: _Flow) -> None:
+    """Record which columns' sharded values each whole parameter meets, and whether it is also used on
+    whole values (a use that only computes from parameters, ``1 + weight``, is not a use)."""
+    inputs = node.inputs()
+    params = {trace.parameters[r.key] for r in inputs if r.key in trace.parameters}
+    if not params or all(r.key in trace.parameters for r in inputs):
+        return
+    for name in params:
+        on_shards, whole = flow.parameter_uses.setdefault(name, (set(), [False]))
+        if labeled:
+            on_shards.update(sources)
+        else:
+            whole[0] = True
 
 
 def _regions(rows: dict[str, set[str]], order: list[str]) -> list[set[str]]:
@@ -174,6 +199,7 @@ def find_traced_plan(trace: Trace, tp: int, total_params: int) -> TracedPlan:
     plan.rows = set(flow.rows)
     plan.attributes = attributes
     plan.regions = _regions(flow.rows, list(calls))
+    plan.gradient_sums = {n: set(cols) for n, (cols, _) in flow.parameter_uses.items() if cols}
     for name in calls:
         plan.reasons.pop(name, None) if name in plan.columns or name in plan.rows else None
     embeddings = [m for m in trace.modules.values() if isinstance(m, nn.Embedding)]

@@ -107,3 +107,13 @@ def test_a_model_declared_plan_is_checked_not_trusted():
     reasons = dict(resolve(nano, "auto", 2, run=lambda: nano(x)).report)
     assert "the model's own plan says 'colwise'" in reasons["model.h.0.attn.c_attn"]
     assert "the forward fails on a rank" in reasons["model.h.0.attn.c_attn"]
+
+
+def test_a_whole_parameter_used_only_on_split_heads_has_its_gradient_summed():
+    """Qwen3 normalizes each head of q and k with one weight: split heads, each rank computes part of the
+    weight's gradient; the plan sums it over the ranks (Hugging Face's own plan says the same)."""
+    module, plan = traced("qwen3")
+    assert plan.styles()["model.model.layers.0.self_attn.q_proj"] == "colwise"
+    assert "model.model.layers.0.self_attn.q_norm.weight" in plan.gradient_sums
+    assert "model.model.layers.1.self_attn.k_norm.weight" in plan.gradient_sums
+    assert not any("q_norm" in name for name, _ in plan.report)  # agrees with the declared plan
