@@ -309,14 +309,14 @@ def _drop_failing_region(finder: _Finder, found: TracedPlan, failure: DryRunFail
     return True
 
 
-def _untie_inconsistent(finder: _Finder) -> None:
+def _untie_inconsistent(finder: _Finder, unread: frozenset = frozenset()) -> None:
     """A tied weight is sharded on every holder alike, or on none (repeated: replicating one holder can
-    make another tie inconsistent)."""
+    make another tie inconsistent); a holder whose code never reads it (``unread``) follows the others."""
     changed = True
     while changed:
         changed = False
         for names in tied_parameters(finder.module).values():
-            holders = {n.rpartition(".")[0] for n in names}
+            holders = {n.rpartition(".")[0] for n in names if n not in unread}
             rules = [finder.layers.get(h) for h in holders]
             if all(r is None for r in rules) or all(
                 r is not None and (r.style == "vocab" or r.options.get("gather_output")) for r in rules
@@ -340,11 +340,12 @@ def auto_plan(
         _untie(finder)
         return Plan(list(finder.layers.values()), finder.attributes), sorted(finder.report.items())
     finder, found = _traced(module, tp_size, run)
+    unread = frozenset(found.unread)
     while True:
-        _untie_inconsistent(finder)
+        _untie_inconsistent(finder, unread)
         kept = {n for n, rule in finder.layers.items() if rule.style != "replicate"}
         sums = sorted(n for n, cols in found.gradient_sums.items() if cols & kept)
-        plan = Plan(list(finder.layers.values()), finder.attributes, sums)
+        plan = Plan(list(finder.layers.values()), finder.attributes, sums, sorted(unread))
         failure = dry_run(module, _checked(module, plan, tp_size, traced=True), run)
         if failure is None:
             styles = {name: rule.style for name, rule in finder.layers.items()}

@@ -30,6 +30,10 @@ class DryRunFailure(Exception):
 
 @contextmanager
 def _as_rank_zero(module: nn.Module, resolved: ResolvedPlan) -> Iterator[None]:
+    held = [
+        (name.rpartition(".")[0], name.rpartition(".")[2], p)
+        for name, p in module.named_parameters(remove_duplicate=False)
+    ]
     apply_plan(module, resolved, SimulatedGroup(resolved.tp_size), 0, gradient_hooks=False)
     try:
         yield
@@ -40,6 +44,8 @@ def _as_rank_zero(module: nn.Module, resolved: ResolvedPlan) -> Iterator[None]:
                 setattr(module.get_submodule(parent), child, a.module)
         for owner, attr, value in resolved.attributes:
             setattr(module.get_submodule(owner), attr, value)
+        for owner, attr, p in held:  # tied aliases held outside the planned layers
+            setattr(module.get_submodule(owner), attr, p)
 
 
 def _failing_module(error: BaseException, names: dict[int, str]) -> str:

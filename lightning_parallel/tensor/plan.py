@@ -98,6 +98,9 @@ class Plan:
     attributes: list[AttributeRule] = field(default_factory=list)
     # whole parameters used only on split values (a per-head norm's weight): gradients summed over the group
     gradient_sums: list[str] = field(default_factory=list)
+    # names of tied parameters that their module's own code never reads (BERT's cls.predictions.bias, an
+    # alias of the decoder's): they may take the shard of the layer they are tied to
+    unread: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -344,9 +347,10 @@ def _shard_dim(a: Assignment) -> int:
     return 0
 
 
-def _check_tied(module: nn.Module, sharded: list[Assignment]) -> None:
+def _check_tied(module: nn.Module, sharded: list[Assignment], unused: frozenset = frozenset()) -> None:
     """A tied weight (an output head sharing the embedding's) may be sharded only where every holder cuts
-    it the same way (vocab embedding rows = column-parallel head rows, output not left sharded)."""
+    it the same way (vocab embedding rows = column-parallel head rows, output not left sharded); a holder
+    that is no planned layer may share the shard only if its own code never reads it (``unused``)."""
     tied = tied_parameters(module)
     holders = {a.name: a for a in sharded}
     for a in sharded:
@@ -354,6 +358,8 @@ def _check_tied(module: nn.Module, sharded: list[Assignment]) -> None:
             others = [n for n in tied.get(id(p), []) if not n.startswith(a.name + ".")]
             for other in others:
                 b = holders.get(other.rpartition(".")[0])
+                if b is None and other in unused:
+                    continue
                 if (
                     b is None
                     or _shard_dim(b) != _shard_dim(a)
@@ -397,7 +403,7 @@ def resolve_plan(module: nn.Module, plan: Any, tp_size: int, check_dataflow: boo
                     f"{b.name!r} is inside {a.name!r}, which is sharded as a whole ({a.style}); "
                     f"remove one of the two"
                 )
-    _check_tied(module, sharded)
+    _check_tied(module, sharded, frozenset(plan.unread))
     if check_dataflow:
         _check_dataflow(sharded, modules)
     attributes: list[tuple[str, str, int]] = []
@@ -463,11 +469,16 @@ def apply_plan(
         new.train(a.module.training)
         for local, _ in list(new.named_parameters(recurse=False)):
             for full in tied.get(f"{a.name}.{local}", []):
-                if full in shared:  # tied: both layers hold one sharded parameter
+                if full in shared:  # tied: every holder holds one sharded parameter
                     setattr(new, local, shared[full])
                 else:
                     shared[full] = getattr(new, local)
         setattr(parent, child, new)
+    planned = {a.name for a in resolved.assignments if a.style != "replicate"}
+    for full, param in shared.items():  # holders that are not planned layers take the shard too
+        owner, _, attr = full.rpartition(".")
+        if owner not in planned and not any(owner.startswith(n + ".") for n in planned):
+            setattr(module.get_submodule(owner), attr, param)
     for owner, attr, value in resolved.attributes:
         setattr(module.get_submodule(owner), attr, value // tp)
     if gradient_hooks:

@@ -26,7 +26,8 @@ __all__ = [
 
 
 def sharded_parameters(module: nn.Module) -> dict[str, tuple[Tensor, ShardSpec, _TPLayer]]:
-    """state_dict key -> (local tensor, how it was cut, its layer), in a fixed order."""
+    """state_dict key -> (local tensor, how it was cut, its layer), in a fixed order; a shard tied to a
+    parameter of another module (BERT's decoder bias) appears under each of its names."""
     out: dict[str, tuple[Tensor, ShardSpec, _TPLayer]] = {}
     for prefix, layer in module.named_modules():
         if isinstance(layer, _TPLayer):
@@ -34,6 +35,10 @@ def sharded_parameters(module: nn.Module) -> dict[str, tuple[Tensor, ShardSpec, 
                 tensor = getattr(layer, name, None)
                 if tensor is not None:
                     out[f"{prefix}.{name}" if prefix else name] = (tensor, spec, layer)
+    by_id = {id(t): entry for t, *_ in out.values() for entry in [(t, *_)]}
+    for name, p in module.named_parameters(remove_duplicate=False):  # other names of a tied shard
+        if id(p) in by_id and name not in out:
+            out[name] = by_id[id(p)]
     return out
 
 

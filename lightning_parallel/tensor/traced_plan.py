@@ -41,6 +41,7 @@ class TracedPlan:
     reasons: dict[str, str] = field(default_factory=dict)
     regions: list[set[str]] = field(default_factory=list)  # columns with their row partners, in call order
     gradient_sums: dict[str, set[str]] = field(default_factory=dict)  # whole parameter -> columns it meets
+    unread: list[str] = field(default_factory=list)  # tied aliases held by modules that never read them
 
 
 @dataclass
@@ -131,6 +132,26 @@ def _note_parameter_uses(node: Node, trace: Trace, labeled: list, sources: froze
             whole[0] = True
 
 
+def _unread_aliases(trace: Trace) -> list[str]:
+    """Names of tied parameters whose holder is no layer and whose tensor no recorded operation read: the
+    holder keeps an alias of a layer's parameter (BERT's ``cls.predictions.bias``)."""
+    root = trace.modules[""]
+    read = set(trace.parameters.values())
+    canonical = {id(p): n for n, p in root.named_parameters()}
+    names: dict[int, list[str]] = {}
+    for n, p in root.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    unread = []
+    for pid, aliases in names.items():
+        if len(aliases) < 2 or canonical[pid] in read:
+            continue
+        for n in aliases:
+            holder = trace.modules[n.rpartition(".")[0]]
+            if not (is_projection(holder) or isinstance(holder, nn.Embedding)):
+                unread.append(n)
+    return unread
+
+
 def _regions(rows: dict[str, set[str]], order: list[str]) -> list[set[str]]:
     """Columns joined by a shared row partner (q, k, v and their output projection), with the partners."""
     regions: list[set[str]] = []
@@ -200,6 +221,7 @@ def find_traced_plan(trace: Trace, tp: int, total_params: int) -> TracedPlan:
     plan.attributes = attributes
     plan.regions = _regions(flow.rows, list(calls))
     plan.gradient_sums = {n: set(cols) for n, (cols, _) in flow.parameter_uses.items() if cols}
+    plan.unread = _unread_aliases(trace)
     for name in calls:
         plan.reasons.pop(name, None) if name in plan.columns or name in plan.rows else None
     embeddings = [m for m in trace.modules.values() if isinstance(m, nn.Embedding)]
