@@ -1,4 +1,6 @@
-"""Command-line entry points: ``lp-train`` (``cli/train.py``) and the sweep summary (``cli/sweep.py``)."""
+"""Command-line entry points: ``lp-train`` (``train.py``) with its run and sweep summaries, and
+``python -m lightning_parallel.cli.<name>`` for ``checkpoint`` (consolidate), ``plan_table`` and
+``verify``."""
 
 __all__ = ["main"]
 

@@ -1,6 +1,6 @@
 """The plan as a table: each planned module, its style, local weight shape, parameters per rank and the
 communication it adds, with totals. Computed from the unsharded module and a resolved plan, so it can be
-printed before any process exists (``python -m lightning_parallel.plan``).
+printed before any process exists (``python -m lightning_parallel.cli.plan_table``).
 
 Communication is per call of the module in one forward+backward, in elements per token (the batch and
 sequence sizes multiply it). Column-parallel layers that share a parent share one backward all-reduce of

@@ -1,4 +1,4 @@
-"""``lightning_parallel.verify``: the user-facing equivalence checker reports ~0 for a synchronous
+"""``lightning_parallel.cli.verify``: the user-facing equivalence checker reports ~0 for a synchronous
 strategy and a real difference where the parallel run does train differently (per-rank BatchNorm
 statistics without ``sync_batchnorm``), so it can tell the two apart."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_parallel.verify import main, verify
+from lightning_parallel.cli.verify import main, verify
 
 DATA = "tests.helpers.models:RegressionData"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_parallel.plan import main
+from lightning_parallel.cli.plan_table import main
 from lightning_parallel.tensor import apply_plan, resolve
 from lightning_parallel.tensor.table import collectives_per_step, format_table, params_per_rank, plan_rows
 from tests.helpers.harness import REPO

@@ -1,6 +1,6 @@
 """Equivalence checker for users: is my model trained the same under a strategy as on one device?
 
-    python -m lightning_parallel.verify --model pkg.mod:MyModule --data pkg.mod:MyDataModule \\
+    python -m lightning_parallel.cli.verify --model pkg.mod:MyModule --data pkg.mod:MyDataModule \\
         --strategy lp_ddp --devices 2 --steps 3
 
 runs ``steps`` optimizer steps of the user's own module on ``devices`` local processes under the
@@ -92,7 +92,7 @@ def _launch(spec: dict, nprocs: int, workdir: Path, timeout: float) -> dict:
                  RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1",
                  PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
             for rank in range(nprocs)]
-    command = [sys.executable, "-m", "lightning_parallel.verify", "--worker", str(path)]
+    command = [sys.executable, "-m", "lightning_parallel.cli.verify", "--worker", str(path)]
     run_processes([command] * nprocs, envs, timeout, workdir, grace=2.0,
                   log_names=[f"run{nprocs}_rank{r}.log" for r in range(nprocs)], rendezvous=True)
     return torch.load(workdir / f"result{nprocs}.pt", weights_only=False)
@@ -124,7 +124,7 @@ def verify(model: str, data: str, strategy: str = "lp_ddp", devices: int = 2, st
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_parallel.verify", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m lightning_parallel.cli.verify", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="'package.module:LightningModuleClass'")
     parser.add_argument("--data", help="'package.module:LightningDataModuleClass' (with a batch_size attribute)")
     parser.add_argument("--strategy", default="lp_ddp")

@@ -1,4 +1,4 @@
-"""``python -m lightning_parallel.plan <module target> --tp 2 [--plan auto|NAME|FILE.yaml] [--kwargs JSON]
+"""``python -m lightning_parallel.cli.plan_table <module target> --tp 2 [--plan auto|NAME|FILE.yaml] [--kwargs JSON]
 [--data package.module:DataModule [--data-kwargs JSON]]``
 
 Prints the sharding plan of a module as a table (style, local weight shape, parameters per rank and
@@ -32,7 +32,7 @@ def _load(target: str) -> object:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_parallel.plan", description=__doc__.splitlines()[0]
+        prog="python -m lightning_parallel.cli.plan_table", description=__doc__.splitlines()[0]
     )
     parser.add_argument("target", help="package.module:Class of the (Lightning)Module")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
