@@ -1,7 +1,7 @@
 """A subprocess launcher that is safe under Hydra multirun (``-m``) and across jobs in one process.
 
 Lightning's ``_SubprocessScriptLauncher`` re-runs ``sys.argv`` in each extra local rank. Under a Hydra
-sweep (see LIGHTNING_NOTES.md, "Launchers") that child re-runs the whole sweep; the launching
+sweep (Lightning issues #11300, #15689; Hydra issue #2070) that child re-runs the whole sweep; the launching
 process keeps ``LOCAL_RANK``/``WORLD_SIZE``/``MASTER_PORT`` in ``os.environ`` so the next job starts
 no children; its process group is never destroyed; and a failing child SIGKILLs the launching
 process, i.e. the whole sweep. This launcher differs in these ways:
