@@ -339,7 +339,12 @@ def auto_plan(
         finder.run()
         _untie(finder)
         return Plan(list(finder.layers.values()), finder.attributes), sorted(finder.report.items())
-    finder, found = _traced(module, tp_size, run)
+    try:
+        finder, found = _traced(module, tp_size, run)
+    except Exception as error:  # noqa: BLE001  (the user's step would not run outside the fit loop)
+        plan, report = auto_plan(module, tp_size)
+        why = f"the sample step could not be traced ({type(error).__name__}: {error}); structural rules decided"
+        return plan, [("(whole model)", why), *report]
     unread = frozenset(found.unread)
     while True:
         _untie_inconsistent(finder, unread)

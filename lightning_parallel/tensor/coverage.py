@@ -36,8 +36,11 @@ def sample_forward(module: Any, to_device: Callable[[Any], Any]) -> Callable[[],
 
 def forward_on(module: Any, batch: Any = None) -> Callable[[], Any] | None:
     """``training_step(batch, 0)``, else ``forward`` on ``example_input_array``, leaving random state,
-    buffers, metrics and logs as they were; None when neither is available."""
+    buffers, metrics and logs as they were; None when neither is available. A step that optimizes by
+    itself (``automatic_optimization=False``) is not run: only its ``forward``."""
     example = getattr(module, "example_input_array", None)
+    if not getattr(module, "automatic_optimization", True):
+        batch = None
     if batch is None and example is None:
         return None
 

@@ -118,3 +118,24 @@ def test_a_whole_parameter_used_only_on_split_heads_has_its_gradient_summed():
     assert "model.model.layers.0.self_attn.q_norm.weight" in plan.gradient_sums
     assert "model.model.layers.1.self_attn.k_norm.weight" in plan.gradient_sums
     assert not any("q_norm" in name for name, _ in plan.report)  # agrees with the declared plan
+
+
+def test_a_step_that_cannot_be_traced_falls_back_to_the_structural_rules():
+    module = ZooLM(arch="hf_llama").double()
+
+    def run():
+        raise RuntimeError("self.optimizers() is not available before fit")
+
+    plan = resolve(module, "auto", 2, run=run)
+    assert dict(plan.report)["(whole model)"].startswith("the sample step could not be traced (RuntimeError")
+    assert plan.styles()["model.model.embed_tokens"] == "vocab"  # the structural rules still ran
+
+
+def test_manual_optimization_traces_only_forward():
+    from lightning_parallel.tensor.coverage import forward_on
+
+    module = ZooLM(arch="hf_llama").double()
+    module.automatic_optimization = False
+    assert forward_on(module, batch=(torch.zeros(2, 8, dtype=torch.long),) * 2) is None
+    module.example_input_array = torch.zeros(2, 8, dtype=torch.long)
+    assert forward_on(module, batch=None) is not None
