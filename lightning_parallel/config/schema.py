@@ -6,20 +6,33 @@ They are registered in Hydra's ConfigStore (``register_configs``) and extended b
 Combinations that no single field can judge (devices versus parallel sizes) are checked by
 ``lightning_parallel.config.validate``, also before any process starts.
 
+The schemas of lightning_parallel's strategies are generated from their constructors
+(``strategy_schema``), which declare each option once: name, type, default. A config-side default (the
+tensor-parallel ``plan`` follows the ``plan`` group) is the only thing written here.
+
 Model and data configs are deliberately open (``_target_`` plus any keyword): they belong to the
 user's classes, which are instantiated unmodified.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from dataclasses import dataclass, field, make_dataclass
+from typing import Any, Dict, Literal, Optional, Union, get_args, get_origin
 
 from omegaconf import MISSING
 
+from lightning_parallel.strategies import (
+    DataParallelStrategy,
+    DDPStrategy,
+    PipelineParallelStrategy,
+    TensorParallelStrategy,
+)
+from lightning_parallel.strategies.options import options
+
 __all__ = [
     "StrategyConf",
-    "LPStrategyConf",
+    "hydra_type",
+    "strategy_schema",
     "DDPStrategyConf",
     "DataParallelStrategyConf",
     "LightningDDPStrategyConf",
@@ -40,27 +53,40 @@ class StrategyConf:
     process_group_backend: Optional[str] = None
 
 
-@dataclass
-class LPStrategyConf(StrategyConf):
-    """What every lightning_parallel strategy adds (``ParallelStrategyBase``)."""
-
-    # a failing or hung rank stops its peers within this many seconds
-    failure_timeout: float = 60.0
+_SIMPLE = (bool, int, float, str)
 
 
-@dataclass
-class DDPStrategyConf(LPStrategyConf):
-    _target_: str = "lightning_parallel.DDPStrategy"
-    bucket_cap_mb: float = 25.0
-    first_bucket_cap_mb: float = 1.0
-    find_unused_parameters: bool = False
-    comm_hook: Optional[str] = None
-    broadcast_buffers: bool = True
+def hydra_type(hint: Any) -> Any:
+    """The closest type that OmegaConf holds and checks: bool/int/float/str, Optional of one of them, str
+    for a Literal of strings; Any for the rest (unions, paths, mappings, sequences, objects)."""
+    if hint in _SIMPLE:
+        return hint
+    origin, args = get_origin(hint), get_args(hint)
+    if origin is Literal and all(isinstance(a, str) for a in args):
+        return str
+    rest = [a for a in args if a is not type(None)]
+    if origin is Union and len(rest) == 1 and len(args) == 2 and rest[0] in _SIMPLE:
+        return Optional[rest[0]]
+    return Any
 
 
-@dataclass
-class DataParallelStrategyConf(LPStrategyConf):
-    _target_: str = "lightning_parallel.DataParallelStrategy"
+def strategy_schema(cls: type, **config_defaults: Any) -> type:
+    """The structured config of strategy ``cls``: ``_target_`` and every option of its constructor, at the
+    constructor's default unless ``config_defaults`` gives a config-side value (an interpolation)."""
+    fields = [("_target_", str, field(default=f"lightning_parallel.{cls.__name__}"))]
+    fields += [(o.name, hydra_type(o.hint), field(default=config_defaults.get(o.name, o.default)))
+               for o in options(cls)]
+    schema = make_dataclass(f"{cls.__name__}Conf", fields)
+    schema.__module__ = __name__
+    schema.__doc__ = f"The options of ``lightning_parallel.{cls.__name__}``, generated from its constructor."
+    return schema
+
+
+DDPStrategyConf = strategy_schema(DDPStrategy)
+DataParallelStrategyConf = strategy_schema(DataParallelStrategy)
+# "auto", a path to a plan YAML, or a mapping; by default the ``plan`` group's choice ("auto" when none)
+TensorParallelStrategyConf = strategy_schema(TensorParallelStrategy, plan="${plan}")
+PipelineParallelStrategyConf = strategy_schema(PipelineParallelStrategy)
 
 
 @dataclass
@@ -72,30 +98,6 @@ class LightningDDPStrategyConf(StrategyConf):
     static_graph: bool = False
     gradient_as_bucket_view: bool = False
     bucket_cap_mb: Optional[float] = None
-
-
-@dataclass
-class TensorParallelStrategyConf(LPStrategyConf):
-    _target_: str = "lightning_parallel.TensorParallelStrategy"
-    tensor_parallel_size: Optional[int] = None
-    data_parallel_size: int = 1
-    # "auto", a path to a plan YAML, or a mapping; by default the ``plan`` group's choice
-    plan: Any = "${plan}"
-    verify_plan: bool = False
-    require_sharded: float = 0.2
-
-
-@dataclass
-class PipelineParallelStrategyConf(LPStrategyConf):
-    _target_: str = "lightning_parallel.PipelineParallelStrategy"
-    schedule: str = "1f1b"
-    num_microbatches: int = 4
-    pipeline_parallel_size: Optional[int] = None
-    data_parallel_size: int = 1
-    split_points: Optional[List[Any]] = None  # block names where stages start, or block counts per stage
-    balance: str = "parameters"
-    block_stack: Optional[str] = None
-    timeline_step: Optional[int] = 2  # the step whose timeline (Chrome trace + SVG) is written
 
 
 @dataclass

@@ -3,8 +3,9 @@
 Hydra and the schemas already reject unknown keys and wrong types while composing; what is left is
 whether the pieces fit together: is the world (``devices x num_nodes``) divisible by the tensor- or
 pipeline-parallel size, are there more pipeline stages than processes, do the classes named by
-``_target_`` exist. Every problem is reported at once, each naming the offending values and what
-would work.
+``_target_`` exist. A lightning_parallel strategy's options are checked by the same functions its
+constructor calls (``strategies.options.option_problems``, ``strategies.checks.layout``). Every problem
+is reported at once, each naming the offending values and what would work.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["ConfigError", "validate", "world_size_of", "problems"]
+from lightning_parallel.strategies.base import ParallelStrategyBase
+from lightning_parallel.strategies.checks import layout
+from lightning_parallel.strategies.options import defaults, option_problems
 
-PIPELINE_SCHEDULES = ("gpipe", "1f1b", "async")
+__all__ = ["ConfigError", "validate", "world_size_of", "problems"]
 
 
 class ConfigError(ValueError):
@@ -110,63 +113,49 @@ def problems(cfg: DictConfig) -> list[str]:
         problem = _target_problem("strategy", strategy._target_)
         if problem:
             out.append(problem)
-    world = world_size_of(trainer)
-    if world is not None and world >= 1:
-        out.extend(_parallel_problems(strategy, trainer, world, cfg))
+    out.extend(_strategy_problems(strategy, trainer, cfg))
     return out
 
 
-def _positive(out: list[str], name: str, value: Any) -> bool:
-    if value is not None and value < 1:
-        out.append(f"{name}={value} must be a positive integer")
-        return False
-    return True
+def _strategy_class(strategy: Any) -> Optional[type]:
+    """The lightning_parallel strategy class named by ``strategy._target_``, or None."""
+    module_name, _, attr = str(strategy.get("_target_", "")).replace(":", ".").rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    return cls if isinstance(cls, type) and issubclass(cls, ParallelStrategyBase) else None
 
 
-def _parallel_problems(strategy: Any, trainer: Any, world: int, cfg: DictConfig) -> list[str]:
-    out: list[str] = []
-    where = f"trainer.devices={trainer.devices} x trainer.num_nodes={trainer.num_nodes} = {world} process(es)"
-    dp = strategy.get("data_parallel_size", 1)
-    if not _positive(out, "strategy.data_parallel_size", dp):
+def _strategy_problems(strategy: Any, trainer: Any, cfg: DictConfig) -> list[str]:
+    """The strategy's own checks of its options, then whether its layout fits the world."""
+    cls = _strategy_class(strategy)
+    if cls is None:
+        return []
+    values = {**defaults(cls), **OmegaConf.to_container(strategy, resolve=True)}
+    out = option_problems(cls, values, prefix="strategy.")
+    world = world_size_of(trainer)
+    if out or world is None or world < 1 or cls.model_parallel_option is None:
         return out
-    if "tensor_parallel_size" in strategy:
-        tp = strategy.tensor_parallel_size
-        if not _positive(out, "strategy.tensor_parallel_size", tp):
-            return out
-        if tp is not None and world % tp:
-            out.append(f"{where} is not divisible by strategy.tensor_parallel_size={tp}; use a device count that "
-                       f"is a multiple of {tp}, or strategy.tensor_parallel_size=null to use all {world}")
-        elif world % dp:
-            out.append(f"{where} is not divisible by strategy.data_parallel_size={dp}")
-        elif tp is not None and tp * dp != world:
-            out.append(f"strategy.data_parallel_size={dp} x strategy.tensor_parallel_size={tp} = {dp * tp} must "
-                       f"equal the {where}; use strategy.data_parallel_size={world // tp}")
-    if "pipeline_parallel_size" in strategy:
-        pp = strategy.pipeline_parallel_size
-        if not _positive(out, "strategy.pipeline_parallel_size", pp):
-            return out
-        if strategy.schedule not in PIPELINE_SCHEDULES:
-            out.append(f"strategy.schedule={strategy.schedule!r} is unknown; use one of {PIPELINE_SCHEDULES}")
-        _positive(out, "strategy.num_microbatches", strategy.num_microbatches)
-        stages = pp if pp is not None else (world // dp if world % dp == 0 else None)
-        if pp is not None and pp > world:
-            out.append(f"strategy.pipeline_parallel_size={pp} pipeline stages is more than the {where}; "
-                       f"each stage needs its own process: use at most {world} stages or more devices")
-        elif pp is not None and world % pp:
-            out.append(f"{where} is not divisible by strategy.pipeline_parallel_size={pp}")
-        elif stages is None:
-            out.append(f"{where} is not divisible by strategy.data_parallel_size={dp}")
-        elif pp is not None and pp * dp != world:
-            out.append(f"strategy.data_parallel_size={dp} x strategy.pipeline_parallel_size={pp} = {dp * pp} must "
-                       f"equal the {where}; use strategy.data_parallel_size={world // pp}")
-        split_points = strategy.split_points
-        if stages and split_points is not None and len(split_points) + 1 != stages:
-            out.append(f"strategy.split_points has {len(split_points)} entries, giving {len(split_points) + 1} "
-                       f"stages, but the run has {stages} pipeline stages; give {stages - 1} split points")
-        n_layer = cfg.model.get("n_layer") if cfg.get("model") is not None else None
-        if stages and isinstance(n_layer, int) and stages > n_layer:
-            out.append(f"{stages} pipeline stages but model.n_layer={n_layer} blocks; every stage needs at least "
-                       f"one block: use model.n_layer>={stages} or fewer stages")
+    where = f"trainer.devices={trainer.devices} x trainer.num_nodes={trainer.num_nodes} = {world} process(es)"
+    dp, size_name = values["data_parallel_size"], cls.model_parallel_option
+    problem = layout(world, where, dp, values[size_name], size_name, prefix="strategy.")
+    if problem:
+        return [problem]
+    return _stage_problems(values, values[size_name] or world // dp, cfg) if cls.model_parallel_axis == "pp" else []
+
+
+def _stage_problems(values: dict[str, Any], stages: int, cfg: DictConfig) -> list[str]:
+    """Split points and blocks enough for the run's pipeline stages."""
+    out = []
+    split_points = values["split_points"]
+    if split_points is not None and len(split_points) + 1 != stages:
+        out.append(f"strategy.split_points has {len(split_points)} entries, giving {len(split_points) + 1} "
+                   f"stages, but the run has {stages} pipeline stages; give {stages - 1} split points")
+    n_layer = cfg.model.get("n_layer") if cfg.get("model") is not None else None
+    if isinstance(n_layer, int) and stages > n_layer:
+        out.append(f"{stages} pipeline stages but model.n_layer={n_layer} blocks; every stage needs at least "
+                   f"one block: use model.n_layer>={stages} or fewer stages")
     return out
 
 

@@ -16,6 +16,13 @@ What the base adds on top:
   (``checkpointing.loss_check``; ``check_finite_loss = False`` turns it off);
 - a ``FailureWatchdog``: if one rank raises or dies, the others exit within ``failure_timeout`` seconds
   (default 60) naming it, instead of waiting in a collective;
+- the set-up that split models share: the (dp, model-parallel) sizes checked against the world before
+  any process group exists (``parallel_sizes``), clipping by the whole model's norm
+  (``install_global_norm_clipping``), one overflow verdict for every rank under 16-mixed
+  (``share_found_inf``), and the refusal of launchers that would hand back rank 0's part only
+  (``popen_only``);
+- options checked by ``own_option_problems`` at each level, which ``lp-train`` runs before launching too
+  (``strategies.options``);
 - checkpoints and exact resume (``checkpointing.Checkpointer``: data position and RNG in the checkpoint,
   files written atomically, ``save_distributed=True`` for one shard per rank through
   torch.distributed.checkpoint); a strategy states its part through ``checkpointing.CheckpointContract``.
@@ -23,11 +30,11 @@ What the base adds on top:
 
 from __future__ import annotations
 
-import inspect
 import sys
+import types
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Generator, Literal, Optional, Union
+from typing import Any, Generator, Literal, Mapping, Optional, Union, get_args
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -41,33 +48,35 @@ from torch import Tensor
 import lightning.pytorch as pl
 from lightning_parallel.checkpointing import AtomicCheckpointIO, Checkpointer
 from lightning_parallel.checkpointing.loss_check import check_finite_loss, training_loss
+from lightning_parallel.distributed.collectives import clip_grad_norm_sharded, share_found_inf
 from lightning_parallel.distributed.mesh import Mesh, MeshShape, build_mesh
 from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.state import broadcast_module_states
 from lightning_parallel.distributed.sync_batchnorm import SyncBatchNormPlugin
 from lightning_parallel.distributed.watchdog import FailureWatchdog
+from lightning_parallel.strategies.checks import layout, one_of, positive_number, require
 from lightning_parallel.strategies.launcher import HydraSafeSubprocessLauncher, failure_exit_fn
+from lightning_parallel.strategies.options import level_problems, options
 
 __all__ = ["ParallelStrategyBase"]
 
 
-def _init_arguments(cls: type) -> set[str]:
-    """Every named ``__init__`` argument along the class's lightning_parallel ancestry."""
-    names: set[str] = set()
-    for klass in cls.__mro__:
-        if klass.__module__.startswith("lightning_parallel"):
-            names |= {p.name for p in inspect.signature(klass.__init__).parameters.values()
-                      if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"}
-    return names
+#: seconds a collective waits before it fails (torch's default, 30 minutes)
+DEFAULT_TIMEOUT_S = default_pg_timeout.total_seconds()
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+START_METHODS = get_args(StartMethod)
 
 
 class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
     """Base of all lightning_parallel strategies; not registered itself.
 
     Args:
+        process_group_backend: ``"gloo"``, ``"nccl"``, ...; None picks the accelerator's.
+        timeout: seconds (or a ``timedelta``) that a collective may wait before it fails.
+        start_method: how processes start: ``"popen"`` (default), ``"spawn"``, ``"fork"``, ``"forkserver"``.
+        failure_timeout: seconds after which the other ranks stop when one fails or dies.
         save_distributed: write checkpoints as a directory with one shard per rank
             (torch.distributed.checkpoint) instead of one gathered file; see ``checkpointing.sharded``.
-        failure_timeout: seconds after which the other ranks stop when one fails or dies.
     """
 
     #: False where sharded checkpoints would be wrong or pointless (lp_dp: the optimizer lives on rank 0)
@@ -75,6 +84,12 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
     #: raise on a NaN/inf training loss before backward (a strategy whose returned loss is a placeholder,
     #: e.g. a pipeline stage without a loss yet, checks its real loss itself or sets this to False)
     check_finite_loss = True
+    #: why only ``start_method="popen"`` works, where the others would hand back rank 0's part only
+    popen_only: Optional[str] = None
+    #: the option that sizes the model-parallel axis (``"tensor_parallel_size"``), beside ``data_parallel_size``
+    model_parallel_option: Optional[str] = None
+    #: that axis in the mesh: ``"tp"`` or ``"pp"``
+    model_parallel_axis: Optional[str] = None
 
     def __init__(
         self,
@@ -84,8 +99,8 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
         process_group_backend: Optional[str] = None,
-        timeout: Optional[timedelta] = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        timeout: Union[float, timedelta, None] = DEFAULT_TIMEOUT_S,
+        start_method: StartMethod = "popen",
         failure_timeout: float = 60.0,
         save_distributed: bool = False,
         **unknown: Any,
@@ -93,16 +108,11 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         if unknown:
             raise TypeError(
                 f"{type(self).__name__} got unknown argument(s) {sorted(unknown)}; it accepts "
-                f"{sorted(_init_arguments(type(self)))}."
+                f"{sorted(o.name for o in options(type(self), configurable=False))}."
             )
-        if not isinstance(failure_timeout, (int, float)) or failure_timeout <= 0:
-            raise ValueError(f"failure_timeout must be a positive number of seconds, got {failure_timeout!r} (default 60).")
-        self._check_save_distributed(save_distributed, checkpoint_io)
-        if start_method not in ("popen", "spawn", "fork", "forkserver"):
-            raise ValueError(
-                f"start_method={start_method!r} is not supported; use 'popen' (default), 'spawn', 'fork' or "
-                "'forkserver'."
-            )
+        require(level_problems(ParallelStrategyBase, type(self), locals()))
+        if isinstance(timeout, (int, float)):
+            timeout = timedelta(seconds=timeout)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -120,20 +130,33 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self.save_distributed = save_distributed
         self._watchdog: Optional[FailureWatchdog] = None
 
-    def _check_save_distributed(self, value: Any, checkpoint_io: Any) -> None:
+    @classmethod
+    def own_option_problems(cls, values: Mapping[str, Any], prefix: str = "") -> list[Optional[str]]:
+        """The checks of the arguments declared here (``strategies.options.option_problems`` reads them)."""
+        start_method, timeout = values["start_method"], values["timeout"]
+        return [
+            positive_number(f"{prefix}failure_timeout", values["failure_timeout"], "seconds", 60),
+            None if timeout is None or isinstance(timeout, timedelta)
+            else positive_number(f"{prefix}timeout", timeout, "seconds", 1800),
+            one_of(f"{prefix}start_method", start_method, START_METHODS),
+            None if cls.popen_only is None or start_method == "popen" else
+            f"{prefix}start_method={start_method!r} is not supported by {cls.__name__}: {cls.popen_only}; use 'popen'",
+            cls._save_distributed_problem(values["save_distributed"], values.get("checkpoint_io"), prefix),
+        ]
+
+    @classmethod
+    def _save_distributed_problem(cls, value: Any, checkpoint_io: Any, prefix: str) -> Optional[str]:
+        name = f"{prefix}save_distributed"
         if not isinstance(value, bool):
-            raise ValueError(f"save_distributed must be True or False, got {value!r} (default False).")
-        if value and not self.supports_save_distributed:
-            raise ValueError(
-                f"save_distributed=True is not supported by {type(self).__name__} ({self.strategy_name}): "
-                "it holds no sharded state; use save_distributed=False, or lp_ddp, lp_tensor_parallel or "
-                "lp_pipeline_* for one shard per rank."
-            )
+            return f"{name} must be True or False, got {value!r} (default False)."
+        if value and not cls.supports_save_distributed:
+            return (f"{name}=True is not supported by {cls.__name__} ({cls.strategy_name}): it holds no sharded "
+                    "state; use save_distributed=False, or lp_ddp, lp_tensor_parallel or lp_pipeline_* for one "
+                    "shard per rank.")
         if value and checkpoint_io is not None:
-            raise ValueError(
-                f"save_distributed=True writes through torch.distributed.checkpoint, so checkpoint_io="
-                f"{type(checkpoint_io).__name__}(...) would be ignored; pass one or the other."
-            )
+            return (f"{name}=True writes through torch.distributed.checkpoint, so checkpoint_io="
+                    f"{type(checkpoint_io).__name__}(...) would be ignored; pass one or the other.")
+        return None
 
     def _configure_launcher(self) -> None:
         """Our popen launcher: per-job children and clean-up, so Hydra sweeps (``-m``) work."""
@@ -144,9 +167,20 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             super()._configure_launcher()
 
     # ----------------------------------------------------------------- layout
+    def parallel_sizes(self) -> tuple[int, int]:
+        """(data-parallel, model-parallel) sizes of this run; raises, naming sizes that fit, when their
+        product is not the world. Pure data parallel: (world, 1)."""
+        if self.model_parallel_option is None:
+            return self.world_size, 1
+        world, dp, size = self.world_size, self.data_parallel_size, getattr(self, self.model_parallel_option)
+        where = f"{world} process(es) of this run (num_nodes={self.num_nodes} x devices={self.num_processes})"
+        require([layout(world, where, dp, size, self.model_parallel_option)], prefix=f"{type(self).__name__}: ")
+        return dp, size or world // dp
+
     def mesh_shape(self) -> MeshShape:
-        """The (dp, pp, tp) layout of this strategy; pure data data-parallel by default."""
-        return MeshShape(dp=self.world_size)
+        """The (dp, pp, tp) layout of this strategy: ``parallel_sizes`` on the model-parallel axis."""
+        dp, size = self.parallel_sizes()
+        return MeshShape(dp=dp, **({self.model_parallel_axis: size} if self.model_parallel_axis else {}))
 
     def setup_distributed(self) -> None:
         """Lightning's, except that a GPU is bound to the process group only for NCCL: Lightning binds it
@@ -154,12 +188,13 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         gloo cannot do (torch 2.11: ``AttributeError: ... perform_nocolor_split``; seen on an H100)."""
         reset_seed()
         self.set_world_ranks()
+        shape = self.mesh_shape()  # a layout that cannot fit fails before any process group exists
         self._process_group_backend = self._get_process_group_backend()
         assert self.cluster_environment is not None
         bind = self.root_device.type != "cpu" and self._process_group_backend != "gloo"
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
                               device_id=self.root_device if bind else None)
-        self.mesh = build_mesh(self.mesh_shape())
+        self.mesh = build_mesh(shape)
         if self.world_size > 1 and self._watchdog is None:
             self._watchdog = FailureWatchdog(self.global_rank, self.world_size, timeout=self.failure_timeout,
                                              exit_fn=failure_exit_fn()).start()
@@ -211,6 +246,27 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
 
     def configure_parallelism(self) -> None:
         """Subclasses rewrite the module and create ``self.reducer`` here."""
+
+    # ----------------------------------------------------------------- set-up shared by split models
+    def scaler(self) -> Optional[Any]:
+        """The precision plugin's enabled GradScaler (16-mixed), or None."""
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        return scaler if scaler is not None and scaler.is_enabled() else None
+
+    def share_found_inf(self) -> None:
+        """16-mixed: every rank skips a step together when any rank's gradients overflowed."""
+        if self.scaler() is not None:
+            share_found_inf(self.scaler(), group=None)
+
+    def install_global_norm_clipping(self, split: set[int], group: Optional[torch.distributed.ProcessGroup]) -> None:
+        """Clipping by norm uses the whole model's norm: the parameters in ``split`` (by id) differ across
+        ``group``, the others are the same on every rank of it. Lightning's plugin would clip each rank by
+        its local norm; this replaces it on this plugin instance."""
+
+        def clip_grad_by_norm(plugin: Any, optimizer: Any, clip_val: Union[int, float]) -> None:
+            clip_grad_norm_sharded(list(plugin.main_params(optimizer)), float(clip_val), split, group)
+
+        self.precision_plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, self.precision_plugin)
 
     def _bind_metrics_to_dp_group(self) -> None:
         from torchmetrics import Metric

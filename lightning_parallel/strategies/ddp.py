@@ -8,11 +8,13 @@ file only wires it into Lightning's hooks.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from lightning_parallel.distributed.reducer import COMM_HOOKS, GradientReducer
 from lightning_parallel.distributed.state import broadcast_module_states
 from lightning_parallel.strategies.base import ParallelStrategyBase
+from lightning_parallel.strategies.checks import one_of, positive_number, require
+from lightning_parallel.strategies.options import level_problems
 
 __all__ = ["DDPStrategy"]
 
@@ -41,12 +43,7 @@ class DDPStrategy(ParallelStrategyBase):
         broadcast_buffers: bool = True,
         **kwargs: Any,
     ) -> None:
-        if not isinstance(bucket_cap_mb, (int, float)) or bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb must be a positive number of megabytes, got {bucket_cap_mb!r} (default 25).")
-        if not isinstance(first_bucket_cap_mb, (int, float)) or first_bucket_cap_mb <= 0:
-            raise ValueError(f"first_bucket_cap_mb must be a positive number of megabytes, got {first_bucket_cap_mb!r} (default 1).")
-        if comm_hook not in COMM_HOOKS:
-            raise ValueError(f"comm_hook={comm_hook!r} is not supported; use None, 'fp16' or 'bf16'.")
+        require(level_problems(DDPStrategy, type(self), locals()))
         super().__init__(**kwargs)
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.first_bucket_cap_mb = float(first_bucket_cap_mb)
@@ -54,6 +51,15 @@ class DDPStrategy(ParallelStrategyBase):
         self.comm_hook = comm_hook
         self.broadcast_buffers = broadcast_buffers
         self._has_buffers = False
+
+    @classmethod
+    def own_option_problems(cls, values: Mapping[str, Any], prefix: str = "") -> list[Optional[str]]:
+        """The checks of the arguments declared here (``strategies.options.option_problems`` reads them)."""
+        return [
+            positive_number(f"{prefix}bucket_cap_mb", values["bucket_cap_mb"], "megabytes", 25),
+            positive_number(f"{prefix}first_bucket_cap_mb", values["first_bucket_cap_mb"], "megabytes", 1),
+            one_of(f"{prefix}comm_hook", values["comm_hook"], COMM_HOOKS),
+        ]
 
     def configure_parallelism(self) -> None:
         module = self.lightning_module

@@ -24,10 +24,9 @@ stage writes only its own tensors (``checkpointing.sharded``).
 from __future__ import annotations
 
 import statistics
-import types
 from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -36,8 +35,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-from lightning_parallel.distributed.collectives import clip_grad_norm_sharded, share_found_inf, start_gather_numbers
-from lightning_parallel.distributed.mesh import MeshShape
+from lightning_parallel.distributed.collectives import start_gather_numbers
 from lightning_parallel.distributed.p2p import PeerLink
 from lightning_parallel.distributed.state import all_reduce_gradients, broadcast_module_states, start_sum_at
 from lightning_parallel.checkpointing.loss_check import check_finite_loss
@@ -45,15 +43,16 @@ from lightning_parallel.pipeline.executor import StageExecutor, batch_size, spli
 from lightning_parallel.pipeline.logs import LogMirror, WholeBatchMetrics, capture_logs, summarize
 from lightning_parallel.pipeline.partition import StagePartition, find_block_stack, partition
 from lightning_parallel.pipeline.profile import average_over_ranks, capture_block_inputs, time_blocks, untouched
-from lightning_parallel.pipeline.schedules import bubble_fraction, schedule
+from lightning_parallel.pipeline.schedules import SCHEDULES, bubble_fraction, schedule
 from lightning_parallel.pipeline.state import merge_stage_states, stage_state_by_name, stage_state_from_full
 from lightning_parallel.pipeline.timeline import Timeline, bubble, from_dicts, to_dicts, write_chrome_trace, write_svg
 from lightning_parallel.strategies.base import ParallelStrategyBase
+from lightning_parallel.strategies.checks import one_of, positive_int, require
+from lightning_parallel.strategies.options import level_problems
 from lightning_parallel.strategies.pipeline_async import AsyncPipelineMixin
 
 __all__ = ["PipelineParallelStrategy"]
 
-SUPPORTED = ("gpipe", "1f1b", "async")
 BALANCES = ("parameters", "time")
 
 
@@ -83,6 +82,8 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
     """
 
     strategy_name = "lp_pipeline"
+    popen_only = "Lightning's spawn launcher hands back only rank 0's stage"
+    model_parallel_option, model_parallel_axis = "pipeline_parallel_size", "pp"
 
     def __init__(
         self,
@@ -96,20 +97,7 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         timeline_step: Optional[int] = 2,
         **kwargs: Any,
     ) -> None:
-        if schedule not in SUPPORTED:
-            raise ValueError(f"schedule={schedule!r} is not supported; use one of {', '.join(SUPPORTED)}.")
-        _positive("num_microbatches", num_microbatches)
-        _positive("data_parallel_size", data_parallel_size)
-        if pipeline_parallel_size is not None:
-            _positive("pipeline_parallel_size", pipeline_parallel_size)
-        if balance not in BALANCES:
-            raise ValueError(f"balance={balance!r} is not supported; use 'parameters' or 'time', or give split_points.")
-        if balance == "time" and split_points is not None:
-            raise ValueError(f"balance='time' and split_points={list(split_points)!r} both choose the stages; give one "
-                             "of them (split_points fix the stages, balance='time' measures and chooses them).")
-        if kwargs.get("start_method", "popen") != "popen":
-            raise ValueError(f"start_method={kwargs['start_method']!r} is not supported by PipelineParallelStrategy: "
-                             "Lightning's spawn launcher hands back only rank 0's stage; use 'popen' (default).")
+        require(level_problems(PipelineParallelStrategy, type(self), locals()))
         super().__init__(**kwargs)
         self.schedule, self.num_microbatches = schedule, num_microbatches
         self.pipeline_parallel_size, self.data_parallel_size = pipeline_parallel_size, data_parallel_size
@@ -132,27 +120,22 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         self._init_async_state()
         self._last_loss: Optional[Tensor] = None
 
+    @classmethod
+    def own_option_problems(cls, values: Mapping[str, Any], prefix: str = "") -> list[Optional[str]]:
+        """The checks of the arguments declared here (``strategies.options.option_problems`` reads them)."""
+        balance, split_points = values["balance"], values["split_points"]
+        return [
+            one_of(f"{prefix}schedule", values["schedule"], SCHEDULES),
+            positive_int(f"{prefix}num_microbatches", values["num_microbatches"]),
+            positive_int(f"{prefix}data_parallel_size", values["data_parallel_size"]),
+            positive_int(f"{prefix}pipeline_parallel_size", values["pipeline_parallel_size"], allow_none=True),
+            one_of(f"{prefix}balance", balance, BALANCES, hint=", or give split_points"),
+            None if balance != "time" or split_points is None else
+            f"{prefix}balance='time' and {prefix}split_points={list(split_points)!r} both choose the stages; give "
+            "one of them (split_points fix the stages, balance='time' measures and chooses them).",
+        ]
+
     # ----------------------------------------------------------------- layout
-    def _sizes(self) -> tuple[int, int]:
-        world = self.num_nodes * self.num_processes
-        dp = self.data_parallel_size
-        pp = self.pipeline_parallel_size or max(world // dp, 1)
-        if dp * pp != world:
-            raise ValueError(
-                f"PipelineParallelStrategy(data_parallel_size={dp}, pipeline_parallel_size="
-                f"{self.pipeline_parallel_size}) needs data_parallel_size x pipeline_parallel_size processes, but the "
-                f"run has {world} (devices x num_nodes); choose sizes whose product is {world}."
-            )
-        return dp, pp
-
-    def mesh_shape(self) -> MeshShape:
-        dp, pp = self._sizes()
-        return MeshShape(dp=dp, pp=pp)
-
-    def setup_environment(self) -> None:
-        self._sizes()  # a layout that cannot fit fails before any process group exists
-        super().setup_environment()
-
     @property
     def pp_group(self) -> Optional[dist.ProcessGroup]:
         return self.mesh.group("pp") if self.mesh is not None else None
@@ -169,7 +152,7 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
 
     def configure_parallelism(self) -> None:
         module = self.lightning_module
-        dp, pp = self._sizes()
+        _, pp = self.parallel_sizes()
         # a fit that ended in an exception may have left collectives in flight, on groups now gone
         self._bubbles_gathered = self._replicated_sum = None
         if self.schedule == "1f1b" and self.num_microbatches < pp:
@@ -180,13 +163,12 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
                 f"schedule='async' does not support accumulate_grad_batches="
                 f"{self.lightning_module.trainer.accumulate_grad_batches}: its update rule is per batch. Raise "
                 "num_microbatches (or the batch size) instead, or use schedule='1f1b'.")
-        if self.schedule == "async" and self._scaler() is not None:
+        if self.schedule == "async" and self.scaler() is not None:
             raise ValueError(
                 "schedule='async' does not support precision='16-mixed' with a gradient scaler: a batch's gradient "
                 "is finished a step later, under a loss scale that may have changed. Use precision='bf16-mixed' "
                 "(no scaler), or schedule='1f1b'.")
-        if self._scaler() is not None:  # 16-mixed: every stage skips an overflowing step together
-            share_found_inf(self._scaler(), group=None)
+        self.share_found_inf()
         if self.partition is not None:
             return  # split by an earlier fit/validate of this trainer: keep the stages
         broadcast_module_states(module, src=0)  # every stage cuts its blocks from the same weights
@@ -209,7 +191,7 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         self._replicated = [i for i, (n, p) in enumerate(module.named_parameters()) if n not in owned and p.requires_grad]
         if self.schedule == "async" and pp > 1:
             self.async_grads.reduce = self._replicated_gradient_reduce(module, self._replicated)
-        self._install_global_norm_clipping({id(p) for n, p in module.named_parameters() if n in owned})
+        self.install_global_norm_clipping({id(p) for n, p in module.named_parameters() if n in owned}, self.pp_group)
 
     def _measure_block_times(self, module: Any) -> Optional[list[float]]:
         """balance='time': each block's forward + backward seconds on the first training micro-batch."""
@@ -250,19 +232,6 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
                  for r in parts]
         rank_zero_info(f"Pipeline stages (balance={self.balance!r}); {self.partition.describe_stack()}:\n"
                        + "\n".join(lines))
-
-    def _scaler(self) -> Optional[Any]:
-        """The precision plugin's enabled GradScaler (16-mixed), or None."""
-        scaler = getattr(self.precision_plugin, "scaler", None)
-        return scaler if scaler is not None and scaler.is_enabled() else None
-
-    def _install_global_norm_clipping(self, owned: set[int]) -> None:
-        group = self.pp_group
-
-        def clip_grad_by_norm(plugin: Any, optimizer: Any, clip_val: Union[int, float]) -> None:
-            clip_grad_norm_sharded(list(plugin.main_params(optimizer)), float(clip_val), owned, group)
-
-        self.precision_plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, self.precision_plugin)
 
     # ----------------------------------------------------------------- steps
     def training_step(self, batch: Any, batch_idx: int, *args: Any) -> Tensor:
@@ -330,8 +299,8 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         # Lightning divides each step's loss by accumulate_grad_batches before its backward, and a 16-mixed
         # gradient scaler multiplies it by the loss scale (unscale_ divides it out later); so do we
         scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
-        if backward and self._scaler() is not None:
-            scale *= self._scaler().get_scale()
+        if backward and self.scaler() is not None:
+            scale *= self.scaler().get_scale()
         # only the last stage runs the user's step, so only it calls metrics
         tracked = self.whole_batch.track(self.lightning_module) if self.is_last_stage else nullcontext()
         with capture_logs(self.lightning_module) as logged, tracked:
@@ -460,8 +429,3 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
             return super().load_full_optimizer_state(checkpoint)
         for optimizer, full in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(stage_state_from_full(full, optimizer, self.lightning_module, self._full_param_names))
-
-
-def _positive(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")

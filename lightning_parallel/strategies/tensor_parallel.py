@@ -13,7 +13,6 @@ under the original names, so they load into the plain module and into any tensor
 from __future__ import annotations
 
 import copy
-import types
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
@@ -22,12 +21,12 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_parallel.distributed.collectives import clip_grad_norm_sharded, share_found_inf
-from lightning_parallel.distributed.mesh import MeshShape
 from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.state import broadcast_module_states
 from lightning_parallel.checkpointing import ShardLayout
 from lightning_parallel.strategies.base import ParallelStrategyBase
+from lightning_parallel.strategies.checks import positive_int, require
+from lightning_parallel.strategies.options import level_problems
 from lightning_parallel.tensor import Plan, ResolvedPlan, apply_plan, parse_plan, resolve
 from lightning_parallel.tensor.coverage import check_coverage, sample_forward
 from lightning_parallel.tensor.layers import SharedEntry, _TPLayer
@@ -44,14 +43,6 @@ __all__ = ["TensorParallelStrategy", "PlanVerificationError"]
 
 class PlanVerificationError(RuntimeError):
     """``verify_plan=True`` found the sharded module computing something else than the unsharded one."""
-
-
-def _positive(name: str, value: Any, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        none = " or None (all devices)" if allow_none else ""
-        raise ValueError(f"{name} must be a positive integer{none}, got {value!r}")
 
 
 def _max_diff(a: Any, b: Any) -> float:
@@ -79,6 +70,8 @@ class TensorParallelStrategy(ParallelStrategyBase):
     """
 
     strategy_name = "lp_tensor_parallel"
+    popen_only = "Lightning's spawn launcher hands rank 0's (sharded) weights back"
+    model_parallel_option, model_parallel_axis = "tensor_parallel_size", "tp"
 
     def __init__(
         self,
@@ -89,15 +82,7 @@ class TensorParallelStrategy(ParallelStrategyBase):
         require_sharded: float = 0.2,
         **kwargs: Any,
     ) -> None:
-        _positive("tensor_parallel_size", tensor_parallel_size, allow_none=True)
-        if not isinstance(require_sharded, (int, float)) or not 0 <= require_sharded <= 1:
-            raise ValueError(f"require_sharded must be a share between 0 and 1, got {require_sharded!r}")
-        _positive("data_parallel_size", data_parallel_size)
-        if kwargs.get("start_method", "popen") != "popen":
-            raise ValueError(
-                f"start_method={kwargs['start_method']!r} is not supported by TensorParallelStrategy: "
-                "Lightning's spawn launcher hands rank 0's (sharded) weights back; use 'popen' (default)"
-            )
+        require(level_problems(TensorParallelStrategy, type(self), locals()))
         # malformed plans and missing files fail here, before any process starts (and are read once)
         parsed = plan if isinstance(plan, str) and plan == "auto" else parse_plan(plan)
         super().__init__(**kwargs)
@@ -111,28 +96,18 @@ class TensorParallelStrategy(ParallelStrategyBase):
         self._entries: list[SharedEntry] = []
         self._reference: Optional[dict[str, nn.Module]] = None
 
+    @classmethod
+    def own_option_problems(cls, values: Mapping[str, Any], prefix: str = "") -> list[Optional[str]]:
+        """The checks of the arguments declared here (``strategies.options.option_problems`` reads them)."""
+        share = values["require_sharded"]
+        return [
+            positive_int(f"{prefix}tensor_parallel_size", values["tensor_parallel_size"], allow_none=True),
+            positive_int(f"{prefix}data_parallel_size", values["data_parallel_size"]),
+            None if isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share <= 1
+            else f"{prefix}require_sharded must be a share between 0 and 1, got {share!r}",
+        ]
+
     # ----------------------------------------------------------------- layout
-    def _sizes(self) -> tuple[int, int]:
-        world, dp = self.world_size, self.data_parallel_size
-        tp = self.tensor_parallel_size or (world // dp if world % dp == 0 else 0)
-        if dp * tp != world or tp == 0:
-            raise ValueError(
-                f"TensorParallelStrategy(data_parallel_size={dp}, tensor_parallel_size={self.tensor_parallel_size}) "
-                f"needs data_parallel_size x tensor_parallel_size processes, but the run has {world} "
-                f"(num_nodes={self.num_nodes} x devices={self.num_processes}); make them equal, e.g. "
-                f"tensor_parallel_size={world // dp if world % dp == 0 else world} with data_parallel_size="
-                f"{dp if world % dp == 0 else 1}"
-            )
-        return dp, tp
-
-    def mesh_shape(self) -> MeshShape:
-        dp, tp = self._sizes()
-        return MeshShape(dp=dp, tp=tp)
-
-    def setup_distributed(self) -> None:
-        self._sizes()  # a wrong layout fails before any process group exists
-        super().setup_distributed()
-
     @property
     def tp_group(self) -> Optional[torch.distributed.ProcessGroup]:
         return self.mesh.group("tp") if self.mesh is not None else None
@@ -146,7 +121,7 @@ class TensorParallelStrategy(ParallelStrategyBase):
 
     def configure_parallelism(self) -> None:
         module = self.lightning_module
-        dp, tp = self._sizes()
+        dp, tp = self.parallel_sizes()
         if self._is_sharded():  # sharded by an earlier fit: keep its layers
             layers = [m for m in module.modules() if isinstance(m, _TPLayer)]
             if any(layer.tp_size != tp for layer in layers):
@@ -169,21 +144,8 @@ class TensorParallelStrategy(ParallelStrategyBase):
             self._entries = apply_plan(module, self.resolved, self.tp_group, self.mesh.tp_rank)
         if dp > 1:
             self.reducer = GradientReducer(list(module.named_parameters()), group=self.dp_group)
-        self._install_global_norm_clipping()
-        if getattr(self.precision_plugin, "scaler", None) is not None:  # fp16: all ranks skip a step together
-            share_found_inf(self.precision_plugin.scaler, group=None)
-
-    def _install_global_norm_clipping(self) -> None:
-        """Lightning's precision plugin clips by the local norm; with split parameters that differs per
-        rank. Replace it on this plugin instance by the norm over the whole (unsharded) model."""
-        plugin = self.precision_plugin
-        sharded = {id(t) for t, _, _ in sharded_parameters(self.lightning_module).values()}
-        group = self.tp_group
-
-        def clip_grad_by_norm(plugin_self: Any, optimizer: Any, clip_val: Union[int, float]) -> None:
-            clip_grad_norm_sharded(list(plugin_self.main_params(optimizer)), float(clip_val), sharded, group)
-
-        plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, plugin)
+        self.install_global_norm_clipping({id(t) for t, _, _ in sharded_parameters(module).values()}, self.tp_group)
+        self.share_found_inf()
 
     # ----------------------------------------------------------------- verify_plan
     def _keep_reference(self, module: nn.Module) -> None:

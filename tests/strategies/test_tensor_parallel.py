@@ -340,13 +340,12 @@ def _fit_one_process(strategy):
     [
         (
             {"tensor_parallel_size": 2},
-            r"TensorParallelStrategy\(data_parallel_size=1, tensor_parallel_size=2\) needs "
-            r"data_parallel_size x tensor_parallel_size processes, but the run has 1",
+            r"TensorParallelStrategy: tensor_parallel_size=2 is more than the 1 process\(es\) of this run",
         ),
         (
             {"data_parallel_size": 2},
-            r"TensorParallelStrategy\(data_parallel_size=2, tensor_parallel_size=None\) needs "
-            r"data_parallel_size x tensor_parallel_size processes, but the run has 1",
+            r"TensorParallelStrategy: 1 process\(es\) of this run \(num_nodes=1 x devices=1\) is not divisible by "
+            r"data_parallel_size=2",
         ),
     ],
 )
