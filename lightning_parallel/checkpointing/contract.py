@@ -24,7 +24,7 @@ from typing import Any
 import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 
-from lightning_parallel.pipeline.state import stage_state_by_name
+from lightning_parallel.pipeline.stage_state import stage_state_by_name
 
 __all__ = ["CheckpointContract", "ShardLayout"]
 

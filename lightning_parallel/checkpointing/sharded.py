@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from lightning_parallel.checkpointing.atomic import atomic_torch_save
 from lightning_parallel.checkpointing.contract import ShardLayout
 from lightning_parallel.checkpointing.resume_state import all_gather_objects
-from lightning_parallel.pipeline.state import names_in_optimizer
+from lightning_parallel.pipeline.stage_state import names_in_optimizer
 
 __all__ = [
     "META_FILE",

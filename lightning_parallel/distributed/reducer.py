@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_parallel.distributed.buckets import assign_buckets
-from lightning_parallel.distributed.state import global_rank
+from lightning_parallel.distributed.replicas import global_rank
 
 __all__ = ["GradientReducer", "ReducerStats", "UnusedParametersError", "COMM_HOOKS"]
 

@@ -51,7 +51,7 @@ from lightning_parallel.checkpointing.loss_check import check_finite_loss, train
 from lightning_parallel.distributed.collectives import clip_grad_norm_sharded, share_found_inf
 from lightning_parallel.distributed.mesh import Mesh, MeshShape, build_mesh
 from lightning_parallel.distributed.reducer import GradientReducer
-from lightning_parallel.distributed.state import broadcast_module_states
+from lightning_parallel.distributed.replicas import broadcast_module_states
 from lightning_parallel.distributed.sync_batchnorm import SyncBatchNormPlugin
 from lightning_parallel.distributed.watchdog import FailureWatchdog
 from lightning_parallel.strategies.checks import layout, one_of, positive_number, require

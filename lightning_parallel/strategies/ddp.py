@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 from lightning_parallel.distributed.reducer import COMM_HOOKS, GradientReducer
-from lightning_parallel.distributed.state import broadcast_module_states
+from lightning_parallel.distributed.replicas import broadcast_module_states
 from lightning_parallel.strategies.base import ParallelStrategyBase
 from lightning_parallel.strategies.checks import one_of, positive_number, require
 from lightning_parallel.strategies.options import level_problems

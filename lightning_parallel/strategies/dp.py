@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 
 import lightning.pytorch as pl
 from lightning_parallel.distributed.master import gather_mean_to_master
-from lightning_parallel.distributed.state import broadcast_module_states, broadcast_tensors
+from lightning_parallel.distributed.replicas import broadcast_module_states, broadcast_tensors
 from lightning_parallel.strategies.base import ParallelStrategyBase
 
 __all__ = ["DataParallelStrategy"]

@@ -37,14 +37,14 @@ from torch import Tensor
 
 from lightning_parallel.distributed.collectives import start_gather_numbers
 from lightning_parallel.distributed.p2p import PeerLink
-from lightning_parallel.distributed.state import all_reduce_gradients, broadcast_module_states, start_sum_at
+from lightning_parallel.distributed.replicas import all_reduce_gradients, broadcast_module_states, start_sum_at
 from lightning_parallel.checkpointing.loss_check import check_finite_loss
 from lightning_parallel.pipeline.executor import StageExecutor, batch_size, split_microbatches
 from lightning_parallel.pipeline.logs import LogMirror, WholeBatchMetrics, capture_logs, summarize
 from lightning_parallel.pipeline.partition import StagePartition, find_block_stack, partition
 from lightning_parallel.pipeline.profile import average_over_ranks, capture_block_inputs, time_blocks, untouched
 from lightning_parallel.pipeline.schedules import SCHEDULES, bubble_fraction, schedule
-from lightning_parallel.pipeline.state import merge_stage_states, stage_state_by_name, stage_state_from_full
+from lightning_parallel.pipeline.stage_state import merge_stage_states, stage_state_by_name, stage_state_from_full
 from lightning_parallel.pipeline.timeline import Timeline, bubble, from_dicts, to_dicts, write_chrome_trace, write_svg
 from lightning_parallel.strategies.base import ParallelStrategyBase
 from lightning_parallel.strategies.checks import one_of, positive_int, require

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_parallel.distributed.state import start_sum_at
+from lightning_parallel.distributed.replicas import start_sum_at
 from lightning_parallel.pipeline.async_gradients import AsyncGradients, Reduce, merge_stage_gradients
 from lightning_parallel.pipeline.executor import weights_snapshot
 from lightning_parallel.pipeline.schedules import async_step, cooldown, warmup_depth

@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_parallel.distributed.reducer import GradientReducer
-from lightning_parallel.distributed.state import broadcast_module_states
+from lightning_parallel.distributed.replicas import broadcast_module_states
 from lightning_parallel.checkpointing import ShardLayout
 from lightning_parallel.strategies.base import ParallelStrategyBase
 from lightning_parallel.strategies.checks import positive_int, require
@@ -30,7 +30,7 @@ from lightning_parallel.strategies.options import level_problems
 from lightning_parallel.tensor import Plan, ResolvedPlan, apply_plan, parse_plan, resolve
 from lightning_parallel.tensor.coverage import check_coverage, sample_forward
 from lightning_parallel.tensor.layers import SharedEntry, _TPLayer
-from lightning_parallel.tensor.state import (
+from lightning_parallel.tensor.full_state import (
     full_optimizer_state,
     full_state_dict,
     load_full_state_dict,

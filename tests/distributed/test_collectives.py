@@ -90,7 +90,7 @@ def rank_program(out: Path) -> None:
 def check_gradient_reductions(rank: int) -> None:
     """``state.start_gradient_reduce``: a parameter only one rank has a gradient for gets it on both,
     one no rank has stays None; two reductions in flight at once finish in either order."""
-    from lightning_parallel.distributed.state import all_reduce_gradients, start_gradient_reduce
+    from lightning_parallel.distributed.replicas import all_reduce_gradients, start_gradient_reduce
 
     check = torch.testing.assert_close
     params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3, dtype=torch.float64)),
