@@ -33,25 +33,61 @@ def worker(args: argparse.Namespace) -> None:
     timer = step_timer()
     model = CharGPT(n_layer=args.layers, n_embd=args.width, n_head=4)
     data = CharCorpusData(batch_size=args.batch_size, block_size=64)
-    trainer = Trainer(accelerator="cpu", devices=args.world_size, strategy=args.strategy, max_steps=args.steps,
-                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, limit_val_batches=0, callbacks=[timer])
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=args.world_size,
+        strategy=args.strategy,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[timer],
+    )
     trainer.fit(model, datamodule=data)
     if trainer.is_global_zero:
         step = statistics.median(timer.times[args.warmup :])
-        append_record(args.out, {"strategy": args.strategy, "world_size": args.world_size,
-                                 "samples_per_s": args.batch_size * args.world_size / step, "step_ms": step * 1e3})
+        append_record(
+            args.out,
+            {
+                "strategy": args.strategy,
+                "world_size": args.world_size,
+                "samples_per_s": args.batch_size * args.world_size / step,
+                "step_ms": step * 1e3,
+            },
+        )
 
 
 def launch(strategy: str, world_size: int, out: Path, args: argparse.Namespace) -> None:
-    torchrun(__file__, world_size, ["--strategy", strategy, "--world-size", str(world_size), "--out", str(out),
-                                    "--steps", str(args.steps), "--warmup", str(args.warmup),
-                                    "--batch-size", str(args.batch_size), "--layers", str(args.layers),
-                                    "--width", str(args.width)])
+    torchrun(
+        __file__,
+        world_size,
+        [
+            "--strategy",
+            strategy,
+            "--world-size",
+            str(world_size),
+            "--out",
+            str(out),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--batch-size",
+            str(args.batch_size),
+            "--layers",
+            str(args.layers),
+            "--width",
+            str(args.width),
+        ],
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--strategy", default="lp_ddp", help=argparse.SUPPRESS)
     parser.add_argument("--world-size", type=int, default=2, help=argparse.SUPPRESS)
@@ -75,16 +111,20 @@ def main() -> None:
                 launch(strategy, world_size, out, args)
                 print(f"round {round_ + 1}/{args.rounds}: {strategy} x{world_size} done", file=sys.stderr)
     records = read_records(out)
-    print(f"\nCharGPT(n_layer={args.layers}, n_embd={args.width}), batch {args.batch_size}/process, "
-          f"{args.steps} steps ({args.warmup} warm-up), median of {args.rounds} rounds, CPU, gloo\n")
+    print(
+        f"\nCharGPT(n_layer={args.layers}, n_embd={args.width}), batch {args.batch_size}/process, "
+        f"{args.steps} steps ({args.warmup} warm-up), median of {args.rounds} rounds, CPU, gloo\n"
+    )
     print("| processes | strategy | samples/s (median) | step ms | ratio vs ddp |")
     print("|---|---|---|---|---|")
     for world_size in args.world_sizes:
         medians = {}
         for strategy in args.strategies:
             runs = [r for r in records if r["strategy"] == strategy and r["world_size"] == world_size]
-            medians[strategy] = (statistics.median(r["samples_per_s"] for r in runs),
-                                 statistics.median(r["step_ms"] for r in runs))
+            medians[strategy] = (
+                statistics.median(r["samples_per_s"] for r in runs),
+                statistics.median(r["step_ms"] for r in runs),
+            )
         base = medians.get("ddp", (None,))[0]
         for strategy, (sps, ms) in medians.items():
             ratio = f"{sps / base:.3f}" if base else "-"

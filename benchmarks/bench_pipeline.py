@@ -5,15 +5,16 @@
     python benchmarks/bench_pipeline.py --m 4 --rounds 10 --steps 30      # m = 4 only
     python benchmarks/bench_pipeline.py --rounds 1 --timeline-dir docs   # + the timeline pictures (step 10)
 
-The same GPT-style model (``CharGPT`` blocks, a causal mask computed in ``forward``) is cut after half
-its blocks. Ours runs inside ``Trainer.fit`` on the unmodified LightningModule; torch's runs a hand
-written loop over two stage modules and a ``loss_fn``, which is what that API needs. Reported per
-schedule: median step time, the ratio torch/ours (> 1: ours is faster; like async's ratio to gpipe, the
-median of the rounds' own ratios, since each round runs both back to back, in reverse order every other round), the bubble measured by our
-timeline on both sides (torch's per-micro-batch forward, loss and backward wrapped in the same recorder) next to the theory (p-1)/(m+p-1) and next to the theory for the stage costs measured (the
-last stage also runs the head and the loss; ``schedules.expected_bubbles``), and the activations each stage holds at its peak
-(the most micro-batches whose activations the stage held at once in a step, as the executor counted
-them, x the bytes autograd saves for one micro-batch, measured with saved-tensor hooks).
+The same GPT-style model (``CharGPT`` blocks, a causal mask computed in ``forward``) is cut after half its
+blocks. Ours runs inside ``Trainer.fit`` on the unmodified LightningModule; torch's runs a hand written loop
+over two stage modules and a ``loss_fn``, which is what that API needs. Reported per schedule: median step
+time, the ratio torch/ours (> 1: ours is faster; like async's ratio to gpipe, the median of the rounds' own
+ratios, since each round runs both back to back, in reverse order every other round), the bubble measured by
+our timeline on both sides (torch's per-micro-batch forward, loss and backward wrapped in the same recorder)
+next to the theory (p-1)/(m+p-1) and next to the theory for the stage costs measured (the last stage also runs
+the head and the loss; ``schedules.expected_bubbles``), and the activations each stage holds at its peak (the
+most micro-batches whose activations the stage held at once in a step, as the executor counted them, x the
+bytes autograd saves for one micro-batch, measured with saved-tensor hooks).
 """
 
 from __future__ import annotations
@@ -49,20 +50,40 @@ def ours(args: argparse.Namespace) -> None:
     timer = step_timer()
     costs = stage_costs()
     timeline_step = 10 if args.timeline_dir else None
-    strategy = PipelineParallelStrategy(schedule=args.schedule, num_microbatches=args.microbatches,
-                                        timeline_step=timeline_step)
+    strategy = PipelineParallelStrategy(
+        schedule=args.schedule, num_microbatches=args.microbatches, timeline_step=timeline_step
+    )
     root = Path(args.timeline_dir or ".") / f"pipeline_timeline_{args.schedule}_m{args.microbatches}"
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, logger=False,
-                      default_root_dir=str(root),
-                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      limit_val_batches=0, callbacks=[timer, costs])
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=False,
+        default_root_dir=str(root),
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[timer, costs],
+    )
     trainer.fit(build_model(args), datamodule=CharCorpusData(batch_size=args.batch_size, block_size=64))
     forward, backward = (statistics.median(c[args.warmup :]) * 1e3 for c in (costs.forward, costs.backward))
-    append_record(args.out, {"impl": "ours", "schedule": args.schedule, "m": args.microbatches, "round": args.round,
-                             "rank": trainer.global_rank, "bubble": statistics.median(strategy.bubbles[args.warmup :]),
-                             "forward_ms": forward, "backward_ms": backward,
-                             "held": max(strategy.peak_held[args.warmup :]),
-                             "step_ms": statistics.median(timer.times[args.warmup :]) * 1e3})
+    append_record(
+        args.out,
+        {
+            "impl": "ours",
+            "schedule": args.schedule,
+            "m": args.microbatches,
+            "round": args.round,
+            "rank": trainer.global_rank,
+            "bubble": statistics.median(strategy.bubbles[args.warmup :]),
+            "forward_ms": forward,
+            "backward_ms": backward,
+            "held": max(strategy.peak_held[args.warmup :]),
+            "step_ms": statistics.median(timer.times[args.warmup :]) * 1e3,
+        },
+    )
     del torch
 
 
@@ -149,9 +170,18 @@ def torch_pipelining(args: argparse.Namespace) -> None:
         optimizer.step()
         times.append(time.perf_counter() - start)
         bubbles.append(bubble(timeline.events))
-    append_record(args.out, {"impl": "torch", "schedule": args.schedule, "m": args.microbatches, "round": args.round, "rank": rank,
-                             "step_ms": statistics.median(times[args.warmup :]) * 1e3,
-                             "bubble": statistics.median(bubbles[args.warmup :])})
+    append_record(
+        args.out,
+        {
+            "impl": "torch",
+            "schedule": args.schedule,
+            "m": args.microbatches,
+            "round": args.round,
+            "rank": rank,
+            "step_ms": statistics.median(times[args.warmup :]) * 1e3,
+            "bubble": statistics.median(bubbles[args.warmup :]),
+        },
+    )
     dist.destroy_process_group()
 
 
@@ -203,7 +233,9 @@ def activation_bytes_per_microbatch(args: argparse.Namespace) -> list[int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--impl", default="ours", help=argparse.SUPPRESS)
     parser.add_argument("--schedule", default="gpipe", help=argparse.SUPPRESS)
@@ -217,14 +249,28 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--timeline-dir", default="", help="write our schedules' step-10 timelines (SVG + trace) here")
+    parser.add_argument(
+        "--timeline-dir", default="", help="write our schedules' step-10 timelines (SVG + trace) here"
+    )
     args = parser.parse_args()
     if args.worker:
         return ours(args) if args.impl == "ours" else torch_pipelining(args)
 
     out = Path(tempfile.mkdtemp()) / "results.jsonl"
-    common = ["--out", str(out), "--steps", str(args.steps), "--warmup", str(args.warmup),
-              "--batch-size", str(args.batch_size), "--layers", str(args.layers), "--width", str(args.width)]
+    common = [
+        "--out",
+        str(out),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--batch-size",
+        str(args.batch_size),
+        "--layers",
+        str(args.layers),
+        "--width",
+        str(args.width),
+    ]
     if args.timeline_dir:
         common += ["--timeline-dir", str(Path(args.timeline_dir).resolve())]
     runs = [("ours", s) for s in ("gpipe", "1f1b", "async")] + [("torch", s) for s in ("gpipe", "1f1b")]
@@ -232,14 +278,32 @@ def main() -> None:
         for m in args.m:
             # every other round in reverse order, so no side always runs first (or last) in a round
             for impl, schedule in runs if round_ % 2 == 0 else runs[::-1]:
-                torchrun(__file__, 2, ["--impl", impl, "--schedule", schedule, "--microbatches", str(m),
-                                       "--round", str(round_), *common])
+                torchrun(
+                    __file__,
+                    2,
+                    [
+                        "--impl",
+                        impl,
+                        "--schedule",
+                        schedule,
+                        "--microbatches",
+                        str(m),
+                        "--round",
+                        str(round_),
+                        *common,
+                    ],
+                )
         print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
     records = read_records(out)
-    print(f"\nCharGPT(n_layer={args.layers}, n_embd={args.width}), 2 stages on 2 CPU processes (gloo), batch "
-          f"{args.batch_size}, {args.steps} steps ({args.warmup} warm-up), median over {args.rounds} rounds\n")
-    print("| m | schedule | ours ms | torch ms | torch/ours | bubble measured, ours (stage 0, 1) | torch (stage 0, 1) | theory |"
-          " theory for the measured stage costs (stage 0, 1) | activations held at peak, stage 0 / 1 (micro-batches x MiB) |")
+    print(
+        f"\nCharGPT(n_layer={args.layers}, n_embd={args.width}), 2 stages on 2 CPU processes (gloo), batch "
+        f"{args.batch_size}, {args.steps} steps ({args.warmup} warm-up), median over {args.rounds} rounds\n"
+    )
+    print(
+        "| m | schedule | ours ms | torch ms | torch/ours | bubble measured, ours (stage 0, 1) "
+        "| torch (stage 0, 1) | theory | theory for the measured stage costs (stage 0, 1) "
+        "| activations held at peak, stage 0 / 1 (micro-batches x MiB) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for m in args.m:
         args.microbatches = m
@@ -248,21 +312,37 @@ def main() -> None:
             mine = {"impl": "ours", "schedule": schedule, "m": m, "rank": 0}
             ours_ms = median_of(records, "step_ms", **mine)
             theirs = median_of(records, "step_ms", **{**mine, "impl": "torch"})
-            bubbles = {impl: [median_of(records, "bubble", impl=impl, schedule=schedule, m=m, rank=r) for r in (0, 1)]
-                       for impl in ("ours", "torch")}
-            costs = [[median_of(records, key, impl="ours", schedule=schedule, m=m, rank=r) for r in (0, 1)]
-                     for key in ("forward_ms", "backward_ms")]
+            bubbles = {
+                impl: [
+                    median_of(records, "bubble", impl=impl, schedule=schedule, m=m, rank=r) for r in (0, 1)
+                ]
+                for impl in ("ours", "torch")
+            }
+            costs = [
+                [median_of(records, key, impl="ours", schedule=schedule, m=m, rank=r) for r in (0, 1)]
+                for key in ("forward_ms", "backward_ms")
+            ]
             unequal = expected_bubbles(schedule, 2, m, *costs) if schedule != "async" else None
-            in_flight = [median_of(records, "held", impl="ours", schedule=schedule, m=m, rank=r) for r in (0, 1)]
-            held = " / ".join(f"{n:.0f} x {b / 2**20:.1f} = {n * b / 2**20:.1f} MiB" for n, b in zip(in_flight, per_mb))
+            in_flight = [
+                median_of(records, "held", impl="ours", schedule=schedule, m=m, rank=r) for r in (0, 1)
+            ]
+            held = " / ".join(
+                f"{n:.0f} x {b / 2**20:.1f} = {n * b / 2**20:.1f} MiB" for n, b in zip(in_flight, per_mb)
+            )
             theirs_ms = f"{theirs:.1f}" if theirs == theirs else "-"
-            ratio = f"{median_ratio(records, 'step_ms', {**mine, 'impl': 'torch'}, mine):.2f}" if theirs == theirs else "-"
+            ratio = (
+                f"{median_ratio(records, 'step_ms', {**mine, 'impl': 'torch'}, mine):.2f}"
+                if theirs == theirs
+                else "-"
+            )
             theory = 1 / (m + 1)
             faster = median_ratio(records, "step_ms", {**mine, "schedule": "gpipe"}, mine)
             note = f" (vs gpipe {faster:.2f}x)" if schedule == "async" else ""
             expected = percents(unequal) if unequal else "-"
-            print(f"| {m} | {schedule}{note} | {ours_ms:.1f} | {theirs_ms} | {ratio} | "
-                  f"{percents(bubbles['ours'])} | {percents(bubbles['torch'])} | {theory:.0%} | {expected} | {held} |")
+            print(
+                f"| {m} | {schedule}{note} | {ours_ms:.1f} | {theirs_ms} | {ratio} | "
+                f"{percents(bubbles['ours'])} | {percents(bubbles['torch'])} | {theory:.0%} | {expected} | {held} |"
+            )
 
 
 def percents(values: list[float]) -> str:

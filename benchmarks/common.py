@@ -19,10 +19,20 @@ __all__ = ["REPO", "torchrun", "step_timer", "append_record", "read_records", "m
 
 def torchrun(script: str, nprocs: int, args: list[str], timeout: float = 600) -> None:
     """Run ``script --worker ARGS`` on ``nprocs`` processes (one thread each) and wait for it."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nprocs}", "--standalone",
-           script, "--worker", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nprocs}",
+        "--standalone",
+        script,
+        "--worker",
+        *args,
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    done = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout, text=True)
+    done = subprocess.run(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=timeout, text=True
+    )
     if done.returncode:
         raise RuntimeError(f"benchmark worker failed:\n{done.stderr[-3000:]}")
 
@@ -44,8 +54,6 @@ def step_timer():
     return StepTimer()
 
 
-
-
 def append_record(path: str, record: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
@@ -63,6 +71,7 @@ def median_of(records: list[dict], key: str, **match) -> float:
 def median_ratio(records: list[dict], key: str, numerator: dict, denominator: dict) -> float:
     """The median over rounds of ``numerator[key] / denominator[key]``, pairing records by their "round".
     Each round runs both back to back, so a slow spell of a shared machine hits both sides of a ratio."""
+
     def by_round(match: dict) -> dict:
         return {r["round"]: r[key] for r in records if all(r.get(k) == v for k, v in match.items())}
 

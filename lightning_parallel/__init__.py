@@ -14,7 +14,14 @@ from lightning_parallel.strategies import (
 )
 
 __version__ = "0.1.0"
-__all__ = ["DDPStrategy", "DataParallelStrategy", "ParallelStrategyBase", "PipelineParallelStrategy", "STRATEGY_NAMES", "TensorParallelStrategy",
-           "__version__"]
+__all__ = [
+    "DDPStrategy",
+    "DataParallelStrategy",
+    "ParallelStrategyBase",
+    "PipelineParallelStrategy",
+    "STRATEGY_NAMES",
+    "TensorParallelStrategy",
+    "__version__",
+]
 
 register_strategies()

@@ -29,9 +29,15 @@ class ProcessResults:
     seconds: float
 
 
-def start_processes(commands: Sequence[Sequence[str]], envs: Sequence[dict], timeout: float, cwd: Path,
-                    grace: float = 10.0, log_names: Optional[Sequence[str]] = None,
-                    rendezvous: bool = False) -> ProcessResults:
+def start_processes(
+    commands: Sequence[Sequence[str]],
+    envs: Sequence[dict],
+    timeout: float,
+    cwd: Path,
+    grace: float = 10.0,
+    log_names: Optional[Sequence[str]] = None,
+    rendezvous: bool = False,
+) -> ProcessResults:
     """Run one process per command until all exit; each one's output goes to ``cwd/<log name>``."""
     if rendezvous:
         with HostedStore(world_size=len(commands)) as store:
@@ -42,7 +48,9 @@ def start_processes(commands: Sequence[Sequence[str]], envs: Sequence[dict], tim
     handles = [open(log, "w") for log in logs]
     start = time.monotonic()
     procs = [
-        subprocess.Popen(list(cmd), env=env, cwd=cwd, stdout=h, stderr=subprocess.STDOUT, start_new_session=True)
+        subprocess.Popen(
+            list(cmd), env=env, cwd=cwd, stdout=h, stderr=subprocess.STDOUT, start_new_session=True
+        )
         for cmd, env, h in zip(commands, envs, handles)
     ]
     deadline, failed_at = start + timeout, None
@@ -61,16 +69,27 @@ def start_processes(commands: Sequence[Sequence[str]], envs: Sequence[dict], tim
             p.wait()
         for h in handles:
             h.close()
-    return ProcessResults([p.returncode for p in procs], [log.read_text() for log in logs], time.monotonic() - start)
+    return ProcessResults(
+        [p.returncode for p in procs], [log.read_text() for log in logs], time.monotonic() - start
+    )
 
 
-def run_processes(commands: Sequence[Sequence[str]], envs: Sequence[dict], timeout: float, cwd: Path,
-                  grace: float = 10.0, log_names: Optional[Sequence[str]] = None, what: str = "rank",
-                  rendezvous: bool = False) -> list[str]:
+def run_processes(
+    commands: Sequence[Sequence[str]],
+    envs: Sequence[dict],
+    timeout: float,
+    cwd: Path,
+    grace: float = 10.0,
+    log_names: Optional[Sequence[str]] = None,
+    what: str = "rank",
+    rendezvous: bool = False,
+) -> list[str]:
     """``start_processes``, raising with every process's output tail unless all exited with 0."""
     result = start_processes(commands, envs, timeout, cwd, grace, log_names, rendezvous)
     if any(c != 0 for c in result.codes):
-        tails = "\n".join(f"--- {what} {r} (exit {c}) ---\n{o[-3000:]}"
-                          for r, (c, o) in enumerate(zip(result.codes, result.outputs)))
+        tails = "\n".join(
+            f"--- {what} {r} (exit {c}) ---\n{o[-3000:]}"
+            for r, (c, o) in enumerate(zip(result.codes, result.outputs))
+        )
         raise RuntimeError(f"distributed run failed or timed out after {timeout}s:\n{tails}")
     return result.outputs

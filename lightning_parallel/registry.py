@@ -14,7 +14,11 @@ __all__ = ["STRATEGY_NAMES", "register_strategies"]
 
 # name -> (class path in lightning_parallel.strategies, init arguments, description)
 STRATEGY_NAMES: dict[str, tuple[str, dict[str, Any], str]] = {
-    "lp_ddp": ("DDPStrategy", {}, "lightning_parallel DDP: own bucketing, all-reduce overlapped with backward"),
+    "lp_ddp": (
+        "DDPStrategy",
+        {},
+        "lightning_parallel DDP: own bucketing, all-reduce overlapped with backward",
+    ),
     "lp_ddp_spawn": ("DDPStrategy", {"start_method": "spawn"}, "lp_ddp with processes started by spawn"),
     "lp_ddp_find_unused_parameters_true": (
         "DDPStrategy",
@@ -27,8 +31,16 @@ STRATEGY_NAMES: dict[str, tuple[str, dict[str, Any], str]] = {
         {},
         "Megatron-style tensor parallelism (plan='auto'), optionally 2-D with data parallelism",
     ),
-    "lp_pipeline_gpipe": ("PipelineParallelStrategy", {"schedule": "gpipe"}, "pipeline parallel, GPipe fill-drain"),
-    "lp_pipeline_1f1b": ("PipelineParallelStrategy", {"schedule": "1f1b"}, "pipeline parallel, 1F1B with a flush"),
+    "lp_pipeline_gpipe": (
+        "PipelineParallelStrategy",
+        {"schedule": "gpipe"},
+        "pipeline parallel, GPipe fill-drain",
+    ),
+    "lp_pipeline_1f1b": (
+        "PipelineParallelStrategy",
+        {"schedule": "1f1b"},
+        "pipeline parallel, 1F1B with a flush",
+    ),
     "lp_pipeline_async": (
         "PipelineParallelStrategy",
         {"schedule": "async"},

@@ -4,8 +4,15 @@ import pytest
 import torch
 
 # What a launch or Lightning's ``_init_dist_connection`` writes into ``os.environ`` and never takes back.
-RENDEZVOUS_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK",
-                  "TORCHELASTIC_USE_AGENT_STORE")
+RENDEZVOUS_ENV = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
 
 
 def pytest_configure(config):

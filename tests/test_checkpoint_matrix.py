@@ -18,15 +18,25 @@ DP_SIZE = {"ddp": 2, "tp": 1, "pp": 1, "single": 1}
 
 
 def case(name, layout, steps, ckpt_path=None):
-    return {"name": name, "model": "tests.helpers.models:MLP", "data": "tests.helpers.models:RegressionData",
-            "model_kwargs": {"optimizer": "adam", "lr": 0.01}, "data_kwargs": {"global_batch_size": 16},
-            "strategy": LAYOUTS.get(layout, "auto"), "dp_size": DP_SIZE[layout],
-            "trainer": {"precision": "64-true", "max_steps": steps}, "save_checkpoint": True, "ckpt_path": ckpt_path}
+    return {
+        "name": name,
+        "model": "tests.helpers.models:MLP",
+        "data": "tests.helpers.models:RegressionData",
+        "model_kwargs": {"optimizer": "adam", "lr": 0.01},
+        "data_kwargs": {"global_batch_size": 16},
+        "strategy": LAYOUTS.get(layout, "auto"),
+        "dp_size": DP_SIZE[layout],
+        "trainer": {"precision": "64-true", "max_steps": steps},
+        "save_checkpoint": True,
+        "ckpt_path": ckpt_path,
+    }
 
 
 @pytest.mark.timeout(600)
 def test_every_layout_continues_every_other_layouts_checkpoint(tmp_path):
-    saved = run_distributed([case(f"save-{src}", src, 3) for src in LAYOUTS], world_size=2, tmp_path=tmp_path / "save")
+    saved = run_distributed(
+        [case(f"save-{src}", src, 3) for src in LAYOUTS], world_size=2, tmp_path=tmp_path / "save"
+    )
     assert saved
     checkpoints = {src: str(tmp_path / "save" / "dist2" / f"save-{src}" / "last.ckpt") for src in LAYOUTS}
     run_single(case("save-single", "single", 3), tmp_path / "save")
@@ -41,7 +51,11 @@ def test_every_layout_continues_every_other_layouts_checkpoint(tmp_path):
         continued = run_single(case(f"from-{src}-to-single", "single", 5, ckpt_path=path), tmp_path)
         assert_params_close(continued["state_dict"], reference, atol=1e-10)
 
-    cases = [case(f"from-{src}-to-{dst}", dst, 5, ckpt_path=path) for src, path in checkpoints.items() for dst in LAYOUTS]
+    cases = [
+        case(f"from-{src}-to-{dst}", dst, 5, ckpt_path=path)
+        for src, path in checkpoints.items()
+        for dst in LAYOUTS
+    ]
     continued = run_distributed(cases, world_size=2, tmp_path=tmp_path / "load")
     for c in cases:
         full = torch.load(tmp_path / "load" / "dist2" / c["name"] / "last.ckpt", weights_only=False)

@@ -13,8 +13,12 @@ NOT_OURS = {"FILE.yaml", "overrides.yaml", ".hydra/overrides.yaml", "torch/distr
 
 
 def texts() -> list[Path]:
-    return [*REPO.glob("*.md"), *REPO.glob("docs/*.md"), *REPO.glob("examples/**/*.md"),
-            *REPO.glob("lightning_parallel/**/*.py")]
+    return [
+        *REPO.glob("*.md"),
+        *REPO.glob("docs/*.md"),
+        *REPO.glob("examples/**/*.md"),
+        *REPO.glob("lightning_parallel/**/*.py"),
+    ]
 
 
 def test_every_named_file_exists():

@@ -18,7 +18,12 @@ LP_TRAIN = f"{sys.executable} -m lightning_parallel.cli.train"
 
 def _run(command: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
     e = env(str(cwd))
-    e.update(LP_TRAIN=LP_TRAIN, PYTHON=sys.executable, TORCHRUN=f"{sys.executable} -m torch.distributed.run", OUT=str(cwd / "out"))
+    e.update(
+        LP_TRAIN=LP_TRAIN,
+        PYTHON=sys.executable,
+        TORCHRUN=f"{sys.executable} -m torch.distributed.run",
+        OUT=str(cwd / "out"),
+    )
     proc = run_bounded(command, cwd, e, timeout)
     assert proc.returncode == 0, explain(proc)
     return proc
@@ -65,10 +70,21 @@ def test_torchrun_example(tmp_path) -> None:
 
 @pytest.mark.timeout(120)
 def test_slurm_dry_run(tmp_path) -> None:
-    proc = _run([sys.executable, str(EXAMPLES / "slurm" / "dry_run.py"), "strategy=lp_ddp",
-                 "hydra.launcher.partition=gpu"], tmp_path)
+    proc = _run(
+        [
+            sys.executable,
+            str(EXAMPLES / "slurm" / "dry_run.py"),
+            "strategy=lp_ddp",
+            "hydra.launcher.partition=gpu",
+        ],
+        tmp_path,
+    )
     out = proc.stdout
-    assert "#SBATCH --nodes=2" in out and "#SBATCH --ntasks-per-node=4" in out and "#SBATCH --gpus-per-node=4" in out
+    assert (
+        "#SBATCH --nodes=2" in out
+        and "#SBATCH --ntasks-per-node=4" in out
+        and "#SBATCH --gpus-per-node=4" in out
+    )
     assert "#SBATCH --partition=gpu" in out and "world size 8" in out
     assert not (tmp_path / "multirun").exists()  # nothing submitted, nothing run
 
@@ -83,7 +99,9 @@ def test_lightning_cli_example(tmp_path) -> None:
     import lightning_parallel
 
     if hasattr(lightning_parallel, "TensorParallelStrategy"):
-        saved = (tmp_path / "out" / "lightning_cli" / "lightning_logs" / "version_1" / "config.yaml").read_text()
+        saved = (
+            tmp_path / "out" / "lightning_cli" / "lightning_logs" / "version_1" / "config.yaml"
+        ).read_text()
         assert "class_path: lightning_parallel.TensorParallelStrategy" in saved
         assert "tensor_parallel_size: 2" in saved, saved
     assert_no_survivors(tmp_path)

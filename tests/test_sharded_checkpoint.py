@@ -22,10 +22,16 @@ LAYOUTS = {
 }
 DP_SIZE = {"ddp": 2, "tp": 1, "pp": 1, "single": 1}
 MODELS = {  # MLP + Adam; a transformer layer (packed q/k/v weight) + SGD with momentum
-    "mlp": {"model": "tests.helpers.models:MLP", "data": "tests.helpers.models:RegressionData",
-            "model_kwargs": {"optimizer": "adam", "lr": 0.01}},
-    "attn": {"model": "tests.helpers.tp_models:EncoderRegressor", "data": "tests.helpers.tp_models:SequenceData",
-             "model_kwargs": {}},
+    "mlp": {
+        "model": "tests.helpers.models:MLP",
+        "data": "tests.helpers.models:RegressionData",
+        "model_kwargs": {"optimizer": "adam", "lr": 0.01},
+    },
+    "attn": {
+        "model": "tests.helpers.tp_models:EncoderRegressor",
+        "data": "tests.helpers.tp_models:SequenceData",
+        "model_kwargs": {},
+    },
 }
 
 
@@ -33,9 +39,17 @@ def case(name, layout, steps, model="mlp", ckpt_path=None, sharded=True):
     strategy = "auto"
     if layout in LAYOUTS:
         strategy = {**LAYOUTS[layout], "kwargs": {**LAYOUTS[layout]["kwargs"], "save_distributed": sharded}}
-    return {"name": name, **MODELS[model], "data_kwargs": {"global_batch_size": 16}, "strategy": strategy,
-            "dp_size": DP_SIZE[layout], "trainer": {"precision": "64-true", "max_steps": steps},
-            "save_checkpoint": True, "ckpt_path": ckpt_path, "probe": "tests.helpers.probes:local_shards"}
+    return {
+        "name": name,
+        **MODELS[model],
+        "data_kwargs": {"global_batch_size": 16},
+        "strategy": strategy,
+        "dp_size": DP_SIZE[layout],
+        "trainer": {"precision": "64-true", "max_steps": steps},
+        "save_checkpoint": True,
+        "ckpt_path": ckpt_path,
+        "probe": "tests.helpers.probes:local_shards",
+    }
 
 
 def check_one_shard_per_rank(directory, probes):
@@ -51,31 +65,44 @@ def check_one_shard_per_rank(directory, probes):
         written[rank] += info.length
         if not index.fqn.startswith("state_dict/"):
             continue
-        key = index.fqn[len("state_dict/"):]
+        key = index.fqn[len("state_dict/") :]
         assert key in probes[rank]["keys"], f"rank {rank} wrote {key}, which it does not hold"
         if key in probes[rank]["layouts"]:
             dim, chunks, shard, size = probes[rank]["layouts"][key]
             chunk_dim = dim + (1 if chunks > 1 else 0)
             full = metadata.state_dict_metadata[index.fqn].size[chunk_dim]
-            assert index.offset[chunk_dim] == shard * full // size, f"rank {rank} wrote another rank's slice of {key}"
-    assert min(written.values()) > 0.2 * sum(written.values()), f"one rank wrote (almost) everything: {written}"
+            assert index.offset[chunk_dim] == shard * full // size, (
+                f"rank {rank} wrote another rank's slice of {key}"
+            )
+    assert min(written.values()) > 0.2 * sum(written.values()), (
+        f"one rank wrote (almost) everything: {written}"
+    )
 
 
 @pytest.mark.timeout(900)
 def test_sharded_checkpoint_saves_per_rank_and_continues_under_every_layout(tmp_path):
     sources = {"tp": ("tp", "mlp"), "pp": ("pp", "mlp"), "tp-attn": ("tp", "attn")}
-    saved = run_distributed([case(f"save-{s}", layout, 3, model) for s, (layout, model) in sources.items()],
-                            world_size=2, tmp_path=tmp_path / "save", timeout=400)
+    saved = run_distributed(
+        [case(f"save-{s}", layout, 3, model) for s, (layout, model) in sources.items()],
+        world_size=2,
+        tmp_path=tmp_path / "save",
+        timeout=400,
+    )
     dirs = {s: tmp_path / "save" / "dist2" / f"save-{s}" / "last.ckpt" for s in sources}
     for s, d in dirs.items():
         check_one_shard_per_rank(d, [r["probe"] for r in saved[f"save-{s}"]])
     assert saved["save-tp"][0]["probe"]["layouts"] and saved["save-tp-attn"][0]["probe"]["layouts"]
-    assert any(v[1] > 1 for v in saved["save-tp-attn"][0]["probe"]["layouts"].values()), "no packed q/k/v weight"
+    assert any(v[1] > 1 for v in saved["save-tp-attn"][0]["probe"]["layouts"].values()), (
+        "no packed q/k/v weight"
+    )
 
     reference = {m: run_single(case(f"ref-{m}", "single", 5, m), tmp_path)["state_dict"] for m in MODELS}
     three = {m: run_single(case(f"three-{m}", "single", 3, m), tmp_path)["state_dict"] for m in MODELS}
     plan = [(s, dst) for s in ("tp", "pp") for dst in LAYOUTS] + [("tp-attn", "tp")]
-    cases = [case(f"from-{s}-to-{dst}", dst, 5, sources[s][1], ckpt_path=str(dirs[s]), sharded=False) for s, dst in plan]
+    cases = [
+        case(f"from-{s}-to-{dst}", dst, 5, sources[s][1], ckpt_path=str(dirs[s]), sharded=False)
+        for s, dst in plan
+    ]
     continued = run_distributed(cases, world_size=2, tmp_path=tmp_path / "load", timeout=500)
     for c in cases:
         model = "attn" if "attn" in c["name"] else "mlp"
@@ -90,8 +117,19 @@ def test_sharded_checkpoint_saves_per_rank_and_continues_under_every_layout(tmp_
         assert_params_close(single["state_dict"], reference[model], atol=1e-10)
 
         out = tmp_path / f"{s}.ckpt"  # consolidated: a plain single-device checkpoint
-        subprocess.run([sys.executable, "-m", "lightning_parallel.cli.checkpoint", "consolidate", str(dirs[s]),
-                        str(out)], check=True, cwd=REPO, timeout=120)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "lightning_parallel.cli.checkpoint",
+                "consolidate",
+                str(dirs[s]),
+                str(out),
+            ],
+            check=True,
+            cwd=REPO,
+            timeout=120,
+        )
         state = torch.load(out, weights_only=False)["state_dict"]
         assert_params_close(state, three[model], atol=1e-10)
         if model == "mlp":
@@ -123,22 +161,36 @@ def test_two_dimensional_layouts_write_each_replicated_tensor_once(tmp_path):
     tp=2 or pp=2 alone (the two replicas do not both write), and one device continues from the directory
     exactly like single-device training."""
     two_d = {
-        "dp2-tp2": {"class": "lightning_parallel:TensorParallelStrategy",
-                    "kwargs": {"plan": "auto", "data_parallel_size": 2, "save_distributed": True}},
-        "dp2-pp2": {"class": "lightning_parallel:PipelineParallelStrategy",
-                    "kwargs": {"schedule": "1f1b", "data_parallel_size": 2, "save_distributed": True}},
+        "dp2-tp2": {
+            "class": "lightning_parallel:TensorParallelStrategy",
+            "kwargs": {"plan": "auto", "data_parallel_size": 2, "save_distributed": True},
+        },
+        "dp2-pp2": {
+            "class": "lightning_parallel:PipelineParallelStrategy",
+            "kwargs": {"schedule": "1f1b", "data_parallel_size": 2, "save_distributed": True},
+        },
     }
-    cases = [{**case(f"save-{name}", "tp", 3), "strategy": strategy, "dp_size": 2, "probe": None}
-             for name, strategy in two_d.items()]
+    cases = [
+        {**case(f"save-{name}", "tp", 3), "strategy": strategy, "dp_size": 2, "probe": None}
+        for name, strategy in two_d.items()
+    ]
     run_distributed(cases, world_size=4, tmp_path=tmp_path / "save", timeout=400)
-    run_distributed([case("save-tp", "tp", 3), case("save-pp", "pp", 3)], world_size=2, tmp_path=tmp_path / "1d",
-                    timeout=200)
-    one_layout = {name: written_bytes(tmp_path / "1d" / "dist2" / f"save-{name[-3:-1]}" / "last.ckpt") for name in two_d}
+    run_distributed(
+        [case("save-tp", "tp", 3), case("save-pp", "pp", 3)],
+        world_size=2,
+        tmp_path=tmp_path / "1d",
+        timeout=200,
+    )
+    one_layout = {
+        name: written_bytes(tmp_path / "1d" / "dist2" / f"save-{name[-3:-1]}" / "last.ckpt") for name in two_d
+    }
     reference = run_single(case("ref", "single", 5), tmp_path)["state_dict"]
     for name in two_d:
         directory = tmp_path / "save" / "dist4" / f"save-{name}" / "last.ckpt"
         assert is_sharded_checkpoint(directory)
         assert sorted(p.name for p in directory.glob("*.distcp")) == [f"__{r}_0.distcp" for r in range(4)]
         assert written_bytes(directory) == pytest.approx(one_layout[name], rel=0.02), name
-        single = run_single({**case(f"from-{name}", "single", 5, ckpt_path=str(directory)), "probe": None}, tmp_path)
+        single = run_single(
+            {**case(f"from-{name}", "single", 5, ckpt_path=str(directory)), "probe": None}, tmp_path
+        )
         assert_params_close(single["state_dict"], reference, atol=1e-10)

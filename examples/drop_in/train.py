@@ -1,8 +1,8 @@
 """An ordinary Lightning script; the only lightning_parallel changes are the import and ``strategy=``.
 
-    python examples/drop_in/train.py                      # lp_ddp on 2 CPU processes
-    python examples/drop_in/train.py --strategy lp_dp
-    python examples/drop_in/train.py --strategy ddp       # Lightning's own, for comparison
+python examples/drop_in/train.py                      # lp_ddp on 2 CPU processes
+python examples/drop_in/train.py --strategy lp_dp
+python examples/drop_in/train.py --strategy ddp       # Lightning's own, for comparison
 """
 
 import argparse

@@ -53,7 +53,9 @@ def atomic_torch_save(obj: Any, path: _PATH) -> None:
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``TorchCheckpointIO`` with write-to-temporary-then-rename; local paths only (remote URLs fall back)."""
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None
+    ) -> None:
         if storage_options is not None or "://" in str(path):
             return super().save_checkpoint(checkpoint, path, storage_options=storage_options)
         atomic_torch_save(checkpoint, path)

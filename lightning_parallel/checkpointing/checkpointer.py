@@ -88,9 +88,15 @@ class Checkpointer(CheckpointContract):
         return self.lightning_module.state_dict() if self.save_distributed else self.full_model_state()
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return self.local_optimizer_state(optimizer) if self.save_distributed else self.full_optimizer_state(optimizer)
+        return (
+            self.local_optimizer_state(optimizer)
+            if self.save_distributed
+            else self.full_optimizer_state(optimizer)
+        )
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
         self._warn_if_accumulating(filepath)
         checkpoint[RESUME_KEY] = {**capture_resume_state(_trainer(self)), **self.extra_resume_state()}
         if not self.save_distributed:
@@ -98,16 +104,20 @@ class Checkpointer(CheckpointContract):
                 self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
             return
         if storage_options is not None or _is_remote(filepath):
-            raise ValueError(f"save_distributed=True writes to a local or shared file system path; got {filepath!r} "
-                             f"with storage_options={storage_options!r}. Use a path, or save_distributed=False.")
+            raise ValueError(
+                f"save_distributed=True writes to a local or shared file system path; got {filepath!r} "
+                f"with storage_options={storage_options!r}. Use a path, or save_distributed=False."
+            )
         write_sharded(self, checkpoint, Path(self.broadcast(str(filepath))))
 
     def _warn_if_accumulating(self, filepath: _PATH) -> None:
         trainer = _trainer(self)
         if _fitting(trainer) and trainer.fit_loop.epoch_loop._should_accumulate():
-            rank_zero_warn(f"{filepath}: saved between the micro-batches of an accumulated step (global "
-                           f"step {trainer.global_step}); their gradients are not saved, so resuming from it "
-                           "is not exact.")
+            rank_zero_warn(
+                f"{filepath}: saved between the micro-batches of an accumulated step (global "
+                f"step {trainer.global_step}); their gradients are not saved, so resuming from it "
+                "is not exact."
+            )
 
     # ------------------------------------------------------------------ load
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:

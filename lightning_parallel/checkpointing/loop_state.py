@@ -34,10 +34,14 @@ __all__ = ["mark_step_saved", "normalize_epoch_end"]
 def _saved_after_last_batch(batches: dict[str, Any], epochs: dict[str, Any]) -> bool:
     """Lightning's signature of a save in ``on_train_epoch_end``: every batch of the epoch completed
     (the last one included) and the epoch processed but not completed."""
-    done = all(len({t["ready"], t["started"], t["processed"], t["completed"]}) == 1
-               for t in (batches["total"], batches["current"]))
-    epoch_end = all(t["ready"] == t["started"] == t["processed"] == t["completed"] + 1
-                    for t in (epochs["total"], epochs["current"]))
+    done = all(
+        len({t["ready"], t["started"], t["processed"], t["completed"]}) == 1
+        for t in (batches["total"], batches["current"])
+    )
+    epoch_end = all(
+        t["ready"] == t["started"] == t["processed"] == t["completed"] + 1
+        for t in (epochs["total"], epochs["current"])
+    )
     return bool(batches.get("is_last_batch")) and batches["current"]["ready"] > 0 and done and epoch_end
 
 

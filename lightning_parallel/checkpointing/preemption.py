@@ -65,7 +65,9 @@ class PreemptionCheckpoint(Callback):
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
 
-    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         epoch_loop = trainer.fit_loop.epoch_loop
         if getattr(epoch_loop, "_should_accumulate", lambda: False)():
             return  # mid-accumulation the gradients are not in the checkpoint: wait for the optimizer step
@@ -78,8 +80,10 @@ class PreemptionCheckpoint(Callback):
         mark_step_saved(trainer, trainer.global_step, path)  # or ModelCheckpoint saves another 'last'
         self.saved_path = path
         trainer.should_stop = True
-        rank_zero_info(f"SIGTERM received: saved {path} at step {trainer.global_step}; stopping. "
-                       "Resume with fit(..., ckpt_path='last').")
+        rank_zero_info(
+            f"SIGTERM received: saved {path} at step {trainer.global_step}; stopping. "
+            "Resume with fit(..., ckpt_path='last')."
+        )
 
     @staticmethod
     def checkpoint_path(trainer: Any) -> str:

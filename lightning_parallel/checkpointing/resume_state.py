@@ -182,12 +182,17 @@ class PendingResume:
     iterators_at_restore: int | None = None
 
     @classmethod
-    def from_state(cls, state: dict[str, Any], world_size: int, rng_at_first_batch: bool,
-                   resumed_step: int | None) -> PendingResume:
+    def from_state(
+        cls, state: dict[str, Any], world_size: int, rng_at_first_batch: bool, resumed_step: int | None
+    ) -> PendingResume:
         rng = state.get("rng")
-        return cls(sampler=state.get("sampler"), rng=rng if rng is not None and len(rng) == world_size else None,
-                   rng_at_first_batch=rng_at_first_batch, resumed_step=resumed_step,
-                   saved_sampler=dict(state["sampler"]) if "sampler" in state else None)
+        return cls(
+            sampler=state.get("sampler"),
+            rng=rng if rng is not None and len(rng) == world_size else None,
+            rng_at_first_batch=rng_at_first_batch,
+            resumed_step=resumed_step,
+            saved_sampler=dict(state["sampler"]) if "sampler" in state else None,
+        )
 
     def load_sampler(self, trainer: Any) -> None:
         """At ``on_train_start``: the saved epoch and position go into the fit loop's sampler."""

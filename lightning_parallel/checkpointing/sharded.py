@@ -68,7 +68,7 @@ def _packed(shape: tuple[int, ...], dim: int, chunks: int) -> tuple[int, ...]:
     """``shape`` with ``dim`` split into (chunks, rows): each rank's part of a packed tensor is one slice of it."""
     if chunks == 1:
         return tuple(shape)
-    return tuple(shape[:dim]) + (chunks, shape[dim] // chunks) + tuple(shape[dim + 1:])
+    return tuple(shape[:dim]) + (chunks, shape[dim] // chunks) + tuple(shape[dim + 1 :])
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -90,12 +90,20 @@ def _as_dtensor(local: Tensor, layout: ShardLayout, meshes: dict) -> Any:
     if mesh is None:
         mesh = meshes[id(group)] = DeviceMesh.from_group(group, local.device.type)
     if mesh.get_local_rank() != layout.rank:
-        raise RuntimeError(f"tensor-parallel rank {layout.rank} is position {mesh.get_local_rank()} of its group")
+        raise RuntimeError(
+            f"tensor-parallel rank {layout.rank} is position {mesh.get_local_rank()} of its group"
+        )
     global_shape = _packed(_full_shape(local, layout), layout.dim, layout.chunks)
     local_shape = _packed(tuple(local.shape), layout.dim, layout.chunks)
     shard_dim = layout.dim + (1 if layout.chunks > 1 else 0)
-    return DTensor.from_local(local.view(local_shape), mesh, [Shard(shard_dim)], run_check=False,
-                              shape=torch.Size(global_shape), stride=_contiguous_stride(global_shape))
+    return DTensor.from_local(
+        local.view(local_shape),
+        mesh,
+        [Shard(shard_dim)],
+        run_check=False,
+        shape=torch.Size(global_shape),
+        stride=_contiguous_stride(global_shape),
+    )
 
 
 def _full_shape(local: Tensor, layout: ShardLayout) -> tuple[int, ...]:
@@ -116,7 +124,9 @@ def _move_into_place(tmp: Path, path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- load
-def _destination(like: Tensor, md: Any, layout: ShardLayout | None, name: str, meshes: dict) -> tuple[Any, Tensor]:
+def _destination(
+    like: Tensor, md: Any, layout: ShardLayout | None, name: str, meshes: dict
+) -> tuple[Any, Tensor]:
     """(what DCP loads into, the plain local tensor that ends up holding the values)."""
     buffer = torch.empty_like(like)
     saved = tuple(md.size)
@@ -178,7 +188,9 @@ def _dcp_state(strategy: Any, checkpoint: dict[str, Any]) -> tuple[dict[str, Any
         for name, entry in by_name["state"].items():
             for k, v in entry.items():
                 sliced = name in optim_layouts and isinstance(v, Tensor) and v.shape == params[name].shape
-                state[f"{_OPTIM}{i}/{name}/{k}"] = _as_dtensor(v, optim_layouts[name], meshes) if sliced else v
+                state[f"{_OPTIM}{i}/{name}/{k}"] = (
+                    _as_dtensor(v, optim_layouts[name], meshes) if sliced else v
+                )
         groups.append(by_name["groups"])
     return state, groups
 
@@ -187,28 +199,42 @@ def _local_summary(strategy: Any, groups: list[Any]) -> dict[str, Any]:
     """What rank 0 needs from every rank to write ``meta.pt``: parameter names per group, packed shapes, keys."""
     module, layouts = strategy.lightning_module, strategy.shard_layouts()
     params, keys = dict(module.named_parameters()), list(module.state_dict().keys())
-    packed = {n: _full_shape(params.get(n, t), layouts[n]) for n, t in module.state_dict().items()
-              if n in layouts and layouts[n].chunks > 1}
+    packed = {
+        n: _full_shape(params.get(n, t), layouts[n])
+        for n, t in module.state_dict().items()
+        if n in layouts and layouts[n].chunks > 1
+    }
     return {"groups": [[g["names"] for g in gs] for gs in groups], "packed": packed, "keys": keys}
 
 
-def _meta(strategy: Any, checkpoint: dict[str, Any], groups: list[Any], everyone: list[dict]) -> dict[str, Any]:
+def _meta(
+    strategy: Any, checkpoint: dict[str, Any], groups: list[Any], everyone: list[dict]
+) -> dict[str, Any]:
     meta = dict(checkpoint)
     names = strategy.full_parameter_names()
-    meta["optimizer_states"] = [_merged_groups(gs, [e["groups"][i] for e in everyone], names)
-                                for i, gs in enumerate(groups)]
+    meta["optimizer_states"] = [
+        _merged_groups(gs, [e["groups"][i] for e in everyone], names) for i, gs in enumerate(groups)
+    ]
     order = {k: j for j, k in enumerate(strategy.full_state_keys())}
     keys = sorted({k for e in everyone for k in e["keys"]}, key=lambda k: order.get(k, len(order)))
-    meta[SHARDED_KEY] = {"version": 1, "world_size": strategy.world_size, "state_keys": keys,
-                         "packed": {n: s for e in everyone for n, s in e["packed"].items()}}
+    meta[SHARDED_KEY] = {
+        "version": 1,
+        "world_size": strategy.world_size,
+        "state_keys": keys,
+        "packed": {n: s for e in everyone for n, s in e["packed"].items()},
+    }
     return meta
 
 
-def _merged_groups(local_groups: list[dict], names_per_rank: list[list[list[str]]], full_names: list[str]) -> dict[str, Any]:
+def _merged_groups(
+    local_groups: list[dict], names_per_rank: list[list[list[str]]], full_names: list[str]
+) -> dict[str, Any]:
     position = {n: j for j, n in enumerate(full_names)}
     out = []
     for g, hyper in enumerate(local_groups):
-        names = sorted({n for ranks in names_per_rank for n in ranks[g]}, key=lambda n: position.get(n, len(position)))
+        names = sorted(
+            {n for ranks in names_per_rank for n in ranks[g]}, key=lambda n: position.get(n, len(position))
+        )
         out.append({k: v for k, v in hyper.items() if k != "names"} | {"params": names})
     return {"param_groups": out}
 
@@ -224,18 +250,23 @@ def load_sharded(strategy: Any, path: Path, meta: Mapping[str, Any], strict: boo
     local: dict[str, Tensor] = {}
     for key, tensor in module.state_dict().items():
         if _MODEL + key in md:
-            dest[_MODEL + key], local[key] = _destination(tensor, md[_MODEL + key], layouts.get(key), key, meshes)
+            dest[_MODEL + key], local[key] = _destination(
+                tensor, md[_MODEL + key], layouts.get(key), key, meshes
+            )
     saved_states = meta.get("optimizer_states", [])
-    optim_targets = [(optimizer, saved_states[i], _optimizer_targets(strategy, md, i, dest, meshes))
-                     for i, optimizer in enumerate((strategy.optimizers or [])[:len(saved_states)])]
+    optim_targets = [
+        (optimizer, saved_states[i], _optimizer_targets(strategy, md, i, dest, meshes))
+        for i, optimizer in enumerate((strategy.optimizers or [])[: len(saved_states)])
+    ]
     load(dest, checkpoint_id=str(path))
     strategy.load_full_model_state(local, strict=strict)
     for optimizer, saved, targets in optim_targets:
         optimizer.load_state_dict(_local_optimizer_state(optimizer, module, saved, targets, dest))
 
 
-def _optimizer_targets(strategy: Any, md: Mapping[str, Any], i: int, dest: dict[str, Any],
-                       meshes: dict) -> dict[str, dict[str, Any]]:
+def _optimizer_targets(
+    strategy: Any, md: Mapping[str, Any], i: int, dest: dict[str, Any], meshes: dict
+) -> dict[str, dict[str, Any]]:
     """Where optimizer ``i``'s stored entries of this rank's parameters are read to (``dest`` filled in)."""
     params = dict(strategy.lightning_module.named_parameters())
     layouts = strategy.optimizer_state_layouts()
@@ -244,12 +275,14 @@ def _optimizer_targets(strategy: Any, md: Mapping[str, Any], i: int, dest: dict[
     for fqn, item in md.items():
         if not fqn.startswith(prefix):
             continue
-        name, k = fqn[len(prefix):].rsplit("/", 1)
+        name, k = fqn[len(prefix) :].rsplit("/", 1)
         if name not in params:
             continue
         full = params[name].numel() * (layouts[name].size if name in layouts else 1)
         if hasattr(item, "size") and len(item.size) >= 1 and math.prod(item.size) == full:
-            dest[fqn], targets.setdefault(name, {})[k] = _destination(params[name].detach(), item, layouts.get(name), fqn, meshes)
+            dest[fqn], targets.setdefault(name, {})[k] = _destination(
+                params[name].detach(), item, layouts.get(name), fqn, meshes
+            )
         elif hasattr(item, "size"):
             dest[fqn] = targets.setdefault(name, {})[k] = torch.empty(item.size, dtype=item.properties.dtype)
         else:
@@ -258,17 +291,26 @@ def _optimizer_targets(strategy: Any, md: Mapping[str, Any], i: int, dest: dict[
     return targets
 
 
-def _local_optimizer_state(optimizer: Any, module: nn.Module, saved: Mapping[str, Any],
-                           targets: Mapping[str, Mapping[str, Any]], dest: Mapping[str, Any]) -> dict[str, Any]:
+def _local_optimizer_state(
+    optimizer: Any,
+    module: nn.Module,
+    saved: Mapping[str, Any],
+    targets: Mapping[str, Mapping[str, Any]],
+    dest: Mapping[str, Any],
+) -> dict[str, Any]:
     """This rank's ``optimizer.state_dict()`` from the by-name values just read."""
     if len(saved["param_groups"]) != len(optimizer.param_groups):
-        raise ValueError(f"the checkpoint's optimizer has {len(saved['param_groups'])} parameter groups, this one "
-                         f"{len(optimizer.param_groups)}; it was saved for another optimizer configuration")
+        raise ValueError(
+            f"the checkpoint's optimizer has {len(saved['param_groups'])} parameter groups, this one "
+            f"{len(optimizer.param_groups)}; it was saved for another optimizer configuration"
+        )
     names = names_in_optimizer(optimizer, module)
     state, param_groups, start = {}, [], 0
     for hyper, group in zip(saved["param_groups"], optimizer.param_groups):
         count = len(group["params"])
-        param_groups.append({k: v for k, v in hyper.items() if k != "params"} | {"params": list(range(start, start + count))})
+        param_groups.append(
+            {k: v for k, v in hyper.items() if k != "params"} | {"params": list(range(start, start + count))}
+        )
         start += count
     for index, name in enumerate(names):
         if name in targets:
@@ -283,19 +325,29 @@ def consolidate(directory: _PATH, output: _PATH) -> None:
 
     directory = Path(directory)
     if not is_sharded_checkpoint(directory):
-        raise FileNotFoundError(f"{directory} is not a complete sharded checkpoint (needs {META_FILE} and .metadata)")
+        raise FileNotFoundError(
+            f"{directory} is not a complete sharded checkpoint (needs {META_FILE} and .metadata)"
+        )
     md = _read_metadata(directory)
-    values: dict[str, Any] = {k: torch.empty(m.size, dtype=m.properties.dtype) if hasattr(m, "size") else None
-                              for k, m in md.items()}
+    values: dict[str, Any] = {
+        k: torch.empty(m.size, dtype=m.properties.dtype) if hasattr(m, "size") else None
+        for k, m in md.items()
+    }
     load(values, checkpoint_id=str(directory), no_dist=True)
     meta = torch.load(directory / META_FILE, map_location="cpu", weights_only=False)
     info = meta.pop(SHARDED_KEY)
     packed = {n: torch.Size(s) for n, s in info["packed"].items()}
 
     def unpack(name: str, t: Any) -> Any:
-        return t.reshape(packed[name]) if name in packed and isinstance(t, Tensor) and t.numel() == packed[name].numel() else t
+        return (
+            t.reshape(packed[name])
+            if name in packed and isinstance(t, Tensor) and t.numel() == packed[name].numel()
+            else t
+        )
 
-    meta["state_dict"] = {k: unpack(k, values[_MODEL + k]) for k in info["state_keys"] if _MODEL + k in values}
+    meta["state_dict"] = {
+        k: unpack(k, values[_MODEL + k]) for k in info["state_keys"] if _MODEL + k in values
+    }
     optimizers = []
     for i, saved in enumerate(meta.get("optimizer_states", [])):
         state, groups, index = {}, [], 0
@@ -304,7 +356,7 @@ def consolidate(directory: _PATH, output: _PATH) -> None:
             groups.append({k: v for k, v in group.items() if k != "params"} | {"params": ids})
             for j, name in zip(ids, group["params"]):
                 prefix = f"{_OPTIM}{i}/{name}/"
-                entry = {k[len(prefix):]: unpack(name, v) for k, v in values.items() if k.startswith(prefix)}
+                entry = {k[len(prefix) :]: unpack(name, v) for k, v in values.items() if k.startswith(prefix)}
                 if entry:
                     state[j] = entry
             index += len(ids)

@@ -11,10 +11,14 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lightning_parallel.cli.checkpoint",
-                                     description="Turn a save_distributed checkpoint directory into one .ckpt file.")
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_parallel.cli.checkpoint",
+        description="Turn a save_distributed checkpoint directory into one .ckpt file.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("consolidate", help="DIR OUT.ckpt: a single-device checkpoint for load_from_checkpoint")
+    c = sub.add_parser(
+        "consolidate", help="DIR OUT.ckpt: a single-device checkpoint for load_from_checkpoint"
+    )
     c.add_argument("directory")
     c.add_argument("output")
     args = parser.parse_args(argv)

@@ -40,8 +40,13 @@ def batch_size_of(batch: Any) -> int:
 def pick_metric(metrics: dict[str, Any], preferred: tuple[str, ...], word: str) -> Optional[float]:
     """The loss a user module logged: a usual name first, else any key with ``word`` and "loss" in it."""
     keys = [k for k in preferred if k in metrics]
-    keys += sorted(k for k in metrics if word in k.lower() and k not in keys
-                   and any(w in k.lower() for w in ("loss", "mse", "mae", "nll", "error")))
+    keys += sorted(
+        k
+        for k in metrics
+        if word in k.lower()
+        and k not in keys
+        and any(w in k.lower() for w in ("loss", "mse", "mae", "nll", "error"))
+    )
     for key in keys:
         value = metrics[key]
         try:
@@ -85,8 +90,9 @@ class RunRecorder(Callback):
         sampler = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
         self.dp_size = int(sampler.get("num_replicas", self.world_size))
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         self._batches += 1
         if self._batches > 1:  # the first batch (warm-up) is not timed
             self.local_samples += batch_size_of(batch)
@@ -128,11 +134,16 @@ class RunRecorder(Callback):
         return self.local_samples * (self.dp_size or 1) / self.train_time
 
     def results(self, trainer: Trainer) -> dict[str, Any]:
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()
-                   if isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.numel() == 1)}
+        metrics = {
+            k: float(v)
+            for k, v in trainer.callback_metrics.items()
+            if isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.numel() == 1)
+        }
         checkpoint = None
         if trainer.checkpoint_callback is not None:
-            checkpoint = trainer.checkpoint_callback.last_model_path or trainer.checkpoint_callback.best_model_path
+            checkpoint = (
+                trainer.checkpoint_callback.last_model_path or trainer.checkpoint_callback.best_model_path
+            )
         return {
             "world_size": self.world_size,
             "data_parallel_size": self.dp_size,
@@ -163,23 +174,36 @@ class ProgressPrinter(Callback):
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._start = time.perf_counter()
         if trainer.is_global_zero:
-            log.info("training: world size %s (torch.distributed), %s data-parallel replica(s), max_steps=%s",
-                     self.recorder.world_size, self.recorder.dp_size, trainer.max_steps)
+            log.info(
+                "training: world size %s (torch.distributed), %s data-parallel replica(s), max_steps=%s",
+                self.recorder.world_size,
+                self.recorder.dp_size,
+                trainer.max_steps,
+            )
 
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         step = trainer.global_step
         if not trainer.is_global_zero or step % self.every_n_steps:
             return
         loss = pick_metric(trainer.callback_metrics, TRAIN_LOSS_KEYS, "train")
         sps = self.recorder.samples_per_second
-        log.info("step %d/%s | train_loss %s | %s samples/s | %.1f s", step, trainer.max_steps,
-                 "n/a" if loss is None else f"{loss:.4f}", "n/a" if sps is None else f"{sps:.0f}",
-                 time.perf_counter() - self._start)
+        log.info(
+            "step %d/%s | train_loss %s | %s samples/s | %.1f s",
+            step,
+            trainer.max_steps,
+            "n/a" if loss is None else f"{loss:.4f}",
+            "n/a" if sps is None else f"{sps:.0f}",
+            time.perf_counter() - self._start,
+        )
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if trainer.sanity_checking or not trainer.is_global_zero:
             return
         loss = pick_metric(trainer.callback_metrics, VAL_LOSS_KEYS, "val")
-        log.info("validation at step %d | val_loss %s", trainer.global_step,
-                 "n/a" if loss is None else f"{loss:.4f}")
+        log.info(
+            "validation at step %d | val_loss %s",
+            trainer.global_step,
+            "n/a" if loss is None else f"{loss:.4f}",
+        )

@@ -25,8 +25,20 @@ __all__ = ["collect_jobs", "write_summary", "markdown_table", "svg_chart", "Swee
 
 log = logging.getLogger("lp-train.sweep")
 
-COLUMNS = ("job", "overrides", "status", "strategy", "devices", "world_size", "global_step", "samples_per_second",
-           "train_loss", "val_loss", "wall_seconds", "error")
+COLUMNS = (
+    "job",
+    "overrides",
+    "status",
+    "strategy",
+    "devices",
+    "world_size",
+    "global_step",
+    "samples_per_second",
+    "train_loss",
+    "val_loss",
+    "wall_seconds",
+    "error",
+)
 
 
 def _job_sort_key(path: Path) -> tuple:
@@ -76,19 +88,31 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _bars(rows: list[dict[str, Any]], key: str, title: str, x0: float, width: float, top: float,
-          row_h: float, color: str) -> list[str]:
+def _bars(
+    rows: list[dict[str, Any]],
+    key: str,
+    title: str,
+    x0: float,
+    width: float,
+    top: float,
+    row_h: float,
+    color: str,
+) -> list[str]:
     values = [r[key] if isinstance(r[key], (int, float)) else None for r in rows]
     peak = max([v for v in values if v is not None] or [1.0]) or 1.0
     out = [f'<text x="{x0:.1f}" y="{top - 12:.1f}" font-weight="bold">{html.escape(title)}</text>']
     for i, value in enumerate(values):
         y = top + i * row_h
         if value is None:
-            out.append(f'<text x="{x0 + 4:.1f}" y="{y + row_h * 0.65:.1f}" fill="#a00">'
-                       f'n/a ({html.escape(str(rows[i]["status"]))})</text>')
+            out.append(
+                f'<text x="{x0 + 4:.1f}" y="{y + row_h * 0.65:.1f}" fill="#a00">'
+                f"n/a ({html.escape(str(rows[i]['status']))})</text>"
+            )
             continue
         w = max(width * value / peak, 1.0)
-        out.append(f'<rect x="{x0:.1f}" y="{y + 3:.1f}" width="{w:.1f}" height="{row_h - 6:.1f}" fill="{color}"/>')
+        out.append(
+            f'<rect x="{x0:.1f}" y="{y + 3:.1f}" width="{w:.1f}" height="{row_h - 6:.1f}" fill="{color}"/>'
+        )
         out.append(f'<text x="{x0 + w + 4:.1f}" y="{y + row_h * 0.65:.1f}">{_fmt(float(value))}</text>')
     return out
 
@@ -99,15 +123,19 @@ def svg_chart(rows: list[dict[str, Any]]) -> str:
     # label each bar with what varies between jobs; what all jobs share goes in a footnote
     tokens = [str(r["overrides"] or "").split() for r in rows]
     common = [t for t in tokens[0] if all(t in other for other in tokens)] if tokens else []
-    labels = [f'{r["job"]}: {" ".join(t for t in toks if t not in common)}' for r, toks in zip(rows, tokens)]
+    labels = [f"{r['job']}: {' '.join(t for t in toks if t not in common)}" for r, toks in zip(rows, tokens)]
     labels = [label if len(label) <= 90 else label[:89] + "\u2026" for label in labels]
     row_h, bar_w, top = 26.0, 220.0, 50.0
-    label_w = 12 + 6.6 * max([len(label) for label in labels] + [20])  # ~6.6 px per 12 px sans-serif character
+    label_w = 12 + 6.6 * max(
+        [len(label) for label in labels] + [20]
+    )  # ~6.6 px per 12 px sans-serif character
     width = label_w + 2 * (bar_w + 90)
     height = top + row_h * max(len(rows), 1) + (40 if common else 20)
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
-             'font-family="sans-serif" font-size="12">',
-             f'<rect width="{width:.0f}" height="{height:.0f}" fill="white"/>']
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+        'font-family="sans-serif" font-size="12">',
+        f'<rect width="{width:.0f}" height="{height:.0f}" fill="white"/>',
+    ]
     for i, label in enumerate(labels):
         y = top + i * row_h + row_h * 0.65
         parts.append(f'<text x="6" y="{y:.1f}">{html.escape(label)}</text>')
@@ -115,8 +143,9 @@ def svg_chart(rows: list[dict[str, Any]]) -> str:
         shared = html.escape("all jobs: " + " ".join(common))
         parts.append(f'<text x="6" y="{height - 14:.1f}" fill="#555">{shared}</text>')
     parts += _bars(rows, "samples_per_second", "samples/s", label_w, bar_w, top, row_h, "#4a7fb5")
-    parts += _bars(rows, "final_loss", "final loss (val, else train)", label_w + bar_w + 90, bar_w, top, row_h,
-                   "#d08c3a")
+    parts += _bars(
+        rows, "final_loss", "final loss (val, else train)", label_w + bar_w + 90, bar_w, top, row_h, "#d08c3a"
+    )
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
 
@@ -146,8 +175,10 @@ class SweepSummaryCallback(Callback):
             return
         rows = write_summary(sweep_dir)
         table = markdown_table(rows)
-        print(f"\nSweep summary ({len(rows)} jobs) written to {sweep_dir}/sweep_summary.{{csv,md,svg}}\n{table}",
-              flush=True)
+        print(
+            f"\nSweep summary ({len(rows)} jobs) written to {sweep_dir}/sweep_summary.{{csv,md,svg}}\n{table}",
+            flush=True,
+        )
         failed = [r for r in rows if r["status"] != "completed"]
         if failed and self.fail_on_error:
             log.error("%d of %d jobs failed: %s", len(failed), len(rows), ", ".join(r["job"] for r in failed))

@@ -38,12 +38,30 @@ quiet_schema_matching_warning()
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 # what every summary.json holds (tests and the sweep summary rely on these)
-SUMMARY_KEYS = ("status", "strategy", "world_size", "devices", "num_nodes", "global_step", "train_loss",
-                "val_loss", "samples_per_second", "checkpoint", "overrides", "output_dir")
+SUMMARY_KEYS = (
+    "status",
+    "strategy",
+    "world_size",
+    "devices",
+    "num_nodes",
+    "global_step",
+    "train_loss",
+    "val_loss",
+    "samples_per_second",
+    "checkpoint",
+    "overrides",
+    "output_dir",
+)
 
 
 # what a rank sees when a peer died: then the peer's own error is the cause
-_COMMUNICATION_ERRORS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "gloo", "NCCL")
+_COMMUNICATION_ERRORS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "gloo",
+    "NCCL",
+)
 
 
 def _explicit_keys(section: str) -> set[str]:
@@ -55,7 +73,7 @@ def _explicit_keys(section: str) -> set[str]:
         for override in HydraConfig.get().overrides.task:
             key = str(override).split("=", 1)[0].lstrip("+~")
             if key.startswith(section + "."):
-                keys.add(key[len(section) + 1:].split(".", 1)[0])
+                keys.add(key[len(section) + 1 :].split(".", 1)[0])
     return keys
 
 
@@ -76,8 +94,13 @@ def instantiate_user(node: DictConfig, section: str) -> Any:
         explicit = _explicit_keys(section)
         dropped = sorted(k for k in kwargs if k not in params and k not in explicit)
         if dropped:
-            log.info("%s: %s takes no %s (defaults of the %s group); not passed", section, target,
-                     ", ".join(dropped), section)
+            log.info(
+                "%s: %s takes no %s (defaults of the %s group); not passed",
+                section,
+                target,
+                ", ".join(dropped),
+                section,
+            )
         kwargs = {k: v for k, v in kwargs.items() if k not in dropped}
     config = OmegaConf.create({"_target_": target})
     for key, value in kwargs.items():
@@ -121,8 +144,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "num_nodes": cfg.trainer.num_nodes,
         "overrides": list(hydra_cfg.overrides.task),
         "output_dir": str(out_dir),
-        "world_size": None, "global_step": 0, "train_loss": None, "val_loss": None,
-        "samples_per_second": None, "checkpoint": None,
+        "world_size": None,
+        "global_step": 0,
+        "train_loss": None,
+        "val_loss": None,
+        "samples_per_second": None,
+        "checkpoint": None,
     }
     trainer = None
     started = time.perf_counter()
@@ -157,8 +184,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if _global_rank(trainer) == 0:
         (out_dir / cfg.summary_file).write_text(json.dumps(summary, indent=2, default=str) + "\n")
         if summary["status"] == "completed":
-            log.info("done: %s", json.dumps({k: summary.get(k) for k in SUMMARY_KEYS if k not in ("overrides",)},
-                                            default=str))
+            log.info(
+                "done: %s",
+                json.dumps({k: summary.get(k) for k in SUMMARY_KEYS if k not in ("overrides",)}, default=str),
+            )
     if summary["status"] != "completed" and not multirun:
         sys.exit(2 if summary.get("error", "").startswith("invalid lp-train configuration") else 1)
     return summary
@@ -181,11 +210,21 @@ def _fit(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     recorder = RunRecorder(results_file=out_dir / ".run_results.json")
     callbacks: list[Any] = [recorder, ProgressPrinter(recorder, cfg.progress_every_n_steps)]
     if cfg.checkpoint.enabled:
-        callbacks.append(ModelCheckpoint(dirpath=out_dir / "checkpoints", save_last=cfg.checkpoint.save_last,
-                                         every_n_train_steps=cfg.checkpoint.every_n_train_steps))
-    trainer = Trainer(strategy=strategy, callbacks=callbacks, default_root_dir=str(out_dir),
-                      logger=CSVLogger(str(out_dir), name="csv"),
-                      enable_checkpointing=cfg.checkpoint.enabled, **_trainer_kwargs(cfg))
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=out_dir / "checkpoints",
+                save_last=cfg.checkpoint.save_last,
+                every_n_train_steps=cfg.checkpoint.every_n_train_steps,
+            )
+        )
+    trainer = Trainer(
+        strategy=strategy,
+        callbacks=callbacks,
+        default_root_dir=str(out_dir),
+        logger=CSVLogger(str(out_dir), name="csv"),
+        enable_checkpointing=cfg.checkpoint.enabled,
+        **_trainer_kwargs(cfg),
+    )
     install(trainer.strategy)  # Lightning's built-in ddp gets the sweep-safe launcher too
     try:
         trainer.fit(model, datamodule=data, ckpt_path=cfg.ckpt_path)

@@ -36,7 +36,9 @@ __all__ = ["verify", "main"]
 def _load(path: str) -> Any:
     module, _, attr = path.partition(":")
     if not attr:
-        raise ValueError(f"{path!r} is not 'package.module:Name'; give the module and the class, e.g. 'mypkg.models:Net'.")
+        raise ValueError(
+            f"{path!r} is not 'package.module:Name'; give the module and the class, e.g. 'mypkg.models:Net'."
+        )
     return getattr(importlib.import_module(module), attr)
 
 
@@ -59,25 +61,44 @@ def _worker(spec_path: str) -> None:
             loss = outputs["loss"] if isinstance(outputs, dict) else outputs
             loss = trainer.strategy.reduce(loss.detach(), reduce_op="mean") if world > 1 else loss.detach()
             strategy = trainer.strategy  # full tensors even when the strategy saves sharded checkpoints
-            params = strategy.full_model_state() if hasattr(strategy, "full_model_state") else strategy.lightning_module_state_dict()
+            params = (
+                strategy.full_model_state()
+                if hasattr(strategy, "full_model_state")
+                else strategy.lightning_module_state_dict()
+            )
             if rank == 0:
-                self.steps.append({"loss": float(loss), "params": {k: v.detach().cpu().clone() for k, v in params.items()}})
+                self.steps.append(
+                    {"loss": float(loss), "params": {k: v.detach().cpu().clone() for k, v in params.items()}}
+                )
 
     seed_everything(spec["seed"], workers=True)
     model = _load(spec["model"])(**spec["model_kwargs"])
     data = _load(spec["data"])(**spec["data_kwargs"])
     if not hasattr(data, "batch_size"):
-        raise ValueError(f"{spec['data']} has no 'batch_size' attribute; verify needs it to give the one-device "
-                         "run the same global batch (set self.batch_size in __init__ and use it in train_dataloader).")
+        raise ValueError(
+            f"{spec['data']} has no 'batch_size' attribute; verify needs it to give the one-device "
+            "run the same global batch (set self.batch_size in __init__ and use it in train_dataloader)."
+        )
     if world == 1:
         data.batch_size = data.batch_size * spec["dp_size"]
         strategy: Any = SingleDeviceReferenceStrategy()
     else:
         strategy = spec["strategy"]
     record = Record()
-    trainer = Trainer(accelerator="cpu", devices=world, strategy=strategy, precision=spec["precision"],
-                      max_steps=spec["steps"], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0, callbacks=[record])
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=strategy,
+        precision=spec["precision"],
+        max_steps=spec["steps"],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        callbacks=[record],
+    )
     trainer.fit(model, datamodule=data)
     if rank == 0:
         mesh = getattr(trainer.strategy, "mesh", None)
@@ -88,45 +109,95 @@ def _worker(spec_path: str) -> None:
 def _launch(spec: dict, nprocs: int, workdir: Path, timeout: float) -> dict:
     path = workdir / f"spec{nprocs}.json"
     path.write_text(json.dumps(spec))
-    envs = [dict(os.environ, WORLD_SIZE=str(nprocs),
-                 RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1",
-                 PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-            for rank in range(nprocs)]
+    envs = [
+        dict(
+            os.environ,
+            WORLD_SIZE=str(nprocs),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            NODE_RANK="0",
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
+        )
+        for rank in range(nprocs)
+    ]
     command = [sys.executable, "-m", "lightning_parallel.cli.verify", "--worker", str(path)]
-    run_processes([command] * nprocs, envs, timeout, workdir, grace=2.0,
-                  log_names=[f"run{nprocs}_rank{r}.log" for r in range(nprocs)], rendezvous=True)
+    run_processes(
+        [command] * nprocs,
+        envs,
+        timeout,
+        workdir,
+        grace=2.0,
+        log_names=[f"run{nprocs}_rank{r}.log" for r in range(nprocs)],
+        rendezvous=True,
+    )
     return torch.load(workdir / f"result{nprocs}.pt", weights_only=False)
 
 
-def verify(model: str, data: str, strategy: str = "lp_ddp", devices: int = 2, steps: int = 3,
-           model_kwargs: Optional[dict] = None, data_kwargs: Optional[dict] = None, precision: str = "64-true",
-           seed: int = 0, timeout: float = 600.0, workdir: Optional[str] = None) -> list[dict[str, float]]:
+def verify(
+    model: str,
+    data: str,
+    strategy: str = "lp_ddp",
+    devices: int = 2,
+    steps: int = 3,
+    model_kwargs: Optional[dict] = None,
+    data_kwargs: Optional[dict] = None,
+    precision: str = "64-true",
+    seed: int = 0,
+    timeout: float = 600.0,
+    workdir: Optional[str] = None,
+) -> list[dict[str, float]]:
     """Run both and return, per step, ``{"step", "max_param_diff", "loss_diff", "loss"}``."""
     if not isinstance(devices, int) or devices < 2:
-        raise ValueError(f"devices={devices!r}: verify compares a run on >= 2 processes with one process; use 2 or more.")
+        raise ValueError(
+            f"devices={devices!r}: verify compares a run on >= 2 processes with one process; use 2 or more."
+        )
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"steps={steps!r}: give a positive number of optimizer steps, e.g. 3.")
     _load(model), _load(data)  # fail here, clearly, on a wrong path
     with tempfile.TemporaryDirectory(dir=workdir) as tmp:
-        spec = {"model": model, "data": data, "strategy": strategy, "steps": steps, "precision": precision,
-                "model_kwargs": model_kwargs or {}, "data_kwargs": data_kwargs or {}, "seed": seed, "out": tmp}
+        spec = {
+            "model": model,
+            "data": data,
+            "strategy": strategy,
+            "steps": steps,
+            "precision": precision,
+            "model_kwargs": model_kwargs or {},
+            "data_kwargs": data_kwargs or {},
+            "seed": seed,
+            "out": tmp,
+        }
         dist = _launch(spec, devices, Path(tmp), timeout)
         ref = _launch({**spec, "dp_size": dist["dp_size"]}, 1, Path(tmp), timeout)
     rows = []
     for i, (a, b) in enumerate(zip(dist["steps"], ref["steps"]), start=1):
-        diff = max(((a["params"][k].double() - b["params"][k].double()).abs().max().item()
-                    for k in b["params"] if b["params"][k].numel()), default=0.0)
-        rows.append({"step": i, "max_param_diff": diff, "loss_diff": abs(a["loss"] - b["loss"]), "loss": b["loss"]})
+        diff = max(
+            (
+                (a["params"][k].double() - b["params"][k].double()).abs().max().item()
+                for k in b["params"]
+                if b["params"][k].numel()
+            ),
+            default=0.0,
+        )
+        rows.append(
+            {"step": i, "max_param_diff": diff, "loss_diff": abs(a["loss"] - b["loss"]), "loss": b["loss"]}
+        )
     if len(rows) != steps:
-        raise RuntimeError(f"expected {steps} steps, got {len(dist['steps'])} (distributed) and {len(ref['steps'])} "
-                           "(one device): is the training set long enough?")
+        raise RuntimeError(
+            f"expected {steps} steps, got {len(dist['steps'])} (distributed) and {len(ref['steps'])} "
+            "(one device): is the training set long enough?"
+        )
     return rows
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_parallel.cli.verify", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_parallel.cli.verify", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--model", help="'package.module:LightningModuleClass'")
-    parser.add_argument("--data", help="'package.module:LightningDataModuleClass' (with a batch_size attribute)")
+    parser.add_argument(
+        "--data", help="'package.module:LightningDataModuleClass' (with a batch_size attribute)"
+    )
     parser.add_argument("--strategy", default="lp_ddp")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
@@ -141,8 +212,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
     if not args.model or not args.data:
         parser.error("--model and --data are required")
-    rows = verify(args.model, args.data, args.strategy, args.devices, args.steps, args.model_kwargs, args.data_kwargs,
-                  args.precision, args.seed)
+    rows = verify(
+        args.model,
+        args.data,
+        args.strategy,
+        args.devices,
+        args.steps,
+        args.model_kwargs,
+        args.data_kwargs,
+        args.precision,
+        args.seed,
+    )
     print(f"{args.strategy} on {args.devices} processes vs one device, {args.precision}:")
     print(f"{'step':>4}  {'max |param diff|':>16}  {'|loss diff|':>12}  {'loss':>12}")
     for r in rows:

@@ -74,8 +74,10 @@ def strategy_schema(cls: type, **config_defaults: Any) -> type:
     """The structured config of strategy ``cls``: ``_target_`` and every option of its constructor, at the
     constructor's default unless ``config_defaults`` gives a config-side value (an interpolation)."""
     fields = [("_target_", str, field(default=f"lightning_parallel.{cls.__name__}"))]
-    fields += [(o.name, hydra_type(o.hint), field(default=config_defaults.get(o.name, o.default)))
-               for o in options(cls)]
+    fields += [
+        (o.name, hydra_type(o.hint), field(default=config_defaults.get(o.name, o.default)))
+        for o in options(cls)
+    ]
     schema = make_dataclass(f"{cls.__name__}Conf", fields)
     schema.__module__ = __name__
     schema.__doc__ = f"The options of ``lightning_parallel.{cls.__name__}``, generated from its constructor."

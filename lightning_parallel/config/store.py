@@ -33,7 +33,9 @@ SCHEMAS = {
 def quiet_schema_matching_warning() -> None:
     """conf/hydra/launcher/{basic,joblib,submitit_slurm}.yaml share their names with the launchers' own
     schemas on purpose (Hydra then validates them against those); Hydra 1.3 warns about that pairing."""
-    warnings.filterwarnings("ignore", message=r"(?s).*is validated against ConfigStore schema with the same name")
+    warnings.filterwarnings(
+        "ignore", message=r"(?s).*is validated against ConfigStore schema with the same name"
+    )
 
 
 def register_configs() -> None:

@@ -79,8 +79,10 @@ def _unknown_keys(section: str, node: Any) -> list[str]:
         if key not in fields:
             close = difflib.get_close_matches(str(key), fields, n=1)
             hint = f"; did you mean {section}.{close[0]}?" if close else ""
-            out.append(f"{section}.{key} is not an option of {schema.__name__} (options: "
-                       f"{', '.join(f for f in fields if not f.startswith('_'))}){hint}")
+            out.append(
+                f"{section}.{key} is not an option of {schema.__name__} (options: "
+                f"{', '.join(f for f in fields if not f.startswith('_'))}){hint}"
+            )
     return out
 
 
@@ -91,20 +93,26 @@ def problems(cfg: DictConfig) -> list[str]:
     trainer, strategy = cfg.trainer, cfg.strategy
     devices = _devices_count(trainer.devices)
     if devices is not None and devices < 1:
-        out.append(f"trainer.devices={trainer.devices!r} is not a device count; use a positive integer, a list of "
-                   "device indices, or 'auto'")
+        out.append(
+            f"trainer.devices={trainer.devices!r} is not a device count; use a positive integer, a list of "
+            "device indices, or 'auto'"
+        )
     if trainer.num_nodes < 1:
         out.append(f"trainer.num_nodes={trainer.num_nodes} must be at least 1")
     if trainer.accelerator in ("gpu", "cuda"):
         import torch
 
         if not torch.cuda.is_available():
-            out.append(f"trainer.accelerator={trainer.accelerator} but no CUDA device is visible; "
-                       "use trainer=cpu (accelerator=cpu)")
+            out.append(
+                f"trainer.accelerator={trainer.accelerator} but no CUDA device is visible; "
+                "use trainer=cpu (accelerator=cpu)"
+            )
     for section in ("model", "data"):
         node = cfg.get(section)
         if node is None or "_target_" not in node:
-            out.append(f"{section} needs a _target_ naming a class, e.g. {section}._target_=my_package.MyClass")
+            out.append(
+                f"{section} needs a _target_ naming a class, e.g. {section}._target_=my_package.MyClass"
+            )
             continue
         problem = _target_problem(section, node._target_)
         if problem:
@@ -142,7 +150,11 @@ def _strategy_problems(strategy: Any, trainer: Any, cfg: DictConfig) -> list[str
     problem = layout(world, where, dp, values[size_name], size_name, prefix="strategy.")
     if problem:
         return [problem]
-    return _stage_problems(values, values[size_name] or world // dp, cfg) if cls.model_parallel_axis == "pp" else []
+    return (
+        _stage_problems(values, values[size_name] or world // dp, cfg)
+        if cls.model_parallel_axis == "pp"
+        else []
+    )
 
 
 def _stage_problems(values: dict[str, Any], stages: int, cfg: DictConfig) -> list[str]:
@@ -150,12 +162,16 @@ def _stage_problems(values: dict[str, Any], stages: int, cfg: DictConfig) -> lis
     out = []
     split_points = values["split_points"]
     if split_points is not None and len(split_points) + 1 != stages:
-        out.append(f"strategy.split_points has {len(split_points)} entries, giving {len(split_points) + 1} "
-                   f"stages, but the run has {stages} pipeline stages; give {stages - 1} split points")
+        out.append(
+            f"strategy.split_points has {len(split_points)} entries, giving {len(split_points) + 1} "
+            f"stages, but the run has {stages} pipeline stages; give {stages - 1} split points"
+        )
     n_layer = cfg.model.get("n_layer") if cfg.get("model") is not None else None
     if isinstance(n_layer, int) and stages > n_layer:
-        out.append(f"{stages} pipeline stages but model.n_layer={n_layer} blocks; every stage needs at least "
-                   f"one block: use model.n_layer>={stages} or fewer stages")
+        out.append(
+            f"{stages} pipeline stages but model.n_layer={n_layer} blocks; every stage needs at least "
+            f"one block: use model.n_layer>={stages} or fewer stages"
+        )
     return out
 
 

@@ -47,8 +47,14 @@ class CharWindows(Dataset):
 class CharCorpusData(LightningDataModule):
     """Train/validation split (90/10) of the corpus into fixed-length windows."""
 
-    def __init__(self, batch_size: int = 32, block_size: int = 64, max_chars: Optional[int] = None,
-                 val_fraction: float = 0.1, num_workers: int = 0) -> None:
+    def __init__(
+        self,
+        batch_size: int = 32,
+        block_size: int = 64,
+        max_chars: Optional[int] = None,
+        val_fraction: float = 0.1,
+        num_workers: int = 0,
+    ) -> None:
         super().__init__()
         if not 0 < val_fraction < 1:
             raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction!r}")
@@ -59,8 +65,13 @@ class CharCorpusData(LightningDataModule):
         self.val_set = CharWindows(data[split:], block_size)
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True,
-                          num_workers=self.num_workers)
+        return DataLoader(
+            self.train_set,
+            batch_size=self.batch_size,
+            shuffle=True,
+            drop_last=True,
+            num_workers=self.num_workers,
+        )
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=self.batch_size, num_workers=self.num_workers)

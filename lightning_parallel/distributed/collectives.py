@@ -8,10 +8,10 @@ layer's backward is exactly the transpose of its forward:
     gather_from_group  all-gather forward, split backward        (gather a sharded last dimension)
     split_to_group     split forward,      all-gather backward   (shard a replicated last dimension)
 
-Every function takes the ``group`` to talk over (None = the whole world). A group of size one makes
-every operator the identity and issues no collective. A ``SimulatedGroup`` stands for a group in a
-one-process dry run: shapes are those of one of its ranks, nothing is sent, values mean nothing. ``COUNTS`` tallies the collectives issued, by
-kind, so benchmarks can compare against the Megatron count without a profiler.
+Every function takes the ``group`` to talk over (None = the whole world). A group of size one makes every
+operator the identity and issues no collective. A ``SimulatedGroup`` stands for a group in a one-process dry
+run: shapes are those of one of its ranks, nothing is sent, values mean nothing. ``COUNTS`` tallies the
+collectives issued, by kind, so benchmarks can compare against the Megatron count without a profiler.
 """
 
 from __future__ import annotations
@@ -74,7 +74,9 @@ def all_reduce_sum(tensor: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor
     return tensor
 
 
-def start_gather_numbers(value: float, group: Optional[dist.ProcessGroup] = None) -> Callable[[], list[float]]:
+def start_gather_numbers(
+    value: float, group: Optional[dist.ProcessGroup] = None
+) -> Callable[[], list[float]]:
     """Start gathering one number from every rank of ``group``; call the result for the list (in group
     rank order), which waits for it. Started now and read a step later, it costs no rank a wait for the
     slowest (the async pipeline depends on that). Every rank must start the same gathers in one order."""

@@ -34,7 +34,9 @@ def gather_mean_to_master(
         has_grad = torch.tensor([p.grad is not None for p in same], dtype=flat.dtype, device=flat.device)
         packed = torch.cat([flat, has_grad])
         inbox = [torch.empty_like(packed) for _ in range(world)] if is_master else None
-        dist.gather(packed, inbox, dst=master if group is None else dist.get_global_rank(group, master), group=group)
+        dist.gather(
+            packed, inbox, dst=master if group is None else dist.get_global_rank(group, master), group=group
+        )
         if not is_master:
             continue
         total = inbox[0].clone()

@@ -34,12 +34,30 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["PeerLink", "MAX_DIMS", "MAX_TENSORS", "OBJECT_TAG", "encode_header", "decode_header", "pack", "unpack"]
+__all__ = [
+    "PeerLink",
+    "MAX_DIMS",
+    "MAX_TENSORS",
+    "OBJECT_TAG",
+    "encode_header",
+    "decode_header",
+    "pack",
+    "unpack",
+]
 
 MAX_DIMS = 8
 MAX_TENSORS = 8  # elements of a tuple crossing a stage boundary
 OBJECT_TAG = 7  # the channel for pickled objects; activations and gradients use tag 0
-_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8]
+_DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+    torch.uint8,
+]
 _COUNT, _IS_TUPLE, _FOLLOW, _FIRST_SLOT = 0, 1, 2, 3  # the header's words
 _SLOT = MAX_DIMS + 2  # header words per tensor: ndim, dtype code, shape
 _HEADER = _FIRST_SLOT + MAX_TENSORS * _SLOT
@@ -51,7 +69,9 @@ def encode_header(tensors: list[Tensor], is_tuple: bool, follow: int = 0) -> Ten
     """The int64 header that lets the receiver allocate every buffer of the transfer. Built as a Python
     list and turned into a tensor once: a dozen small tensor writes took 63 us, this 17 us (on the CPU)."""
     if len(tensors) > MAX_TENSORS:
-        raise ValueError(f"can send at most {MAX_TENSORS} tensors across a stage boundary, got a tuple of {len(tensors)}")
+        raise ValueError(
+            f"can send at most {MAX_TENSORS} tensors across a stage boundary, got a tuple of {len(tensors)}"
+        )
     words = [0] * _HEADER
     words[_COUNT], words[_IS_TUPLE], words[_FOLLOW] = len(tensors), int(is_tuple), follow
     for i, t in enumerate(tensors):
@@ -108,12 +128,17 @@ def pack(tensors: list[Tensor], is_tuple: bool, device: torch.device) -> Tensor:
     return message
 
 
-def unpack(message: Tensor, device: torch.device, header: Optional[tuple] = None) -> Union[Tensor, tuple[Tensor, ...]]:
+def unpack(
+    message: Tensor, device: torch.device, header: Optional[tuple] = None
+) -> Union[Tensor, tuple[Tensor, ...]]:
     """The tensors of a ``pack``-ed message, each in memory of its own on ``device`` (``header``: the
     message's header already decoded)."""
     specs, is_tuple, _ = header or decode_header(_header_of(message))
     _, places = _layout(specs)
-    tensors = [message[place].view(dtype).view(shape).to(device, copy=True) for (shape, dtype), place in zip(specs, places)]
+    tensors = [
+        message[place].view(dtype).view(shape).to(device, copy=True)
+        for (shape, dtype), place in zip(specs, places)
+    ]
     return tuple(tensors) if is_tuple else tensors[0]
 
 
@@ -127,7 +152,9 @@ class PeerLink:
         self._wire = torch.device("cpu") if self.via_host else device
         self._pending: list[tuple[dist.Work, Tensor]] = []
         self._posted: dict[tuple[int, int], tuple[dist.Work, Tensor]] = {}  # receives posted early
-        self._predicted: dict[tuple[str, int, int], int] = {}  # ("send"|"recv", peer, tag) -> next message size
+        self._predicted: dict[
+            tuple[str, int, int], int
+        ] = {}  # ("send"|"recv", peer, tag) -> next message size
 
     def send(self, activation: Union[Tensor, tuple[Tensor, ...]], dst: int, tag: int = 0) -> None:
         """Send a tensor or a tuple of tensors, as one message when its size is the predicted one."""
@@ -149,7 +176,9 @@ class PeerLink:
         data can flow as soon as it is sent. Only where a transfer from ``src`` is sure to come: the
         receive cannot be taken back."""
         if (src, tag) not in self._posted:
-            message = torch.empty(self._predicted.get(("recv", src, tag), HEADER_BYTES), dtype=torch.uint8, device=self._wire)
+            message = torch.empty(
+                self._predicted.get(("recv", src, tag), HEADER_BYTES), dtype=torch.uint8, device=self._wire
+            )
             self._posted[(src, tag)] = (dist.irecv(message, src, group=self.group, tag=tag), message)
 
     def recv(self, src: int, tag: int = 0) -> Union[Tensor, tuple[Tensor, ...]]:

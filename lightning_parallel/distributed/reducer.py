@@ -99,7 +99,9 @@ class GradientReducer:
         self._where: dict[nn.Parameter, tuple[int, int]] = {}
         for b, indices in enumerate(assign_buckets(order, self.bucket_cap_mb, self.first_bucket_cap_mb)):
             params = [order[i] for i in indices]
-            buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+            buffer = torch.zeros(
+                sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
+            )
             views, offset = [], 0
             for slot, p in enumerate(params):
                 views.append(buffer[offset : offset + p.numel()].view_as(p))
@@ -221,5 +223,3 @@ class GradientReducer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-

@@ -30,10 +30,13 @@ class HostedStore:
     Keep the object alive until the run's process group is destroyed; ``close()`` stops the server.
     """
 
-    def __init__(self, world_size: int, host: str = "127.0.0.1", timeout: timedelta = timedelta(minutes=30)) -> None:
+    def __init__(
+        self, world_size: int, host: str = "127.0.0.1", timeout: timedelta = timedelta(minutes=30)
+    ) -> None:
         self.host = host
-        self._store: Optional[dist.TCPStore] = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout,
-                                                             wait_for_workers=False)
+        self._store: Optional[dist.TCPStore] = dist.TCPStore(
+            host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False
+        )
         self.port: int = self._store.port
 
     def env(self) -> dict[str, str]:

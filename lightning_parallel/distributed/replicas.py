@@ -13,8 +13,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["broadcast_tensors", "broadcast_module_states", "global_rank", "all_reduce_gradients",
-           "start_gradient_reduce", "start_sum_at"]
+__all__ = [
+    "broadcast_tensors",
+    "broadcast_module_states",
+    "global_rank",
+    "all_reduce_gradients",
+    "start_gradient_reduce",
+    "start_sum_at",
+]
 
 
 def global_rank(group: Optional[dist.ProcessGroup], group_rank: int) -> int:
@@ -22,7 +28,9 @@ def global_rank(group: Optional[dist.ProcessGroup], group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
-def broadcast_tensors(tensors: Iterable[Tensor], src: int = 0, group: Optional[dist.ProcessGroup] = None) -> None:
+def broadcast_tensors(
+    tensors: Iterable[Tensor], src: int = 0, group: Optional[dist.ProcessGroup] = None
+) -> None:
     """Overwrite ``tensors`` in place with the values held by group rank ``src``."""
     by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = defaultdict(list)
     for t in tensors:
@@ -47,8 +55,12 @@ def broadcast_module_states(
         broadcast_tensors(tensors, src=src, group=group)
 
 
-def start_gradient_reduce(params: Sequence[nn.Parameter], grads: Sequence[Optional[Tensor]],
-                          group: Optional[dist.ProcessGroup], average: bool) -> Callable[[], list[Optional[Tensor]]]:
+def start_gradient_reduce(
+    params: Sequence[nn.Parameter],
+    grads: Sequence[Optional[Tensor]],
+    group: Optional[dist.ProcessGroup],
+    average: bool,
+) -> Callable[[], list[Optional[Tensor]]]:
     """Start summing (or averaging) ``grads`` (one per parameter, None where this rank has none) over
     ``group``, one non-blocking collective per dtype; the returned function waits for them and gives the
     reduced gradients (None where no rank had one). Started early, the collective overlaps other work,
@@ -59,8 +71,14 @@ def start_gradient_reduce(params: Sequence[nn.Parameter], grads: Sequence[Option
     started = []
     for same in by_kind.values():
         like = params[same[0]]
-        flat = torch.cat([(grads[i] if grads[i] is not None else torch.zeros_like(params[i])).reshape(-1) for i in same]
-                         + [torch.tensor([float(grads[i] is not None) for i in same], dtype=like.dtype, device=like.device)])
+        flat = torch.cat(
+            [(grads[i] if grads[i] is not None else torch.zeros_like(params[i])).reshape(-1) for i in same]
+            + [
+                torch.tensor(
+                    [float(grads[i] is not None) for i in same], dtype=like.dtype, device=like.device
+                )
+            ]
+        )
         started.append((same, flat, dist.all_reduce(flat, group=group, async_op=True)))
     size = dist.get_world_size(group)
 
@@ -82,12 +100,18 @@ def start_gradient_reduce(params: Sequence[nn.Parameter], grads: Sequence[Option
     return finish
 
 
-def start_sum_at(positions: Sequence[int], params: Sequence[nn.Parameter], grads: Sequence[Optional[Tensor]],
-                 group: Optional[dist.ProcessGroup]) -> Callable[[], list[Optional[Tensor]]]:
+def start_sum_at(
+    positions: Sequence[int],
+    params: Sequence[nn.Parameter],
+    grads: Sequence[Optional[Tensor]],
+    group: Optional[dist.ProcessGroup],
+) -> Callable[[], list[Optional[Tensor]]]:
     """Start summing over ``group`` only the gradients at ``positions`` (those of the parameters every
     rank holds a part of the gradient of); the returned function waits and gives ``grads`` with those
     replaced by their sums."""
-    finish = start_gradient_reduce([params[i] for i in positions], [grads[i] for i in positions], group, average=False)
+    finish = start_gradient_reduce(
+        [params[i] for i in positions], [grads[i] for i in positions], group, average=False
+    )
 
     def summed() -> list[Optional[Tensor]]:
         out = list(grads)
@@ -98,7 +122,9 @@ def start_sum_at(positions: Sequence[int], params: Sequence[nn.Parameter], grads
     return summed
 
 
-def all_reduce_gradients(params: Iterable[nn.Parameter], group: Optional[dist.ProcessGroup], average: bool) -> None:
+def all_reduce_gradients(
+    params: Iterable[nn.Parameter], group: Optional[dist.ProcessGroup], average: bool
+) -> None:
     """Sum (or average) ``.grad`` over ``group``, one collective per dtype. A parameter without a
     gradient takes part with zeros, and gets one if any rank had it."""
     params = [p for p in params if p.requires_grad]

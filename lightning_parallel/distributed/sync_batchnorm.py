@@ -54,9 +54,16 @@ class SyncBatchNorm(nn.SyncBatchNorm):
             if self.momentum is None:
                 momentum = 1.0 / float(self.num_batches_tracked)
         use_batch_stats = self.training or self.running_mean is None
-        return F.batch_norm(input, self.running_mean if not self.training or self.track_running_stats else None,
-                            self.running_var if not self.training or self.track_running_stats else None,
-                            self.weight, self.bias, use_batch_stats, momentum, self.eps)
+        return F.batch_norm(
+            input,
+            self.running_mean if not self.training or self.track_running_stats else None,
+            self.running_var if not self.training or self.track_running_stats else None,
+            self.weight,
+            self.bias,
+            use_batch_stats,
+            momentum,
+            self.eps,
+        )
 
     def _update_running_stats(self, mean: Tensor, var: Tensor, n: float) -> None:
         self.num_batches_tracked.add_(1)
@@ -70,8 +77,14 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Optional[dist.Proce
     """Replace every ``BatchNorm*d`` in ``module`` by :class:`SyncBatchNorm`, keeping its tensors."""
     out = module
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, SyncBatchNorm):
-        out = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                            module.track_running_stats, process_group)
+        out = SyncBatchNorm(
+            module.num_features,
+            module.eps,
+            module.momentum,
+            module.affine,
+            module.track_running_stats,
+            process_group,
+        )
         if module.affine:
             out.weight, out.bias = module.weight, module.bias
         out.running_mean, out.running_var = module.running_mean, module.running_var

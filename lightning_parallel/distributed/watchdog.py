@@ -33,20 +33,33 @@ FAILED_KEY = "lp/failed"
 def describe_exception(exc: BaseException) -> str:
     """``"RuntimeError: boom (in training_step, model.py:45)"``: the innermost frame says where."""
     frames = traceback.extract_tb(exc.__traceback__)
-    where = f" (in {frames[-1].name}, {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    where = (
+        f" (in {frames[-1].name}, {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})"
+        if frames
+        else ""
+    )
     return f"{type(exc).__name__}: {exc}{where}"
 
 
 def _looks_like_peer_loss(exc: BaseException) -> bool:
     text = str(exc)
-    return any(s in text for s in ("Connection closed by peer", "Connection reset", "Broken pipe", "timed out"))
+    return any(
+        s in text for s in ("Connection closed by peer", "Connection reset", "Broken pipe", "timed out")
+    )
 
 
 class FailureWatchdog:
     """One per process; ``start`` after the default process group exists, ``stop`` at teardown."""
 
-    def __init__(self, rank: int, world_size: int, timeout: float = 60.0, interval: float = 1.0,
-                 store: Optional[dist.Store] = None, exit_fn: Callable[[int], None] = os._exit) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        timeout: float = 60.0,
+        interval: float = 1.0,
+        store: Optional[dist.Store] = None,
+        exit_fn: Callable[[int], None] = os._exit,
+    ) -> None:
         if timeout <= 0:
             raise ValueError(f"failure_timeout must be > 0 seconds, got {timeout!r} (default 60).")
         self.rank, self.world_size = rank, world_size
@@ -114,7 +127,11 @@ class FailureWatchdog:
                 if time.time() - store_lost_since > self.timeout:
                     reason = f"lost contact with the rendezvous store for {self.timeout:.0f} s ({err})"
             if reason and not self._stop.is_set():
-                print(f"[lightning_parallel] {reason}; stopping rank {self.rank} (exit 1).", file=sys.stderr, flush=True)
+                print(
+                    f"[lightning_parallel] {reason}; stopping rank {self.rank} (exit 1).",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 self._exit(1)
                 return
 

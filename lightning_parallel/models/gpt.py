@@ -34,7 +34,9 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = x.shape
         # -1 for the head size: the width comes from the projections, the head count from n_head
         q, k, v = (lin(x).view(B, T, self.n_head, -1).transpose(1, 2) for lin in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0
+        )
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -65,8 +67,15 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Token + position embeddings, a stack of blocks, a final norm and a linear head."""
 
-    def __init__(self, vocab_size: int = 128, block_size: int = 64, n_layer: int = 2, n_head: int = 4,
-                 n_embd: int = 64, dropout: float = 0.0) -> None:
+    def __init__(
+        self,
+        vocab_size: int = 128,
+        block_size: int = 64,
+        n_layer: int = 2,
+        n_head: int = 4,
+        n_embd: int = 64,
+        dropout: float = 0.0,
+    ) -> None:
         super().__init__()
         self.block_size = block_size
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
@@ -97,9 +106,18 @@ class GPT(nn.Module):
 class CharGPT(LightningModule):
     """``GPT`` trained on next-character prediction; logs ``train_loss`` and ``val_loss``."""
 
-    def __init__(self, vocab_size: int = 128, block_size: int = 64, n_layer: int = 2, n_head: int = 4,
-                 n_embd: int = 64, dropout: float = 0.0, lr: float = 3e-3, optimizer: str = "adamw",
-                 weight_decay: float = 0.0) -> None:
+    def __init__(
+        self,
+        vocab_size: int = 128,
+        block_size: int = 64,
+        n_layer: int = 2,
+        n_head: int = 4,
+        n_embd: int = 64,
+        dropout: float = 0.0,
+        lr: float = 3e-3,
+        optimizer: str = "adamw",
+        weight_decay: float = 0.0,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model = GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout)

@@ -88,14 +88,22 @@ class AsyncGradients:
         for p in params:
             p.grad = None
 
-    def place_from_checkpoint(self, named: Sequence[tuple[str, nn.Parameter]], replicated: set[str], first_stage: bool) -> None:
+    def place_from_checkpoint(
+        self, named: Sequence[tuple[str, nn.Parameter]], replicated: set[str], first_stage: bool
+    ) -> None:
         """A checkpoint's full gradient (single-device names) becomes this stage's pending gradient.
         Parameters replicated on every stage get it on the first stage only (stages' parts are summed)."""
         if self.pending_by_name is None:
             return
         full, self.pending_by_name = self.pending_by_name, None
-        self._finished([None if (n in replicated and not first_stage) or n not in full else full[n].to(p.device, p.dtype)
-                        for n, p in named])
+        self._finished(
+            [
+                None
+                if (n in replicated and not first_stage) or n not in full
+                else full[n].to(p.device, p.dtype)
+                for n, p in named
+            ]
+        )
 
     def _close_previous(self, params: Sequence[nn.Parameter]) -> None:
         self._finished([p.grad for p in params])

@@ -13,8 +13,8 @@ per step: PipeDream-2BW's second weight buffer) instead of the parameters themse
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -36,8 +36,10 @@ def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
     if size is None:
         raise ValueError("the batch holds no tensor to split into micro-batches")
     if size < num_microbatches:
-        raise ValueError(f"a batch of {size} samples cannot be split into num_microbatches={num_microbatches}; "
-                         f"use num_microbatches <= {size} or a larger batch.")
+        raise ValueError(
+            f"a batch of {size} samples cannot be split into num_microbatches={num_microbatches}; "
+            f"use num_microbatches <= {size} or a larger batch."
+        )
 
     def part(x: Any, i: int) -> Any:
         if isinstance(x, Tensor) and x.dim() > 0:
@@ -80,8 +82,10 @@ def loss_of(output: Any) -> Tensor:
     """The loss in what ``training_step`` returned (a tensor, or a dict with ``"loss"``)."""
     loss = output["loss"] if isinstance(output, dict) else output
     if not isinstance(loss, Tensor):
-        raise RuntimeError(f"training_step must return a loss tensor (or a dict with 'loss') under pipeline "
-                           f"parallelism, got {type(output).__name__}")
+        raise RuntimeError(
+            f"training_step must return a loss tensor (or a dict with 'loss') under pipeline "
+            f"parallelism, got {type(output).__name__}"
+        )
     return loss
 
 
@@ -105,14 +109,24 @@ def weights_snapshot(parameters: Sequence[Tensor]) -> Iterator[None]:
 class StepResult:
     losses: list[Tensor] = field(default_factory=list)  # last stage: each micro-batch's (unweighted) loss
     outputs: list[Any] = field(default_factory=list)  # last stage: what the step function returned
-    peak_held: int = 0  # most micro-batches whose activations this stage held at once (forward done, backward not)
+    peak_held: int = (
+        0  # most micro-batches whose activations this stage held at once (forward done, backward not)
+    )
 
 
 class StageExecutor:
     """The communication and autograd bookkeeping of one stage; knows nothing of Lightning."""
 
-    def __init__(self, stage: int, num_stages: int, prev_rank: Optional[int], next_rank: Optional[int],
-                 link: PeerLink, io: StageInput, timeline: Timeline) -> None:
+    def __init__(
+        self,
+        stage: int,
+        num_stages: int,
+        prev_rank: Optional[int],
+        next_rank: Optional[int],
+        link: PeerLink,
+        io: StageInput,
+        timeline: Timeline,
+    ) -> None:
         self.stage, self.num_stages = stage, num_stages
         self.prev_rank, self.next_rank = prev_rank, next_rank
         self.link, self.io, self.timeline = link, io, timeline
@@ -165,14 +179,23 @@ class StageExecutor:
         used, self.io.used = self.io.used, None
         if not self.is_last:
             if not all(isinstance(t, Tensor) for t in _as_tuple(produced)):
-                raise RuntimeError("a pipeline stage must pass a tensor or a tuple of tensors to the next block, "
-                                   f"got {type(produced).__name__}")
+                raise RuntimeError(
+                    "a pipeline stage must pass a tensor or a tuple of tensors to the next block, "
+                    f"got {type(produced).__name__}"
+                )
             self.link.send(produced, self.next_rank)
         return produced, used
 
-    def run(self, actions: Sequence[Action], microbatches: Sequence[Any], step_fn: Callable[[Any], Any],
-            weights: Sequence[float], backward: bool = True,
-            before_backward: Optional[Callable[[Action], None]] = None, flushed: bool = True) -> StepResult:
+    def run(
+        self,
+        actions: Sequence[Action],
+        microbatches: Sequence[Any],
+        step_fn: Callable[[Any], Any],
+        weights: Sequence[float],
+        backward: bool = True,
+        before_backward: Optional[Callable[[Action], None]] = None,
+        flushed: bool = True,
+    ) -> StepResult:
         """Run ``actions`` in order. Backwards marked ``batch=-1`` take the graphs the previous call left
         in flight; forwards whose backward is not in ``actions`` stay in flight for the next call.
         ``flushed``: every stage ends this call with nothing in flight, so it is safe to wait for the
@@ -204,8 +227,10 @@ class StageExecutor:
                 self._backward(output, used, weights[i], i, previous=action.batch == -1)
         if backward:  # forward-only runs (validation) leave training's in-flight graphs alone
             if self.in_flight:
-                raise RuntimeError(f"stage {self.stage}: micro-batches {sorted(self.in_flight)} of the previous "
-                                   "batch were left without a backward")
+                raise RuntimeError(
+                    f"stage {self.stage}: micro-batches {sorted(self.in_flight)} of the previous "
+                    "batch were left without a backward"
+                )
             self.in_flight = {i: (produced[i], inputs[i]) for i in produced}
         if flushed:
             self.link.wait_sends()
@@ -213,14 +238,18 @@ class StageExecutor:
             self.link.forget_finished_sends()
         return result
 
-    def _backward(self, output: Any, used_input: Any, weight: float, index: int, previous: bool = False) -> None:
+    def _backward(
+        self, output: Any, used_input: Any, weight: float, index: int, previous: bool = False
+    ) -> None:
         if self.is_last:
             with self.timeline.record("B", index, previous):
                 (output * weight).backward()
         else:
             with self.timeline.record("wait", index, previous):
                 grad = self._receive(self.next_rank)
-            pairs = [(o, g) for o, g in zip(_as_tuple(output), _as_tuple(grad)) if o.requires_grad and g.numel()]
+            pairs = [
+                (o, g) for o, g in zip(_as_tuple(output), _as_tuple(grad)) if o.requires_grad and g.numel()
+            ]
             with self.timeline.record("B", index, previous):
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         if not self.is_first:
@@ -228,5 +257,7 @@ class StageExecutor:
                 raise RuntimeError(f"stage {self.stage}: no activation was received for micro-batch {index}")
             grads = tuple(_grad_or_placeholder(t) for t in _as_tuple(used_input))
             if all(g.numel() == 0 for g in grads):
-                raise RuntimeError(f"stage {self.stage}: the activation received for micro-batch {index} got no gradient")
+                raise RuntimeError(
+                    f"stage {self.stage}: the activation received for micro-batch {index} got no gradient"
+                )
             self.link.send(grads if isinstance(used_input, tuple) else grads[0], self.prev_rank)

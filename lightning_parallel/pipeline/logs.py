@@ -35,7 +35,15 @@ from torchmetrics import Metric
 
 from lightning_parallel.distributed.p2p import PeerLink
 
-__all__ = ["capture_logs", "summarize", "metric_state", "load_metric_state", "LogMirror", "METRICS", "WholeBatchMetrics"]
+__all__ = [
+    "capture_logs",
+    "summarize",
+    "metric_state",
+    "load_metric_state",
+    "LogMirror",
+    "METRICS",
+    "WholeBatchMetrics",
+]
 
 METRICS = "__metrics__"  # the key under which capture_logs records metric objects
 
@@ -50,7 +58,9 @@ def capture_logs(module: Any, log_objects: bool = True) -> Iterator[dict[str, li
 
     def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if isinstance(value, Tensor) or isinstance(value, (int, float)):
-            logged.setdefault(name, []).append((float(value.detach() if isinstance(value, Tensor) else value), kwargs))
+            logged.setdefault(name, []).append(
+                (float(value.detach() if isinstance(value, Tensor) else value), kwargs)
+            )
             return
         if isinstance(value, Metric) and id(value) in paths:
             calls = logged[METRICS].get(name, (None, None, None, []))[3]
@@ -79,9 +89,13 @@ class WholeBatchMetrics:
         for metric in metrics:
             twin = self._copies.get(id(metric))
             if twin is None:
-                shared = {id(v): v for v in vars(metric).values() if isinstance(v, dist.ProcessGroup)}  # not copyable
+                shared = {
+                    id(v): v for v in vars(metric).values() if isinstance(v, dist.ProcessGroup)
+                }  # not copyable
                 twin = self._copies[id(metric)] = copy.deepcopy(metric, memo=shared)
-                twin.sync_on_compute = twin.dist_sync_on_step = twin._to_sync = False  # a collective here would
+                twin.sync_on_compute = twin.dist_sync_on_step = twin._to_sync = (
+                    False  # a collective here would
+                )
                 # be on the last stage alone: a deadlock
             twin.reset()
             metric.forward = _also_updating(metric.forward, twin)  # nn.Module.__call__ finds it first
@@ -105,13 +119,19 @@ def _also_updating(forward: Any, twin: Metric) -> Any:
     return forward_and_update_twin
 
 
-def summarize(kind: str, losses: Sequence[Tensor], weights: Sequence[float], logged: dict[str, list],
-              batch: Optional[int] = None, batch_idx: Optional[int] = None,
-              whole_batch: Optional[WholeBatchMetrics] = None) -> dict[str, Any]:
+def summarize(
+    kind: str,
+    losses: Sequence[Tensor],
+    weights: Sequence[float],
+    logged: dict[str, list],
+    batch: Optional[int] = None,
+    batch_idx: Optional[int] = None,
+    whole_batch: Optional[WholeBatchMetrics] = None,
+) -> dict[str, Any]:
     """One step's loss and logs, each averaged over the micro-batches with the loss weights; a metric
     object's step value is its whole-batch value (``whole_batch``). ``batch``: the global step it was
     computed in (async, where it is shown a step later), ``batch_idx``: its index in the epoch."""
-    loss = sum(w * float(l) for w, l in zip(weights, losses)) if losses else None
+    loss = sum(w * float(value) for w, value in zip(weights, losses)) if losses else None
     logs = {}
     metrics = {}
     for name, (metric, path, kwargs, values) in logged.get(METRICS, {}).items():
@@ -124,7 +144,14 @@ def summarize(kind: str, losses: Sequence[Tensor], weights: Sequence[float], log
         values = [v for v, _ in calls]
         w = weights if len(values) == len(weights) else [1 / len(values)] * len(values)
         logs[name] = (sum(a * b for a, b in zip(w, values)), calls[-1][1])
-    return {"kind": kind, "loss": loss, "logs": logs, "metrics": metrics, "batch": batch, "batch_idx": batch_idx}
+    return {
+        "kind": kind,
+        "loss": loss,
+        "logs": logs,
+        "metrics": metrics,
+        "batch": batch,
+        "batch_idx": batch_idx,
+    }
 
 
 def _cpu(v: Any) -> Any:
@@ -142,8 +169,11 @@ def _weighted(values: Sequence[Any], weights: Sequence[float]) -> Any:
 
 def metric_state(metric: Metric) -> dict[str, Any]:
     """What a copy of ``metric`` needs to log and compute the same values (tensors on the CPU)."""
-    return {"states": {k: _cpu(getattr(metric, k)) for k in metric._defaults}, "update_count": metric._update_count,
-            "forward_cache": _cpu(metric._forward_cache)}
+    return {
+        "states": {k: _cpu(getattr(metric, k)) for k in metric._defaults},
+        "update_count": metric._update_count,
+        "forward_cache": _cpu(metric._forward_cache),
+    }
 
 
 def load_metric_state(metric: Metric, state: dict[str, Any], device: torch.device) -> None:
@@ -163,7 +193,12 @@ class LogMirror:
     """The last stage publishes summaries; every stage takes them, in order, per kind."""
 
     def __init__(self, link: PeerLink, last_rank: int, other_ranks: Sequence[int], is_last: bool) -> None:
-        self.link, self.last_rank, self.other_ranks, self.is_last = link, last_rank, list(other_ranks), is_last
+        self.link, self.last_rank, self.other_ranks, self.is_last = (
+            link,
+            last_rank,
+            list(other_ranks),
+            is_last,
+        )
         self.received: deque[dict[str, Any]] = deque()
 
     def publish(self, summary: dict[str, Any]) -> None:
@@ -192,7 +227,9 @@ class LogMirror:
         """``self.log`` each value on this stage; returns the loss as a tensor (None if there is none).
         Metric objects were logged on the last stage already; the other stages load their state first."""
         for name, (value, kwargs) in summary["logs"].items():
-            module.log(name, torch.tensor(value, dtype=torch.float64, device=device), **kwargs)  # sync_dist: NCCL wants it there
+            module.log(
+                name, torch.tensor(value, dtype=torch.float64, device=device), **kwargs
+            )  # sync_dist: NCCL wants it there
         for name, (path, state, kwargs) in summary.get("metrics", {}).items():
             metric = module.get_submodule(path)
             if self.is_last:  # logged during the step already: only its step value becomes the whole batch's

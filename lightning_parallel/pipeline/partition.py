@@ -27,8 +27,18 @@ from typing import Any, Optional, Sequence, Union
 
 from torch import Tensor, nn
 
-__all__ = ["StageInput", "StageOutput", "StagePartition", "balance", "block_parameters", "find_block_stack",
-           "hold_elsewhere", "other_stacks", "partition", "stage_bounds"]
+__all__ = [
+    "StageInput",
+    "StageOutput",
+    "StagePartition",
+    "balance",
+    "block_parameters",
+    "find_block_stack",
+    "hold_elsewhere",
+    "other_stacks",
+    "partition",
+    "stage_bounds",
+]
 
 
 class StageOutput(BaseException):
@@ -49,7 +59,11 @@ class StageInput:
 
 
 def _candidate_stacks(module: nn.Module) -> dict[str, nn.Module]:
-    return {n: m for n, m in module.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2}
+    return {
+        n: m
+        for n, m in module.named_modules()
+        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2
+    }
 
 
 def _parameter_count(module: nn.Module) -> int:
@@ -62,8 +76,10 @@ def find_block_stack(module: nn.Module, name: Optional[str] = None) -> tuple[str
     stacks = _candidate_stacks(module)
     if name is not None:
         if name not in stacks:
-            raise ValueError(f"block stack {name!r} is not an nn.ModuleList/nn.Sequential of the module; candidates: "
-                             f"{sorted(stacks) or 'none'}")
+            raise ValueError(
+                f"block stack {name!r} is not an nn.ModuleList/nn.Sequential of the module; candidates: "
+                f"{sorted(stacks) or 'none'}"
+            )
         return name, stacks[name]
     if not stacks:
         raise ValueError(
@@ -115,31 +131,43 @@ def balance(costs: Sequence[float], num_stages: int) -> list[int]:
     return counts[::-1]
 
 
-def stage_bounds(stack_name: str, stack: nn.Module, num_stages: int,
-                 split_points: Optional[Sequence[Union[str, int]]] = None,
-                 costs: Optional[Sequence[float]] = None) -> list[tuple[int, int]]:
+def stage_bounds(
+    stack_name: str,
+    stack: nn.Module,
+    num_stages: int,
+    split_points: Optional[Sequence[Union[str, int]]] = None,
+    costs: Optional[Sequence[float]] = None,
+) -> list[tuple[int, int]]:
     """[start, end) block indices per stage, from ``split_points`` (block names where a stage starts,
     or block counts per stage), else balanced by ``costs`` per block (default: parameter counts)."""
     n = len(stack)
     if num_stages > n:
-        raise ValueError(f"{num_stages} pipeline stages need at least {num_stages} blocks, but {stack_name!r} has {n}; "
-                         f"use pipeline_parallel_size <= {n}.")
+        raise ValueError(
+            f"{num_stages} pipeline stages need at least {num_stages} blocks, but {stack_name!r} has {n}; "
+            f"use pipeline_parallel_size <= {n}."
+        )
     if split_points is None:
         counts = balance(block_parameters(stack) if costs is None else costs, num_stages)
     elif all(isinstance(s, int) for s in split_points):
         counts = list(split_points)
         if len(counts) != num_stages or sum(counts) != n or min(counts) < 1:
-            raise ValueError(f"split_points={counts} as block counts must be {num_stages} positive numbers summing to {n}.")
+            raise ValueError(
+                f"split_points={counts} as block counts must be {num_stages} positive numbers summing to {n}."
+            )
     else:
         names = [f"{stack_name}.{i}" if stack_name else str(i) for i in range(n)]
         starts = []
         for point in split_points:
             if point not in names:
-                raise ValueError(f"split point {point!r} names no block of the stack; candidates: {', '.join(names)}")
+                raise ValueError(
+                    f"split point {point!r} names no block of the stack; candidates: {', '.join(names)}"
+                )
             starts.append(names.index(point))
         if len(starts) != num_stages - 1 or starts != sorted(set(starts)) or starts[0] == 0:
-            raise ValueError(f"split_points={list(split_points)} must name {num_stages - 1} distinct blocks after the "
-                             f"first, in order (one per stage boundary).")
+            raise ValueError(
+                f"split_points={list(split_points)} must name {num_stages - 1} distinct blocks after the "
+                f"first, in order (one per stage boundary)."
+            )
         edges = [0] + starts + [n]
         counts = [b - a for a, b in zip(edges, edges[1:])]
     edges = [0]
@@ -169,13 +197,20 @@ class StagePartition:
         if not self.unpipelined:
             return text
         others = ", ".join(repr(n) for n in self.unpipelined)
-        return (f"{text}; other stacks run whole on every stage, replicated: {others} (block_stack=<name> "
-                "pipelines another)")
+        return (
+            f"{text}; other stacks run whole on every stage, replicated: {others} (block_stack=<name> "
+            "pipelines another)"
+        )
 
 
-def partition(module: nn.Module, num_stages: int, stage: int, stack_name: Optional[str] = None,
-              split_points: Optional[Sequence[Union[str, int]]] = None,
-              costs: Optional[Sequence[float]] = None) -> StagePartition:
+def partition(
+    module: nn.Module,
+    num_stages: int,
+    stage: int,
+    stack_name: Optional[str] = None,
+    split_points: Optional[Sequence[Union[str, int]]] = None,
+    costs: Optional[Sequence[float]] = None,
+) -> StagePartition:
     """Keep this stage's blocks in ``module`` (in place), hold the others elsewhere (``hold_elsewhere``)
     and install the stage-boundary hooks."""
     name, stack = find_block_stack(module, stack_name)
@@ -202,8 +237,10 @@ def hold_elsewhere(root: nn.Module, stack: nn.Module, indices: Sequence[int]) ->
     for i in indices:
         block = stack[i]
         if id(block) in kept:
-            raise ValueError(f"block {i} of the stack, a {type(block).__name__}, is also used by another block or "
-                             "module of the model; pipelined blocks must be distinct modules.")
+            raise ValueError(
+                f"block {i} of the stack, a {type(block).__name__}, is also used by another block or "
+                "module of the model; pipelined blocks must be distinct modules."
+            )
         block.forward = _first_input
         for sub in block.modules():
             if id(sub) not in kept:
@@ -219,8 +256,11 @@ def _reachable(root: nn.Module, stack: nn.Module, skipped: set[str]) -> set[int]
         if id(module) in seen:
             continue
         seen.add(id(module))
-        todo.extend(child for name, child in module._modules.items()
-                    if child is not None and not (module is stack and name in skipped))
+        todo.extend(
+            child
+            for name, child in module._modules.items()
+            if child is not None and not (module is stack and name in skipped)
+        )
     return seen
 
 

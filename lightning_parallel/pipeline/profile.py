@@ -64,7 +64,9 @@ class _StopForward(BaseException):
     """Ends the sample step once the last block has run (what follows is not timed)."""
 
 
-def capture_block_inputs(blocks: Sequence[nn.Module], run_step: Callable[[], Any]) -> list[tuple[tuple, dict]]:
+def capture_block_inputs(
+    blocks: Sequence[nn.Module], run_step: Callable[[], Any]
+) -> list[tuple[tuple, dict]]:
     """Run ``run_step`` (which must call every block once, in order) and return each block's detached
     (args, kwargs)."""
     captured: list[tuple[tuple, dict]] = [((), {})] * len(blocks)
@@ -92,12 +94,16 @@ def capture_block_inputs(blocks: Sequence[nn.Module], run_step: Callable[[], Any
             h.remove()
     if not all(seen):
         missing = [i for i, s in enumerate(seen) if not s]
-        raise RuntimeError(f"balance='time': blocks {missing} of the stack did not run in training_step's forward; "
-                           "use balance='parameters' or split_points.")
+        raise RuntimeError(
+            f"balance='time': blocks {missing} of the stack did not run in training_step's forward; "
+            "use balance='parameters' or split_points."
+        )
     return captured
 
 
-def time_blocks(blocks: Sequence[nn.Module], inputs: Sequence[tuple[tuple, dict]], repeats: int = 3) -> list[float]:
+def time_blocks(
+    blocks: Sequence[nn.Module], inputs: Sequence[tuple[tuple, dict]], repeats: int = 3
+) -> list[float]:
     """Median seconds of forward + backward of each block alone on its captured inputs."""
     times = []
     for block, (args, kwargs) in zip(blocks, inputs):
@@ -139,7 +145,9 @@ def _detached(value: Any) -> Any:
 
 
 def _requiring_grad(value: Any) -> Any:
-    return apply_to_collection(value, Tensor, lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t)
+    return apply_to_collection(
+        value, Tensor, lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t
+    )
 
 
 def _synchronize(value: Any) -> None:

@@ -30,8 +30,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-__all__ = ["Action", "gpipe", "one_f_one_b", "async_step", "cooldown", "warmup_depth", "schedule", "max_in_flight", "render", "SCHEDULES", "bubble_fraction",
-           "expected_bubbles"]
+__all__ = [
+    "Action",
+    "gpipe",
+    "one_f_one_b",
+    "async_step",
+    "cooldown",
+    "warmup_depth",
+    "schedule",
+    "max_in_flight",
+    "render",
+    "SCHEDULES",
+    "bubble_fraction",
+    "expected_bubbles",
+]
 
 SCHEDULES = ("gpipe", "1f1b", "async")
 
@@ -49,7 +61,9 @@ class Action:
 def gpipe(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
     """All forwards, then all backwards (in the same micro-batch order)."""
     _check(num_stages, num_microbatches, stage)
-    return [Action("F", i) for i in range(num_microbatches)] + [Action("B", i) for i in range(num_microbatches)]
+    return [Action("F", i) for i in range(num_microbatches)] + [
+        Action("B", i) for i in range(num_microbatches)
+    ]
 
 
 def warmup_depth(num_stages: int, num_microbatches: int, stage: int) -> int:
@@ -83,7 +97,9 @@ def cooldown(num_stages: int, num_microbatches: int, stage: int, batch: int = 0)
 
 def one_f_one_b(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
     """Warm-up forwards, then alternate one forward and one backward, then the remaining backwards."""
-    return async_step(num_stages, num_microbatches, stage, carried=0) + cooldown(num_stages, num_microbatches, stage)
+    return async_step(num_stages, num_microbatches, stage, carried=0) + cooldown(
+        num_stages, num_microbatches, stage
+    )
 
 
 def schedule(name: str, num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
@@ -110,8 +126,9 @@ def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
     return (num_stages - 1) / (num_microbatches + num_stages - 1)
 
 
-def expected_bubbles(name: str, num_stages: int, num_microbatches: int, forward: Sequence[float],
-                     backward: Sequence[float]) -> list[float]:
+def expected_bubbles(
+    name: str, num_stages: int, num_microbatches: int, forward: Sequence[float], backward: Sequence[float]
+) -> list[float]:
     """The idle share of each stage when stage ``s`` takes ``forward[s]`` and ``backward[s]`` per
     micro-batch and communication is free: the theory for stages of unequal cost.
 
@@ -153,4 +170,6 @@ def render(name: str, num_stages: int, num_microbatches: int) -> str:
 
 def _check(num_stages: int, num_microbatches: int, stage: int) -> None:
     if num_stages < 1 or num_microbatches < 1 or not 0 <= stage < num_stages:
-        raise ValueError(f"bad schedule shape: stages={num_stages}, microbatches={num_microbatches}, stage={stage}")
+        raise ValueError(
+            f"bad schedule shape: stages={num_stages}, microbatches={num_microbatches}, stage={stage}"
+        )

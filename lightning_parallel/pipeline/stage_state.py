@@ -28,8 +28,10 @@ def stage_state_by_name(optimizer: Any, module: nn.Module) -> dict[str, Any]:
     names = names_in_optimizer(optimizer, module)
     order = [i for group in state["param_groups"] for i in group["params"]]
     by_index = dict(zip(order, names))
-    groups = [{k: v for k, v in g.items() if k != "params"} | {"names": [by_index[i] for i in g["params"]]}
-              for g in state["param_groups"]]
+    groups = [
+        {k: v for k, v in g.items() if k != "params"} | {"names": [by_index[i] for i in g["params"]]}
+        for g in state["param_groups"]
+    ]
     return {"state": {by_index[i]: s for i, s in state["state"].items()}, "groups": groups}
 
 
@@ -52,20 +54,25 @@ def merge_stage_states(stages: Sequence[Mapping[str, Any]], full_names: Sequence
     return {"state": state, "param_groups": param_groups}
 
 
-def stage_state_from_full(full: Mapping[str, Any], optimizer: Any, module: nn.Module,
-                          full_names: Sequence[str]) -> dict[str, Any]:
+def stage_state_from_full(
+    full: Mapping[str, Any], optimizer: Any, module: nn.Module, full_names: Sequence[str]
+) -> dict[str, Any]:
     """This stage's ``optimizer.state_dict()`` cut out of a single-device one (any layout saved it)."""
     ordered = [i for g in full["param_groups"] for i in g["params"]]
     if len(ordered) != len(full_names):
-        raise ValueError(f"the checkpoint's optimizer has {len(ordered)} parameters, the model {len(full_names)}; "
-                         "it was saved for another model or optimizer")
+        raise ValueError(
+            f"the checkpoint's optimizer has {len(ordered)} parameters, the model {len(full_names)}; "
+            "it was saved for another model or optimizer"
+        )
     name_of = dict(zip(ordered, full_names))
     local_names = names_in_optimizer(optimizer, module)
     local_index = {n: i for i, n in enumerate(local_names)}
     param_groups, state, start = [], {}, 0
     for g, group in zip(full["param_groups"], optimizer.param_groups):
         count = len(group["params"])
-        param_groups.append({k: v for k, v in g.items() if k != "params"} | {"params": list(range(start, start + count))})
+        param_groups.append(
+            {k: v for k, v in g.items() if k != "params"} | {"params": list(range(start, start + count))}
+        )
         start += count
     for i, s in full["state"].items():
         name = name_of[int(i)]

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
-from contextlib import contextmanager
 
 __all__ = ["Event", "Timeline", "bubble", "write_chrome_trace", "write_svg"]
 
@@ -69,8 +69,15 @@ def _normalised(events: list[Event]) -> list[Event]:
 def write_chrome_trace(events: list[Event], path: Path) -> Path:
     """Events of all ranks (clocks of one machine, or roughly aligned) as a Chrome trace."""
     trace = [
-        {"name": e.label if e.kind != "wait" else "wait", "cat": e.kind, "ph": "X",
-         "ts": e.start * 1e6, "dur": (e.end - e.start) * 1e6, "pid": 0, "tid": e.rank}
+        {
+            "name": e.label if e.kind != "wait" else "wait",
+            "cat": e.kind,
+            "ph": "X",
+            "ts": e.start * 1e6,
+            "dur": (e.end - e.start) * 1e6,
+            "pid": 0,
+            "tid": e.rank,
+        }
         for e in _normalised(events)
     ]
     path.write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
@@ -85,9 +92,11 @@ def write_svg(events: list[Event], path: Path, title: str = "") -> Path:
     width, row, left, top = 900, 34, 60, 30
     scale = (width - left - 10) / span
     colors = {"F": "#4c78a8", "B": "#54a24b", "wait": "#d0d0d0"}
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{top + row * len(ranks) + 30}" '
-             'font-family="monospace" font-size="11">',
-             f'<text x="{left}" y="18">{title} ({span * 1e3:.1f} ms)</text>']
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{top + row * len(ranks) + 30}" '
+        'font-family="monospace" font-size="11">',
+        f'<text x="{left}" y="18">{title} ({span * 1e3:.1f} ms)</text>',
+    ]
     for i, rank in enumerate(ranks):
         y = top + i * row
         parts.append(f'<text x="4" y="{y + 20}">rank {rank}</text>')
@@ -96,8 +105,10 @@ def write_svg(events: list[Event], path: Path, title: str = "") -> Path:
             h = row - 8 if e.kind != "wait" else 6
             dy = 0 if e.kind != "wait" else row - 14
             label = e.label if e.kind != "wait" else f"wait (micro-batch {e.microbatch})"
-            parts.append(f'<rect x="{x:.1f}" y="{y + dy}" width="{w:.1f}" height="{h}" fill="{colors[e.kind]}" '
-                         f'stroke="white" stroke-width="0.5"><title>{label}: {(e.end - e.start) * 1e3:.2f} ms</title></rect>')
+            parts.append(
+                f'<rect x="{x:.1f}" y="{y + dy}" width="{w:.1f}" height="{h}" fill="{colors[e.kind]}" '
+                f'stroke="white" stroke-width="0.5"><title>{label}: {(e.end - e.start) * 1e3:.2f} ms</title></rect>'
+            )
             if e.kind != "wait" and w > 14:
                 parts.append(f'<text x="{x + 3:.1f}" y="{y + 17}" fill="white">{e.label}</text>')
     parts.append("</svg>")

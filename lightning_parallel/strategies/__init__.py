@@ -7,5 +7,11 @@ from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
 from lightning_parallel.strategies.reference import SingleDeviceReferenceStrategy
 from lightning_parallel.strategies.tensor_parallel import TensorParallelStrategy
 
-__all__ = ["ParallelStrategyBase", "DDPStrategy", "DataParallelStrategy", "SingleDeviceReferenceStrategy",
-           "TensorParallelStrategy", "PipelineParallelStrategy"]
+__all__ = [
+    "ParallelStrategyBase",
+    "DDPStrategy",
+    "DataParallelStrategy",
+    "SingleDeviceReferenceStrategy",
+    "TensorParallelStrategy",
+    "PipelineParallelStrategy",
+]

@@ -36,6 +36,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Generator, Literal, Mapping, Optional, Union, get_args
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _init_dist_connection, _sync_ddp_if_available
@@ -45,7 +46,6 @@ from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 
-import lightning.pytorch as pl
 from lightning_parallel.checkpointing import AtomicCheckpointIO, Checkpointer
 from lightning_parallel.checkpointing.loss_check import check_finite_loss, training_loss
 from lightning_parallel.distributed.collectives import clip_grad_norm_sharded, share_found_inf
@@ -136,11 +136,16 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         start_method, timeout = values["start_method"], values["timeout"]
         return [
             positive_number(f"{prefix}failure_timeout", values["failure_timeout"], "seconds", 60),
-            None if timeout is None or isinstance(timeout, timedelta)
+            None
+            if timeout is None or isinstance(timeout, timedelta)
             else positive_number(f"{prefix}timeout", timeout, "seconds", 1800),
             one_of(f"{prefix}start_method", start_method, START_METHODS),
-            None if cls.popen_only is None or start_method == "popen" else
-            f"{prefix}start_method={start_method!r} is not supported by {cls.__name__}: {cls.popen_only}; use 'popen'",
+            None
+            if cls.popen_only is None or start_method == "popen"
+            else (
+                f"{prefix}start_method={start_method!r} is not supported by {cls.__name__}: {cls.popen_only}; "
+                "use 'popen'"
+            ),
             cls._save_distributed_problem(values["save_distributed"], values.get("checkpoint_io"), prefix),
         ]
 
@@ -150,19 +155,25 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         if not isinstance(value, bool):
             return f"{name} must be True or False, got {value!r} (default False)."
         if value and not cls.supports_save_distributed:
-            return (f"{name}=True is not supported by {cls.__name__} ({cls.strategy_name}): it holds no sharded "
-                    "state; use save_distributed=False, or lp_ddp, lp_tensor_parallel or lp_pipeline_* for one "
-                    "shard per rank.")
+            return (
+                f"{name}=True is not supported by {cls.__name__} ({cls.strategy_name}): it holds no sharded "
+                "state; use save_distributed=False, or lp_ddp, lp_tensor_parallel or lp_pipeline_* for one "
+                "shard per rank."
+            )
         if value and checkpoint_io is not None:
-            return (f"{name}=True writes through torch.distributed.checkpoint, so checkpoint_io="
-                    f"{type(checkpoint_io).__name__}(...) would be ignored; pass one or the other.")
+            return (
+                f"{name}=True writes through torch.distributed.checkpoint, so checkpoint_io="
+                f"{type(checkpoint_io).__name__}(...) would be ignored; pass one or the other."
+            )
         return None
 
     def _configure_launcher(self) -> None:
         """Our popen launcher: per-job children and clean-up, so Hydra sweeps (``-m``) work."""
         if self._start_method == "popen":
             assert self.cluster_environment is not None
-            self._launcher = HydraSafeSubprocessLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = HydraSafeSubprocessLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
         else:
             super()._configure_launcher()
 
@@ -174,7 +185,9 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             return self.world_size, 1
         world, dp, size = self.world_size, self.data_parallel_size, getattr(self, self.model_parallel_option)
         where = f"{world} process(es) of this run (num_nodes={self.num_nodes} x devices={self.num_processes})"
-        require([layout(world, where, dp, size, self.model_parallel_option)], prefix=f"{type(self).__name__}: ")
+        require(
+            [layout(world, where, dp, size, self.model_parallel_option)], prefix=f"{type(self).__name__}: "
+        )
         return dp, size or world // dp
 
     def mesh_shape(self) -> MeshShape:
@@ -192,12 +205,17 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self._process_group_backend = self._get_process_group_backend()
         assert self.cluster_environment is not None
         bind = self.root_device.type != "cpu" and self._process_group_backend != "gloo"
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout,
-                              device_id=self.root_device if bind else None)
+        _init_dist_connection(
+            self.cluster_environment,
+            self._process_group_backend,
+            timeout=self._timeout,
+            device_id=self.root_device if bind else None,
+        )
         self.mesh = build_mesh(shape)
         if self.world_size > 1 and self._watchdog is None:
-            self._watchdog = FailureWatchdog(self.global_rank, self.world_size, timeout=self.failure_timeout,
-                                             exit_fn=failure_exit_fn()).start()
+            self._watchdog = FailureWatchdog(
+                self.global_rank, self.world_size, timeout=self.failure_timeout, exit_fn=failure_exit_fn()
+            ).start()
 
     @property
     def dp_group(self) -> Optional[torch.distributed.ProcessGroup]:
@@ -258,7 +276,9 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         if self.scaler() is not None:
             share_found_inf(self.scaler(), group=None)
 
-    def install_global_norm_clipping(self, split: set[int], group: Optional[torch.distributed.ProcessGroup]) -> None:
+    def install_global_norm_clipping(
+        self, split: set[int], group: Optional[torch.distributed.ProcessGroup]
+    ) -> None:
         """Clipping by norm uses the whole model's norm: the parameters in ``split`` (by id) differ across
         ``group``, the others are the same on every rank of it. Lightning's plugin would clip each rank by
         its local norm; this replaces it on this plugin instance."""
@@ -327,7 +347,11 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         if self._watchdog is not None:
             root_cause = self._watchdog.report_failure(exception)
             if root_cause:
-                print(f"[lightning_parallel] {root_cause}; rank {self.global_rank} stops too.", file=sys.stderr, flush=True)
+                print(
+                    f"[lightning_parallel] {root_cause}; rank {self.global_rank} stops too.",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 exception.args = (f"{root_cause} (this rank then saw: {exception})",) + exception.args[1:]
         super().on_exception(exception)
 

@@ -51,11 +51,15 @@ def layout(world: int, where: str, dp: int, size: int | None, size_name: str, pr
     a size of None takes ``world // dp``."""
     s, d = f"{prefix}{size_name}", f"{prefix}data_parallel_size"
     if size is not None and size > world:
-        return (f"{s}={size} is more than the {where}; each part needs its own process: use at most {world} "
-                "or more devices")
+        return (
+            f"{s}={size} is more than the {where}; each part needs its own process: use at most {world} "
+            "or more devices"
+        )
     if size is not None and world % size:
-        return (f"{where} is not divisible by {s}={size}; use a device count that is a multiple of {size}, "
-                f"or {s}=null to use all {world}")
+        return (
+            f"{where} is not divisible by {s}={size}; use a device count that is a multiple of {size}, "
+            f"or {s}=null to use all {world}"
+        )
     if world % dp:
         return f"{where} is not divisible by {d}={dp}; use {d}=1 or a divisor of {world}"
     if size is not None and size * dp != world:

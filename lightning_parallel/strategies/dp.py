@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Union
 
+import lightning.pytorch as pl
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-import lightning.pytorch as pl
 from lightning_parallel.distributed.master import gather_mean_to_master
 from lightning_parallel.distributed.replicas import broadcast_module_states, broadcast_tensors
 from lightning_parallel.strategies.base import ParallelStrategyBase
@@ -54,5 +54,3 @@ class DataParallelStrategy(ParallelStrategyBase):
             output = self.precision_plugin._wrap_closure(model, optimizer, closure)
         broadcast_tensors([p.data for p in self.lightning_module.parameters()], src=0)
         return output
-
-

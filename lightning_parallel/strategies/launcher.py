@@ -42,16 +42,25 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 
-import lightning.pytorch as pl
 from lightning_parallel.distributed.rendezvous import AGENT_STORE_ENV, HostedStore
 
-__all__ = ["HydraSafeSubprocessLauncher", "finish_job", "failure_exit_fn", "install", "child_command", "RankFailedError", "ENTRY_ENV",
-           "READY_ENV", "LAUNCH_ENV_VARS"]
+__all__ = [
+    "HydraSafeSubprocessLauncher",
+    "finish_job",
+    "failure_exit_fn",
+    "install",
+    "child_command",
+    "RankFailedError",
+    "ENTRY_ENV",
+    "READY_ENV",
+    "LAUNCH_ENV_VARS",
+]
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +68,15 @@ log = logging.getLogger(__name__)
 # flags): under the joblib launcher a job runs in a worker whose ``sys.argv`` is not the app's.
 ENTRY_ENV = "LP_HYDRA_ENTRY"
 # What a launch writes into os.environ; ``finish_job`` restores each to its value before the launch.
-LAUNCH_ENV_VARS = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "WORLD_SIZE", "OMP_NUM_THREADS",
-                   AGENT_STORE_ENV)
+LAUNCH_ENV_VARS = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NODE_RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "OMP_NUM_THREADS",
+    AGENT_STORE_ENV,
+)
 # A folder where each child marks (``<local rank>``) that it is about to join the process group.
 READY_ENV = "LP_LAUNCH_READY_DIR"
 # How long the launching process waits for its children to reach the rendezvous (importing torch
@@ -76,7 +92,9 @@ class RankFailedError(RuntimeError):
 class _JobState:
     """What one job's launch changed in this process, so that it can be undone."""
 
-    def __init__(self, job_key: Optional[str], env_before: dict[str, Optional[str]], threads_before: int) -> None:
+    def __init__(
+        self, job_key: Optional[str], env_before: dict[str, Optional[str]], threads_before: int
+    ) -> None:
         self.job_key = job_key
         self.env_before = env_before
         self.threads_before = threads_before
@@ -112,8 +130,10 @@ def _failure_message(rank: int, proc: subprocess.Popen, log_path: Path) -> str:
     """First line: which rank, its exit code and its last output line (usually the exception)."""
     tail = _tail(log_path)
     last = next((line.strip() for line in reversed(tail.splitlines()) if line.strip()), "no output")
-    return (f"rank {rank} (pid {proc.pid}) exited with code {proc.returncode}: {last}\n"
-            f"  last lines of {log_path}:\n{tail}")
+    return (
+        f"rank {rank} (pid {proc.pid}) exited with code {proc.returncode}: {last}\n"
+        f"  last lines of {log_path}:\n{tail}"
+    )
 
 
 class _Observer(threading.Thread):
@@ -226,7 +246,9 @@ def failure_exit_fn() -> Callable[[int], None]:
         return os._exit
 
     def stop_other_ranks(code: int) -> None:
-        log.error("a peer rank failed or hung: stopping this job's other ranks (this process stays, the job fails)")
+        log.error(
+            "a peer rank failed or hung: stopping this job's other ranks (this process stays, the job fails)"
+        )
         _kill(state.procs)
 
     return stop_other_ranks
@@ -253,8 +275,11 @@ def child_command(local_rank: int, global_rank: int) -> tuple[list[str], Optiona
         import __main__
 
         spec = getattr(__main__, "__spec__", None)
-        command = [sys.executable, "-m", spec.name] if spec is not None else [sys.executable,
-                                                                                to_absolute_path(sys.argv[0])]
+        command = (
+            [sys.executable, "-m", spec.name]
+            if spec is not None
+            else [sys.executable, to_absolute_path(sys.argv[0])]
+        )
         argv = sys.argv[1:]
         for i, arg in enumerate(argv):
             if arg.split("=", 1)[0] in _CONFIG_FLAGS:
@@ -275,7 +300,9 @@ def child_command(local_rank: int, global_rank: int) -> tuple[list[str], Optiona
 class HydraSafeSubprocessLauncher(_SubprocessScriptLauncher):
     """Lightning's subprocess launcher with a per-job life cycle; see the module docstring."""
 
-    def launch(self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any) -> Any:
+    def launch(
+        self, function: Callable, *args: Any, trainer: Optional["pl.Trainer"] = None, **kwargs: Any
+    ) -> Any:
         job = _hydra_job()
         job_key = str(job.runtime.output_dir) if job is not None else None
         if _ACTIVE is not None and _ACTIVE.job_key != job_key:
@@ -309,18 +336,26 @@ class HydraSafeSubprocessLauncher(_SubprocessScriptLauncher):
             return
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:
-            waiting = [(rank, proc, log_path) for local_rank, rank, proc, log_path
-                       in zip(range(1, len(state.procs) + 1), state.ranks, state.procs, state.logs)
-                       if not Path(state.ready_dir, str(local_rank)).exists()]
+            waiting = [
+                (rank, proc, log_path)
+                for local_rank, rank, proc, log_path in zip(
+                    range(1, len(state.procs) + 1), state.ranks, state.procs, state.logs
+                )
+                if not Path(state.ready_dir, str(local_rank)).exists()
+            ]
             if not waiting:
                 return
             for rank, proc, log_path in waiting:
                 if proc.poll() is not None:
-                    raise RankFailedError(_failure_message(rank, proc, log_path) +
-                                          "\n(it exited before joining the process group)")
+                    raise RankFailedError(
+                        _failure_message(rank, proc, log_path)
+                        + "\n(it exited before joining the process group)"
+                    )
             if time.monotonic() > deadline:
-                raise RankFailedError(f"rank(s) {[w[0] for w in waiting]} did not reach the process group within "
-                                      f"{READY_TIMEOUT_S:.0f} s of their start; their output: {[str(w[2]) for w in waiting]}")
+                raise RankFailedError(
+                    f"rank(s) {[w[0] for w in waiting]} did not reach the process group within "
+                    f"{READY_TIMEOUT_S:.0f} s of their start; their output: {[str(w[2]) for w in waiting]}"
+                )
             time.sleep(0.1)
 
     def _start_job_children(self) -> None:
@@ -358,7 +393,9 @@ class HydraSafeSubprocessLauncher(_SubprocessScriptLauncher):
             if out_dir is not None:
                 log_path = out_dir / f"{job.job.name}_rank{global_rank}.out"
                 with open(log_path, "ab") as out:
-                    proc = subprocess.Popen(command, env=child_env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT)
+                    proc = subprocess.Popen(
+                        command, env=child_env, cwd=cwd, stdout=out, stderr=subprocess.STDOUT
+                    )
             else:
                 log_path = Path(os.devnull)
                 proc = subprocess.Popen(command, env=child_env, cwd=cwd)
@@ -377,8 +414,8 @@ def install(strategy: Any) -> bool:
     """
     launcher = getattr(strategy, "_launcher", None)
     if type(launcher) is _SubprocessScriptLauncher:
-        strategy._launcher = HydraSafeSubprocessLauncher(launcher.cluster_environment, launcher.num_processes,
-                                                         launcher.num_nodes)
+        strategy._launcher = HydraSafeSubprocessLauncher(
+            launcher.cluster_environment, launcher.num_processes, launcher.num_nodes
+        )
         return True
     return isinstance(launcher, HydraSafeSubprocessLauncher)
-

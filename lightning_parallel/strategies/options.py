@@ -17,7 +17,13 @@ from typing import Any
 __all__ = ["TRAINER_SUPPLIED", "Option", "defaults", "level_problems", "option_problems", "options"]
 
 #: constructor arguments that are objects the Trainer (or the user's code) passes, not configuration
-TRAINER_SUPPLIED = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")
+TRAINER_SUPPLIED = (
+    "accelerator",
+    "parallel_devices",
+    "cluster_environment",
+    "checkpoint_io",
+    "precision_plugin",
+)
 
 
 @dataclass(frozen=True)
@@ -33,8 +39,11 @@ class Option:
 def _own_options(klass: type) -> list[Option]:
     hints = typing.get_type_hints(klass.__init__)
     params = inspect.signature(klass.__init__).parameters.values()
-    return [Option(p.name, hints.get(p.name, Any), p.default, klass) for p in params
-            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"]
+    return [
+        Option(p.name, hints.get(p.name, Any), p.default, klass)
+        for p in params
+        if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and p.name != "self"
+    ]
 
 
 def options(cls: type, configurable: bool = True) -> list[Option]:

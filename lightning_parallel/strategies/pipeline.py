@@ -35,17 +35,37 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
+from lightning_parallel.checkpointing.loss_check import check_finite_loss
 from lightning_parallel.distributed.collectives import start_gather_numbers
 from lightning_parallel.distributed.p2p import PeerLink
-from lightning_parallel.distributed.replicas import all_reduce_gradients, broadcast_module_states, start_sum_at
-from lightning_parallel.checkpointing.loss_check import check_finite_loss
+from lightning_parallel.distributed.replicas import (
+    all_reduce_gradients,
+    broadcast_module_states,
+    start_sum_at,
+)
 from lightning_parallel.pipeline.executor import StageExecutor, batch_size, split_microbatches
 from lightning_parallel.pipeline.logs import LogMirror, WholeBatchMetrics, capture_logs, summarize
 from lightning_parallel.pipeline.partition import StagePartition, find_block_stack, partition
-from lightning_parallel.pipeline.profile import average_over_ranks, capture_block_inputs, time_blocks, untouched
+from lightning_parallel.pipeline.profile import (
+    average_over_ranks,
+    capture_block_inputs,
+    time_blocks,
+    untouched,
+)
 from lightning_parallel.pipeline.schedules import SCHEDULES, bubble_fraction, schedule
-from lightning_parallel.pipeline.stage_state import merge_stage_states, stage_state_by_name, stage_state_from_full
-from lightning_parallel.pipeline.timeline import Timeline, bubble, from_dicts, to_dicts, write_chrome_trace, write_svg
+from lightning_parallel.pipeline.stage_state import (
+    merge_stage_states,
+    stage_state_by_name,
+    stage_state_from_full,
+)
+from lightning_parallel.pipeline.timeline import (
+    Timeline,
+    bubble,
+    from_dicts,
+    to_dicts,
+    write_chrome_trace,
+    write_svg,
+)
 from lightning_parallel.strategies.base import ParallelStrategyBase
 from lightning_parallel.strategies.checks import one_of, positive_int, require
 from lightning_parallel.strategies.options import level_problems
@@ -108,11 +128,15 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         self.executor: Optional[StageExecutor] = None
         self._set_aside: list[Optional[Tensor]] = []
         self._replicated: list[int] = []  # set by configure_parallelism
-        self._replicated_sum: Optional[Callable[[], list]] = None  # the stages' sum of replicated gradients, in flight
+        self._replicated_sum: Optional[Callable[[], list]] = (
+            None  # the stages' sum of replicated gradients, in flight
+        )
         self._full_keys: list[str] = []
         self._full_param_names: list[str] = []
         self.bubbles: list[float] = []  # this rank's measured bubble, per training step
-        self.peak_held: list[int] = []  # per training step: most micro-batches whose activations this stage held
+        self.peak_held: list[
+            int
+        ] = []  # per training step: most micro-batches whose activations this stage held
         self.whole_batch = WholeBatchMetrics()  # the step values of metric objects logged on the last stage
         self._bubbles_gathered: Optional[Callable[[], list[float]]] = None  # every rank's, of the last step
         self.last_timeline: list[Any] = []  # this rank's timeline events of the last training step
@@ -128,10 +152,13 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
             one_of(f"{prefix}schedule", values["schedule"], SCHEDULES),
             positive_int(f"{prefix}num_microbatches", values["num_microbatches"]),
             positive_int(f"{prefix}data_parallel_size", values["data_parallel_size"]),
-            positive_int(f"{prefix}pipeline_parallel_size", values["pipeline_parallel_size"], allow_none=True),
+            positive_int(
+                f"{prefix}pipeline_parallel_size", values["pipeline_parallel_size"], allow_none=True
+            ),
             one_of(f"{prefix}balance", balance, BALANCES, hint=", or give split_points"),
-            None if balance != "time" or split_points is None else
-            f"{prefix}balance='time' and {prefix}split_points={list(split_points)!r} both choose the stages; give "
+            None
+            if balance != "time" or split_points is None
+            else f"{prefix}balance='time' and {prefix}split_points={list(split_points)!r} both choose the stages; give "
             "one of them (split_points fix the stages, balance='time' measures and chooses them).",
         ]
 
@@ -156,18 +183,22 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         # a fit that ended in an exception may have left collectives in flight, on groups now gone
         self._bubbles_gathered = self._replicated_sum = None
         if self.schedule == "1f1b" and self.num_microbatches < pp:
-            raise ValueError(f"schedule='1f1b' needs num_microbatches >= the number of stages ({pp}), got "
-                             f"{self.num_microbatches}; raise num_microbatches or use schedule='gpipe'.")
+            raise ValueError(
+                f"schedule='1f1b' needs num_microbatches >= the number of stages ({pp}), got "
+                f"{self.num_microbatches}; raise num_microbatches or use schedule='gpipe'."
+            )
         if self.schedule == "async" and self.lightning_module.trainer.accumulate_grad_batches > 1:
             raise ValueError(
                 f"schedule='async' does not support accumulate_grad_batches="
                 f"{self.lightning_module.trainer.accumulate_grad_batches}: its update rule is per batch. Raise "
-                "num_microbatches (or the batch size) instead, or use schedule='1f1b'.")
+                "num_microbatches (or the batch size) instead, or use schedule='1f1b'."
+            )
         if self.schedule == "async" and self.scaler() is not None:
             raise ValueError(
                 "schedule='async' does not support precision='16-mixed' with a gradient scaler: a batch's gradient "
                 "is finished a step later, under a loss scale that may have changed. Use precision='bf16-mixed' "
-                "(no scaler), or schedule='1f1b'.")
+                "(no scaler), or schedule='1f1b'."
+            )
         self.share_found_inf()
         if self.partition is not None:
             return  # split by an earlier fit/validate of this trainer: keep the stages
@@ -180,33 +211,46 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         self._report_stages(costs)
         ranks = self.mesh.ranks("pp")
         self.executor = StageExecutor(
-            stage, pp, ranks[stage - 1] if stage > 0 else None, ranks[stage + 1] if stage < pp - 1 else None,
-            PeerLink(self.root_device), self.partition.io, Timeline(self.global_rank),
+            stage,
+            pp,
+            ranks[stage - 1] if stage > 0 else None,
+            ranks[stage + 1] if stage < pp - 1 else None,
+            PeerLink(self.root_device),
+            self.partition.io,
+            Timeline(self.global_rank),
         )
         # summaries go over gloo on CPU: gloo keeps tags apart (NCCL would mix them with activations)
         objects = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         self.logs = LogMirror(PeerLink(torch.device("cpu"), objects), ranks[-1], ranks[:-1], stage == pp - 1)
         owned = set(self.partition.owned)
         # positions in module.parameters() of the trainable parameters outside the stack, on every stage
-        self._replicated = [i for i, (n, p) in enumerate(module.named_parameters()) if n not in owned and p.requires_grad]
+        self._replicated = [
+            i for i, (n, p) in enumerate(module.named_parameters()) if n not in owned and p.requires_grad
+        ]
         if self.schedule == "async" and pp > 1:
             self.async_grads.reduce = self._replicated_gradient_reduce(module, self._replicated)
-        self.install_global_norm_clipping({id(p) for n, p in module.named_parameters() if n in owned}, self.pp_group)
+        self.install_global_norm_clipping(
+            {id(p) for n, p in module.named_parameters() if n in owned}, self.pp_group
+        )
 
     def _measure_block_times(self, module: Any) -> Optional[list[float]]:
         """balance='time': each block's forward + backward seconds on the first training micro-batch."""
         trainer = module.trainer
         if trainer.state.fn != TrainerFn.FITTING:
-            rank_zero_warn("balance='time' measures on a training batch; outside fit the stages are balanced by "
-                           "parameters instead.")
+            rank_zero_warn(
+                "balance='time' measures on a training batch; outside fit the stages are balanced by "
+                "parameters instead."
+            )
             return None
         _, stack = find_block_stack(module, self.block_stack)
         with untouched(module):
             try:
                 batch = next(iter(trainer.fit_loop._data_source.dataloader()))
             except (StopIteration, TypeError, AttributeError) as error:
-                raise ValueError("balance='time' needs a training dataloader with at least one batch to measure "
-                                 f"the blocks on ({error}); use balance='parameters' or split_points.") from error
+                raise ValueError(
+                    "balance='time' needs a training dataloader with at least one batch to measure "
+                    f"the blocks on ({error}); use balance='parameters' or split_points."
+                ) from error
             sample = split_microbatches(self.batch_to_device(batch), self.num_microbatches)[0]
             with capture_logs(module, log_objects=False):
                 inputs = capture_block_inputs(list(stack), lambda: module.training_step(sample, 0))
@@ -218,20 +262,28 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         start, end = self.partition.bounds[self.partition.stage]
         owned = set(self.partition.owned)
         named = list(self.lightning_module.named_parameters())
-        mine = {"rank": self.global_rank, "stage": self.partition.stage, "stack": self.partition.stack_name,
-                "blocks": f"{start}..{end - 1}",
-                "parameters": sum(p.numel() for n, p in named if n in owned),
-                "replicated": sum(p.numel() for n, p in named if n not in owned),
-                "seconds": None if costs is None else sum(costs[start:end])}
+        mine = {
+            "rank": self.global_rank,
+            "stage": self.partition.stage,
+            "stack": self.partition.stack_name,
+            "blocks": f"{start}..{end - 1}",
+            "parameters": sum(p.numel() for n, p in named if n in owned),
+            "replicated": sum(p.numel() for n, p in named if n not in owned),
+            "seconds": None if costs is None else sum(costs[start:end]),
+        }
         parts: list[Any] = [None] * self.world_size
         dist.all_gather_object(parts, mine)
         self.stage_report = parts
-        lines = [f"  rank {r['rank']}: stage {r['stage']}, blocks {r['blocks']} of {self.partition.stack_name!r}, "
-                 f"{r['parameters']:,} parameters in its blocks + {r['replicated']:,} replicated outside the stack"
-                 + ("" if r["seconds"] is None else f", {1e3 * r['seconds']:.2f} ms forward+backward measured")
-                 for r in parts]
-        rank_zero_info(f"Pipeline stages (balance={self.balance!r}); {self.partition.describe_stack()}:\n"
-                       + "\n".join(lines))
+        lines = [
+            f"  rank {r['rank']}: stage {r['stage']}, blocks {r['blocks']} of {self.partition.stack_name!r}, "
+            f"{r['parameters']:,} parameters in its blocks + {r['replicated']:,} replicated outside the stack"
+            + ("" if r["seconds"] is None else f", {1e3 * r['seconds']:.2f} ms forward+backward measured")
+            for r in parts
+        ]
+        rank_zero_info(
+            f"Pipeline stages (balance={self.balance!r}); {self.partition.describe_stack()}:\n"
+            + "\n".join(lines)
+        )
 
     # ----------------------------------------------------------------- steps
     def training_step(self, batch: Any, batch_idx: int, *args: Any) -> Tensor:
@@ -263,7 +315,9 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
             step = summary["batch"] if late else self.lightning_module.trainer.global_step
             check_finite_loss(loss, step, summary["batch_idx"], self.mesh.ranks("pp")[-1])
         if summary["batch"] is not None:
-            self.lightning_module.log("pipeline_async_batch", float(summary["batch"]), on_step=True, on_epoch=False)
+            self.lightning_module.log(
+                "pipeline_async_batch", float(summary["batch"]), on_step=True, on_epoch=False
+            )
         if loss is not None:
             self._last_loss = loss
         return loss
@@ -275,13 +329,19 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         return self._forward_only(batch, lambda mb: Strategy.test_step(self, mb, batch_idx, *args))
 
     def predict_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
-        outputs = self._forward_only(batch, lambda mb: Strategy.predict_step(self, mb, batch_idx, *args), outputs=True)
+        outputs = self._forward_only(
+            batch, lambda mb: Strategy.predict_step(self, mb, batch_idx, *args), outputs=True
+        )
         if outputs and all(isinstance(o, Tensor) for o in outputs):
             return torch.cat(outputs)
         return outputs
 
     def _forward_only(self, batch: Any, step_fn: Any, outputs: bool = False) -> Any:
-        actions = [a for a in schedule("gpipe", self.mesh.shape.pp, self.num_microbatches, self.mesh.pp_rank) if a.kind == "F"]
+        actions = [
+            a
+            for a in schedule("gpipe", self.mesh.shape.pp, self.num_microbatches, self.mesh.pp_rank)
+            if a.kind == "F"
+        ]
         with torch.no_grad():
             # no wait for sends: under async, a receiver may still owe a receive from the last train step
             result = self._run(actions, batch, step_fn, backward=False, outputs=outputs, flushed=False)
@@ -289,8 +349,17 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
             return result
         return self._show(self.logs.take("eval"))
 
-    def _run(self, actions: list, batch: Any, step_fn: Any, backward: bool, outputs: bool = False,
-             before_backward: Any = None, flushed: bool = True, batch_idx: Optional[int] = None) -> Any:
+    def _run(
+        self,
+        actions: list,
+        batch: Any,
+        step_fn: Any,
+        backward: bool,
+        outputs: bool = False,
+        before_backward: Any = None,
+        flushed: bool = True,
+        batch_idx: Optional[int] = None,
+    ) -> Any:
         """Run this stage's actions on the batch's micro-batches; the last stage publishes its summary.
         ``flushed``: the call leaves no stage with work in flight, so it may wait for its sends."""
         microbatches = split_microbatches(batch, self.num_microbatches)
@@ -304,16 +373,27 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         # only the last stage runs the user's step, so only it calls metrics
         tracked = self.whole_batch.track(self.lightning_module) if self.is_last_stage else nullcontext()
         with capture_logs(self.lightning_module) as logged, tracked:
-            result = self.executor.run(actions, microbatches, step_fn, [w * scale for w in weights], backward=backward,
-                                       before_backward=before_backward, flushed=flushed)
+            result = self.executor.run(
+                actions,
+                microbatches,
+                step_fn,
+                [w * scale for w in weights],
+                backward=backward,
+                before_backward=before_backward,
+                flushed=flushed,
+            )
         if backward:
             self.peak_held.append(result.peak_held)
         if outputs:
             return result.outputs if self.is_last_stage else None
         if self.is_last_stage:
             kind = "train" if backward else "eval"
-            number = self.lightning_module.trainer.global_step if self.schedule == "async" and backward else None
-            self.logs.publish(summarize(kind, result.losses, weights, logged, number, batch_idx, self.whole_batch))
+            number = (
+                self.lightning_module.trainer.global_step if self.schedule == "async" and backward else None
+            )
+            self.logs.publish(
+                summarize(kind, result.losses, weights, logged, number, batch_idx, self.whole_batch)
+            )
         self.logs.finish(flushed)
         return result
 
@@ -331,9 +411,15 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
             folder = Path(self.lightning_module.trainer.default_root_dir)
             folder.mkdir(parents=True, exist_ok=True)
             everyone = [e for rank_events in gathered for e in from_dicts(rank_events)]
-            title = (f"{self.schedule}, {self.mesh.shape.pp} stages, {self.num_microbatches} micro-batches, step {step}; "
-                     f"theory bubble {bubble_fraction(self.mesh.shape.pp, self.num_microbatches):.0%}"
-                     + (" with a flush, 0% without (B3' = the previous batch's)" if self.schedule == "async" else ""))
+            title = (
+                f"{self.schedule}, {self.mesh.shape.pp} stages, {self.num_microbatches} micro-batches, step {step}; "
+                f"theory bubble {bubble_fraction(self.mesh.shape.pp, self.num_microbatches):.0%}"
+                + (
+                    " with a flush, 0% without (B3' = the previous batch's)"
+                    if self.schedule == "async"
+                    else ""
+                )
+            )
             write_chrome_trace(everyone, folder / f"pipeline_timeline_step{step}.json")
             write_svg(everyone, folder / f"pipeline_timeline_step{step}.svg", title)
 
@@ -351,8 +437,10 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         if not (trainer._logger_connector.should_update_logs or trainer.fast_dev_run):
             return
         shape = self.mesh.shape
-        stages = [statistics.mean(v for r, v in enumerate(everyone) if shape.coordinates(r)[1] == s)
-                  for s in range(shape.pp)]
+        stages = [
+            statistics.mean(v for r, v in enumerate(everyone) if shape.coordinates(r)[1] == s)
+            for s in range(shape.pp)
+        ]
         for s, value in enumerate(stages):
             self.lightning_module.log(f"pipeline_bubble_stage{s}", value, on_step=True, on_epoch=False)
         self.lightning_module.log("pipeline_bubble", statistics.mean(stages), on_step=True, on_epoch=False)
@@ -411,7 +499,9 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         state = {k: v for k, v in state_dict.items() if k in local_keys}
         missing = local_keys - set(state)
         if strict and missing:
-            raise KeyError(f"checkpoint lacks {sorted(missing)[:5]} (of {len(missing)}) for this pipeline stage")
+            raise KeyError(
+                f"checkpoint lacks {sorted(missing)[:5]} (of {len(missing)}) for this pipeline stage"
+            )
         self.lightning_module.load_state_dict(state, strict=False)
 
     def full_optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -428,4 +518,6 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         if self.partition is None:
             return super().load_full_optimizer_state(checkpoint)
         for optimizer, full in zip(self.optimizers, checkpoint["optimizer_states"]):
-            optimizer.load_state_dict(stage_state_from_full(full, optimizer, self.lightning_module, self._full_param_names))
+            optimizer.load_state_dict(
+                stage_state_from_full(full, optimizer, self.lightning_module, self._full_param_names)
+            )

@@ -57,9 +57,18 @@ class AsyncPipelineMixin:
         actions = async_step(pp, m, stage, carried) + (cooldown(pp, m, stage) if flush else [])
         self.async_grads.begin(params, carried)
         keeps_graphs = not flush and warmup_depth(pp, m, stage) > 0
-        with weights_snapshot(params) if keeps_graphs else nullcontext():  # graphs left in flight keep this step's weights
-            self._run(actions, batch, step_fn, backward=True, flushed=flush, batch_idx=batch_idx,
-                      before_backward=lambda a: self.async_grads.before_backward(params, a.batch))
+        with (
+            weights_snapshot(params) if keeps_graphs else nullcontext()
+        ):  # graphs left in flight keep this step's weights
+            self._run(
+                actions,
+                batch,
+                step_fn,
+                backward=True,
+                flushed=flush,
+                batch_idx=batch_idx,
+                before_backward=lambda a: self.async_grads.before_backward(params, a.batch),
+            )
         # a stage that keeps no micro-batch in flight (the last) has finished this batch even without a flush
         apply_now = self.async_grads.end(params, finished=not self.executor.has_in_flight)
         self._set_aside = apply_now or []
@@ -85,9 +94,11 @@ class AsyncPipelineMixin:
         """Whether the pipeline must flush in this step: the epoch or the fit ends after it."""
         trainer = self.lightning_module.trainer
         loop = trainer.fit_loop.epoch_loop
-        return bool(loop.batch_progress.is_last_batch
-                    or loop.batch_idx + 1 >= trainer.num_training_batches
-                    or 0 <= trainer.max_steps <= trainer.global_step + 1)
+        return bool(
+            loop.batch_progress.is_last_batch
+            or loop.batch_idx + 1 >= trainer.num_training_batches
+            or 0 <= trainer.max_steps <= trainer.global_step + 1
+        )
 
     def drain(self) -> None:
         """async: finish the backwards still in flight; their gradient waits for the next optimizer step."""
@@ -153,7 +164,9 @@ class AsyncPipelineMixin:
             return
         owned = set(self.partition.owned)
         named = list(self.lightning_module.named_parameters())
-        self.async_grads.place_from_checkpoint(named, {n for n, _ in named if n not in owned}, self.mesh.pp_rank == 0)
+        self.async_grads.place_from_checkpoint(
+            named, {n for n, _ in named if n not in owned}, self.mesh.pp_rank == 0
+        )
 
     def prepare_checkpoint(self) -> None:
         """Before a checkpoint's state is read: the async pipeline drains, so what is saved (full or sharded)
@@ -186,4 +199,6 @@ class AsyncPipelineMixin:
             self._held_summary = state.get("async_due_summary")
             self._summary_due = self._held_summary is not None
             last = state.get("async_last_loss")
-            self._last_loss = torch.tensor(last, dtype=torch.float64, device=self.root_device) if last is not None else None
+            self._last_loss = (
+                torch.tensor(last, dtype=torch.float64, device=self.root_device) if last is not None else None
+            )

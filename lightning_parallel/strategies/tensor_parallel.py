@@ -21,15 +21,14 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_parallel.checkpointing import ShardLayout
 from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.replicas import broadcast_module_states
-from lightning_parallel.checkpointing import ShardLayout
 from lightning_parallel.strategies.base import ParallelStrategyBase
 from lightning_parallel.strategies.checks import positive_int, require
 from lightning_parallel.strategies.options import level_problems
 from lightning_parallel.tensor import Plan, ResolvedPlan, apply_plan, parse_plan, resolve
 from lightning_parallel.tensor.coverage import check_coverage, sample_forward
-from lightning_parallel.tensor.layers import SharedEntry, _TPLayer
 from lightning_parallel.tensor.full_state import (
     full_optimizer_state,
     full_state_dict,
@@ -37,6 +36,7 @@ from lightning_parallel.tensor.full_state import (
     shard_optimizer_state,
     sharded_parameters,
 )
+from lightning_parallel.tensor.layers import SharedEntry, _TPLayer
 
 __all__ = ["TensorParallelStrategy", "PlanVerificationError"]
 
@@ -103,7 +103,8 @@ class TensorParallelStrategy(ParallelStrategyBase):
         return [
             positive_int(f"{prefix}tensor_parallel_size", values["tensor_parallel_size"], allow_none=True),
             positive_int(f"{prefix}data_parallel_size", values["data_parallel_size"]),
-            None if isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share <= 1
+            None
+            if isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share <= 1
             else f"{prefix}require_sharded must be a share between 0 and 1, got {share!r}",
         ]
 
@@ -144,7 +145,9 @@ class TensorParallelStrategy(ParallelStrategyBase):
             self._entries = apply_plan(module, self.resolved, self.tp_group, self.mesh.tp_rank)
         if dp > 1:
             self.reducer = GradientReducer(list(module.named_parameters()), group=self.dp_group)
-        self.install_global_norm_clipping({id(t) for t, _, _ in sharded_parameters(module).values()}, self.tp_group)
+        self.install_global_norm_clipping(
+            {id(t) for t, _, _ in sharded_parameters(module).values()}, self.tp_group
+        )
         self.share_found_inf()
 
     # ----------------------------------------------------------------- verify_plan
@@ -207,8 +210,10 @@ class TensorParallelStrategy(ParallelStrategyBase):
 
     def shard_layouts(self) -> dict[str, ShardLayout]:
         """For ``save_distributed``: which slice of each full tensor this rank holds."""
-        return {key: ShardLayout(spec.dim, spec.chunks, layer.tp_rank, layer.tp_size, self.tp_group)
-                for key, (_, spec, layer) in sharded_parameters(self.lightning_module).items()}
+        return {
+            key: ShardLayout(spec.dim, spec.chunks, layer.tp_rank, layer.tp_size, self.tp_group)
+            for key, (_, spec, layer) in sharded_parameters(self.lightning_module).items()
+        }
 
     def load_full_model_state(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         if not self._is_sharded():

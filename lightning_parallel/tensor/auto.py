@@ -168,7 +168,8 @@ class _Finder:
             or children[out].in_features != next(iter(widths))
         ):
             self.report[name] = (
-                f"attention-like module, but {heads}={h} and q/k/v widths {sorted(widths)} do not split over tp={self.tp}"
+                f"attention-like module, but {heads}={h} and q/k/v widths {sorted(widths)} "
+                f"do not split over tp={self.tp}"
             )
             return True
         for n in qkv:
@@ -343,7 +344,9 @@ def auto_plan(
         finder, found = _traced(module, tp_size, run)
     except Exception as error:  # noqa: BLE001  (the user's step would not run outside the fit loop)
         plan, report = auto_plan(module, tp_size)
-        why = f"the sample step could not be traced ({type(error).__name__}: {error}); structural rules decided"
+        why = (
+            f"the sample step could not be traced ({type(error).__name__}: {error}); structural rules decided"
+        )
         return plan, [("(whole model)", why), *report]
     unread = frozenset(found.unread)
     while True:

@@ -29,17 +29,28 @@ def env(marker: str = "") -> dict[str, str]:
     out = dict(os.environ)
     out[MARKER] = marker
     out["PYTHONPATH"] = os.pathsep.join([str(REPO), out.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    for key in ("LOCAL_RANK", "WORLD_SIZE", "RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", AGENT_STORE_ENV):
+    for key in (
+        "LOCAL_RANK",
+        "WORLD_SIZE",
+        "RANK",
+        "NODE_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        AGENT_STORE_ENV,
+    ):
         out.pop(key, None)  # a fresh shell: nothing left by an earlier in-process run
     return out
 
 
-def run(args: Sequence[str], cwd: Path, timeout: float = 240, command: Sequence[str] = LP_TRAIN
-        ) -> subprocess.CompletedProcess:
+def run(
+    args: Sequence[str], cwd: Path, timeout: float = 240, command: Sequence[str] = LP_TRAIN
+) -> subprocess.CompletedProcess:
     return run_bounded([*command, *args], cwd, env(str(cwd)), timeout)
 
 
-def run_bounded(command: Sequence[str], cwd: Path, environ: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+def run_bounded(
+    command: Sequence[str], cwd: Path, environ: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess:
     """``subprocess.run`` that, on a time-out, fails the test saying where it hung and leaves nothing behind.
 
     The command runs in its own session. On a time-out every process in it gets SIGABRT first, which
@@ -48,15 +59,24 @@ def run_bounded(command: Sequence[str], cwd: Path, environ: dict[str, str], time
     tail of every log under ``cwd``: a hang in CI must say where it was, and must not leave processes
     running into the next test.
     """
-    proc = subprocess.Popen(list(command), cwd=cwd, env={**environ, "PYTHONFAULTHANDLER": "1"}, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    proc = subprocess.Popen(
+        list(command),
+        cwd=cwd,
+        env={**environ, "PYTHONFAULTHANDLER": "1"},
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except BaseException as exc:  # our time-out, or pytest-timeout's (it raises in this thread), or ^C
         stdout, stderr = _stop_session(proc)
-        report = (f"{' '.join(command)} was stopped ({type(exc).__name__}) after {timeout:.0f} s or less\n"
-                  f"--- stdout ---\n{stdout[-3000:]}\n--- stderr (with the stacks when it was stopped) ---\n"
-                  f"{stderr[-8000:]}\n{log_tails(cwd)}")
+        report = (
+            f"{' '.join(command)} was stopped ({type(exc).__name__}) after {timeout:.0f} s or less\n"
+            f"--- stdout ---\n{stdout[-3000:]}\n--- stderr (with the stacks when it was stopped) ---\n"
+            f"{stderr[-8000:]}\n{log_tails(cwd)}"
+        )
         if isinstance(exc, subprocess.TimeoutExpired):
             pytest.fail(report, pytrace=False)
         print(report)  # pytest shows a failed test's captured output
@@ -85,9 +105,15 @@ def _signal_session(pid: int, sig: signal.Signals) -> None:
 
 def log_tails(cwd: Path, lines: int = 25, limit: int = 12000) -> str:
     """The last lines of every ``*.out`` and ``*.log`` under ``cwd``, newest last."""
-    logs = sorted((p for pattern in ("*.out", "*.log") for p in cwd.rglob(pattern)), key=lambda p: p.stat().st_mtime)
-    text = "".join(f"--- {p.relative_to(cwd)} ---\n" + "\n".join(p.read_text(errors="replace").splitlines()[-lines:]) + "\n"
-                   for p in logs)
+    logs = sorted(
+        (p for pattern in ("*.out", "*.log") for p in cwd.rglob(pattern)), key=lambda p: p.stat().st_mtime
+    )
+    text = "".join(
+        f"--- {p.relative_to(cwd)} ---\n"
+        + "\n".join(p.read_text(errors="replace").splitlines()[-lines:])
+        + "\n"
+        for p in logs
+    )
     return text[-limit:]
 
 
@@ -109,7 +135,9 @@ def survivors(cwd: Path) -> list[str]:
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes() + b"\0"
             if needle in environ:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                cmdline = (
+                    Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                )
                 found.append(f"{pid}: {cmdline}")
         except OSError:
             continue

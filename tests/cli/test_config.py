@@ -31,8 +31,10 @@ def test_default_config_is_valid() -> None:
     assert cfg.trainer.devices == 2 and cfg.trainer.accelerator == "cpu"
 
 
-@pytest.mark.parametrize("group", ["lp_ddp", "lp_dp", "ddp", "tensor_parallel", "pipeline_gpipe", "pipeline_1f1b",
-                                   "pipeline_async"])
+@pytest.mark.parametrize(
+    "group",
+    ["lp_ddp", "lp_dp", "ddp", "tensor_parallel", "pipeline_gpipe", "pipeline_1f1b", "pipeline_async"],
+)
 def test_every_strategy_composes(group: str) -> None:
     cfg = _compose(f"strategy={group}")
     assert "_target_" in cfg.strategy
@@ -46,17 +48,25 @@ def test_every_trainer_composes(trainer: str) -> None:
 @pytest.mark.parametrize(
     "override, words",
     [
-        ("strategy.bucket_cap=5", ["bucket_cap", "not in 'DDPStrategyConf'"]),  # unknown key (typo of bucket_cap_mb)
+        (
+            "strategy.bucket_cap=5",
+            ["bucket_cap", "not in 'DDPStrategyConf'"],
+        ),  # unknown key (typo of bucket_cap_mb)
         ("trainer.max_stepz=5", ["max_stepz", "not in 'TrainerConf'"]),
         ("trainer.max_steps=many", ["max_steps", "many", "could not be converted to Integer"]),  # wrong type
         ("strategy.bucket_cap_mb=big", ["bucket_cap_mb", "big", "could not be converted to Float"]),
         ("strategy.find_unused_parameters=maybe", ["find_unused_parameters", "maybe", "bool"]),
-        ("strategy.num_microbatches=four", ["num_microbatches", "four", "Integer"]),  # with strategy=pipeline_1f1b
+        (
+            "strategy.num_microbatches=four",
+            ["num_microbatches", "four", "Integer"],
+        ),  # with strategy=pipeline_1f1b
         ("strategy=no_such_strategy", ["no_such_strategy", "strategy"]),
     ],
 )
 def test_unknown_keys_and_wrong_types_fail_while_composing(override: str, words: list[str]) -> None:
-    overrides = ["strategy=pipeline_1f1b", override] if override.startswith("strategy.num_micro") else [override]
+    overrides = (
+        ["strategy=pipeline_1f1b", override] if override.startswith("strategy.num_micro") else [override]
+    )
     with pytest.raises((ConfigCompositionException, OmegaConfBaseException)) as err:
         _compose(*overrides)
     message = str(err.value) + str(err.value.__cause__ or "")
@@ -67,27 +77,56 @@ def test_unknown_keys_and_wrong_types_fail_while_composing(override: str, words:
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (["strategy=tensor_parallel", "trainer.devices=3", "strategy.tensor_parallel_size=2"],
-         "trainer.devices=3 x trainer.num_nodes=1 = 3 process(es) is not divisible by strategy.tensor_parallel_size=2"),
-        (["strategy=tensor_parallel", "trainer.devices=4", "strategy.tensor_parallel_size=2"],
-         "strategy.data_parallel_size=1 x strategy.tensor_parallel_size=2 = 2 must equal"),
-        (["strategy=tensor_parallel", "trainer.devices=4", "strategy.data_parallel_size=3"],
-         "is not divisible by strategy.data_parallel_size=3"),
-        (["strategy=pipeline_1f1b", "trainer.devices=2", "strategy.pipeline_parallel_size=4"],
-         "strategy.pipeline_parallel_size=4 is more than the trainer.devices=2"),
-        (["strategy=pipeline_gpipe", "trainer.devices=4", "model.n_layer=2"],
-         "4 pipeline stages but model.n_layer=2 blocks"),
-        (["strategy=pipeline_gpipe", "trainer.devices=2", "strategy.split_points=[model.blocks.0,model.blocks.1]"],
-         "strategy.split_points has 2 entries, giving 3 stages, but the run has 2 pipeline stages"),
-        (["strategy=pipeline_async", "strategy.schedule=zigzag"], "strategy.schedule='zigzag' is not supported"),
-        (["strategy=pipeline_1f1b", "strategy.num_microbatches=0"], "strategy.num_microbatches must be a positive integer, got 0"),
+        (
+            ["strategy=tensor_parallel", "trainer.devices=3", "strategy.tensor_parallel_size=2"],
+            "trainer.devices=3 x trainer.num_nodes=1 = 3 process(es) is not divisible by "
+            "strategy.tensor_parallel_size=2",
+        ),
+        (
+            ["strategy=tensor_parallel", "trainer.devices=4", "strategy.tensor_parallel_size=2"],
+            "strategy.data_parallel_size=1 x strategy.tensor_parallel_size=2 = 2 must equal",
+        ),
+        (
+            ["strategy=tensor_parallel", "trainer.devices=4", "strategy.data_parallel_size=3"],
+            "is not divisible by strategy.data_parallel_size=3",
+        ),
+        (
+            ["strategy=pipeline_1f1b", "trainer.devices=2", "strategy.pipeline_parallel_size=4"],
+            "strategy.pipeline_parallel_size=4 is more than the trainer.devices=2",
+        ),
+        (
+            ["strategy=pipeline_gpipe", "trainer.devices=4", "model.n_layer=2"],
+            "4 pipeline stages but model.n_layer=2 blocks",
+        ),
+        (
+            [
+                "strategy=pipeline_gpipe",
+                "trainer.devices=2",
+                "strategy.split_points=[model.blocks.0,model.blocks.1]",
+            ],
+            "strategy.split_points has 2 entries, giving 3 stages, but the run has 2 pipeline stages",
+        ),
+        (
+            ["strategy=pipeline_async", "strategy.schedule=zigzag"],
+            "strategy.schedule='zigzag' is not supported",
+        ),
+        (
+            ["strategy=pipeline_1f1b", "strategy.num_microbatches=0"],
+            "strategy.num_microbatches must be a positive integer, got 0",
+        ),
         (["trainer.devices=0"], "trainer.devices=0 is not a device count"),
         # Hydra lets "+key=value" add a key to a structured node; the schema check catches it
         (["+strategy.bucket_cap=5"], "strategy.bucket_cap is not an option of DDPStrategyConf (options: "),
         (["+strategy.bucket_cap=5"], "did you mean strategy.bucket_cap_mb?"),
         (["trainer.num_nodes=0"], "trainer.num_nodes=0 must be at least 1"),
-        (["model._target_=no_such_module.Model"], "model._target_=no_such_module.Model: module 'no_such_module' cannot"),
-        (["data._target_=lightning_parallel.data.NoSuchData"], "'lightning_parallel.data' has no attribute 'NoSuchData'"),
+        (
+            ["model._target_=no_such_module.Model"],
+            "model._target_=no_such_module.Model: module 'no_such_module' cannot",
+        ),
+        (
+            ["data._target_=lightning_parallel.data.NoSuchData"],
+            "'lightning_parallel.data' has no attribute 'NoSuchData'",
+        ),
     ],
 )
 def test_impossible_combinations_are_reported(overrides: list[str], expected: str) -> None:

@@ -21,11 +21,14 @@ from tests.cli.lp import REPO, assert_no_survivors, explain, run, sweep_dir
 def test_child_command_is_this_job_only(tmp_path, monkeypatch) -> None:
     register_configs()
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=["strategy=lp_dp", "trainer.devices=2"],
-                      return_hydra_config=True)
+        cfg = compose(
+            config_name="config", overrides=["strategy=lp_dp", "trainer.devices=2"], return_hydra_config=True
+        )
     cfg.hydra.runtime.output_dir = str(tmp_path / "multirun" / "3")
     cfg.hydra.runtime.cwd = str(tmp_path)
-    monkeypatch.setenv(L.ENTRY_ENV, json.dumps(["python", "-m", "lightning_parallel.cli.train", "--config-dir", "x"]))
+    monkeypatch.setenv(
+        L.ENTRY_ENV, json.dumps(["python", "-m", "lightning_parallel.cli.train", "--config-dir", "x"])
+    )
     HydraConfig.instance().set_config(cfg)
     try:
         command, cwd = L.child_command(local_rank=1, global_rank=1)
@@ -44,13 +47,18 @@ def test_finish_job_restores_environment_and_reports_failed_children(monkeypatch
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.delenv(L.AGENT_STORE_ENV, raising=False)
     monkeypatch.delenv("MASTER_ADDR", raising=False)
-    state = L._JobState(job_key="job-0", env_before={"MASTER_PORT": "1234", "LOCAL_RANK": None, "MASTER_ADDR": None,
-                                                     L.AGENT_STORE_ENV: None},
-                        threads_before=1)
+    state = L._JobState(
+        job_key="job-0",
+        env_before={"MASTER_PORT": "1234", "LOCAL_RANK": None, "MASTER_ADDR": None, L.AGENT_STORE_ENV: None},
+        threads_before=1,
+    )
     state.store = L.HostedStore(world_size=2)
     port = state.store.port
-    state.procs = [subprocess.Popen([sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"],
-                                    stdout=subprocess.DEVNULL)]
+    state.procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"], stdout=subprocess.DEVNULL
+        )
+    ]
     state.ranks, state.logs = [1], [Path(os.devnull)]
     monkeypatch.setattr(L, "_ACTIVE", state)
     os.environ.update(state.store.env(), LOCAL_RANK="0")  # what a launch leaves behind
@@ -67,7 +75,11 @@ def test_finish_job_restores_environment_and_reports_failed_children(monkeypatch
 @pytest.mark.timeout(200)
 def test_users_own_hydra_app_sweeps_with_our_strategy(tmp_path) -> None:
     """Not lp-train: jobs end without our clean-up call; the next job's launch cleans up the previous one."""
-    proc = run(["-m", "devices=2,1,2"], tmp_path, command=[sys.executable, str(REPO / "tests/helpers/hydra_user_app.py")])
+    proc = run(
+        ["-m", "devices=2,1,2"],
+        tmp_path,
+        command=[sys.executable, str(REPO / "tests/helpers/hydra_user_app.py")],
+    )
     assert proc.returncode == 0, explain(proc)
     root = sweep_dir(tmp_path)
     worlds = [json.loads((root / str(i) / "world.json").read_text()) for i in range(3)]

@@ -40,7 +40,9 @@ def test_every_option_reaches_hydra_at_the_constructors_default(conf: str) -> No
     cls = _strategy_class(conf)
     composed = OmegaConf.to_container(_compose(f"strategy={conf}").strategy, resolve=True)
     expected = {**defaults(cls), **STRATEGY_NAMES[_registry_name(conf)][1]}
-    assert set(expected) <= set(composed), f"not reachable from Hydra: {sorted(set(expected) - set(composed))}"
+    assert set(expected) <= set(composed), (
+        f"not reachable from Hydra: {sorted(set(expected) - set(composed))}"
+    )
     differ = {k: (composed[k], v) for k, v in expected.items() if composed[k] != v}
     assert not differ, f"strategy={conf}: (config, constructor) defaults differ: {differ}"
     assert composed["_target_"] == f"lightning_parallel.{cls.__name__}"
@@ -61,12 +63,13 @@ def _readme_row(class_name: str) -> str:
     return " ".join(rows)
 
 
-@pytest.mark.parametrize("cls", sorted({_strategy_class(c) for c in LP_CONFS}, key=lambda c: c.__name__),
-                         ids=lambda c: c.__name__)
+@pytest.mark.parametrize(
+    "cls", sorted({_strategy_class(c) for c in LP_CONFS}, key=lambda c: c.__name__), ids=lambda c: c.__name__
+)
 def test_readme_table_names_each_option_at_its_default(cls: type) -> None:
     """A strategy's own options are in its row of the table; the shared ones in the sentence below it."""
     readme = (REPO / "README.md").read_text()
-    shared = readme[readme.index("Every strategy also takes"):].split("\n\n")[0]
+    shared = readme[readme.index("Every strategy also takes") :].split("\n\n")[0]
     for option in options(cls):
         text = shared if option.owner is ParallelStrategyBase else _readme_row(cls.__name__)
         assert f"`{option.name}`" in text, f"README does not name {cls.__name__}'s option {option.name}"
@@ -78,8 +81,18 @@ def test_readme_table_names_each_option_at_its_default(cls: type) -> None:
 @pytest.mark.timeout(200)
 def test_lp_train_save_distributed_writes_a_sharded_checkpoint(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    proc = run(["strategy=lp_ddp", "strategy.save_distributed=true", *QUICK, "trainer.max_steps=2",
-                "trainer.val_check_interval=2", "data.max_chars=20000", f"hydra.run.dir={run_dir}"], tmp_path)
+    proc = run(
+        [
+            "strategy=lp_ddp",
+            "strategy.save_distributed=true",
+            *QUICK,
+            "trainer.max_steps=2",
+            "trainer.val_check_interval=2",
+            "data.max_chars=20000",
+            f"hydra.run.dir={run_dir}",
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 0, explain(proc)
     checkpoint = Path(summary(run_dir)["checkpoint"])
     assert checkpoint.is_dir() and list(checkpoint.iterdir()), checkpoint

@@ -45,10 +45,16 @@ def _check_sweep(cwd: Path, expected: dict[str, int], proc) -> Path:
 def test_sweep_strategies_by_devices(tmp_path) -> None:
     proc = run(["-m", "strategy=lp_ddp,lp_dp", "trainer.devices=1,2", *QUICK], tmp_path)
     assert proc.returncode == 0, explain(proc)
-    root = _check_sweep(tmp_path, {
-        "strategy=lp_ddp trainer.devices=1": 1, "strategy=lp_ddp trainer.devices=2": 2,
-        "strategy=lp_dp trainer.devices=1": 1, "strategy=lp_dp trainer.devices=2": 2,
-    }, proc)
+    root = _check_sweep(
+        tmp_path,
+        {
+            "strategy=lp_ddp trainer.devices=1": 1,
+            "strategy=lp_ddp trainer.devices=2": 2,
+            "strategy=lp_dp trainer.devices=1": 1,
+            "strategy=lp_dp trainer.devices=2": 2,
+        },
+        proc,
+    )
     rows = list(csv.DictReader(open(root / "sweep_summary.csv")))
     assert [r["world_size"] for r in rows] == ["1", "2", "1", "2"]
     assert all(r["status"] == "completed" and float(r["samples_per_second"]) > 0 for r in rows)
@@ -58,9 +64,17 @@ def test_sweep_strategies_by_devices(tmp_path) -> None:
 def test_failing_job_is_reported_and_the_sweep_goes_on(tmp_path) -> None:
     """Job 0: rank 1 raises at step 3; job 1: rank 0 (the launching process) does. Both fail quickly,
     job 2 still trains on 2 processes, and the sweep exits with status 1."""
-    proc = run(["-m", "model._target_=tests.helpers.user_project.Regressor",
-                "data._target_=tests.helpers.user_project.RandomRegressionData",
-                "+model.fail_on_rank=1,0,null", "trainer.max_steps=8", "trainer.val_check_interval=4"], tmp_path)
+    proc = run(
+        [
+            "-m",
+            "model._target_=tests.helpers.user_project.Regressor",
+            "data._target_=tests.helpers.user_project.RandomRegressionData",
+            "+model.fail_on_rank=1,0,null",
+            "trainer.max_steps=8",
+            "trainer.val_check_interval=4",
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 1, explain(proc)
     root = sweep_dir(tmp_path)
     child_failed, parent_failed, ok = (summary(root / str(i)) for i in range(3))
@@ -84,7 +98,9 @@ def test_sweep_defined_in_a_config_file(tmp_path) -> None:
     """``experiment=sweep_strategies`` sets hydra.sweeper.params; here narrowed to one strategy."""
     proc = run(["-m", "experiment=sweep_strategies", "hydra.sweeper.params.strategy=lp_dp"], tmp_path)
     assert proc.returncode == 0, explain(proc)
-    _check_sweep(tmp_path, {"strategy=lp_dp trainer.devices=1": 1, "strategy=lp_dp trainer.devices=2": 2}, proc)
+    _check_sweep(
+        tmp_path, {"strategy=lp_dp trainer.devices=1": 1, "strategy=lp_dp trainer.devices=2": 2}, proc
+    )
 
 
 @pytest.mark.timeout(280)
@@ -95,41 +111,77 @@ def test_sweep_with_the_joblib_launcher(tmp_path) -> None:
         found = False
     if not found:
         pytest.skip("hydra-joblib-launcher is not installed (pip install 'lightning-parallel[joblib]')")
-    proc = run(["-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "strategy=lp_ddp,lp_dp",
-                "trainer.devices=2,1", *QUICK], tmp_path)
+    proc = run(
+        [
+            "-m",
+            "hydra/launcher=joblib",
+            "hydra.launcher.n_jobs=2",
+            "strategy=lp_ddp,lp_dp",
+            "trainer.devices=2,1",
+            *QUICK,
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 0, explain(proc)
-    _check_sweep(tmp_path, {
-        "strategy=lp_ddp trainer.devices=1": 1, "strategy=lp_ddp trainer.devices=2": 2,
-        "strategy=lp_dp trainer.devices=1": 1, "strategy=lp_dp trainer.devices=2": 2,
-    }, proc)
+    _check_sweep(
+        tmp_path,
+        {
+            "strategy=lp_ddp trainer.devices=1": 1,
+            "strategy=lp_ddp trainer.devices=2": 2,
+            "strategy=lp_dp trainer.devices=1": 1,
+            "strategy=lp_dp trainer.devices=2": 2,
+        },
+        proc,
+    )
 
 
 @pytest.mark.timeout(290)
 def test_sweep_over_ddp_tensor_and_pipeline_parallel(tmp_path) -> None:
     """The issue's sweep (ddp, tensor_parallel, pipeline_1f1b x devices 1, 2), with the model-parallel
     strategies this branch has: 6 jobs once both are merged."""
-    present = [group for group, name in (("tensor_parallel", "TensorParallelStrategy"),
-                                         ("pipeline_1f1b", "PipelineParallelStrategy"))
-               if hasattr(lightning_parallel, name)]
+    present = [
+        group
+        for group, name in (
+            ("tensor_parallel", "TensorParallelStrategy"),
+            ("pipeline_1f1b", "PipelineParallelStrategy"),
+        )
+        if hasattr(lightning_parallel, name)
+    ]
     if not present:
         pytest.skip("neither TensorParallelStrategy nor PipelineParallelStrategy is in this branch yet")
     strategies = ["ddp", *present]
-    proc = run(["-m", f"strategy={','.join(strategies)}", "trainer.devices=1,2", *QUICK, "model.n_layer=2"],
-               tmp_path, timeout=285)
+    proc = run(
+        ["-m", f"strategy={','.join(strategies)}", "trainer.devices=1,2", *QUICK, "model.n_layer=2"],
+        tmp_path,
+        timeout=285,
+    )
     assert proc.returncode == 0, explain(proc)
-    _check_sweep(tmp_path, {
-        f"strategy={s} trainer.devices={d} model.n_layer=2": d for s in strategies for d in (1, 2)
-    }, proc)
+    _check_sweep(
+        tmp_path,
+        {f"strategy={s} trainer.devices={d} model.n_layer=2": d for s in strategies for d in (1, 2)},
+        proc,
+    )
 
 
 def test_summary_table_from_job_folders(tmp_path) -> None:
     """Rows come from the files jobs leave; a job without summary.json is listed, not lost."""
-    for num, (overrides, body) in enumerate([
-        (["strategy=lp_ddp"], {"status": "completed", "world_size": 2, "samples_per_second": 1500.0,
-                               "train_loss": 1.5, "val_loss": 1.6, "devices": 2}),
-        (["strategy=lp_dp"], {"status": "failed", "error": "RuntimeError: boom\nmore", "devices": 2}),
-        (["strategy=x<y&z"], None),
-    ]):
+    for num, (overrides, body) in enumerate(
+        [
+            (
+                ["strategy=lp_ddp"],
+                {
+                    "status": "completed",
+                    "world_size": 2,
+                    "samples_per_second": 1500.0,
+                    "train_loss": 1.5,
+                    "val_loss": 1.6,
+                    "devices": 2,
+                },
+            ),
+            (["strategy=lp_dp"], {"status": "failed", "error": "RuntimeError: boom\nmore", "devices": 2}),
+            (["strategy=x<y&z"], None),
+        ]
+    ):
         job = tmp_path / str(num)
         (job / ".hydra").mkdir(parents=True)
         (job / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
@@ -151,10 +203,19 @@ def test_summary_table_from_job_folders(tmp_path) -> None:
 def test_child_failing_before_the_rendezvous_does_not_hang_the_sweep(tmp_path) -> None:
     """Rank 1 raises in the model's __init__, before joining the process group: without care, rank 0
     would wait in the rendezvous for the process-group timeout (30 minutes)."""
-    proc = run(["-m", "model._target_=tests.helpers.user_project.Regressor",
-                "data._target_=tests.helpers.user_project.RandomRegressionData",
-                "+model.fail_on_rank=1", "+model.fail_at_step=-1", "trainer.max_steps=4", "trainer.devices=2,1"],
-               tmp_path, timeout=180)
+    proc = run(
+        [
+            "-m",
+            "model._target_=tests.helpers.user_project.Regressor",
+            "data._target_=tests.helpers.user_project.RandomRegressionData",
+            "+model.fail_on_rank=1",
+            "+model.fail_at_step=-1",
+            "trainer.max_steps=4",
+            "trainer.devices=2,1",
+        ],
+        tmp_path,
+        timeout=180,
+    )
     assert proc.returncode == 1, explain(proc)
     root = sweep_dir(tmp_path)
     failed, ok = summary(root / "0"), summary(root / "1")

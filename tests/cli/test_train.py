@@ -45,12 +45,17 @@ def test_default_run_trains_chargpt_with_lp_ddp_on_two_processes(tmp_path) -> No
 @pytest.mark.timeout(200)
 def test_user_module_runs_unmodified_via_target(tmp_path) -> None:
     run_dir = tmp_path / "run"
-    proc = run([
-        "model._target_=tests.helpers.user_project.Regressor",
-        "data._target_=tests.helpers.user_project.RandomRegressionData",
-        "+model.hidden=8", "trainer.max_steps=12", "trainer.val_check_interval=6",
-        f"hydra.run.dir={run_dir}",
-    ], tmp_path)
+    proc = run(
+        [
+            "model._target_=tests.helpers.user_project.Regressor",
+            "data._target_=tests.helpers.user_project.RandomRegressionData",
+            "+model.hidden=8",
+            "trainer.max_steps=12",
+            "trainer.val_check_interval=6",
+            f"hydra.run.dir={run_dir}",
+        ],
+        tmp_path,
+    )
     assert proc.returncode == 0, explain(proc)
     s = summary(run_dir)
     assert s["status"] == "completed" and s["model"] == "tests.helpers.user_project.Regressor"
@@ -66,10 +71,16 @@ def test_user_module_runs_unmodified_via_target(tmp_path) -> None:
 def test_builtin_ddp_single_process_and_spawn(tmp_path) -> None:
     """Lightning's own ddp gets our launcher too; devices=1 runs one process; with start_method=spawn
     training runs in spawned processes and rank 0 still reports its figures."""
-    for name, devices, extra in (("ddp", 2, []), ("lp_dp", 1, []), ("lp_ddp", 2, ["strategy.start_method=spawn"])):
+    for name, devices, extra in (
+        ("ddp", 2, []),
+        ("lp_dp", 1, []),
+        ("lp_ddp", 2, ["strategy.start_method=spawn"]),
+    ):
         run_dir = tmp_path / f"{name}_{len(extra)}"
-        proc = run([f"strategy={name}", f"trainer.devices={devices}", *extra, *QUICK, f"hydra.run.dir={run_dir}"],
-                   tmp_path)
+        proc = run(
+            [f"strategy={name}", f"trainer.devices={devices}", *extra, *QUICK, f"hydra.run.dir={run_dir}"],
+            tmp_path,
+        )
         assert proc.returncode == 0, explain(proc)
         s = summary(run_dir)
         assert s["world_size"] == devices and s["strategy"] == name and s["global_step"] == 20

@@ -93,8 +93,11 @@ def check_gradient_reductions(rank: int) -> None:
     from lightning_parallel.distributed.replicas import all_reduce_gradients, start_gradient_reduce
 
     check = torch.testing.assert_close
-    params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(3, dtype=torch.float64)),
-              torch.nn.Parameter(torch.zeros(1))]
+    params = [
+        torch.nn.Parameter(torch.zeros(2)),
+        torch.nn.Parameter(torch.zeros(3, dtype=torch.float64)),
+        torch.nn.Parameter(torch.zeros(1)),
+    ]
     first = [torch.full((2,), rank + 1.0), torch.ones(3, dtype=torch.float64) if rank == 0 else None, None]
     second = [torch.full((2,), 10.0 * (rank + 1)), None, None]
     finish_first = start_gradient_reduce(params, first, None, average=False)
@@ -114,8 +117,7 @@ def check_gradient_reductions(rank: int) -> None:
 @pytest.mark.timeout(120)
 def test_conjugate_collectives_on_two_processes(tmp_path):
     cmd = [sys.executable, "-m", "tests.distributed.test_collectives", str(tmp_path)]
-    run_processes([cmd, cmd], [worker_env(r, 2) for r in range(2)], timeout=90, cwd=tmp_path,
-                  rendezvous=True)
+    run_processes([cmd, cmd], [worker_env(r, 2) for r in range(2)], timeout=90, cwd=tmp_path, rendezvous=True)
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
 
 

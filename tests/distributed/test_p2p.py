@@ -13,13 +13,27 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_parallel.distributed.p2p import HEADER_BYTES, MAX_TENSORS, decode_header, encode_header, pack, unpack
+from lightning_parallel.distributed.p2p import (
+    HEADER_BYTES,
+    MAX_TENSORS,
+    decode_header,
+    encode_header,
+    pack,
+    unpack,
+)
 from tests.helpers.harness import REPO, run_processes, worker_env
 
 SHAPES = [
     ([torch.zeros(4, 64, 128)], False),
     ([torch.zeros((), dtype=torch.float64)], False),
-    ([torch.zeros(2, 3, dtype=torch.bfloat16), torch.zeros(5, dtype=torch.int64), torch.zeros(1, 1, 1, dtype=torch.bool)], True),
+    (
+        [
+            torch.zeros(2, 3, dtype=torch.bfloat16),
+            torch.zeros(5, dtype=torch.int64),
+            torch.zeros(1, 1, 1, dtype=torch.bool),
+        ],
+        True,
+    ),
     ([torch.zeros(0, 7, dtype=torch.float16)], True),
 ]
 
@@ -33,7 +47,10 @@ def test_header_round_trip(tensors, is_tuple):
 
 @pytest.mark.parametrize("tensors,is_tuple", SHAPES)
 def test_pack_round_trip_keeps_values_and_gives_each_tensor_its_own_memory(tensors, is_tuple):
-    tensors = [torch.randn(t.shape).to(t.dtype) if t.is_floating_point() else torch.ones(t.shape, dtype=t.dtype) for t in tensors]
+    tensors = [
+        torch.randn(t.shape).to(t.dtype) if t.is_floating_point() else torch.ones(t.shape, dtype=t.dtype)
+        for t in tensors
+    ]
     message = pack(tensors, is_tuple, torch.device("cpu"))
     assert message.dtype == torch.uint8 and message.numel() % 8 == 0 and message.numel() >= HEADER_BYTES
     back = unpack(message, torch.device("cpu"))
@@ -59,7 +76,11 @@ def transfers() -> list:
     dtype and tuple-ness (it is wrong)."""
     out = [torch.full((4, 8), float(i)) for i in range(3)]
     out += [torch.full((4, 9), 3.0), torch.full((4, 9), 4.0), torch.full((2, 9), 5.0, dtype=torch.float64)]
-    out += [(torch.full((3,), 6.0), torch.arange(5)), (torch.full((3,), 7.0), torch.arange(5)), torch.zeros(0)]
+    out += [
+        (torch.full((3,), 6.0), torch.arange(5)),
+        (torch.full((3,), 7.0), torch.arange(5)),
+        torch.zeros(0),
+    ]
     return out
 
 
@@ -83,7 +104,9 @@ def rank_program(out: Path) -> None:
             got = link.recv(0)
             if i + 1 < len(expected):
                 link.post_recv(0)  # the next one, as the executor does
-            for w, g in zip(want if isinstance(want, tuple) else (want,), got if isinstance(got, tuple) else (got,)):
+            for w, g in zip(
+                want if isinstance(want, tuple) else (want,), got if isinstance(got, tuple) else (got,)
+            ):
                 assert g.dtype == w.dtype and torch.equal(g, w), (i, g, w)
             assert isinstance(got, tuple) == isinstance(want, tuple)
         assert link.recv_object(0) == {"loss": 1.5}

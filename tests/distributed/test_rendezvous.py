@@ -11,8 +11,10 @@ import pytest
 from lightning_parallel.distributed.rendezvous import AGENT_STORE_ENV, HostedStore
 from tests.helpers.harness import run_processes, worker_env
 
-ALL_REDUCE = ("import torch, torch.distributed as d; d.init_process_group('gloo'); "
-              "t = torch.tensor([d.get_rank() + 1.0]); d.all_reduce(t); print('sum', int(t)); d.destroy_process_group()")
+ALL_REDUCE = (
+    "import torch, torch.distributed as d; d.init_process_group('gloo'); "
+    "t = torch.tensor([d.get_rank() + 1.0]); d.all_reduce(t); print('sum', int(t)); d.destroy_process_group()"
+)
 
 
 def _bindable(port: int) -> bool:
@@ -28,7 +30,11 @@ def _bindable(port: int) -> bool:
 def test_port_is_held_before_the_ranks_start_and_they_meet_there(tmp_path) -> None:
     with HostedStore(world_size=2) as store:
         assert not _bindable(store.port)  # nothing else can take it while the ranks import torch
-        assert store.env() == {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), AGENT_STORE_ENV: "True"}
+        assert store.env() == {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(store.port),
+            AGENT_STORE_ENV: "True",
+        }
         envs = [{**worker_env(r, 2), **store.env()} for r in range(2)]
         outputs = run_processes([[sys.executable, "-c", ALL_REDUCE]] * 2, envs, timeout=90, cwd=tmp_path)
     assert all("sum 3" in out for out in outputs), outputs

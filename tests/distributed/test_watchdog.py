@@ -33,8 +33,14 @@ class SlowStore:
 @pytest.mark.timeout(30)
 def test_stop_waits_for_the_thread_inside_a_store_call_and_marks_the_rank_done():
     store = SlowStore(delay=0.5)
-    watchdog = FailureWatchdog(rank=0, world_size=2, timeout=60.0, interval=0.05, store=store,
-                               exit_fn=lambda code: pytest.fail(f"the watchdog tried to exit with {code}"))
+    watchdog = FailureWatchdog(
+        rank=0,
+        world_size=2,
+        timeout=60.0,
+        interval=0.05,
+        store=store,
+        exit_fn=lambda code: pytest.fail(f"the watchdog tried to exit with {code}"),
+    )
     watchdog.start()
     assert store.reading.wait(5), "the watchdog never read the store"
     watchdog.stop()  # called while the thread sleeps inside check()

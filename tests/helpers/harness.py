@@ -16,10 +16,20 @@ from typing import Iterable, Mapping
 
 import torch
 
-from lightning_parallel.processes import ProcessResults, run_processes, start_processes
+from lightning_parallel.processes import run_processes, start_processes
 from tests.helpers.worker import run_case
 
-__all__ = ["free_port", "run_single", "run_distributed", "start_processes", "distributed_command", "run_processes", "max_param_diff", "assert_params_close", "REPO"]
+__all__ = [
+    "free_port",
+    "run_single",
+    "run_distributed",
+    "start_processes",
+    "distributed_command",
+    "run_processes",
+    "max_param_diff",
+    "assert_params_close",
+    "REPO",
+]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,7 +62,9 @@ def worker_env(rank: int, world_size: int, local_world_size: int | None = None) 
     return env
 
 
-def distributed_command(cases: Iterable[dict], world_size: int, tmp_path: Path) -> tuple[list[list[str]], list[dict], Path]:
+def distributed_command(
+    cases: Iterable[dict], world_size: int, tmp_path: Path
+) -> tuple[list[list[str]], list[dict], Path]:
     """Commands and environments of ``world_size`` worker processes that run ``cases``."""
     cases = list(cases)
     out = tmp_path / f"dist{world_size}"
@@ -63,13 +75,17 @@ def distributed_command(cases: Iterable[dict], world_size: int, tmp_path: Path) 
     return [cmd] * world_size, [worker_env(r, world_size) for r in range(world_size)], out
 
 
-def run_distributed(cases: Iterable[dict], world_size: int, tmp_path: Path, timeout: float = 240.0) -> dict[str, list[dict]]:
+def run_distributed(
+    cases: Iterable[dict], world_size: int, tmp_path: Path, timeout: float = 240.0
+) -> dict[str, list[dict]]:
     """Run ``cases`` on ``world_size`` processes; returns {case name: [rank 0 result, rank 1 result, ...]}."""
     cases = list(cases)
     commands, envs, out = distributed_command(cases, world_size, tmp_path)
     run_processes(commands, envs, timeout, out, rendezvous=True)
     return {
-        c["name"]: [torch.load(out / c["name"] / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+        c["name"]: [
+            torch.load(out / c["name"] / f"rank{r}.pt", weights_only=False) for r in range(world_size)
+        ]
         for c in cases
     }
 

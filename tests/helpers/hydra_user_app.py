@@ -39,15 +39,30 @@ class WorldSize(Callback):
 @hydra.main(version_base="1.3", config_name="app")
 def app(cfg: AppConf) -> None:
     world = WorldSize()
-    trainer = Trainer(accelerator="cpu", devices=cfg.devices, strategy="lp_ddp", max_steps=cfg.max_steps,
-                      logger=False, enable_checkpointing=False, enable_progress_bar=False, callbacks=[world],
-                      enable_model_summary=False)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=cfg.devices,
+        strategy="lp_ddp",
+        max_steps=cfg.max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        callbacks=[world],
+        enable_model_summary=False,
+    )
     trainer.fit(Regressor(), datamodule=RandomRegressionData())
     if trainer.is_global_zero:
         out = HydraConfig.get().runtime.output_dir
         with open(f"{out}/world.json", "w") as f:
-            json.dump({"devices": cfg.devices, "world_size": world.world, "hosted_store": world.hosted_store,
-                       "port": world.port}, f)
+            json.dump(
+                {
+                    "devices": cfg.devices,
+                    "world_size": world.world,
+                    "hosted_store": world.hosted_store,
+                    "port": world.port,
+                },
+                f,
+            )
 
 
 if __name__ == "__main__":

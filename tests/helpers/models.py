@@ -14,13 +14,22 @@ __all__ = ["RegressionData", "MLP", "MLPWithUnusedBranch", "BatchNormNet"]
 class RegressionData(LightningDataModule):
     """A fixed random regression problem; the same on every process (seeded generator)."""
 
-    def __init__(self, batch_size: int = 8, n: int = 256, in_dim: int = 16, out_dim: int = 4, seed: int = 1,
-                 dtype: str = "float64"):
+    def __init__(
+        self,
+        batch_size: int = 8,
+        n: int = 256,
+        in_dim: int = 16,
+        out_dim: int = 4,
+        seed: int = 1,
+        dtype: str = "float64",
+    ):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(n, in_dim, generator=g, dtype=torch.float64)
         w = torch.randn(in_dim, out_dim, generator=g, dtype=torch.float64)
-        self.dataset = TensorDataset(x, torch.tanh(x @ w) + 0.1 * torch.randn(n, out_dim, generator=g, dtype=torch.float64))
+        self.dataset = TensorDataset(
+            x, torch.tanh(x @ w) + 0.1 * torch.randn(n, out_dim, generator=g, dtype=torch.float64)
+        )
         self.dataset = TensorDataset(*(t.to(getattr(torch, dtype)) for t in self.dataset.tensors))
         self.batch_size = batch_size
 
@@ -32,12 +41,24 @@ class RegressionData(LightningDataModule):
 
 
 class MLP(LightningModule):
-    def __init__(self, in_dim: int = 16, hidden: int = 32, out_dim: int = 4, lr: float = 0.1,
-                 optimizer: str = "sgd", momentum: float = 0.0):
+    def __init__(
+        self,
+        in_dim: int = 16,
+        hidden: int = 32,
+        out_dim: int = 4,
+        lr: float = 0.1,
+        optimizer: str = "sgd",
+        momentum: float = 0.0,
+    ):
         super().__init__()
         self.save_hyperparameters()
-        self.net = nn.Sequential(nn.Linear(in_dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(),
-                                 nn.Linear(hidden, out_dim))
+        self.net = nn.Sequential(
+            nn.Linear(in_dim, hidden),
+            nn.Tanh(),
+            nn.Linear(hidden, hidden),
+            nn.Tanh(),
+            nn.Linear(hidden, out_dim),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -72,8 +93,9 @@ class BatchNormNet(MLP):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         h = self.hparams
-        self.net = nn.Sequential(nn.Linear(h.in_dim, h.hidden), nn.BatchNorm1d(h.hidden), nn.Tanh(),
-                                 nn.Linear(h.hidden, h.out_dim))
+        self.net = nn.Sequential(
+            nn.Linear(h.in_dim, h.hidden), nn.BatchNorm1d(h.hidden), nn.Tanh(), nn.Linear(h.hidden, h.out_dim)
+        )
 
 
 class FailingMLP(MLP):

@@ -85,8 +85,12 @@ class TupleNet(MLP):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         h = self.hparams
-        self.net = nn.Sequential(_Lift(h.in_dim, h.hidden), *[_PairBlock(h.hidden) for _ in range(4)], _Drop(),
-                                 nn.Linear(h.hidden, h.out_dim))
+        self.net = nn.Sequential(
+            _Lift(h.in_dim, h.hidden),
+            *[_PairBlock(h.hidden) for _ in range(4)],
+            _Drop(),
+            nn.Linear(h.hidden, h.out_dim),
+        )
 
 
 class _Repeat(nn.Module):
@@ -109,8 +113,13 @@ class UnevenTimeNet(MLP):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         h = self.hparams
-        self.net = nn.Sequential(nn.Linear(h.in_dim, h.hidden), _Repeat(h.hidden, 1), _Repeat(h.hidden, 1),
-                                 _Repeat(h.hidden, 20), nn.Linear(h.hidden, h.out_dim))
+        self.net = nn.Sequential(
+            nn.Linear(h.in_dim, h.hidden),
+            _Repeat(h.hidden, 1),
+            _Repeat(h.hidden, 1),
+            _Repeat(h.hidden, 20),
+            nn.Linear(h.hidden, h.out_dim),
+        )
 
 
 class MetricNet(SequentialNet):
@@ -156,7 +165,9 @@ class VariableLengthTokens(TokenData):
         self.lengths: list[int] = []
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=True, drop_last=True, collate_fn=self._cut)
+        return DataLoader(
+            self.dataset, batch_size=self.batch_size, shuffle=True, drop_last=True, collate_fn=self._cut
+        )
 
     def _cut(self, samples: list) -> tuple:
         x, y = default_collate(samples)

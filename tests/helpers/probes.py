@@ -7,7 +7,8 @@ def reducer_stats(trainer) -> dict:
     reducer = trainer.strategy.reducer
     views = all(
         p.grad is not None and p.grad.untyped_storage().data_ptr() == b.buffer.untyped_storage().data_ptr()
-        for b in reducer.buckets for p in b.params
+        for b in reducer.buckets
+        for p in b.params
     )
     return {**asdict(reducer.stats), "bucket_names": reducer.bucket_names(), "grads_are_bucket_views": views}
 
@@ -39,9 +40,12 @@ def local_shards(trainer) -> dict:
     return {"keys": sorted(strategy.lightning_module.state_dict().keys()), "layouts": layouts}
 
 
-
 def tensor_parallel_plan(trainer) -> dict:
     """The resolved plan's styles, what stayed whole and why, and the parameters this rank holds."""
     resolved = trainer.strategy.resolved
-    return {"styles": resolved.styles(), "attributes": resolved.attributes, "report": resolved.report,
-            "local_parameters": sum(p.numel() for p in trainer.lightning_module.parameters())}
+    return {
+        "styles": resolved.styles(),
+        "attributes": resolved.attributes,
+        "report": resolved.report,
+        "local_parameters": sum(p.numel() for p in trainer.lightning_module.parameters()),
+    }

@@ -2,7 +2,8 @@
 
 ``lp-train model._target_=tests.helpers.user_project.Regressor
 data._target_=tests.helpers.user_project.RandomRegressionData`` must run them unmodified. ``fail_on_rank``
-makes one rank raise mid-training (or in ``__init__`` with ``fail_at_step=-1``), to test that a failing sweep job is reported and the sweep goes on.
+makes one rank raise mid-training (or in ``__init__`` with ``fail_at_step=-1``), to test that a failing sweep
+job is reported and the sweep goes on.
 """
 
 import os
@@ -15,8 +16,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 
 class Regressor(LightningModule):
-    def __init__(self, hidden: int = 16, lr: float = 0.05, fail_on_rank: Optional[int] = None,
-                 fail_at_step: int = 3) -> None:
+    def __init__(
+        self, hidden: int = 16, lr: float = 0.05, fail_on_rank: Optional[int] = None, fail_at_step: int = 3
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         if fail_at_step < 0 and str(fail_on_rank) == os.environ.get("LOCAL_RANK", "0"):
@@ -45,7 +47,10 @@ class RandomRegressionData(LightningDataModule):
         g = torch.Generator().manual_seed(0)
         x = torch.randn(n, 8, generator=g)
         y = x @ torch.randn(8, 1, generator=g) + 0.1 * torch.randn(n, 1, generator=g)
-        self.train_set, self.val_set = TensorDataset(x[: n * 3 // 4], y[: n * 3 // 4]), TensorDataset(x[n * 3 // 4:], y[n * 3 // 4:])
+        self.train_set, self.val_set = (
+            TensorDataset(x[: n * 3 // 4], y[: n * 3 // 4]),
+            TensorDataset(x[n * 3 // 4 :], y[n * 3 // 4 :]),
+        )
         self.batch_size = batch_size
 
     def train_dataloader(self):

@@ -73,14 +73,18 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
         callbacks=[recorder],
     )
     trainer_kwargs.update(case.get("trainer", {}))
-    for cb in case.get("callbacks", []):  # {"class": "module:Class", "kwargs": {...}}; "dirpath" is made per case
+    for cb in case.get(
+        "callbacks", []
+    ):  # {"class": "module:Class", "kwargs": {...}}; "dirpath" is made per case
         kwargs = dict(cb.get("kwargs", {}))
         if "dirpath" in kwargs:
             kwargs["dirpath"] = str(out_dir / kwargs["dirpath"])
         trainer_kwargs["callbacks"].append(load_object(cb["class"])(**kwargs))
     if case.get("callbacks"):
         trainer_kwargs["enable_checkpointing"] = True
-    if case.get("fp16_cpu"):  # Lightning turns 16-mixed into bf16 on CPU; this keeps fp16 and a real GradScaler
+    if case.get(
+        "fp16_cpu"
+    ):  # Lightning turns 16-mixed into bf16 on CPU; this keeps fp16 and a real GradScaler
         from lightning.pytorch.plugins.precision import MixedPrecision
 
         trainer_kwargs["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
@@ -88,11 +92,19 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
     trainer.fit(model, datamodule=data, ckpt_path=case.get("ckpt_path"))
     if case.get("validate_after_fit"):
         trainer.validate(model, datamodule=data, verbose=False)
-    result = {"losses": recorder.losses, "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()},
-              "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}}
-    result["callback_state"] = {type(c).__name__: {"best_model_path": str(getattr(c, "best_model_path", "")),
-                                                    "stopped_epoch": getattr(c, "stopped_epoch", None)}
-                                for c in trainer.callbacks if type(c).__name__ in ("ModelCheckpoint", "EarlyStopping")}
+    result = {
+        "losses": recorder.losses,
+        "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+    }
+    result["callback_state"] = {
+        type(c).__name__: {
+            "best_model_path": str(getattr(c, "best_model_path", "")),
+            "stopped_epoch": getattr(c, "stopped_epoch", None),
+        }
+        for c in trainer.callbacks
+        if type(c).__name__ in ("ModelCheckpoint", "EarlyStopping")
+    }
     if case.get("probe"):  # "module:function(trainer) -> picklable", to look inside the strategy
         result["probe"] = load_object(case["probe"])(trainer)
     if case.get("save_checkpoint"):

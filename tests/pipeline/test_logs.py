@@ -9,7 +9,9 @@ from lightning_parallel.pipeline.logs import WholeBatchMetrics, summarize
 class Scored(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.worst = torchmetrics.MaxMetric()  # not an average: no mix of micro-batch values gives the batch's
+        self.worst = (
+            torchmetrics.MaxMetric()
+        )  # not an average: no mix of micro-batch values gives the batch's
         self.mse = torchmetrics.MeanSquaredError()
 
 
@@ -24,7 +26,7 @@ def test_whole_batch_value_of_a_metric_fed_micro_batch_by_micro_batch():
                 module.worst(e)
                 module.mse(p, torch.zeros_like(p))
         assert tracker.value(module.worst) == errors.max()  # the step's batch alone, not the running max
-        torch.testing.assert_close(tracker.value(module.mse), (preds ** 2).mean())
+        torch.testing.assert_close(tracker.value(module.mse), (preds**2).mean())
         plain.worst(errors)
         plain.mse(preds, torch.zeros_like(preds))
         # the tracked metrics accumulate as if untracked, and lose their instance-level forward again

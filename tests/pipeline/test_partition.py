@@ -39,9 +39,14 @@ def test_split_points_by_name_and_by_count_and_their_errors():
     name, stack = find_block_stack(gpt)
     assert stage_bounds(name, stack, 2, ["model.blocks.1"]) == [(0, 1), (1, 4)]
     assert stage_bounds(name, stack, 2, [3, 1]) == [(0, 3), (3, 4)]
-    with pytest.raises(ValueError, match="split point 'model.block.1' names no block of the stack; candidates: model.blocks.0"):
+    with pytest.raises(
+        ValueError,
+        match="split point 'model.block.1' names no block of the stack; candidates: model.blocks.0",
+    ):
         stage_bounds(name, stack, 2, ["model.block.1"])
-    with pytest.raises(ValueError, match=r"5 pipeline stages need at least 5 blocks, but 'model.blocks' has 4"):
+    with pytest.raises(
+        ValueError, match=r"5 pipeline stages need at least 5 blocks, but 'model.blocks' has 4"
+    ):
         stage_bounds(name, stack, 5)
     with pytest.raises(ValueError, match="as block counts must be 2 positive numbers summing to 4"):
         stage_bounds(name, stack, 2, [2, 1])
@@ -80,7 +85,9 @@ def test_a_block_held_elsewhere_keeps_its_class_and_attributes_and_frees_its_ten
     assert encoder.layers[0] is first and type(first) is nn.TransformerEncoderLayer
     assert first.self_attn.batch_first and first.self_attn.in_proj_weight.is_meta
     assert first.self_attn.in_proj_weight.shape == (48, 16) and isinstance(first.linear1.weight, nn.Parameter)
-    assert [n for n, _ in encoder.named_parameters()] == part.owned and all(n.startswith("layers.1.") for n in part.owned)
+    assert [n for n, _ in encoder.named_parameters()] == part.owned and all(
+        n.startswith("layers.1.") for n in part.owned
+    )
     assert set(encoder.state_dict()) == set(part.owned)
     for mode in (encoder.train, encoder.eval):  # eval: the fast-path checks read layers[0]'s tensors
         mode()
@@ -107,7 +114,11 @@ def test_a_two_stack_model_names_its_chosen_stack_and_the_other():
     part = partition(model, num_stages=2, stage=0)
     assert part.stack_name == "decoder.layers" and part.unpipelined == ["encoder.layers"]
     text = part.describe_stack()
-    assert "'decoder.layers' (2 blocks) is pipelined" in text and "'encoder.layers'" in text and "block_stack=" in text
+    assert (
+        "'decoder.layers' (2 blocks) is pipelined" in text
+        and "'encoder.layers'" in text
+        and "block_stack=" in text
+    )
     assert "other stacks" not in partition(_encoder(), 2, 0).describe_stack()
     assert other_stacks(CharGPT(n_layer=2), "model.blocks") == []  # stacks inside the blocks are not others
 

@@ -23,7 +23,9 @@ def test_the_slow_block_is_measured_slow_and_moves_the_cut():
     assert times[3] > 3 * times[1] and times[3] > 3 * times[2]  # 20x the work; fixed costs blur the ratio
     assert balance(block_parameters(model.net), 2) == [2, 3]
     assert balance(times, 2) == [3, 2]
-    assert all(p.grad is not None for p in model.net[3].parameters())  # the caller's `untouched` restores them
+    assert all(
+        p.grad is not None for p in model.net[3].parameters()
+    )  # the caller's `untouched` restores them
 
 
 def test_extra_block_arguments_are_captured_with_their_keywords():
@@ -59,7 +61,11 @@ def test_untouched_restores_random_states_buffers_and_gradients():
         torch.rand(5), random.random(), np.random.rand()
     assert torch.equal(model[1].running_mean, stats)
     assert all(p.grad is None for p in model.parameters())
-    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1] and np.random.rand() == expected[2]
+    assert (
+        torch.equal(torch.rand(3), expected[0])
+        and random.random() == expected[1]
+        and np.random.rand() == expected[2]
+    )
 
 
 def test_a_block_that_never_runs_is_named():

@@ -4,7 +4,16 @@ stages' lists are interleaved by a simulated clock, and 1F1B keeps within its ac
 import pytest
 
 from lightning_parallel.pipeline.schedules import (
-    Action, async_step, bubble_fraction, cooldown, expected_bubbles, gpipe, max_in_flight, one_f_one_b, render, schedule,
+    Action,
+    async_step,
+    bubble_fraction,
+    cooldown,
+    expected_bubbles,
+    gpipe,
+    max_in_flight,
+    one_f_one_b,
+    render,
+    schedule,
     warmup_depth,
 )
 
@@ -20,7 +29,9 @@ def async_stream(stages: int, m: int, batches: int) -> list[list[Action]]:
     for s in range(stages):
         actions, carried = [], 0
         for b in range(batches):
-            actions += [Action(a.kind, (b + a.batch) * m + a.microbatch) for a in async_step(stages, m, s, carried)]
+            actions += [
+                Action(a.kind, (b + a.batch) * m + a.microbatch) for a in async_step(stages, m, s, carried)
+            ]
             carried = warmup_depth(stages, m, s)
         actions += [Action(a.kind, (batches - 1) * m + a.microbatch) for a in cooldown(stages, m, s)]
         streams.append(actions)
@@ -42,8 +53,11 @@ def run_clock(lists: list[list[Action]], name: str = "") -> list[list[str]]:
                 row.append("..")
                 continue
             a = actions[0]
-            dep = (("F", s - 1, a.microbatch) if s > 0 else None) if a.kind == "F" else \
-                  (("B", s + 1, a.microbatch) if s < stages - 1 else ("F", s, a.microbatch))
+            dep = (
+                (("F", s - 1, a.microbatch) if s > 0 else None)
+                if a.kind == "F"
+                else (("B", s + 1, a.microbatch) if s < stages - 1 else ("F", s, a.microbatch))
+            )
             if dep is None or dep in done:
                 ready_now.add((a.kind, s, a.microbatch))
                 actions.pop(0)

@@ -43,5 +43,7 @@ class DropoutMLP(LightningModule):
 
     def configure_optimizers(self):
         opt = torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 4, 0.7),
-                                                   "interval": "step"}}
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 4, 0.7), "interval": "step"},
+        }

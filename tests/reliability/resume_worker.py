@@ -1,11 +1,11 @@
 """One rank of a resume test: ``python -m tests.reliability.resume_worker SPEC.json``.
 
-Each case fits ``DropoutMLP`` with a checkpoint every ``every`` steps; optionally kills its own
-process (``kill: [step, rank, "SIGKILL"|"SIGTERM"]``; under Lightning's own launcher rank 0 is the launcher) after that step, or resumes with
-``ckpt_path="last"``. A case may name a registered strategy with extra init arguments
-(``strategy_kwargs``), ``sharded`` (``save_distributed=True``), ``model_kwargs``, the per-replica
-``batch_size``, ``every: "epoch"`` (checkpoints in
-``on_train_epoch_end``) or ``"validation"`` (in ``on_validation_end``), ``epochs`` (``max_epochs``
+Each case fits ``DropoutMLP`` with a checkpoint every ``every`` steps; optionally kills its own process
+(``kill: [step, rank, "SIGKILL"|"SIGTERM"]``; under Lightning's own launcher rank 0 is the launcher) after
+that step, or resumes with ``ckpt_path="last"``. A case may name a registered strategy with extra init
+arguments (``strategy_kwargs``), ``sharded`` (``save_distributed=True``), ``model_kwargs``, the per-replica
+``batch_size``, ``every: "epoch"`` (checkpoints in ``on_train_epoch_end``) or ``"validation"`` (in
+``on_validation_end``), ``epochs`` (``max_epochs``
 instead of ``max_steps``), ``val_batches``, ``save_at_batch`` (a ``trainer.save_checkpoint`` after that
 batch, its warnings recorded) and ``full_state`` (the gathered single-device state at the end of training).
 Writes {global step: loss of its last micro-batch}, the trace of every batch [(global step after it, loss)],
@@ -32,8 +32,9 @@ from tests.reliability.models import DropoutMLP, ShuffledData
 
 
 class Recorder(Callback):
-    def __init__(self, kill=None, out: Path | None = None, save_at_batch: int | None = None,
-                 full_state: bool = False):
+    def __init__(
+        self, kill=None, out: Path | None = None, save_at_batch: int | None = None, full_state: bool = False
+    ):
         self.out = out
         self.save_at_batch = save_at_batch
         self.warned: list[str] = []
@@ -56,7 +57,8 @@ class Recorder(Callback):
         if self.kill and when == self.kill[0] and trainer.global_rank == self.kill[1]:
             # evidence for the test that the kill came from here, at this point
             (self.out / f"killed_rank{trainer.global_rank}.json").write_text(
-                json.dumps({"global_step": trainer.global_step, "batches": self.batches}))
+                json.dumps({"global_step": trainer.global_step, "batches": self.batches})
+            )
             os.kill(os.getpid(), getattr(signal, self.kill[2]))
 
     def on_train_end(self, trainer, pl_module):
@@ -67,28 +69,49 @@ class Recorder(Callback):
 def run_case(case: dict, out: Path, world_size: int) -> None:
     seed_everything(0, workers=True)
     recorder = Recorder(case.get("kill"), out, case.get("save_at_batch"), case.get("full_state", False))
-    every = {"epoch": {"every_n_epochs": 1},
-             "validation": {"every_n_epochs": 1, "save_on_train_epoch_end": False},
-             }.get(case["every"], {"every_n_train_steps": case["every"]})
+    every = {
+        "epoch": {"every_n_epochs": 1},
+        "validation": {"every_n_epochs": 1, "save_on_train_epoch_end": False},
+    }.get(case["every"], {"every_n_train_steps": case["every"]})
     checkpoint = ModelCheckpoint(dirpath=out / "ckpt", save_last=True, save_top_k=-1, **every)
     strategy = case["strategy"]
-    kwargs = {**case.get("strategy_kwargs", {}), **({"save_distributed": True} if case.get("sharded") else {})}
+    kwargs = {
+        **case.get("strategy_kwargs", {}),
+        **({"save_distributed": True} if case.get("sharded") else {}),
+    }
     if kwargs:
         entry = StrategyRegistry[strategy]  # the registered name's class and fixed arguments, plus the case's
         strategy = entry["strategy"](**{**entry["init_params"], **kwargs})
-    trainer = Trainer(accelerator="cpu", devices=world_size, strategy=strategy,
-                      precision="64-true", max_steps=case["steps"] if "epochs" not in case else -1,
-                      max_epochs=case.get("epochs"), logger=False, enable_progress_bar=False,
-                      enable_model_summary=False, callbacks=[recorder, checkpoint],
-                      limit_val_batches=case.get("val_batches", 0),
-                      accumulate_grad_batches=case.get("accumulate", 1), default_root_dir=out)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        precision="64-true",
+        max_steps=case["steps"] if "epochs" not in case else -1,
+        max_epochs=case.get("epochs"),
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[recorder, checkpoint],
+        limit_val_batches=case.get("val_batches", 0),
+        accumulate_grad_batches=case.get("accumulate", 1),
+        default_root_dir=out,
+    )
     model = DropoutMLP(**case.get("model_kwargs", {}))
     data = ShuffledData(batch_size=case.get("batch_size", 4))
     trainer.fit(model, datamodule=data, ckpt_path="last" if case.get("resume") else None)
-    torch.save({"losses": recorder.losses, "trace": recorder.trace, "state_dict": model.state_dict(),
-                "global_step": trainer.global_step, "interrupted": trainer.interrupted,
-                "warned": recorder.warned, "full_state": recorder.full_state},
-               out / f"rank{trainer.global_rank}.pt")
+    torch.save(
+        {
+            "losses": recorder.losses,
+            "trace": recorder.trace,
+            "state_dict": model.state_dict(),
+            "global_step": trainer.global_step,
+            "interrupted": trainer.interrupted,
+            "warned": recorder.warned,
+            "full_state": recorder.full_state,
+        },
+        out / f"rank{trainer.global_rank}.pt",
+    )
 
 
 def main(spec_path: str) -> None:

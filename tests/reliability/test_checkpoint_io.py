@@ -9,9 +9,8 @@ import pytest
 import torch
 
 import lightning_parallel
-from lightning_parallel.checkpointing import atomic as ckpt_module
 from lightning_parallel.checkpointing import AtomicCheckpointIO
-
+from lightning_parallel.checkpointing import atomic as ckpt_module
 
 _real_save = torch.save
 

@@ -21,18 +21,21 @@ from typing import Iterator
 import pytest
 import torch
 
-from lightning_parallel.processes import run_processes
-
 from lightning_parallel import STRATEGY_NAMES
+from lightning_parallel.processes import run_processes
 from tests.helpers.harness import REPO, assert_params_close, run_distributed
 
 ADDRS = ("10.77.0.1", "10.77.0.2")
 # Strategies to run across hosts, with their case overrides. A pipeline strategy joins by adding its
 # name here (one stage per host), e.g. "lp_pipeline_1f1b": {"model": ..., "strategy": ...}.
 MULTIHOST = {"lp_ddp": {}, "lp_pipeline_1f1b": {"dp_size": 1}}  # pipeline: one stage per host
-CASE = {"model": "tests.helpers.models:MLP", "data": "tests.helpers.models:RegressionData",
-        "data_kwargs": {"global_batch_size": 16, "n": 64}, "model_kwargs": {"momentum": 0.9},
-        "trainer": {"precision": "64-true", "max_steps": 6}}
+CASE = {
+    "model": "tests.helpers.models:MLP",
+    "data": "tests.helpers.models:RegressionData",
+    "data_kwargs": {"global_batch_size": 16, "n": 64},
+    "model_kwargs": {"momentum": 0.9},
+    "trainer": {"precision": "64-true", "max_steps": 6},
+}
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess:
@@ -85,14 +88,43 @@ def run_two_hosts(cases: list[dict], out: Path, timeout: float = 200.0) -> None:
     with two_hosts() as (names, veths):
         commands, envs = [], []
         for node, (ns, veth) in enumerate(zip(names, veths)):
-            envs.append(dict(os.environ, GLOO_SOCKET_IFNAME=veth, OMP_NUM_THREADS="1",
-                             PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])))
-            commands.append(["ip", "netns", "exec", ns, sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
-                             "--nproc_per_node=1", f"--node_rank={node}", f"--master_addr={ADDRS[0]}",
-                             "--master_port=29577", "-m", "tests.helpers.worker", str(spec)])
+            envs.append(
+                dict(
+                    os.environ,
+                    GLOO_SOCKET_IFNAME=veth,
+                    OMP_NUM_THREADS="1",
+                    PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+                )
+            )
+            commands.append(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes=2",
+                    "--nproc_per_node=1",
+                    f"--node_rank={node}",
+                    f"--master_addr={ADDRS[0]}",
+                    "--master_port=29577",
+                    "-m",
+                    "tests.helpers.worker",
+                    str(spec),
+                ]
+            )
         # the other node gets 3 s to notice a failure before it is stopped
-        run_processes(commands, envs, timeout, out, grace=3.0, log_names=[str(out / f"node{i}.log") for i in range(2)],
-                      what="node")
+        run_processes(
+            commands,
+            envs,
+            timeout,
+            out,
+            grace=3.0,
+            log_names=[str(out / f"node{i}.log") for i in range(2)],
+            what="node",
+        )
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +138,12 @@ def results(tmp_path_factory):
     multi = [{**c, "trainer": {**c["trainer"], "num_nodes": 2, "devices": 1}} for c in single]
     run_two_hosts(multi, tmp / "hosts")
     local = run_distributed(single, world_size=2, tmp_path=tmp / "local")
-    hosts = {c["name"]: [torch.load(tmp / "hosts" / c["name"] / f"rank{r}.pt", weights_only=False) for r in range(2)]
-             for c in multi}
+    hosts = {
+        c["name"]: [
+            torch.load(tmp / "hosts" / c["name"] / f"rank{r}.pt", weights_only=False) for r in range(2)
+        ]
+        for c in multi
+    }
     return hosts, local
 
 
@@ -116,8 +152,12 @@ def results(tmp_path_factory):
 def test_two_hosts_equal_one_host(results, strategy):
     hosts, local = results
     for rank in range(2):
-        assert_params_close(hosts[strategy][rank]["state_dict"], local[strategy][rank]["state_dict"], atol=1e-10)
+        assert_params_close(
+            hosts[strategy][rank]["state_dict"], local[strategy][rank]["state_dict"], atol=1e-10
+        )
         assert len(hosts[strategy][rank]["losses"]) == CASE["trainer"]["max_steps"]
-    assert max(abs(a - b) for a, b in zip(hosts[strategy][0]["losses"], local[strategy][0]["losses"])) <= 1e-10
+    assert (
+        max(abs(a - b) for a, b in zip(hosts[strategy][0]["losses"], local[strategy][0]["losses"])) <= 1e-10
+    )
     losses = hosts[strategy][0]["losses"]
     assert abs(losses[-1] - losses[0]) > 1e-4, "training must move the model, or equality proves nothing"

@@ -53,8 +53,12 @@ from tests.helpers.harness import max_param_diff, run_processes, worker_env
 
 STEPS = 14
 # the 2 ranks form one replica: 8 samples per batch on both, and the same losses on both
-TP = {"strategy": "lp_tensor_parallel", "strategy_kwargs": {"plan": {"net.0": "colwise", "net.3": "rowwise"}},
-      "batch_size": 8, "one_replica": True}
+TP = {
+    "strategy": "lp_tensor_parallel",
+    "strategy_kwargs": {"plan": {"net.0": "colwise", "net.3": "rowwise"}},
+    "batch_size": 8,
+    "one_replica": True,
+}
 # dropout on stage 0, the loss on stage 1
 PP = {"strategy_kwargs": {"split_points": [3, 1]}, "batch_size": 8, "one_replica": True}
 CASES = {
@@ -65,44 +69,97 @@ CASES = {
     "lp_ddp_sigterm": {"strategy": "lp_ddp", "every": 100, "kill": [5, 1, "SIGTERM"], "ckpt_step": 6},
     # the same with 2 micro-batches per step: SIGTERM lands after batch 9, the first micro-batch of step 5,
     # so the vote waits for the optimizer step (the accumulated gradient is not in a checkpoint)
-    "lp_ddp_sigterm_accumulate": {"strategy": "lp_ddp", "every": 100, "kill": [9, 1, "SIGTERM", "batch"], "ckpt_step": 6,
-                                  "accumulate": 2},
+    "lp_ddp_sigterm_accumulate": {
+        "strategy": "lp_ddp",
+        "every": 100,
+        "kill": [9, 1, "SIGTERM", "batch"],
+        "ckpt_step": 6,
+        "accumulate": 2,
+    },
     # Lightning's own launcher (one command; rank 1 is its child) SIGKILLed with its rank 0 after step 11
-    "lp_ddp_launcher": {"strategy": "lp_ddp", "every": 4, "kill": [11, 0, "SIGKILL"], "ckpt_step": 8,
-                        "lightning_launcher": True},
+    "lp_ddp_launcher": {
+        "strategy": "lp_ddp",
+        "every": 4,
+        "kill": [11, 0, "SIGKILL"],
+        "ckpt_step": 8,
+        "lightning_launcher": True,
+    },
     "lp_tensor_parallel": {**TP, "every": 2, "kill": [9, 0, "SIGKILL"], "ckpt_step": 8},
-    "lp_pipeline_1f1b": {**PP, "strategy": "lp_pipeline_1f1b", "every": 4, "kill": [10, 1, "SIGKILL"],
-                         "ckpt_step": 8},
-    "lp_pipeline_gpipe": {**PP, "strategy": "lp_pipeline_gpipe", "every": 3, "kill": [7, 0, "SIGKILL"],
-                          "ckpt_step": 6},
+    "lp_pipeline_1f1b": {
+        **PP,
+        "strategy": "lp_pipeline_1f1b",
+        "every": 4,
+        "kill": [10, 1, "SIGKILL"],
+        "ckpt_step": 8,
+    },
+    "lp_pipeline_gpipe": {
+        **PP,
+        "strategy": "lp_pipeline_gpipe",
+        "every": 3,
+        "kill": [7, 0, "SIGKILL"],
+        "ckpt_step": 6,
+    },
     # no flush: the checkpoint at step 8 drains the pipeline and holds batch 7's gradient (applied by the
     # resumed step 8) and batch 7's loss (shown by it); SGD with momentum, dropout on stage 0
-    "lp_pipeline_async": {**PP, "strategy": "lp_pipeline_async", "every": 4, "kill": [10, 0, "SIGKILL"],
-                          "ckpt_step": 8},
+    "lp_pipeline_async": {
+        **PP,
+        "strategy": "lp_pipeline_async",
+        "every": 4,
+        "kill": [10, 0, "SIGKILL"],
+        "ckpt_step": 8,
+    },
     # accumulate_grad_batches=4 does not divide 6 batches: steps after batches 4 and 6 of each epoch (the
     # epoch's last batch steps after 2 micro-batches); step 4 ends epoch 1, step 6 ends epoch 2.
     # Saved in the last batch's on_train_batch_end, then killed again after resuming (after step 7, before
     # the next save): the last checkpoint must still be step 6's, not step 6 saved again after the first
     # micro-batch of step 7
-    "lp_ddp_accumulate_uneven_epoch_end": {"strategy": "lp_ddp", "every": 3, "kill": [7, 0, "SIGKILL"],
-                                           "kill_again": [7, 1, "SIGKILL"], "ckpt_step": 6, "accumulate": 4},
+    "lp_ddp_accumulate_uneven_epoch_end": {
+        "strategy": "lp_ddp",
+        "every": 3,
+        "kill": [7, 0, "SIGKILL"],
+        "kill_again": [7, 1, "SIGKILL"],
+        "ckpt_step": 6,
+        "accumulate": 4,
+    },
     # the epoch end of step 4, saved by ModelCheckpoint(every_n_epochs=1) in on_train_epoch_end
-    "lp_ddp_accumulate_uneven_on_epoch_end": {"strategy": "lp_ddp", "every": "epoch",
-                                              "kill": [5, 1, "SIGKILL"], "ckpt_step": 4, "accumulate": 4},
+    "lp_ddp_accumulate_uneven_on_epoch_end": {
+        "strategy": "lp_ddp",
+        "every": "epoch",
+        "kill": [5, 1, "SIGKILL"],
+        "ckpt_step": 4,
+        "accumulate": 4,
+    },
     # accumulate_grad_batches=2: 3 steps per epoch, step 3 ends epoch 0. Saved in on_train_epoch_end under
     # epoch-based training (max_epochs; Lightning's own restart is right there, and the rewritten loop
     # state must be too), with validation at each epoch end, which runs before the save
     "lp_ddp_accumulate_on_epoch_end_max_epochs_validated": {
-        "strategy": "lp_ddp", "every": "epoch", "kill": [5, 1, "SIGKILL"], "ckpt_step": 3, "accumulate": 2,
-        "epochs": 4, "val_batches": 2},
+        "strategy": "lp_ddp",
+        "every": "epoch",
+        "kill": [5, 1, "SIGKILL"],
+        "ckpt_step": 3,
+        "accumulate": 2,
+        "epochs": 4,
+        "val_batches": 2,
+    },
     # the same epoch end with validation: saved before it (every_n_train_steps, in the last batch's
     # on_train_batch_end), which the restart skips, and after it (in on_validation_end); the random state
     # must account for the validation loader's iterator (it draws from the global RNG) in both
-    "lp_ddp_validated_batch_end": {"strategy": "lp_ddp", "every": 3, "kill": [5, 1, "SIGKILL"],
-                                   "ckpt_step": 3, "accumulate": 2, "val_batches": 2},
-    "lp_ddp_validated_validation_end": {"strategy": "lp_ddp", "every": "validation",
-                                        "kill": [5, 1, "SIGKILL"], "ckpt_step": 3, "accumulate": 2,
-                                        "val_batches": 2},
+    "lp_ddp_validated_batch_end": {
+        "strategy": "lp_ddp",
+        "every": 3,
+        "kill": [5, 1, "SIGKILL"],
+        "ckpt_step": 3,
+        "accumulate": 2,
+        "val_batches": 2,
+    },
+    "lp_ddp_validated_validation_end": {
+        "strategy": "lp_ddp",
+        "every": "validation",
+        "kill": [5, 1, "SIGKILL"],
+        "ckpt_step": 3,
+        "accumulate": 2,
+        "val_batches": 2,
+    },
 }
 # every_n_epochs=1 saves in on_train_epoch_end: step 6 ends epoch 0, the run dies after step 7
 EPOCH_END = {"every": "epoch", "ckpt_step": 6}
@@ -115,20 +172,52 @@ MATRIX = {
 for _name, _training in MATRIX.items():
     if _name != "lp_ddp":  # lp_ddp's full epoch end: lp_ddp_accumulate_uneven_on_epoch_end
         CASES[f"{_name}_on_epoch_end"] = {**_training, **EPOCH_END, "kill": [7, 1, "SIGKILL"]}
-    CASES[f"{_name}_sharded"] = {**_training, "every": 4, "kill": [10, 1, "SIGKILL"], "ckpt_step": 8, "sharded": True}
-    CASES[f"{_name}_sharded_on_epoch_end"] = {**_training, **EPOCH_END, "kill": [7, 0, "SIGKILL"], "sharded": True}
+    CASES[f"{_name}_sharded"] = {
+        **_training,
+        "every": 4,
+        "kill": [10, 1, "SIGKILL"],
+        "ckpt_step": 8,
+        "sharded": True,
+    }
+    CASES[f"{_name}_sharded_on_epoch_end"] = {
+        **_training,
+        **EPOCH_END,
+        "kill": [7, 0, "SIGKILL"],
+        "sharded": True,
+    }
 # saved sharded by tensor parallel at an epoch end, resumed by 2 pipeline stages
 NO_DROPOUT = {"model_kwargs": {"dropout": 0.0}, "full_state": True}
 CASES["tp_to_pipeline_sharded_on_epoch_end"] = {
-    **TP, **NO_DROPOUT, **EPOCH_END, "kill": [7, 1, "SIGKILL"], "sharded": True,
-    "resume_as": {**PP, "strategy": "lp_pipeline_1f1b", **NO_DROPOUT}}
+    **TP,
+    **NO_DROPOUT,
+    **EPOCH_END,
+    "kill": [7, 1, "SIGKILL"],
+    "sharded": True,
+    "resume_as": {**PP, "strategy": "lp_pipeline_1f1b", **NO_DROPOUT},
+}
 # a save after the first of 2 micro-batches (run in the uninterrupted launch; it only has to warn)
-MID_ACCUMULATION = {f"{name}_save_mid_accumulation": {"strategy": "lp_ddp", "accumulate": 2, "steps": 2, "every": 100,
-                                                      "save_at_batch": 1, "sharded": sharded}
-                    for name, sharded in (("full", False), ("sharded", True))}
+MID_ACCUMULATION = {
+    f"{name}_save_mid_accumulation": {
+        "strategy": "lp_ddp",
+        "accumulate": 2,
+        "steps": 2,
+        "every": 100,
+        "save_at_batch": 1,
+        "sharded": sharded,
+    }
+    for name, sharded in (("full", False), ("sharded", True))
+}
 # what makes two runs the same run (not when they checkpoint or die, nor how they store checkpoints)
-TRAINING_KEYS = ("strategy", "strategy_kwargs", "accumulate", "batch_size", "epochs", "val_batches", "model_kwargs",
-                 "full_state")
+TRAINING_KEYS = (
+    "strategy",
+    "strategy_kwargs",
+    "accumulate",
+    "batch_size",
+    "epochs",
+    "val_batches",
+    "model_kwargs",
+    "full_state",
+)
 
 
 def training(case: dict) -> dict:
@@ -136,8 +225,9 @@ def training(case: dict) -> dict:
     return {k: case[k] for k in TRAINING_KEYS if k in case}
 
 
-def launch(cases: list[dict], tmp_path: Path, name: str, kill: list | None = None,
-           lightning_launcher: bool = False) -> None:
+def launch(
+    cases: list[dict], tmp_path: Path, name: str, kill: list | None = None, lightning_launcher: bool = False
+) -> None:
     """Run ``cases`` on 2 processes; with ``kill``, the run must die by that signal on that rank."""
     spec = tmp_path / f"{name}.json"
     spec.write_text(json.dumps({"cases": cases, "devices": 2}))
@@ -171,7 +261,9 @@ def saved_step(path: Path) -> int:
     return torch.load(path / "meta.pt" if path.is_dir() else path, weights_only=True)["global_step"]
 
 
-def run_resume_cases(cases: dict[str, dict], tmp: Path, once: dict[str, dict] | None = None) -> dict[str, tuple]:
+def run_resume_cases(
+    cases: dict[str, dict], tmp: Path, once: dict[str, dict] | None = None
+) -> dict[str, tuple]:
     """Launches (start-up dominates): the uninterrupted runs together with the SIGTERM runs, which stop
     cleanly, and the ``once`` cases (run as given, results under their name); one launch per SIGKILL, which
     ends its launch; then the resumed runs together (a case's ``resume_as`` changes their training)."""
@@ -180,8 +272,15 @@ def run_resume_cases(cases: dict[str, dict], tmp: Path, once: dict[str, dict] | 
     def run(name: str, resume: bool = False, **extra) -> dict:
         c = cases[name]
         trained = training(c.get("resume_as", c)) if resume else training(c)
-        return {**trained, "steps": STEPS, "every": c["every"], "dir": str(tmp / f"kill_{name}"),
-                "sharded": c.get("sharded", False), "resume": resume, **extra}
+        return {
+            **trained,
+            "steps": STEPS,
+            "every": c["every"],
+            "dir": str(tmp / f"kill_{name}"),
+            "sharded": c.get("sharded", False),
+            "resume": resume,
+            **extra,
+        }
 
     def key(case: dict) -> str:
         return json.dumps(training(case), sort_keys=True)
@@ -189,9 +288,13 @@ def run_resume_cases(cases: dict[str, dict], tmp: Path, once: dict[str, dict] | 
     bases = sorted({key(c) for c in cases.values()})
     base_dir = {b: tmp / f"base{i}" for i, b in enumerate(bases)}
     sigterm = [n for n, c in cases.items() if c["kill"][2] == "SIGTERM" and not c.get("lightning_launcher")]
-    launch([{**json.loads(b), "steps": STEPS, "every": 2, "dir": str(base_dir[b])} for b in bases]
-           + [run(n, kill=cases[n]["kill"]) for n in sigterm]
-           + [{**c, "dir": str(tmp / n)} for n, c in once.items()], tmp, "uninterrupted")
+    launch(
+        [{**json.loads(b), "steps": STEPS, "every": 2, "dir": str(base_dir[b])} for b in bases]
+        + [run(n, kill=cases[n]["kill"]) for n in sigterm]
+        + [{**c, "dir": str(tmp / n)} for n, c in once.items()],
+        tmp,
+        "uninterrupted",
+    )
     for name in sigterm:
         stopped = load(tmp / f"kill_{name}")
         steps = [r["global_step"] for r in stopped]
@@ -204,15 +307,25 @@ def run_resume_cases(cases: dict[str, dict], tmp: Path, once: dict[str, dict] | 
     for name, c in cases.items():
         if name in sigterm:
             continue
-        launch([run(name, kill=c["kill"])], tmp, f"killed_{name}", kill=c["kill"],
-               lightning_launcher=c.get("lightning_launcher", False))
+        launch(
+            [run(name, kill=c["kill"])],
+            tmp,
+            f"killed_{name}",
+            kill=c["kill"],
+            lightning_launcher=c.get("lightning_launcher", False),
+        )
         if "kill_again" in c:  # killed again after resuming
-            launch([run(name, kill=c["kill_again"], resume=True)], tmp, f"killed_again_{name}",
-                   kill=c["kill_again"])
+            launch(
+                [run(name, kill=c["kill_again"], resume=True)],
+                tmp,
+                f"killed_again_{name}",
+                kill=c["kill_again"],
+            )
     killed_at = {n: saved_step(tmp / f"kill_{n}" / "ckpt" / "last.ckpt") for n in cases}
     for own_launcher in (False, True):
-        group = [run(n, resume=True) for n, c in cases.items()
-                 if bool(c.get("lightning_launcher")) == own_launcher]
+        group = [
+            run(n, resume=True) for n, c in cases.items() if bool(c.get("lightning_launcher")) == own_launcher
+        ]
         if group:
             launch(group, tmp, f"resumed_launcher{own_launcher}", lightning_launcher=own_launcher)
     results = {n: (load(base_dir[key(c)]), load(tmp / f"kill_{n}"), killed_at[n]) for n, c in cases.items()}

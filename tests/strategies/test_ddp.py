@@ -14,16 +14,26 @@ F32_DATA = {"global_batch_size": 16, "dtype": "float32"}
 
 
 def case(name, strategy, model=MODEL, trainer=None, model_kwargs=None, data_kwargs=None, **extra):
-    return {"name": name, "model": model, "data": DATA, "strategy": strategy,
-            "data_kwargs": data_kwargs or {"global_batch_size": 16},
-            "trainer": {**F64, **(trainer or {})}, "model_kwargs": model_kwargs or {}, **extra}
+    return {
+        "name": name,
+        "model": model,
+        "data": DATA,
+        "strategy": strategy,
+        "data_kwargs": data_kwargs or {"global_batch_size": 16},
+        "trainer": {**F64, **(trainer or {})},
+        "model_kwargs": model_kwargs or {},
+        **extra,
+    }
 
 
 VARIANTS = {
     "plain": {},
     "accumulate": {"trainer": {"accumulate_grad_batches": 2}},
     "clip": {"trainer": {"gradient_clip_val": 0.05}},
-    "unused": {"model": "tests.helpers.models:MLPWithUnusedBranch", "model_kwargs": {"optimizer": "adam", "lr": 0.01}},
+    "unused": {
+        "model": "tests.helpers.models:MLPWithUnusedBranch",
+        "model_kwargs": {"optimizer": "adam", "lr": 0.01},
+    },
     "manual": {"model": "tests.helpers.models:ManualOptimizationMLP"},
 }
 
@@ -36,7 +46,10 @@ def ddp_results(tmp_path_factory):
         ddp = "lp_ddp_find_unused_parameters_true" if variant == "unused" else "lp_ddp"
         cases.append(case(f"lp_ddp-{variant}", ddp, **kw))
         cases.append(case(f"lp_dp-{variant}", "lp_dp", **kw))
-    small_buckets = {"class": "lightning_parallel:DDPStrategy", "kwargs": {"bucket_cap_mb": 0.001, "first_bucket_cap_mb": 0.0005}}
+    small_buckets = {
+        "class": "lightning_parallel:DDPStrategy",
+        "kwargs": {"bucket_cap_mb": 0.001, "first_bucket_cap_mb": 0.0005},
+    }
     cases.append(case("lp_ddp-small-buckets", small_buckets, model_kwargs={"momentum": 0.9}))
     return tmp, run_distributed(cases, world_size=2, tmp_path=tmp)
 
@@ -54,9 +67,19 @@ def test_matches_single_device_float64(ddp_results, strategy, variant):
     # the loss each rank saw is its half of the batch; their mean is the single-device loss (Lightning
     # hands accumulated step outputs back as float32, hence the looser tolerance on losses)
     mean_losses = torch.tensor([r["losses"] for r in ranks], dtype=torch.float64).mean(0)
-    torch.testing.assert_close(mean_losses, torch.tensor(reference["losses"], dtype=torch.float64), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        mean_losses, torch.tensor(reference["losses"], dtype=torch.float64), atol=1e-6, rtol=0
+    )
     # training moved the parameters: the comparison is not vacuous
-    initial = run_single(case(f"init-{variant}", "auto", trainer={"max_steps": 0}, **{k: v for k, v in kw.items() if k != "trainer"}), tmp)
+    initial = run_single(
+        case(
+            f"init-{variant}",
+            "auto",
+            trainer={"max_steps": 0},
+            **{k: v for k, v in kw.items() if k != "trainer"},
+        ),
+        tmp,
+    )
     assert max_param_diff(initial["state_dict"], reference["state_dict"]) > 1e-3
 
 
@@ -71,7 +94,10 @@ def test_many_small_buckets_match(ddp_results):
 # ---------------------------------------------------------------------------------------------------
 # What happens inside: buckets, overlap, accumulation, unused parameters, compression, BatchNorm
 # ---------------------------------------------------------------------------------------------------
-SMALL = {"class": "lightning_parallel:DDPStrategy", "kwargs": {"bucket_cap_mb": 0.002, "first_bucket_cap_mb": 0.001}}
+SMALL = {
+    "class": "lightning_parallel:DDPStrategy",
+    "kwargs": {"bucket_cap_mb": 0.002, "first_bucket_cap_mb": 0.001},
+}
 PROBE = "tests.helpers.probes:reducer_stats"
 
 
@@ -134,7 +160,9 @@ def test_matches_lightning_builtin_ddp_in_float32(inside_results):
     _, results = inside_results
     ours, theirs = results["lp_ddp-f32"][0], results["ddp-f32"][0]
     assert max_param_diff(ours["state_dict"], theirs["state_dict"]) < 1e-6
-    torch.testing.assert_close(torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(ours["losses"]), torch.tensor(theirs["losses"]), atol=1e-6, rtol=0
+    )
 
 
 @pytest.mark.timeout(200)
@@ -150,7 +178,9 @@ def test_unused_parameters_without_flag_fail_with_their_names(tmp_path):
 @pytest.mark.timeout(400)
 def test_bf16_mixed_precision_trains_like_single_device(inside_results):
     tmp, results = inside_results
-    reference = run_single(case("single-bf16", "auto", trainer={"precision": "bf16-mixed"}, data_kwargs=F32_DATA), tmp)
+    reference = run_single(
+        case("single-bf16", "auto", trainer={"precision": "bf16-mixed"}, data_kwargs=F32_DATA), tmp
+    )
     ours = results["bf16-mixed"]
     assert max_param_diff(ours[0]["state_dict"], ours[1]["state_dict"]) == 0
     # autocast rounds activations to bf16 (8 bits of mantissa), on half batches vs the whole batch

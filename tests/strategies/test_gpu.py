@@ -22,9 +22,19 @@ def test_one_rank_nccl_bf16_matches_plain_single_gpu(tmp_path):
     def fit(strategy):
         seed_everything(0)
         model = MLP()
-        kwargs = dict(accelerator="gpu", devices=1, max_steps=5, precision="bf16-mixed", logger=False,
-                      enable_checkpointing=False, enable_progress_bar=False, limit_val_batches=0)
-        Trainer(strategy=strategy, **kwargs).fit(model, datamodule=RegressionData(batch_size=16, dtype="float32"))
+        kwargs = dict(
+            accelerator="gpu",
+            devices=1,
+            max_steps=5,
+            precision="bf16-mixed",
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            limit_val_batches=0,
+        )
+        Trainer(strategy=strategy, **kwargs).fit(
+            model, datamodule=RegressionData(batch_size=16, dtype="float32")
+        )
         return {k: v.float().cpu() for k, v in model.state_dict().items()}
 
     ours = fit(lightning_parallel.DDPStrategy(process_group_backend="nccl"))

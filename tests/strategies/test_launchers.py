@@ -10,8 +10,13 @@ import torch
 from tests.helpers.harness import REPO, assert_params_close, free_port, run_processes, run_single
 
 SCRIPT = str(REPO / "tests" / "helpers" / "scripts" / "train_mlp.py")
-REFERENCE_CASE = {"name": "ref", "model": "tests.helpers.models:MLP", "data": "tests.helpers.models:RegressionData",
-                  "data_kwargs": {"global_batch_size": 16}, "trainer": {"precision": "64-true", "max_steps": 5}}
+REFERENCE_CASE = {
+    "name": "ref",
+    "model": "tests.helpers.models:MLP",
+    "data": "tests.helpers.models:RegressionData",
+    "data_kwargs": {"global_batch_size": 16},
+    "trainer": {"precision": "64-true", "max_steps": 5},
+}
 
 
 def env() -> dict:
@@ -36,7 +41,9 @@ def check(out, reference, world_size, atol=1e-10):
 @pytest.mark.parametrize("strategy", ["lp_ddp", "lp_ddp_spawn", "lp_dp"])
 def test_lightning_launchers(tmp_path, reference, strategy):
     out = tmp_path / "out.pt"
-    run_processes([[sys.executable, SCRIPT, strategy, "2", "1", str(out)]], [env()], timeout=150, cwd=tmp_path)
+    run_processes(
+        [[sys.executable, SCRIPT, strategy, "2", "1", str(out)]], [env()], timeout=150, cwd=tmp_path
+    )
     # spawn: training runs in children and Lightning copies rank 0's weights back into the parent's
     # module, which "64-true" never converted, so they arrive rounded to float32
     check(out, reference, world_size=2, atol=1e-7 if strategy.endswith("spawn") else 1e-10)
@@ -45,8 +52,18 @@ def test_lightning_launchers(tmp_path, reference, strategy):
 @pytest.mark.timeout(180)
 def test_torchrun_single_node(tmp_path, reference):
     out = tmp_path / "out.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-           SCRIPT, "lp_ddp", "2", "1", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--standalone",
+        SCRIPT,
+        "lp_ddp",
+        "2",
+        "1",
+        str(out),
+    ]
     run_processes([cmd], [env()], timeout=150, cwd=tmp_path)
     check(out, reference, world_size=2)
 
@@ -55,9 +72,24 @@ def test_torchrun_single_node(tmp_path, reference):
 def test_torchrun_two_nodes(tmp_path, reference):
     """Two torchrun agents (node_rank 0 and 1) with one process each: Trainer(num_nodes=2, devices=1)."""
     out, port = tmp_path / "out.pt", free_port()
-    cmds = [[sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={n}", "--nproc_per_node=1",
-             "--master_addr=127.0.0.1", f"--master_port={port}", SCRIPT, "lp_ddp", "1", "2", str(out)]
-            for n in (0, 1)]
+    cmds = [
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            f"--node_rank={n}",
+            "--nproc_per_node=1",
+            "--master_addr=127.0.0.1",
+            f"--master_port={port}",
+            SCRIPT,
+            "lp_ddp",
+            "1",
+            "2",
+            str(out),
+        ]
+        for n in (0, 1)
+    ]
     run_processes(cmds, [env(), env()], timeout=150, cwd=tmp_path)
     check(out, reference, world_size=2)
 
@@ -69,9 +101,17 @@ def test_slurm_srun_environment(tmp_path, reference):
     envs = []
     for rank in (0, 1):
         e = env()
-        e.update(SLURM_NTASKS="2", SLURM_NTASKS_PER_NODE="2", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank),
-                 SLURM_NODEID="0", SLURM_NNODES="1", SLURM_JOB_NAME="train", SLURM_JOB_ID=str(10000 + free_port() % 5000),
-                 SLURM_NODELIST="127.0.0.1")
+        e.update(
+            SLURM_NTASKS="2",
+            SLURM_NTASKS_PER_NODE="2",
+            SLURM_PROCID=str(rank),
+            SLURM_LOCALID=str(rank),
+            SLURM_NODEID="0",
+            SLURM_NNODES="1",
+            SLURM_JOB_NAME="train",
+            SLURM_JOB_ID=str(10000 + free_port() % 5000),
+            SLURM_NODELIST="127.0.0.1",
+        )
         envs.append(e)
     cmd = [sys.executable, SCRIPT, "lp_ddp", "2", "1", str(out)]
     run_processes([cmd, cmd], envs, timeout=150, cwd=tmp_path, rendezvous=True)  # sets MASTER_ADDR/PORT

@@ -13,23 +13,55 @@ TUPLE = ("tests.helpers.pp_models:TupleNet", "tests.helpers.models:RegressionDat
 UNEVEN = ("tests.helpers.pp_models:UnevenTimeNet", "tests.helpers.models:RegressionData", {})
 METRIC = ("tests.helpers.pp_models:MetricNet", "tests.helpers.models:RegressionData", {})
 GPT_VARIABLE = (GPT[0], "tests.helpers.pp_models:VariableLengthTokens", GPT[2])
-MODELS = {"gpt": GPT, "gpt-variable": GPT_VARIABLE, "seq": SEQ, "tuple": TUPLE, "uneven": UNEVEN, "metric": METRIC}
+MODELS = {
+    "gpt": GPT,
+    "gpt-variable": GPT_VARIABLE,
+    "seq": SEQ,
+    "tuple": TUPLE,
+    "uneven": UNEVEN,
+    "metric": METRIC,
+}
 
 
-def case(name, model, dp=1, trainer=None, model_kwargs=None, validate_after_fit=False, callbacks=(), data_kwargs=None,
-         **kwargs):
+def case(
+    name,
+    model,
+    dp=1,
+    trainer=None,
+    model_kwargs=None,
+    validate_after_fit=False,
+    callbacks=(),
+    data_kwargs=None,
+    **kwargs,
+):
     target, data, defaults = MODELS[model]
-    return {"name": name, "validate_after_fit": validate_after_fit, "callbacks": list(callbacks), "model": target, "data": data, "dp_size": dp,
-            "model_kwargs": {**defaults, **(model_kwargs or {})}, "data_kwargs": data_kwargs or {"global_batch_size": 16},
-            "trainer": {"precision": "64-true", "max_steps": 5, **(trainer or {})},
-            "strategy": {"class": PP, "kwargs": {"data_parallel_size": dp, **kwargs}}, "save_checkpoint": True}
+    return {
+        "name": name,
+        "validate_after_fit": validate_after_fit,
+        "callbacks": list(callbacks),
+        "model": target,
+        "data": data,
+        "dp_size": dp,
+        "model_kwargs": {**defaults, **(model_kwargs or {})},
+        "data_kwargs": data_kwargs or {"global_batch_size": 16},
+        "trainer": {"precision": "64-true", "max_steps": 5, **(trainer or {})},
+        "strategy": {"class": PP, "kwargs": {"data_parallel_size": dp, **kwargs}},
+        "save_checkpoint": True,
+    }
 
 
 SGD = {"optimizer": "sgd", "lr": 0.5}
 CASES_2 = [
-    case(f"{model}-{schedule}-m{m}", model, schedule=schedule, num_microbatches=m,
-         trainer={"log_every_n_steps": 5} if (model, schedule, m) == ("gpt", "1f1b", 4) else None)
-    for model in ("gpt", "seq") for schedule in ("gpipe", "1f1b") for m in (4, 8)
+    case(
+        f"{model}-{schedule}-m{m}",
+        model,
+        schedule=schedule,
+        num_microbatches=m,
+        trainer={"log_every_n_steps": 5} if (model, schedule, m) == ("gpt", "1f1b", 4) else None,
+    )
+    for model in ("gpt", "seq")
+    for schedule in ("gpipe", "1f1b")
+    for m in (4, 8)
 ] + [
     case("tuple-1f1b", "tuple", schedule="1f1b", split_points=[3, 4]),  # (x, aux) tuples cross the stages
     case("gpt-1f1b-accumulate", "gpt", schedule="1f1b", trainer={"accumulate_grad_batches": 2}),
@@ -39,20 +71,56 @@ CASES_2 = [
     case("seq-uneven", "seq", schedule="gpipe", num_microbatches=3),
     case("seq-validate", "seq", schedule="1f1b", trainer={"limit_val_batches": 2}, validate_after_fit=True),
     case("seq-async", "seq", schedule="async", model_kwargs=SGD),
-    case("seq-bf16", "seq", schedule="1f1b", trainer={"precision": "bf16-mixed"},
-         data_kwargs={"global_batch_size": 16, "dtype": "float32"}),
-    {**case("seq-fp16-scaler", "seq", schedule="gpipe", trainer={"precision": None},
-            data_kwargs={"global_batch_size": 16, "dtype": "float32"}), "fp16_cpu": True},
-    case("seq-monitor", "seq", schedule="gpipe", trainer={"limit_val_batches": 2, "max_steps": 48, "max_epochs": 3},
-         callbacks=[{"class": "lightning.pytorch.callbacks:ModelCheckpoint",
-                     "kwargs": {"monitor": "val_loss", "dirpath": "ckpts", "save_top_k": 1}},
-                    {"class": "lightning.pytorch.callbacks:EarlyStopping",
-                     "kwargs": {"monitor": "val_loss", "patience": 0, "min_delta": 10.0}}]),
-    case("gpt-async-m8", "gpt", schedule="async", num_microbatches=8, model_kwargs=SGD, trainer={"log_every_n_steps": 5}),
+    case(
+        "seq-bf16",
+        "seq",
+        schedule="1f1b",
+        trainer={"precision": "bf16-mixed"},
+        data_kwargs={"global_batch_size": 16, "dtype": "float32"},
+    ),
+    {
+        **case(
+            "seq-fp16-scaler",
+            "seq",
+            schedule="gpipe",
+            trainer={"precision": None},
+            data_kwargs={"global_batch_size": 16, "dtype": "float32"},
+        ),
+        "fp16_cpu": True,
+    },
+    case(
+        "seq-monitor",
+        "seq",
+        schedule="gpipe",
+        trainer={"limit_val_batches": 2, "max_steps": 48, "max_epochs": 3},
+        callbacks=[
+            {
+                "class": "lightning.pytorch.callbacks:ModelCheckpoint",
+                "kwargs": {"monitor": "val_loss", "dirpath": "ckpts", "save_top_k": 1},
+            },
+            {
+                "class": "lightning.pytorch.callbacks:EarlyStopping",
+                "kwargs": {"monitor": "val_loss", "patience": 0, "min_delta": 10.0},
+            },
+        ],
+    ),
+    case(
+        "gpt-async-m8",
+        "gpt",
+        schedule="async",
+        num_microbatches=8,
+        model_kwargs=SGD,
+        trainer={"log_every_n_steps": 5},
+    ),
     case("uneven-time", "uneven", schedule="1f1b", balance="time"),
     case("uneven-parameters", "uneven", schedule="1f1b"),
-    case("metric-objects", "metric", schedule="1f1b", data_kwargs={"global_batch_size": 16, "n": 64},
-         trainer={"max_steps": 6, "limit_val_batches": 2}),
+    case(
+        "metric-objects",
+        "metric",
+        schedule="1f1b",
+        data_kwargs={"global_batch_size": 16, "n": 64},
+        trainer={"max_steps": 6, "limit_val_batches": 2},
+    ),
 ]
 for c in CASES_2:
     if c["name"].startswith("uneven"):
@@ -63,11 +131,30 @@ for c in CASES_2:
         c["probe"] = "tests.helpers.probes:sequence_lengths"
 CASES_4 = [
     case("gpt-dp2-1f1b", "gpt", dp=2, schedule="1f1b"),
-    case("seq-dp2-gpipe-accumulate-clip", "seq", dp=2, schedule="gpipe", model_kwargs=SGD,
-         trainer={"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}),
-    case("seq-pp4", "seq", schedule="gpipe", pipeline_parallel_size=4, data_parallel_size=1, model_kwargs={"depth": 4}),
-    case("metric-dp2", "metric", dp=2, schedule="1f1b", data_kwargs={"global_batch_size": 16, "n": 64},
-         trainer={"max_steps": 6, "limit_val_batches": 2}),
+    case(
+        "seq-dp2-gpipe-accumulate-clip",
+        "seq",
+        dp=2,
+        schedule="gpipe",
+        model_kwargs=SGD,
+        trainer={"accumulate_grad_batches": 2, "gradient_clip_val": 0.05},
+    ),
+    case(
+        "seq-pp4",
+        "seq",
+        schedule="gpipe",
+        pipeline_parallel_size=4,
+        data_parallel_size=1,
+        model_kwargs={"depth": 4},
+    ),
+    case(
+        "metric-dp2",
+        "metric",
+        dp=2,
+        schedule="1f1b",
+        data_kwargs={"global_batch_size": 16, "n": 64},
+        trainer={"max_steps": 6, "limit_val_batches": 2},
+    ),
     case("seq-dp2-async-time", "seq", dp=2, schedule="async", balance="time", model_kwargs=SGD),
 ]
 CASES_4_SYNC = [c for c in CASES_4 if "async" not in c["name"]]
@@ -86,8 +173,15 @@ def pp4(tmp_path_factory):
 
 
 def reference(c, tmp, **trainer):
-    ref = {**c, "name": "ref-" + c["name"] + str(trainer), "strategy": "auto", "dp_size": 1, "save_checkpoint": False,
-           "trainer": {**c["trainer"], **trainer}, "probe": None}
+    ref = {
+        **c,
+        "name": "ref-" + c["name"] + str(trainer),
+        "strategy": "auto",
+        "dp_size": 1,
+        "save_checkpoint": False,
+        "trainer": {**c["trainer"], **trainer},
+        "probe": None,
+    }
     return run_single(ref, tmp)
 
 
@@ -119,8 +213,17 @@ CASES_2_SYNC = [c for c in CASES_2 if c not in ASYNC + OTHER]
 def test_bf16_mixed_runs_and_stays_close(pp2):
     tmp, results = pp2
     c = next(c for c in OTHER if c["name"] == "seq-bf16")
-    ref = run_single({**c, "name": "ref-bf16", "strategy": "auto", "dp_size": 1, "save_checkpoint": False,
-                      "data_kwargs": {"global_batch_size": 16, "dtype": "float32"}}, tmp)
+    ref = run_single(
+        {
+            **c,
+            "name": "ref-bf16",
+            "strategy": "auto",
+            "dp_size": 1,
+            "save_checkpoint": False,
+            "data_kwargs": {"global_batch_size": 16, "dtype": "float32"},
+        },
+        tmp,
+    )
     full = torch.load(tmp / "dist2" / c["name"] / "last.ckpt", weights_only=False)["state_dict"]
     assert max_param_diff(full, ref["state_dict"]) < 2e-2
 
@@ -131,9 +234,20 @@ def test_fp16_with_a_gradient_scaler_scales_the_micro_batch_losses(pp2):
     gradient. (Unscaled, every step would be 65536 times too small and the weights would hardly move.)"""
     tmp, results = pp2
     c = next(c for c in OTHER if c["name"] == "seq-fp16-scaler")
-    ref = run_single({**c, "name": "ref-fp16", "strategy": "auto", "dp_size": 1, "save_checkpoint": False}, tmp)
-    initial = run_single({**c, "name": "init-fp16", "strategy": "auto", "dp_size": 1, "save_checkpoint": False,
-                          "trainer": {**c["trainer"], "max_steps": 0}}, tmp)
+    ref = run_single(
+        {**c, "name": "ref-fp16", "strategy": "auto", "dp_size": 1, "save_checkpoint": False}, tmp
+    )
+    initial = run_single(
+        {
+            **c,
+            "name": "init-fp16",
+            "strategy": "auto",
+            "dp_size": 1,
+            "save_checkpoint": False,
+            "trainer": {**c["trainer"], "max_steps": 0},
+        },
+        tmp,
+    )
     full = torch.load(tmp / "dist2" / c["name"] / "last.ckpt", weights_only=False)["state_dict"]
     moved = max_param_diff(initial["state_dict"], ref["state_dict"])
     assert moved > 1e-2
@@ -151,10 +265,20 @@ def test_model_checkpoint_and_early_stopping_monitor_what_the_last_stage_logs(pp
         assert rank["callback_state"]["EarlyStopping"]["stopped_epoch"] == 1
 
 
-EPOCHS = case("seq-async-epochs", "seq", schedule="async", model_kwargs=SGD, data_kwargs={"global_batch_size": 16, "n": 64},
-              trainer={"max_steps": 10, "val_check_interval": 2, "limit_val_batches": 1},
-              callbacks=[{"class": "lightning.pytorch.callbacks:ModelCheckpoint",
-                          "kwargs": {"dirpath": "ckpts", "every_n_train_steps": 3, "save_top_k": -1}}])
+EPOCHS = case(
+    "seq-async-epochs",
+    "seq",
+    schedule="async",
+    model_kwargs=SGD,
+    data_kwargs={"global_batch_size": 16, "n": 64},
+    trainer={"max_steps": 10, "val_check_interval": 2, "limit_val_batches": 1},
+    callbacks=[
+        {
+            "class": "lightning.pytorch.callbacks:ModelCheckpoint",
+            "kwargs": {"dirpath": "ckpts", "every_n_train_steps": 3, "save_top_k": -1},
+        }
+    ],
+)
 
 
 @pytest.fixture(scope="module")
@@ -171,16 +295,29 @@ def async_runs(tmp_path_factory):
 @pytest.mark.timeout(600)
 def test_async_across_epochs_validation_checkpoints_and_resume_follows_its_rule(async_runs):
     tmp, results = async_runs
-    emulation = run_single({**EPOCHS, "name": "emulation", "model": "tests.helpers.pp_models:AsyncRuleEmulation",
-                            "strategy": "auto", "save_checkpoint": False, "callbacks": []}, tmp)
+    emulation = run_single(
+        {
+            **EPOCHS,
+            "name": "emulation",
+            "model": "tests.helpers.pp_models:AsyncRuleEmulation",
+            "strategy": "auto",
+            "save_checkpoint": False,
+            "callbacks": [],
+        },
+        tmp,
+    )
     assert len(emulation["losses"]) == 10
     for name in ("seq-async-epochs", "seq-async-resume"):
         full = torch.load(tmp / "dist2" / name / "last.ckpt", weights_only=False)["state_dict"]
         assert_params_close(full, emulation["state_dict"], atol=1e-10)
     resumed = results["seq-async-resume"][1]["losses"]  # steps 6..9 show batches 5..8
     assert len(resumed) == 4
-    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(emulation["losses"][5:9]), atol=1e-10, rtol=0)
-    saved = torch.load(tmp / "dist2" / "seq-async-epochs" / "ckpts" / "epoch=1-step=6.ckpt", weights_only=False)
+    torch.testing.assert_close(
+        torch.tensor(resumed), torch.tensor(emulation["losses"][5:9]), atol=1e-10, rtol=0
+    )
+    saved = torch.load(
+        tmp / "dist2" / "seq-async-epochs" / "ckpts" / "epoch=1-step=6.ckpt", weights_only=False
+    )
     assert saved["lightning_parallel"]["async_pending_gradient"]  # the drained batch's gradient travels
     assert "val_loss" in results["seq-async-epochs"][0]["metrics"]
 
@@ -190,14 +327,23 @@ def test_async_equals_an_emulation_of_its_update_rule(pp2):
     """W(t+1) = W(t) - lr * grad f_t(W(t-1)), written out by hand on one process (SGD, float64)."""
     tmp, results = pp2
     c = next(c for c in ASYNC if c["name"] == "seq-async")
-    emulation = run_single({**c, "name": "emulation", "model": "tests.helpers.pp_models:AsyncRuleEmulation",
-                            "strategy": "auto", "save_checkpoint": False}, tmp)
+    emulation = run_single(
+        {
+            **c,
+            "name": "emulation",
+            "model": "tests.helpers.pp_models:AsyncRuleEmulation",
+            "strategy": "auto",
+            "save_checkpoint": False,
+        },
+        tmp,
+    )
     full = torch.load(tmp / "dist2" / c["name"] / "last.ckpt", weights_only=False)["state_dict"]
     assert_params_close(full, emulation["state_dict"], atol=1e-10)
     # the loss shown at step t is batch t-1's (the emulation shows batch t's at step t)
     for rank in results[c["name"]]:
-        torch.testing.assert_close(torch.tensor(rank["losses"][1:]), torch.tensor(emulation["losses"][:-1]),
-                                   atol=1e-10, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(rank["losses"][1:]), torch.tensor(emulation["losses"][:-1]), atol=1e-10, rtol=0
+        )
     synchronous = reference(c, tmp)  # the rule really differs from plain SGD
     assert max_param_diff(full, synchronous["state_dict"]) > 1e-4
 
@@ -208,12 +354,23 @@ def test_async_with_two_replicas_follows_the_rule_on_the_global_batch(pp4):
     the emulated rule's on the global batch."""
     tmp, results = pp4
     c = next(c for c in CASES_4 if c["name"] == "seq-dp2-async-time")
-    emulation = run_single({**c, "name": "emulation-dp2", "model": "tests.helpers.pp_models:AsyncRuleEmulation",
-                            "strategy": "auto", "dp_size": 1, "save_checkpoint": False}, tmp)
+    emulation = run_single(
+        {
+            **c,
+            "name": "emulation-dp2",
+            "model": "tests.helpers.pp_models:AsyncRuleEmulation",
+            "strategy": "auto",
+            "dp_size": 1,
+            "save_checkpoint": False,
+        },
+        tmp,
+    )
     full = torch.load(tmp / "dist4" / c["name"] / "last.ckpt", weights_only=False)["state_dict"]
     assert_params_close(full, emulation["state_dict"], atol=1e-10)
     mean = torch.tensor([r["losses"][1:] for r in results[c["name"]]], dtype=torch.float64).mean(0)
-    torch.testing.assert_close(mean, torch.tensor(emulation["losses"][:-1], dtype=torch.float64), atol=1e-10, rtol=0)
+    torch.testing.assert_close(
+        mean, torch.tensor(emulation["losses"][:-1], dtype=torch.float64), atol=1e-10, rtol=0
+    )
 
 
 @pytest.mark.timeout(600)
@@ -267,7 +424,10 @@ def test_balance_by_time_moves_the_slow_block_to_its_own_stage(pp2):
     assert all(s["seconds"] is None for s in by_parameters)
     assert [s["parameters"] for s in by_parameters] == [544 + 1056, 2 * 1056 + 132]
     for reports in (by_time, by_parameters):  # every rank reports the same table
-        assert all(r["probe"] == reports for r in results["uneven-time" if reports is by_time else "uneven-parameters"])
+        assert all(
+            r["probe"] == reports
+            for r in results["uneven-time" if reports is by_time else "uneven-parameters"]
+        )
 
 
 @pytest.mark.timeout(600)
@@ -305,7 +465,10 @@ def test_logged_metrics_reach_every_stage(pp2):
         assert ranks[0]["metrics"] == ranks[1]["metrics"]
         c = next(c for c in CASES_2 if c["name"] == name)
         ref = reference(c, tmp)
-        assert abs(ranks[0]["metrics"][key] - ref["metrics"][key]) < 1e-9, (ranks[0]["metrics"], ref["metrics"])
+        assert abs(ranks[0]["metrics"][key] - ref["metrics"][key]) < 1e-9, (
+            ranks[0]["metrics"],
+            ref["metrics"],
+        )
 
 
 def test_activations_held_at_once_as_the_schedule_says(pp2):
@@ -327,9 +490,17 @@ def test_every_stage_logs_every_stages_bubble(pp2):
     for name in ("gpt-1f1b-m4", "gpt-async-m8"):
         ranks = results[name]
         bubbles = {k: v for k, v in ranks[0]["metrics"].items() if k.startswith("pipeline_bubble")}
-        assert set(bubbles) == {"pipeline_bubble", "pipeline_bubble_stage0", "pipeline_bubble_stage1"}, ranks[0]["metrics"]
+        assert set(bubbles) == {"pipeline_bubble", "pipeline_bubble_stage0", "pipeline_bubble_stage1"}, ranks[
+            0
+        ]["metrics"]
         assert all(0 <= v < 1 for v in bubbles.values()), bubbles
-        assert abs(bubbles["pipeline_bubble"] - (bubbles["pipeline_bubble_stage0"] + bubbles["pipeline_bubble_stage1"]) / 2) < 1e-6  # logged as float32
+        assert (
+            abs(
+                bubbles["pipeline_bubble"]
+                - (bubbles["pipeline_bubble_stage0"] + bubbles["pipeline_bubble_stage1"]) / 2
+            )
+            < 1e-6
+        )  # logged as float32
         assert {k: ranks[1]["metrics"][k] for k in bubbles} == bubbles
     sync = results["gpt-1f1b-m4"][0]["metrics"]
     assert sync["pipeline_bubble_stage0"] > 0.01 and sync["pipeline_bubble_stage1"] > 0.01, sync

@@ -18,17 +18,37 @@ ASYNC_ARCHS = tuple(ARCHITECTURES)  # every family: the rule holds whatever the 
 
 
 def case(name, arch, schedule, dp=1, trainer=None, data=TOKENS, **kwargs):
-    return {"name": name, "model": ZOO, "data": data, "dp_size": dp, "model_kwargs": {"arch": arch},
-            "data_kwargs": {"global_batch_size": 16}, "trainer": {"precision": "64-true", "max_steps": 5, **(trainer or {})},
-            "strategy": {"class": PP, "kwargs": {"schedule": schedule, "num_microbatches": 4, "data_parallel_size": dp,
-                                                 **kwargs}},
-            "save_checkpoint": True, "probe": "tests.helpers.probes:pipeline_stages"}
+    return {
+        "name": name,
+        "model": ZOO,
+        "data": data,
+        "dp_size": dp,
+        "model_kwargs": {"arch": arch},
+        "data_kwargs": {"global_batch_size": 16},
+        "trainer": {"precision": "64-true", "max_steps": 5, **(trainer or {})},
+        "strategy": {
+            "class": PP,
+            "kwargs": {"schedule": schedule, "num_microbatches": 4, "data_parallel_size": dp, **kwargs},
+        },
+        "save_checkpoint": True,
+        "probe": "tests.helpers.probes:pipeline_stages",
+    }
 
 
-SYNC_2 = [case(f"{arch}-{schedule}", arch, schedule) for arch in ARCHITECTURES for schedule in ("gpipe", "1f1b")]
+SYNC_2 = [
+    case(f"{arch}-{schedule}", arch, schedule) for arch in ARCHITECTURES for schedule in ("gpipe", "1f1b")
+]
 ASYNC_2 = [case(f"{arch}-async", arch, "async") for arch in ASYNC_ARCHS]
-VALIDATE = {**case("torch_encoder-validate", "torch_encoder", "1f1b", data=TOKENS_VAL,
-                   trainer={"limit_val_batches": 2, "val_check_interval": 2}), "validate_after_fit": True}
+VALIDATE = {
+    **case(
+        "torch_encoder-validate",
+        "torch_encoder",
+        "1f1b",
+        data=TOKENS_VAL,
+        trainer={"limit_val_batches": 2, "val_check_interval": 2},
+    ),
+    "validate_after_fit": True,
+}
 CASES_4 = [case("hf_llama-dp2-1f1b", "hf_llama", "1f1b", dp=2)]
 
 
@@ -60,13 +80,23 @@ def test_zoo_on_two_stages_matches_single_device(zoo2, c):
 def test_zoo_async_follows_its_rule(zoo2, c):
     """W(t+1) = W(t) - lr * grad f_t(W(t-1)), written out on one process with the model's own loss."""
     tmp, results = zoo2
-    emulation = run_single({**c, "name": "emulation-" + c["name"], "model": EMULATION, "strategy": "auto",
-                            "save_checkpoint": False, "probe": None}, tmp)
+    emulation = run_single(
+        {
+            **c,
+            "name": "emulation-" + c["name"],
+            "model": EMULATION,
+            "strategy": "auto",
+            "save_checkpoint": False,
+            "probe": None,
+        },
+        tmp,
+    )
     full = torch.load(tmp / "dist2" / c["name"] / "last.ckpt", weights_only=False)["state_dict"]
     assert_params_close(full, emulation["state_dict"], atol=1e-10)
     for rank in results[c["name"]]:  # the loss shown at step t is batch t-1's
-        torch.testing.assert_close(torch.tensor(rank["losses"][1:]), torch.tensor(emulation["losses"][:-1]),
-                                   atol=1e-10, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(rank["losses"][1:]), torch.tensor(emulation["losses"][:-1]), atol=1e-10, rtol=0
+        )
     assert max_param_diff(full, reference(c, tmp)["state_dict"]) > 1e-4  # the rule is not plain SGD's
 
 
@@ -78,7 +108,10 @@ def test_torch_encoder_validates_on_every_stage(zoo2):
     check(tmp, results, 2, VALIDATE)
     ref = reference(VALIDATE, tmp)
     for rank in results[VALIDATE["name"]]:
-        assert abs(rank["metrics"]["val_loss"] - ref["metrics"]["val_loss"]) < 1e-9, (rank["metrics"], ref["metrics"])
+        assert abs(rank["metrics"]["val_loss"] - ref["metrics"]["val_loss"]) < 1e-9, (
+            rank["metrics"],
+            ref["metrics"],
+        )
 
 
 @pytest.mark.timeout(300)

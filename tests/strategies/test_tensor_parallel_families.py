@@ -14,8 +14,15 @@ TP = "lightning_parallel:TensorParallelStrategy"
 F64 = {"precision": "64-true", "max_steps": 5}
 # parameters each rank keeps, as a share of the model, at tp=2 (tiny configs: embeddings and norms weigh)
 MAX_SHARE = {
-    "mistral": 0.51, "gemma": 0.55, "gemma2": 0.55, "phi": 0.52, "gpt_neox": 0.52, "gptj": 0.52,
-    "opt": 0.54, "stablelm": 0.52, "distilbert": 0.55,
+    "mistral": 0.51,
+    "gemma": 0.55,
+    "gemma2": 0.55,
+    "phi": 0.52,
+    "gpt_neox": 0.52,
+    "gptj": 0.52,
+    "opt": 0.54,
+    "stablelm": 0.52,
+    "distilbert": 0.55,
     "qwen3": 0.51,  # q_norm/k_norm weights meet split heads: their gradients are summed over the ranks
     "bart": 0.55,  # learned positional embeddings with a forward of their own stay whole
     "vit": 0.58,  # the classifier's output is read whole by the loss
@@ -27,9 +34,15 @@ FAMILIES = tuple(MAX_SHARE)
 
 def case(arch: str) -> dict:
     return {
-        "name": arch, "model": "tests.helpers.zoo:ZooLM", "model_kwargs": {"arch": arch},
-        "data": "tests.helpers.tp_models:TokenData", "data_kwargs": {"global_batch_size": 16}, "dp_size": 1,
-        "trainer": F64, "save_checkpoint": True, "probe": "tests.helpers.probes:tensor_parallel_plan",
+        "name": arch,
+        "model": "tests.helpers.zoo:ZooLM",
+        "model_kwargs": {"arch": arch},
+        "data": "tests.helpers.tp_models:TokenData",
+        "data_kwargs": {"global_batch_size": 16},
+        "dp_size": 1,
+        "trainer": F64,
+        "save_checkpoint": True,
+        "probe": "tests.helpers.probes:tensor_parallel_plan",
         "strategy": {"class": TP, "kwargs": {"plan": "auto"}},
     }
 
@@ -37,8 +50,10 @@ def case(arch: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("families")
-    single = {a: run_single({**case(a), "name": f"single-{a}", "strategy": "auto", "probe": None}, tmp)
-              for a in FAMILIES}
+    single = {
+        a: run_single({**case(a), "name": f"single-{a}", "strategy": "auto", "probe": None}, tmp)
+        for a in FAMILIES
+    }
     results = run_distributed([case(a) for a in FAMILIES], world_size=2, tmp_path=tmp, timeout=500)
     return tmp, single, results
 

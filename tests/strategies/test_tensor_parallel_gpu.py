@@ -27,7 +27,7 @@ def test_tp1_nccl_matches_cpu_reference(cuda_required, tmp_path):
     ref = reference("gpt", tmp_path)
     assert_params_close(ckpt["state_dict"], ref["state_dict"], atol=1e-10)
     losses = results["gpt-cuda-bf16"][0]["losses"]
-    assert all(l == l and l < 10 for l in losses)  # finite, and near the uniform-guess loss (ln 32 = 3.47)
+    assert all(v == v and v < 10 for v in losses)  # finite, and near the uniform-guess loss (ln 32 = 3.47)
     bf16_ckpt = torch.load(
         tmp_path / "dist1" / "gpt-cuda-bf16" / "last.ckpt", weights_only=False, map_location="cpu"
     )

@@ -48,14 +48,14 @@ def test_column_parallel_linear_splits_output_features():
     lin, x = nn.Linear(6, 8), torch.randn(3, 6)
     layers = ranks(lambda r: ColumnParallelLinear(lin, None, 2, r))
     assert layers[0].weight.shape == (4, 6) and layers[0].bias.shape == (4,)
-    torch.testing.assert_close(torch.cat([l(x) for l in layers], -1), lin(x))
+    torch.testing.assert_close(torch.cat([layer(x) for layer in layers], -1), lin(x))
 
 
 def test_row_parallel_linear_sums_partial_outputs():
     lin, x = nn.Linear(8, 5), torch.randn(3, 8)
     layers = ranks(lambda r: RowParallelLinear(lin, None, 2, r))
     assert layers[0].weight.shape == (5, 4) and layers[0].bias.shape == (5,)
-    partial = [l(xi) - lin.bias for l, xi in zip(layers, x.chunk(2, -1))]
+    partial = [layer(xi) - lin.bias for layer, xi in zip(layers, x.chunk(2, -1))]
     torch.testing.assert_close(sum(partial) + lin.bias, lin(x))
 
 
@@ -64,7 +64,7 @@ def test_vocab_parallel_embedding_masks_foreign_ids():
     ids = torch.tensor([[0, 4, 5, 9, 7]])
     layers = ranks(lambda r: VocabParallelEmbedding(emb, None, 2, r))
     assert layers[1].local_padding_idx == 2 and layers[0].local_padding_idx is None
-    outs = [l(ids) for l in layers]
+    outs = [layer(ids) for layer in layers]
     assert (outs[0][0, 2:4] == 0).all() and (outs[1][0, :2] == 0).all()
     torch.testing.assert_close(outs[0] + outs[1], emb(ids))
 
@@ -98,7 +98,7 @@ def test_parallel_multihead_attention_matches(batch_first, mask):
         kw["attn_mask"] = torch.randn(B * 4, T, T)
     layers = ranks(lambda r: ParallelMultiheadAttention(mha, None, 2, r))
     assert layers[0].num_heads == 2 and layers[0].in_proj_weight.shape == (12, 8)
-    out = sum(l(x, x, x, need_weights=False, **kw)[0] for l in layers) - mha.out_proj.bias
+    out = sum(layer(x, x, x, need_weights=False, **kw)[0] for layer in layers) - mha.out_proj.bias
     torch.testing.assert_close(out, mha(x, x, x, need_weights=False, **kw)[0])
 
 
@@ -106,10 +106,10 @@ def test_parallel_multihead_attention_cross_attention_and_unbatched():
     mha = nn.MultiheadAttention(8, 2, batch_first=True)
     q, kv = torch.randn(2, 3, 8), torch.randn(2, 6, 8)
     layers = ranks(lambda r: ParallelMultiheadAttention(mha, None, 2, r))
-    out = sum(l(q, kv, kv)[0] for l in layers) - mha.out_proj.bias
+    out = sum(layer(q, kv, kv)[0] for layer in layers) - mha.out_proj.bias
     torch.testing.assert_close(out, mha(q, kv, kv)[0])
     single = q[0]
-    out = sum(l(single, single, single)[0] for l in layers) - mha.out_proj.bias
+    out = sum(layer(single, single, single)[0] for layer in layers) - mha.out_proj.bias
     torch.testing.assert_close(out, mha(single, single, single)[0])
 
 

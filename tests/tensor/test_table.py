@@ -49,7 +49,13 @@ def test_cli_prints_the_table(capsys):
 
 
 def test_cli_traces_the_first_batch_of_a_data_module(capsys):
-    args = ["tests.helpers.zoo:ZooLM", "--kwargs", '{"arch": "hf_gpt2"}', "--data", "tests.helpers.tp_models:TokenData"]
+    args = [
+        "tests.helpers.zoo:ZooLM",
+        "--kwargs",
+        '{"arch": "hf_gpt2"}',
+        "--data",
+        "tests.helpers.tp_models:TokenData",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "model.transformer.h.1.attn.c_attn  colwise" in out and "split_size: 16 -> 8" in out

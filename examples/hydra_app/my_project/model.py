@@ -10,7 +10,9 @@ class SineRegressor(LightningModule):
     def __init__(self, width: int = 32, lr: float = 0.01) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.net = nn.Sequential(nn.Linear(1, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1))
+        self.net = nn.Sequential(
+            nn.Linear(1, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 1)
+        )
 
     def training_step(self, batch, batch_idx):
         x, y = batch

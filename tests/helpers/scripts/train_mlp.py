@@ -25,9 +25,20 @@ def main(strategy: str, devices: int, num_nodes: int, out: str) -> None:
     seed_everything(0)
     model = MLP()
     data = RegressionData(batch_size=16 // (devices * num_nodes))
-    trainer = Trainer(accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy, max_steps=5,
-                      precision="64-true", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False, limit_val_batches=0, callbacks=[RecordWorld()])
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=devices,
+        num_nodes=num_nodes,
+        strategy=strategy,
+        max_steps=5,
+        precision="64-true",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[RecordWorld()],
+    )
     trainer.fit(model, datamodule=data)
     if trainer.is_global_zero:
         world = getattr(model, "world_seen", None)  # None in the spawn parent: training ran in children
