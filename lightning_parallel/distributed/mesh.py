@@ -9,12 +9,13 @@ farthest apart, since they talk once per step.
 
 from __future__ import annotations
 
+import atexit
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch.distributed as dist
 
-__all__ = ["MeshShape", "Mesh", "build_mesh"]
+__all__ = ["destroy_process_groups_at_exit", "MeshShape", "Mesh", "build_mesh"]
 
 
 @dataclass(frozen=True)
@@ -107,3 +108,23 @@ def build_mesh(shape: MeshShape) -> Mesh:
             if rank in ranks:
                 mesh.groups[axis] = group
     return mesh
+
+
+_DESTROY_REGISTERED = False
+
+
+def destroy_process_groups_at_exit() -> None:
+    """Destroy every process group when the interpreter exits, if nothing did before. Gloo's worker
+    threads must end while the interpreter is alive: a group left to the C++ destructors at exit can abort
+    a rank that finished its work (SIGABRT, "terminate called without an active exception"), which a
+    launcher then reports as a failed run. Registered once per process; a no-op after an explicit
+    ``destroy_process_group``."""
+    global _DESTROY_REGISTERED
+    if not _DESTROY_REGISTERED:
+        atexit.register(_destroy_if_initialized)
+        _DESTROY_REGISTERED = True
+
+
+def _destroy_if_initialized() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -49,7 +49,7 @@ from torch import Tensor
 from lightning_parallel.checkpointing import AtomicCheckpointIO, Checkpointer
 from lightning_parallel.checkpointing.loss_check import check_finite_loss, training_loss
 from lightning_parallel.distributed.collectives import clip_grad_norm_sharded, share_found_inf
-from lightning_parallel.distributed.mesh import Mesh, MeshShape, build_mesh
+from lightning_parallel.distributed.mesh import Mesh, MeshShape, build_mesh, destroy_process_groups_at_exit
 from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.replicas import broadcast_module_states
 from lightning_parallel.distributed.sync_batchnorm import SyncBatchNormPlugin
@@ -212,6 +212,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             device_id=self.root_device if bind else None,
         )
         self.mesh = build_mesh(shape)
+        destroy_process_groups_at_exit()
         if self.world_size > 1 and self._watchdog is None:
             self._watchdog = FailureWatchdog(
                 self.global_rank, self.world_size, timeout=self.failure_timeout, exit_fn=failure_exit_fn()

@@ -18,3 +18,24 @@ def test_tensor_parallel_peers_are_neighbours():
     shape = MeshShape(dp=2, pp=1, tp=2)
     assert shape.all_axis_groups("tp") == [[0, 1], [2, 3]]
     assert shape.all_axis_groups("dp") == [[0, 2], [1, 3]]
+
+
+def test_process_groups_are_destroyed_before_the_interpreter_exits(tmp_path):
+    """A gloo group left to the C++ destructors at exit can abort a finished rank (SIGABRT): the strategy
+    registers its destruction at exit. A handler registered earlier runs later and sees it gone."""
+    import subprocess
+    import sys
+
+    from tests.helpers.harness import REPO, free_port
+
+    code = f"""
+import atexit, torch.distributed as dist
+atexit.register(lambda: print("initialized at exit:", dist.is_initialized()))
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+from lightning_parallel.distributed.mesh import destroy_process_groups_at_exit
+destroy_process_groups_at_exit()
+destroy_process_groups_at_exit()  # once per process, however often it is called
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "initialized at exit: False" in done.stdout
