@@ -258,7 +258,7 @@ def _traced(module: nn.Module, tp_size: int, run: Callable[[], Any]) -> tuple[_F
         elif isinstance(m, nn.Embedding):
             finder.embedding(name, m)
     trace = trace_dataflow(module, run)
-    found = find_traced_plan(trace, tp_size, sum(p.numel() for p in module.parameters()))
+    found = find_traced_plan(trace, tp_size)
     for name, chunks in found.columns.items():
         finder.take(name, "colwise", **({"chunks": chunks} if chunks > 1 else {}))
     for name in found.rows:

@@ -25,7 +25,6 @@ __all__ = ["TracedPlan", "find_traced_plan", "out_features"]
 # rotary dimensions, positions or group counts (equal by chance)
 DIVIDED = re.compile(r"head|split|embd|embed|hidden")
 NOT_DIVIDED = re.compile(r"head_dim|head_size|layer_idx|groups|max_|position|vocab|rotary|rope|ndims")
-HEAD_SHARE = 0.05  # an output head is worth a gathered column-parallel shard above this share of the model
 
 
 def out_features(m: nn.Module) -> int:
@@ -179,7 +178,7 @@ def _divisible_attributes(module: nn.Module, value: int) -> list[str]:
     ]
 
 
-def find_traced_plan(trace: Trace, tp: int, total_params: int) -> TracedPlan:
+def find_traced_plan(trace: Trace, tp: int) -> TracedPlan:
     """Column/row pairs, gathered heads and divided attributes proven by ``trace`` for ``tp`` ranks."""
     plan = TracedPlan()
     calls = {
@@ -225,11 +224,7 @@ def find_traced_plan(trace: Trace, tp: int, total_params: int) -> TracedPlan:
     for name in calls:
         plan.reasons.pop(name, None) if name in plan.columns or name in plan.rows else None
     embeddings = [m for m in trace.modules.values() if isinstance(m, nn.Embedding)]
-    heads = [
-        n
-        for n in calls
-        if n in plan.reasons and _is_output_head(trace.modules[n], tp, total_params, embeddings)
-    ]
+    heads = [n for n in calls if n in plan.reasons and _is_output_head(trace.modules[n], tp, embeddings)]
     for name in heads:  # tied to an embedding, or the last projection onto a vocabulary
         if _tied(trace.modules[name], embeddings) or name == heads[-1]:
             plan.gathered.add(name)
@@ -241,13 +236,9 @@ def _tied(module: nn.Module, embeddings: list[nn.Embedding]) -> bool:
     return any(e.weight is module.weight for e in embeddings)
 
 
-def _is_output_head(
-    module: Optional[nn.Module], tp: int, total_params: int, embeddings: list[nn.Embedding]
-) -> bool:
-    """A Linear onto a vocabulary, tied to its embedding or large: worth splitting even with its output
-    gathered."""
+def _is_output_head(module: Optional[nn.Module], tp: int, embeddings: list[nn.Embedding]) -> bool:
+    """A Linear onto a vocabulary (tied to its embedding, or as wide): worth splitting whatever its share of
+    the model (1 B parameters of a 70 B model), though its output must be gathered for the loss."""
     if not isinstance(module, nn.Linear) or module.out_features % tp:
         return False
-    tied = _tied(module, embeddings)
-    vocabulary = any(e.num_embeddings == module.out_features for e in embeddings)
-    return tied or (vocabulary and module.weight.numel() >= HEAD_SHARE * total_params)
+    return _tied(module, embeddings) or any(e.num_embeddings == module.out_features for e in embeddings)
