@@ -12,6 +12,7 @@ from lightning_parallel.strategies import (
     PipelineParallelStrategy,
     TensorParallelStrategy,
 )
+from lightning_parallel.strategies.global_batch import data_parallel_size
 
 __version__ = "0.1.0"
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "STRATEGY_NAMES",
     "TensorParallelStrategy",
     "__version__",
+    "data_parallel_size",
 ]
 
 register_strategies()

@@ -44,6 +44,8 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from lightning_parallel.checkpointing import AtomicCheckpointIO, Checkpointer
@@ -55,6 +57,7 @@ from lightning_parallel.distributed.replicas import broadcast_module_states
 from lightning_parallel.distributed.sync_batchnorm import SyncBatchNormPlugin
 from lightning_parallel.distributed.watchdog import FailureWatchdog
 from lightning_parallel.strategies.checks import layout, one_of, positive_number, require
+from lightning_parallel.strategies.global_batch import describe_global_batch
 from lightning_parallel.strategies.launcher import HydraSafeSubprocessLauncher, failure_exit_fn
 from lightning_parallel.strategies.options import level_problems, options
 
@@ -242,6 +245,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             # Trainer(sync_batchnorm=True): torch's SyncBatchNorm refuses CPU and syncs over WORLD
             self._layer_sync = SyncBatchNormPlugin(self.dp_group)
         if trainer.state.fn == TrainerFn.FITTING:
+            self._batch_described = False
             super().setup(trainer)
             self.restore_after_setup(trainer)
             return
@@ -304,6 +308,19 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
             self.check_loss(training_loss(output), batch_idx, self.global_rank)
         return output
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if not getattr(self, "_batch_described", True):
+            self._batch_described = True
+            try:
+                size: Optional[int] = extract_batch_size(batch)
+            except Exception:  # a batch without tensors: say so instead of failing the run
+                size = None
+            shape = self.mesh.shape if self.mesh is not None else self.mesh_shape()
+            name = getattr(self, "strategy_name", type(self).__name__)
+            trainer = self.lightning_module.trainer
+            rank_zero_info(describe_global_batch(name, shape, size, trainer.accumulate_grad_batches))
+        super().on_train_batch_start(batch, batch_idx)
 
     def check_loss(self, loss: Optional[Tensor], batch_idx: Optional[int], rank: int) -> None:
         """Raise ``NonFiniteLossError`` for a NaN/inf loss computed on global rank ``rank``."""
