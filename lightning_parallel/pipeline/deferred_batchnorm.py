@@ -105,7 +105,7 @@ class DeferredBatchNorm:
         layers = _tracked(self.module)
         handles: list[RemovableHandle] = []
         for layer in layers:
-            handles.append(layer.register_forward_pre_hook(self._before, prepend=True))
+            handles.append(layer.register_forward_pre_hook(self._before))
             # first of the forward hooks: a stage boundary's hook raises after this layer's output
             handles.append(layer.register_forward_hook(self._after, prepend=True))
         self._records = {layer: [] for layer in layers}

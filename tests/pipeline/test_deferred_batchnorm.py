@@ -182,6 +182,19 @@ def test_a_stage_boundary_hook_after_the_layer_still_sees_its_statistics_recorde
     assert_same_buffers(layer, whole)
 
 
+def test_a_lazy_batchnorm_is_materialised_before_its_buffers_are_set_aside():
+    torch.manual_seed(0)
+    lazy = nn.Sequential(nn.Linear(3, 4), nn.LazyBatchNorm1d()).double()
+    x = batches((8, 3), 1)[0]
+    with DeferredBatchNorm(lazy).mini_batch(2):
+        for part in x.chunk(2):
+            lazy(part)
+    whole = nn.BatchNorm1d(4).double()
+    with torch.no_grad():
+        whole(lazy[0](x))
+    assert_same_buffers(lazy[1], whole)
+
+
 def test_warning_names_the_layers_and_what_would_be_exact():
     model = nn.Sequential(
         nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 6), nn.BatchNorm1d(6, affine=False)
