@@ -3,23 +3,25 @@
 A pipeline stage runs each BatchNorm once per micro-batch. Left alone, each call would update the
 running statistics with that micro-batch's: ``num_microbatches`` updates per step, each over a part of
 the batch. One device makes one update per batch, over the whole batch. As torchgpipe's deferred batch
-norm does, each micro-batch's per-channel count, mean and sum of squared deviations are recorded here
-(the layer's own update goes to scratch tensors), and when the stage has run all of a mini-batch's
-forwards one update is made from the combined statistics, with the layer's momentum (or cumulative
-average for ``momentum=None``) and the unbiased variance of the whole batch, as ``_BatchNorm`` does.
-A ``SyncBatchNorm`` that synchronises over a group gets the statistics of every rank of it.
+norm does, each call's statistics are recorded and, when the stage has run all of a mini-batch's
+forwards, one update is made from them combined, with the layer's momentum (or the cumulative average
+for ``momentum=None``) and the unbiased variance of the whole batch, as ``_BatchNorm`` does.
 
-The layers stay the user's objects with their own ``forward``: hooks are installed for one mini-batch
-and removed after it, so ``state_dict`` names and pickling are untouched. In training mode a layer
-still normalises each micro-batch with that micro-batch's statistics (the model's outputs and
-gradients differ from one device's unless ``num_microbatches=1``); ``batchnorm_warning`` says so.
-Evaluation (running statistics) is untouched.
+The layer computes a call's statistics itself, at no extra cost: during the call its buffers are
+zeroed scratch tensors and its momentum is 1, so its own update leaves in them exactly the mean and
+unbiased variance it normalised with (a ``SyncBatchNorm``'s: over its group). The count is the
+input's, summed over the group for a ``SyncBatchNorm``. The layers stay the user's objects with
+their own ``forward``; the hooks live for one mini-batch, so ``state_dict`` names and pickling are
+untouched, and autograd only ever saves the scratch tensors. In training mode a layer still
+normalises each micro-batch with that micro-batch's statistics (the outputs and gradients differ
+from one device's unless ``num_microbatches=1``); ``batchnorm_warning`` says so. Evaluation is
+untouched.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -31,7 +33,8 @@ __all__ = ["DeferredBatchNorm", "batchnorm_warning"]
 
 _BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
 
-Stats = tuple[Tensor, Tensor, Tensor]  # per channel: count, mean, sum of squared deviations from the mean
+Count = Union[float, Tensor]
+Record = tuple[Count, Tensor, Tensor]  # one call: count per channel, mean, unbiased variance
 
 
 def batchnorm_warning(module: nn.Module, num_microbatches: int, shown: int = 10) -> Optional[str]:
@@ -49,22 +52,13 @@ def batchnorm_warning(module: nn.Module, num_microbatches: int, shown: int = 10)
     )
 
 
-def _combine(parts: Sequence[Stats]) -> Stats:
-    """The count, mean and sum of squared deviations of the union of ``parts`` (Chan et al.: no
-    cancellation, unlike a sum of squares minus the squared sum)."""
-    count = sum(p[0] for p in parts)
-    mean = sum(p[0] * p[1] for p in parts) / count
-    deviations = sum(p[2] + p[0] * (p[1] - mean) ** 2 for p in parts)
-    return count, mean, deviations
-
-
-def _statistics(x: Tensor, dtype: torch.dtype) -> Stats:
-    """Per channel (dim 1) of one micro-batch's input: count, mean, sum of squared deviations."""
-    x = x.detach().to(torch.promote_types(x.dtype, dtype))
-    dims = [0] + list(range(2, x.dim()))
-    var, mean = torch.var_mean(x, dim=dims, correction=0)
-    count = torch.full_like(mean, x.numel() // x.shape[1])
-    return count, mean, var * count
+def _combine(records: Sequence[Record]) -> tuple[Tensor, Tensor]:
+    """The mean and unbiased variance of the union of the records' samples (Chan et al.: sums of squared
+    deviations, no cancellation)."""
+    count = sum(n for n, _, _ in records)
+    mean = sum(n * m for n, m, _ in records) / count
+    deviations = sum(v * (n - 1) + n * (m - mean) ** 2 for n, m, v in records)
+    return mean, deviations / max(count - 1, 1)
 
 
 def _statistics_group(layer: _BatchNorm) -> Optional[dist.ProcessGroup]:
@@ -94,17 +88,18 @@ class DeferredBatchNorm:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self._records: dict[_BatchNorm, list[Stats]] = {}
-        self._own: dict[_BatchNorm, dict[str, Optional[Tensor]]] = {}  # buffers set aside during a call
+        self._records: dict[_BatchNorm, list[Record]] = {}
+        self._own: dict[_BatchNorm, tuple[dict, Optional[float]]] = {}  # set aside during a call
 
     @contextmanager
     def mini_batch(self, num_microbatches: int) -> Iterator[None]:
-        """Within the block, each training-mode call of a layer records its input's statistics and leaves
-        the running statistics as they were; on leaving it without an error, one update per layer (per
-        call site, for a layer called k times per micro-batch)."""
+        """Within the block, each training-mode call of a layer records its statistics and leaves the
+        running statistics as they were; on leaving it without an error, one update per layer (per call
+        site, for a layer called k times per micro-batch)."""
         layers = _tracked(self.module)
         handles: list[RemovableHandle] = []
         for layer in layers:
+            # after the layer's other pre-hooks (a LazyBatchNorm materialises its buffers in one)
             handles.append(layer.register_forward_pre_hook(self._before))
             # first of the forward hooks: a stage boundary's hook raises after this layer's output
             handles.append(layer.register_forward_hook(self._after, prepend=True))
@@ -120,64 +115,57 @@ class DeferredBatchNorm:
             self._records = {}
 
     def _before(self, layer: _BatchNorm, args: tuple) -> None:
-        """The layer's own update of this call goes to scratch copies of its buffers."""
+        """The call updates zeroed scratch buffers with momentum 1: they end up holding its statistics."""
         if not layer.training:
             return
         own = {name: layer._buffers[name] for name in _BUFFERS}
-        self._own[layer] = own
+        self._own[layer] = own, layer.momentum
         for name, tensor in own.items():
             if tensor is not None:
-                layer._buffers[name] = tensor.clone()
+                layer._buffers[name] = torch.zeros_like(tensor)
+        layer.momentum = 1.0
 
     def _after(self, layer: _BatchNorm, args: tuple, output: object) -> None:
         if layer not in self._own:
             return
+        mean, var = layer._buffers["running_mean"], layer._buffers["running_var"]
         self._restore(layer)
-        self._records[layer].append(_statistics(args[0], layer.running_mean.dtype))
+        x = args[0]
+        self._records[layer].append((float(x.numel() // x.shape[1]), mean, var))
 
     def _restore(self, layer: _BatchNorm) -> None:
-        for name, tensor in self._own.pop(layer).items():
-            layer._buffers[name] = tensor
+        own, layer.momentum = self._own.pop(layer)
+        layer._buffers.update(own)
 
     @torch.no_grad()
     def _commit(self, num_microbatches: int) -> None:
         """One update per layer and call site, from every micro-batch's statistics of that call."""
-        updates: list[tuple[_BatchNorm, Stats]] = []
+        self._count_over_groups()
         for layer, records in self._records.items():
             if not records:
                 continue
             calls = len(records) // num_microbatches if len(records) % num_microbatches == 0 else 1
             for k in range(calls):  # records are in call order: micro-batch 0's calls, then 1's, ...
-                updates.append((layer, _combine(records[k::calls])))
-        updates = self._over_groups(updates)
-        for layer, (count, mean, deviations) in updates:
-            _update(layer, mean, deviations / (count - 1).clamp(min=1))
+                _update(layer, *_combine(records[k::calls]))
 
-    @staticmethod
-    def _over_groups(updates: list[tuple[_BatchNorm, Stats]]) -> list[tuple[_BatchNorm, Stats]]:
-        """SyncBatchNorm layers: the statistics of every rank of the layer's group, combined in rank order
-        (the same result on every rank). One all-gather per group."""
-        by_group: dict[object, list[int]] = {}
-        for i, (layer, _) in enumerate(updates):
-            group = _statistics_group(layer)
+    def _count_over_groups(self) -> None:
+        """A SyncBatchNorm's statistics cover its group: so must its counts (one all-reduce per group)."""
+        by_group: dict[object, list[_BatchNorm]] = {}
+        for layer, records in self._records.items():
+            group = _statistics_group(layer) if records else None
             if group is not None:
-                by_group.setdefault(group, []).append(i)
-        updates = list(updates)
-        for group, indices in by_group.items():
-            local = torch.cat([torch.cat(updates[i][1]) for i in indices])
-            gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(gathered, local, group=group)
-            offset = 0
-            for i in indices:
-                layer, stats = updates[i]
-                width = stats[1].numel()
-                parts = [
-                    tuple(g[offset + j * width : offset + (j + 1) * width] for j in range(3))
-                    for g in gathered
-                ]
-                updates[i] = (layer, _combine(parts))
-                offset += 3 * width
-        return updates
+                by_group.setdefault(group, []).append(layer)
+        for group, layers in by_group.items():
+            device = layers[0].running_mean.device
+            counts = torch.tensor(
+                [n for layer in layers for n, _, _ in self._records[layer]],
+                dtype=torch.float64,
+                device=device,
+            )
+            dist.all_reduce(counts, group=group)
+            summed = iter(counts.tolist())
+            for layer in layers:
+                self._records[layer] = [(next(summed), m, v) for _, m, v in self._records[layer]]
 
 
 def _update(layer: _BatchNorm, mean: Tensor, var: Tensor) -> None:
@@ -187,5 +175,5 @@ def _update(layer: _BatchNorm, mean: Tensor, var: Tensor) -> None:
         layer.num_batches_tracked.add_(1)
         if layer.momentum is None:
             factor = 1.0 / float(layer.num_batches_tracked)
-    layer.running_mean.mul_(1 - factor).add_(mean.to(layer.running_mean.dtype), alpha=factor)
-    layer.running_var.mul_(1 - factor).add_(var.to(layer.running_var.dtype), alpha=factor)
+    layer.running_mean.mul_(1 - factor).add_(mean, alpha=factor)
+    layer.running_var.mul_(1 - factor).add_(var, alpha=factor)

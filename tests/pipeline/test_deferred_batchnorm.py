@@ -158,6 +158,7 @@ def test_an_error_in_the_mini_batch_restores_the_buffers_and_commits_nothing():
     with pytest.raises(KeyError), DeferredBatchNorm(layer).mini_batch(2):
         layer(batches((8, 5), 1)[0])
     assert all(layer._buffers[k] is own[k] for k in own)
+    assert layer.momentum == 0.1
     assert all(torch.equal(v, before[k]) for k, v in layer.named_buffers())
 
 
