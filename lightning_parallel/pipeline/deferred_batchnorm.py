@@ -125,13 +125,13 @@ class DeferredBatchNorm:
                 layer._buffers[name] = torch.zeros_like(tensor)
         layer.momentum = 1.0
 
-    def _after(self, layer: _BatchNorm, args: tuple, output: object) -> None:
+    def _after(self, layer: _BatchNorm, args: tuple, output: Tensor) -> None:
         if layer not in self._own:
             return
         mean, var = layer._buffers["running_mean"], layer._buffers["running_var"]
         self._restore(layer)
-        x = args[0]
-        self._records[layer].append((float(x.numel() // x.shape[1]), mean, var))
+        count = output.numel() // output.shape[1]  # the output has the input's shape
+        self._records[layer].append((float(count), mean, var))
 
     def _restore(self, layer: _BatchNorm) -> None:
         own, layer.momentum = self._own.pop(layer)
