@@ -43,6 +43,7 @@ from lightning_parallel.distributed.replicas import (
     broadcast_module_states,
     start_sum_at,
 )
+from lightning_parallel.pipeline.deferred_batchnorm import DeferredBatchNorm, batchnorm_warning
 from lightning_parallel.pipeline.executor import StageExecutor, batch_size, split_microbatches
 from lightning_parallel.pipeline.logs import LogMirror, WholeBatchMetrics, capture_logs, summarize
 from lightning_parallel.pipeline.partition import StagePartition, find_block_stack, partition
@@ -143,6 +144,7 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         self.logs: Optional[LogMirror] = None
         self._init_async_state()
         self._last_loss: Optional[Tensor] = None
+        self._deferred_bn: Optional[DeferredBatchNorm] = None  # BatchNorm statistics once per batch
 
     @classmethod
     def own_option_problems(cls, values: Mapping[str, Any], prefix: str = "") -> list[Optional[str]]:
@@ -203,6 +205,10 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         if self.partition is not None:
             return  # split by an earlier fit/validate of this trainer: keep the stages
         broadcast_module_states(module, src=0)  # every stage cuts its blocks from the same weights
+        batchnorm = batchnorm_warning(module, self.num_microbatches)
+        if batchnorm is not None:
+            rank_zero_warn(batchnorm)
+            self._deferred_bn = DeferredBatchNorm(module)
         self._full_keys = list(module.state_dict().keys())
         self._full_param_names = [n for n, _ in module.named_parameters()]
         stage = self.mesh.pp_rank
@@ -372,7 +378,12 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
             scale *= self.scaler().get_scale()
         # only the last stage runs the user's step, so only it calls metrics
         tracked = self.whole_batch.track(self.lightning_module) if self.is_last_stage else nullcontext()
-        with capture_logs(self.lightning_module) as logged, tracked:
+        deferred = (
+            self._deferred_bn.mini_batch(self.num_microbatches)
+            if backward and self._deferred_bn is not None
+            else nullcontext()
+        )
+        with capture_logs(self.lightning_module) as logged, tracked, deferred:
             result = self.executor.run(
                 actions,
                 microbatches,

@@ -1,5 +1,7 @@
 """Models for pipeline tests: plain user code."""
 
+from typing import Optional
+
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Subset, default_collate
@@ -174,3 +176,70 @@ class VariableLengthTokens(TokenData):
         length = x.shape[1] - int(x[0, 0]) % 4
         self.lengths.append(length)
         return x[:, :length], y[:, :length]
+
+
+class BatchNormStack(MLP):
+    """A dense network with ``BatchNorm1d`` between its Linears, one ``nn.Sequential`` the partitioner
+    cuts; ``bn_history`` holds its BatchNorm buffers (this stage's) after every training batch."""
+
+    def __init__(self, bn_momentum: Optional[float] = 0.1, **kwargs):
+        super().__init__(**kwargs)
+        h = self.hparams
+        self.net = nn.Sequential(
+            nn.Linear(h.in_dim, h.hidden),
+            nn.BatchNorm1d(h.hidden, momentum=bn_momentum),
+            nn.Tanh(),
+            nn.Linear(h.hidden, h.hidden),
+            nn.BatchNorm1d(h.hidden, momentum=bn_momentum),
+            nn.Tanh(),
+            nn.Linear(h.hidden, h.out_dim),
+        )
+        self.bn_history: list[dict] = []
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.bn_history.append({k: v.detach().clone() for k, v in self.named_buffers()})
+
+
+class MicroBatchNorm:
+    """Mixin for a LightningModule with BatchNorm and a batch ``(x, y)``: one process, written with torch
+    alone, what a pipeline with ``num_microbatches`` does. The loss is the size-weighted sum of the
+    micro-batches' losses, each micro-batch normalised with its own statistics (no running update), and
+    then each layer is called once on its inputs of all micro-batches together, which updates its
+    running statistics once per batch, over the whole batch."""
+
+    def __init__(self, *args, num_microbatches: int = 4, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.num_microbatches = num_microbatches
+
+    def training_step(self, batch, batch_idx):
+        layers = [m for m in self.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        inputs = {layer: [] for layer in layers}
+        hooks = [
+            layer.register_forward_pre_hook(lambda m, args: inputs[m].append(args[0].detach()))
+            for layer in layers
+        ]
+        for layer in layers:
+            layer.track_running_stats = False  # training mode: batch statistics, running ones untouched
+        try:
+            parts = list(zip(*(torch.tensor_split(t, self.num_microbatches) for t in batch)))
+            size = len(batch[0])
+            loss = 0.0
+            for part in parts:
+                loss = loss + len(part[0]) / size * super().training_step(part, batch_idx)
+        finally:
+            for hook in hooks:
+                hook.remove()
+            for layer in layers:
+                layer.track_running_stats = True
+        with torch.no_grad():
+            for layer in layers:
+                layer(torch.cat(inputs[layer]))
+        return loss
+
+
+class MicroBatchNormStack(MicroBatchNorm, BatchNormStack):
+    """``BatchNormStack`` trained as a pipeline with micro-batches trains it, on one process."""
+
+
+class AsyncMicroBatchNormStack(AsyncRule, MicroBatchNorm, BatchNormStack):
+    """``BatchNormStack`` trained as the async pipeline with micro-batches trains it, on one process."""

@@ -49,3 +49,8 @@ def tensor_parallel_plan(trainer) -> dict:
         "report": resolved.report,
         "local_parameters": sum(p.numel() for p in trainer.lightning_module.parameters()),
     }
+
+
+def batchnorm_history(trainer) -> list:
+    """``BatchNormStack``'s BatchNorm buffers (this stage's) after every training batch."""
+    return trainer.lightning_module.bn_history
