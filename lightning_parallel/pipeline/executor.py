@@ -26,7 +26,14 @@ from lightning_parallel.pipeline.partition import StageInput, StageOutput
 from lightning_parallel.pipeline.schedules import Action
 from lightning_parallel.pipeline.timeline import Timeline
 
-__all__ = ["split_microbatches", "batch_size", "StageExecutor", "StepResult", "weights_snapshot"]
+__all__ = [
+    "split_microbatches",
+    "merge_microbatches",
+    "batch_size",
+    "StageExecutor",
+    "StepResult",
+    "weights_snapshot",
+]
 
 
 def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
@@ -52,6 +59,39 @@ def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
         return x
 
     return [part(batch, i) for i in range(num_microbatches)]
+
+
+def merge_microbatches(parts: Sequence[Any]) -> Any:
+    """What a step returned per micro-batch, as one batch's return (the inverse of ``split_microbatches``):
+    tensors with a batch dimension concatenated along dim 0, tuples/lists/dicts merged entry by entry,
+    other values (numbers, 0-dim tensors, None) kept once where every micro-batch gave the same, else
+    listed per micro-batch."""
+    if len(parts) <= 1:
+        return parts[0] if parts else None
+    first = parts[0]
+    if all(isinstance(p, Tensor) and p.dim() > 0 for p in parts):
+        if all(p.shape[1:] == first.shape[1:] for p in parts):
+            return torch.cat(list(parts))
+        return list(parts)
+    if isinstance(first, dict) and all(isinstance(p, dict) and p.keys() == first.keys() for p in parts):
+        return type(first)({k: merge_microbatches([p[k] for p in parts]) for k in first})
+    if isinstance(first, (list, tuple)) and all(
+        type(p) is type(first) and len(p) == len(first) for p in parts
+    ):
+        merged = [merge_microbatches([p[i] for p in parts]) for i in range(len(first))]
+        return type(first)(*merged) if hasattr(first, "_fields") else type(first)(merged)
+    if all(_same(p, first) for p in parts[1:]):
+        return first
+    return list(parts)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, Tensor) or isinstance(b, Tensor):
+        return isinstance(a, Tensor) and isinstance(b, Tensor) and a.shape == b.shape and torch.equal(a, b)
+    try:
+        return bool(a == b)
+    except Exception:  # an object whose == is not a truth value
+        return a is b
 
 
 def batch_size(batch: Any) -> Optional[int]:
@@ -109,6 +149,7 @@ def weights_snapshot(parameters: Sequence[Tensor]) -> Iterator[None]:
 class StepResult:
     losses: list[Tensor] = field(default_factory=list)  # last stage: each micro-batch's (unweighted) loss
     outputs: list[Any] = field(default_factory=list)  # last stage: what the step function returned
+    output: Any = None  # last stage, forward only: ``outputs`` merged as the whole batch's
     peak_held: int = (
         0  # most micro-batches whose activations this stage held at once (forward done, backward not)
     )
@@ -225,6 +266,8 @@ class StageExecutor:
                 else:
                     output, used = produced.pop(i), inputs.pop(i)
                 self._backward(output, used, weights[i], i, previous=action.batch == -1)
+        if self.is_last and not backward:
+            result.output = merge_microbatches(result.outputs)
         if backward:  # forward-only runs (validation) leave training's in-flight graphs alone
             if self.in_flight:
                 raise RuntimeError(

@@ -6,7 +6,9 @@ must decide the same way on every rank or the ranks' collectives stop matching. 
 records its ``self.log`` calls instead of making them, averages them over the micro-batches with the
 loss weights, and sends one summary per step to the other stages on the object channel (no
 collective: under the async schedule the stages are not in step, and a summary can be read a step
-later). Every stage then replays the summary with ``self.log``.
+later). Every stage then replays the summary with ``self.log``. An evaluation step's summary also
+carries what the step returned for the whole batch, which every stage then returns to Lightning
+(validation outputs for ``on_validation_batch_end``, predictions for writers and ``trainer.predict``).
 
 A torchmetrics ``Metric`` logged as an object is logged for real on the last stage, and its state (and
 its value for the step's whole batch) travels in the summary instead of a number: the other stages load
@@ -127,10 +129,13 @@ def summarize(
     batch: Optional[int] = None,
     batch_idx: Optional[int] = None,
     whole_batch: Optional[WholeBatchMetrics] = None,
+    outputs: Any = None,
 ) -> dict[str, Any]:
     """One step's loss and logs, each averaged over the micro-batches with the loss weights; a metric
     object's step value is its whole-batch value (``whole_batch``). ``batch``: the global step it was
-    computed in (async, where it is shown a step later), ``batch_idx``: its index in the epoch."""
+    computed in (async, where it is shown a step later), ``batch_idx``: its index in the epoch;
+    ``outputs``: what an evaluation step returned for the whole batch (sent on the CPU), so every stage
+    hands Lightning the same as the last."""
     loss = sum(w * float(value) for w, value in zip(weights, losses)) if losses else None
     logs = {}
     metrics = {}
@@ -151,6 +156,7 @@ def summarize(
         "metrics": metrics,
         "batch": batch,
         "batch_idx": batch_idx,
+        "outputs": _cpu(outputs),
     }
 
 

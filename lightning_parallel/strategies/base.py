@@ -336,6 +336,14 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             group = self.dp_group
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Lightning's vote (``ModelCheckpoint``'s top-k, ``EarlyStopping``), counted over the ranks that
+        ``reduce`` spans (the data-parallel replicas), not the world: Lightning's compares the sum with the
+        world size, so with model-parallel peers an ``all`` vote could never pass."""
+        votes = self.reduce(torch.tensor(int(decision), device=self.root_device), reduce_op=ReduceOp.SUM)
+        voters = self.mesh.shape.dp if self.mesh is not None else self.world_size
+        return bool(votes == voters) if all else bool(votes)
+
     @contextmanager
     def block_backward_sync(self) -> Generator:
         """Lightning wraps accumulating micro-steps in this: keep gradients local until the last one.

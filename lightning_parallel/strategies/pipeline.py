@@ -15,6 +15,15 @@ How a step runs (Lightning's closure is training_step -> zero_grad -> backward):
 - ``self.log`` calls made by the user's code on the last stage are captured per micro-batch, averaged
   with the same weights, and replayed on every stage, so the progress bar (rank 0 is the first stage),
   loggers, ``ModelCheckpoint`` and ``EarlyStopping`` see the same values everywhere.
+- Collectives that the user's step makes (``self.all_gather``, the strategy's ``reduce``/``broadcast``/
+  ``barrier``, a metric's ``compute()``) span the replicas of this stage while the step runs: the step's
+  code after the model's forward runs on the last stage only, so a collective over every rank would
+  wait for stages that never join it. Outside the step they span every rank, as under ``ddp``.
+- ``validation_step``/``test_step``/``predict_step`` return, on every stage, what the last stage's step
+  returned for the whole batch (micro-batch outputs merged), so prediction writers and
+  ``trainer.predict`` get the predictions on every rank.
+- Manual optimization is refused at set-up: the step is split across stages and micro-batches, so a
+  ``manual_backward`` or ``optimizer.step()`` inside it has no place.
 
 Checkpoints hold the full model under the original names (gathered from the stages), so they load into
 the plain module; a full checkpoint loads into any number of stages. With ``save_distributed=True`` each
@@ -24,12 +33,14 @@ stage writes only its own tensors (``checkpointing.sharded``).
 from __future__ import annotations
 
 import statistics
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.strategy import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -145,6 +156,7 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         self._init_async_state()
         self._last_loss: Optional[Tensor] = None
         self._deferred_bn: Optional[DeferredBatchNorm] = None  # BatchNorm statistics once per batch
+        self._in_user_step = False  # the user's step is running: its collectives span this stage's replicas
 
     @classmethod
     def own_option_problems(cls, values: Mapping[str, Any], prefix: str = "") -> list[Optional[str]]:
@@ -184,6 +196,14 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         _, pp = self.parallel_sizes()
         # a fit that ended in an exception may have left collectives in flight, on groups now gone
         self._bubbles_gathered = self._replicated_sum = None
+        if not module.automatic_optimization and module.trainer.state.fn == TrainerFn.FITTING:
+            raise ValueError(
+                f"{type(self).__name__} (schedule={self.schedule!r}) does not support manual optimization "
+                f"(automatic_optimization=False in {type(module).__name__}): the strategy runs training_step once "
+                "per micro-batch, split across the stages, and makes the backward itself, so manual_backward "
+                "and optimizer.step() inside training_step have no place. Use automatic optimization, or "
+                "lp_ddp / lp_tensor_parallel, which support manual optimization."
+            )
         if self.schedule == "1f1b" and self.num_microbatches < pp:
             raise ValueError(
                 f"schedule='1f1b' needs num_microbatches >= the number of stages ({pp}), got "
@@ -202,6 +222,7 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
                 "(no scaler), or schedule='1f1b'."
             )
         self.share_found_inf()
+        self._bind_metrics_to_dp_group()  # also for validate/test/predict without a fit
         if self.partition is not None:
             return  # split by an earlier fit/validate of this trainer: keep the stages
         broadcast_module_states(module, src=0)  # every stage cuts its blocks from the same weights
@@ -335,14 +356,11 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         return self._forward_only(batch, lambda mb: Strategy.test_step(self, mb, batch_idx, *args))
 
     def predict_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
-        outputs = self._forward_only(
-            batch, lambda mb: Strategy.predict_step(self, mb, batch_idx, *args), outputs=True
-        )
-        if outputs and all(isinstance(o, Tensor) for o in outputs):
-            return torch.cat(outputs)
-        return outputs
+        return self._forward_only(batch, lambda mb: Strategy.predict_step(self, mb, batch_idx, *args))
 
-    def _forward_only(self, batch: Any, step_fn: Any, outputs: bool = False) -> Any:
+    def _forward_only(self, batch: Any, step_fn: Any) -> Any:
+        """Evaluate a batch pipelined; every stage returns what the last stage's step returned for the whole
+        batch (the merged micro-batch outputs), and replays its logs."""
         actions = [
             a
             for a in schedule("gpipe", self.mesh.shape.pp, self.num_microbatches, self.mesh.pp_rank)
@@ -350,10 +368,12 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         ]
         with torch.no_grad():
             # no wait for sends: under async, a receiver may still owe a receive from the last train step
-            result = self._run(actions, batch, step_fn, backward=False, outputs=outputs, flushed=False)
-        if outputs:
-            return result
-        return self._show(self.logs.take("eval"))
+            result = self._run(actions, batch, step_fn, backward=False, flushed=False)
+        summary = self.logs.take("eval")
+        self._show(summary)
+        if self.is_last_stage:
+            return result.output
+        return move_data_to_device(summary["outputs"], self.root_device)
 
     def _run(
         self,
@@ -361,7 +381,6 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         batch: Any,
         step_fn: Any,
         backward: bool,
-        outputs: bool = False,
         before_backward: Any = None,
         flushed: bool = True,
         batch_idx: Optional[int] = None,
@@ -387,7 +406,7 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
             result = self.executor.run(
                 actions,
                 microbatches,
-                step_fn,
+                self._as_user_step(step_fn),
                 [w * scale for w in weights],
                 backward=backward,
                 before_backward=before_backward,
@@ -395,18 +414,69 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
             )
         if backward:
             self.peak_held.append(result.peak_held)
-        if outputs:
-            return result.outputs if self.is_last_stage else None
         if self.is_last_stage:
             kind = "train" if backward else "eval"
             number = (
                 self.lightning_module.trainer.global_step if self.schedule == "async" and backward else None
             )
             self.logs.publish(
-                summarize(kind, result.losses, weights, logged, number, batch_idx, self.whole_batch)
+                summarize(
+                    kind, result.losses, weights, logged, number, batch_idx, self.whole_batch, result.output
+                )
             )
         self.logs.finish(flushed)
         return result
+
+    # ----------------------------------------------------------------- the user's collectives
+    def _as_user_step(self, step_fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``step_fn`` run as the user's step: the collectives it makes span this stage's replicas."""
+
+        def user_step(microbatch: Any) -> Any:
+            with self._user_step():
+                return step_fn(microbatch)
+
+        return user_step
+
+    @contextmanager
+    def _user_step(self) -> Iterator[None]:
+        outer, self._in_user_step = self._in_user_step, True
+        try:
+            yield
+        finally:
+            self._in_user_step = outer
+
+    def _step_group(self, group: Optional[Any]) -> Optional[Any]:
+        """The group a collective asked for with ``group`` spans: inside the user's step the default (None or
+        WORLD, which ``LightningModule.all_gather`` passes) is the data-parallel group of this stage, the
+        ranks that run the same code at the same time (the last stage of every replica, for the code after
+        the model's forward; one rank when there is one replica)."""
+        if not self._in_user_step or (group is not None and group is not dist.group.WORLD):
+            return group
+        return self.dp_group if self.dp_group is not None else dist.group.WORLD
+
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        """Inside the user's step, a tensor of shape (data_parallel_size, ...): one entry per replica."""
+        return super().all_gather(tensor, group=self._step_group(group), sync_grads=sync_grads)
+
+    def reduce(
+        self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Tensor:
+        return super().reduce(tensor, group=self._step_group(group), reduce_op=reduce_op)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Inside the user's step, ``src`` counts the replicas (0: the first replica's copy of this stage)."""
+        if not self._in_user_step or not dist.is_initialized():
+            return super().broadcast(obj, src)
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.mesh.ranks("dp")[src], group=self._step_group(None))
+        return box[0]
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not self._in_user_step or not dist.is_initialized():
+            return super().barrier(*args, **kwargs)
+        nccl = dist.get_backend() == "nccl"
+        ids = {"device_ids": self.determine_ddp_device_ids()} if nccl else {}
+        dist.barrier(group=self._step_group(None), **ids)
 
     def _record_timeline(self) -> None:
         events = list(self.executor.timeline.events)
