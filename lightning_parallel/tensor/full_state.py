@@ -1,6 +1,7 @@
 """Full (unsharded) state of a tensor-parallel module, and loading a full state into one.
 
-Checkpoints keep full tensors under the original names, so they load into the plain module on one
+Checkpoints keep full tensors (per-feature buffers such as a BatchNorm's running statistics included)
+under the original names, so they load into the plain module on one
 device and into any tensor-parallel size. Saving gathers each sharded tensor over the tensor-parallel
 group (every rank must call, in the same order); loading slices locally and needs no communication.
 Optimizer state (e.g. Adam's moments) of a sharded parameter is treated the same way.
@@ -8,13 +9,20 @@ Optimizer state (e.g. Adam's moments) of a sharded parameter is treated the same
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_parallel.distributed.collectives import all_gather_list
-from lightning_parallel.tensor.layers import ShardSpec, _TPLayer, full_tensor, shard_tensor
+from lightning_parallel.tensor.layers import (
+    FEATURE_SHARDS,
+    FeatureShards,
+    ShardSpec,
+    _TPLayer,
+    full_tensor,
+    shard_tensor,
+)
 
 __all__ = [
     "sharded_parameters",
@@ -25,16 +33,25 @@ __all__ = [
 ]
 
 
-def sharded_parameters(module: nn.Module) -> dict[str, tuple[Tensor, ShardSpec, _TPLayer]]:
-    """state_dict key -> (local tensor, how it was cut, its layer), in a fixed order; a shard tied to a
-    parameter of another module (BERT's decoder bias) appears under each of its names."""
-    out: dict[str, tuple[Tensor, ShardSpec, _TPLayer]] = {}
+Owner = Union[_TPLayer, FeatureShards]  # says tp_size and tp_rank
+
+
+def sharded_parameters(module: nn.Module) -> dict[str, tuple[Tensor, ShardSpec, Owner]]:
+    """state_dict key -> (local tensor, how it was cut, its layer or per-feature record), in a fixed order;
+    a shard tied to a parameter of another module (BERT's decoder bias) appears under each of its names.
+    Per-feature tensors (a BatchNorm's running statistics included) are listed by the record that
+    ``shard_features`` left on ``module``."""
+    out: dict[str, tuple[Tensor, ShardSpec, Owner]] = {}
     for prefix, layer in module.named_modules():
         if isinstance(layer, _TPLayer):
             for name, spec in layer.SHARDS.items():
                 tensor = getattr(layer, name, None)
                 if tensor is not None:
                     out[f"{prefix}.{name}" if prefix else name] = (tensor, spec, layer)
+    record = getattr(module, FEATURE_SHARDS, None)
+    for name, spec in (record.specs if record is not None else {}).items():
+        owner, _, attr = name.rpartition(".")
+        out[name] = (getattr(module.get_submodule(owner), attr), spec, record)
     by_id = {id(t): entry for t, *_ in out.values() for entry in [(t, *_)]}
     for name, p in module.named_parameters(remove_duplicate=False):  # other names of a tied shard
         if id(p) in by_id and name not in out:
