@@ -20,8 +20,9 @@ once, as in Megatron (2 all-reduces forward and 2 backward per transformer block
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -106,11 +107,30 @@ def _new_param(full: Tensor, spec: ShardSpec, tp_size: int, tp_rank: int) -> nn.
     return nn.Parameter(shard_tensor(full.detach(), spec, tp_size, tp_rank), requires_grad=full.requires_grad)
 
 
+def _unpickled(layer: nn.Module) -> nn.Module:
+    return layer
+
+
 class _TPLayer(nn.Module):
     SHARDS: dict[str, ShardSpec] = {}
 
     def _init_tp(self, group: Optional[dist.ProcessGroup], tp_size: int, tp_rank: int) -> None:
         self.group, self.tp_size, self.tp_rank = group, tp_size, tp_rank
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled as the layer it replaced, whole and empty (``unsharded``, set by ``apply_plan``): a
+        network held in the hyperparameters stays picklable (Lightning drops what is not), with no
+        process group; a checkpoint's copy is rebuilt with the full values (``full_state``)."""
+        skeleton = self.__dict__.get("unsharded")
+        return super().__reduce_ex__(protocol) if skeleton is None else (_unpickled, (skeleton,))
+
+    def __deepcopy__(self, memo: dict) -> "_TPLayer":
+        """A true copy (not the pickled skeleton) that shares the process group."""
+        memo.setdefault(id(self.group), self.group)
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
 
 
 def _linear_shape(layer: nn.Module) -> tuple[int, int, bool]:

@@ -14,6 +14,11 @@ from tests.helpers.harness import assert_params_close, max_param_diff, run_distr
 
 TP = "lightning_parallel:TensorParallelStrategy"
 MODEL = "tests.strategies.test_tensor_parallel_batchnorm:DenseBatchNorm"
+HELD = "tests.strategies.test_tensor_parallel_batchnorm:HeldDenseBatchNorm"
+CHECKPOINTS = {
+    "class": "lightning.pytorch.callbacks:ModelCheckpoint",
+    "kwargs": {"dirpath": "checkpoints", "every_n_train_steps": 3, "save_top_k": -1},
+}
 DATA = "tests.helpers.models:RegressionData"
 DATA_KWARGS = {"global_batch_size": 16, "in_dim": 48, "out_dim": 8}
 TRAINER = {"precision": "64-true", "max_steps": 6, "limit_val_batches": 2, "val_check_interval": 3}
@@ -38,26 +43,28 @@ class FeatureAffine(nn.Module):
         return x * self.scale + self.shift
 
 
-class DenseBatchNorm(LightningModule):
+def dense_net(in_dim: int = 48, h: int = 32, out_dim: int = 8) -> nn.Sequential:
     """in -> h -> BN -> ReLU -> h -> BN -> ReLU -> h -> per-feature affine -> ReLU -> out: two column -> row
     pairs, each with a per-feature layer inside; the BatchNorm between the pairs stays whole."""
+    return nn.Sequential(
+        nn.Linear(in_dim, h),
+        nn.BatchNorm1d(h),
+        nn.ReLU(),
+        nn.Linear(h, h),
+        nn.BatchNorm1d(h),
+        nn.ReLU(),
+        nn.Linear(h, h),
+        FeatureAffine(h),
+        nn.ReLU(),
+        nn.Linear(h, out_dim),
+    )
 
+
+class DenseBatchNorm(LightningModule):
     def __init__(self, in_dim: int = 48, hidden: int = 32, out_dim: int = 8, lr: float = 0.05) -> None:
         super().__init__()
         self.save_hyperparameters()
-        h = hidden
-        self.net = nn.Sequential(
-            nn.Linear(in_dim, h),
-            nn.BatchNorm1d(h),
-            nn.ReLU(),
-            nn.Linear(h, h),
-            nn.BatchNorm1d(h),
-            nn.ReLU(),
-            nn.Linear(h, h),
-            FeatureAffine(h),
-            nn.ReLU(),
-            nn.Linear(h, out_dim),
-        )
+        self.net = dense_net(in_dim, hidden, out_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -76,6 +83,16 @@ class DenseBatchNorm(LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+
+
+class HeldDenseBatchNorm(DenseBatchNorm):
+    """The network built outside and held in the hyperparameters, as the Lightning + Hydra templates do."""
+
+    def __init__(self, net: nn.Module | None = None, lr: float = 0.05) -> None:
+        LightningModule.__init__(self)
+        net = net if net is not None else dense_net()
+        self.save_hyperparameters({"net": net, "lr": lr})
+        self.net = net
 
 
 def case(name, plan="auto", dp=1, trainer=None, **extra):
@@ -114,14 +131,25 @@ def runs(tmp_path_factory):
     first = single(tmp, "single-3", trainer={"max_steps": 3})
     assert first["state_dict"]
     resume = case("auto-resume", ckpt_path=str(tmp / "single" / "single-3" / "last.ckpt"))
+    held = case("held", model=HELD)
     two = run_distributed(
-        [case("auto"), case("written", plan=WRITTEN), resume], world_size=2, tmp_path=tmp, timeout=400
+        [case("auto"), case("written", plan=WRITTEN), resume, held], world_size=2, tmp_path=tmp, timeout=400
     )
     sync = case("auto-dp2-sync", dp=2, trainer={"sync_batchnorm": True})
-    four = run_distributed([sync], world_size=4, tmp_path=tmp, timeout=400)
+    held_sync = case(
+        "held-dp2-sync", dp=2, trainer={"sync_batchnorm": True}, model=HELD, callbacks=[CHECKPOINTS]
+    )
+    four = run_distributed([sync, held_sync], world_size=4, tmp_path=tmp, timeout=400)
     initial = single(tmp, "single-0", trainer={"max_steps": 0})
     resumed = single(tmp, "single-resume", ckpt_path=resume["ckpt_path"])  # the same resume on one device
-    refs = {"auto": ref, "written": ref, "auto-dp2-sync": ref, "auto-resume": resumed}
+    refs = {
+        "auto": ref,
+        "written": ref,
+        "auto-dp2-sync": ref,
+        "auto-resume": resumed,
+        "held": ref,
+        "held-dp2-sync": ref,
+    }
     return tmp, refs, initial, {**two, **four}
 
 
@@ -129,7 +157,14 @@ def _full(tmp, world, name):
     return torch.load(tmp / f"dist{world}" / name / "last.ckpt", weights_only=False)["state_dict"]
 
 
-CASES = [(2, "auto"), (2, "written"), (2, "auto-resume"), (4, "auto-dp2-sync")]
+CASES = [
+    (2, "auto"),
+    (2, "written"),
+    (2, "auto-resume"),
+    (4, "auto-dp2-sync"),
+    (2, "held"),
+    (4, "held-dp2-sync"),
+]
 
 
 @pytest.mark.timeout(900)
@@ -170,3 +205,26 @@ def test_full_checkpoint_loads_into_the_plain_module(runs):
     plain = DenseBatchNorm().double()
     plain.load_state_dict(_full(tmp, 2, "auto"))  # strict: single-device names and shapes
     assert_params_close(plain.state_dict(), refs["auto"]["state_dict"], atol=1e-10)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("world, name", [(2, "held"), (4, "held-dp2-sync")])
+def test_a_network_held_in_the_hyperparameters_is_saved_as_on_one_device(runs, world, name):
+    """No process group is pickled (dp=2 x tp=2 checkpoints while fitting, with SyncBatchNorm), and
+    ``load_from_checkpoint`` rebuilds the single-device model from the hyperparameters."""
+    tmp, refs, _, _ = runs
+    path = tmp / f"dist{world}" / name / "last.ckpt"
+    held = torch.load(path, weights_only=False)["hyper_parameters"]["net"]
+    norms = nn.modules.batchnorm._BatchNorm  # after sync_batchnorm, Lightning's revert gives _BatchNormXd
+    assert [type(m) for m in held if not isinstance(m, norms)] == [
+        type(m) for m in dense_net() if not isinstance(m, norms)
+    ]  # plain Linears, whole
+    assert held[1].running_mean.shape == (32,) and held[0].weight.shape == (32, 48)
+    model = HeldDenseBatchNorm.load_from_checkpoint(path, weights_only=False)
+    assert_params_close(model.state_dict(), refs[name]["state_dict"], atol=1e-10)
+    if world == 4:
+        during_fit = sorted((tmp / f"dist{world}" / name / "checkpoints").glob("*.ckpt"))
+        assert during_fit, "no checkpoint was written while fitting"
+        net = torch.load(during_fit[0], weights_only=False)["hyper_parameters"]["net"]
+        assert isinstance(net[1], nn.SyncBatchNorm) and net[1].process_group is None
+        assert isinstance(net[0], nn.Linear) and net[0].weight.shape == (32, 48)

@@ -178,3 +178,25 @@ def test_applied_and_loaded_every_rank_holds_its_features(rank):
     for n in BN:
         assert torch.equal(getattr(net[1], n), full[f"1.{n}"][mine])
     assert isinstance(net[1].weight, nn.Parameter) and net[1].running_mean.shape == (32,)
+
+
+def test_a_sharded_network_pickles_as_on_one_device_and_deep_copies_as_itself():
+    """A network held in the hyperparameters: Lightning drops what cannot be pickled (a process group),
+    checkpoints save it whole (``unsharded_copy``, from the full state); a deep copy stays sharded."""
+    import copy
+    import pickle
+
+    from lightning_parallel.tensor.full_state import unsharded_copy
+
+    net = bn_net()
+    full = {k: v.clone() for k, v in net.state_dict().items()}
+    apply_plan(net, resolve(net, {"0": "colwise", "3": "rowwise"}, 2), SimulatedGroup(2), 1)
+    pickled = pickle.loads(pickle.dumps(net))
+    assert type(pickled[0]) is nn.Linear and pickled[0].weight.shape == (64, 784)
+    whole = unsharded_copy(net, net, full)
+    assert [type(m) for m in whole] == [type(m) for m in bn_net()]
+    assert all(torch.equal(whole.state_dict()[k], full[k]) for k in full)
+    assert net[1].running_mean.shape == (32,)  # the sharded network is unchanged
+    copied = copy.deepcopy(net)
+    assert type(copied[0]).__name__ == "ColumnParallelLinear" and copied[0].group is net[0].group
+    assert copied[0].weight.shape == (32, 784) and copied[0].weight is not net[0].weight
