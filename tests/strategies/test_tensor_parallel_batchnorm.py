@@ -132,8 +132,13 @@ def runs(tmp_path_factory):
     assert first["state_dict"]
     resume = case("auto-resume", ckpt_path=str(tmp / "single" / "single-3" / "last.ckpt"))
     held = case("held", model=HELD)
+    sharded = case("sharded-save", trainer={"max_steps": 3})  # each rank writes its own slices
+    sharded["strategy"]["kwargs"]["save_distributed"] = True
     two = run_distributed(
-        [case("auto"), case("written", plan=WRITTEN), resume, held], world_size=2, tmp_path=tmp, timeout=400
+        [case("auto"), case("written", plan=WRITTEN), resume, held, sharded],
+        world_size=2,
+        tmp_path=tmp,
+        timeout=400,
     )
     sync = case("auto-dp2-sync", dp=2, trainer={"sync_batchnorm": True})
     held_sync = case(
@@ -142,6 +147,9 @@ def runs(tmp_path_factory):
     four = run_distributed([sync, held_sync], world_size=4, tmp_path=tmp, timeout=400)
     initial = single(tmp, "single-0", trainer={"max_steps": 0})
     resumed = single(tmp, "single-resume", ckpt_path=resume["ckpt_path"])  # the same resume on one device
+    from_shards = single(
+        tmp, "single-from-shards", ckpt_path=str(tmp / "dist2" / "sharded-save" / "last.ckpt")
+    )
     refs = {
         "auto": ref,
         "written": ref,
@@ -149,6 +157,7 @@ def runs(tmp_path_factory):
         "auto-resume": resumed,
         "held": ref,
         "held-dp2-sync": ref,
+        "from-shards": from_shards,
     }
     return tmp, refs, initial, {**two, **four}
 
@@ -228,3 +237,11 @@ def test_a_network_held_in_the_hyperparameters_is_saved_as_on_one_device(runs, w
         net = torch.load(during_fit[0], weights_only=False)["hyper_parameters"]["net"]
         assert isinstance(net[1], nn.SyncBatchNorm) and net[1].process_group is None
         assert isinstance(net[0], nn.Linear) and net[0].weight.shape == (32, 48)
+
+
+@pytest.mark.timeout(900)
+def test_a_sharded_checkpoint_holds_each_ranks_running_statistics_and_resumes_on_one_device(runs):
+    """``save_distributed=True``: each rank writes its slices of the per-feature tensors; one device
+    resumed from the directory equals one device resumed from its own checkpoint at the same step."""
+    _, refs, _, _ = runs
+    assert_params_close(refs["from-shards"]["state_dict"], refs["auto-resume"]["state_dict"], atol=1e-10)
