@@ -332,22 +332,21 @@ def _split_name(name: str) -> tuple[str, str]:
 
 def _check_dataflow(assignments: list[Assignment], modules: dict[str, nn.Module]) -> None:
     """A row-parallel layer needs a sharded input, and a column-parallel output left sharded needs a
-    row-parallel consumer. In an ``nn.Sequential`` the neighbours are known (only element-wise modules
-    may sit between the two); elsewhere the pair must at least be siblings."""
+    row-parallel consumer, and a per-feature module a sharded input. In an ``nn.Sequential`` the
+    neighbours are known (only element-wise and per-feature modules may sit between the two); elsewhere
+    the pair must at least be siblings."""
     style = {a.name: a for a in assignments}
 
     def sharded_producer(a: Assignment) -> bool:
         return a.style == "colwise" and not a.options.get("gather_output", False)
 
     for a in assignments:
-        if a.style == "per_feature":
-            continue
         parent_name, child = _split_name(a.name)
         parent = modules[parent_name]
         siblings = [f"{parent_name}.{c}" if parent_name else c for c in parent._modules]
         if isinstance(parent, nn.Sequential):
             i = siblings.index(a.name)
-            step = -1 if a.style == "rowwise" else 1
+            step = -1 if a.style in ("rowwise", "per_feature") else 1
             j = i + step
             while 0 <= j < len(siblings) and _passes_features(siblings[j], modules, style):
                 j += step
@@ -355,6 +354,14 @@ def _check_dataflow(assignments: list[Assignment], modules: dict[str, nn.Module]
             candidates = [neighbour] if neighbour is not None else []
         else:
             candidates = [style[s] for s in siblings if s in style and s != a.name]
+        if a.style == "per_feature":
+            if not any(sharded_producer(c) for c in candidates):
+                raise PlanError(
+                    f"per_feature module {a.name!r} is fed no split features: no colwise layer (without "
+                    f"gather_output) before it in {parent_name or 'the root module'!r}. Mark its producer "
+                    "'colwise' and the consumer 'rowwise', or leave it out of the plan"
+                )
+            continue
         if a.style == "rowwise" and a.options.get("input_is_parallel", True):
             if not any(sharded_producer(c) for c in candidates):
                 raise PlanError(

@@ -151,6 +151,7 @@ def test_a_written_plan_infers_batchnorm_in_a_sequential_and_names_other_per_fea
             {"0": "per_feature"},
             r"style 'per_feature' applies to a module whose parameters and buffers are vectors",
         ),
+        ({"4": "per_feature"}, r"per_feature module '4' is fed no split features: no colwise layer"),
         ({"0": "colwise", "1": "per_feature", "3": "rowwise"}, None),
         ({"0": "colwise", "3": "rowwise"}, None),
     ],
