@@ -93,10 +93,11 @@ def _per_feature(a, resolved: ResolvedPlan) -> tuple[str, int, set[int]]:
 
 
 def plan_rows(module: nn.Module, resolved: ResolvedPlan) -> list[PlanRow]:
-    """One row per planned module, then one for everything left replicated."""
+    """One row per planned module, in the model's order, then one for everything left replicated."""
     tp = resolved.tp_size
     rows, seen_entry, covered = [], set(), set()
-    for a in resolved.assignments:
+    order = {name: i for i, (name, _) in enumerate(module.named_modules())}
+    for a in sorted(resolved.assignments, key=lambda a: order.get(a.name, len(order))):
         if a.style == "per_feature":  # cut with the features of its pair: no communication
             shape, n, ids = _per_feature(a, resolved)
             rows.append(PlanRow(a.name or "(root)", a.style, shape, n, "-", "-"))
