@@ -85,7 +85,9 @@ def _chunks(trace: Trace, key: int, width: int) -> int:
     return 1
 
 
-def _seed(trace: Trace, node: Node, seeds: dict[str, tuple[Layout, frozenset]], layouts: dict, owners: dict):
+def _seed(
+    trace: Trace, node: Node, seeds: dict[str, tuple[Layout, frozenset]], layouts: dict, owners: dict
+) -> None:
     """Per-feature tensors found so far are sharded from their first read."""
     for r in node.inputs():
         name = trace.raw.get(r.key)
@@ -93,7 +95,7 @@ def _seed(trace: Trace, node: Node, seeds: dict[str, tuple[Layout, frozenset]], 
             layouts[r.key], owners[r.key] = seeds[name]
 
 
-def _sync_batchnorm(trace: Trace, node: Node, module: nn.Module, layouts: dict) -> tuple[Layout, list]:
+def _sync_batchnorm(node: Node, module: nn.Module, layouts: dict) -> tuple[Layout, list]:
     """A ``SyncBatchNorm`` call (one trace node): per-channel, like the batch norm operators."""
     operands = [
         (f"{node.layer}.{attr}", tuple(t.shape), None)
@@ -128,7 +130,7 @@ def _run_flow(
                     flow.rows.setdefault(node.layer, set()).update(sources)
                 elif isinstance(module, nn.SyncBatchNorm) and first is labeled[0] and node.outputs:
                     try:
-                        out, found = _sync_batchnorm(trace, node, module, layouts)
+                        out, found = _sync_batchnorm(node, module, layouts)
                     except Escape as escape:
                         for s in sources:
                             flow.failed.setdefault(s, f"{escape} (in {node.layer})")
