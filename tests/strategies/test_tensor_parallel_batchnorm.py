@@ -182,6 +182,7 @@ def test_equals_one_device_parameters_running_statistics_and_validation(runs, wo
     tmp, refs, initial, results = runs
     ref = refs[name]
     full = _full(tmp, world, name)
+    print(f"{name}: largest difference from one device {max_param_diff(full, ref['state_dict']):.3e}")
     assert_params_close(full, ref["state_dict"], atol=1e-10)  # parameters and BatchNorm buffers, full size
     for key in ("net.1.running_mean", "net.1.running_var", "net.7.scale", "net.4.running_var"):
         assert max_param_diff({key: initial["state_dict"][key]}, {key: ref["state_dict"][key]}) > 1e-3, key
