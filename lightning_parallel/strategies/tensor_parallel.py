@@ -35,6 +35,7 @@ from lightning_parallel.tensor.full_state import (
     load_full_state_dict,
     shard_optimizer_state,
     sharded_parameters,
+    unsharded_copy,
 )
 from lightning_parallel.tensor.layers import SharedEntry, _TPLayer
 
@@ -207,6 +208,23 @@ class TensorParallelStrategy(ParallelStrategyBase):
         if not self._is_sharded():
             return super().full_model_state()
         return full_state_dict(self.lightning_module, self.tp_group)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """A network held in the hyperparameters (``save_hyperparameters()`` with a module argument) is
+        saved as on one device, like the state dict: whole layers, no process group."""
+        hparams = checkpoint.get("hyper_parameters")
+        if (
+            isinstance(hparams, dict)
+            and self.is_global_zero
+            and self._is_sharded()
+            and not self.save_distributed
+        ):
+            module, state = self.lightning_module, checkpoint["state_dict"]
+            checkpoint["hyper_parameters"] = {
+                k: unsharded_copy(v, module, state) if isinstance(v, nn.Module) else v
+                for k, v in hparams.items()
+            }
+        super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def shard_layouts(self) -> dict[str, ShardLayout]:
         """For ``save_distributed``: which slice of each full tensor this rank holds."""

@@ -8,16 +8,18 @@ inline, gated products (SwiGLU), attention through ``scaled_dot_product_attentio
 fused q/k/v split per chunk, grouped-query attention, ``Conv1D``; sizes written in ``forward`` (a head
 count, a split size) are divided through the attribute they are read from. A large layer whose output
 is needed whole (the output head) is column-parallel with a gathered output; tied weights are sharded
-alike or not at all. ``nn.MultiheadAttention`` and ``nn.Embedding`` are decided by type. The plan is
-tried on one simulated rank (``dry_run``), and where a model declares its own plan (Hugging Face's
-``_tp_plan``) every disagreement with it is reported (``declared``).
+alike or not at all. Per-feature layers inside a pair (a BatchNorm, a per-feature scale) have their
+parameters and buffers cut with the features. ``nn.MultiheadAttention`` and ``nn.Embedding`` are
+decided by type. The plan is tried on one simulated rank (``dry_run``), and where a model declares its
+own plan (Hugging Face's ``_tp_plan``) every disagreement with it is reported (``declared``).
 
 Without a forward, the structural rules below apply, and the evidence required is:
 - ``nn.MultiheadAttention`` (and so ``nn.TransformerEncoderLayer``/``DecoderLayer``): heads split;
 - attention written by hand: a module with an integer head-count attribute (``n_head``, ``num_heads``,
   ...), three q/k/v-named ``nn.Linear`` of equal width and one output projection: q/k/v colwise, the
   projection rowwise, the head count divided;
-- MLP pairs (Linear, element-wise ops, Linear): in an ``nn.Sequential`` from the order of its children;
+- MLP pairs (Linear, element-wise ops, Linear): in an ``nn.Sequential`` from the order of its children
+  (a BatchNorm between the two is cut with the features);
   in the feed-forward of ``nn.TransformerEncoderLayer``/``DecoderLayer`` (``linear1``/``linear2``); in
   any other small module from a ``torch.fx`` trace that shows the second Linear reads only the first one's
   output through element-wise operations;
@@ -38,8 +40,10 @@ from torch.nn import functional as F
 
 from lightning_parallel.tensor.declared import disagreements
 from lightning_parallel.tensor.dry_run import DryRunFailure, dry_run
+from lightning_parallel.tensor.layers import ShardSpec
 from lightning_parallel.tensor.plan import (
     ELEMENTWISE,
+    PER_FEATURE,
     AttributeRule,
     LayerRule,
     Plan,
@@ -84,11 +88,13 @@ class _Finder:
         self.layers: dict[str, LayerRule] = {}
         self.attributes: list[AttributeRule] = []
         self.report: dict[str, str] = {}
+        self.features: dict[str, ShardSpec] = {}
 
     def take(self, name: str, style: str, **options: object) -> None:
         self.layers[name] = LayerRule(name, style, dict(options))
 
-    def pair(self, first: str, second: str) -> None:
+    def pair(self, first: str, second: str, between: tuple[str, ...] = ()) -> None:
+        """``first`` colwise, ``second`` rowwise; the per-feature modules ``between`` them cut alike."""
         a = self.module.get_submodule(first)
         if a.out_features % self.tp:
             self.report[first] = (
@@ -97,6 +103,8 @@ class _Finder:
             return
         self.take(first, "colwise")
         self.take(second, "rowwise")
+        for name in between:
+            self.take(name, "per_feature")
 
     def run(self) -> None:
         for name, m in self.module.named_modules():
@@ -184,14 +192,21 @@ class _Finder:
         while i < len(items):
             if isinstance(items[i][1], nn.Linear):
                 j = i + 1
-                while j < len(items) and isinstance(items[j][1], ELEMENTWISE):
+                width = items[i][1].out_features
+                while j < len(items) and (
+                    isinstance(items[j][1], ELEMENTWISE)
+                    or (isinstance(items[j][1], PER_FEATURE) and items[j][1].num_features == width)
+                ):
                     j += 1
                 if (
                     j < len(items)
                     and isinstance(items[j][1], nn.Linear)
                     and items[j][1].in_features == items[i][1].out_features
                 ):
-                    self.pair(self._join(name, items[i][0]), self._join(name, items[j][0]))
+                    between = tuple(
+                        self._join(name, n) for n, c in items[i + 1 : j] if isinstance(c, PER_FEATURE)
+                    )
+                    self.pair(self._join(name, items[i][0]), self._join(name, items[j][0]), between)
                     i = j + 1
                     continue
             i += 1
@@ -265,6 +280,7 @@ def _traced(module: nn.Module, tp_size: int, run: Callable[[], Any]) -> tuple[_F
         finder.take(name, "rowwise")
     for name in found.gathered:
         finder.take(name, "colwise", gather_output=True)
+    finder.features = dict(found.features)
     finder.attributes = [
         AttributeRule(f"{owner}.{attr}" if owner else attr, "divide")
         for owner, attr in sorted(found.attributes)
@@ -296,6 +312,8 @@ def _drop_failing_region(finder: _Finder, found: TracedPlan, failure: DryRunFail
     names = set().union(*dropped)
     for r in dropped:
         found.regions.remove(r)
+    for tensor in [t for t, cols in found.feature_columns.items() if cols <= names]:
+        finder.features.pop(tensor, None)
     for name in names:
         finder.layers.pop(name, None)
         finder.report[name] = (
@@ -353,7 +371,8 @@ def auto_plan(
         _untie_inconsistent(finder, unread)
         kept = {n for n, rule in finder.layers.items() if rule.style != "replicate"}
         sums = sorted(n for n, cols in found.gradient_sums.items() if cols & kept)
-        plan = Plan(list(finder.layers.values()), finder.attributes, sums, sorted(unread))
+        finder.features = {t: s for t, s in finder.features.items() if found.feature_columns[t] & kept}
+        plan = Plan(list(finder.layers.values()), finder.attributes, sums, sorted(unread), finder.features)
         failure = dry_run(module, _checked(module, plan, tp_size, traced=True), run)
         if failure is None:
             styles = {name: rule.style for name, rule in finder.layers.items()}

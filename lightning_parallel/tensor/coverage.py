@@ -59,9 +59,11 @@ def sharded_share(module: nn.Module, resolved: ResolvedPlan) -> float:
     split = {
         id(p): p.numel()
         for a in resolved.assignments
-        if a.style != "replicate"
+        if a.style not in ("replicate", "per_feature")
         for p in a.module.parameters()
     }
+    parameters = dict(module.named_parameters())
+    split.update({id(parameters[n]): parameters[n].numel() for n in resolved.features if n in parameters})
     return sum(split.values()) / max(total, 1)
 
 
@@ -72,10 +74,12 @@ def check_coverage(module: nn.Module, resolved: ResolvedPlan, required: float) -
     per_rank = sum(r.params_per_rank for r in rows)
     forward, backward = collectives_per_step(rows)
     share = sharded_share(module, resolved)
+    per_feature = [a.name or "(root)" for a in resolved.assignments if a.style == "per_feature"]
     rank_zero_info(
         f"lp_tensor_parallel: tp={resolved.tp_size} splits {share:.0%} of the parameters; each rank holds "
         f"{per_rank:,} of {total:,} ({per_rank / max(total, 1):.0%}); {forward} collectives forward and "
         f"{backward} backward per step"
+        + (f"; per-feature layers split with their pair: {', '.join(per_feature)}" if per_feature else "")
     )
     for name, why in resolved.report:
         rank_zero_info(f"lp_tensor_parallel: {name} stays replicated: {why}")

@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, Optional
 from torch import nn
 
 from lightning_parallel.distributed.collectives import SimulatedGroup
+from lightning_parallel.tensor.layers import FEATURE_SHARDS
 from lightning_parallel.tensor.plan import ResolvedPlan, apply_plan
 
 __all__ = ["DryRunFailure", "dry_run"]
@@ -34,6 +35,7 @@ def _as_rank_zero(module: nn.Module, resolved: ResolvedPlan) -> Iterator[None]:
         (name.rpartition(".")[0], name.rpartition(".")[2], p)
         for name, p in module.named_parameters(remove_duplicate=False)
     ]
+    buffers = [(name.rpartition(".")[0], name.rpartition(".")[2], b) for name, b in module.named_buffers()]
     apply_plan(module, resolved, SimulatedGroup(resolved.tp_size), 0, gradient_hooks=False)
     try:
         yield
@@ -44,8 +46,11 @@ def _as_rank_zero(module: nn.Module, resolved: ResolvedPlan) -> Iterator[None]:
                 setattr(module.get_submodule(parent), child, a.module)
         for owner, attr, value in resolved.attributes:
             setattr(module.get_submodule(owner), attr, value)
-        for owner, attr, p in held:  # tied aliases held outside the planned layers
+        for owner, attr, p in held:  # tied aliases held outside the planned layers, per-feature tensors
             setattr(module.get_submodule(owner), attr, p)
+        for owner, attr, b in buffers:
+            module.get_submodule(owner)._buffers[attr] = b
+        vars(module).pop(FEATURE_SHARDS, None)
 
 
 def _failing_module(error: BaseException, names: dict[int, str]) -> str:

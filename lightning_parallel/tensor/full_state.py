@@ -1,20 +1,30 @@
 """Full (unsharded) state of a tensor-parallel module, and loading a full state into one.
 
-Checkpoints keep full tensors under the original names, so they load into the plain module on one
+Checkpoints keep full tensors (per-feature buffers such as a BatchNorm's running statistics included)
+under the original names, so they load into the plain module on one
 device and into any tensor-parallel size. Saving gathers each sharded tensor over the tensor-parallel
 group (every rank must call, in the same order); loading slices locally and needs no communication.
-Optimizer state (e.g. Adam's moments) of a sharded parameter is treated the same way.
+Optimizer state (e.g. Adam's moments) of a sharded parameter is treated the same way. A model held in
+the hyperparameters is saved as it would be on one device (``unsharded_copy``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+import copy
+from typing import Any, Mapping, Optional, Union
 
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_parallel.distributed.collectives import all_gather_list
-from lightning_parallel.tensor.layers import ShardSpec, _TPLayer, full_tensor, shard_tensor
+from lightning_parallel.tensor.layers import (
+    FEATURE_SHARDS,
+    FeatureShards,
+    ShardSpec,
+    _TPLayer,
+    full_tensor,
+    shard_tensor,
+)
 
 __all__ = [
     "sharded_parameters",
@@ -22,19 +32,30 @@ __all__ = [
     "load_full_state_dict",
     "full_optimizer_state",
     "shard_optimizer_state",
+    "unsharded_copy",
+    "meta_skeleton",
 ]
 
 
-def sharded_parameters(module: nn.Module) -> dict[str, tuple[Tensor, ShardSpec, _TPLayer]]:
-    """state_dict key -> (local tensor, how it was cut, its layer), in a fixed order; a shard tied to a
-    parameter of another module (BERT's decoder bias) appears under each of its names."""
-    out: dict[str, tuple[Tensor, ShardSpec, _TPLayer]] = {}
+Owner = Union[_TPLayer, FeatureShards]  # says tp_size and tp_rank
+
+
+def sharded_parameters(module: nn.Module) -> dict[str, tuple[Tensor, ShardSpec, Owner]]:
+    """state_dict key -> (local tensor, how it was cut, its layer or per-feature record), in a fixed order;
+    a shard tied to a parameter of another module (BERT's decoder bias) appears under each of its names.
+    Per-feature tensors (a BatchNorm's running statistics included) are listed by the record that
+    ``shard_features`` left on ``module``."""
+    out: dict[str, tuple[Tensor, ShardSpec, Owner]] = {}
     for prefix, layer in module.named_modules():
         if isinstance(layer, _TPLayer):
             for name, spec in layer.SHARDS.items():
                 tensor = getattr(layer, name, None)
                 if tensor is not None:
                     out[f"{prefix}.{name}" if prefix else name] = (tensor, spec, layer)
+    record = getattr(module, FEATURE_SHARDS, None)
+    for name, spec in (record.specs if record is not None else {}).items():
+        owner, _, attr = name.rpartition(".")
+        out[name] = (getattr(module.get_submodule(owner), attr), spec, record)
     by_id = {id(t): entry for t, *_ in out.values() for entry in [(t, *_)]}
     for name, p in module.named_parameters(remove_duplicate=False):  # other names of a tied shard
         if id(p) in by_id and name not in out:
@@ -111,3 +132,40 @@ def shard_optimizer_state(state: Mapping[str, Any], optimizer: Any, module: nn.M
             for k, v in state["state"][index].items()
         }
     return state
+
+
+def meta_skeleton(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` with every tensor on the meta device (no memory): what a sharded layer keeps
+    of the layer it replaced, to be rebuilt whole for a checkpoint's hyperparameters."""
+    memo: dict[int, Any] = {}
+    for t in [*module.parameters(), *module.buffers()]:
+        empty = t.detach().to("meta")
+        memo[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
+    return copy.deepcopy(module, memo)
+
+
+def unsharded_copy(tree: nn.Module, root: nn.Module, state: Mapping[str, Tensor]) -> nn.Module:
+    """A copy of ``tree`` (a part of the sharded ``root``, such as a network held in the hyperparameters)
+    as it is on one device: the sharded layers back to the layers they replaced, per-feature tensors
+    whole, values from the full ``state`` (``root``'s names), no process group."""
+    names = {id(m): n for n, m in root.named_modules()}
+    memo: dict[int, Any] = {}
+    for m in tree.modules():
+        for value in vars(m).values():  # a SyncBatchNorm's group; a sharded layer's (replaced below)
+            if isinstance(value, dist.ProcessGroup):
+                memo[id(value)] = None
+        if not isinstance(m, _TPLayer) or id(m) not in names:
+            continue
+        prefix = names[id(m)] + "." if names[id(m)] else ""
+        if "unsharded" not in m.__dict__:
+            raise ValueError(f"{names[id(m)]!r} was sharded without a skeleton of its layer (by apply_plan)")
+        plain = copy.deepcopy(m.__dict__["unsharded"]).to_empty(device=next(m.parameters()).device)
+        plain.load_state_dict({k: state[prefix + k] for k in plain.state_dict()})
+        memo[id(m)] = plain
+    record = getattr(root, FEATURE_SHARDS, None)
+    for name in record.specs if record is not None else ():
+        owner, _, attr = name.rpartition(".")
+        local = getattr(root.get_submodule(owner), attr)
+        full = state[name].detach().clone()
+        memo[id(local)] = nn.Parameter(full, local.requires_grad) if isinstance(local, nn.Parameter) else full
+    return copy.deepcopy(tree, memo)

@@ -10,6 +10,8 @@ the same parameter names as the layer it replaces, so a module's ``state_dict`` 
     RowParallelLinear         weight [out, in/tp]: input features split, partial outputs all-reduced
     VocabParallelEmbedding    weight [V/tp, D]: rows split by token id, other ids masked, all-reduced
     ParallelMultiheadAttention  ``nn.MultiheadAttention`` with heads split: q/k/v column-, out row-parallel
+    FeatureShards             per-feature tensors (a BatchNorm's weight, bias and running statistics)
+                              between a column- and a row-parallel layer, sliced in place with the features
 
 A column-parallel layer starts with the "f" operator (identity forward, all-reduce backward). Layers
 fed the same tensor (q, k and v) share one ``SharedEntry``, so their input gradient is all-reduced
@@ -18,8 +20,9 @@ once, as in Megatron (2 all-reduces forward and 2 backward per transformer block
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,6 +47,9 @@ __all__ = [
     "full_tensor",
     "TP_LAYERS",
     "Conv1DType",
+    "FeatureShards",
+    "FEATURE_SHARDS",
+    "shard_features",
 ]
 
 
@@ -101,11 +107,30 @@ def _new_param(full: Tensor, spec: ShardSpec, tp_size: int, tp_rank: int) -> nn.
     return nn.Parameter(shard_tensor(full.detach(), spec, tp_size, tp_rank), requires_grad=full.requires_grad)
 
 
+def _unpickled(layer: nn.Module) -> nn.Module:
+    return layer
+
+
 class _TPLayer(nn.Module):
     SHARDS: dict[str, ShardSpec] = {}
 
     def _init_tp(self, group: Optional[dist.ProcessGroup], tp_size: int, tp_rank: int) -> None:
         self.group, self.tp_size, self.tp_rank = group, tp_size, tp_rank
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled as the layer it replaced, whole and empty (``unsharded``, set by ``apply_plan``): a
+        network held in the hyperparameters stays picklable (Lightning drops what is not), with no
+        process group; a checkpoint's copy is rebuilt with the full values (``full_state``)."""
+        skeleton = self.__dict__.get("unsharded")
+        return super().__reduce_ex__(protocol) if skeleton is None else (_unpickled, (skeleton,))
+
+    def __deepcopy__(self, memo: dict) -> "_TPLayer":
+        """A true copy (not the pickled skeleton) that shares the process group."""
+        memo.setdefault(id(self.group), self.group)
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
 
 
 def _linear_shape(layer: nn.Module) -> tuple[int, int, bool]:
@@ -359,3 +384,37 @@ TP_LAYERS: dict[str, tuple[type, tuple[type, ...]]] = {
     "vocab": (VocabParallelEmbedding, (nn.Embedding,)),
     "attention": (ParallelMultiheadAttention, (nn.MultiheadAttention,)),
 }
+
+
+@dataclass
+class FeatureShards:
+    """The per-feature tensors of a module tree that were sliced in place along the features of a
+    column-parallel output (tensor name -> how it was cut), kept on the root module as ``FEATURE_SHARDS``.
+
+    A per-feature layer (BatchNorm, a per-feature scale) inside a column -> row pair computes each feature
+    from that feature alone, so each rank runs the unchanged module on its own features' slice of the
+    weight, bias and running statistics: exact, with no communication. The modules stay the user's own
+    objects (a ``SyncBatchNorm`` conversion keeps the tensors), which is why the record lives on the root
+    and names the tensors."""
+
+    tp_size: int
+    tp_rank: int
+    specs: dict[str, ShardSpec]
+
+
+FEATURE_SHARDS = "_tp_feature_shards"
+
+
+def shard_features(module: nn.Module, specs: dict[str, ShardSpec], tp_size: int, tp_rank: int) -> None:
+    """Replace each named parameter or buffer of ``module`` by this rank's slice, and record it."""
+    for name, spec in specs.items():
+        owner_name, _, attr = name.rpartition(".")
+        owner = module.get_submodule(owner_name)
+        full = getattr(owner, attr)
+        local = shard_tensor(full.detach(), spec, tp_size, tp_rank)
+        if attr in owner._parameters:
+            setattr(owner, attr, nn.Parameter(local, requires_grad=full.requires_grad))
+        else:
+            owner._buffers[attr] = local
+    if specs:
+        setattr(module, FEATURE_SHARDS, FeatureShards(tp_size, tp_rank, dict(specs)))

@@ -12,7 +12,14 @@ A plan maps module-name patterns to a style; ``*`` matches exactly one dotted se
 
 A flat mapping works too (a value ``divide`` marks an attribute). Styles: ``colwise``
 (``gather_output``), ``rowwise`` (``input_is_parallel``, default true), ``vocab``, ``attention`` (for
-``nn.MultiheadAttention``) and ``replicate``. Names are those of ``module.named_modules()``.
+``nn.MultiheadAttention``), ``per_feature`` and ``replicate``. Names are those of
+``module.named_modules()``.
+
+``per_feature`` is for a layer between a colwise layer and its rowwise partner that computes each
+feature from that feature alone (a BatchNorm, a per-feature scale): its parameters and buffers, vectors
+as long as the features, are cut with them (a count such as ``num_batches_tracked`` stays whole). A
+BatchNorm between a colwise layer and its rowwise partner in an ``nn.Sequential`` is taken as
+``per_feature`` without being named: it could not run on split features otherwise.
 
 Everything is checked on the unsharded module before anything is changed, and each problem is reported
 with the offending name and what would work: ``resolve_plan`` never returns a plan ``apply_plan``
@@ -30,7 +37,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_parallel.distributed.collectives import all_reduce_sum
-from lightning_parallel.tensor.layers import TP_LAYERS, SharedEntry, _linear_shape
+from lightning_parallel.tensor.full_state import meta_skeleton
+from lightning_parallel.tensor.layers import TP_LAYERS, ShardSpec, SharedEntry, _linear_shape, shard_features
 
 __all__ = [
     "PlanError",
@@ -45,15 +53,17 @@ __all__ = [
     "apply_plan",
     "STYLES",
     "ELEMENTWISE",
+    "PER_FEATURE",
     "named_plans",
 ]
 
-STYLES = ("colwise", "rowwise", "vocab", "attention", "replicate")
+STYLES = ("colwise", "rowwise", "vocab", "attention", "per_feature", "replicate")
 OPTIONS: dict[str, dict[str, Any]] = {
     "colwise": {"gather_output": False, "chunks": 1},
     "rowwise": {"input_is_parallel": True},
     "vocab": {},
     "attention": {},
+    "per_feature": {},
     "replicate": {},
 }
 ATTRIBUTE_ACTIONS = ("divide",)
@@ -73,6 +83,9 @@ ELEMENTWISE: tuple[type, ...] = (
     nn.Dropout,
     nn.Identity,
 )
+# Modules whose statistics and parameters are per feature (channel): taken as ``per_feature`` between a
+# colwise layer and its rowwise partner in an ``nn.Sequential``.
+PER_FEATURE: tuple[type, ...] = (nn.modules.batchnorm._BatchNorm,)
 
 
 class PlanError(ValueError):
@@ -101,6 +114,8 @@ class Plan:
     # names of tied parameters that their module's own code never reads (BERT's cls.predictions.bias, an
     # alias of the decoder's): they may take the shard of the layer they are tied to
     unread: list[str] = field(default_factory=list)
+    # parameters and buffers cut with the features they meet (found by ``plan="auto"``): name -> how
+    features: dict[str, ShardSpec] = field(default_factory=dict)
 
 
 @dataclass
@@ -120,6 +135,7 @@ class ResolvedPlan:
     tp_size: int
     report: list[tuple[str, str]] = field(default_factory=list)  # (name, why it stays replicated), from auto
     gradient_sums: list[str] = field(default_factory=list)  # parameter names, see Plan
+    features: dict[str, ShardSpec] = field(default_factory=dict)  # per-feature tensors, see Plan
 
     def styles(self) -> dict[str, str]:
         return {a.name: a.style for a in self.assignments}
@@ -254,10 +270,32 @@ def _divisible(name: str, what: str, size: int, tp: int, style: str) -> None:
         )
 
 
+def feature_vectors(module: nn.Module) -> dict[str, int]:
+    """A module's own parameters and buffers with at least one dimension: local name -> length, for
+    those that are vectors (``per_feature`` needs all of them to be, of one length)."""
+    tensors = {**dict(module.named_parameters(recurse=False)), **dict(module.named_buffers(recurse=False))}
+    return {n: (t.shape[0] if t.dim() == 1 else -1) for n, t in tensors.items() if t is not None and t.dim()}
+
+
+def _check_per_feature(a: Assignment, tp: int) -> None:
+    vectors = feature_vectors(a.module)
+    lengths = set(vectors.values())
+    if not vectors or len(lengths) != 1 or -1 in lengths:
+        held = ", ".join(f"{n} {tuple(getattr(a.module, n).shape)}" for n in vectors) or "no tensors"
+        raise PlanError(
+            f"style 'per_feature' applies to a module whose parameters and buffers are vectors of one "
+            f"length (a BatchNorm, a per-feature scale), but {a.name!r} ({type(a.module).__name__}) holds "
+            f"{held}; replicate it, or keep it out of the split region"
+        )
+    _divisible(a.name, "features", lengths.pop(), tp, "per_feature")
+
+
 def _check_layer(a: Assignment, tp: int) -> None:
     m, style = a.module, a.style
     if style == "replicate":
         return
+    if style == "per_feature":
+        return _check_per_feature(a, tp)
     if not isinstance(m, TP_LAYERS[style][1]):
         raise _type_error(a.name, m, style)
     if style == "colwise":
@@ -294,8 +332,9 @@ def _split_name(name: str) -> tuple[str, str]:
 
 def _check_dataflow(assignments: list[Assignment], modules: dict[str, nn.Module]) -> None:
     """A row-parallel layer needs a sharded input, and a column-parallel output left sharded needs a
-    row-parallel consumer. In an ``nn.Sequential`` the neighbours are known (only element-wise modules
-    may sit between the two); elsewhere the pair must at least be siblings."""
+    row-parallel consumer, and a per-feature module a sharded input. In an ``nn.Sequential`` the
+    neighbours are known (only element-wise and per-feature modules may sit between the two); elsewhere
+    the pair must at least be siblings."""
     style = {a.name: a for a in assignments}
 
     def sharded_producer(a: Assignment) -> bool:
@@ -307,14 +346,22 @@ def _check_dataflow(assignments: list[Assignment], modules: dict[str, nn.Module]
         siblings = [f"{parent_name}.{c}" if parent_name else c for c in parent._modules]
         if isinstance(parent, nn.Sequential):
             i = siblings.index(a.name)
-            step = -1 if a.style == "rowwise" else 1
+            step = -1 if a.style in ("rowwise", "per_feature") else 1
             j = i + step
-            while 0 <= j < len(siblings) and isinstance(modules[siblings[j]], ELEMENTWISE):
+            while 0 <= j < len(siblings) and _passes_features(siblings[j], modules, style):
                 j += step
             neighbour = style.get(siblings[j]) if 0 <= j < len(siblings) else None
             candidates = [neighbour] if neighbour is not None else []
         else:
             candidates = [style[s] for s in siblings if s in style and s != a.name]
+        if a.style == "per_feature":
+            if not any(sharded_producer(c) for c in candidates):
+                raise PlanError(
+                    f"per_feature module {a.name!r} is fed no split features: no colwise layer (without "
+                    f"gather_output) before it in {parent_name or 'the root module'!r}. Mark its producer "
+                    "'colwise' and the consumer 'rowwise', or leave it out of the plan"
+                )
+            continue
         if a.style == "rowwise" and a.options.get("input_is_parallel", True):
             if not any(sharded_producer(c) for c in candidates):
                 raise PlanError(
@@ -328,6 +375,61 @@ def _check_dataflow(assignments: list[Assignment], modules: dict[str, nn.Module]
                 f"{parent_name or 'the root module'!r}. Mark the consumer 'rowwise', or use "
                 f"{{style: colwise, gather_output: true}}"
             )
+
+
+def _passes_features(name: str, modules: dict[str, nn.Module], style: dict[str, Assignment]) -> bool:
+    """A split value goes through this module unchanged in layout (element-wise, or per feature)."""
+    own = style.get(name)
+    if own is not None:
+        return own.style == "per_feature"
+    return isinstance(modules[name], ELEMENTWISE + PER_FEATURE)
+
+
+def _infer_per_feature(assignments: list[Assignment], modules: dict[str, nn.Module]) -> list[Assignment]:
+    """BatchNorms between a colwise layer (output left split) and its rowwise partner in an
+    ``nn.Sequential``, not named by the plan: ``per_feature``."""
+    style = {a.name: a for a in assignments}
+    found = []
+    for a in assignments:
+        parent_name, _ = _split_name(a.name)
+        parent = modules[parent_name]
+        if a.style != "colwise" or a.options.get("gather_output") or not isinstance(parent, nn.Sequential):
+            continue
+        siblings = [f"{parent_name}.{c}" if parent_name else c for c in parent._modules]
+        between = []
+        for name in siblings[siblings.index(a.name) + 1 :]:
+            if name in style and style[name].style == "rowwise":
+                found += [Assignment(n, modules[n], "per_feature", {}) for n in between]
+                break
+            if not _passes_features(name, modules, style):
+                break
+            if name not in style and isinstance(modules[name], PER_FEATURE):
+                between.append(name)
+    return found
+
+
+def _features(
+    assignments: list[Assignment], plan: "Plan", module: nn.Module, tp: int
+) -> dict[str, ShardSpec]:
+    """Every per-feature tensor of the plan (those of ``per_feature`` modules, and ``plan.features``),
+    checked: an existing parameter or buffer, untied, its cut dimension divisible."""
+    specs = {
+        f"{a.name}.{n}" if a.name else n: ShardSpec(0)
+        for a in assignments
+        if a.style == "per_feature"
+        for n in feature_vectors(a.module)
+    }
+    specs.update(plan.features)
+    tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    tied = {n for names in tied_parameters(module).values() for n in names}
+    for name, spec in specs.items():
+        if name not in tensors:
+            raise _no_match(name, list(tensors), "parameter or buffer")
+        if name in tied:
+            raise PlanError(f"per-feature tensor {name!r} is tied to another parameter; replicate its module")
+        size = tensors[name].shape[spec.dim]
+        _divisible(name, f"size along dimension {spec.dim}", size, tp * spec.chunks, "per_feature")
+    return specs
 
 
 def tied_parameters(module: nn.Module) -> dict[int, list[str]]:
@@ -395,17 +497,24 @@ def resolve_plan(module: nn.Module, plan: Any, tp_size: int, check_dataflow: boo
             a = Assignment(n, modules[n], rule.style, {**OPTIONS[rule.style], **rule.options})
             _check_layer(a, tp_size)
             assignments.append(a)
+    if check_dataflow:
+        assignments += _infer_per_feature(assignments, modules)
     sharded = [a for a in assignments if a.style != "replicate"]
     for a in sharded:
         for b in sharded:
-            if a is not b and b.name.startswith(a.name + "."):
+            if a is not b and b.name.startswith(a.name + ".") and a.style != "per_feature":
                 raise PlanError(
                     f"{b.name!r} is inside {a.name!r}, which is sharded as a whole ({a.style}); "
                     f"remove one of the two"
                 )
-    _check_tied(module, sharded, frozenset(plan.unread))
+    _check_tied(module, [a for a in sharded if a.style != "per_feature"], frozenset(plan.unread))
     if check_dataflow:
         _check_dataflow(sharded, modules)
+    features = _features(assignments, plan, module, tp_size)
+    named = {a.name for a in assignments}
+    for owner in dict.fromkeys(name.rpartition(".")[0] for name in plan.features):
+        if owner not in named:  # found by the automatic plan: listed like a written per_feature module
+            assignments.append(Assignment(owner, modules[owner], "per_feature", {}))
     attributes: list[tuple[str, str, int]] = []
     for rule in plan.attributes:
         owner_pattern, _, attr = rule.pattern.rpartition(".")
@@ -438,7 +547,9 @@ def resolve_plan(module: nn.Module, plan: Any, tp_size: int, check_dataflow: boo
     for name in plan.gradient_sums:
         if name not in parameters:
             raise _no_match(name, list(parameters), "parameter")
-    return ResolvedPlan(assignments, attributes, tp_size, gradient_sums=list(plan.gradient_sums))
+    return ResolvedPlan(
+        assignments, attributes, tp_size, gradient_sums=list(plan.gradient_sums), features=features
+    )
 
 
 # ---------------------------------------------------------------------------------------------- apply
@@ -449,7 +560,8 @@ def apply_plan(
     tp_rank: int,
     gradient_hooks: bool = True,
 ) -> list[SharedEntry]:
-    """Replace the planned layers of ``module`` in place by their sharded versions, and (with
+    """Replace the planned layers of ``module`` in place by their sharded versions, cut its per-feature
+    tensors (``resolved.features``) to this rank's features, and (with
     ``gradient_hooks``) sum the gradients of ``resolved.gradient_sums`` over the group as each backward
     makes them; returns the shared entry operators (the strategy clears their caches after each step)."""
     tp = resolved.tp_size
@@ -457,7 +569,7 @@ def apply_plan(
     tied = {n: names for names in tied_parameters(module).values() for n in names}
     shared: dict[str, nn.Parameter] = {}  # a tied full weight's name -> the sharded parameter made for it
     for a in resolved.assignments:
-        if a.style == "replicate":
+        if a.style in ("replicate", "per_feature"):
             continue
         parent_name, child = _split_name(a.name)
         parent = module.get_submodule(parent_name)
@@ -467,6 +579,7 @@ def apply_plan(
             kwargs["entry"] = entries.setdefault(parent_name, SharedEntry(group))
         new = cls(a.module, group, tp, tp_rank, **kwargs)
         new.train(a.module.training)
+        new.__dict__["unsharded"] = meta_skeleton(a.module)  # not a submodule: no state, no parameters
         for local, _ in list(new.named_parameters(recurse=False)):
             for full in tied.get(f"{a.name}.{local}", []):
                 if full in shared:  # tied: every holder holds one sharded parameter
@@ -474,7 +587,8 @@ def apply_plan(
                 else:
                     shared[full] = getattr(new, local)
         setattr(parent, child, new)
-    planned = {a.name for a in resolved.assignments if a.style != "replicate"}
+    shard_features(module, resolved.features, tp, tp_rank)
+    planned = {a.name for a in resolved.assignments if a.style not in ("replicate", "per_feature")}
     for full, param in shared.items():  # holders that are not planned layers take the shard too
         owner, _, attr = full.rpartition(".")
         if owner not in planned and not any(owner.startswith(n + ".") for n in planned):

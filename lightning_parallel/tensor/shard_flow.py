@@ -9,6 +9,10 @@ broadcasts over the sharded dimension, attention and batched matmuls keep a shar
 dimension. Any other use of a sharded value is an ``Escape``: the rank would compute on part of the
 features something that needs all of them. A projection layer fed a value sharded on its input
 features, and only there, is a row-parallel partner.
+
+A parameter or buffer that meets a sharded value with its full length along the sharded features (a
+per-feature scale in ``x * self.scale``; a batch norm's weight, bias and running statistics, its input
+split by channels) is a ``Companion``: it can be cut with the features, so each rank holds its slice.
 """
 
 from __future__ import annotations
@@ -20,7 +24,16 @@ import torch
 
 from lightning_parallel.tensor.trace import Node
 
-__all__ = ["Demand", "Escape", "Layout", "entry_layout", "propagate"]
+__all__ = [
+    "BATCH_NORMS",
+    "Companion",
+    "Demand",
+    "Escape",
+    "Layout",
+    "entry_layout",
+    "per_channel",
+    "propagate",
+]
 
 Factor = tuple[int, bool]  # (size, is the sharded factor)
 
@@ -36,6 +49,16 @@ class Demand:
 
     owner: str
     value: int
+
+
+@dataclass(frozen=True)
+class Companion:
+    """A parameter or buffer (``name``; or a value computed from it alone, of shape ``shape``) that meets
+    sharded values element-wise along the features: sharded as ``layout`` says, it lets them stay split."""
+
+    name: str
+    shape: tuple[int, ...]
+    layout: "Layout"
 
 
 @dataclass(frozen=True)
@@ -128,8 +151,11 @@ def _check_split_factor(layout: Layout, tp: int, node: Node) -> None:
                 raise Escape(f"{node.name}: the sharded factor has {size} parts, not divisible by tp={tp}")
 
 
-def _pointwise(node: Node, shapes: list, layouts: dict, out_ndim: int) -> Layout:
-    """All sharded operands agree; every other tensor operand broadcasts over the sharded dimension."""
+def _pointwise(
+    node: Node, shapes: list, layouts: dict, out_ndim: int, tensors: dict, companions: list
+) -> Layout:
+    """All sharded operands agree; every other tensor operand broadcasts over the sharded dimension, or
+    is a parameter or buffer (``tensors``) as long as the features: a ``Companion``."""
     sharded = [(r, layouts[r.key]) for r in node.inputs() if r.key in layouts]
     first = sharded[0][1]
     pos = first.sharded_dim - len(first.dims)  # from the right, as broadcasting aligns
@@ -137,11 +163,16 @@ def _pointwise(node: Node, shapes: list, layouts: dict, out_ndim: int) -> Layout
         same = _split_of(lay.dims[lay.sharded_dim]) == _split_of(first.dims[first.sharded_dim])
         if lay.sharded_dim - len(lay.dims) != pos or not same:
             raise Escape(f"{node.name}: operands sharded differently")
+    features = first.dims[first.sharded_dim]
     for r in node.inputs():
         if r.key not in layouts:
-            shape = shapes[r.key]
+            shape = tuple(shapes[r.key])
             if len(shape) >= -pos and shape[pos] != 1:
-                raise Escape(f"{node.name}: combines a sharded value with a whole one ({tuple(shape)})")
+                if r.key not in tensors or shape[pos] != first.shape()[first.sharded_dim]:
+                    raise Escape(f"{node.name}: combines a sharded value with a whole one ({shape})")
+                dims = list(_plain(shape))
+                dims[len(shape) + pos] = features
+                companions.append(Companion(tensors[r.key], shape, Layout(tuple(dims))))
     dims = list(_plain(shapes[node.outputs[0].key]))
     dims[out_ndim + pos] = first.dims[first.sharded_dim]
     return Layout(tuple(dims))
@@ -163,19 +194,78 @@ REDUCTIONS = {
     "linalg_vector_norm",
 }
 SOFTMAX = {"_softmax", "softmax", "_log_softmax", "log_softmax"}
+# (input, weight, bias, running_mean, running_var, ...): statistics per channel (dimension 1)
+BATCH_NORMS = {
+    "native_batch_norm",
+    "_native_batch_norm_legit",
+    "_native_batch_norm_legit_no_training",
+    "_native_batch_norm_legit_functional",
+    "_batch_norm_with_update",
+    "_batch_norm_with_update_functional",
+    "_batch_norm_no_update",
+    "cudnn_batch_norm",
+    "miopen_batch_norm",
+}
+
+
+def per_channel(
+    source: Layout, operands: Sequence[tuple[str | None, tuple, Layout | None]], what: str
+) -> list[Companion]:
+    """A batch norm of ``source`` (statistics per channel, dimension 1) with per-channel ``operands``
+    (name of the parameter or buffer or None, shape, layout when already sharded): runs on each rank's
+    channels when they are split and every operand is cut alike; the operands still whole are returned."""
+    if source.sharded_dim != 1 or len(source.dims) < 2:
+        raise Escape(f"{what} normalizes over the sharded dimension (its channels are not the split ones)")
+    channels, found = source.dims[1], []
+    for name, shape, layout in operands:
+        if layout is not None:
+            if len(layout.dims) != 1 or _split_of(layout.dims[0]) != _split_of(channels):
+                raise Escape(f"{what}: a per-channel operand is sharded differently from the channels")
+        elif name is None or tuple(shape) != (source.shape()[1],):
+            raise Escape(f"{what}: a whole per-channel operand {tuple(shape)} that is no parameter or buffer")
+        else:
+            found.append(Companion(name, tuple(shape), Layout((channels,))))
+    return found
+
+
+def _batch_norm(node: Node, shapes: list, layouts: dict, tensors: dict, companions: list) -> list:
+    source = layouts.get(node.args[0].key) if hasattr(node.args[0], "key") else None
+    if source is None:
+        raise Escape(f"{node.name}: sharded statistics of a whole input")
+    operands = [
+        (tensors.get(r.key), shapes[r.key], layouts.get(r.key)) for r in node.args[1:5] if hasattr(r, "key")
+    ]
+    companions.extend(per_channel(source, operands, node.name))
+    width = source.shape()[1]
+    return [source] + [
+        Layout((source.dims[1],)) if o is not None and tuple(shapes[o.key]) == (width,) else None
+        for o in node.outputs[1:]
+    ]
 
 
 def propagate(
-    node: Node, shapes: list, layouts: dict, tp: int, demands: list[Demand], parameters: dict[int, str]
+    node: Node,
+    shapes: list,
+    layouts: dict,
+    tp: int,
+    demands: list[Demand],
+    parameters: dict[int, str],
+    tensors: dict[int, str] | None = None,
+    companions: list[Companion] | None = None,
 ) -> list[Layout | None]:
     """The layouts of ``node``'s outputs given its inputs' (``layouts``: key -> Layout for sharded values).
     Raises ``Escape`` when the node cannot run on shards, or when a whole parameter (``parameters``) meets
     sharded values other than element-wise (broadcast over the split dimension, it gets part of its
-    gradient on each rank: ``traced_plan`` sums those over the group). Appends sizes that must be
-    divided to ``demands``."""
+    gradient on each rank: ``traced_plan`` sums those over the group) or per feature. Appends sizes that
+    must be divided to ``demands``, and parameters or buffers (``tensors``, key -> name) that meet the
+    sharded features with their full length to ``companions``."""
+    tensors = tensors if tensors is not None else {}
+    companions = companions if companions is not None else []
     ins = node.inputs()
     if not any(r.key in layouts for r in ins):
         return [None] * len(node.outputs)
+    if node.name in BATCH_NORMS:
+        return _batch_norm(node, shapes, layouts, tensors, companions)
     whole = [r for r in ins if r.key in parameters and r.key not in layouts]
     if whole and not _is_pointwise(node):
         raise Escape(f"{node.name}: the whole parameter {parameters[whole[0].key]!r} meets sharded values")
@@ -219,7 +309,7 @@ def propagate(
     if "scaled_dot_product" in name:
         return _attention(node, layouts, out_shapes, shapes)
     if _is_pointwise(node):
-        out = _pointwise(node, shapes, layouts, len(out_shapes[0]))
+        out = _pointwise(node, shapes, layouts, len(out_shapes[0]), tensors, companions)
         return [out if s is not None and len(s) == len(out.dims) else None for s in out_shapes]
     raise Escape(f"{name} reads the sharded features")
 
@@ -227,7 +317,9 @@ def propagate(
 def _is_pointwise(node: Node) -> bool:
     pointwise = node.func is not None and torch.Tag.pointwise in node.func.tags
     return (
-        pointwise or node.name in SAME or node.name in ("native_dropout", "masked_fill", "where", "dropout")
+        pointwise
+        or node.name in SAME
+        or node.name in ("native_dropout", "masked_fill", "where", "dropout", "copy_", "copy")
     )
 
 

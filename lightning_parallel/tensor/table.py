@@ -17,7 +17,14 @@ from torch import nn
 from lightning_parallel.tensor.layers import _linear_shape
 from lightning_parallel.tensor.plan import ResolvedPlan
 
-__all__ = ["PlanRow", "plan_rows", "params_per_rank", "collectives_per_step", "format_table"]
+__all__ = [
+    "PlanRow",
+    "plan_rows",
+    "params_per_rank",
+    "collectives_per_step",
+    "format_table",
+    "feature_tensors",
+]
 
 
 @dataclass
@@ -66,11 +73,36 @@ def _local(a, tp: int) -> tuple[str, int, str, str]:
     return "(full)", _numel(m), "-", "-"
 
 
+def feature_tensors(resolved: ResolvedPlan, owner: str) -> list[str]:
+    """The local names of ``owner``'s tensors that the plan cuts with the features."""
+    return [n.rpartition(".")[2] for n in resolved.features if n.rpartition(".")[0] == owner]
+
+
+def _per_feature(a, resolved: ResolvedPlan) -> tuple[str, int, set[int]]:
+    """A per-feature module's row: its cut tensors with their local shapes, parameters per rank, and the
+    ids of the parameters it covers (a module may hold others that stay whole)."""
+    tp, shapes, n, ids = resolved.tp_size, [], 0, set()
+    for local in feature_tensors(resolved, a.name):
+        t = getattr(a.module, local)
+        shape = list(t.shape)
+        shape[resolved.features[f"{a.name}.{local}" if a.name else local].dim] //= tp
+        shapes.append(f"{local} {shape}")
+        if isinstance(t, nn.Parameter):
+            n, ids = n + t.numel() // tp, ids | {id(t)}
+    return ", ".join(shapes), n, ids
+
+
 def plan_rows(module: nn.Module, resolved: ResolvedPlan) -> list[PlanRow]:
-    """One row per planned module, then one for everything left replicated."""
+    """One row per planned module, in the model's order, then one for everything left replicated."""
     tp = resolved.tp_size
     rows, seen_entry, covered = [], set(), set()
-    for a in resolved.assignments:
+    order = {name: i for i, (name, _) in enumerate(module.named_modules())}
+    for a in sorted(resolved.assignments, key=lambda a: order.get(a.name, len(order))):
+        if a.style == "per_feature":  # cut with the features of its pair: no communication
+            shape, n, ids = _per_feature(a, resolved)
+            rows.append(PlanRow(a.name or "(root)", a.style, shape, n, "-", "-"))
+            covered.update(ids)
+            continue
         shape, n, fwd, bwd = _local(a, tp)
         if a.style == "colwise":  # one shared backward all-reduce per parent (q, k, v)
             parent = a.name.rpartition(".")[0]

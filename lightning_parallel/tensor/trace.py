@@ -4,8 +4,9 @@ a projection layer, with which tensors went in and came out.
 The trace is what ``plan="auto"`` reads to find Megatron's patterns wherever and however a model writes
 them (an MLP inline in a block's ``forward``, fused q/k/v split in ``forward``, heads reshaped by hand).
 It runs the user's own code on a real batch, so nothing is guessed from module names or structure.
-Projection layers (``LEAF_TYPES``) are recorded as one node each; what they compute inside is not
-recorded. Tensors are told apart by identity and version, so in-place operations start a new value.
+Projection layers and ``SyncBatchNorm`` (``LEAF_TYPES``) are recorded as one node each; what they
+compute inside is not recorded. Tensors are told apart by identity and version, so in-place operations
+start a new value.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["LEAF_TYPES", "Node", "Ref", "Trace", "is_projection", "trace_dataflow"]
 
-LEAF_TYPES: tuple[type, ...] = (nn.Linear, nn.Embedding, nn.MultiheadAttention)
+# a SyncBatchNorm is one step too: inside, it all-reduces its statistics (over the data-parallel group),
+# which the operator-level rules cannot follow; as a whole it is a per-feature layer
+LEAF_TYPES: tuple[type, ...] = (nn.Linear, nn.Embedding, nn.MultiheadAttention, nn.SyncBatchNorm)
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -77,6 +80,24 @@ class Trace:
     modules: dict[str, nn.Module] = field(default_factory=dict)
     # values that are a parameter, or computed from parameters alone (``1 + weight``): key -> its name
     parameters: dict[int, str] = field(default_factory=dict)
+    # the same for buffers (``running_var + eps``; a value computed from both counts as a buffer's)
+    buffers: dict[int, str] = field(default_factory=dict)
+    # values that are a parameter or buffer itself (any version of it): key -> its name
+    raw: dict[int, str] = field(default_factory=dict)
+
+    def tensors(self) -> dict[int, str]:
+        """Values that are a parameter or buffer, or computed from them alone: key -> the name."""
+        return {**self.buffers, **self.parameters}
+
+
+def _signature(t: Tensor) -> tuple | None:
+    """Where a tensor's values live: same memory, offset, shape, strides and dtype mean the same values."""
+    try:
+        if not t.numel():
+            return None
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 class _Recorder(TorchDispatchMode):
@@ -89,6 +110,10 @@ class _Recorder(TorchDispatchMode):
         self.stack: list[str] = [""]
         self.leaf_depth = 0
         self.param_names = {id(p): n for n, p in root.named_parameters()}
+        self.buffer_names = {id(b): n for n, b in root.named_buffers()}
+        self.aliases = {_signature(t): (n, False) for n, t in root.named_buffers()}
+        self.aliases.update({_signature(t): (n, True) for n, t in root.named_parameters()})
+        self.aliases.pop(None, None)
 
     def ref(self, t: Tensor) -> Ref:
         k = (id(t), t._version)
@@ -96,9 +121,20 @@ class _Recorder(TorchDispatchMode):
             self.keys[k] = len(self.trace.shapes)
             self.trace.shapes.append(tuple(t.shape))
             self.alive.append(t)
-            if id(t) in self.param_names:
-                self.trace.parameters[self.keys[k]] = self.param_names[id(t)]
+            name, is_param = self._named(t)
+            if name is not None:
+                (self.trace.parameters if is_param else self.trace.buffers)[self.keys[k]] = name
+                self.trace.raw[self.keys[k]] = name
         return Ref(self.keys[k])
+
+    def _named(self, t: Tensor) -> tuple[str | None, bool]:
+        """The parameter or buffer ``t`` is, or is an unrecorded alias of (``detach()`` may hand back a
+        new tensor object over the same memory): its name, and whether it is a parameter."""
+        if id(t) in self.param_names:
+            return self.param_names[id(t)], True
+        if id(t) in self.buffer_names:
+            return self.buffer_names[id(t)], False
+        return self.aliases.get(_signature(t), (None, False))
 
     def refs(self, tree: Any) -> Any:
         return tree_map(lambda a: self.ref(a) if isinstance(a, Tensor) else a, tree)
@@ -113,10 +149,16 @@ class _Recorder(TorchDispatchMode):
         outputs = [self.ref(t) if isinstance(t, Tensor) else None for t in flat]
         node = Node(func, inputs[0], inputs[1], outputs, self.stack[-1])
         sources = node.inputs()
-        if sources and all(r.key in self.trace.parameters for r in sources):
+        params, buffers = self.trace.parameters, self.trace.buffers
+        if sources and all(r.key in params for r in sources):
             for o in outputs:
                 if o is not None:
-                    self.trace.parameters.setdefault(o.key, self.trace.parameters[sources[0].key])
+                    params.setdefault(o.key, params[sources[0].key])
+        elif sources and all(r.key in params or r.key in buffers for r in sources):
+            name = next(buffers[r.key] for r in sources if r.key in buffers)
+            for o in outputs:
+                if o is not None:
+                    buffers.setdefault(o.key, name)
         self.trace.nodes.append(node)
         return out
 

@@ -5,6 +5,11 @@ Every projection starts as a column-parallel candidate. The sharded values are f
 trace (``shard_flow.propagate``); a candidate is dropped when one of its values escapes, when it has no
 row-parallel partner, or when it is itself a partner. Repeat until nothing changes: what remains is
 correct by construction of the data flow, whatever the names or the nesting of the modules.
+
+A parameter or buffer that meets the sharded features with their full length (a BatchNorm's weight,
+bias and running statistics; a per-feature scale) is cut with them (``TracedPlan.features``): the flow
+is followed again with it sharded from its first read, so every use of it, and every value computed
+from it, must work on its slice too.
 """
 
 from __future__ import annotations
@@ -15,7 +20,17 @@ from typing import Optional
 
 from torch import nn
 
-from lightning_parallel.tensor.shard_flow import Demand, Escape, entry_layout, propagate
+from lightning_parallel.tensor.layers import ShardSpec
+from lightning_parallel.tensor.shard_flow import (
+    Companion,
+    Demand,
+    Escape,
+    Layout,
+    _split_of,
+    entry_layout,
+    per_channel,
+    propagate,
+)
 from lightning_parallel.tensor.trace import Node, Trace, is_conv1d, is_projection
 
 __all__ = ["TracedPlan", "find_traced_plan", "out_features"]
@@ -41,6 +56,8 @@ class TracedPlan:
     regions: list[set[str]] = field(default_factory=list)  # columns with their row partners, in call order
     gradient_sums: dict[str, set[str]] = field(default_factory=dict)  # whole parameter -> columns it meets
     unread: list[str] = field(default_factory=list)  # tied aliases held by modules that never read them
+    features: dict[str, ShardSpec] = field(default_factory=dict)  # per-feature tensor -> how it is cut
+    feature_columns: dict[str, set[str]] = field(default_factory=dict)  # per-feature tensor -> its columns
 
 
 @dataclass
@@ -50,6 +67,7 @@ class _Flow:
     # parameter name -> (columns whose sharded values it meets, [used on whole values too])
     parameter_uses: dict[str, tuple[set[str], list[bool]]] = field(default_factory=dict)
     demands: list[tuple[Demand, frozenset]] = field(default_factory=list)
+    companions: list[tuple[Companion, frozenset]] = field(default_factory=list)
 
 
 def _chunks(trace: Trace, key: int, width: int) -> int:
@@ -67,11 +85,36 @@ def _chunks(trace: Trace, key: int, width: int) -> int:
     return 1
 
 
-def _run_flow(trace: Trace, columns: dict[str, int], tp: int) -> _Flow:
+def _seed(
+    trace: Trace, node: Node, seeds: dict[str, tuple[Layout, frozenset]], layouts: dict, owners: dict
+) -> None:
+    """Per-feature tensors found so far are sharded from their first read."""
+    for r in node.inputs():
+        name = trace.raw.get(r.key)
+        if name in seeds and r.key not in layouts:
+            layouts[r.key], owners[r.key] = seeds[name]
+
+
+def _sync_batchnorm(node: Node, module: nn.Module, layouts: dict) -> tuple[Layout, list]:
+    """A ``SyncBatchNorm`` call (one trace node): per-channel, like the batch norm operators."""
+    operands = [
+        (f"{node.layer}.{attr}", tuple(t.shape), None)
+        for attr in ("weight", "bias", "running_mean", "running_var")
+        if (t := getattr(module, attr, None)) is not None
+    ]
+    source = layouts[node.inputs()[0].key]
+    return source, per_channel(source, operands, node.layer)
+
+
+def _run_flow(
+    trace: Trace, columns: dict[str, int], tp: int, seeds: dict[str, tuple[Layout, frozenset]]
+) -> _Flow:
     flow = _Flow()
     layouts: dict[int, object] = {}
     owners: dict[int, frozenset] = {}
+    tensors = trace.tensors()
     for node in trace.nodes:
+        _seed(trace, node, seeds, layouts, owners)
         labeled = [r for r in node.inputs() if r.key in layouts]
         sources = frozenset().union(*(owners[r.key] for r in labeled)) if labeled else frozenset()
         if node.layer is not None:
@@ -85,6 +128,16 @@ def _run_flow(trace: Trace, columns: dict[str, int], tp: int) -> _Flow:
                     and layouts[first.key].features_split()
                 ):
                     flow.rows.setdefault(node.layer, set()).update(sources)
+                elif isinstance(module, nn.SyncBatchNorm) and first is labeled[0] and node.outputs:
+                    try:
+                        out, found = _sync_batchnorm(node, module, layouts)
+                    except Escape as escape:
+                        for s in sources:
+                            flow.failed.setdefault(s, f"{escape} (in {node.layer})")
+                        continue
+                    flow.companions.extend((c, sources) for c in found)
+                    layouts[node.outputs[0].key], owners[node.outputs[0].key] = out, sources
+                    continue
                 else:
                     for s in sources:
                         flow.failed.setdefault(s, f"its sharded output is read whole by {node.layer}")
@@ -93,17 +146,19 @@ def _run_flow(trace: Trace, columns: dict[str, int], tp: int) -> _Flow:
                 layouts[out.key] = entry_layout(trace.shapes[out.key], columns[node.layer])
                 owners[out.key] = frozenset([node.layer])
             continue
-        _note_parameter_uses(node, trace, labeled, sources, flow)
+        _note_parameter_uses(node, trace, labeled, sources, flow, seeds)
         if not labeled:
             continue
         demands: list[Demand] = []
+        companions: list[Companion] = []
         try:
-            outs = propagate(node, trace.shapes, layouts, tp, demands, trace.parameters)
+            outs = propagate(node, trace.shapes, layouts, tp, demands, trace.parameters, tensors, companions)
         except Escape as escape:
             for s in sources:
                 flow.failed.setdefault(s, f"{escape} (in {node.owner or 'the root module'})")
             continue
         flow.demands.extend((d, sources) for d in demands)
+        flow.companions.extend((c, sources) for c in companions)
         for o, layout in zip(node.outputs, outs):
             if o is not None and layout is not None:
                 layouts[o.key], owners[o.key] = layout, sources
@@ -116,11 +171,74 @@ def _run_flow(trace: Trace, columns: dict[str, int], tp: int) -> _Flow:
     return flow
 
 
-def _note_parameter_uses(node: Node, trace: Trace, labeled: list, sources: frozenset, flow: _Flow) -> None:
+def _tensor_shape(trace: Trace, name: str) -> tuple[int, ...]:
+    owner, _, attr = name.rpartition(".")
+    return tuple(getattr(trace.modules[owner], attr).shape)
+
+
+def _raw_layout(trace: Trace, found: Companion) -> Optional[Layout]:
+    """The layout of the parameter or buffer itself, when what met the features was computed from it
+    (``weight.view(1, -1)``): the same shape, or a vector as long as the features; else None."""
+    shape = _tensor_shape(trace, found.name)
+    if shape == found.shape:
+        return found.layout
+    features = found.layout.dims[found.layout.sharded_dim]
+    if len(shape) == 1 and Layout((features,)).shape() == shape:
+        return Layout((features,))
+    return None
+
+
+def _spec(layout: Layout, tp: int) -> Optional[ShardSpec]:
+    """How a per-feature tensor of ``layout`` is cut: along its sharded dimension, per packed chunk."""
+    dim = layout.sharded_dim
+    factors = _split_of(layout.dims[dim])
+    if factors[-1][0] % tp:
+        return None
+    chunks = 1
+    for size, _ in factors[:-1]:
+        chunks *= size
+    return ShardSpec(dim, chunks)
+
+
+def _flow_with_features(
+    trace: Trace, columns: dict[str, int], tp: int
+) -> tuple[_Flow, dict[str, tuple[ShardSpec, frozenset]]]:
+    """The flow with every per-feature tensor it finds sharded, followed again until none is new."""
+    seeds: dict[str, tuple[Layout, frozenset]] = {}
+    while True:
+        flow = _run_flow(trace, columns, tp, seeds)
+        grown = dict(seeds)
+        for found, sources in flow.companions:
+            layout = _raw_layout(trace, found)
+            known = grown.get(found.name)
+            if layout is None or (known is not None and known[0] != layout):
+                why = "is reshaped before it meets the features" if layout is None else "is cut two ways"
+                for s in sources | (known[1] if known else frozenset()):
+                    flow.failed.setdefault(s, f"the per-feature tensor {found.name!r} {why}")
+            else:
+                grown[found.name] = (layout, sources | (known[1] if known else frozenset()))
+        if grown == seeds:
+            break
+        seeds = grown
+    specs = {}
+    for name, (layout, sources) in seeds.items():
+        spec = _spec(layout, tp)
+        if spec is None:
+            for s in sources:
+                flow.failed.setdefault(s, f"the per-feature tensor {name!r} does not split over tp={tp}")
+        else:
+            specs[name] = (spec, sources)
+    return flow, specs
+
+
+def _note_parameter_uses(
+    node: Node, trace: Trace, labeled: list, sources: frozenset, flow: _Flow, seeds: dict
+) -> None:
     """Record which columns' sharded values each whole parameter meets, and whether it is also used on
-    whole values (a use that only computes from parameters, ``1 + weight``, is not a use)."""
+    whole values (a use that only computes from parameters, ``1 + weight``, is not a use; per-feature
+    tensors, ``seeds``, are sharded, not whole)."""
     inputs = node.inputs()
-    params = {trace.parameters[r.key] for r in inputs if r.key in trace.parameters}
+    params = {trace.parameters[r.key] for r in inputs if r.key in trace.parameters} - set(seeds)
     if not params or all(r.key in trace.parameters for r in inputs):
         return
     for name in params:
@@ -195,7 +313,7 @@ def find_traced_plan(trace: Trace, tp: int) -> TracedPlan:
                 f" x {k} chunks" if k > 1 else ""
             )
     while True:
-        flow = _run_flow(trace, candidates, tp)
+        flow, features = _flow_with_features(trace, candidates, tp)
         bad = dict(flow.failed)
         partnered = set().union(*flow.rows.values()) if flow.rows else set()
         for name in candidates:
@@ -219,7 +337,11 @@ def find_traced_plan(trace: Trace, tp: int) -> TracedPlan:
     plan.rows = set(flow.rows)
     plan.attributes = attributes
     plan.regions = _regions(flow.rows, list(calls))
-    plan.gradient_sums = {n: set(cols) for n, (cols, _) in flow.parameter_uses.items() if cols}
+    plan.gradient_sums = {
+        n: set(cols) for n, (cols, _) in flow.parameter_uses.items() if cols and n not in features
+    }
+    plan.features = {n: spec for n, (spec, _) in features.items()}
+    plan.feature_columns = {n: set(cols) for n, (_, cols) in features.items()}
     plan.unread = _unread_aliases(trace)
     for name in calls:
         plan.reasons.pop(name, None) if name in plan.columns or name in plan.rows else None
