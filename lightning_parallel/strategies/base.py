@@ -319,6 +319,14 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             group = self.dp_group
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Every process votes (``ModelCheckpoint``, ``EarlyStopping``): summed over the whole world, which
+        Lightning compares with ``world_size``, not over the data-parallel group that ``reduce`` uses."""
+        votes = _sync_ddp_if_available(
+            torch.tensor(int(decision), device=self.root_device), None, reduce_op=ReduceOp.SUM
+        )
+        return bool(votes == self.world_size) if all else bool(votes)
+
     @contextmanager
     def block_backward_sync(self) -> Generator:
         """Lightning wraps accumulating micro-steps in this: keep gradients local until the last one.
