@@ -238,8 +238,9 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         return False
 
     def setup(self, trainer: "pl.Trainer") -> None:
-        if self._layer_sync is not None and not isinstance(self._layer_sync, SyncBatchNormPlugin):
-            # Trainer(sync_batchnorm=True): torch's SyncBatchNorm refuses CPU and syncs over WORLD
+        if self._layer_sync is not None:
+            # Trainer(sync_batchnorm=True): torch's SyncBatchNorm refuses CPU, syncs over WORLD and replaces
+            # the layers; ours syncs over this run's data-parallel group and converts them in place
             self._layer_sync = SyncBatchNormPlugin(self.dp_group)
         if trainer.state.fn == TrainerFn.FITTING:
             super().setup(trainer)

@@ -5,11 +5,18 @@ hyperparameters).
 - ``lp_ddp`` copies rank 0's buffers before the forwards where torch DDP under Lightning's ``ddp``
   does, validation during ``fit`` included: every rank's validation losses, the logged metrics and the
   final parameters and buffers equal Lightning's ``ddp``.
+- ``sync_batchnorm=True`` runs fit -> ModelCheckpoint -> test / validate / predict in one Trainer under
+  every strategy; the checkpoint holds the user's BatchNorm layers (no process group); data parallel
+  equals one device on the global batch, and every strategy's test equals the checkpoint's model
+  evaluated on one process.
 """
 
-import pytest
+import pickle
 
-from tests.helpers.harness import assert_params_close, max_param_diff, run_distributed
+import pytest
+import torch
+
+from tests.helpers.harness import assert_params_close, max_param_diff, run_distributed, run_single
 
 MODEL = "tests.helpers.bn_project:bn_classifier"
 DATA = "tests.helpers.bn_project:ClassificationData"
@@ -94,3 +101,136 @@ def test_without_the_broadcast_rank_1_validates_with_its_own_statistics(versus_d
     rank0 = [abs(x - y) for x, y in zip(ours[0]["probe"]["val_losses"], theirs[0]["probe"]["val_losses"])]
     rank1 = [abs(x - y) for x, y in zip(ours[1]["probe"]["val_losses"], theirs[1]["probe"]["val_losses"])]
     assert max(rank0) <= 1e-9 and max(rank1) > 1e-4, (max(rank0), max(rank1))
+
+
+# ---------------------------------------------------------------------------------------------------
+# sync_batchnorm=True: fit -> checkpoint -> test / validate / predict, under every strategy
+# ---------------------------------------------------------------------------------------------------
+AFTER_FIT = "tests.helpers.bn_project:evaluate_after_fit"
+TP = {
+    "class": "lightning_parallel:TensorParallelStrategy",
+    "kwargs": {
+        "tensor_parallel_size": 2,
+        # BatchNorm sits between the Linears: the written plan splits the two Linears after which the
+        # features are whole again (their input rows), so BatchNorm stays replicated
+        "plan": {
+            "layers": {
+                "net.model.3": {"style": "rowwise", "input_is_parallel": False},
+                "net.model.6": {"style": "rowwise", "input_is_parallel": False},
+            }
+        },
+    },
+}
+PIPELINES = {
+    "1f1b": {
+        "class": "lightning_parallel:PipelineParallelStrategy",
+        "kwargs": {"schedule": "1f1b", "num_microbatches": 2},
+    },
+    "async": {
+        "class": "lightning_parallel:PipelineParallelStrategy",
+        "kwargs": {"schedule": "async", "num_microbatches": 2},
+    },
+}
+SYNC = {"sync_batchnorm": True}
+SYNC_CASES = {
+    "lp_ddp": case("sync-lp_ddp", "lp_ddp", trainer=SYNC),
+    "lp_dp": case("sync-lp_dp", "lp_dp", trainer=SYNC),
+    "tp": case("sync-tp", TP, trainer=SYNC, dp_size=1),
+    **{f"pp-{s}": case(f"sync-pp-{s}", spec, trainer=SYNC, dp_size=1) for s, spec in PIPELINES.items()},
+}
+EXACT = ("lp_ddp", "lp_dp", "tp")  # equal one device on the global batch; a pipeline's micro-batches are not
+
+
+@pytest.fixture(scope="module")
+def sync_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sync_bn")
+    cases = [{**c, "callbacks": [CHECKPOINT], "probe": AFTER_FIT} for c in SYNC_CASES.values()]
+    return tmp, run_distributed(cases, world_size=2, tmp_path=tmp, timeout=360)
+
+
+@pytest.fixture(scope="module")
+def one_device(sync_runs):
+    tmp, _ = sync_runs
+    single = case("single", "auto", callbacks=[CHECKPOINT], probe=AFTER_FIT)
+    return run_single(single, tmp)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("name", list(SYNC_CASES))
+def test_sync_batchnorm_fit_checkpoint_then_test(sync_runs, one_device, name):
+    _, results = sync_runs
+    for rank, result in enumerate(results[SYNC_CASES[name]["name"]]):
+        probe = result["probe"]
+        # converted in place for fit, the user's own classes again after it
+        assert probe["layers_after_fit"] == ["BatchNorm1d", "BatchNorm1d"], probe["layers_after_fit"]
+        # the checkpoint's hyperparameters hold the user's BatchNorm layers, which load without the package
+        assert probe["layers_in_checkpoint"] == ["torch.nn.modules.batchnorm.BatchNorm1d"] * 2
+        # test, right after fit (= last.ckpt) and of the best checkpoint, equals that checkpoint's model
+        # evaluated on one process (async applies its last update at the end of fit, after last.ckpt)
+        for run, expected in probe["one_process"].items():
+            if run == "test" and name == "pp-async":
+                continue
+            (metrics,) = probe[run]
+            for key in ("test/loss", "test/acc"):
+                assert abs(metrics[key] - expected[key]) <= 1e-10, (rank, run, key, metrics, expected)
+        (validated,) = probe["validate"]
+        assert set(validated) == {"val/loss", "val/acc"}
+        predictions = [p for p in probe["predict"] or [] if isinstance(p, torch.Tensor)]
+        if predictions:  # data parallel: this rank's share; model parallel: the whole set
+            assert all(p.shape[1] == 4 for p in predictions)
+        if name in EXACT:
+            assert_params_close(probe["last_state_dict"], one_device["state_dict"], atol=1e-10)
+            # every process votes on the best checkpoint, as on one device
+            assert _best(result) == _best(one_device) == "epoch=1-step=16.ckpt"
+            for key in ("test/loss", "test/acc"):
+                assert abs(probe["test"][0][key] - one_device["probe"]["test"][0][key]) <= 1e-10
+
+
+def _best(result):
+    return result["callback_state"]["ModelCheckpoint"]["best_model_path"].rsplit("/", 1)[-1]
+
+
+@pytest.mark.timeout(600)
+def test_one_device_reference_is_not_trivial(sync_runs, one_device):
+    """Training moved the BatchNorm statistics, and the test set is not classified by chance alone."""
+    state = one_device["state_dict"]
+    assert (state["net.model.1.running_mean"].abs().max()) > 1e-2
+    assert state["net.model.1.num_batches_tracked"] == 16
+    assert one_device["probe"]["test"][0]["test/acc"] > 0.4
+
+
+def test_a_converted_network_pickles_as_the_users_and_deep_copies_keep_syncing():
+    """No process group in picklable state; in-place conversion keeps the objects that others hold."""
+    import copy
+
+    import torch.distributed as dist
+
+    from lightning_parallel.distributed.sync_batchnorm import (
+        SyncBatchNorm,
+        convert_sync_batchnorm,
+        revert_sync_batchnorm,
+    )
+    from tests.helpers.bn_project import DenseNet
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        net = DenseNet()
+        layers = [net.model[1], net.model[4]]
+        convert_sync_batchnorm(net, group)
+        assert [type(m) for m in net.model[1:5:3]] == [SyncBatchNorm] * 2
+        assert [net.model[1], net.model[4]] == layers  # the same objects
+        net.train()(torch.randn(6, 16))
+        restored = pickle.loads(pickle.dumps(net))
+        assert [type(m) for m in restored.model[1:5:3]] == [torch.nn.BatchNorm1d] * 2
+        assert "process_group" not in vars(restored.model[1])
+        assert b"lightning_parallel" not in pickle.dumps(net)
+        torch.testing.assert_close(restored.model[1].running_mean, net.model[1].running_mean)
+        twin = copy.deepcopy(net)
+        assert type(twin.model[1]) is SyncBatchNorm and twin.model[1].process_group is group
+        assert twin.model[1].weight is not net.model[1].weight
+        revert_sync_batchnorm(net)
+        assert [type(m) for m in net.model[1:5:3]] == [torch.nn.BatchNorm1d] * 2
+        assert [net.model[1], net.model[4]] == layers and "process_group" not in vars(net.model[1])
+    finally:
+        dist.destroy_process_group()
