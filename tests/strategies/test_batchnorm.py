@@ -149,10 +149,9 @@ def sync_runs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def one_device(sync_runs):
-    tmp, _ = sync_runs
+def one_device(tmp_path_factory):
     single = case("single", "auto", callbacks=[CHECKPOINT], probe=AFTER_FIT)
-    return run_single(single, tmp)
+    return run_single(single, tmp_path_factory.mktemp("sync_bn1"))
 
 
 @pytest.mark.timeout(600)
@@ -191,7 +190,7 @@ def _best(result):
 
 
 @pytest.mark.timeout(600)
-def test_one_device_reference_is_not_trivial(sync_runs, one_device):
+def test_one_device_reference_is_not_trivial(one_device):
     """Training moved the BatchNorm statistics, and the test set is not classified by chance alone."""
     state = one_device["state_dict"]
     assert (state["net.model.1.running_mean"].abs().max()) > 1e-2
@@ -234,3 +233,59 @@ def test_a_converted_network_pickles_as_the_users_and_deep_copies_keep_syncing()
         assert [net.model[1], net.model[4]] == layers and "process_group" not in vars(net.model[1])
     finally:
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------
+# 4 processes: data parallel x model parallel; the statistics are reduced over the 2 replicas only
+# ---------------------------------------------------------------------------------------------------
+DP2 = {
+    # no checkpoint: a row-parallel layer holds its tensor-parallel group, which a network pickled into
+    # the hyperparameters cannot hold (tp=2 of 4 processes is a real group, not the default one)
+    "tp": case(
+        "dp2-tp",
+        {"class": TP["class"], "kwargs": {**TP["kwargs"], "data_parallel_size": 2}},
+        trainer=SYNC,
+        dp_size=2,
+    ),
+    # one micro-batch: each stage's BatchNorm sees its replica's whole batch, so the result is exact
+    "pp-gpipe": {
+        **case(
+            "dp2-pp-gpipe",
+            {
+                "class": "lightning_parallel:PipelineParallelStrategy",
+                "kwargs": {"schedule": "gpipe", "num_microbatches": 1, "data_parallel_size": 2},
+            },
+            trainer=SYNC,
+            dp_size=2,
+        ),
+        "callbacks": [CHECKPOINT],
+        "probe": AFTER_FIT,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def dp2_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sync_bn4")
+    return run_distributed(DP2.values(), world_size=4, tmp_path=tmp, timeout=500)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", list(DP2))
+def test_sync_batchnorm_reduces_over_the_data_parallel_replicas_only(dp2_runs, one_device, name):
+    """Counting a replica's model-parallel peers too would double the count (running_var's n/(n-1));
+    not syncing would normalise each replica's half of the batch: either differs from one device."""
+    expected = one_device["state_dict"]
+    for rank, result in enumerate(dp2_runs[DP2[name]["name"]]):
+        # what this rank holds whole (BatchNorm is replicated under tensor parallel; a stage holds its
+        # own blocks) equals one device's
+        local = {
+            k: v for k, v in result["state_dict"].items() if k in expected and v.shape == expected[k].shape
+        }
+        assert {k for k in local if ".model.1." in k or ".model.4." in k}, sorted(local)
+        assert_params_close(local, {k: expected[k] for k in local}, atol=1e-10)
+        if "probe" in result:
+            assert_params_close(result["probe"]["last_state_dict"], expected, atol=1e-10)
+            for run, evaluated in result["probe"]["one_process"].items():
+                (metrics,) = result["probe"][run]
+                assert abs(metrics["test/loss"] - evaluated["test/loss"]) <= 1e-10, (rank, run, metrics)
