@@ -92,15 +92,10 @@ class DDPStrategy(ParallelStrategyBase):
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._forward(super().validation_step, *args, **kwargs)
 
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._forward(super().test_step, *args, **kwargs)
-
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._forward(super().predict_step, *args, **kwargs)
-
     def _forward(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run ``step`` as torch DDP's forward would: buffers from rank 0 first when they are due (only
-        while fitting: Lightning wraps the module in DDP for ``fit`` only)."""
+        while fitting: Lightning wraps the module in DDP for ``fit`` only, so test and predict, which
+        never run inside ``fit``, are plain calls)."""
         module = self.lightning_module
         if module.trainer.state.fn != TrainerFn.FITTING:
             return step(*args, **kwargs)
