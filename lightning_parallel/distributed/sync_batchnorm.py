@@ -92,7 +92,7 @@ class SyncBatchNorm(nn.SyncBatchNorm):
     def __reduce_ex__(self, protocol: Any) -> tuple:
         """Pickled without the process group: as the converted class, or with the default group."""
         state = self.__getstate__()
-        del state["process_group"]
+        state.pop("process_group", None)
         cls = state.pop("_converted_from", None) or type(self)
         if issubclass(cls, nn.SyncBatchNorm):
             state["process_group"] = None
