@@ -4,11 +4,19 @@ In training mode the per-channel count, sum and sum of squares are all-reduced o
 group with a differentiable all-reduce, so normalisation uses the statistics of the global batch and
 gradients flow back through them to every rank: the same result as BatchNorm on one device with the
 whole batch. On CUDA, torch's own fused implementation is used.
+
+Conversion is in place: each ``BatchNorm*d`` object changes class and keeps its identity, tensors,
+hooks and attributes, so whatever holds it (a pipeline stage's hooks, the module pickled into a
+LightningModule's hyperparameters) still holds the layer that runs. ``revert_sync_batchnorm`` gives the
+objects their own class back. A process group belongs to the processes of one run, so a pickled
+converted layer is the BatchNorm it was converted from (``Trainer(sync_batchnorm=True)`` converts it
+again in the next run); a deep copy shares the group and keeps synchronising.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import copy
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,12 +24,20 @@ from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from torch import Tensor, nn
 from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 from torch.nn import functional as F
+from torch.nn.modules.batchnorm import _BatchNorm
 
-__all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "SyncBatchNormPlugin"]
+__all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm", "SyncBatchNormPlugin"]
 
 
 class SyncBatchNorm(nn.SyncBatchNorm):
-    """``nn.SyncBatchNorm`` with a CPU path."""
+    """``nn.SyncBatchNorm`` with a CPU path.
+
+    Running statistics are updated once per forward, from the group's mean and unbiased variance
+    (``_update_running_stats``), as one device's BatchNorm does from the whole batch.
+    """
+
+    #: the class a converted layer had (None: built as a SyncBatchNorm); pickles as that class
+    _converted_from: Optional[type] = None
 
     def forward(self, input: Tensor) -> Tensor:
         if input.device.type != "cpu":
@@ -31,7 +47,7 @@ class SyncBatchNorm(nn.SyncBatchNorm):
             return self._local(input)
         self._check_input_dim(input)
         dims = [0] + list(range(2, input.dim()))
-        count = torch.full((1,), input.numel() // input.shape[1], dtype=input.dtype)
+        count = torch.full((1,), input.numel() // input.shape[1], dtype=input.dtype, device=input.device)
         stats = torch.cat([input.sum(dims), (input * input).sum(dims), count])
         stats = differentiable_all_reduce(stats, group=self.process_group or dist.group.WORLD)
         c = input.shape[1]
@@ -66,40 +82,68 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         )
 
     def _update_running_stats(self, mean: Tensor, var: Tensor, n: float) -> None:
+        """Blend in the batch's ``mean`` and biased ``var`` over ``n`` values per channel (the group's)."""
         self.num_batches_tracked.add_(1)
         momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
         with torch.no_grad():
             self.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
             self.running_var.mul_(1 - momentum).add_(var * n / max(n - 1, 1), alpha=momentum)
 
+    def __reduce_ex__(self, protocol: Any) -> tuple:
+        """Pickled without the process group: as the converted class, or with the default group."""
+        state = self.__getstate__()
+        state.pop("process_group", None)
+        cls = state.pop("_converted_from", None) or type(self)
+        if issubclass(cls, nn.SyncBatchNorm):
+            state["process_group"] = None
+        return object.__new__, (cls,), state
+
+    def __deepcopy__(self, memo: dict) -> "SyncBatchNorm":
+        """A copy that synchronises over the same group (a group cannot be copied)."""
+        clone = type(self).__new__(type(self))
+        memo[id(self)] = clone
+        state = self.__getstate__()
+        clone.__setstate__(
+            {k: v if k == "process_group" else copy.deepcopy(v, memo) for k, v in state.items()}
+        )
+        return clone
+
 
 def convert_sync_batchnorm(module: nn.Module, process_group: Optional[dist.ProcessGroup] = None) -> nn.Module:
-    """Replace every ``BatchNorm*d`` in ``module`` by :class:`SyncBatchNorm`, keeping its tensors."""
-    out = module
-    if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, SyncBatchNorm):
-        out = SyncBatchNorm(
-            module.num_features,
-            module.eps,
-            module.momentum,
-            module.affine,
-            module.track_running_stats,
-            process_group,
-        )
-        if module.affine:
-            out.weight, out.bias = module.weight, module.bias
-        out.running_mean, out.running_var = module.running_mean, module.running_var
-        out.num_batches_tracked = module.num_batches_tracked
-        out.train(module.training)
-    for name, child in module.named_children():
-        out.add_module(name, convert_sync_batchnorm(child, process_group))
-    return out
+    """Make every ``BatchNorm*d`` in ``module`` a :class:`SyncBatchNorm` over ``process_group``, in place
+    (same objects); a layer converted before synchronises over ``process_group`` from now on."""
+    for layer in module.modules():
+        if isinstance(layer, _BatchNorm) and not isinstance(layer, SyncBatchNorm):
+            layer._converted_from = type(layer)
+            layer.__class__ = SyncBatchNorm
+        if isinstance(layer, SyncBatchNorm):
+            layer.process_group = process_group
+    return module
+
+
+def revert_sync_batchnorm(module: nn.Module) -> nn.Module:
+    """Give the layers ``convert_sync_batchnorm`` converted their own class back, in place."""
+    for layer in module.modules():
+        cls = layer.__dict__.get("_converted_from")
+        if isinstance(layer, SyncBatchNorm) and cls is not None:
+            del layer._converted_from
+            layer.__class__ = cls
+            if issubclass(cls, nn.SyncBatchNorm):
+                layer.process_group = None
+            else:
+                del layer.process_group
+    return module
 
 
 class SyncBatchNormPlugin(TorchSyncBatchNorm):
-    """What ``Trainer(sync_batchnorm=True)`` becomes under our strategies: sync over the dp group."""
+    """What ``Trainer(sync_batchnorm=True)`` becomes under our strategies: sync over the dp group,
+    converting and reverting in place."""
 
     def __init__(self, process_group: Optional[dist.ProcessGroup] = None) -> None:
         self.process_group = process_group
 
     def apply(self, model: nn.Module) -> nn.Module:
         return convert_sync_batchnorm(model, self.process_group)
+
+    def revert(self, model: nn.Module) -> nn.Module:
+        return revert_sync_batchnorm(model)

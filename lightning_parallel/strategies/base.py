@@ -241,8 +241,9 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         return False
 
     def setup(self, trainer: "pl.Trainer") -> None:
-        if self._layer_sync is not None and not isinstance(self._layer_sync, SyncBatchNormPlugin):
-            # Trainer(sync_batchnorm=True): torch's SyncBatchNorm refuses CPU and syncs over WORLD
+        if self._layer_sync is not None:
+            # Trainer(sync_batchnorm=True): torch's SyncBatchNorm refuses CPU, syncs over WORLD and replaces
+            # the layers; ours syncs over this run's data-parallel group and converts them in place
             self._layer_sync = SyncBatchNormPlugin(self.dp_group)
         if trainer.state.fn == TrainerFn.FITTING:
             self._batch_described = False
@@ -337,12 +338,12 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        """Lightning's vote (``ModelCheckpoint``'s top-k, ``EarlyStopping``), counted over the ranks that
-        ``reduce`` spans (the data-parallel replicas), not the world: Lightning's compares the sum with the
-        world size, so with model-parallel peers an ``all`` vote could never pass."""
-        votes = self.reduce(torch.tensor(int(decision), device=self.root_device), reduce_op=ReduceOp.SUM)
-        voters = self.mesh.shape.dp if self.mesh is not None else self.world_size
-        return bool(votes == voters) if all else bool(votes)
+        """Every process votes (``ModelCheckpoint``, ``EarlyStopping``): summed over the whole world, which
+        Lightning compares with ``world_size``, not over the data-parallel group that ``reduce`` uses."""
+        votes = _sync_ddp_if_available(
+            torch.tensor(int(decision), device=self.root_device), None, reduce_op=ReduceOp.SUM
+        )
+        return bool(votes == self.world_size) if all else bool(votes)
 
     @contextmanager
     def block_backward_sync(self) -> Generator:
