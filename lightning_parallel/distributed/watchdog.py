@@ -104,6 +104,8 @@ class FailureWatchdog:
         self._wait: Optional[Wait] = None  # what this rank is blocked in, at the last sample
         self._signal: Optional[tuple[int, float]] = None  # (signal number, when it came)
         self._wake: Optional[tuple[socket.socket, socket.socket]] = None  # (read end, write end)
+        #: why this watchdog ended the rank (or stopped its peers, in a launching process that stays)
+        self.cause: Optional[str] = None
 
     def start(self) -> "FailureWatchdog":
         self._sampler = WaitSampler()
@@ -137,6 +139,8 @@ class FailureWatchdog:
         returns it (so the error it shows names the real culprit); otherwise it reports itself. The
         first report wins (compare-and-set), so a cascade never hides the original failure.
         """
+        if self.cause is not None:  # this thread decided first (its rank's collective then broke)
+            return self.cause
         try:
             deadline = time.time() + wait
             while time.time() < deadline:
@@ -218,6 +222,7 @@ class FailureWatchdog:
                     outcome = f"lost contact with the rendezvous store for {self.timeout:.0f} s ({err})", 1
             if outcome and not self._stop.is_set():
                 reason, code = outcome
+                self.cause = reason
                 print(
                     f"[lightning_parallel] {reason}; stopping rank {self.rank} (exit {code}).",
                     file=sys.stderr,

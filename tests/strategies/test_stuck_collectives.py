@@ -51,6 +51,7 @@ def commands_with_marker(case: dict, tmp_path: Path) -> tuple[list, list, Path, 
     [
         ("DDPStrategy", "all_gather", 0, "all_gather"),
         ("DDPStrategy", "strategy_barrier", 1, "barrier"),
+        ("DataParallelStrategy", "all_gather", 0, "all_gather"),
         # the pipeline runs validation_step on the last stage (rank 1): a collective over the whole
         # world there is a bug whatever group the strategy's own collectives use
         ("PipelineParallelStrategy-1f1b", "dist_barrier", 1, "barrier"),
@@ -153,17 +154,21 @@ def test_sigterm_ends_a_run_stuck_in_a_collective(tmp_path):
 
 
 @pytest.mark.timeout(200)
-def test_sigterm_to_the_launching_process_ends_its_children(tmp_path):
-    """Lightning's launcher (ours, popen): rank 1 is a child of the process the user started; SIGTERM to
-    that process while both are stuck ends both within seconds."""
+@pytest.mark.parametrize("ending", ["never_joined", "sigterm"])
+def test_under_lightnings_launcher_the_launching_process_and_its_children_end(tmp_path, ending):
+    """Lightning's launcher (ours, popen): rank 1 is a child of the process the user started (rank 0).
+    A one-sided collective ends both within failure_timeout + 10 s, the launching process with an
+    exception that names it; with a far failure_timeout, SIGTERM to the launching process while both
+    are stuck ends both within seconds."""
     env = {
         k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_PORT")
     }
     env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     script = str(REPO / "tests" / "helpers" / "scripts" / "stuck_fit.py")
+    failure_timeout = FAILURE_TIMEOUT if ending == "never_joined" else 120.0
     with open(tmp_path / "launcher.log", "w") as log:
         proc = subprocess.Popen(
-            [sys.executable, script, str(tmp_path)],
+            [sys.executable, script, str(tmp_path), str(failure_timeout)],
             env=env,
             cwd=tmp_path,
             stdout=log,
@@ -173,16 +178,18 @@ def test_sigterm_to_the_launching_process_ends_its_children(tmp_path):
     pids: list[int] = []
     try:
         _wait_for(tmp_path / "stuck", [proc], 120)
+        stuck = time.monotonic()
         _wait_for(tmp_path / "1.pid", [proc], 30)
         pids = [int((tmp_path / f"{r}.pid").read_text()) for r in range(2)]
         assert pids[0] == proc.pid
-        time.sleep(5)
-        signalled = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
-        while _alive(pids[1]) and time.monotonic() - signalled < 30:
+        if ending == "sigterm":
+            time.sleep(5)
+            stuck = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        while _alive(pids[1]) and time.monotonic() - stuck < 60:
             time.sleep(0.1)
-        took = time.monotonic() - signalled
+        took = time.monotonic() - stuck
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -192,7 +199,14 @@ def test_sigterm_to_the_launching_process_ends_its_children(tmp_path):
                 os.kill(pid, signal.SIGKILL)
     output = (tmp_path / "launcher.log").read_text()
     assert not _alive(pids[1]), "rank 1 outlived the launching process"
-    print(f"ended {took:.1f} s after SIGTERM")
-    assert took < 8, f"took {took:.1f} s after SIGTERM"
-    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
-    assert "rank 0 got SIGTERM while stuck for " in output, output[-3000:]
+    print(f"ended {took:.1f} s after the {'signal' if ending == 'sigterm' else 'one-sided call'}")
+    if ending == "sigterm":
+        assert took < 8, f"took {took:.1f} s after SIGTERM"
+        assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+        assert "rank 0 got SIGTERM while stuck for " in output, output[-3000:]
+    else:
+        assert took <= FAILURE_TIMEOUT + 10, f"ended {took:.1f} s after the one-sided call"
+        assert proc.returncode == 1, output[-3000:]
+        raised = output[output.rindex("Traceback") :]  # the exception the user's script died of
+        assert f"{NEVER_JOINED}rank 0 has waited" in raised, raised[-3000:]
+        assert "in all_gather at validation_step (one_sided.py:" in raised

@@ -1,6 +1,6 @@
 """A user's script whose ``validation_step`` calls ``self.all_gather`` on rank 0 only: the run gets stuck.
 
-    python stuck_fit.py PID_DIR
+    python stuck_fit.py PID_DIR FAILURE_TIMEOUT
 
 Started directly: Lightning's launcher (ours, popen) starts rank 1. Each rank writes its pid to
 ``PID_DIR/<rank>.pid``; rank 0 creates ``PID_DIR/stuck`` just before the one-sided call.
@@ -26,14 +26,14 @@ class WritePid(Callback):
             f.write(str(os.getpid()))
 
 
-def main(folder: str) -> None:
+def main(folder: str, failure_timeout: float) -> None:
     torch.set_num_threads(1)
     os.environ[STUCK_MARKER_ENV] = os.path.join(folder, "stuck")
     seed_everything(0)
     trainer = Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=DDPStrategy(failure_timeout=120),  # the signal must end it, not the failure watchdog
+        strategy=DDPStrategy(failure_timeout=failure_timeout),
         max_steps=8,
         val_check_interval=4,
         limit_val_batches=3,
@@ -48,4 +48,4 @@ def main(folder: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], float(sys.argv[2]))
