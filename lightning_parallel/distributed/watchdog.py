@@ -15,7 +15,7 @@ the rendezvous store (the TCPStore every ``torch.distributed`` job already has):
   itself has been unreachable for ``timeout``, it prints which rank failed and where, and ends this
   process with exit code 1 (``os._exit``: the main thread may be stuck inside a collective);
 - when this rank has been blocked in a collective for ``timeout`` while every peer is blocked too (for
-  at least half of it) in a different call, or has finished, nothing can progress: it publishes the
+  at least half of it) in a different call, nothing can progress: it publishes the
   call, where it came from and what each peer waits in, and every rank stops. Waiting for a peer
   that computes (validation on one rank, a checkpoint write) is legitimate and never ends a run, and
   ranks that are all in the same call are one slow collective, left to the process-group timeout;
@@ -259,20 +259,23 @@ class FailureWatchdog:
             return self._stuck_when_signalled()
         return self._never_joined()
 
-    def _peer_wait(self, r: int, at_least: float) -> Any:
-        """Peer ``r``: "done", "gone" (no heartbeat for ``at_least`` s), its wait (blocked that long) or
-        None (it computes, or has only just started waiting)."""
+    def _peer_wait(self, r: int, at_least: float, ending: bool = False) -> Any:
+        """Peer ``r``'s wait if it has been blocked ``at_least`` s, else None (it computes, or has only
+        just started waiting). A peer that has finished (``"done"``) or has sent no heartbeat for
+        ``at_least`` s (``"gone"``) counts as one that will not join only when this rank is ``ending``
+        (signalled): otherwise a finished rank may start the process's next run (a second ``fit``), and
+        a silent one is the heartbeat rule's to judge."""
         state = self._peers.get(r)
         if state == "done":
-            return "done"
+            return "done" if ending else None
         if time.monotonic() - self._last_seen[r] >= at_least:
-            return "gone"
+            return "gone" if ending else None
         wait = state.get("wait") if isinstance(state, dict) else None
         return wait if wait is not None and wait.get("for", 0) >= at_least else None
 
     def _never_joined(self) -> Optional[tuple[str, int]]:
         """This rank has waited ``timeout`` in a collective and so has every peer, in another call, for at
-        least half of it (or it has finished): no rank can progress."""
+        least half of it: no rank can progress."""
         mine = self._wait
         assert mine is not None
         if mine.seconds() < self.timeout:
@@ -308,7 +311,7 @@ class FailureWatchdog:
         grace = min(SIGNAL_GRACE_S, self.timeout)
         if mine.seconds() < grace:
             return None
-        peers = {r: self._peer_wait(r, grace) for r in range(self.world_size) if r != self.rank}
+        peers = {r: self._peer_wait(r, grace, ending=True) for r in range(self.world_size) if r != self.rank}
         if any(p is None for p in peers.values()):
             return None  # a peer computes: it will join, and the Python handlers save and stop as usual
         name = signal.Signals(number).name

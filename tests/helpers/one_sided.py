@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from tests.helpers.models import MLP
 
-__all__ = ["OneSidedMLP", "STUCK_MARKER_ENV"]
+__all__ = ["OneSidedMLP", "SlowToStartMLP", "STUCK_MARKER_ENV"]
 
 #: a file the rank creates just before its one-sided call (tests wait for it before signalling)
 STUCK_MARKER_ENV = "LP_TEST_STUCK_MARKER"
@@ -45,3 +45,13 @@ class OneSidedMLP(MLP):
             else:
                 time.sleep(self.seconds)
         return loss
+
+
+class SlowToStartMLP(MLP):
+    """Global rank ``rank`` spends ``seconds`` building the model (before its ``Trainer`` exists): a
+    second run in the same processes whose ranks arrive at different times."""
+
+    def __init__(self, rank: int = 1, seconds: float = 0.0, **kw):
+        super().__init__(**kw)
+        if int(os.environ.get("RANK", "0")) == rank:
+            time.sleep(seconds)

@@ -91,6 +91,19 @@ def test_waiting_for_a_slow_rank_is_not_a_hang(tmp_path):
     assert not any(NEVER_JOINED in o for o in outputs)
 
 
+@pytest.mark.timeout(200)
+def test_a_rank_that_finished_a_run_may_start_the_next_one_late(tmp_path):
+    """Two fits in the same processes: rank 1 finishes the first, then spends 3 x failure_timeout before
+    the second, while rank 0 waits for it in the second's first collective. Not a hang."""
+    timeout = 3.0
+    first = one_sided_case("DDPStrategy", "sleep", 1, timeout)
+    second = {**first, "name": "second", "model": "tests.helpers.one_sided:SlowToStartMLP"}
+    second["model_kwargs"] = {"rank": 1, "seconds": 3 * timeout}
+    commands, envs, out = distributed_command([first, second], 2, tmp_path)
+    outputs = run_processes(commands, envs, timeout=150, cwd=out, rendezvous=True)
+    assert not any(NEVER_JOINED in o for o in outputs)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
