@@ -11,6 +11,11 @@ Why a step late: a vote read at once would make every rank wait there for the sl
 Lockstep strategies hardly notice, but the asynchronous pipeline would be flushed in all but name (stage 0
 could not start the next batch until the last stage had finished this one). Reading the vote a step later
 costs one step of the grace period a scheduler gives before its SIGKILL (usually tens of seconds).
+
+Neither the vote nor the save may wait on a group that is stuck: a rank blocked in a collective runs no
+Python handler at all. The failure watchdog (``distributed/watchdog.py``) also receives the signal; if
+the rank is then blocked in a collective for a few seconds while no peer computes (the vote, the save's
+own collectives or the user's), it ends the rank at once, saying that no checkpoint was written.
 """
 
 from __future__ import annotations

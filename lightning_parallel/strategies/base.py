@@ -14,8 +14,9 @@ What the base adds on top:
 - an optional ``GradientReducer`` driven by the backward hooks and by ``block_backward_sync``;
 - a NaN/inf training loss raises before the optimizer step, naming step, batch and rank
   (``checkpointing.loss_check``; ``check_finite_loss = False`` turns it off);
-- a ``FailureWatchdog``: if one rank raises or dies, the others exit within ``failure_timeout`` seconds
-  (default 60) naming it, instead of waiting in a collective;
+- a ``FailureWatchdog``: if one rank raises or dies, or waits in a collective that a peer never joins,
+  every rank exits within ``failure_timeout`` seconds (default 60) naming the rank and the call, instead
+  of waiting in a collective; a signal (SIGTERM) ends a rank stuck in one within seconds;
 - the set-up that split models share: the (dp, model-parallel) sizes checked against the world before
   any process group exists (``parallel_sizes``), clipping by the whole model's norm
   (``install_global_norm_clipping``), one overflow verdict for every rank under 16-mixed
@@ -77,7 +78,8 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         process_group_backend: ``"gloo"``, ``"nccl"``, ...; None picks the accelerator's.
         timeout: seconds (or a ``timedelta``) that a collective may wait before it fails.
         start_method: how processes start: ``"popen"`` (default), ``"spawn"``, ``"fork"``, ``"forkserver"``.
-        failure_timeout: seconds after which the other ranks stop when one fails or dies.
+        failure_timeout: seconds after which the other ranks stop when one fails or dies, and after which
+            every rank stops when a collective is never joined by some rank of its group.
         save_distributed: write checkpoints as a directory with one shard per rank
             (torch.distributed.checkpoint) instead of one gathered file; see ``checkpointing.sharded``.
     """
