@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, List, Optional
 
 from hydra.core.config_search_path import ConfigSearchPath
+from hydra.core.config_store import ConfigStore
 from hydra.core.object_type import ObjectType
 from hydra.plugins.config_source import ConfigLoadError, ConfigResult, ConfigSource
 from hydra.plugins.search_path_plugin import SearchPathPlugin
@@ -56,7 +57,7 @@ def _schema(group: str, name: str) -> Optional[Any]:
 
 class LightningParallelConfigs(ConfigSource):
     """``lp/<group>/<name>`` -> lightning_parallel's ``conf/<group>/<name>.yaml`` (or the schema class
-    for a ``*_schema`` name), for the groups in ``GROUPS``."""
+    for a ``*_schema`` name, see ``_schema_at``), for the groups in ``GROUPS``."""
 
     def __init__(self, provider: str, path: str) -> None:
         super().__init__(provider=provider, path=path)
@@ -83,28 +84,42 @@ class LightningParallelConfigs(ConfigSource):
         inner = self._inner(config_path)
         return inner is not None and (inner == "" or inner in GROUPS) and self.available()
 
-    def _schema_of(self, inner: str) -> Optional[Any]:
-        group, _, name = inner.removesuffix(".yaml").rpartition("/")
-        return _schema(group, name) if group in GROUPS and name.endswith(_SCHEMA_SUFFIX) else None
+    def _schema_at(self, config_path: str) -> Optional[Any]:
+        """The schema class that a strategy YAML names in its defaults list, relative to its group:
+        ``lp/strategy/<x>_schema`` here, or ``strategy/<x>_schema`` where an app put conf/ itself on its
+        search path (``hydra.searchpath=[pkg://lightning_parallel.conf]``) and its own ConfigStore has
+        no such name."""
+        parts = [p for p in config_path.removesuffix(".yaml").strip("/").split("/") if p]
+        if parts[:1] == [PREFIX]:
+            parts = parts[1:]
+        elif ConfigStore.instance().get_type("/".join(parts)) is not ObjectType.NOT_FOUND:
+            return None
+        if len(parts) != 2 or parts[0] not in GROUPS or not parts[1].endswith(_SCHEMA_SUFFIX):
+            return None
+        return _schema(parts[0], parts[1])
 
-    def is_config(self, config_path: str) -> bool:
+    def _file(self, config_path: str) -> Optional[Path]:
         inner = self._inner(config_path)
         if inner is None or "/" not in inner or not self.available():
-            return False
-        if (self.conf / self._normalize_file_name(inner)).is_file():
-            return True
-        return self._schema_of(inner) is not None
+            return None
+        file = self.conf / self._normalize_file_name(inner)
+        return file if file.is_file() else None
+
+    def is_config(self, config_path: str) -> bool:
+        return self._file(config_path) is not None or (
+            self.available() and self._schema_at(config_path) is not None
+        )
 
     def load_config(self, config_path: str) -> ConfigResult:
-        inner = self._inner(config_path)
-        if inner is None or not self.is_config(config_path):
-            raise ConfigLoadError(f"Config not found: {config_path}")
-        file = self.conf / self._normalize_file_name(inner)
-        if file.is_file():
+        file = self._file(config_path)
+        if file is not None:
             text = file.read_text(encoding="utf-8")
             config, header = OmegaConf.create(text), self._get_header_dict(text)
         else:
-            config, header = OmegaConf.structured(self._schema_of(inner)), {"package": None}
+            schema = self._schema_at(config_path) if self.available() else None
+            if schema is None:
+                raise ConfigLoadError(f"Config not found: {config_path}")
+            config, header = OmegaConf.structured(schema), {"package": None}
         return ConfigResult(
             config=config, path=f"{SCHEME}://{self.path}", provider=self.provider, header=header
         )

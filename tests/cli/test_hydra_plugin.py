@@ -10,6 +10,7 @@ import sys
 
 import pytest
 from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException, InstantiationException
 from hydra.utils import instantiate
@@ -116,3 +117,16 @@ def test_plan_from_the_plan_group() -> None:
     assert _lp_train("strategy=tensor_parallel").strategy.plan == "auto"
     cfg = _lp_train("strategy=tensor_parallel", "plan=mlp")
     assert OmegaConf.to_container(cfg.strategy.plan, resolve=True) == OmegaConf.to_container(mlp)
+
+
+def test_conf_on_the_search_path_finds_its_schemas(monkeypatch) -> None:
+    """conf/ itself on an app's search path: the strategy group's YAML names ``strategy/<x>_schema``,
+    which only lp-train stores; the plugin serves it where the app's ConfigStore has no such name."""
+    monkeypatch.delitem(ConfigStore.instance().repo, "strategy", raising=False)  # not lp-train
+    cfg = _app(
+        "hydra.searchpath=[pkg://lightning_parallel.conf]",
+        "+strategy@trainer.strategy=pipeline_1f1b",
+        "trainer.strategy.num_microbatches=8",
+    )
+    assert OmegaConf.get_type(cfg.trainer.strategy) is PipelineParallelStrategyConf
+    assert cfg.trainer.strategy.num_microbatches == 8
