@@ -93,7 +93,7 @@ def test_slurm_dry_run(tmp_path) -> None:
 def test_lightning_cli_example(tmp_path) -> None:
     if importlib.util.find_spec("jsonargparse") is None:
         pytest.skip("LightningCLI needs jsonargparse (pip install 'jsonargparse[signatures]')")
-    _run(["bash", str(EXAMPLES / "lightning_cli" / "run.sh")], tmp_path)
+    proc = _run(["bash", str(EXAMPLES / "lightning_cli" / "run.sh")], tmp_path)
     saved = (tmp_path / "out" / "lightning_cli" / "lightning_logs" / "version_0" / "config.yaml").read_text()
     assert "class_path: lightning_parallel.DDPStrategy" in saved and "bucket_cap_mb: 5" in saved, saved
     import lightning_parallel
@@ -104,4 +104,15 @@ def test_lightning_cli_example(tmp_path) -> None:
         ).read_text()
         assert "class_path: lightning_parallel.TensorParallelStrategy" in saved
         assert "tensor_parallel_size: 2" in saved, saved
+    # the YAML config's class_path, from a script that never imports lightning_parallel
+    script = (EXAMPLES / "lightning_cli" / "own_module.py").read_text().splitlines()
+    assert not [
+        line for line in script if line.startswith(("import lightning_parallel", "from lightning_parallel"))
+    ]
+    saved = sorted((tmp_path / "out" / "lightning_cli" / "lightning_logs").glob("version_*/config.yaml"))[-1]
+    assert (
+        "class_path: lightning_parallel.DDPStrategy" in saved.read_text()
+        and "hidden: 16" in saved.read_text()
+    )
+    assert "world size 2, DDPStrategy, loss " in proc.stdout, proc.stdout[-2000:]
     assert_no_survivors(tmp_path)

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# LightningCLI: a strategy class and its init args on the command line.
+# LightningCLI: a strategy class and its init args on the command line (main.py), and by class_path in a
+# YAML config, from a script that never imports lightning_parallel (own_module.py, config.yaml).
 set -euo pipefail
 PYTHON=${PYTHON:-python}
 HERE="$(cd "$(dirname "$0")" && pwd)"
@@ -15,3 +16,6 @@ if $PYTHON -c "import lightning_parallel as lp, sys; sys.exit(not hasattr(lp, 'T
   $PYTHON "$HERE/main.py" fit $COMMON \
     --trainer.strategy lightning_parallel.TensorParallelStrategy --trainer.strategy.tensor_parallel_size 2
 fi
+
+# class_path in a YAML config; own_module.py does not import lightning_parallel
+$PYTHON "$HERE/own_module.py" fit --config "$HERE/config.yaml" --trainer.default_root_dir ${OUT:-outputs}/lightning_cli

@@ -86,8 +86,10 @@ def strategy_schema(cls: type, **config_defaults: Any) -> type:
 
 DDPStrategyConf = strategy_schema(DDPStrategy)
 DataParallelStrategyConf = strategy_schema(DataParallelStrategy)
-# "auto", a path to a plan YAML, or a mapping; by default the ``plan`` group's choice ("auto" when none)
-TensorParallelStrategyConf = strategy_schema(TensorParallelStrategy, plan="${plan}")
+# "auto", a path to a plan YAML, or a mapping. By default the ``plan`` beside the strategy's node: lp-train's
+# ``plan`` group at the root ("auto" when none is chosen); "auto" in an app that composes ``lp/strategy``
+# into ``trainer.strategy`` (its plan comes as ``+lp/plan@trainer.strategy.plan=<name>``)
+TensorParallelStrategyConf = strategy_schema(TensorParallelStrategy, plan="${oc.select:..plan,auto}")
 PipelineParallelStrategyConf = strategy_schema(PipelineParallelStrategy)
 
 

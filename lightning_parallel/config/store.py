@@ -18,7 +18,9 @@ from lightning_parallel.config.schema import (
 
 __all__ = ["register_configs", "quiet_schema_matching_warning", "SCHEMAS"]
 
-# (group, name) -> schema; a YAML file in conf/<group>/ names its schema first in its defaults list
+# (group, name) -> schema; a YAML file in conf/<group>/ names its schema first in its defaults list. lp-train
+# stores them here; the Hydra plugin (hydra_plugins/lightning_parallel_configs) serves the same classes as
+# lp/<group>/<name>, where the same YAML files are the groups lp/strategy and lp/plan of any Hydra app
 SCHEMAS = {
     (None, "lp_train_schema"): LPTrainConf,
     ("strategy", "lp_ddp_schema"): DDPStrategyConf,
