@@ -60,7 +60,9 @@ COMM_HOOKS: dict[Optional[str], Optional[CommHook]] = {
 }
 
 
-def resolve_comm_hook(spec: Union[str, CommHook, None], wrapper: Optional[Callable[[CommHook], CommHook]] = None):
+def resolve_comm_hook(
+    spec: Union[str, CommHook, None], wrapper: Optional[Callable[[CommHook], CommHook]] = None
+) -> Optional[CommHook]:
     """The hook that ``spec`` names (a key of ``COMM_HOOKS`` or a callable), wrapped by ``wrapper`` if given
     (torch's ``fp16_compress_wrapper(hook)``); None for the built-in all-reduce."""
     if callable(spec):
