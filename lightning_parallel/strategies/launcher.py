@@ -338,14 +338,15 @@ class HydraSafeSubprocessLauncher(_SubprocessScriptLauncher):
     ) -> Any:
         job = _hydra_job()
         job_key = str(job.runtime.output_dir) if job is not None else None
-        starts_children = not self.cluster_environment.creates_processes_externally
-        if _ACTIVE is not None and (_ACTIVE.job_key != job_key or starts_children):
+        env = self.cluster_environment
+        if _ACTIVE is not None and (_ACTIVE.job_key != job_key or not env.creates_processes_externally):
             # a previous job in this process was never finished (a user's own Hydra app, or a test suite
             # that removed the launch's variables): finish it now
             log.info("finishing the launch of the previous job (%s) before this one", _ACTIVE.job_key)
             finish_job()
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
-        if starts_children:
+        # read after finish_job, which removes the previous launch's variables
+        if not env.creates_processes_externally:
             self._start_job_children()
             self._wait_until_children_ready()
         elif os.environ.get(READY_ENV):
