@@ -12,7 +12,13 @@ from typing import Any, Callable, Mapping, Optional, Union
 
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
 
-from lightning_parallel.distributed.reducer import COMM_HOOKS, CommHook, GradientReducer, resolve_comm_hook
+from lightning_parallel.distributed.reducer import (
+    COMM_HOOKS,
+    CommHook,
+    GradientReducer,
+    UnusedParametersError,
+    resolve_comm_hook,
+)
 from lightning_parallel.distributed.replicas import broadcast_module_states
 from lightning_parallel.strategies.base import ParallelStrategyBase
 from lightning_parallel.strategies.checks import positive_int, positive_number, require
@@ -46,6 +52,13 @@ NOT_APPLICABLE = {
     "comm_hook": "it is called ddp_comm_hook (Lightning's name) and takes the same 'fp16'/'bf16', or any torch "
     "communication hook",
 }
+
+
+#: how Lightning's ``ddp`` begins its error for parameters without a gradient
+UNUSED_PREFIX = (
+    "It looks like your LightningModule has parameters that were not used in producing the loss returned by "
+    "training_step."
+)
 
 
 class DDPStrategy(ParallelStrategyBase):
@@ -148,6 +161,15 @@ class DDPStrategy(ParallelStrategyBase):
                 "between parameter averages)"
             ),
         ]
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Unused parameters: Lightning's ``ddp`` words first (what users search for), then their names; also
+        when the error comes as a spawned rank's traceback."""
+        text = str(exception)
+        unused = isinstance(exception, UnusedParametersError) or UnusedParametersError.__name__ in text
+        if unused and UNUSED_PREFIX not in text:
+            exception.args = (f"{UNUSED_PREFIX} {text}",) + exception.args[1:]
+        super().on_exception(exception)
 
     def configure_parallelism(self) -> None:
         module = self.lightning_module

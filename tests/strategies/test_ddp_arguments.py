@@ -171,3 +171,30 @@ def test_post_local_sgd_averages_every_period(results):
     assert max_param_diff(after4[0]["state_dict"], after4[1]["state_dict"]) > 1e-6
     reference = run_single(case("single-plain", "auto"), tmp)
     assert max_param_diff(after5[0]["state_dict"], reference["state_dict"]) > 1e-6  # local steps happened
+
+
+@pytest.mark.timeout(120)
+def test_unused_parameters_error_begins_with_lightnings_words_under_spawn_too(tmp_path):
+    """A spawned rank's error reaches the launching process as a traceback; it still says what Lightning's
+    ddp says, and names the parameters."""
+    from lightning.pytorch import Trainer
+
+    from tests.helpers.models import MLPWithUnusedBranch, RegressionData
+
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy="lp_ddp_spawn",
+        max_steps=2,
+        precision="64-true",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    with pytest.raises(
+        Exception, match="It looks like your LightningModule has parameters that were not used"
+    ) as err:
+        trainer.fit(MLPWithUnusedBranch(), datamodule=RegressionData())
+    assert "unused.weight" in str(err.value)
