@@ -173,7 +173,8 @@ def test_unused_parameters_without_flag_fail_with_their_names(tmp_path):
     message = str(err.value)
     assert "unused.weight" in message and "unused.bias" in message
     assert "find_unused_parameters=True" in message
-    assert "It looks like your LightningModule has parameters that were not used" in message  # Lightning's words
+    # Lightning's words first
+    assert "It looks like your LightningModule has parameters that were not used" in message
 
 
 @pytest.mark.timeout(400)
