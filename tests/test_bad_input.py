@@ -41,7 +41,12 @@ CATALOGUE = [
         ValueError,
         ["first_bucket_cap_mb", "got -1"],
     ),
-    ("ddp-comm-hook", lambda: lp.DDPStrategy(comm_hook="int8"), ValueError, ["'int8'", "'fp16'", "'bf16'"]),
+    (
+        "ddp-comm-hook",
+        lambda: lp.DDPStrategy(ddp_comm_hook="int8"),
+        ValueError,
+        ["'int8'", "'fp16'", "'bf16'"],
+    ),
     (
         "start-method",
         lambda: lp.DDPStrategy(start_method="thread"),

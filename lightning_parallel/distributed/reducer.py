@@ -15,24 +15,68 @@ actually arrived on rank 0 (every rank must bucket identically, so rank 0's orde
 
 Parameters that get no gradient are handled as torch DDP does: with ``find_unused_parameters`` their
 (zero) slots are sent anyway and a parameter unused on every rank ends the step with ``grad=None``;
-without it, the step fails with the names of the parameters, instead of hanging.
+without it, the step fails with the names of the parameters, instead of hanging. With ``static_graph``
+the same parameters are used every step: unused ones are allowed, found once (first synchronised step),
+and the per-step search (a collective of flags) is skipped afterwards.
+
+A communication hook (torch DDP's ``hook(state, bucket) -> Future[Tensor]``, e.g. torch's
+``fp16_compress_hook`` or ``PowerSGD``) replaces the built-in all-reduce of a bucket: it receives a
+``HookBucket`` with torch's ``GradBucket`` methods, and the future's value is copied into the bucket.
+With ``gradient_as_bucket_view=False`` the ``.grad`` tensors are separate from the buckets (torch's
+default): copied into them when ready and back after the reduce, at the cost of a second copy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from lightning_parallel.distributed.buckets import assign_buckets
 from lightning_parallel.distributed.replicas import global_rank
 
-__all__ = ["GradientReducer", "ReducerStats", "UnusedParametersError", "COMM_HOOKS"]
+__all__ = [
+    "GradientReducer",
+    "HookBucket",
+    "ReducerStats",
+    "UnusedParametersError",
+    "COMM_HOOKS",
+    "CommHook",
+    "resolve_comm_hook",
+]
 
-COMM_HOOKS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+#: a torch DDP communication hook: ``hook(state, bucket) -> Future[Tensor]`` (the averaged bucket)
+CommHook = Callable[[Any, Any], torch.futures.Future]
+#: names for torch's own hooks; None is the built-in all-reduce (what ``allreduce_hook`` does, without a Future)
+COMM_HOOKS: dict[Optional[str], Optional[CommHook]] = {
+    None: None,
+    "none": None,
+    "fp16": default_hooks.fp16_compress_hook,
+    "bf16": default_hooks.bf16_compress_hook,
+}
+
+
+def resolve_comm_hook(
+    spec: Union[str, CommHook, None], wrapper: Optional[Callable[[CommHook], CommHook]] = None
+) -> Optional[CommHook]:
+    """The hook that ``spec`` names (a key of ``COMM_HOOKS`` or a callable), wrapped by ``wrapper`` if given
+    (torch's ``fp16_compress_wrapper(hook)``); None for the built-in all-reduce."""
+    if callable(spec):
+        hook = spec
+    elif spec in COMM_HOOKS:
+        hook = COMM_HOOKS[spec]
+    else:
+        raise ValueError(
+            f"comm hook {spec!r} is not supported; use one of None, 'fp16', 'bf16', or a torch DDP "
+            "communication hook hook(state, bucket) -> Future (torch.distributed.algorithms.ddp_comm_hooks)."
+        )
+    if wrapper is not None:
+        hook = wrapper(hook if hook is not None else default_hooks.allreduce_hook)
+    return hook
 
 
 class UnusedParametersError(RuntimeError):
@@ -55,9 +99,35 @@ class _Bucket:
     buffer: Tensor
     views: list[Tensor]
     pending: int = 0
-    work: Optional[dist.Work] = None
-    wire: Optional[Tensor] = None  # compressed copy that travels, when a comm hook is set
+    work: Optional[dist.Work] = None  # the built-in all-reduce in flight
+    future: Optional[torch.futures.Future] = None  # a comm hook's result in flight
     names: list[str] = field(default_factory=list)
+
+
+class HookBucket:
+    """What a torch DDP communication hook sees of one bucket: the methods of ``dist.GradBucket``."""
+
+    def __init__(self, bucket: _Bucket, index: int, last: bool) -> None:
+        self._bucket, self._index, self._last = bucket, index, last
+        self._buffer = bucket.buffer
+
+    def index(self) -> int:
+        return self._index
+
+    def is_last(self) -> bool:
+        return self._last
+
+    def buffer(self) -> Tensor:
+        return self._buffer
+
+    def set_buffer(self, buffer: Tensor) -> None:
+        self._buffer = buffer
+
+    def gradients(self) -> list[Tensor]:
+        return list(self._bucket.views)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self._bucket.params)
 
 
 class GradientReducer:
@@ -70,16 +140,22 @@ class GradientReducer:
         bucket_cap_mb: float = 25.0,
         first_bucket_cap_mb: float = 1.0,
         find_unused_parameters: bool = False,
-        comm_hook: Optional[str] = None,
+        comm_hook: Optional[CommHook] = None,
+        comm_state: Any = None,
+        static_graph: bool = False,
+        gradient_as_bucket_view: bool = True,
     ) -> None:
-        if comm_hook not in COMM_HOOKS:
-            raise ValueError(f"comm_hook={comm_hook!r} is not supported; use one of None, 'fp16', 'bf16'.")
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.bucket_cap_mb = bucket_cap_mb
         self.first_bucket_cap_mb = min(first_bucket_cap_mb, bucket_cap_mb)
-        self.find_unused_parameters = find_unused_parameters
-        self.wire_dtype = COMM_HOOKS[comm_hook]
+        self.find_unused_parameters = find_unused_parameters or static_graph
+        self.static_graph = static_graph
+        self.as_views = gradient_as_bucket_view
+        self.comm_hook = comm_hook
+        # torch's hooks take the process group as their state; None here means this reducer's group
+        self.comm_state = comm_state if comm_state is not None else group
+        self._static_unused: Optional[list[nn.Parameter]] = None  # found once, with static_graph
         self.sync_enabled = True
         self.stats = ReducerStats()
         self._names = {p: n for n, p in named_params if p.requires_grad}
@@ -109,7 +185,8 @@ class GradientReducer:
                 self._where[p] = (b, slot)
                 if p.grad is not None:  # keep what was already accumulated
                     views[-1].copy_(p.grad)
-                    p.grad = views[-1]
+                    if self.as_views:
+                        p.grad = views[-1]
             names = [self._names[p] for p in params]
             self.buckets.append(_Bucket(params=params, buffer=buffer, views=views, names=names))
 
@@ -140,7 +217,10 @@ class GradientReducer:
             self._rebuild_from_arrivals()
         for bucket in self.buckets:
             bucket.pending = len(bucket.params)
-            bucket.work = None
+            bucket.work = bucket.future = None
+            if not self.as_views:  # gradients stay separate: slots are filled when they are ready
+                bucket.buffer.zero_()
+                continue
             if all(p.grad is None for p in bucket.params):
                 bucket.buffer.zero_()
                 for p, view in zip(bucket.params, bucket.views):
@@ -161,7 +241,10 @@ class GradientReducer:
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         b, slot = self._where[p]
         bucket = self.buckets[b]
-        self._attach(p, bucket.views[slot])
+        if self.as_views:
+            self._attach(p, bucket.views[slot])
+        elif self.sync_enabled:  # the accumulated gradient, copied into its slot when it will be sent
+            bucket.views[slot].copy_(p.grad)
         if self._arrivals is not None:
             self._arrivals.setdefault(p)
         self._used.add(p)
@@ -171,23 +254,31 @@ class GradientReducer:
 
     def _launch_ready(self, in_backward: bool = False) -> None:
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending <= 0:
-            self._launch(self.buckets[self._next_bucket])
+            self._launch(self._next_bucket)
             self._next_bucket += 1
             self.stats.bucket_all_reduces += 1
             self.stats.launched_in_backward += int(in_backward)
 
-    def _launch(self, bucket: _Bucket) -> None:
-        if self.wire_dtype is not None and bucket.buffer.is_floating_point():
-            bucket.wire = bucket.buffer.to(self.wire_dtype).div_(self.world_size)
+    def _launch(self, index: int) -> None:
+        bucket = self.buckets[index]
+        if self.comm_hook is None:  # torch's allreduce_hook: divide first, sum in place
+            bucket.work = dist.all_reduce(
+                bucket.buffer.div_(self.world_size), group=self.group, async_op=True
+            )
         else:
-            bucket.wire = bucket.buffer.div_(self.world_size)
-        bucket.work = dist.all_reduce(bucket.wire, group=self.group, async_op=True)
+            hook_bucket = HookBucket(bucket, index, last=index == len(self.buckets) - 1)
+            bucket.future = self.comm_hook(self.comm_state, hook_bucket)
 
     def finish_sync(self) -> None:
         """Send what is left, wait once, and leave averaged gradients in ``.grad``."""
         if not self.sync_enabled:
             return
         missing = [p for b in self.buckets for p in b.params if p not in self._used]
+        if not self.as_views:  # gradients accumulated on earlier micro-steps still count
+            for p in missing:
+                if p.grad is not None:
+                    b, slot = self._where[p]
+                    self.buckets[b].views[slot].copy_(p.grad)
         if missing and not self.find_unused_parameters:
             names = ", ".join(self._names[p] for p in missing)
             raise UnusedParametersError(
@@ -202,9 +293,17 @@ class GradientReducer:
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
-            if bucket.wire is not None and bucket.wire.data_ptr() != bucket.buffer.data_ptr():
-                bucket.buffer.copy_(bucket.wire)
-            bucket.work = bucket.wire = None
+            if bucket.future is not None:
+                value = bucket.future.wait()
+                if value.data_ptr() != bucket.buffer.data_ptr():
+                    bucket.buffer.copy_(value.view_as(bucket.buffer))
+            bucket.work = bucket.future = None
+            if not self.as_views:
+                for p, view in zip(bucket.params, bucket.views):
+                    if p.grad is None:
+                        p.grad = view.clone()
+                    else:
+                        p.grad.copy_(view)
         for p in globally_unused:  # torch DDP leaves these without a gradient
             p.grad = None
         self._used.clear()
@@ -212,12 +311,18 @@ class GradientReducer:
         self.stats.synced_steps += 1
 
     def _globally_unused(self, locally_unused: list[nn.Parameter]) -> list[nn.Parameter]:
-        """All ranks take part (another rank may have unused parameters even if this one has none)."""
+        """All ranks take part (another rank may have unused parameters even if this one has none); with
+        ``static_graph`` only on the first synchronised step, whose answer then holds for every step."""
+        if self._static_unused is not None:
+            return self._static_unused
         used = [p in self._used for p in self._order]
         flags = torch.tensor(used, dtype=torch.int32, device=self.buckets[0].buffer.device)
         dist.all_reduce(flags, group=self.group)
         index = {p: i for i, p in enumerate(self._order)}
-        return [p for p in locally_unused if int(flags[index[p]]) == 0]
+        unused = [p for p in locally_unused if int(flags[index[p]]) == 0]
+        if self.static_graph:
+            self._static_unused = unused
+        return unused
 
     def remove_hooks(self) -> None:
         for handle in self._handles:

@@ -12,8 +12,9 @@ What the base adds on top:
 - samplers, ``self.log(sync_dist=True)`` and torchmetrics reduce over the data-parallel group, so
   model-parallel peers that hold the same batch are not counted twice;
 - an optional ``GradientReducer`` driven by the backward hooks and by ``block_backward_sync``;
-- a NaN/inf training loss raises before the optimizer step, naming step, batch and rank
-  (``checkpointing.loss_check``; ``check_finite_loss = False`` turns it off);
+- with ``check_finite_loss=True``, a NaN/inf training loss raises, naming step, batch and rank, without a
+  per-step device sync (``checkpointing.loss_check``); by default training goes on, as under Lightning's
+  ``ddp``;
 - a ``FailureWatchdog``: if one rank raises or dies, or waits in a collective that a peer never joins,
   every rank exits within ``failure_timeout`` seconds (default 60) naming the rank and the call, instead
   of waiting in a collective; a signal (SIGTERM) ends a rank stuck in one within seconds;
@@ -50,7 +51,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from lightning_parallel.checkpointing import AtomicCheckpointIO, Checkpointer
-from lightning_parallel.checkpointing.loss_check import check_finite_loss, training_loss
+from lightning_parallel.checkpointing.loss_check import FiniteLossCheck, training_loss
 from lightning_parallel.distributed.collectives import clip_grad_norm_sharded, share_found_inf
 from lightning_parallel.distributed.mesh import Mesh, MeshShape, build_mesh, destroy_process_groups_at_exit
 from lightning_parallel.distributed.reducer import GradientReducer
@@ -82,13 +83,15 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             every rank stops when a collective is never joined by some rank of its group.
         save_distributed: write checkpoints as a directory with one shard per rank
             (torch.distributed.checkpoint) instead of one gathered file; see ``checkpointing.sharded``.
+        check_finite_loss: raise ``NonFiniteLossError`` at a NaN/inf training loss, naming step, batch and
+            rank (``checkpointing.loss_check``: read without a per-step device sync). False (default): as
+            under Lightning's ``ddp``, training goes on; ``EarlyStopping(check_finite=True)`` or
+            ``SpikeDetection`` decide. (A strategy whose returned loss is a placeholder, e.g. a pipeline
+            stage, checks its real loss itself.)
     """
 
     #: False where sharded checkpoints would be wrong or pointless (lp_dp: the optimizer lives on rank 0)
     supports_save_distributed = True
-    #: raise on a NaN/inf training loss before backward (a strategy whose returned loss is a placeholder,
-    #: e.g. a pipeline stage without a loss yet, checks its real loss itself or sets this to False)
-    check_finite_loss = True
     #: why only ``start_method="popen"`` works, where the others would hand back rank 0's part only
     popen_only: Optional[str] = None
     #: the option that sizes the model-parallel axis (``"tensor_parallel_size"``), beside ``data_parallel_size``
@@ -108,6 +111,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         start_method: StartMethod = "popen",
         failure_timeout: float = 60.0,
         save_distributed: bool = False,
+        check_finite_loss: bool = False,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -133,6 +137,8 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self._sync_grads = True  # False on accumulating micro-steps (block_backward_sync)
         self.failure_timeout = float(failure_timeout)
         self.save_distributed = save_distributed
+        self.check_finite_loss = check_finite_loss
+        self._loss_check = FiniteLossCheck()
         self._watchdog: Optional[FailureWatchdog] = None
 
     @classmethod
@@ -309,7 +315,8 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         output = super().training_step(*args, **kwargs)
         if self.check_finite_loss:
             batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
-            self.check_loss(training_loss(output), batch_idx, self.global_rank)
+            step = self.lightning_module.trainer.global_step
+            self._loss_check.observe(training_loss(output), step, batch_idx, self.global_rank)
         return output
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -325,9 +332,10 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             rank_zero_info(describe_global_batch(name, shape, size, trainer.accumulate_grad_batches))
         super().on_train_batch_start(batch, batch_idx)
 
-    def check_loss(self, loss: Optional[Tensor], batch_idx: Optional[int], rank: int) -> None:
-        """Raise ``NonFiniteLossError`` for a NaN/inf loss computed on global rank ``rank``."""
-        check_finite_loss(loss, self.lightning_module.trainer.global_step, batch_idx, rank)
+    def on_train_end(self) -> None:
+        """The losses of the last steps whose copies have not been read yet (on a GPU) are read now."""
+        super().on_train_end()
+        self._loss_check.poll(wait=True)
 
     def reduce(
         self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"

@@ -23,7 +23,13 @@ process, i.e. the whole sweep. This launcher differs in these ways:
   rendezvous store *before* it starts the children (``distributed/rendezvous.py``), instead of picking
   a free port and leaving it unbound while the children import: in CI another process took such a
   port and rank 0 failed with ``EADDRINUSE``;
-- outside Hydra, a launch whose run raises in the launching process ends at once (``_end_failed_launch``).
+- outside Hydra, a launch whose run raises in the launching process ends at once (``_end_failed_launch``);
+- between runs the launching process holds what Lightning's ``ddp`` holds, no more: the variables that
+  send a later ``Trainer`` of the same script to the same children (``LOCAL_RANK``, ``MASTER_PORT``, ...),
+  the process group, and a daemon thread that watches the children until they exit (``stop()`` joins
+  it). ``TORCHELASTIC_USE_AGENT_STORE``, which makes this process a client of its own hosted store, is
+  set only while a run is in progress; a launch that starts children again (its variables were removed,
+  as a test suite does between tests) first ends the previous one (``finish_job``).
 """
 
 from __future__ import annotations
@@ -39,8 +45,9 @@ import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import lightning.pytorch as pl
 import torch
@@ -142,10 +149,16 @@ class _Observer(threading.Thread):
     def __init__(self, state: _JobState) -> None:
         super().__init__(daemon=True, name="lp-child-observer")
         self.state = state
-        self.stop = threading.Event()
+        self._halt = threading.Event()
+
+    def stop(self) -> None:
+        """Stop watching and join (the children are left as they are)."""
+        self._halt.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout=5.0)
 
     def run(self) -> None:
-        while not self.stop.wait(0.5):
+        while not self._halt.wait(0.5):
             for rank, proc, log_path in zip(self.state.ranks, self.state.procs, self.state.logs):
                 code = proc.poll()
                 if code:
@@ -197,7 +210,7 @@ def finish_job(wait_timeout: float = 60.0, job_failed: bool = False) -> None:
     if state is None:
         return
     if state.observer is not None:
-        state.observer.stop.set()
+        state.observer.stop()
     if job_failed:
         _destroy_process_group()
     _kill(state.procs, grace=5.0 if job_failed else wait_timeout)
@@ -205,10 +218,7 @@ def finish_job(wait_timeout: float = 60.0, job_failed: bool = False) -> None:
     if state.store is not None:
         state.store.close()
     for key, value in state.env_before.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+        _restore(key, value)
     torch.set_num_threads(state.threads_before)
     if state.ready_dir is not None:
         shutil.rmtree(state.ready_dir, ignore_errors=True)
@@ -218,6 +228,29 @@ def finish_job(wait_timeout: float = 60.0, job_failed: bool = False) -> None:
             failed.append(_failure_message(rank, proc, log_path))
     if failed:
         raise RankFailedError("\n".join(failed))
+
+
+def _restore(key: str, value: Optional[str]) -> None:
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
+
+
+@contextmanager
+def _client_of_hosted_store(state: Optional[_JobState]) -> Iterator[None]:
+    """While a run is in progress in the process that hosts its job's store, a (re)made process group
+    joins that store as a client (torch's ``TORCHELASTIC_USE_AGENT_STORE``); afterwards the variable is
+    as it was."""
+    if state is None or state.store is None:
+        yield
+        return
+    before = os.environ.get(AGENT_STORE_ENV)
+    os.environ[AGENT_STORE_ENV] = "True"
+    try:
+        yield
+    finally:
+        _restore(AGENT_STORE_ENV, before)
 
 
 def _end_failed_launch() -> None:
@@ -305,12 +338,15 @@ class HydraSafeSubprocessLauncher(_SubprocessScriptLauncher):
     ) -> Any:
         job = _hydra_job()
         job_key = str(job.runtime.output_dir) if job is not None else None
-        if _ACTIVE is not None and _ACTIVE.job_key != job_key:
-            # a previous job in this process was never finished (a user's own Hydra app): finish it now
+        env = self.cluster_environment
+        if _ACTIVE is not None and (_ACTIVE.job_key != job_key or not env.creates_processes_externally):
+            # a previous job in this process was never finished (a user's own Hydra app, or a test suite
+            # that removed the launch's variables): finish it now
             log.info("finishing the launch of the previous job (%s) before this one", _ACTIVE.job_key)
             finish_job()
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
-        if not self.cluster_environment.creates_processes_externally:
+        # read after finish_job, which removes the previous launch's variables
+        if not env.creates_processes_externally:
             self._start_job_children()
             self._wait_until_children_ready()
         elif os.environ.get(READY_ENV):
@@ -318,7 +354,8 @@ class HydraSafeSubprocessLauncher(_SubprocessScriptLauncher):
             Path(os.environ[READY_ENV], os.environ.get("LOCAL_RANK", "0")).touch()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         try:
-            return function(*args, **kwargs)
+            with _client_of_hosted_store(_ACTIVE):
+                return function(*args, **kwargs)
         except BaseException:
             if job is None and _ACTIVE is not None:
                 _end_failed_launch()
@@ -402,6 +439,8 @@ class HydraSafeSubprocessLauncher(_SubprocessScriptLauncher):
             state.procs.append(proc)
             state.ranks.append(global_rank)
             state.logs.append(log_path)
+        if state.store is not None:  # set again only while a run of this job is in progress
+            _restore(AGENT_STORE_ENV, state.env_before[AGENT_STORE_ENV])
         self.procs = state.procs
         state.observer = _Observer(state)
         state.observer.start()

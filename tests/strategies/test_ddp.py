@@ -106,8 +106,8 @@ def inside_results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ddp_inside")
     cases = [
         case("stats-accumulate", SMALL, trainer={"accumulate_grad_batches": 3, "max_steps": 2}, probe=PROBE),
-        case("fp16", {"class": "lightning_parallel:DDPStrategy", "kwargs": {"comm_hook": "fp16"}}),
-        case("bf16", {"class": "lightning_parallel:DDPStrategy", "kwargs": {"comm_hook": "bf16"}}),
+        case("fp16", {"class": "lightning_parallel:DDPStrategy", "kwargs": {"ddp_comm_hook": "fp16"}}),
+        case("bf16", {"class": "lightning_parallel:DDPStrategy", "kwargs": {"ddp_comm_hook": "bf16"}}),
         case("syncbn", "lp_ddp", model="tests.helpers.models:BatchNormNet", trainer={"sync_batchnorm": True}),
         case("lp_ddp-f32", "lp_ddp", trainer={"precision": "32-true"}, data_kwargs=F32_DATA),
         case("ddp-f32", "ddp", trainer={"precision": "32-true"}, data_kwargs=F32_DATA),
@@ -173,6 +173,8 @@ def test_unused_parameters_without_flag_fail_with_their_names(tmp_path):
     message = str(err.value)
     assert "unused.weight" in message and "unused.bias" in message
     assert "find_unused_parameters=True" in message
+    # Lightning's words first
+    assert "It looks like your LightningModule has parameters that were not used" in message
 
 
 @pytest.mark.timeout(400)

@@ -50,7 +50,7 @@ def nan_case(strategy_class, nan_rank):
         "model_kwargs": {"nan_step": 2, "nan_rank": nan_rank},
         "strategy": {
             "class": f"lightning_parallel:{name}",
-            "kwargs": {"failure_timeout": FAILURE_TIMEOUT, **extra},
+            "kwargs": {"failure_timeout": FAILURE_TIMEOUT, "check_finite_loss": True, **extra},
         },
         "data_kwargs": {"global_batch_size": 16},
         "trainer": {"precision": "64-true", "max_steps": 50},
