@@ -53,14 +53,7 @@ def test_the_project_never_names_the_package() -> None:
 @pytest.mark.parametrize(
     "strategy",
     [
-        pytest.param(
-            "tensor_parallel",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="issue 20 item 3: plan='auto' finds no column -> row pair across a BatchNorm1d, "
-                "so nothing is sharded and require_sharded=0.2 stops the run; remove once that lands",
-            ),
-        ),
+        "tensor_parallel",
         "pipeline_gpipe",
         "pipeline_1f1b",
         "pipeline_async",
