@@ -236,7 +236,8 @@ def test_a_network_held_in_the_hyperparameters_is_saved_as_on_one_device(runs, w
         during_fit = sorted((tmp / f"dist{world}" / name / "checkpoints").glob("*.ckpt"))
         assert during_fit, "no checkpoint was written while fitting"
         net = torch.load(during_fit[0], weights_only=False)["hyper_parameters"]["net"]
-        assert isinstance(net[1], nn.SyncBatchNorm) and net[1].process_group is None
+        # the synchronised layer pickles as the user's own BatchNorm, without a process group
+        assert type(net[1]) is nn.BatchNorm1d and "process_group" not in vars(net[1])
         assert isinstance(net[0], nn.Linear) and net[0].weight.shape == (32, 48)
 
 
