@@ -36,7 +36,7 @@ import sys
 import types
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Generator, Literal, Mapping, Optional, Union, get_args
+from typing import Any, Callable, Generator, Literal, Mapping, Optional, Union, get_args
 
 import lightning.pytorch as pl
 import torch
@@ -58,6 +58,7 @@ from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.replicas import broadcast_module_states
 from lightning_parallel.distributed.sync_batchnorm import SyncBatchNormPlugin
 from lightning_parallel.distributed.watchdog import FailureWatchdog
+from lightning_parallel.materialize import Cut, capture, has_meta_tensors, materialize, shared_rng_state
 from lightning_parallel.strategies.checks import layout, one_of, positive_number, require
 from lightning_parallel.strategies.global_batch import describe_global_batch
 from lightning_parallel.strategies.launcher import HydraSafeSubprocessLauncher, failure_exit_fn
@@ -98,6 +99,9 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
     model_parallel_option: Optional[str] = None
     #: that axis in the mesh: ``"tp"`` or ``"pp"``
     model_parallel_axis: Optional[str] = None
+    #: ``init_module()`` and ``configure_model`` build on the meta device unless ``empty_init=False``
+    #: (split models: each rank materializes its share); otherwise only with ``empty_init=True``
+    defers_init_by_default = False
 
     def __init__(
         self,
@@ -140,6 +144,8 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self.check_finite_loss = check_finite_loss
         self._loss_check = FiniteLossCheck()
         self._watchdog: Optional[FailureWatchdog] = None
+        self._pending_full_state: Optional[Mapping[str, Any]] = None  # a checkpoint for a meta module
+        self.setup_bytes: Optional[int] = None  # what set-up allocated on this rank's device
 
     @classmethod
     def own_option_problems(cls, values: Mapping[str, Any], prefix: str = "") -> list[Optional[str]]:
@@ -249,6 +255,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         return False
 
     def setup(self, trainer: "pl.Trainer") -> None:
+        self._setup_rng_state = torch.get_rng_state()  # deferred initial values: the same in every layout
         if self._layer_sync is not None:
             # Trainer(sync_batchnorm=True): torch's SyncBatchNorm refuses CPU, syncs over WORLD and replaces
             # the layers; ours syncs over this run's data-parallel group and converts them in place
@@ -270,6 +277,55 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
                 broadcast_module_states(self.lightning_module)
         self.setup_precision_plugin()
         self.restore_after_setup(trainer)
+
+    # ----------------------------------------------------------------- deferred initialization
+    @contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """``trainer.init_module(empty_init=...)`` and ``configure_model``: on the meta device when the
+        initialization is deferred (``empty_init=True``, or unset under a split-model strategy); each rank
+        then materializes only what it keeps, from the modules' own initializers or a checkpoint."""
+        if not (empty_init or (empty_init is None and self.defers_init_by_default)):
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    def model_to_device(self) -> None:
+        """A module on meta, or one this strategy is about to split, is placed by ``set_up_share``."""
+        model = self.model
+        if has_meta_tensors(model) or (self.defers_init_by_default and not self.model_is_split()):
+            return
+        super().model_to_device()
+
+    def set_up_share(self, parallelize: Callable[[], Optional[Cut]] = lambda: None) -> None:
+        """Set up this rank's share of the module without holding the whole on the device: its tensors are
+        taken out (meta left in place), ``parallelize()`` splits the meta module and returns how a rank cuts
+        a full tensor (None: keeps it whole), then what the rank still holds is allocated on its device and
+        filled one module at a time: from a checkpoint given before set-up, the module's real tensors (rank
+        0's, one at a time), or its initializers, run on the host from rank 0's random state."""
+        module = self.lightning_module
+        rng_state = shared_rng_state(getattr(self, "_setup_rng_state", None))
+        captured = capture(module)
+        cut = parallelize()
+        checkpoint, self._pending_full_state = self._pending_full_state, None
+        self.setup_bytes = materialize(module, captured, self.root_device, rng_state, cut, checkpoint)
+
+    def load_full_model_state(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+        """A checkpoint read before set-up into a module built on meta is kept, and set-up reads each
+        tensor of the rank's share straight from it."""
+        module = self.lightning_module
+        if has_meta_tensors(module) and not self.model_is_split():
+            expected = set(module.state_dict().keys())
+            missing, unexpected = expected - set(state_dict), set(state_dict) - expected
+            if strict and (missing or unexpected):
+                raise KeyError(
+                    f"the checkpoint does not match the module: missing {sorted(missing)[:5]}, unexpected "
+                    f"{sorted(unexpected)[:5]}"
+                )
+            self._pending_full_state = state_dict
+            return
+        super().load_full_model_state(state_dict, strict=strict)
 
     def configure_ddp(self) -> None:
         """Called by Lightning's ``DDPStrategy.setup`` while fitting: install our parallelism instead."""
@@ -398,4 +454,13 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             self._watchdog = None
         if self.reducer is not None:  # kept (without hooks) so its stats can be read after fit
             self.reducer.remove_hooks()
-        super().teardown()
+        module = self.lightning_module
+        if module is None or not has_meta_tensors(module):
+            return super().teardown()
+        # a set-up that failed before materializing: Lightning's module.cpu() cannot copy meta tensors
+        module._apply(lambda t: t if t.is_meta else t.cpu())
+        module.__dict__["cpu"] = lambda: module
+        try:
+            super().teardown()
+        finally:
+            module.__dict__.pop("cpu", None)

@@ -28,6 +28,7 @@ from lightning_parallel.distributed.reducer import (
     resolve_comm_hook,
 )
 from lightning_parallel.distributed.replicas import broadcast_module_states
+from lightning_parallel.materialize import has_meta_tensors
 from lightning_parallel.strategies.base import ParallelStrategyBase
 from lightning_parallel.strategies.checks import positive_int, positive_number, require
 from lightning_parallel.strategies.options import level_problems
@@ -183,7 +184,9 @@ class DDPStrategy(ParallelStrategyBase):
 
     def configure_parallelism(self) -> None:
         module = self.lightning_module
-        if self.init_sync:
+        if has_meta_tensors(module):  # built on meta: every rank materializes the same full values
+            self.set_up_share()
+        elif self.init_sync:
             broadcast_module_states(module, src=0, group=self.dp_group)
         self._has_buffers = any(True for _ in module.buffers())
         self._sync_buffers_next = True

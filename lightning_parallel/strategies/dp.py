@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 
 from lightning_parallel.distributed.master import gather_mean_to_master
 from lightning_parallel.distributed.replicas import broadcast_module_states, broadcast_tensors
+from lightning_parallel.materialize import has_meta_tensors
 from lightning_parallel.strategies.base import ParallelStrategyBase
 
 __all__ = ["DataParallelStrategy"]
@@ -32,7 +33,10 @@ class DataParallelStrategy(ParallelStrategyBase):
         super().__init__(**kwargs)
 
     def configure_parallelism(self) -> None:
-        broadcast_module_states(self.lightning_module, src=0)
+        if has_meta_tensors(self.lightning_module):  # built on meta: every rank makes the same values
+            self.set_up_share()
+        else:
+            broadcast_module_states(self.lightning_module, src=0)
 
     def post_backward(self, closure_loss: Tensor) -> None:
         if self._sync_grads:

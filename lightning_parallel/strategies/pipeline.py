@@ -51,9 +51,9 @@ from lightning_parallel.distributed.collectives import start_gather_numbers
 from lightning_parallel.distributed.p2p import PeerLink
 from lightning_parallel.distributed.replicas import (
     all_reduce_gradients,
-    broadcast_module_states,
     start_sum_at,
 )
+from lightning_parallel.materialize import has_meta_tensors
 from lightning_parallel.pipeline.deferred_batchnorm import DeferredBatchNorm, batchnorm_warning
 from lightning_parallel.pipeline.executor import StageExecutor, batch_size, split_microbatches
 from lightning_parallel.pipeline.logs import LogMirror, WholeBatchMetrics, capture_logs, summarize
@@ -114,6 +114,7 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
     """
 
     strategy_name = "lp_pipeline"
+    defers_init_by_default = True
     popen_only = "Lightning's spawn launcher hands back only rank 0's stage"
     model_parallel_option, model_parallel_axis = "pipeline_parallel_size", "pp"
 
@@ -225,7 +226,6 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         self._bind_metrics_to_dp_group()  # also for validate/test/predict without a fit
         if self.partition is not None:
             return  # split by an earlier fit/validate of this trainer: keep the stages
-        broadcast_module_states(module, src=0)  # every stage cuts its blocks from the same weights
         batchnorm = batchnorm_warning(module, self.num_microbatches)
         if batchnorm is not None:
             rank_zero_warn(batchnorm)
@@ -234,7 +234,11 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         self._full_param_names = [n for n, _ in module.named_parameters()]
         stage = self.mesh.pp_rank
         costs = self._measure_block_times(module) if self.balance == "time" else None
-        self.partition = partition(module, pp, stage, self.block_stack, self.split_points, costs)
+
+        def parallelize() -> None:  # the stage keeps its blocks: only those are allocated and filled
+            self.partition = partition(module, pp, stage, self.block_stack, self.split_points, costs)
+
+        self.set_up_share(parallelize)
         self._report_stages(costs)
         ranks = self.mesh.ranks("pp")
         self.executor = StageExecutor(
@@ -269,6 +273,12 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
                 "parameters instead."
             )
             return None
+        if has_meta_tensors(module):
+            raise ValueError(
+                "balance='time' times each block on a real batch, and this module was built on the meta device "
+                "(init_module / configure_model): use balance='parameters' or split_points, or build it with "
+                "init_module(empty_init=False)"
+            )
         _, stack = find_block_stack(module, self.block_stack)
         with untouched(module):
             try:
@@ -576,6 +586,8 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
 
     def load_full_model_state(self, state_dict: dict[str, Any], strict: bool = True) -> None:
         """A full checkpoint (any layout, or a plain single-device one): each stage takes its tensors."""
+        if self.partition is None:
+            return super().load_full_model_state(state_dict, strict=strict)
         local_keys = set(self.lightning_module.state_dict().keys())
         state = {k: v for k, v in state_dict.items() if k in local_keys}
         missing = local_keys - set(state)

@@ -23,7 +23,7 @@ from torch import nn
 
 from lightning_parallel.checkpointing import ShardLayout
 from lightning_parallel.distributed.reducer import GradientReducer
-from lightning_parallel.distributed.replicas import broadcast_module_states
+from lightning_parallel.materialize import Cut, has_meta_tensors
 from lightning_parallel.strategies.base import ParallelStrategyBase
 from lightning_parallel.strategies.checks import positive_int, require
 from lightning_parallel.strategies.options import level_problems
@@ -37,7 +37,8 @@ from lightning_parallel.tensor.full_state import (
     sharded_parameters,
     unsharded_copy,
 )
-from lightning_parallel.tensor.layers import SharedEntry, _TPLayer
+from lightning_parallel.tensor.layers import SharedEntry, _TPLayer, shard_tensor
+from lightning_parallel.tensor.plan import install_gradient_sums
 
 __all__ = ["TensorParallelStrategy", "PlanVerificationError"]
 
@@ -71,6 +72,7 @@ class TensorParallelStrategy(ParallelStrategyBase):
     """
 
     strategy_name = "lp_tensor_parallel"
+    defers_init_by_default = True
     popen_only = "Lightning's spawn launcher hands rank 0's (sharded) weights back"
     model_parallel_option, model_parallel_axis = "tensor_parallel_size", "tp"
 
@@ -136,20 +138,44 @@ class TensorParallelStrategy(ParallelStrategyBase):
                 {id(e): e for layer in layers if (e := getattr(layer, "entry", None))}.values()
             )
         else:
-            broadcast_module_states(
-                module, src=0, group=None
-            )  # every rank cuts its slice of the same weights
-            self.resolved = resolve(module, self._plan, tp, run=sample_forward(module, self.batch_to_device))
-            check_coverage(module, self.resolved, self.require_sharded)
-            if self.verify_plan:
-                self._keep_reference(module)
-            self._entries = apply_plan(module, self.resolved, self.tp_group, self.mesh.tp_rank)
+            self._split(module, tp)
         if dp > 1:
             self.reducer = GradientReducer(list(module.named_parameters()), group=self.dp_group)
         self.install_global_norm_clipping(
             {id(t) for t, _, _ in sharded_parameters(module).values()}, self.tp_group
         )
         self.share_found_inf()
+
+    def _split(self, module: nn.Module, tp: int) -> None:
+        """Resolve the plan on the whole module, then cut it with ``set_up_share``: the rank allocates only
+        its shards (and the replicated tensors) on its device, each filled from the full value."""
+        self.resolved = resolve(module, self._plan, tp, run=sample_forward(module, self.batch_to_device))
+        check_coverage(module, self.resolved, self.require_sharded)
+        if self.verify_plan:
+            if has_meta_tensors(module):
+                raise ValueError(
+                    "verify_plan=True compares the sharded module with the unsharded one, which a module built "
+                    "on the meta device (init_module / configure_model) does not have; build it with "
+                    "init_module(empty_init=False) to verify the plan"
+                )
+            self._keep_reference(module)
+
+        def parallelize() -> Cut:
+            self._entries = apply_plan(
+                module, self.resolved, self.tp_group, self.mesh.tp_rank, gradient_hooks=False
+            )
+            cuts = {key: (spec, layer) for key, (_, spec, layer) in sharded_parameters(module).items()}
+
+            def cut(name: str, full: torch.Tensor) -> torch.Tensor:
+                if name not in cuts:
+                    return full
+                spec, layer = cuts[name]
+                return shard_tensor(full, spec, layer.tp_size, layer.tp_rank)
+
+            return cut
+
+        self.set_up_share(parallelize)
+        install_gradient_sums(module, self.resolved, self.tp_group)
 
     # ----------------------------------------------------------------- verify_plan
     def _keep_reference(self, module: nn.Module) -> None:

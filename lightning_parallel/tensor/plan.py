@@ -51,6 +51,7 @@ __all__ = [
     "match_pattern",
     "resolve_plan",
     "apply_plan",
+    "install_gradient_sums",
     "STYLES",
     "ELEMENTWISE",
     "PER_FEATURE",
@@ -596,6 +597,14 @@ def apply_plan(
     for owner, attr, value in resolved.attributes:
         setattr(module.get_submodule(owner), attr, value // tp)
     if gradient_hooks:
-        for name in resolved.gradient_sums:
-            module.get_parameter(name).register_hook(lambda g: all_reduce_sum(g.clone(), group))
+        install_gradient_sums(module, resolved, group)
     return list(entries.values())
+
+
+def install_gradient_sums(
+    module: nn.Module, resolved: ResolvedPlan, group: Optional[dist.ProcessGroup]
+) -> None:
+    """Sum the gradients of ``resolved.gradient_sums`` (whole parameters used on split values) over the
+    group as each backward makes them (on the parameter objects ``module`` holds now)."""
+    for name in resolved.gradient_sums:
+        module.get_parameter(name).register_hook(lambda g: all_reduce_sum(g.clone(), group))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import resource
 import sys
 import traceback
 from pathlib import Path
@@ -38,6 +39,41 @@ class LossRecorder(Callback):
             self.losses.append(float(loss))
 
 
+def resident_bytes() -> int:
+    """This process's resident memory now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_resident_bytes() -> int:
+    """This process's peak resident memory so far (Linux: ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class SetupMemory(Callback):
+    """The peak resident memory from before the model is built to the first training step, and the bytes
+    of the parameters the rank holds then (unique storages, meta excluded)."""
+
+    def __init__(self, rss_before: int) -> None:
+        self.rss_before = rss_before
+        self.peak_at_first_step: int | None = None
+        self.parameter_bytes: int | None = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.peak_at_first_step is None:
+            self.peak_at_first_step = peak_resident_bytes()
+            storages = {
+                p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
+                for p in pl_module.parameters()
+                if p.device.type != "meta"
+            }
+            self.parameter_bytes = sum(storages.values())
+
+    def figures(self) -> dict:
+        growth = None if self.peak_at_first_step is None else self.peak_at_first_step - self.rss_before
+        return {"setup_peak_growth": growth, "parameter_bytes": self.parameter_bytes}
+
+
 def build_strategy(spec: Any, world_size: int) -> Any:
     if world_size == 1 and not isinstance(spec, dict):
         from lightning_parallel.strategies import SingleDeviceReferenceStrategy
@@ -55,7 +91,10 @@ def build_strategy(spec: Any, world_size: int) -> Any:
 def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
     """Fit ``case`` with the global batch split over ``world_size`` processes; return what it produced."""
     seed_everything(case.get("seed", 0), workers=True)
-    model = load_object(case["model"])(**case.get("model_kwargs", {}))
+    rss_before = resident_bytes()
+    deferred = "empty_init" in case  # the model is built under trainer.init_module(empty_init=...)
+    if not deferred:
+        model = load_object(case["model"])(**case.get("model_kwargs", {}))
     data_kwargs = dict(case.get("data_kwargs", {}))
     global_batch = data_kwargs.pop("global_batch_size", 8)
     dp_size = case.get("dp_size", world_size)  # processes that share one batch do not divide it
@@ -88,7 +127,12 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
         from lightning.pytorch.plugins.precision import MixedPrecision
 
         trainer_kwargs["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
+    memory = SetupMemory(rss_before)
+    trainer_kwargs["callbacks"].append(memory)
     trainer = Trainer(strategy=build_strategy(case.get("strategy", "auto"), world_size), **trainer_kwargs)
+    if deferred:
+        with trainer.init_module(empty_init=case["empty_init"]):
+            model = load_object(case["model"])(**case.get("model_kwargs", {}))
     trainer.fit(model, datamodule=data, ckpt_path=case.get("ckpt_path"))
     if case.get("validate_after_fit"):
         trainer.validate(model, datamodule=data, verbose=False)
@@ -96,6 +140,7 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
         "losses": recorder.losses,
         "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+        "setup_memory": memory.figures(),
     }
     result["callback_state"] = {
         type(c).__name__: {

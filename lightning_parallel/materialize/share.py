@@ -1,0 +1,125 @@
+"""Fill a parallelized meta module with this rank's share: allocated on the device, written one module at a
+time from full values made on the host, which no rank ever holds all of at once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_parallel.materialize.initializers import initialized_copy
+from lightning_parallel.materialize.tensors import Captured, Slot, own_tensors
+
+__all__ = ["Cut", "materialize", "shared_rng_state"]
+
+#: (full name, full tensor) -> what this rank keeps of it
+Cut = Callable[[str, Tensor], Tensor]
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def shared_rng_state(state: Optional[Tensor] = None) -> Tensor:
+    """Global rank 0's CPU random state (``state``, default the current one), on every rank: initial
+    values made from it agree everywhere."""
+    state = torch.get_rng_state() if state is None else state.clone()
+    if _distributed():
+        dist.broadcast(state, src=0)
+    return state
+
+
+def _agreed(source: Tensor, device: torch.device) -> Tensor:
+    """Rank 0's values of a tensor every rank built (ranks of an unseeded run may differ)."""
+    if not _distributed():
+        return source
+    moved = source.to(device) if dist.get_backend() == "nccl" else source.contiguous()
+    dist.broadcast(moved, src=0)
+    return moved
+
+
+def full_values(
+    root: nn.Module,
+    captured: Captured,
+    rng_state: Tensor,
+    device: torch.device,
+    checkpoint: Optional[Mapping[str, Tensor]] = None,
+) -> Iterator[tuple[Slot, Tensor]]:
+    """Each unique tensor's full value, in module order, one module at a time: from ``checkpoint`` (by any
+    of its names), else the real tensor (rank 0's), else the module's initializer on the host, run from
+    ``rng_state`` (the global random state is left as it was). A real tensor is released once given."""
+    checkpoint = checkpoint or {}
+
+    def stored(slot: Slot) -> Optional[Tensor]:
+        return next((checkpoint[n] for n in slot.names if n in checkpoint), None)
+
+    with torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(rng_state)
+        for record in captured.records:
+            needed = [
+                attr for attr, slot in record.own.items() if slot.source is None and stored(slot) is None
+            ]
+            fresh = initialized_copy(root, record, needed) if needed else None
+            for slot in record.first:
+                value = stored(slot)
+                if value is None and slot.source is not None:
+                    value, slot.source = _agreed(slot.source, device), None
+                if value is None:
+                    attr = next(a for a, s in record.own.items() if s is slot)
+                    value = fresh._parameters.get(attr, fresh._buffers.get(attr))
+                yield slot, value.detach()
+
+
+def _allocate(module: nn.Module, device: torch.device) -> list[Tensor]:
+    """Replace each meta tensor in ``module``'s registries by an empty one on ``device`` (one per unique
+    tensor: ties kept); returns the new tensors."""
+    new: dict[int, Tensor] = {}
+    old: list[Tensor] = []  # keeps ids from being reused while this runs
+    for _, m in module.named_modules(remove_duplicate=False):
+        for attr, t, is_param in list(own_tensors(m)):
+            if not t.is_meta:
+                continue
+            if id(t) not in new:
+                empty = torch.empty_like(t, device=device)
+                new[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if is_param else empty
+                old.append(t)
+            (m._parameters if is_param else m._buffers)[attr] = new[id(t)]
+    return list(new.values())
+
+
+def _local_tensors(module: nn.Module) -> dict[str, Tensor]:
+    named: dict[str, Any] = dict(module.named_parameters(remove_duplicate=False))
+    named.update(module.named_buffers(remove_duplicate=False))
+    return named
+
+
+def materialize(
+    module: nn.Module,
+    captured: Captured,
+    device: torch.device,
+    rng_state: Tensor,
+    cut: Optional[Cut] = None,
+    checkpoint: Optional[Mapping[str, Tensor]] = None,
+) -> int:
+    """Allocate on ``device`` every meta tensor that ``module`` (parallelized after ``capture``) still
+    registers, and write each from its full value (``full_values``) through ``cut`` (default: whole).
+    Returns the bytes allocated. Raises if a tensor gets no value."""
+    allocated = _allocate(module, device)
+    local = _local_tensors(module)
+    pending = {id(t) for t in allocated}
+    with torch.no_grad():
+        for slot, full in full_values(module, captured, rng_state, device, checkpoint):
+            for name in slot.names:
+                target = local.get(name)
+                if target is None or id(target) not in pending:
+                    continue
+                value = cut(name, full) if cut is not None else full
+                target.copy_(value.to(dtype=target.dtype).reshape(target.shape))
+                pending.discard(id(target))
+    if pending:
+        names = [n for n, t in local.items() if id(t) in pending]
+        raise RuntimeError(f"set-up gave no values to {names[:5]} (of {len(names)}): a bug, please report it")
+    return sum(t.numel() * t.element_size() for t in allocated)

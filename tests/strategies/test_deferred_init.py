@@ -1,0 +1,104 @@
+"""Deferred initialization on real processes: a model built under ``trainer.init_module(empty_init=True)``
+is created on the meta device, each rank materializes only its share from the modules' own initializers,
+and the same seed gives the same training in every layout (float64, 5 steps, 1e-10): lp_ddp on one
+process, tensor parallel, both synchronous pipelines and the 2-D layouts, on a GPT-style model and on
+the Hugging Face Llama-style zoo model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.helpers.harness import assert_params_close, max_param_diff, run_distributed
+
+DDP = "lightning_parallel:DDPStrategy"
+TP = "lightning_parallel:TensorParallelStrategy"
+PP = "lightning_parallel:PipelineParallelStrategy"
+F64 = {"precision": "64-true", "max_steps": 5}
+MODELS = {
+    "gpt": ("tests.helpers.tp_models:SmallGPT", {"optimizer": "adamw", "lr": 1e-2}),
+    "llama": ("tests.helpers.zoo:ZooLM", {"arch": "hf_llama", "optimizer": "adamw", "lr": 1e-2}),
+}
+LAYOUTS = {  # name: (world size, strategy class, its arguments, data-parallel size)
+    "tp2": (2, TP, {"plan": "auto"}, 1),
+    "1f1b": (2, PP, {"schedule": "1f1b", "num_microbatches": 2}, 1),
+    "gpipe": (2, PP, {"schedule": "gpipe", "num_microbatches": 2}, 1),
+    "dp2_tp2": (4, TP, {"plan": "auto", "data_parallel_size": 2}, 2),
+    "dp2_pp2": (4, PP, {"schedule": "1f1b", "num_microbatches": 2, "data_parallel_size": 2}, 2),
+}
+
+
+def case(model: str, layout: str, strategy: str, kwargs: dict, dp: int, steps: int = 5) -> dict:
+    target, model_kwargs = MODELS[model]
+    return {
+        "name": f"{model}-{layout}",
+        "model": target,
+        "model_kwargs": model_kwargs,
+        "data": "tests.helpers.tp_models:TokenData",
+        "data_kwargs": {"global_batch_size": 16},
+        "dp_size": dp,
+        "empty_init": True,
+        "trainer": {**F64, "max_steps": steps},
+        "strategy": {"class": strategy, "kwargs": kwargs},
+        "save_checkpoint": True,
+    }
+
+
+def _full(tmp, world, name):
+    return torch.load(tmp / f"dist{world}" / name / "last.ckpt", weights_only=False)["state_dict"]
+
+
+@pytest.fixture(scope="module")
+def deferred(tmp_path_factory):
+    """Every layout's run, and lp_ddp on one process (the reference), each in its own processes."""
+    tmp = tmp_path_factory.mktemp("deferred")
+    cases: dict[int, list[dict]] = {1: [], 2: [], 4: []}
+    for model in MODELS:
+        cases[1].append(case(model, "ddp1", DDP, {}, 1))
+        cases[1].append(case(model, "initial", DDP, {}, 1, steps=0))
+        for layout, (world, strategy, kwargs, dp) in LAYOUTS.items():
+            cases[world].append(case(model, layout, strategy, kwargs, dp))
+    results = {}
+    for world, group in cases.items():
+        results.update(run_distributed(group, world_size=world, tmp_path=tmp, timeout=500))
+    return tmp, results
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_every_layout_trains_as_one_process_from_the_same_initial_weights(deferred, model, layout):
+    tmp, results = deferred
+    world = LAYOUTS[layout][0]
+    reference = _full(tmp, 1, f"{model}-ddp1")
+    assert_params_close(_full(tmp, world, f"{model}-{layout}"), reference, atol=1e-10)
+    assert max_param_diff(_full(tmp, 1, f"{model}-initial"), reference) > 1e-3  # the steps moved them
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("model", list(MODELS))
+def test_initial_weights_come_from_the_initializers(deferred, model):
+    tmp, _ = deferred
+    initial = _full(tmp, 1, f"{model}-initial")
+    for name, tensor in initial.items():
+        assert torch.isfinite(tensor).all(), name
+        if name.endswith("norm.weight") or ".ln" in name and name.endswith("weight"):
+            assert torch.equal(tensor, torch.ones_like(tensor)), name  # norms start at 1
+    weights = [t for n, t in initial.items() if n.endswith("weight") and t.dim() == 2]
+    assert all(0 < t.std().item() < 1 for t in weights)  # random, and not the empty memory
+    if model == "gpt":  # nn.Linear's own reset_parameters: uniform within 1/sqrt(fan_in)
+        w = initial["model.blocks.0.mlp.fc.weight"]
+        assert w.abs().max().item() <= 1 / math.sqrt(w.shape[1])
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", ["tp2", "1f1b", "dp2_tp2"])
+def test_a_rank_holds_its_share_after_set_up(deferred, layout):
+    tmp, results = deferred
+    world = LAYOUTS[layout][0]
+    full = sum(t.numel() * t.element_size() for k, t in _full(tmp, 1, "gpt-ddp1").items() if "weight" in k or "bias" in k)
+    for rank in results[f"gpt-{layout}"]:
+        held = rank["setup_memory"]["parameter_bytes"]
+        assert held < 0.8 * full, (layout, held, full)
