@@ -175,7 +175,9 @@ class GradientReducer:
         self._where: dict[nn.Parameter, tuple[int, int]] = {}
         for b, indices in enumerate(assign_buckets(order, self.bucket_cap_mb, self.first_bucket_cap_mb)):
             params = [order[i] for i in indices]
-            buffer = torch.zeros(
+            # empty: every slot is zeroed or written before it is read (prepare_for_backward), so the
+            # gradient memory is touched by the first backward, not at set-up
+            buffer = torch.empty(
                 sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
             )
             views, offset = [], 0

@@ -37,7 +37,7 @@ from lightning_parallel.tensor.full_state import (
     sharded_parameters,
     unsharded_copy,
 )
-from lightning_parallel.tensor.layers import SharedEntry, _TPLayer, shard_tensor
+from lightning_parallel.tensor.layers import SharedEntry, _TPLayer, shard_slice
 from lightning_parallel.tensor.plan import install_gradient_sums
 
 __all__ = ["TensorParallelStrategy", "PlanVerificationError"]
@@ -170,7 +170,7 @@ class TensorParallelStrategy(ParallelStrategyBase):
                 if name not in cuts:
                     return full
                 spec, layer = cuts[name]
-                return shard_tensor(full, spec, layer.tp_size, layer.tp_rank)
+                return shard_slice(full, spec, layer.tp_size, layer.tp_rank)
 
             return cut
 

@@ -44,6 +44,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "ParallelMultiheadAttention",
     "shard_tensor",
+    "shard_slice",
     "full_tensor",
     "TP_LAYERS",
     "Conv1DType",
@@ -62,10 +63,17 @@ class ShardSpec:
     chunks: int = 1
 
 
-def shard_tensor(full: Tensor, spec: ShardSpec, tp_size: int, tp_rank: int) -> Tensor:
-    """This rank's slice of ``full``."""
+def shard_slice(full: Tensor, spec: ShardSpec, tp_size: int, tp_rank: int) -> Tensor:
+    """This rank's slice of ``full``: a view of it when the tensor is one block, else a new tensor."""
     blocks = full.chunk(spec.chunks, dim=spec.dim)
-    return torch.cat([b.chunk(tp_size, dim=spec.dim)[tp_rank] for b in blocks], dim=spec.dim).clone()
+    parts = [b.chunk(tp_size, dim=spec.dim)[tp_rank] for b in blocks]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=spec.dim)
+
+
+def shard_tensor(full: Tensor, spec: ShardSpec, tp_size: int, tp_rank: int) -> Tensor:
+    """This rank's slice of ``full``, in memory of its own."""
+    part = shard_slice(full, spec, tp_size, tp_rank)
+    return part.clone() if spec.chunks == 1 else part
 
 
 def full_tensor(parts: list[Tensor], spec: ShardSpec) -> Tensor:

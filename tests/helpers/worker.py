@@ -8,10 +8,11 @@ one after another in the same processes to save start-up time.
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import importlib
 import json
 import os
-import resource
 import sys
 import traceback
 from pathlib import Path
@@ -39,6 +40,18 @@ class LossRecorder(Callback):
             self.losses.append(float(loss))
 
 
+def reset_peak_resident() -> None:
+    """Give freed heap back to the system and restart the peak (VmHWM) from the current resident memory,
+    so that a case measures its own peak, not an earlier case's in the same process."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
 def resident_bytes() -> int:
     """This process's resident memory now."""
     with open("/proc/self/statm") as f:
@@ -46,8 +59,11 @@ def resident_bytes() -> int:
 
 
 def peak_resident_bytes() -> int:
-    """This process's peak resident memory so far (Linux: ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """This process's peak resident memory so far: VmHWM (ru_maxrss would include the parent's peak before
+    exec)."""
+    with open("/proc/self/status") as f:
+        line = next(x for x in f if x.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
 
 
 class SetupMemory(Callback):
@@ -62,6 +78,7 @@ class SetupMemory(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.peak_at_first_step is None:
             self.peak_at_first_step = peak_resident_bytes()
+            self.rss_at_first_step = resident_bytes()
             storages = {
                 p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
                 for p in pl_module.parameters()
@@ -71,7 +88,12 @@ class SetupMemory(Callback):
 
     def figures(self) -> dict:
         growth = None if self.peak_at_first_step is None else self.peak_at_first_step - self.rss_before
-        return {"setup_peak_growth": growth, "parameter_bytes": self.parameter_bytes}
+        return {
+            "setup_peak_growth": growth,
+            "rss_growth_at_first_step": growth and self.rss_at_first_step - self.rss_before,
+            "peak_at_end": peak_resident_bytes() - self.rss_before,
+            "parameter_bytes": self.parameter_bytes,
+        }
 
 
 def build_strategy(spec: Any, world_size: int) -> Any:
@@ -91,6 +113,7 @@ def build_strategy(spec: Any, world_size: int) -> Any:
 def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
     """Fit ``case`` with the global batch split over ``world_size`` processes; return what it produced."""
     seed_everything(case.get("seed", 0), workers=True)
+    reset_peak_resident()
     rss_before = resident_bytes()
     deferred = "empty_init" in case  # the model is built under trainer.init_module(empty_init=...)
     if not deferred:
@@ -138,7 +161,9 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
         trainer.validate(model, datamodule=data, verbose=False)
     result = {
         "losses": recorder.losses,
-        "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "state_dict": {}
+        if case.get("no_state_dict")
+        else {k: v.detach().clone() for k, v in model.state_dict().items()},
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "setup_memory": memory.figures(),
     }

@@ -98,7 +98,11 @@ def test_initial_weights_come_from_the_initializers(deferred, model):
 def test_a_rank_holds_its_share_after_set_up(deferred, layout):
     tmp, results = deferred
     world = LAYOUTS[layout][0]
-    full = sum(t.numel() * t.element_size() for k, t in _full(tmp, 1, "gpt-ddp1").items() if "weight" in k or "bias" in k)
+    full = sum(
+        t.numel() * t.element_size()
+        for k, t in _full(tmp, 1, "gpt-ddp1").items()
+        if "weight" in k or "bias" in k
+    )
     for rank in results[f"gpt-{layout}"]:
         held = rank["setup_memory"]["parameter_bytes"]
         assert held < 0.8 * full, (layout, held, full)

@@ -1,0 +1,81 @@
+"""A model larger than a rank's share, on real processes: set-up never holds more than the rank's share
+(plus one module at a time). GPT-style, 1.13 GB of float32 parameters (width 1536, 10 blocks), one SGD
+step; memory is the resident memory measured in each rank (``tests.helpers.worker.SetupMemory``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers.harness import run_distributed
+
+TP = "lightning_parallel:TensorParallelStrategy"
+PP = "lightning_parallel:PipelineParallelStrategy"
+WIDTH, LAYERS, VOCAB = 1536, 10, 32
+PARAMETER_BYTES = 4 * (
+    LAYERS * (12 * WIDTH * WIDTH + 13 * WIDTH) + 2 * VOCAB * WIDTH + 8 * WIDTH + 3 * WIDTH + VOCAB
+)
+LAYOUTS = {  # name: (world size, strategy class, its arguments, data-parallel size)
+    "one": (1, "lightning_parallel:DDPStrategy", {}, 1),
+    "tp2": (2, TP, {"plan": "auto"}, 1),
+    "1f1b": (2, PP, {"schedule": "1f1b", "num_microbatches": 2}, 1),
+    "dp2_tp2": (4, TP, {"plan": "auto", "data_parallel_size": 2}, 2),
+}
+
+
+def case(layout: str, empty_init: bool | None) -> dict:
+    _, strategy, kwargs, dp = LAYOUTS[layout]
+    built = {"empty_init": True} if empty_init else {}
+    return {
+        "name": f"{layout}-{'deferred' if empty_init else 'normal'}",
+        "model": "tests.helpers.tp_models:SmallGPT",
+        "model_kwargs": {"n_embd": WIDTH, "n_layer": LAYERS, "vocab_size": VOCAB, "optimizer": "sgd"},
+        "data": "tests.helpers.tp_models:TokenData",
+        "data_kwargs": {"global_batch_size": 2 * dp, "n": 8},
+        "dp_size": dp,
+        "no_state_dict": True,
+        **built,
+        "trainer": {"max_steps": 1},
+        "strategy": {"class": strategy, "kwargs": {**kwargs, "failure_timeout": 300}},
+    }
+
+
+@pytest.fixture(scope="module")
+def large(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("large")
+    results = {}
+    results.update(
+        run_distributed([case("tp2", True), case("1f1b", True), case("tp2", False)], 2, tmp, timeout=600)
+    )
+    results.update(run_distributed([case("dp2_tp2", True)], 4, tmp, timeout=600))
+    results.update(run_distributed([case("one", True)], 1, tmp, timeout=600))
+    return results
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("layout", ["tp2", "1f1b", "dp2_tp2"])
+def test_deferred_set_up_peaks_below_60_percent_of_the_model(large, layout):
+    for rank, figures in enumerate(large[f"{layout}-deferred"]):
+        setup = figures["setup_memory"]
+        print(f"{layout} rank {rank}: {setup} of a {PARAMETER_BYTES / 2**20:.0f} MiB model")
+        assert setup["setup_peak_growth"] <= 0.6 * PARAMETER_BYTES, (rank, setup)
+        assert setup["parameter_bytes"] <= 0.55 * PARAMETER_BYTES, (rank, setup)
+
+
+@pytest.mark.timeout(1500)
+def test_a_normally_built_model_is_freed_once_cut(large):
+    for rank, figures in enumerate(large["tp2-normal"]):
+        setup = figures["setup_memory"]
+        print(f"tp2, built normally, rank {rank}: {setup}")
+        assert setup["parameter_bytes"] <= 0.55 * PARAMETER_BYTES, (rank, setup)
+        # the whole model was resident once (built on the host); after set-up only the share is
+        assert setup["rss_growth_at_first_step"] <= 0.7 * PARAMETER_BYTES, (rank, setup)
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("layout", ["tp2", "1f1b", "dp2_tp2"])
+def test_a_step_peaks_below_one_process_on_the_same_per_rank_batch(large, layout):
+    one = large["one-deferred"][0]["setup_memory"]["peak_at_end"]
+    for rank, figures in enumerate(large[f"{layout}-deferred"]):
+        peak = figures["setup_memory"]["peak_at_end"]
+        print(f"{layout} rank {rank}: peak {peak / 2**20:.0f} MiB; one process {one / 2**20:.0f} MiB")
+        assert peak < one, (rank, peak, one)
