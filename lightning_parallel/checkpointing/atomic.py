@@ -51,7 +51,20 @@ def atomic_torch_save(obj: Any, path: _PATH) -> None:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` with write-to-temporary-then-rename; local paths only (remote URLs fall back)."""
+    """``TorchCheckpointIO`` with write-to-temporary-then-rename, and reads that map a local file instead of
+    copying it into memory (a rank touches only the pages of the tensors it takes); remote URLs fall back."""
+
+    def load_checkpoint(
+        self, path: _PATH, map_location: Any = lambda storage, loc: storage, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        if "://" in str(path) or not Path(path).is_file():
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        try:
+            return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=True)
+        except RuntimeError as error:  # a legacy (non-zip) file cannot be mapped
+            if "mmap" not in str(error):
+                raise
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None

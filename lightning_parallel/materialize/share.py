@@ -3,8 +3,9 @@ time from full values made on the host, which no rank ever holds all of at once.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -73,12 +74,14 @@ def full_values(
                 yield slot, value.detach()
 
 
-def _allocate(module: nn.Module, device: torch.device) -> list[Tensor]:
-    """Replace each meta tensor in ``module``'s registries by an empty one on ``device`` (one per unique
-    tensor: ties kept); returns the new tensors."""
+def _allocate(module: nn.Module, device: torch.device) -> dict[str, Tensor]:
+    """Replace each meta tensor in ``module``'s registries by an empty one on ``device``, one per unique
+    tensor (ties kept), all at once (freed host values then leave no holes between them); returns every
+    name of a new tensor -> it."""
     new: dict[int, Tensor] = {}
+    names: dict[str, Tensor] = {}
     old: list[Tensor] = []  # keeps ids from being reused while this runs
-    for _, m in module.named_modules(remove_duplicate=False):
+    for prefix, m in module.named_modules(remove_duplicate=False):
         for attr, t, is_param in list(own_tensors(m)):
             if not t.is_meta:
                 continue
@@ -87,13 +90,16 @@ def _allocate(module: nn.Module, device: torch.device) -> list[Tensor]:
                 new[id(t)] = nn.Parameter(empty, requires_grad=t.requires_grad) if is_param else empty
                 old.append(t)
             (m._parameters if is_param else m._buffers)[attr] = new[id(t)]
-    return list(new.values())
+            names[f"{prefix}.{attr}" if prefix else attr] = new[id(t)]
+    return names
 
 
-def _local_tensors(module: nn.Module) -> dict[str, Tensor]:
-    named: dict[str, Any] = dict(module.named_parameters(remove_duplicate=False))
-    named.update(module.named_buffers(remove_duplicate=False))
-    return named
+def _release_freed_host_memory() -> None:
+    """Hand the heap memory that freed full tensors leave behind back to the system (glibc keeps it)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def materialize(
@@ -107,19 +113,23 @@ def materialize(
     """Allocate on ``device`` every meta tensor that ``module`` (parallelized after ``capture``) still
     registers, and write each from its full value (``full_values``) through ``cut`` (default: whole).
     Returns the bytes allocated. Raises if a tensor gets no value."""
-    allocated = _allocate(module, device)
-    local = _local_tensors(module)
-    pending = {id(t) for t in allocated}
+    local = _allocate(module, device)
+    pending = {id(t): t for t in local.values()}
+    allocated = sum(t.numel() * t.element_size() for t in pending.values())
+    had_sources = any(slot.source is not None for slot in captured.slots())
     with torch.no_grad():
         for slot, full in full_values(module, captured, rng_state, device, checkpoint):
             for name in slot.names:
                 target = local.get(name)
-                if target is None or id(target) not in pending:
-                    continue
-                value = cut(name, full) if cut is not None else full
-                target.copy_(value.to(dtype=target.dtype).reshape(target.shape))
-                pending.discard(id(target))
+                if target is not None and pending.pop(id(target), None) is not None:
+                    value = cut(name, full) if cut is not None else full
+                    target.copy_(value.to(dtype=target.dtype).reshape(target.shape))
+            del full
     if pending:
-        names = [n for n, t in local.items() if id(t) in pending]
-        raise RuntimeError(f"set-up gave no values to {names[:5]} (of {len(names)}): a bug, please report it")
-    return sum(t.numel() * t.element_size() for t in allocated)
+        missing = [n for n, t in local.items() if id(t) in pending]
+        raise RuntimeError(
+            f"set-up gave no values to {missing[:5]} (of {len(missing)}): a bug, please report it"
+        )
+    if had_sources:
+        _release_freed_host_memory()
+    return allocated

@@ -50,9 +50,17 @@ def _full(tmp, world, name):
     return torch.load(tmp / f"dist{world}" / name / "last.ckpt", weights_only=False)["state_dict"]
 
 
+def resumed(name: str, layout: str, ckpt, **kwargs) -> dict:
+    """GPT under ``layout``, built on meta, resumed from ``ckpt`` up to step 10."""
+    _, strategy, strategy_kwargs, dp = LAYOUTS[layout]
+    c = case("gpt", layout, strategy, {**strategy_kwargs, **kwargs}, dp, steps=10)
+    return {**c, "name": name, "ckpt_path": str(ckpt)}
+
+
 @pytest.fixture(scope="module")
 def deferred(tmp_path_factory):
-    """Every layout's run, and lp_ddp on one process (the reference), each in its own processes."""
+    """Every layout's run, and lp_ddp on one process (the reference), each in its own processes; then
+    resumes of a deferred-init model from a full checkpoint and from a sharded directory."""
     tmp = tmp_path_factory.mktemp("deferred")
     cases: dict[int, list[dict]] = {1: [], 2: [], 4: []}
     for model in MODELS:
@@ -60,9 +68,16 @@ def deferred(tmp_path_factory):
         cases[1].append(case(model, "initial", DDP, {}, 1, steps=0))
         for layout, (world, strategy, kwargs, dp) in LAYOUTS.items():
             cases[world].append(case(model, layout, strategy, kwargs, dp))
+    cases[1].append({**case("gpt", "ddp1-10", DDP, {}, 1, steps=10)})
+    cases[2].append({**case("gpt", "tp2-sharded", TP, {"plan": "auto", "save_distributed": True}, 1)})
+    full = tmp / "dist1" / "gpt-ddp1" / "last.ckpt"
+    cases[2] += [resumed("resume-full-tp2", "tp2", full), resumed("resume-full-1f1b", "1f1b", full)]
     results = {}
     for world, group in cases.items():
         results.update(run_distributed(group, world_size=world, tmp_path=tmp, timeout=500))
+    sharded = tmp / "dist2" / "gpt-tp2-sharded" / "last.ckpt"
+    later = [resumed("resume-sharded-1f1b", "1f1b", sharded), resumed("resume-sharded-tp2", "tp2", sharded)]
+    results.update(run_distributed(later, world_size=2, tmp_path=tmp / "later", timeout=500))
     return tmp, results
 
 
@@ -97,7 +112,6 @@ def test_initial_weights_come_from_the_initializers(deferred, model):
 @pytest.mark.parametrize("layout", ["tp2", "1f1b", "dp2_tp2"])
 def test_a_rank_holds_its_share_after_set_up(deferred, layout):
     tmp, results = deferred
-    world = LAYOUTS[layout][0]
     full = sum(
         t.numel() * t.element_size()
         for k, t in _full(tmp, 1, "gpt-ddp1").items()
@@ -106,3 +120,15 @@ def test_a_rank_holds_its_share_after_set_up(deferred, layout):
     for rank in results[f"gpt-{layout}"]:
         held = rank["setup_memory"]["parameter_bytes"]
         assert held < 0.8 * full, (layout, held, full)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    "name", ["resume-full-tp2", "resume-full-1f1b", "resume-sharded-1f1b", "resume-sharded-tp2"]
+)
+def test_checkpoints_load_straight_into_the_shards_and_resume_exactly(deferred, name):
+    tmp, _ = deferred
+    where = tmp / "later" if "sharded" in name else tmp
+    resumed_full = torch.load(where / "dist2" / name / "last.ckpt", weights_only=False)["state_dict"]
+    assert_params_close(resumed_full, _full(tmp, 1, "gpt-ddp1-10"), atol=1e-10)
+    assert max_param_diff(_full(tmp, 1, "gpt-ddp1"), _full(tmp, 1, "gpt-ddp1-10")) > 1e-3
