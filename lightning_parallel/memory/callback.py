@@ -65,7 +65,7 @@ def _all_ranks(row: RankMemory) -> list[RankMemory]:
 class MemoryReport(Callback):
     """Prints, on rank 0, a table of every rank's memory after set-up and at the end of ``fit``.
 
-    Columns (bytes, shown in MiB; docs/memory.md): the whole model's parameters, this rank's parameters,
+    Columns (bytes, shown in B/KiB/MiB/GiB; docs/memory.md): the whole model's parameters, this rank's parameters,
     gradients and optimizer state (unique storages), the peak of the activations autograd saved in a step,
     the set-up's peak and growth, the process's peak and current resident memory, and the CUDA allocator's
     peaks on a GPU. ``tables`` holds the rows of each table made (``"after_setup"``, ``"end_of_fit"``).
@@ -127,6 +127,7 @@ class MemoryReport(Callback):
         self.report(trainer, pl_module, END_OF_FIT)
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        """A failed fit leaves no counting hook behind."""
         self.counter.stop()
 
     def report(self, trainer: Trainer, pl_module: LightningModule, when: str) -> list[RankMemory]:

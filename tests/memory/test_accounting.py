@@ -66,6 +66,19 @@ def test_the_pipeline_snapshot_hook_does_not_hide_the_count() -> None:
     assert _counted(8, snapshot=True).peak == _counted(8, snapshot=False).peak > 0
 
 
+def test_a_hook_that_does_not_report_hides_the_count() -> None:
+    """Why the package's own pack hooks call ``record_saved``: only the innermost hook runs."""
+    model = nn.Linear(16, 4)
+    counter = SavedTensorCounter()
+    counter.start()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+            _forward_backward(model, 8)
+    finally:
+        counter.stop()
+    assert counter.peak == 0
+
+
 def test_format_table_leaves_out_what_was_not_measured() -> None:
     report = MemoryReport()
     trainer = _fit(report, max_steps=1)
