@@ -118,3 +118,25 @@ def test_callback_under_lightning_single_device(caplog) -> None:
         text.count("Memory per rank, after set-up") == 1
         and text.count("Memory per rank, at the end of fit") == 1
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_callback_reads_the_cuda_allocator_on_a_gpu(cuda_required) -> None:
+    report = MemoryReport()
+    trainer = Trainer(
+        accelerator="gpu",
+        devices=1,
+        max_steps=2,
+        callbacks=[report],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    trainer.fit(MLP(optimizer="adam"), datamodule=RegressionData(batch_size=8, dtype="float32"))
+    (row,) = report.tables["end_of_fit"]
+    assert row.device.startswith("cuda") and row.activations > 0
+    assert row.cuda_max_reserved >= row.cuda_max_allocated >= row.parameters + row.optimizer_state
+    assert "CUDA max alloc" in format_table(report.tables["end_of_fit"], "now")
