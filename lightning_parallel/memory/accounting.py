@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "storage_of",
     "storage_key",
     "unique_storage_bytes",
     "ModelSize",
@@ -37,23 +38,22 @@ def _local(t: Tensor) -> Tensor:
     return local if isinstance(local, Tensor) else t
 
 
-def storage_key(t: Tensor) -> Optional[int]:
-    """An identity of the storage behind ``t`` (shared by its views), or None for a meta tensor."""
+def storage_of(t: Tensor) -> Optional[torch.UntypedStorage]:
+    """The storage behind ``t`` (shared by its views; a DTensor's local one), or None for a meta tensor."""
     t = _local(t)
-    if t.device.type == "meta":
-        return None
-    return t.untyped_storage()._cdata
+    return None if t.device.type == "meta" else t.untyped_storage()
+
+
+def storage_key(t: Tensor) -> Optional[int]:
+    """An identity of the storage behind ``t`` among the live storages, or None for a meta tensor."""
+    storage = storage_of(t)
+    return None if storage is None else storage._cdata
 
 
 def unique_storage_bytes(tensors: Iterable[Optional[Tensor]]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (None entries skipped): each storage once, meta 0."""
-    sizes: dict[int, int] = {}
-    for t in tensors:
-        if t is None or storage_key(t) is None:
-            continue
-        storage = _local(t).untyped_storage()
-        sizes[storage._cdata] = storage.nbytes()
-    return sum(sizes.values())
+    storages = (storage_of(t) for t in tensors if t is not None)
+    return sum({s._cdata: s.nbytes() for s in storages if s is not None}.values())
 
 
 @dataclass(frozen=True)
@@ -77,9 +77,10 @@ def model_size(tensors: Iterable[Tensor]) -> ModelSize:
     describes (each tensor object once), so a model built on meta is measured too."""
     seen: dict[Any, tuple[bool, int, int]] = {}
     for t in tensors:
-        key = storage_key(t)
-        nbytes = t.numel() * t.element_size() if key is None else _local(t).untyped_storage().nbytes()
-        seen[("meta", id(t)) if key is None else key] = (t.is_floating_point(), nbytes, t.element_size())
+        storage = storage_of(t)
+        nbytes = t.numel() * t.element_size() if storage is None else storage.nbytes()
+        key = ("meta", id(t)) if storage is None else storage._cdata
+        seen[key] = (t.is_floating_point(), nbytes, t.element_size())
     floats = [(n, size) for is_float, n, size in seen.values() if is_float]
     return ModelSize(
         float_elements=sum(n // size for n, size in floats),

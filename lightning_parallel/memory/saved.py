@@ -18,7 +18,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import Tensor
 
-from lightning_parallel.memory.accounting import _local, storage_key
+from lightning_parallel.memory.accounting import storage_key, storage_of
 
 __all__ = ["SavedTensorCounter", "record_saved"]
 
@@ -61,10 +61,10 @@ class SavedTensorCounter:
 
     def add(self, t: Tensor) -> None:
         """Count the storage behind ``t`` if it is new, not ignored and not on meta; until it is freed."""
-        key = storage_key(t)
-        if key is None or key in self._ignored or key in self._sizes:
+        storage = storage_of(t)
+        key = None if storage is None else storage._cdata
+        if storage is None or key in self._ignored or key in self._sizes:
             return
-        storage = _local(t).untyped_storage()
         self._sizes[key] = storage.nbytes()
         self.live += self._sizes[key]
         self.peak = max(self.peak, self.live)
