@@ -51,10 +51,6 @@ class SavedTensorCounter:
         self._ignored: set[int] = set()
         self._hooks: Optional[Any] = None
 
-    @property
-    def counting(self) -> bool:
-        return self._hooks is not None
-
     def ignore(self, tensors: Iterable[Tensor]) -> None:
         """Storages that are not activations (the module's parameters and buffers): saved, they count 0."""
         self._ignored = {k for k in (storage_key(t) for t in tensors) if k is not None}
