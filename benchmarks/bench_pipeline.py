@@ -14,7 +14,8 @@ our timeline on both sides (torch's per-micro-batch forward, loss and backward w
 next to the theory (p-1)/(m+p-1) and next to the theory for the stage costs measured (the last stage also runs
 the head and the loss; ``schedules.expected_bubbles``), and the activations each stage holds at its peak (the
 most micro-batches whose activations the stage held at once in a step, as the executor counted them, x the
-bytes autograd saves for one micro-batch, measured with saved-tensor hooks).
+bytes autograd saves for one micro-batch, parameters left out, counted by the memory report's
+``SavedTensorCounter``).
 """
 
 from __future__ import annotations
@@ -207,29 +208,29 @@ def record_timeline(stage, schedule, rank: int):
 
 
 def activation_bytes_per_microbatch(args: argparse.Namespace) -> list[int]:
-    """Bytes autograd saves for one micro-batch on each of the 2 stages (saved-tensor hooks)."""
+    """Bytes autograd saves for one micro-batch on each of the 2 stages: the memory report's counter
+    (distinct storages, parameters left out), run over each stage's blocks in turn."""
     import torch
 
+    from lightning_parallel.memory import SavedTensorCounter
+
     gpt = build_model(args).model
-    mb = args.batch_size // args.microbatches
-    idx = torch.randint(0, 128, (mb, 64))
-    half = args.layers // 2
-    saved = [0, 0]
-    current = [0]
-
-    def pack(t):
-        saved[current[0]] += t.numel() * t.element_size()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        T = idx.shape[1]
-        mask = torch.ones(T, T, dtype=torch.bool).tril()
-        x = gpt.tok_emb(idx) + gpt.pos_emb(torch.arange(T))
-        for i, block in enumerate(gpt.blocks):
-            current[0] = 0 if i < half else 1
-            x = block(x, mask)
-        gpt.head(gpt.ln_f(x)).sum()
-    return saved
+    idx = torch.randint(0, 128, (args.batch_size // args.microbatches, 64))
+    stages = [SavedTensorCounter(), SavedTensorCounter()]
+    for counter in stages:
+        counter.ignore(gpt.parameters())
+    half, T = args.layers // 2, idx.shape[1]
+    mask = torch.ones(T, T, dtype=torch.bool).tril()
+    stages[0].start()
+    x = gpt.tok_emb(idx) + gpt.pos_emb(torch.arange(T))
+    for i, block in enumerate(gpt.blocks):
+        if i == half:
+            stages[0].stop()
+            stages[1].start()
+        x = block(x, mask)
+    gpt.head(gpt.ln_f(x)).sum()
+    stages[1].stop()
+    return [counter.peak for counter in stages]
 
 
 def main() -> None:

@@ -4,6 +4,7 @@
 ``Trainer(strategy="lp_ddp")`` works; the classes can be used directly too.
 """
 
+from lightning_parallel.memory import MemoryReport
 from lightning_parallel.registry import STRATEGY_NAMES, register_strategies
 from lightning_parallel.strategies import (
     DataParallelStrategy,
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DDPStrategy",
     "DataParallelStrategy",
+    "MemoryReport",
     "ParallelStrategyBase",
     "PipelineParallelStrategy",
     "STRATEGY_NAMES",

@@ -3,7 +3,8 @@
 ``RunRecorder`` reads the world size from ``torch.distributed`` *inside* training (not from the
 config), so a sweep can prove each job got the processes it asked for. Throughput excludes the first
 step (process warm-up) and validation time, and counts samples of distinct data-parallel replicas only
-(tensor- or pipeline-parallel peers share a batch).
+(tensor- or pipeline-parallel peers share a batch). The memory report's tables (every rank, after set-up
+and at the end of fit) land under ``memory``, and the largest rank's figures as ``memory_*_mib``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-__all__ = ["RunRecorder", "ProgressPrinter", "batch_size_of", "pick_metric"]
+from lightning_parallel.memory import headline, report_of
+
+__all__ = ["RunRecorder", "ProgressPrinter", "batch_size_of", "memory_summary", "pick_metric"]
 
 log = logging.getLogger("lp-train")
 
@@ -157,7 +160,17 @@ class RunRecorder(Callback):
             "metrics": metrics,
             "val_history": self.val_history,
             "train_history": self.train_history,
+            **memory_summary(trainer),
         }
+
+
+def memory_summary(trainer: Trainer) -> dict[str, Any]:
+    """The memory report's tables (bytes per rank) and the largest rank's figures of the last table (MiB)."""
+    report = report_of(trainer)
+    if report is None or not report.tables:
+        return {"memory": None}
+    last = report.tables.get("end_of_fit") or report.tables["after_setup"]
+    return {"memory": report.summary(), **headline(last)}
 
 
 class ProgressPrinter(Callback):

@@ -36,6 +36,8 @@ COLUMNS = (
     "samples_per_second",
     "train_loss",
     "val_loss",
+    "memory_peak_rss_mib",
+    "memory_activations_mib",
     "wall_seconds",
     "error",
 )

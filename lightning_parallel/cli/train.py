@@ -201,6 +201,7 @@ def _fit(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
 
     import lightning_parallel  # noqa: F401  (registers the strategy names)
     from lightning_parallel.cli.recorder import ProgressPrinter, RunRecorder
+    from lightning_parallel.memory import MemoryReport
     from lightning_parallel.strategies.launcher import install
 
     seed_everything(cfg.seed, workers=True, verbose=False)
@@ -209,6 +210,8 @@ def _fit(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     strategy = instantiate(cfg.strategy, _convert_="all") if "_target_" in cfg.strategy else cfg.strategy
     recorder = RunRecorder(results_file=out_dir / ".run_results.json")
     callbacks: list[Any] = [recorder, ProgressPrinter(recorder, cfg.progress_every_n_steps)]
+    if getattr(strategy, "memory_report", True):  # before the recorder, which reads it at the end of fit
+        callbacks.insert(0, MemoryReport())
     if cfg.checkpoint.enabled:
         callbacks.append(
             ModelCheckpoint(

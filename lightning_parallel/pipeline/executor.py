@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_parallel.distributed.p2p import PeerLink
+from lightning_parallel.memory.saved import record_saved
 from lightning_parallel.pipeline.partition import StageInput, StageOutput
 from lightning_parallel.pipeline.schedules import Action
 from lightning_parallel.pipeline.timeline import Timeline
@@ -132,10 +133,13 @@ def loss_of(output: Any) -> Tensor:
 @contextmanager
 def weights_snapshot(parameters: Sequence[Tensor]) -> Iterator[None]:
     """Within this block, autograd saves a copy of each parameter (and of views of it) taken on entry,
-    so in-place updates made later (the optimizer's) do not change what the backward computes with."""
+    so in-place updates made later (the optimizer's) do not change what the backward computes with.
+    What autograd saves is reported to the memory counters (``memory.saved.record_saved``), which this
+    hook would otherwise hide."""
     snapshot = {p.untyped_storage().data_ptr(): p.detach().clone() for p in parameters}
 
     def pack(t: Tensor) -> Tensor:
+        record_saved(t)
         copy = snapshot.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
         if copy is None or copy.numel() == 0:
             return t

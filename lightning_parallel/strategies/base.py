@@ -25,6 +25,8 @@ What the base adds on top:
   (``popen_only``);
 - options checked by ``own_option_problems`` at each level, which ``lp-train`` runs before launching too
   (``strategies.options``);
+- with ``memory_report=True`` (default), rank 0 prints every rank's memory after set-up and at the end of
+  ``fit`` (``memory.MemoryReport``, held as ``self.memory``; a ``MemoryReport`` callback takes its place);
 - checkpoints and exact resume (``checkpointing.Checkpointer``: data position and RNG in the checkpoint,
   files written atomically, ``save_distributed=True`` for one shard per rank through
   torch.distributed.checkpoint); a strategy states its part through ``checkpointing.CheckpointContract``.
@@ -59,6 +61,7 @@ from lightning_parallel.distributed.replicas import broadcast_module_states
 from lightning_parallel.distributed.sync_batchnorm import SyncBatchNormPlugin
 from lightning_parallel.distributed.watchdog import FailureWatchdog
 from lightning_parallel.materialize import Cut, capture, has_meta_tensors, materialize, shared_rng_state
+from lightning_parallel.memory import MemoryReport
 from lightning_parallel.strategies.checks import layout, one_of, positive_number, require
 from lightning_parallel.strategies.global_batch import describe_global_batch
 from lightning_parallel.strategies.launcher import HydraSafeSubprocessLauncher, failure_exit_fn
@@ -89,6 +92,8 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             under Lightning's ``ddp``, training goes on; ``EarlyStopping(check_finite=True)`` or
             ``SpikeDetection`` decide. (A strategy whose returned loss is a placeholder, e.g. a pipeline
             stage, checks its real loss itself.)
+        memory_report: print every rank's memory (parameters, gradients, optimizer state, saved
+            activations, set-up peak) on rank 0 after set-up and at the end of ``fit``; see docs/memory.md.
     """
 
     #: False where sharded checkpoints would be wrong or pointless (lp_dp: the optimizer lives on rank 0)
@@ -116,6 +121,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         failure_timeout: float = 60.0,
         save_distributed: bool = False,
         check_finite_loss: bool = False,
+        memory_report: bool = True,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -146,6 +152,8 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self._watchdog: Optional[FailureWatchdog] = None
         self._pending_full_state: Optional[Mapping[str, Any]] = None  # a checkpoint for a meta module
         self.setup_bytes: Optional[int] = None  # what set-up allocated on this rank's device
+        self.memory_report = memory_report
+        self.memory = MemoryReport(defer_to_callback=True) if memory_report else None  # baseline: now
 
     @classmethod
     def own_option_problems(cls, values: Mapping[str, Any], prefix: str = "") -> list[Optional[str]]:
@@ -261,6 +269,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             # the layers; ours syncs over this run's data-parallel group and converts them in place
             self._layer_sync = SyncBatchNormPlugin(self.dp_group)
         if trainer.state.fn == TrainerFn.FITTING:
+            self._memory_hook("setup", "fit")
             self._batch_described = False
             super().setup(trainer)
             self.restore_after_setup(trainer)
@@ -386,12 +395,19 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             name = getattr(self, "strategy_name", type(self).__name__)
             trainer = self.lightning_module.trainer
             rank_zero_info(describe_global_batch(name, shape, size, trainer.accumulate_grad_batches))
+        self._memory_hook("on_train_batch_start", batch, batch_idx)
         super().on_train_batch_start(batch, batch_idx)
 
     def on_train_end(self) -> None:
         """The losses of the last steps whose copies have not been read yet (on a GPU) are read now."""
         super().on_train_end()
         self._loss_check.poll(wait=True)
+        self._memory_hook("on_train_end")
+
+    def _memory_hook(self, name: str, *args: Any) -> None:
+        """The memory report's Lightning callback hook ``name``, called with the trainer and module first."""
+        if self.memory is not None and self.lightning_module is not None:
+            getattr(self.memory, name)(self.lightning_module.trainer, self.lightning_module, *args)
 
     def reduce(
         self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
@@ -437,6 +453,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
 
     def on_exception(self, exception: BaseException) -> None:
         """A failing rank tells the others (they stop within ``failure_timeout``, naming it)."""
+        self._memory_hook("on_exception", exception)
         if self._watchdog is not None:
             root_cause = self._watchdog.report_failure(exception)
             if root_cause:

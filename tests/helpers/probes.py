@@ -54,3 +54,31 @@ def tensor_parallel_plan(trainer) -> dict:
 def batchnorm_history(trainer) -> list:
     """``BatchNormStack``'s BatchNorm buffers (this stage's) after every training batch."""
     return trainer.lightning_module.bn_history
+
+
+def memory_report(trainer) -> dict:
+    """The memory report's tables, and this rank's own count of what it holds, measured from outside the
+    report: distinct storages (by data pointer) of the parameters, their gradients and the optimizer state."""
+    from lightning_parallel.memory import report_of
+
+    def storages(tensors) -> int:
+        found = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        return sum(found.values())
+
+    params = [p for p in trainer.lightning_module.parameters() if p.device.type != "meta"]
+    state = [
+        v
+        for opt in trainer.optimizers
+        for s in opt.state.values()
+        for v in s.values()
+        if hasattr(v, "untyped_storage")
+    ]
+    report = report_of(trainer)
+    return {
+        "tables": report.summary() if report is not None else {},
+        "outside": {
+            "parameters": storages(params),
+            "gradients": storages(p.grad for p in params if p.grad is not None),
+            "optimizer_state": storages(state),
+        },
+    }

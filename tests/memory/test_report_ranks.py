@@ -1,0 +1,119 @@
+"""The memory report on 2 real gloo processes inside ``Trainer.fit``: its figures against this rank's own
+count, the saved activations (counted, scaling with the batch, not hidden by the async pipeline's hook),
+and the tables that rank 0 alone prints, once per fit and moment, whichever of strategy or callback reports."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_parallel.processes import run_processes
+from tests.helpers.harness import REPO, distributed_command
+
+MLP = "tests.helpers.models:MLP"
+SEQ = "tests.helpers.pp_models:SequentialNet"
+DATA = "tests.helpers.models:RegressionData"
+REPORT = {"class": "lightning_parallel:MemoryReport"}
+
+
+def case(name, model, strategy, batch=16, dp=2, callbacks=(), optimizer=None):
+    return {
+        "name": name,
+        "model": model,
+        "data": DATA,
+        "dp_size": dp,
+        "model_kwargs": optimizer or {"optimizer": "adam", "lr": 0.01},
+        "data_kwargs": {"global_batch_size": batch},
+        "trainer": {"precision": "64-true", "max_steps": 3},
+        "strategy": strategy,
+        "callbacks": list(callbacks),
+        "probe": "tests.helpers.probes:memory_report",
+    }
+
+
+def lp(cls, **kwargs):
+    return {"class": f"lightning_parallel:{cls}", "kwargs": kwargs}
+
+
+PLAN = str(REPO / "conf/plan/mlp.yaml")
+PP = "PipelineParallelStrategy"
+SGD_MOMENTUM = {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9}
+CASES = [
+    case("lp_ddp", MLP, lp("DDPStrategy")),
+    case("lp_ddp-batch32", MLP, lp("DDPStrategy"), batch=32),
+    case("lp_tensor_parallel", MLP, lp("TensorParallelStrategy", plan=PLAN), dp=1),
+    case("lp_pipeline_1f1b", SEQ, lp(PP, schedule="1f1b", num_microbatches=4), dp=1),
+    case(
+        "lp_pipeline_async", SEQ, lp(PP, schedule="async", num_microbatches=4), dp=1, optimizer=SGD_MOMENTUM
+    ),
+    case("lp_pipeline_async-batch32", SEQ, lp(PP, schedule="async"), batch=32, dp=1, optimizer=SGD_MOMENTUM),
+    case("ddp+callback", MLP, "ddp", callbacks=[REPORT]),
+    case("lp_ddp+callback", MLP, lp("DDPStrategy"), callbacks=[REPORT]),
+]
+CHECKED = ("parameters", "gradients", "optimizer_state")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every case fitted in the same 2 processes: {name: [rank 0's probe, rank 1's]}, and each rank's output."""
+    tmp_path = tmp_path_factory.mktemp("memory")
+    commands, envs, out = distributed_command(CASES, 2, tmp_path)
+    outputs = run_processes(commands, envs, 400, out, rendezvous=True)
+    results = {
+        c["name"]: [
+            torch.load(out / c["name"] / f"rank{r}.pt", weights_only=False)["probe"] for r in range(2)
+        ]
+        for c in CASES
+    }
+    for name, probes in results.items():  # shown with -s: the figures the tests compare
+        for rank, probe in enumerate(probes):
+            row = probe["tables"]["end_of_fit"][rank]
+            print(name, rank, {c: (row[c], probe["outside"][c]) for c in CHECKED}, row["activations"])
+    return results, outputs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(450)
+@pytest.mark.parametrize("name", [c["name"] for c in CASES])
+def test_report_matches_what_each_rank_holds(runs, name) -> None:
+    for rank, probe in enumerate(runs[0][name]):
+        row = probe["tables"]["end_of_fit"][rank]
+        assert row["rank"] == rank
+        for column in CHECKED:
+            outside = probe["outside"][column]
+            # (the async pipeline ends fit with its last update applied and no gradient left)
+            assert outside > 0 or (column == "gradients" and "async" in name), (name, rank, column)
+            assert abs(row[column] - outside) <= 0.02 * outside, (name, rank, column, row[column], outside)
+        assert row["activations"] > 0, (name, rank)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(450)
+def test_split_models_hold_a_part_of_the_model(runs) -> None:
+    for name in ("lp_tensor_parallel", "lp_pipeline_1f1b"):
+        rows = runs[0][name][0]["tables"]["end_of_fit"]
+        for row in rows:
+            assert row["parameters"] < 0.8 * row["model_parameters"], (name, row)
+    row = runs[0]["lp_ddp"][0]["tables"]["end_of_fit"][0]
+    assert row["parameters"] == row["model_parameters"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(450)
+@pytest.mark.parametrize("name", ["lp_ddp", "lp_pipeline_async"])
+def test_saved_activations_scale_with_the_batch(runs, name) -> None:
+    for rank in range(2):
+        small = runs[0][name][rank]["tables"]["end_of_fit"][rank]["activations"]
+        large = runs[0][f"{name}-batch32"][rank]["tables"]["end_of_fit"][rank]["activations"]
+        assert small > 0
+        assert 1.7 <= large / small <= 2.3, (name, rank, small, large)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(450)
+def test_rank_zero_prints_each_table_once_per_fit(runs) -> None:
+    rank0, rank1 = runs[1]
+    for when in ("after set-up", "at the end of fit"):
+        assert rank0.count(f"Memory per rank, {when}") == len(CASES), when
+        assert f"Memory per rank, {when}" not in rank1
+    assert "activations" in rank0 and "set-up peak" in rank0
