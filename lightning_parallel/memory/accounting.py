@@ -2,7 +2,7 @@
 
 Parameters, gradients and optimizer state are summed over distinct storages (by storage identity), so a
 view or a tied weight counts once and a meta tensor counts nothing. The process figures come from the OS
-on the CPU (resident set: current from ``/proc/self/statm``, lifetime peak from ``ru_maxrss``) and from
+on the CPU (resident set: current from ``/proc/self/statm``, peak from ``VmHWM``) and from
 the CUDA caching allocator on a GPU.
 """
 
@@ -119,9 +119,14 @@ def rss_bytes() -> Optional[int]:
 
 
 def peak_rss_bytes() -> int:
-    """The process's lifetime peak resident memory (``ru_maxrss``: KiB on Linux, bytes on macOS)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+    """The process's peak resident memory: Linux's ``VmHWM`` (this program's own; ``ru_maxrss`` would also
+    hold the launching process's peak from before ``exec``), else ``ru_maxrss`` (bytes on macOS)."""
+    try:
+        with open("/proc/self/status") as f:
+            return int(next(line for line in f if line.startswith("VmHWM:")).split()[1]) * 1024
+    except (OSError, StopIteration, ValueError, IndexError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak) if sys.platform == "darwin" else int(peak) * 1024
 
 
 def cuda_allocated(device: torch.device) -> Optional[dict[str, int]]:

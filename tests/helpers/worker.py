@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
+from lightning_parallel.memory.accounting import peak_rss_bytes, rss_bytes
+
 __all__ = ["run_case", "load_object"]
 
 
@@ -52,20 +54,6 @@ def reset_peak_resident() -> None:
         pass
 
 
-def resident_bytes() -> int:
-    """This process's resident memory now."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def peak_resident_bytes() -> int:
-    """This process's peak resident memory so far: VmHWM (ru_maxrss would include the parent's peak before
-    exec)."""
-    with open("/proc/self/status") as f:
-        line = next(x for x in f if x.startswith("VmHWM:"))
-    return int(line.split()[1]) * 1024
-
-
 class SetupMemory(Callback):
     """The peak resident memory from before the model is built to the first training step, and the bytes
     of the parameters the rank holds then (unique storages, meta excluded)."""
@@ -77,8 +65,8 @@ class SetupMemory(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.peak_at_first_step is None:
-            self.peak_at_first_step = peak_resident_bytes()
-            self.rss_at_first_step = resident_bytes()
+            self.peak_at_first_step = peak_rss_bytes()
+            self.rss_at_first_step = rss_bytes()
             storages = {
                 p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
                 for p in pl_module.parameters()
@@ -91,7 +79,7 @@ class SetupMemory(Callback):
         return {
             "setup_peak_growth": growth,
             "rss_growth_at_first_step": growth and self.rss_at_first_step - self.rss_before,
-            "peak_at_end": peak_resident_bytes() - self.rss_before,
+            "peak_at_end": peak_rss_bytes() - self.rss_before,
             "parameter_bytes": self.parameter_bytes,
         }
 
@@ -114,7 +102,7 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
     """Fit ``case`` with the global batch split over ``world_size`` processes; return what it produced."""
     seed_everything(case.get("seed", 0), workers=True)
     reset_peak_resident()
-    rss_before = resident_bytes()
+    rss_before = rss_bytes()
     deferred = "empty_init" in case  # the model is built under trainer.init_module(empty_init=...)
     if not deferred:
         model = load_object(case["model"])(**case.get("model_kwargs", {}))
