@@ -9,17 +9,21 @@ same seed gives the same full weights in any layout.
 """
 
 from lightning_parallel.materialize.initializers import UninitializedTensorError, initializer_for
-from lightning_parallel.materialize.share import Cut, materialize, shared_rng_state
+from lightning_parallel.materialize.share import Cut, describe_loaded, materialize, shared_rng_state
 from lightning_parallel.materialize.tensors import Captured, Slot, capture, has_meta_tensors
+from lightning_parallel.materialize.weights import WeightSource, open_weights
 
 __all__ = [
     "Captured",
     "Cut",
     "Slot",
     "UninitializedTensorError",
+    "WeightSource",
     "capture",
+    "describe_loaded",
     "has_meta_tensors",
     "initializer_for",
     "materialize",
+    "open_weights",
     "shared_rng_state",
 ]

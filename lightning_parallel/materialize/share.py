@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from lightning_parallel.materialize.initializers import initialized_copy
 from lightning_parallel.materialize.tensors import Captured, Slot, own_tensors
 
-__all__ = ["Cut", "materialize", "shared_rng_state"]
+__all__ = ["Cut", "describe_loaded", "materialize", "shared_rng_state"]
 
 #: (full name, full tensor) -> what this rank keeps of it
 Cut = Callable[[str, Tensor], Tensor]
@@ -31,6 +31,20 @@ def shared_rng_state(state: Optional[Tensor] = None) -> Tensor:
     if _distributed():
         dist.broadcast(state, src=0)
     return state
+
+
+def describe_loaded(captured: Captured, weights: Mapping[str, Tensor], source: object) -> str:
+    """What set-up will read from ``weights`` and what the initializers make (said before set-up)."""
+    names = {n for slot in captured.slots() for n in slot.names}
+    found = [s for s in captured.slots() if any(n in weights for n in s.names)]
+    left = [s.names[0] for s in captured.slots() if not any(n in weights for n in s.names)]
+    unused = [k for k in weights if k not in names]
+    text = f"initial weights: {len(found)} tensors from {source}"
+    if left:
+        text += f"; {len(left)} from the model's initializers ({', '.join(left[:4])}{', ...' if len(left) > 4 else ''})"
+    if unused:
+        text += f"; {len(unused)} in the file match no tensor of the model ({', '.join(unused[:4])})"
+    return text
 
 
 def _agreed(source: Tensor, device: torch.device) -> Tensor:
@@ -66,6 +80,11 @@ def full_values(
             fresh = initialized_copy(root, record, needed) if needed else None
             for slot in record.first:
                 value = stored(slot)
+                if value is not None and tuple(value.shape) != tuple(slot.template.shape):
+                    raise ValueError(
+                        f"the stored tensor for {slot.names[0]!r} has shape {tuple(value.shape)}, but the model's "
+                        f"is {tuple(slot.template.shape)}: the weights are for another configuration"
+                    )
                 if value is None and slot.source is not None:
                     value, slot.source = _agreed(slot.source, device), None
                 if value is None:

@@ -38,6 +38,7 @@ import sys
 import types
 from contextlib import contextmanager
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Callable, Generator, Literal, Mapping, Optional, Union, get_args
 
 import lightning.pytorch as pl
@@ -60,7 +61,16 @@ from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.replicas import broadcast_module_states
 from lightning_parallel.distributed.sync_batchnorm import SyncBatchNormPlugin
 from lightning_parallel.distributed.watchdog import FailureWatchdog
-from lightning_parallel.materialize import Cut, capture, has_meta_tensors, materialize, shared_rng_state
+from lightning_parallel.materialize import (
+    Cut,
+    WeightSource,
+    capture,
+    describe_loaded,
+    has_meta_tensors,
+    materialize,
+    open_weights,
+    shared_rng_state,
+)
 from lightning_parallel.memory import MemoryReport
 from lightning_parallel.strategies.checks import layout, one_of, positive_number, require
 from lightning_parallel.strategies.global_batch import describe_global_batch
@@ -74,6 +84,17 @@ __all__ = ["ParallelStrategyBase"]
 DEFAULT_TIMEOUT_S = default_pg_timeout.total_seconds()
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 START_METHODS = get_args(StartMethod)
+
+
+def _initial_weights_problem(value: Any, prefix: str) -> Optional[str]:
+    if value is None or isinstance(value, Mapping):
+        return None
+    if not isinstance(value, (str, Path)) or not Path(value).exists():
+        return (
+            f"{prefix}initial_weights={value!r} is not a file or folder: give a .safetensors file, a folder of "
+            "them, a torch file (a checkpoint or a state dict), or a mapping of names to tensors"
+        )
+    return None
 
 
 class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
@@ -94,6 +115,12 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             stage, checks its real loss itself.)
         memory_report: print every rank's memory (parameters, gradients, optimizer state, saved
             activations, set-up peak) on rank 0 after set-up and at the end of ``fit``; see docs/memory.md.
+        initial_weights: pretrained weights that set-up reads straight into the rank's share, tensor by
+            tensor: a ``.safetensors`` file or a folder of them, a torch file (a Lightning checkpoint or a
+            state dict), or a mapping; tensors it lacks keep the module's initializers. A ``fit(ckpt_path=)``
+            takes precedence. See docs/large_models.md.
+        initial_weights_prefix: put before every name of ``initial_weights`` (``"model."`` for a Hugging
+            Face model held as ``self.model``).
     """
 
     #: False where sharded checkpoints would be wrong or pointless (lp_dp: the optimizer lives on rank 0)
@@ -122,6 +149,8 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         save_distributed: bool = False,
         check_finite_loss: bool = False,
         memory_report: bool = True,
+        initial_weights: Optional[WeightSource] = None,
+        initial_weights_prefix: str = "",
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -152,6 +181,8 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self._watchdog: Optional[FailureWatchdog] = None
         self._pending_full_state: Optional[Mapping[str, Any]] = None  # a checkpoint for a meta module
         self.setup_bytes: Optional[int] = None  # what set-up allocated on this rank's device
+        self.initial_weights = initial_weights
+        self.initial_weights_prefix = initial_weights_prefix
         self.memory_report = memory_report
         self.memory = MemoryReport(defer_to_callback=True) if memory_report else None  # baseline: now
 
@@ -172,6 +203,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
                 "use 'popen'"
             ),
             cls._save_distributed_problem(values["save_distributed"], values.get("checkpoint_io"), prefix),
+            _initial_weights_problem(values["initial_weights"], prefix),
         ]
 
     @classmethod
@@ -318,6 +350,9 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         captured = capture(module)
         cut = parallelize()
         checkpoint, self._pending_full_state = self._pending_full_state, None
+        if checkpoint is None and self.initial_weights is not None:
+            checkpoint = open_weights(self.initial_weights, self.initial_weights_prefix)
+            rank_zero_info(describe_loaded(captured, checkpoint, self.initial_weights))
         self.setup_bytes = materialize(module, captured, self.root_device, rng_state, cut, checkpoint)
 
     def load_full_model_state(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:

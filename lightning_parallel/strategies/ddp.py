@@ -184,7 +184,7 @@ class DDPStrategy(ParallelStrategyBase):
 
     def configure_parallelism(self) -> None:
         module = self.lightning_module
-        if has_meta_tensors(module):  # built on meta: every rank materializes the same full values
+        if has_meta_tensors(module) or self.initial_weights is not None:  # every rank makes the same values
             self.set_up_share()
         elif self.init_sync:
             broadcast_module_states(module, src=0, group=self.dp_group)

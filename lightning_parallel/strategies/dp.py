@@ -33,7 +33,9 @@ class DataParallelStrategy(ParallelStrategyBase):
         super().__init__(**kwargs)
 
     def configure_parallelism(self) -> None:
-        if has_meta_tensors(self.lightning_module):  # built on meta: every rank makes the same values
+        if (
+            has_meta_tensors(self.lightning_module) or self.initial_weights is not None
+        ):  # same values everywhere
             self.set_up_share()
         else:
             broadcast_module_states(self.lightning_module, src=0)
