@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.helpers.harness import assert_params_close, max_param_diff, run_distributed
+from tests.helpers.worker import load_object
 
 DDP = "lightning_parallel:DDPStrategy"
 TP = "lightning_parallel:TensorParallelStrategy"
@@ -57,6 +58,14 @@ def resumed(name: str, layout: str, ckpt, **kwargs) -> dict:
     return {**c, "name": name, "ckpt_path": str(ckpt)}
 
 
+def save_pretrained_llama(folder):
+    """A Hugging Face Llama (the zoo's), trained by nobody, saved as Hugging Face saves it (safetensors)."""
+    torch.manual_seed(7)
+    model = load_object(MODELS["llama"][0])(**MODELS["llama"][1]).double()
+    model.model.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def deferred(tmp_path_factory):
     """Every layout's run, and lp_ddp on one process (the reference), each in its own processes; then
@@ -72,6 +81,13 @@ def deferred(tmp_path_factory):
     cases[2].append({**case("gpt", "tp2-sharded", TP, {"plan": "auto", "save_distributed": True}, 1)})
     full = tmp / "dist1" / "gpt-ddp1" / "last.ckpt"
     cases[2] += [resumed("resume-full-tp2", "tp2", full), resumed("resume-full-1f1b", "1f1b", full)]
+    pretrained = save_pretrained_llama(tmp / "pretrained")
+    weights = {"initial_weights": str(pretrained), "initial_weights_prefix": "model."}
+    cases[1] += [
+        {**case("llama", "pretrained-ddp1", DDP, weights, 1)},
+        {**case("llama", "pretrained-initial", DDP, weights, 1, steps=0)},
+    ]
+    cases[2].append(case("llama", "pretrained-tp2", TP, {"plan": "auto", **weights}, 1))
     results = {}
     for world, group in cases.items():
         results.update(run_distributed(group, world_size=world, tmp_path=tmp, timeout=500))
@@ -132,3 +148,18 @@ def test_checkpoints_load_straight_into_the_shards_and_resume_exactly(deferred, 
     resumed_full = torch.load(where / "dist2" / name / "last.ckpt", weights_only=False)["state_dict"]
     assert_params_close(resumed_full, _full(tmp, 1, "gpt-ddp1-10"), atol=1e-10)
     assert max_param_diff(_full(tmp, 1, "gpt-ddp1"), _full(tmp, 1, "gpt-ddp1-10")) > 1e-3
+
+
+@pytest.mark.timeout(900)
+def test_pretrained_weights_are_read_into_the_shards(deferred):
+    tmp, _ = deferred
+    from safetensors.torch import load_file
+
+    saved = {f"model.{k}": v for k, v in load_file(str(tmp / "pretrained" / "model.safetensors")).items()}
+    initial = _full(tmp, 1, "llama-pretrained-initial")
+    assert set(saved) <= set(initial)
+    for name, tensor in saved.items():
+        assert torch.equal(initial[name], tensor), name
+    reference = _full(tmp, 1, "llama-pretrained-ddp1")
+    assert_params_close(_full(tmp, 2, "llama-pretrained-tp2"), reference, atol=1e-10)
+    assert max_param_diff(initial, reference) > 1e-3
