@@ -104,7 +104,9 @@ class _InputValues(TorchDispatchMode):
         if real.numel() <= VALUE_LIMIT:
             self.values[fake] = real
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None
+    ) -> Any:
         kwargs = kwargs or {}
         flat, _ = tree_flatten((args, kwargs))
         tensors = [a for a in flat if isinstance(a, Tensor)]
