@@ -65,7 +65,9 @@ def _fake_like(t: Tensor, mode: FakeTensorMode, device: torch.device) -> Tensor:
 
 @contextmanager
 def _fake_tensors(module: nn.Module, mode: FakeTensorMode, device: torch.device) -> Iterator[None]:
-    """Every parameter and buffer of ``module`` a fake on ``device`` within, the originals after."""
+    """Every parameter and buffer of ``module`` a fake on ``device`` within; after, the originals, and
+    every module's attributes as they were (a step may cache what it computed, such as a positional
+    table made on first use: a fake kept there would reach the real steps)."""
     made: dict[int, Tensor] = {}
     held = [
         (table, name, t)
@@ -74,6 +76,7 @@ def _fake_tensors(module: nn.Module, mode: FakeTensorMode, device: torch.device)
         for name, t in table.items()
         if t is not None
     ]
+    attributes = [(vars(m), dict(vars(m))) for m in module.modules()]
     for table, name, t in held:
         if id(t) not in made:
             made[id(t)] = _fake_like(t, mode, device)
@@ -83,6 +86,10 @@ def _fake_tensors(module: nn.Module, mode: FakeTensorMode, device: torch.device)
     finally:
         for table, name, t in held:
             table[name] = t
+        for state, before in attributes:
+            for key in state.keys() - before.keys():
+                del state[key]
+            state.update(before)
 
 
 def _storage(t: Tensor) -> int:
