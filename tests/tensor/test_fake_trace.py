@@ -10,11 +10,13 @@ import os
 import resource
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 
 from lightning_parallel.tensor.auto import auto_plan, resolve_auto
 from lightning_parallel.tensor.coverage import forward_on
@@ -39,18 +41,35 @@ def tensors(module: nn.Module) -> dict[str, Tensor]:
     return dict([*module.named_parameters(remove_duplicate=False), *module.named_buffers()])
 
 
+def attributes(module: nn.Module) -> list[dict]:
+    return [dict(vars(m)) for m in module.modules()]
+
+
+def seeded(step: Callable[[], Tensor]) -> Tensor:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return step()
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_the_fake_trace_finds_the_plan_of_the_real_trace(arch, tp):
     module = ZooLM(arch=arch)
     before = {n: (t, t.detach().clone()) for n, t in tensors(module).items()}
+    held = attributes(module)
     step = forward_on(module, batch())
-    assert auto_plan(module, tp, step) == auto_plan(module, tp, step, fake=False)
+    fake = auto_plan(module, tp, step)
+    assert all(
+        a.keys() == b.keys() and all(a[k] is b[k] for k in a) for a, b in zip(attributes(module), held)
+    )
     after = tensors(module)
     assert after.keys() == before.keys()
     for name, (t, value) in before.items():
         assert after[name] is t and torch.equal(t, value), name
+    loss = seeded(step)
+    assert fake == auto_plan(module, tp, step, fake=False)
+    assert not is_fake(loss) and torch.equal(loss, seeded(step))
 
 
 @pytest.mark.timeout(120)
