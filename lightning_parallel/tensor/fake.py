@@ -9,7 +9,9 @@ the module's own objects are put back after.
 What the step computes from its inputs and constants alone (token ids, positions, masks: no parameter
 or buffer involved) is small, and it is also computed for real beside its fake (``_InputValues``), so
 code that reads such a value works as in a real run (``bool((mask == causal).all())`` in
-``nn.TransformerDecoder``, ``nonzero`` of a padding mask). A step whose work depends on the value of
+``nn.TransformerDecoder``, ``nonzero`` of a padding mask). A torchmetrics ``Metric`` called in the step
+reads what it is given whole and computes nothing (its checks read values; its state and value feed
+only itself and the logs, never the loss). A step whose work depends on the value of
 anything a parameter or buffer touched (``.item()`` of a loss in a computation, a mixture of experts'
 ``nonzero`` over its router's choices) raises here; the caller then decides without a trace.
 """
@@ -33,6 +35,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
+from torchmetrics import Metric
 
 from lightning_parallel.tensor.coverage import SampleStep
 
@@ -90,6 +93,30 @@ def _fake_tensors(module: nn.Module, mode: FakeTensorMode, device: torch.device)
             for key in state.keys() - before.keys():
                 del state[key]
             state.update(before)
+
+
+def _reads_whole(*args: Any, **kwargs: Any) -> None:
+    """A metric's call in the fake step: every tensor it is given is read whole (a sum), as a metric's
+    reductions read it, so the plan keeps whole what a metric reads; nothing is computed or kept."""
+    for t in tree_flatten((args, kwargs))[0]:
+        if isinstance(t, Tensor) and t.numel():
+            t.sum()
+
+
+@contextmanager
+def _metrics_read_whole(module: nn.Module) -> Iterator[None]:
+    """Every ``Metric`` of ``module`` called (``forward``) or updated as ``_reads_whole`` within."""
+    held = [(vars(m), dict(vars(m))) for m in module.modules() if isinstance(m, Metric)]
+    for state, _ in held:
+        state["forward"] = state["update"] = _reads_whole
+    try:
+        yield
+    finally:
+        for state, before in held:
+            for key in ("forward", "update"):
+                state.pop(key, None)
+                if key in before:
+                    state[key] = before[key]
 
 
 def _storage(t: Tensor) -> int:
@@ -157,7 +184,7 @@ def fake_step(module: nn.Module, run: Callable[[], Any]) -> Iterator[Callable[[]
         kept, inputs, step = nullcontext(), None, lambda _: run()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     values = _InputValues(mode)
-    with kept, _fake_tensors(module, mode, step_device(module, inputs)):
+    with kept, _fake_tensors(module, mode, step_device(module, inputs)), _metrics_read_whole(module):
         fake_inputs = apply_to_collection(inputs, Tensor, lambda t: _with_value(values, t))
         with mode, values:
             yield lambda: step(fake_inputs)

@@ -17,6 +17,9 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
+from torch.nn import functional as F
+from torchmetrics import MeanMetric, Metric
+from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_parallel.tensor.auto import auto_plan, resolve_auto
 from lightning_parallel.tensor.coverage import forward_on
@@ -139,6 +142,48 @@ def test_values_computed_from_the_inputs_alone_can_be_read():
     plan, report = auto_plan(module, 2, step)
     assert (plan, report) == auto_plan(module, 2, step, fake=False)
     assert {r.pattern: r.style for r in plan.layers} == {"embed": "vocab", "up": "colwise", "down": "rowwise"}
+
+
+class Measured(LightningModule):
+    """An MLP pair whose step feeds a torchmetrics metric: the loss, the predictions, or the hidden
+    features (which a split region would hand it sharded)."""
+
+    def __init__(self, metric: Metric, reads: str) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.metric, self.reads = metric, reads
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        hidden = torch.relu(self.up(x))
+        logits = self.down(hidden)
+        loss = F.cross_entropy(logits, y)
+        given = {"loss": (loss,), "predictions": (logits.argmax(-1), y), "hidden": (hidden,)}[self.reads]
+        self.log("metric", self.metric(*given))
+        return loss
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "metric, reads",
+    [(MeanMetric(), "loss"), (MulticlassAccuracy(4), "predictions"), (MeanMetric(), "hidden")],
+    ids=["mean-of-loss", "accuracy", "mean-of-hidden"],
+)
+def test_a_metric_reads_what_it_is_given_whole_and_keeps_its_state(metric, reads):
+    module = Measured(metric, reads)
+    state = {k: v.clone() for k, v in metric.metric_state.items()}
+    methods = {k: vars(metric).get(k) for k in ("forward", "update")}
+    step = forward_on(module, (torch.randn(6, 8), torch.randint(0, 4, (6,))))
+    plan, report = auto_plan(module, 2, step)
+    real_plan, real_report = auto_plan(module, 2, step, fake=False)
+    assert plan == real_plan and [n for n, _ in report] == [n for n, _ in real_report]
+    if reads == "hidden":  # the checks of a real metric read it first, the stand-in's sum here
+        assert dict(report)["up"] == "sum over the sharded dimension (in metric)"
+    else:
+        assert {r.pattern: r.style for r in plan.layers} == {"up": "colwise", "down": "rowwise"}
+        assert report == real_report
+    assert all(torch.equal(v, state[k]) and not is_fake(v) for k, v in metric.metric_state.items())
+    assert {k: vars(metric).get(k) for k in methods} == methods
 
 
 def resolve_on_meta_rss() -> dict[str, int]:
