@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -40,6 +41,8 @@ class SyncBatchNorm(nn.SyncBatchNorm):
     _converted_from: Optional[type] = None
 
     def forward(self, input: Tensor) -> Tensor:
+        if is_fake(input):  # plan="auto" reading the step's data flow: no values to share, shapes as local
+            return self._local(input)
         if input.device.type != "cpu":
             return super().forward(input)
         syncing = self.training and dist.is_available() and dist.is_initialized()

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 from torchmetrics import Metric
 
 from lightning_parallel.distributed.p2p import PeerLink
@@ -50,6 +51,13 @@ __all__ = [
 METRICS = "__metrics__"  # the key under which capture_logs records metric objects
 
 
+def _number(value: Any) -> float:
+    """A logged value as a number; nan for a fake tensor (``tensor.fake``), which has no value."""
+    if isinstance(value, Tensor):
+        return float("nan") if is_fake(value) else float(value.detach())
+    return float(value)
+
+
 @contextmanager
 def capture_logs(module: Any, log_objects: bool = True) -> Iterator[dict[str, list]]:
     """Record ``module.log`` calls of numbers and tensors instead of making them; metric objects are
@@ -60,9 +68,7 @@ def capture_logs(module: Any, log_objects: bool = True) -> Iterator[dict[str, li
 
     def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
         if isinstance(value, Tensor) or isinstance(value, (int, float)):
-            logged.setdefault(name, []).append(
-                (float(value.detach() if isinstance(value, Tensor) else value), kwargs)
-            )
+            logged.setdefault(name, []).append((_number(value), kwargs))
             return
         if isinstance(value, Metric) and id(value) in paths:
             calls = logged[METRICS].get(name, (None, None, None, []))[3]

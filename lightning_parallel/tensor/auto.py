@@ -1,8 +1,9 @@
-"""``plan="auto"``: find a sharding plan, from the real data flow when a forward can be run.
+"""``plan="auto"``: find a sharding plan, from the data flow when a forward can be run.
 
 With a sample forward (``run``: the strategy passes the user's ``training_step`` on the first batch,
 the plan table ``example_input_array``), ``traced_plan.find_traced_plan`` reads the operator-level trace
-(``tensor.trace``) and keeps every column-parallel choice whose sharded values the model's own code
+(``tensor.trace``, run on fake tensors: no weights or activations are allocated, and the module may be
+on the meta device) and keeps every column-parallel choice whose sharded values the model's own code
 handles correctly up to a row-parallel partner (``tensor.shard_flow``): MLP pairs in a submodule or
 inline, gated products (SwiGLU), attention through ``scaled_dot_product_attention`` or matmul-softmax,
 fused q/k/v split per chunk, grouped-query attention, ``Conv1D``; sizes written in ``forward`` (a head
@@ -264,7 +265,9 @@ def _untie(finder: _Finder) -> None:
         finder.attributes = [a for a in finder.attributes if a.pattern.rpartition(".")[0] != parent]
 
 
-def _traced(module: nn.Module, tp_size: int, run: Callable[[], Any]) -> tuple[_Finder, TracedPlan]:
+def _traced(
+    module: nn.Module, tp_size: int, run: Callable[[], Any], fake: bool
+) -> tuple[_Finder, TracedPlan]:
     """The plan proven by a trace of ``run``; MultiheadAttention and embeddings decided by type."""
     finder = _Finder(module, tp_size)
     for name, m in module.named_modules():
@@ -272,7 +275,7 @@ def _traced(module: nn.Module, tp_size: int, run: Callable[[], Any]) -> tuple[_F
             finder.mha(name, m)
         elif isinstance(m, nn.Embedding):
             finder.embedding(name, m)
-    trace = trace_dataflow(module, run)
+    trace = trace_dataflow(module, run, fake)
     found = find_traced_plan(trace, tp_size)
     for name, chunks in found.columns.items():
         finder.take(name, "colwise", **({"chunks": chunks} if chunks > 1 else {}))
@@ -348,18 +351,19 @@ def _untie_inconsistent(finder: _Finder, unread: frozenset = frozenset()) -> Non
 
 
 def auto_plan(
-    module: nn.Module, tp_size: int, run: Optional[Callable[[], Any]] = None
+    module: nn.Module, tp_size: int, run: Optional[Callable[[], Any]] = None, fake: bool = True
 ) -> tuple[Plan, list[tuple[str, str]]]:
     """A plan for ``module`` and the list of (name, reason) of what stays replicated; from a trace of
-    ``run()`` (a forward of ``module`` on real inputs) when given, tried on one simulated rank, else from
-    the module's structure."""
+    ``run()`` (a forward of ``module``, on fake tensors; ``fake=False`` runs it on the real ones, for the
+    tests' comparison) when given, tried on one simulated rank, else from the module's structure. A step
+    that cannot run on fake tensors (its work depends on values) leaves the structural rules to decide."""
     if run is None:
         finder = _Finder(module, tp_size)
         finder.run()
         _untie(finder)
         return Plan(list(finder.layers.values()), finder.attributes), sorted(finder.report.items())
     try:
-        finder, found = _traced(module, tp_size, run)
+        finder, found = _traced(module, tp_size, run, fake)
     except Exception as error:  # noqa: BLE001  (the user's step would not run outside the fit loop)
         plan, report = auto_plan(module, tp_size)
         why = (
@@ -373,7 +377,7 @@ def auto_plan(
         sums = sorted(n for n, cols in found.gradient_sums.items() if cols & kept)
         finder.features = {t: s for t, s in finder.features.items() if found.feature_columns[t] & kept}
         plan = Plan(list(finder.layers.values()), finder.attributes, sums, sorted(unread), finder.features)
-        failure = dry_run(module, _checked(module, plan, tp_size, traced=True), run)
+        failure = dry_run(module, _checked(module, plan, tp_size, traced=True), run, fake)
         if failure is None:
             styles = {name: rule.style for name, rule in finder.layers.items()}
             styles.update({name.rpartition(".")[0]: "gradient_sum" for name in sums})
@@ -394,9 +398,11 @@ def _checked(module: nn.Module, plan: Plan, tp_size: int, traced: bool) -> Resol
         raise PlanError(f"the automatic plan is inconsistent ({err}); write a plan instead") from err
 
 
-def resolve_auto(module: nn.Module, tp_size: int, run: Optional[Callable[[], Any]] = None) -> ResolvedPlan:
+def resolve_auto(
+    module: nn.Module, tp_size: int, run: Optional[Callable[[], Any]] = None, fake: bool = True
+) -> ResolvedPlan:
     """``auto_plan`` resolved and validated like a written plan."""
-    plan, report = auto_plan(module, tp_size, run)
+    plan, report = auto_plan(module, tp_size, run, fake)
     resolved = _checked(module, plan, tp_size, traced=run is not None)
     resolved.report = report
     return resolved

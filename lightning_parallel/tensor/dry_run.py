@@ -3,19 +3,22 @@
 A trace shows where values flow, not where a size came from: ``view(B, T, C)`` with ``C`` read from the
 unsplit input fails on a rank whose tensor holds ``C / tp`` features, although the trace looks the
 same as ``view(B, T, -1)``. So the automatic plan is tried: the planned layers are swapped for rank 0's
-shards with a ``SimulatedGroup`` (no communication, values meaningless, shapes exact), the forward runs,
-and everything is put back. An exception names the module whose ``forward`` failed.
+shards with a ``SimulatedGroup`` (no communication, values meaningless, shapes exact), the forward runs
+on fake tensors (``tensor.fake``: the shards are fakes too, so nothing is allocated and a module on the
+meta device works), and everything is put back. An exception names the module whose ``forward``
+failed.
 """
 
 from __future__ import annotations
 
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, Callable, Iterator, Optional
 
 from torch import nn
 
 from lightning_parallel.distributed.collectives import SimulatedGroup
+from lightning_parallel.tensor.fake import fake_step
 from lightning_parallel.tensor.layers import FEATURE_SHARDS
 from lightning_parallel.tensor.plan import ResolvedPlan, apply_plan
 
@@ -64,13 +67,16 @@ def _failing_module(error: BaseException, names: dict[int, str]) -> str:
     return found
 
 
-def dry_run(module: nn.Module, resolved: ResolvedPlan, run: Callable[[], Any]) -> Optional[DryRunFailure]:
+def dry_run(
+    module: nn.Module, resolved: ResolvedPlan, run: Callable[[], Any], fake: bool = True
+) -> Optional[DryRunFailure]:
     """None if ``run()`` works with ``module`` sharded as ``resolved`` says (seen from rank 0), else where
-    and how it failed. The module is left as it was."""
-    with _as_rank_zero(module, resolved):
+    and how it failed; on fake tensors (the shards are cut from fakes too), or with ``fake=False`` on
+    the real ones. The module is left as it was."""
+    with fake_step(module, run) if fake else nullcontext(run) as step, _as_rank_zero(module, resolved):
         names = {id(m): n for n, m in module.named_modules()}
         try:
-            run()
+            step()
         except Exception as error:  # noqa: BLE001  (any failure of the user's code on a shard)
             return DryRunFailure(_failing_module(error, names), error)
     return None

@@ -1,9 +1,11 @@
-"""Record the real data flow of one forward: every tensor operation (at the ATen level) and every call of
-a projection layer, with which tensors went in and came out.
+"""Record the data flow of one forward: every tensor operation (at the ATen level) and every call of a
+projection layer, with which tensors went in and came out.
 
 The trace is what ``plan="auto"`` reads to find Megatron's patterns wherever and however a model writes
 them (an MLP inline in a block's ``forward``, fused q/k/v split in ``forward``, heads reshaped by hand).
-It runs the user's own code on a real batch, so nothing is guessed from module names or structure.
+It runs the user's own code on the batch's fake copy, with the module's tensors as fakes
+(``tensor.fake``): nothing is guessed from module names or structure, and no memory is spent on
+weights or activations.
 Projection layers and ``SyncBatchNorm`` (``LEAF_TYPES``) are recorded as one node each; what they
 compute inside is not recorded. Tensors are told apart by identity and version, so in-place operations
 start a new value.
@@ -11,20 +13,26 @@ start a new value.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
+
+from lightning_parallel.tensor.fake import fake_step
 
 __all__ = ["LEAF_TYPES", "Node", "Ref", "Trace", "is_projection", "trace_dataflow"]
 
 # a SyncBatchNorm is one step too: inside, it all-reduces its statistics (over the data-parallel group),
 # which the operator-level rules cannot follow; as a whole it is a per-feature layer
 LEAF_TYPES: tuple[type, ...] = (nn.Linear, nn.Embedding, nn.MultiheadAttention, nn.SyncBatchNorm)
+# questions a fake tensor answers through the dispatcher (a real one answers them without): no data flow
+METADATA_OPS = frozenset({torch.ops.prim.device.default, torch.ops.prim.layout.default})
 
 
 def is_conv1d(module: nn.Module) -> bool:
@@ -91,11 +99,14 @@ class Trace:
 
 
 def _signature(t: Tensor) -> tuple | None:
-    """Where a tensor's values live: same memory, offset, shape, strides and dtype mean the same values."""
+    """Where a tensor's values live: same storage, offset, shape, strides and dtype mean the same values.
+    The storage is told by its identity, which real, meta and fake tensors all have (meta and fake
+    storages have no data pointer)."""
     try:
         if not t.numel():
             return None
-        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        storage = StorageWeakRef(t.untyped_storage()).cdata
+        return (storage, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
     except (RuntimeError, NotImplementedError):
         return None
 
@@ -141,7 +152,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        if self.leaf_depth:
+        if self.leaf_depth or func in METADATA_OPS:
             return func(*args, **kwargs)
         inputs = self.refs((args, kwargs))
         out = func(*args, **kwargs)
@@ -184,16 +195,23 @@ class _Recorder(TorchDispatchMode):
                 )
 
 
-def trace_dataflow(root: nn.Module, run: Callable[[], Any]) -> Trace:
-    """Run ``run()`` (which calls ``root``'s code) without gradients and record its data flow. The caller
-    keeps random state, buffers and metrics untouched (``pipeline.profile.untouched``)."""
-    recorder = _Recorder(root)
+@contextmanager
+def _module_hooks(recorder: _Recorder) -> Iterator[None]:
     pre = nn.modules.module.register_module_forward_pre_hook(recorder.pre)
     post = nn.modules.module.register_module_forward_hook(recorder.post)
     try:
-        with torch.no_grad(), recorder:
-            run()
+        yield
     finally:
         pre.remove()
         post.remove()
+
+
+def trace_dataflow(root: nn.Module, run: Callable[[], Any], fake: bool = True) -> Trace:
+    """Run ``run()`` (which calls ``root``'s code, a ``coverage.SampleStep`` or any callable) without
+    gradients and record its data flow: on fake tensors, or with ``fake=False`` on the real ones (the
+    tests compare the two). A ``SampleStep`` keeps random state, buffers, metrics and logs untouched."""
+    with fake_step(root, run) if fake else nullcontext(run) as step:
+        recorder = _Recorder(root)  # after the swap: it knows the module's tensors by identity
+        with _module_hooks(recorder), torch.no_grad(), recorder:
+            step()
     return recorder.trace

@@ -1,5 +1,5 @@
-"""plan="auto" from a trace of one real forward (one process): what it finds on the zoo, and the checks
-around it. The multi-process equality with one device is in tests/strategies/test_tensor_parallel_zoo.py."""
+"""plan="auto" from a trace of one forward on fake tensors (one process): what it finds on the zoo, and the
+checks around it. The multi-process equality with one device is in tests/strategies/test_tensor_parallel_zoo.py."""
 
 from __future__ import annotations
 
