@@ -10,7 +10,14 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_parallel.models.gpt import CharGPT
 
-__all__ = ["TokenData", "SmallGPT", "SequenceData", "EncoderRegressor", "TransformerRegressor"]
+__all__ = [
+    "TokenData",
+    "SmallGPT",
+    "ConfiguredGPT",
+    "SequenceData",
+    "EncoderRegressor",
+    "TransformerRegressor",
+]
 
 
 class TokenData(LightningDataModule):
@@ -124,3 +131,18 @@ class TransformerRegressor(EncoderRegressor):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         tgt = x[:, -2:]
         return self.head(self.transformer(x, tgt).mean(1))
+
+
+class ConfiguredGPT(SmallGPT):
+    """``SmallGPT`` whose network is built in ``configure_model``, as Lightning documents for large models."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        del self.model
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "model"):
+            from lightning_parallel.models.gpt import GPT
+
+            h = self.hparams
+            self.model = GPT(h.vocab_size, h.block_size, h.n_layer, h.n_head, h.n_embd, h.dropout)
