@@ -314,6 +314,8 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         if not self.model_is_split():
             if self.evaluates_split:
                 self.configure_parallelism()
+            elif has_meta_tensors(self.lightning_module):  # built on meta, evaluated whole
+                self.set_up_share()
             else:
                 broadcast_module_states(self.lightning_module)
         self.setup_precision_plugin()
@@ -334,8 +336,10 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
 
     def model_to_device(self) -> None:
         """A module on meta, or one this strategy is about to split, is placed by ``set_up_share``."""
-        model = self.model
-        if has_meta_tensors(model) or (self.defers_init_by_default and not self.model_is_split()):
+        trainer = self.lightning_module.trainer
+        splits_now = trainer.state.fn == TrainerFn.FITTING or self.evaluates_split
+        about_to_split = self.defers_init_by_default and splits_now and not self.model_is_split()
+        if has_meta_tensors(self.model) or about_to_split:
             return
         super().model_to_device()
 

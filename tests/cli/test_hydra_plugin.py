@@ -65,6 +65,23 @@ def test_plugin_is_discovered_without_importing_torch_or_the_package() -> None:
     assert not torch_imported and not package_imported
 
 
+@pytest.mark.timeout(120)
+def test_the_readme_install_shows_the_plugin_to_hydra_without_the_checkout_on_the_path() -> None:
+    """After the README's own install command (which CI runs), an app anywhere finds the ``lp/`` groups:
+    setuptools' default editable install would hide the plugin's namespace package (Hydra #2359)."""
+    code = (
+        "from hydra.core.plugins import Plugins\n"
+        "from hydra.plugins.search_path_plugin import SearchPathPlugin\n"
+        "print([c.__name__ for c in Plugins.instance().discover(SearchPathPlugin)])\n"
+    )
+    clean = {k: v for k, v in env().items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd="/", env=clean, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    assert "LightningParallelSearchPath" in proc.stdout, (
+        "Hydra does not see the plugin: install with the README's command (editable_mode=compat)"
+    )
+
+
 def test_groups_offer_the_package_files() -> None:
     with initialize_config_dir(config_dir=str(APP_CONF), version_base="1.3"):
         loader = GlobalHydra.instance().config_loader()
