@@ -336,8 +336,9 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
 
     def model_to_device(self) -> None:
         """A module on meta, or one this strategy is about to split, is placed by ``set_up_share``."""
-        trainer = self.lightning_module.trainer
-        splits_now = trainer.state.fn == TrainerFn.FITTING or self.evaluates_split
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        splits_now = fitting or self.evaluates_split
         about_to_split = self.defers_init_by_default and splits_now and not self.model_is_split()
         if has_meta_tensors(self.model) or about_to_split:
             return
@@ -445,8 +446,10 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
 
     def _memory_hook(self, name: str, *args: Any) -> None:
         """The memory report's Lightning callback hook ``name``, called with the trainer and module first."""
-        if self.memory is not None and self.lightning_module is not None:
-            getattr(self.memory, name)(self.lightning_module.trainer, self.lightning_module, *args)
+        module = self.lightning_module
+        trainer = getattr(module, "_trainer", None)  # None in a spawned rank that failed before attaching
+        if self.memory is not None and trainer is not None:
+            getattr(self.memory, name)(trainer, module, *args)
 
     def reduce(
         self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
