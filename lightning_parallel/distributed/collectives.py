@@ -76,7 +76,7 @@ def all_reduce_sum(tensor: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor
 
 def _collective_device(group: Optional[dist.ProcessGroup]) -> torch.device:
     """Where a tensor made only to be communicated over ``group`` lives: NCCL takes only device tensors."""
-    if dist.get_backend(group) == "nccl":
+    if group_size(group) > 1 and not isinstance(group, SimulatedGroup) and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
