@@ -74,6 +74,13 @@ def all_reduce_sum(tensor: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor
     return tensor
 
 
+def _collective_device(group: Optional[dist.ProcessGroup]) -> torch.device:
+    """Where a tensor made only to be communicated over ``group`` lives: NCCL takes only device tensors."""
+    if group_size(group) > 1 and not isinstance(group, SimulatedGroup) and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def start_gather_numbers(
     value: float, group: Optional[dist.ProcessGroup] = None
 ) -> Callable[[], list[float]]:
@@ -82,9 +89,7 @@ def start_gather_numbers(
     slowest (the async pipeline depends on that). Every rank must start the same gathers in one order."""
     if group_size(group) == 1:
         return lambda: [value]
-    nccl = dist.get_backend(group) == "nccl"  # NCCL gathers only device tensors
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    mine = torch.tensor([value], dtype=torch.float64, device=device)
+    mine = torch.tensor([value], dtype=torch.float64, device=_collective_device(group))
     everyone = [torch.empty_like(mine) for _ in range(group_size(group))]
     work = dist.all_gather(everyone, mine, group=group, async_op=True)
 
@@ -200,29 +205,31 @@ def clip_grad_norm_sharded(
     """``torch.nn.utils.clip_grad_norm_`` with the global 2-norm of parameters split over ``group``.
 
     Parameters whose ``id`` is in ``sharded`` hold a slice each: their squared norms are summed over the
-    group; the others are replicated and counted once. Every rank gets the same norm and the same
-    scale, as one device holding the whole model would. Returns the total norm."""
-    with_grad = [p for p in parameters if p.grad is not None]
-    if not with_grad:
-        return torch.tensor(0.0)
-    grads = [p.grad for p in with_grad]
+    group; the others are replicated and counted once. Every rank joins the sum, a rank without
+    gradients (a pipeline stage that got none this step) with 0, so no rank waits for one that skipped
+    it. Every rank gets the same norm and the same scale, as one device holding the whole model would.
+    Returns the total norm."""
+    params = list(parameters)
+    with_grad = [p for p in params if p.grad is not None]
     split = [p.grad for p in with_grad if id(p) in sharded]
     whole = [p.grad for p in with_grad if id(p) not in sharded]
-    device, dtype = (
-        grads[0].device,
-        torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32,
-    )
-    local = torch.zeros((), device=device, dtype=dtype)
-    for g in split:
-        local += g.detach().to(dtype).pow(2).sum()
-    all_reduce_sum(local, group)
-    for g in whole:
-        local += g.detach().to(dtype).pow(2).sum()
-    total = local.sqrt()
+    dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+    device = params[0].device if params else _collective_device(group)
+    squares = _add_squares(torch.zeros((), device=device, dtype=dtype), split)
+    # summed in float64 whatever each rank's dtype: every rank sends the same kind of tensor
+    squares = _add_squares(all_reduce_sum(squares.to(torch.float64), group).to(dtype), whole)
+    total = squares.sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for g in grads:
+    for g in split + whole:
         g.detach().mul_(scale.to(g.dtype))
     return total
+
+
+def _add_squares(acc: Tensor, grads: list[Tensor]) -> Tensor:
+    """``acc`` plus the squared 2-norm of each of ``grads`` in turn (in ``acc``'s dtype), in place."""
+    for g in grads:
+        acc += g.detach().to(acc.dtype).pow(2).sum()
+    return acc
 
 
 def share_found_inf(scaler: Any, group: Optional[dist.ProcessGroup] = None) -> None:

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_parallel.distributed.p2p import PeerLink
+from lightning_parallel.memory.accounting import storage_key, storage_of
 from lightning_parallel.memory.saved import record_saved
 from lightning_parallel.pipeline.partition import StageInput, StageOutput
 from lightning_parallel.pipeline.schedules import Action
@@ -132,21 +133,29 @@ def loss_of(output: Any) -> Tensor:
 
 @contextmanager
 def weights_snapshot(parameters: Sequence[Tensor]) -> Iterator[None]:
-    """Within this block, autograd saves a copy of each parameter (and of views of it) taken on entry,
-    so in-place updates made later (the optimizer's) do not change what the backward computes with.
+    """Within this block, autograd saves, for any tensor that is (a view of) a parameter's storage, the
+    same view of a copy of that storage taken on entry, so in-place updates made later (the optimizer's)
+    do not change what the backward computes with. Each storage is copied once, whole: parameters that
+    are views into one flat buffer share the copy, at their own offsets and strides.
     What autograd saves is reported to the memory counters (``memory.saved.record_saved``), which this
     hook would otherwise hide."""
-    snapshot = {p.untyped_storage().data_ptr(): p.detach().clone() for p in parameters}
+    snapshot = {storage_key(p): storage_of(p).clone() for p in parameters if _has_values(p)}
 
     def pack(t: Tensor) -> Tensor:
         record_saved(t)
-        copy = snapshot.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
-        if copy is None or copy.numel() == 0:
+        copy = snapshot.get(storage_key(t))
+        if copy is None:
             return t
-        return copy.as_strided(t.size(), t.stride(), t.storage_offset())
+        return t.new_empty(0).set_(copy, t.storage_offset(), t.size(), t.stride())
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield
+
+
+def _has_values(p: Tensor) -> bool:
+    """Whether ``p`` has a storage with values to copy (not meta, not empty)."""
+    storage = storage_of(p)
+    return storage is not None and storage.nbytes() > 0
 
 
 @dataclass

@@ -87,6 +87,35 @@ def rank_program(out: Path) -> None:
     dist.destroy_process_group()
 
 
+def clip_without_gradients_program(out: Path) -> None:
+    """Rank 1's parameters have no ``.grad``, rank 0's have: both return from clipping (no rank waits in
+    a collective the other skipped) with the norm over both ranks, and rank 0 is clipped by it."""
+    import time
+    from datetime import timedelta
+
+    from lightning_parallel.distributed.collectives import clip_grad_norm_sharded
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=5))
+    rank = dist.get_rank()
+    shard = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    bias = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    grad = torch.tensor([3.0, 4.0, 12.0], dtype=torch.float64)
+    if rank == 0:
+        shard.grad = grad.clone()
+    start = time.monotonic()
+    total = clip_grad_norm_sharded([shard, bias], 1.0, {id(shard)}, None)
+    dist.barrier()  # a rank that skipped the norm's all-reduce meets the other one here: both time out
+    assert time.monotonic() - start < 5.0
+    torch.testing.assert_close(total, torch.tensor(13.0, dtype=torch.float64))
+    if rank == 0:
+        torch.testing.assert_close(shard.grad, grad / (13.0 + 1e-6))
+    else:
+        assert shard.grad is None and bias.grad is None
+    (out / f"ok{rank}").write_text("ok")
+    dist.destroy_process_group()
+
+
 def check_gradient_reductions(rank: int) -> None:
     """``state.start_gradient_reduce``: a parameter only one rank has a gradient for gets it on both,
     one no rank has stays None; two reductions in flight at once finish in either order."""
@@ -121,6 +150,21 @@ def test_conjugate_collectives_on_two_processes(tmp_path):
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
 
 
+@pytest.mark.timeout(60)
+def test_clipping_returns_on_every_rank_when_one_has_no_gradients(tmp_path):
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.distributed.test_collectives",
+        str(tmp_path),
+        "clip_without_gradients",
+    ]
+    run_processes([cmd, cmd], [worker_env(r, 2) for r in range(2)], timeout=30, cwd=tmp_path, rendezvous=True)
+    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
+
+
+PROGRAMS = {"all": rank_program, "clip_without_gradients": clip_without_gradients_program}
+
 if __name__ == "__main__":
     os.chdir(REPO)
-    rank_program(Path(sys.argv[1]))
+    PROGRAMS[sys.argv[2] if len(sys.argv) > 2 else "all"](Path(sys.argv[1]))

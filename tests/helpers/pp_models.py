@@ -56,6 +56,24 @@ class AsyncRuleEmulation(AsyncRule, SequentialNet):
     """``SequentialNet`` trained by the async rule on one process."""
 
 
+class FlatSequentialNet(SequentialNet):
+    """``SequentialNet`` whose parameters become views into one flat buffer when training starts (as
+    apex or DeepSpeed flatten them): each at its own offset, one storage for them all. On a pipeline
+    stage that is the stage's own parameters."""
+
+    def on_train_start(self) -> None:
+        params = [p for p in self.parameters() if p.device.type != "meta"]
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        offset = 0
+        for p in params:
+            p.data = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+
+class AsyncRuleFlatEmulation(AsyncRule, FlatSequentialNet):
+    """``FlatSequentialNet`` trained by the async rule on one process."""
+
+
 class _Lift(nn.Module):
     def __init__(self, d_in: int, d: int) -> None:
         super().__init__()

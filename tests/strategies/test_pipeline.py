@@ -12,6 +12,7 @@ SEQ = ("tests.helpers.pp_models:SequentialNet", "tests.helpers.models:Regression
 TUPLE = ("tests.helpers.pp_models:TupleNet", "tests.helpers.models:RegressionData", {})
 UNEVEN = ("tests.helpers.pp_models:UnevenTimeNet", "tests.helpers.models:RegressionData", {})
 METRIC = ("tests.helpers.pp_models:MetricNet", "tests.helpers.models:RegressionData", {})
+FLAT = ("tests.helpers.pp_models:FlatSequentialNet", "tests.helpers.models:RegressionData", {})
 GPT_VARIABLE = (GPT[0], "tests.helpers.pp_models:VariableLengthTokens", GPT[2])
 MODELS = {
     "gpt": GPT,
@@ -20,6 +21,7 @@ MODELS = {
     "tuple": TUPLE,
     "uneven": UNEVEN,
     "metric": METRIC,
+    "flat": FLAT,
 }
 
 
@@ -185,6 +187,18 @@ def reference(c, tmp, **trainer):
     return run_single(ref, tmp)
 
 
+def emulation(c, tmp, model="tests.helpers.pp_models:AsyncRuleEmulation", **fields):
+    """Case ``c`` trained on one process by the async rule written out (``AsyncRule``), to compare with."""
+    run = {
+        **c,
+        "name": "emulation-" + c["name"],
+        "model": model,
+        "strategy": "auto",
+        "save_checkpoint": False,
+    }
+    return run_single({**run, **fields}, tmp)
+
+
 def check(tmp, results, world, c):
     ref = reference(c, tmp)
     full = torch.load(tmp / f"dist{world}" / c["name"] / "last.ckpt", weights_only=False)["state_dict"]
@@ -295,25 +309,15 @@ def async_runs(tmp_path_factory):
 @pytest.mark.timeout(600)
 def test_async_across_epochs_validation_checkpoints_and_resume_follows_its_rule(async_runs):
     tmp, results = async_runs
-    emulation = run_single(
-        {
-            **EPOCHS,
-            "name": "emulation",
-            "model": "tests.helpers.pp_models:AsyncRuleEmulation",
-            "strategy": "auto",
-            "save_checkpoint": False,
-            "callbacks": [],
-        },
-        tmp,
-    )
-    assert len(emulation["losses"]) == 10
+    emulated = emulation(EPOCHS, tmp, callbacks=[])
+    assert len(emulated["losses"]) == 10
     for name in ("seq-async-epochs", "seq-async-resume"):
         full = torch.load(tmp / "dist2" / name / "last.ckpt", weights_only=False)["state_dict"]
-        assert_params_close(full, emulation["state_dict"], atol=1e-10)
+        assert_params_close(full, emulated["state_dict"], atol=1e-10)
     resumed = results["seq-async-resume"][1]["losses"]  # steps 6..9 show batches 5..8
     assert len(resumed) == 4
     torch.testing.assert_close(
-        torch.tensor(resumed), torch.tensor(emulation["losses"][5:9]), atol=1e-10, rtol=0
+        torch.tensor(resumed), torch.tensor(emulated["losses"][5:9]), atol=1e-10, rtol=0
     )
     saved = torch.load(
         tmp / "dist2" / "seq-async-epochs" / "ckpts" / "epoch=1-step=6.ckpt", weights_only=False
@@ -327,25 +331,27 @@ def test_async_equals_an_emulation_of_its_update_rule(pp2):
     """W(t+1) = W(t) - lr * grad f_t(W(t-1)), written out by hand on one process (SGD, float64)."""
     tmp, results = pp2
     c = next(c for c in ASYNC if c["name"] == "seq-async")
-    emulation = run_single(
-        {
-            **c,
-            "name": "emulation",
-            "model": "tests.helpers.pp_models:AsyncRuleEmulation",
-            "strategy": "auto",
-            "save_checkpoint": False,
-        },
-        tmp,
-    )
+    emulated = emulation(c, tmp)
     full = torch.load(tmp / "dist2" / c["name"] / "last.ckpt", weights_only=False)["state_dict"]
-    assert_params_close(full, emulation["state_dict"], atol=1e-10)
+    assert_params_close(full, emulated["state_dict"], atol=1e-10)
     # the loss shown at step t is batch t-1's (the emulation shows batch t's at step t)
     for rank in results[c["name"]]:
         torch.testing.assert_close(
-            torch.tensor(rank["losses"][1:]), torch.tensor(emulation["losses"][:-1]), atol=1e-10, rtol=0
+            torch.tensor(rank["losses"][1:]), torch.tensor(emulated["losses"][:-1]), atol=1e-10, rtol=0
         )
     synchronous = reference(c, tmp)  # the rule really differs from plain SGD
     assert max_param_diff(full, synchronous["state_dict"]) > 1e-4
+
+
+@pytest.mark.timeout(600)
+def test_async_with_parameters_in_one_flat_storage_equals_an_emulation_of_its_rule(tmp_path):
+    """Stage 0's parameters are views into one buffer at different offsets: the weights its in-flight
+    graphs keep are still each parameter's own, so the run follows the rule."""
+    c = case("flat-async", "flat", schedule="async", model_kwargs=SGD)
+    run_distributed([c], world_size=2, tmp_path=tmp_path, timeout=300)
+    emulated = emulation(c, tmp_path, model="tests.helpers.pp_models:AsyncRuleFlatEmulation")
+    full = torch.load(tmp_path / "dist2" / c["name"] / "last.ckpt", weights_only=False)["state_dict"]
+    assert_params_close(full, emulated["state_dict"], atol=1e-10)
 
 
 @pytest.mark.timeout(600)
@@ -354,22 +360,12 @@ def test_async_with_two_replicas_follows_the_rule_on_the_global_batch(pp4):
     the emulated rule's on the global batch."""
     tmp, results = pp4
     c = next(c for c in CASES_4 if c["name"] == "seq-dp2-async-time")
-    emulation = run_single(
-        {
-            **c,
-            "name": "emulation-dp2",
-            "model": "tests.helpers.pp_models:AsyncRuleEmulation",
-            "strategy": "auto",
-            "dp_size": 1,
-            "save_checkpoint": False,
-        },
-        tmp,
-    )
+    emulated = emulation(c, tmp, dp_size=1)
     full = torch.load(tmp / "dist4" / c["name"] / "last.ckpt", weights_only=False)["state_dict"]
-    assert_params_close(full, emulation["state_dict"], atol=1e-10)
+    assert_params_close(full, emulated["state_dict"], atol=1e-10)
     mean = torch.tensor([r["losses"][1:] for r in results[c["name"]]], dtype=torch.float64).mean(0)
     torch.testing.assert_close(
-        mean, torch.tensor(emulation["losses"][:-1], dtype=torch.float64), atol=1e-10, rtol=0
+        mean, torch.tensor(emulated["losses"][:-1], dtype=torch.float64), atol=1e-10, rtol=0
     )
 
 
