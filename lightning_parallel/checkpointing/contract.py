@@ -26,7 +26,7 @@ from lightning.fabric.utilities.optimizer import _optimizer_to_device
 
 from lightning_parallel.pipeline.stage_state import stage_state_by_name
 
-__all__ = ["CheckpointContract", "ShardLayout"]
+__all__ = ["CheckpointContract", "ShardLayout", "check_keys"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,18 @@ class ShardLayout:
     rank: int
     size: int
     group: dist.ProcessGroup | None
+
+
+def check_keys(expected: set[str], given: set[str], accepted: set[str], where: str = "the module") -> None:
+    """Raise as a strict single-device load does when a checkpoint's keys (``given``) lack some of
+    ``expected`` or hold some outside ``accepted`` (the whole module's keys, where a rank holds a part)."""
+    missing, unexpected = expected - given, given - accepted
+    if missing or unexpected:
+        raise KeyError(
+            f"the checkpoint does not match {where}: missing {sorted(missing)[:5]} (of {len(missing)}), "
+            f"unexpected {sorted(unexpected)[:5]} (of {len(unexpected)}); strict_loading=False on the "
+            "LightningModule ignores them"
+        )
 
 
 def unwrapped(optimizer: Any) -> Any:

@@ -46,6 +46,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
+from lightning_parallel.checkpointing.contract import check_keys
 from lightning_parallel.checkpointing.loss_check import check_finite_loss
 from lightning_parallel.distributed.collectives import start_gather_numbers
 from lightning_parallel.distributed.p2p import PeerLink
@@ -585,16 +586,15 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         return {k: merged[k] for k in self._full_keys if k in merged}
 
     def load_full_model_state(self, state_dict: dict[str, Any], strict: bool = True) -> None:
-        """A full checkpoint (any layout, or a plain single-device one): each stage takes its tensors."""
+        """A full checkpoint (any layout, or a plain single-device one): each stage takes its tensors.
+        ``strict`` refuses, as one device does, keys of no stage (unexpected) and this stage's keys that the
+        checkpoint lacks (missing)."""
         if self.partition is None:
             return super().load_full_model_state(state_dict, strict=strict)
         local_keys = set(self.lightning_module.state_dict().keys())
+        if strict:
+            check_keys(local_keys, set(state_dict), set(self._full_keys), f"pipeline stage {self.mesh.pp_rank}")
         state = {k: v for k, v in state_dict.items() if k in local_keys}
-        missing = local_keys - set(state)
-        if strict and missing:
-            raise KeyError(
-                f"checkpoint lacks {sorted(missing)[:5]} (of {len(missing)}) for this pipeline stage"
-            )
         self.lightning_module.load_state_dict(state, strict=False)
 
     def full_optimizer_state(self, optimizer: Any) -> dict[str, Any]:
