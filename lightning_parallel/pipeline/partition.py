@@ -15,6 +15,9 @@ input. Two hooks turn the user's own ``forward`` into a stage:
 - on the last block of a stage (but the last stage), a hook raises ``StageOutput`` with the block's
   output: the rest of ``forward`` and of ``training_step`` belongs to later stages.
 
+Every block keeps a meta skeleton of itself from before the cut (``checkpointing.one_device``), so a
+network held in a checkpoint's hyperparameters is saved as one device holds it.
+
 Modules outside the stack (embeddings, final norm, head, and any other block stack, e.g. the encoder
 of an ``nn.Transformer`` whose decoder is pipelined) stay on every stage, replicated: each stage runs
 them, and their gradients are summed over the pipeline group so every copy takes the same step.
@@ -26,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence, Union
 
 from torch import Tensor, nn
+
+from lightning_parallel.checkpointing.one_device import keep_skeleton
 
 __all__ = [
     "StageInput",
@@ -219,6 +224,8 @@ def partition(
     start, end = bounds[stage]
     prefix = f"{name}." if name else ""
     part.owned = [f"{prefix}{i}.{n}" for i in range(start, end) for n, _ in stack[i].named_parameters()]
+    for block in stack:  # what one device holds, for a checkpoint's hyperparameters
+        keep_skeleton(block)
     hold_elsewhere(module, stack, [i for i in range(len(stack)) if not start <= i < end])
     if stage > 0:
         stack[start].register_forward_pre_hook(_take_received_input(part.io), with_kwargs=True)

@@ -291,10 +291,6 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
     #: evaluation without a previous fit also splits the model (pipelines must: they run stage by stage)
     evaluates_split = False
 
-    def model_is_split(self) -> bool:
-        """True when ranks hold different parts of the model (shards, stages)."""
-        return False
-
     def setup(self, trainer: "pl.Trainer") -> None:
         self._setup_rng_state = torch.get_rng_state()  # deferred initial values: the same in every layout
         if self._layer_sync is not None:

@@ -1,11 +1,16 @@
 """Checkpoints of the pipelines as one device would write and read them, on 2 real gloo processes
-(2 stages, float64): a strict load refuses a key the module does not have."""
+(2 stages, float64): a network held in the hyperparameters is saved whole, and a strict load refuses a
+key the module does not have."""
 
 import pytest
 import torch
+from torch import nn
 
+from tests.helpers.bn_project import ClassificationData, Classifier, bn_classifier
 from tests.helpers.harness import assert_params_close, run_distributed
 from tests.strategies.test_pipeline import PP
+
+HELD = "tests.helpers.bn_project"
 
 
 def case(name, schedule, model, data, probe=None, **kwargs):
@@ -20,6 +25,39 @@ def case(name, schedule, model, data, probe=None, **kwargs):
         "save_checkpoint": True,
         "probe": probe,
     }
+
+
+HELD_CASES = [
+    case(f"held-{s}", s, f"{HELD}:bn_classifier", f"{HELD}:ClassificationData")
+    for s in ("gpipe", "1f1b", "async")
+]
+
+
+@pytest.fixture(scope="module")
+def held(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pp-held")
+    return tmp, run_distributed(HELD_CASES, world_size=2, tmp_path=tmp, timeout=240)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", [c["name"] for c in HELD_CASES])
+def test_a_network_held_in_the_hyperparameters_loads_on_one_device(held, name):
+    """``save_hyperparameters()`` with an ``nn.Module`` argument: ``load_from_checkpoint`` (strict) on one
+    device rebuilds the whole network, with the checkpoint's values, computing what the trained model does."""
+    tmp, _ = held
+    path = tmp / "dist2" / name / "last.ckpt"
+    checkpoint = torch.load(path, weights_only=False)
+    net = checkpoint["hyper_parameters"]["net"]
+    assert not [m for m in net.modules() if m._forward_hooks or m._forward_pre_hooks]
+    assert not [m for m in net.modules() if "forward" in vars(m)]  # no block's forward replaced
+    model = Classifier.load_from_checkpoint(path, weights_only=False)  # strict
+    assert_params_close(model.state_dict(), checkpoint["state_dict"], atol=0)
+    trained = bn_classifier().double()
+    trained.load_state_dict(checkpoint["state_dict"])
+    x = ClassificationData().held_out.tensors[0]
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(x), trained.eval()(x), atol=0, rtol=0)
+    assert isinstance(model.net.model[0], nn.Linear) and model.net.model[-1].weight.device.type == "cpu"
 
 
 SEQ = ("tests.helpers.pp_models:SequentialNet", "tests.helpers.models:RegressionData")
