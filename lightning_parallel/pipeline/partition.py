@@ -7,11 +7,12 @@ submodules (the model's own code may read them: ``nn.TransformerEncoder`` reads 
 but their parameters and buffers become meta tensors held as plain attributes, outside the module's
 registry: ``parameters()``, ``state_dict()`` and the optimizer see only this stage's tensors, under the
 single-device names, and a held-elsewhere block stores nothing. Calling such a block returns its first
-input. Two hooks turn the user's own ``forward`` into a stage:
+input (on a later stage, what the previous stage sent: below). Two hooks turn the user's own ``forward`` into a stage:
 
-- on the first block of a stage (but the first stage), a pre-hook swaps the input for the activation
-  received from the previous stage (extra per-block arguments, e.g. a mask computed in ``forward``,
-  are untouched: every stage runs ``forward`` itself);
+- on the blocks of earlier stages (on all but the first stage), a hook makes each return the output
+  received from the previous stage's last block, in its structure (a tensor, or a tuple of tensors and
+  None such as Falcon's ``(hidden, None)``); the user's code between blocks and the extra per-block
+  arguments (e.g. a mask computed in ``forward``) run as on one device: every stage runs ``forward`` itself;
 - on the last block of a stage (but the last stage), a hook raises ``StageOutput`` with the block's
   output: the rest of ``forward`` and of ``training_step`` belongs to later stages.
 
@@ -59,7 +60,7 @@ class StageOutput(BaseException):
 class StageInput:
     """Where the executor puts the received activation, and where the pre-hook records what it used."""
 
-    pending: Optional[Any] = None  # a tensor, or a tuple of tensors
+    pending: Optional[Any] = None  # a tensor, or a tuple of tensors and None
     used: Optional[Any] = None
 
 
@@ -227,8 +228,8 @@ def partition(
     for block in stack:  # what one device holds, for a checkpoint's hyperparameters
         keep_skeleton(block)
     hold_elsewhere(module, stack, [i for i in range(len(stack)) if not start <= i < end])
-    if stage > 0:
-        stack[start].register_forward_pre_hook(_take_received_input(part.io), with_kwargs=True)
+    for i in range(start):  # the blocks of earlier stages: the last one gives what was received
+        stack[i].register_forward_hook(_received_output(part.io, last=i == start - 1))
     if stage < num_stages - 1:
         stack[end - 1].register_forward_hook(_end_of_stage)
     return part
@@ -288,19 +289,22 @@ def _first_input(*args: Any, **kwargs: Any) -> Any:
     return args[0] if args else next(iter(kwargs.values()))
 
 
-def _take_received_input(io: StageInput):
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _received_output(io: StageInput, last: bool):
+    """The output of a block of an earlier stage: what the previous stage's last block returned (the
+    received tensors in its structure, e.g. ``(hidden, None)``), so the user's code between the blocks
+    (``hidden = outputs[0]``) runs as on one device. Only the last such block takes it for this stage
+    (``io.used``): the earlier ones return it as a stand-in of the right structure."""
+
+    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
         if io.pending is None:
             raise RuntimeError("pipeline stage ran without an input from the previous stage")
-        received, io.pending = io.pending, None
+        received = io.pending
         for t in received if isinstance(received, tuple) else (received,):
-            if t.is_floating_point():
+            if t is not None and t.is_floating_point():
                 t.requires_grad_(True)
-        io.used = received
-        if args:
-            return (received,) + tuple(args[1:]), kwargs
-        first = next(iter(kwargs))
-        return args, {**kwargs, first: received}
+        if last:
+            io.pending, io.used = None, received
+        return received
 
     return hook
 

@@ -50,6 +50,7 @@ VALIDATE = {
     "validate_after_fit": True,
 }
 CASES_4 = [case("hf_llama-dp2-1f1b", "hf_llama", "1f1b", dp=2)]
+FALCON = case("falcon-1f1b", "falcon", "1f1b")  # multi-query attention; blocks return (hidden, None)
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,12 @@ def zoo2(tmp_path_factory):
 def zoo4(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zoo4")
     return tmp, run_distributed(CASES_4, world_size=4, tmp_path=tmp, timeout=200)
+
+
+@pytest.fixture(scope="module")
+def falcon2(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("falcon2")
+    return tmp, run_distributed([FALCON], world_size=2, tmp_path=tmp, timeout=200)
 
 
 @pytest.mark.timeout(300)
@@ -118,6 +125,14 @@ def test_torch_encoder_validates_on_every_stage(zoo2):
 def test_llama_with_two_replicas_of_two_stages_matches_single_device(zoo4):
     tmp, results = zoo4
     check(tmp, results, 4, CASES_4[0])
+
+
+@pytest.mark.timeout(300)
+def test_falcon_blocks_that_return_none_beside_the_tensor_match_single_device(falcon2):
+    """``FalconForCausalLM``'s decoder blocks return ``(hidden states, None)``: the tensor crosses the
+    stage boundary, the next stage's ``forward`` gets the same tuple, and 5 SGD steps equal one device's."""
+    tmp, results = falcon2
+    check(tmp, results, 2, FALCON)
 
 
 def test_two_stack_model_pipelines_its_largest_stack_and_names_the_other():
