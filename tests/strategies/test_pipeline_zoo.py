@@ -50,7 +50,9 @@ VALIDATE = {
     "validate_after_fit": True,
 }
 CASES_4 = [case("hf_llama-dp2-1f1b", "hf_llama", "1f1b", dp=2)]
-FALCON = case("falcon-1f1b", "falcon", "1f1b")  # multi-query attention; blocks return (hidden, None)
+# decoder blocks that return a tuple: Falcon's (hidden, None), with multi-query and grouped-query
+# attention; Bloom's, MPT's and GPT-Neo's (hidden, attention weights)
+TUPLE_BLOCKS = [case(f"{a}-1f1b", a, "1f1b") for a in ("falcon", "falcon_new", "bloom", "mpt", "gpt_neo")]
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +68,9 @@ def zoo4(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def falcon2(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("falcon2")
-    return tmp, run_distributed([FALCON], world_size=2, tmp_path=tmp, timeout=200)
+def tuple_blocks2(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tuple_blocks2")
+    return tmp, run_distributed(TUPLE_BLOCKS, world_size=2, tmp_path=tmp, timeout=240)
 
 
 @pytest.mark.timeout(300)
@@ -128,11 +130,13 @@ def test_llama_with_two_replicas_of_two_stages_matches_single_device(zoo4):
 
 
 @pytest.mark.timeout(300)
-def test_falcon_blocks_that_return_none_beside_the_tensor_match_single_device(falcon2):
+@pytest.mark.parametrize("c", TUPLE_BLOCKS, ids=[c["name"] for c in TUPLE_BLOCKS])
+def test_blocks_that_return_a_tuple_match_single_device(tuple_blocks2, c):
     """``FalconForCausalLM``'s decoder blocks return ``(hidden states, None)``: the tensor crosses the
-    stage boundary, the next stage's ``forward`` gets the same tuple, and 5 SGD steps equal one device's."""
-    tmp, results = falcon2
-    check(tmp, results, 2, FALCON)
+    stage boundary, None in its place, and the next stage's ``forward`` gets the tuple as the output of the
+    previous stage's last block (the model takes ``outputs[0]`` from it); 5 SGD steps equal one device's."""
+    tmp, results = tuple_blocks2
+    check(tmp, results, 2, c)
 
 
 def test_two_stack_model_pipelines_its_largest_stack_and_names_the_other():
