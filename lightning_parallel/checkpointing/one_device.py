@@ -22,9 +22,15 @@ SKELETON = "unsharded"  # the key of a changed module's skeleton in its __dict__
 
 
 def meta_skeleton(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` with every tensor on the meta device (no memory)."""
+    """A copy of ``module`` with its parameters and persistent buffers on the meta device (no memory); its
+    non-persistent buffers (a causal mask), which no state dict holds, keep their values."""
     memo: dict[int, Any] = {}
+    kept = {
+        id(b) for m in module.modules() for n, b in m._buffers.items() if n in m._non_persistent_buffers_set
+    }
     for t in [*module.parameters(), *module.buffers()]:
+        if id(t) in kept:
+            continue
         empty = t.detach().to("meta")
         memo[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
     return copy.deepcopy(module, memo)
@@ -58,7 +64,11 @@ def _filled(skeleton: nn.Module, name: str, state: Mapping[str, Tensor]) -> nn.M
     prefix = f"{name}." if name else ""
     plain = copy.deepcopy(skeleton)
     values = {k: state[prefix + k] for k in plain.state_dict()}
+    kept = {n: b for n, b in plain.named_buffers() if n not in values and not b.is_meta}
     device = next(iter(values.values())).device if values else "cpu"
     plain.to_empty(device=device)
     plain.load_state_dict(values)
+    for name, buffer in kept.items():
+        owner, _, attr = name.rpartition(".")
+        plain.get_submodule(owner)._buffers[attr] = buffer.to(device)
     return plain

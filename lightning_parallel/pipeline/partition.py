@@ -16,8 +16,8 @@ input (on a later stage, what the previous stage sent: below). Two hooks turn th
 - on the last block of a stage (but the last stage), a hook raises ``StageOutput`` with the block's
   output: the rest of ``forward`` and of ``training_step`` belongs to later stages.
 
-Every block keeps a meta skeleton of itself from before the cut (``checkpointing.one_device``), so a
-network held in a checkpoint's hyperparameters is saved as one device holds it.
+Every block keeps a skeleton of itself from before the cut (``keep_block_skeletons``), so a network held
+in a checkpoint's hyperparameters is saved as one device holds it.
 
 Modules outside the stack (embeddings, final norm, head, and any other block stack, e.g. the encoder
 of an ``nn.Transformer`` whose decoder is pipelined) stay on every stage, replicated: each stage runs
@@ -41,6 +41,7 @@ __all__ = [
     "block_parameters",
     "find_block_stack",
     "hold_elsewhere",
+    "keep_block_skeletons",
     "other_stacks",
     "partition",
     "stage_bounds",
@@ -225,14 +226,20 @@ def partition(
     start, end = bounds[stage]
     prefix = f"{name}." if name else ""
     part.owned = [f"{prefix}{i}.{n}" for i in range(start, end) for n, _ in stack[i].named_parameters()]
-    for block in stack:  # what one device holds, for a checkpoint's hyperparameters
-        keep_skeleton(block)
     hold_elsewhere(module, stack, [i for i in range(len(stack)) if not start <= i < end])
     for i in range(start):  # the blocks of earlier stages: the last one gives what was received
         stack[i].register_forward_hook(_received_output(part.io, last=i == start - 1))
     if stage < num_stages - 1:
         stack[end - 1].register_forward_hook(_end_of_stage)
     return part
+
+
+def keep_block_skeletons(module: nn.Module, stack_name: Optional[str] = None) -> None:
+    """Keep a skeleton of every block of the stack (``checkpointing.one_device``), before the tensors are
+    taken out: a network held in a checkpoint's hyperparameters is saved from them as one device holds
+    it, non-persistent buffers (which no state dict holds) included."""
+    for block in find_block_stack(module, stack_name)[1]:
+        keep_skeleton(block)
 
 
 def hold_elsewhere(root: nn.Module, stack: nn.Module, indices: Sequence[int]) -> None:

@@ -58,7 +58,12 @@ from lightning_parallel.materialize import has_meta_tensors
 from lightning_parallel.pipeline.deferred_batchnorm import DeferredBatchNorm, batchnorm_warning
 from lightning_parallel.pipeline.executor import StageExecutor, batch_size, split_microbatches
 from lightning_parallel.pipeline.logs import LogMirror, WholeBatchMetrics, capture_logs, summarize
-from lightning_parallel.pipeline.partition import StagePartition, find_block_stack, partition
+from lightning_parallel.pipeline.partition import (
+    StagePartition,
+    find_block_stack,
+    keep_block_skeletons,
+    partition,
+)
 from lightning_parallel.pipeline.profile import (
     average_over_ranks,
     capture_block_inputs,
@@ -233,6 +238,7 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
             self._deferred_bn = DeferredBatchNorm(module)
         self._full_keys = list(module.state_dict().keys())
         self._full_param_names = [n for n, _ in module.named_parameters()]
+        keep_block_skeletons(module, self.block_stack)
         stage = self.mesh.pp_rank
         costs = self._measure_block_times(module) if self.balance == "time" else None
 
@@ -593,7 +599,9 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
             return super().load_full_model_state(state_dict, strict=strict)
         local_keys = set(self.lightning_module.state_dict().keys())
         if strict:
-            check_keys(local_keys, set(state_dict), set(self._full_keys), f"pipeline stage {self.mesh.pp_rank}")
+            check_keys(
+                local_keys, set(state_dict), set(self._full_keys), f"pipeline stage {self.mesh.pp_rank}"
+            )
         state = {k: v for k, v in state_dict.items() if k in local_keys}
         self.lightning_module.load_state_dict(state, strict=False)
 
