@@ -7,7 +7,8 @@ submodules (the model's own code may read them: ``nn.TransformerEncoder`` reads 
 but their parameters and buffers become meta tensors held as plain attributes, outside the module's
 registry: ``parameters()``, ``state_dict()`` and the optimizer see only this stage's tensors, under the
 single-device names, and a held-elsewhere block stores nothing. Calling such a block returns its first
-input (on a later stage, what the previous stage sent: below). Two hooks turn the user's own ``forward`` into a stage:
+input (on a later stage, what the previous stage sent: below). Two hooks turn the user's own ``forward``
+into a stage:
 
 - on the blocks of earlier stages (on all but the first stage), a hook makes each return the output
   received from the previous stage's last block, in its structure (a tensor, or a tuple of tensors and
@@ -59,7 +60,7 @@ class StageOutput(BaseException):
 
 @dataclass
 class StageInput:
-    """Where the executor puts the received activation, and where the pre-hook records what it used."""
+    """Where the executor puts the received activation, and where the hook records what it used."""
 
     pending: Optional[Any] = None  # a tensor, or a tuple of tensors and None
     used: Optional[Any] = None

@@ -26,7 +26,8 @@ How a step runs (Lightning's closure is training_step -> zero_grad -> backward):
   ``manual_backward`` or ``optimizer.step()`` inside it has no place.
 
 Checkpoints hold the full model under the original names (gathered from the stages), so they load into
-the plain module; a full checkpoint loads into any number of stages. With ``save_distributed=True`` each
+the plain module, and a network held in the hyperparameters whole; a full checkpoint loads into any number
+of stages, as strictly as on one device. With ``save_distributed=True`` each
 stage writes only its own tensors (``checkpointing.sharded``).
 """
 
