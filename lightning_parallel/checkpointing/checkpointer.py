@@ -5,7 +5,8 @@
 1. ``lightning_module_state_dict``: ``prepare_checkpoint`` (a pipeline drains), then the model state: full
    (``full_model_state``, gathered) for a file, this rank's own tensors for a sharded directory;
 2. ``optimizer_state``, per optimizer: likewise ``full_optimizer_state`` or ``local_optimizer_state``;
-3. ``save_checkpoint``: a save between the micro-batches of an accumulated step warns (their gradients are
+3. ``save_checkpoint``: a network held in the hyperparameters of a split model becomes its one-device
+   copy (``one_device_copy``); a save between the micro-batches of an accumulated step warns (their gradients are
    in no checkpoint); the resume state (every rank's RNG, the sampler's epoch and position, the strategy's
    ``extra_resume_state``) goes under ``RESUME_KEY``; then the storage writes it: one file on rank 0
    (the ``CheckpointIO``, atomic by default) or one DCP shard per rank (``sharded.write_sharded``).
@@ -34,6 +35,7 @@ from typing import Any
 
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
 
 from lightning_parallel.checkpointing.contract import CheckpointContract
 from lightning_parallel.checkpointing.loop_state import mark_step_saved, normalize_epoch_end
@@ -98,6 +100,7 @@ class Checkpointer(CheckpointContract):
         self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
     ) -> None:
         self._warn_if_accumulating(filepath)
+        self._held_networks_as_on_one_device(checkpoint)
         checkpoint[RESUME_KEY] = {**capture_resume_state(_trainer(self)), **self.extra_resume_state()}
         if not self.save_distributed:
             if self.is_global_zero:
@@ -109,6 +112,19 @@ class Checkpointer(CheckpointContract):
                 f"with storage_options={storage_options!r}. Use a path, or save_distributed=False."
             )
         write_sharded(self, checkpoint, Path(self.broadcast(str(filepath))))
+
+    def _held_networks_as_on_one_device(self, checkpoint: dict[str, Any]) -> None:
+        """A network held in the hyperparameters (``save_hyperparameters()`` with a module argument) of a
+        split model is saved as one device holds it, like the state dict (``one_device_copy``)."""
+        hparams = checkpoint.get("hyper_parameters")
+        if not isinstance(hparams, dict) or not self.is_global_zero or self.save_distributed:
+            return
+        if not self.model_is_split():
+            return
+        state = checkpoint["state_dict"]
+        checkpoint["hyper_parameters"] = {
+            k: self.one_device_copy(v, state) if isinstance(v, nn.Module) else v for k, v in hparams.items()
+        }
 
     def _warn_if_accumulating(self, filepath: _PATH) -> None:
         trainer = _trainer(self)

@@ -11,6 +11,7 @@ The checkpoint hooks (``checkpointer.py``) read and write a strategy only throug
   tensor this rank holds; keys absent are held whole) and the optimizer state it owns
   (``local_optimizer_state`` by parameter name, cut as ``optimizer_state_layouts`` says: by default like its
   parameter, so a strategy that shards optimizer state alone states only those two);
+- a **network held in the hyperparameters** as one device holds it (``one_device_copy``);
 - the **extra resume state** it needs (``extra_resume_state`` / ``load_extra_resume_state``) and what must
   happen before any state is read (``prepare_checkpoint``).
 """
@@ -23,10 +24,12 @@ from typing import Any
 
 import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
+from torch import nn
 
+from lightning_parallel.checkpointing.one_device import one_device_copy
 from lightning_parallel.pipeline.stage_state import stage_state_by_name
 
-__all__ = ["CheckpointContract", "ShardLayout"]
+__all__ = ["CheckpointContract", "ShardLayout", "check_keys"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,18 @@ class ShardLayout:
     group: dist.ProcessGroup | None
 
 
+def check_keys(expected: set[str], given: set[str], accepted: set[str], where: str = "the module") -> None:
+    """Raise as a strict single-device load does when a checkpoint's keys (``given``) lack some of
+    ``expected`` or hold some outside ``accepted`` (the whole module's keys, where a rank holds a part)."""
+    missing, unexpected = expected - given, given - accepted
+    if missing or unexpected:
+        raise KeyError(
+            f"the checkpoint does not match {where}: missing {sorted(missing)[:5]} (of {len(missing)}), "
+            f"unexpected {sorted(unexpected)[:5]} (of {len(unexpected)}); strict_loading=False on the "
+            "LightningModule ignores them"
+        )
+
+
 def unwrapped(optimizer: Any) -> Any:
     """The torch optimizer inside a ``LightningOptimizer``."""
     return getattr(optimizer, "_optimizer", optimizer)
@@ -48,6 +63,10 @@ def unwrapped(optimizer: Any) -> Any:
 
 class CheckpointContract:
     """A strategy's part in checkpoints; the defaults are those of a single device (every rank whole)."""
+
+    def model_is_split(self) -> bool:
+        """True when ranks hold different parts of the model (shards, stages)."""
+        return False
 
     def prepare_checkpoint(self) -> None:
         """Called before any state is read for a checkpoint (a pipeline drains here)."""
@@ -60,6 +79,11 @@ class CheckpointContract:
     def load_full_model_state(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Load a single-device ``state_dict``; each rank takes its part."""
         self.lightning_module.load_state_dict(state_dict, strict=strict)
+
+    def one_device_copy(self, tree: nn.Module, state: Mapping[str, Any]) -> nn.Module:
+        """``tree``, a part of the split module (a network held in the hyperparameters), as one device holds
+        it: every module changed by the split rebuilt from its skeleton with the values of the full ``state``."""
+        return one_device_copy(tree, self.lightning_module, state)
 
     def full_optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The single-device ``optimizer.state_dict()`` (torch's ZeroRedundancyOptimizer: on rank 0 only)."""

@@ -1,10 +1,11 @@
 """Point-to-point transfer of activations and their gradients between pipeline stages.
 
-An activation is one tensor or a tuple of them. A receiver cannot allocate a buffer without knowing
-shape and dtype, and both can change from batch to batch (variable sequence length; bf16 under
-autocast). So every transfer carries a fixed-size int64 header describing all its tensors,
-``[count, is_tuple, follow, (ndim, dtype code, *shape) per tensor]``, packed with the tensors' bytes
-into one message: on a loaded CPU every message and every round trip counts.
+An activation is one tensor or a tuple of tensors and None (a block's ``(hidden, None)``). A receiver
+cannot allocate a buffer without knowing shape and dtype, and both can change from batch to batch
+(variable sequence length; bf16 under autocast). So every transfer carries a fixed-size int64 header
+describing all its tensors, ``[count, is_tuple, follow, nones, (ndim, dtype code, *shape) per tensor]``
+(``nones``: a bit per tuple position that holds None), packed with the tensors' bytes into one message:
+on a loaded CPU every message and every round trip counts.
 
 gloo writes data only into a posted receive of exactly the sent size; a receive posted after the send
 costs a round trip (the receiver says it is ready, then the data flows). To post receives early, both
@@ -28,6 +29,7 @@ activation and gradient traffic between the same two ranks; a stage can read the
 from __future__ import annotations
 
 import pickle
+from collections.abc import Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -45,6 +47,7 @@ __all__ = [
     "unpack",
 ]
 
+Activation = Union[Tensor, tuple[Optional[Tensor], ...]]  # what crosses a stage boundary
 MAX_DIMS = 8
 MAX_TENSORS = 8  # elements of a tuple crossing a stage boundary
 OBJECT_TAG = 7  # the channel for pickled objects; activations and gradients use tag 0
@@ -58,22 +61,29 @@ _DTYPES = [
     torch.bool,
     torch.uint8,
 ]
-_COUNT, _IS_TUPLE, _FOLLOW, _FIRST_SLOT = 0, 1, 2, 3  # the header's words
+_COUNT, _IS_TUPLE, _FOLLOW, _NONES, _FIRST_SLOT = 0, 1, 2, 3, 4  # the header's words
+MAX_ITEMS = 62  # positions of a tuple that the ``nones`` word can mark
 _SLOT = MAX_DIMS + 2  # header words per tensor: ndim, dtype code, shape
 _HEADER = _FIRST_SLOT + MAX_TENSORS * _SLOT
 HEADER_BYTES = _HEADER * 8
 _ALIGN = 8  # every tensor starts at a multiple of this many bytes, so it can be viewed in its own dtype
 
 
-def encode_header(tensors: list[Tensor], is_tuple: bool, follow: int = 0) -> Tensor:
-    """The int64 header that lets the receiver allocate every buffer of the transfer. Built as a Python
-    list and turned into a tensor once: a dozen small tensor writes took 63 us, this 17 us (on the CPU)."""
+def encode_header(
+    tensors: list[Tensor], is_tuple: bool, follow: int = 0, nones: Sequence[int] = ()
+) -> Tensor:
+    """The int64 header that lets the receiver allocate every buffer of the transfer (``nones``: the
+    tuple positions that hold None). Built as a Python list and turned into a tensor once: a dozen small
+    tensor writes took 63 us, this 17 us (on the CPU)."""
     if len(tensors) > MAX_TENSORS:
         raise ValueError(
             f"can send at most {MAX_TENSORS} tensors across a stage boundary, got a tuple of {len(tensors)}"
         )
+    if any(i >= MAX_ITEMS for i in nones):
+        raise ValueError(f"can send None only in the first {MAX_ITEMS} places of a tuple, got {max(nones)}")
     words = [0] * _HEADER
     words[_COUNT], words[_IS_TUPLE], words[_FOLLOW] = len(tensors), int(is_tuple), follow
+    words[_NONES] = sum(1 << i for i in nones)
     for i, t in enumerate(tensors):
         if t.dim() > MAX_DIMS:
             raise ValueError(f"can send tensors of at most {MAX_DIMS} dimensions, got shape {tuple(t.shape)}")
@@ -85,16 +95,17 @@ def encode_header(tensors: list[Tensor], is_tuple: bool, follow: int = 0) -> Ten
     return torch.tensor(words, dtype=torch.int64)
 
 
-def decode_header(header: Tensor) -> tuple[list[tuple[tuple[int, ...], torch.dtype]], bool, int]:
-    """(shape, dtype) of each tensor of the transfer, whether it is a tuple, and ``follow`` (the size of
-    the message that really holds the tensors, when this one could not)."""
+def decode_header(header: Tensor) -> tuple[list[tuple[tuple[int, ...], torch.dtype]], bool, int, list[int]]:
+    """(shape, dtype) of each tensor of the transfer, whether it is a tuple, ``follow`` (the size of
+    the message that really holds the tensors, when this one could not), and the tuple positions of None."""
     values = header.tolist()
     specs = []
     for i in range(values[_COUNT]):
         slot = _FIRST_SLOT + i * _SLOT
         ndim = values[slot]
         specs.append((tuple(values[slot + 2 : slot + 2 + ndim]), _DTYPES[values[slot + 1]]))
-    return specs, bool(values[_IS_TUPLE]), values[_FOLLOW]
+    nones = [i for i in range(MAX_ITEMS) if values[_NONES] >> i & 1]
+    return specs, bool(values[_IS_TUPLE]), values[_FOLLOW], nones
 
 
 def _header_of(message: Tensor) -> Tensor:
@@ -119,27 +130,31 @@ def _message(header: Tensor, size: int, device: torch.device) -> Tensor:
     return message
 
 
-def pack(tensors: list[Tensor], is_tuple: bool, device: torch.device) -> Tensor:
-    """One uint8 message on ``device``: the header, then each tensor's bytes (aligned)."""
+def pack(items: list[Optional[Tensor]], is_tuple: bool, device: torch.device) -> Tensor:
+    """One uint8 message on ``device``: the header, then each tensor's bytes (aligned); None items are
+    marked in the header."""
+    tensors = [t for t in items if t is not None]
     size, places = _layout([(tuple(t.shape), t.dtype) for t in tensors])
-    message = _message(encode_header(tensors, is_tuple), size, device)
+    nones = [i for i, t in enumerate(items) if t is None]
+    message = _message(encode_header(tensors, is_tuple, nones=nones), size, device)
     for t, place in zip(tensors, places):
         message[place].view(t.dtype).copy_(t.detach().reshape(-1))
     return message
 
 
-def unpack(
-    message: Tensor, device: torch.device, header: Optional[tuple] = None
-) -> Union[Tensor, tuple[Tensor, ...]]:
+def unpack(message: Tensor, device: torch.device, header: Optional[tuple] = None) -> Activation:
     """The tensors of a ``pack``-ed message, each in memory of its own on ``device`` (``header``: the
     message's header already decoded)."""
-    specs, is_tuple, _ = header or decode_header(_header_of(message))
+    specs, is_tuple, _, nones = header or decode_header(_header_of(message))
     _, places = _layout(specs)
     tensors = [
         message[place].view(dtype).view(shape).to(device, copy=True)
         for (shape, dtype), place in zip(specs, places)
     ]
-    return tuple(tensors) if is_tuple else tensors[0]
+    if not is_tuple:
+        return tensors[0]
+    given = iter(tensors)
+    return tuple(None if i in nones else next(given) for i in range(len(tensors) + len(nones)))
 
 
 class PeerLink:
@@ -156,8 +171,8 @@ class PeerLink:
             tuple[str, int, int], int
         ] = {}  # ("send"|"recv", peer, tag) -> next message size
 
-    def send(self, activation: Union[Tensor, tuple[Tensor, ...]], dst: int, tag: int = 0) -> None:
-        """Send a tensor or a tuple of tensors, as one message when its size is the predicted one."""
+    def send(self, activation: Activation, dst: int, tag: int = 0) -> None:
+        """Send a tensor or a tuple of tensors and None, as one message when its size is the predicted one."""
         is_tuple = isinstance(activation, (tuple, list))
         message = pack(list(activation) if is_tuple else [activation], is_tuple, self._wire)
         key = ("send", dst, tag)
@@ -181,12 +196,12 @@ class PeerLink:
             )
             self._posted[(src, tag)] = (dist.irecv(message, src, group=self.group, tag=tag), message)
 
-    def recv(self, src: int, tag: int = 0) -> Union[Tensor, tuple[Tensor, ...]]:
+    def recv(self, src: int, tag: int = 0) -> Activation:
         self.post_recv(src, tag)
         work, message = self._posted.pop((src, tag))
         work.wait()
         header = decode_header(_header_of(message))
-        _, _, follow = header
+        follow = header[2]
         if follow:
             self._predicted[("recv", src, tag)] = follow
             message = torch.empty(follow, dtype=torch.uint8, device=self._wire)

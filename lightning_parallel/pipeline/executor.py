@@ -112,12 +112,28 @@ def _as_tuple(x: Any) -> tuple:
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
-def _grad_or_placeholder(t: Tensor) -> Tensor:
-    """The gradient to send back for one received tensor: zeros if it got none (unused by this stage),
-    an empty placeholder for tensors that cannot have one (integers, masks)."""
+def _grad_or_placeholder(t: Optional[Tensor]) -> Optional[Tensor]:
+    """The gradient to send back for one received item: zeros if it got none (unused by this stage),
+    an empty placeholder for tensors that cannot have one (integers, masks), None for None."""
+    if t is None:
+        return None
     if not t.is_floating_point():
         return torch.empty(0)
     return t.grad if t.grad is not None else torch.zeros_like(t)
+
+
+def _check_sendable(produced: Any) -> None:
+    """What a stage's last block returned must cross to the next stage: a tensor, or a tuple of tensors
+    and None (a Hugging Face block's ``(hidden, None)``), rebuilt as such on the next stage."""
+    items = _as_tuple(produced)
+    others = [
+        f"{type(t).__name__} at {i}" for i, t in enumerate(items) if not (t is None or isinstance(t, Tensor))
+    ]
+    if others or not any(isinstance(t, Tensor) for t in items):
+        raise RuntimeError(
+            "a pipeline stage must pass a tensor, or a tuple of tensors and None, to the next block; got "
+            f"{type(produced).__name__}" + (f" holding {', '.join(others)}" if others else "")
+        )
 
 
 def loss_of(output: Any) -> Tensor:
@@ -232,11 +248,7 @@ class StageExecutor:
                 produced = end.tensor
         used, self.io.used = self.io.used, None
         if not self.is_last:
-            if not all(isinstance(t, Tensor) for t in _as_tuple(produced)):
-                raise RuntimeError(
-                    "a pipeline stage must pass a tensor or a tuple of tensors to the next block, "
-                    f"got {type(produced).__name__}"
-                )
+            _check_sendable(produced)
             self.link.send(produced, self.next_rank)
         return produced, used
 
@@ -304,7 +316,9 @@ class StageExecutor:
             with self.timeline.record("wait", index, previous):
                 grad = self._receive(self.next_rank)
             pairs = [
-                (o, g) for o, g in zip(_as_tuple(output), _as_tuple(grad)) if o.requires_grad and g.numel()
+                (o, g)
+                for o, g in zip(_as_tuple(output), _as_tuple(grad))
+                if o is not None and o.requires_grad and g.numel()
             ]
             with self.timeline.record("B", index, previous):
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
@@ -312,7 +326,7 @@ class StageExecutor:
             if used_input is None:
                 raise RuntimeError(f"stage {self.stage}: no activation was received for micro-batch {index}")
             grads = tuple(_grad_or_placeholder(t) for t in _as_tuple(used_input))
-            if all(g.numel() == 0 for g in grads):
+            if all(g is None or g.numel() == 0 for g in grads):
                 raise RuntimeError(
                     f"stage {self.stage}: the activation received for micro-batch {index} got no gradient"
                 )

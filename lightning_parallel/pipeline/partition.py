@@ -7,13 +7,18 @@ submodules (the model's own code may read them: ``nn.TransformerEncoder`` reads 
 but their parameters and buffers become meta tensors held as plain attributes, outside the module's
 registry: ``parameters()``, ``state_dict()`` and the optimizer see only this stage's tensors, under the
 single-device names, and a held-elsewhere block stores nothing. Calling such a block returns its first
-input. Two hooks turn the user's own ``forward`` into a stage:
+input (on a later stage, what the previous stage sent: below). Two hooks turn the user's own ``forward``
+into a stage:
 
-- on the first block of a stage (but the first stage), a pre-hook swaps the input for the activation
-  received from the previous stage (extra per-block arguments, e.g. a mask computed in ``forward``,
-  are untouched: every stage runs ``forward`` itself);
+- on the blocks of earlier stages (on all but the first stage), a hook makes each return the output
+  received from the previous stage's last block, in its structure (a tensor, or a tuple of tensors and
+  None such as Falcon's ``(hidden, None)``); the user's code between blocks and the extra per-block
+  arguments (e.g. a mask computed in ``forward``) run as on one device: every stage runs ``forward`` itself;
 - on the last block of a stage (but the last stage), a hook raises ``StageOutput`` with the block's
   output: the rest of ``forward`` and of ``training_step`` belongs to later stages.
+
+Every block keeps a skeleton of itself from before the cut (``keep_block_skeletons``), so a network held
+in a checkpoint's hyperparameters is saved as one device holds it.
 
 Modules outside the stack (embeddings, final norm, head, and any other block stack, e.g. the encoder
 of an ``nn.Transformer`` whose decoder is pipelined) stay on every stage, replicated: each stage runs
@@ -27,6 +32,8 @@ from typing import Any, Optional, Sequence, Union
 
 from torch import Tensor, nn
 
+from lightning_parallel.checkpointing.one_device import keep_skeleton
+
 __all__ = [
     "StageInput",
     "StageOutput",
@@ -35,6 +42,7 @@ __all__ = [
     "block_parameters",
     "find_block_stack",
     "hold_elsewhere",
+    "keep_block_skeletons",
     "other_stacks",
     "partition",
     "stage_bounds",
@@ -52,9 +60,9 @@ class StageOutput(BaseException):
 
 @dataclass
 class StageInput:
-    """Where the executor puts the received activation, and where the pre-hook records what it used."""
+    """Where the executor puts the received activation, and where the hook records what it used."""
 
-    pending: Optional[Any] = None  # a tensor, or a tuple of tensors
+    pending: Optional[Any] = None  # a tensor, or a tuple of tensors and None
     used: Optional[Any] = None
 
 
@@ -220,11 +228,19 @@ def partition(
     prefix = f"{name}." if name else ""
     part.owned = [f"{prefix}{i}.{n}" for i in range(start, end) for n, _ in stack[i].named_parameters()]
     hold_elsewhere(module, stack, [i for i in range(len(stack)) if not start <= i < end])
-    if stage > 0:
-        stack[start].register_forward_pre_hook(_take_received_input(part.io), with_kwargs=True)
+    for i in range(start):  # the blocks of earlier stages: the last one gives what was received
+        stack[i].register_forward_hook(_received_output(part.io, last=i == start - 1))
     if stage < num_stages - 1:
         stack[end - 1].register_forward_hook(_end_of_stage)
     return part
+
+
+def keep_block_skeletons(module: nn.Module, stack_name: Optional[str] = None) -> None:
+    """Keep a skeleton of every block of the stack (``checkpointing.one_device``), before the tensors are
+    taken out: a network held in a checkpoint's hyperparameters is saved from them as one device holds
+    it, non-persistent buffers (which no state dict holds) included."""
+    for block in find_block_stack(module, stack_name)[1]:
+        keep_skeleton(block)
 
 
 def hold_elsewhere(root: nn.Module, stack: nn.Module, indices: Sequence[int]) -> None:
@@ -281,19 +297,22 @@ def _first_input(*args: Any, **kwargs: Any) -> Any:
     return args[0] if args else next(iter(kwargs.values()))
 
 
-def _take_received_input(io: StageInput):
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def _received_output(io: StageInput, last: bool):
+    """The output of a block of an earlier stage: what the previous stage's last block returned (the
+    received tensors in its structure, e.g. ``(hidden, None)``), so the user's code between the blocks
+    (``hidden = outputs[0]``) runs as on one device. Only the last such block takes it for this stage
+    (``io.used``): the earlier ones return it as a stand-in of the right structure."""
+
+    def hook(module: nn.Module, args: tuple, output: Any) -> Any:
         if io.pending is None:
             raise RuntimeError("pipeline stage ran without an input from the previous stage")
-        received, io.pending = io.pending, None
+        received = io.pending
         for t in received if isinstance(received, tuple) else (received,):
-            if t.is_floating_point():
+            if t is not None and t.is_floating_point():
                 t.requires_grad_(True)
-        io.used = received
-        if args:
-            return (received,) + tuple(args[1:]), kwargs
-        first = next(iter(kwargs))
-        return args, {**kwargs, first: received}
+        if last:
+            io.pending, io.used = None, received
+        return received
 
     return hook
 

@@ -54,6 +54,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from lightning_parallel.checkpointing import AtomicCheckpointIO, Checkpointer
+from lightning_parallel.checkpointing.contract import check_keys
 from lightning_parallel.checkpointing.loss_check import FiniteLossCheck, training_loss
 from lightning_parallel.distributed.collectives import clip_grad_norm_sharded, share_found_inf
 from lightning_parallel.distributed.mesh import Mesh, MeshShape, build_mesh, destroy_process_groups_at_exit
@@ -290,10 +291,6 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
     #: evaluation without a previous fit also splits the model (pipelines must: they run stage by stage)
     evaluates_split = False
 
-    def model_is_split(self) -> bool:
-        """True when ranks hold different parts of the model (shards, stages)."""
-        return False
-
     def setup(self, trainer: "pl.Trainer") -> None:
         self._setup_rng_state = torch.get_rng_state()  # deferred initial values: the same in every layout
         if self._layer_sync is not None:
@@ -366,12 +363,8 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         module = self.lightning_module
         if has_meta_tensors(module) and not self.model_is_split():
             expected = set(module.state_dict().keys())
-            missing, unexpected = expected - set(state_dict), set(state_dict) - expected
-            if strict and (missing or unexpected):
-                raise KeyError(
-                    f"the checkpoint does not match the module: missing {sorted(missing)[:5]}, unexpected "
-                    f"{sorted(unexpected)[:5]}"
-                )
+            if strict:
+                check_keys(expected, set(state_dict), expected)
             self._pending_full_state = state_dict
             return
         super().load_full_model_state(state_dict, strict=strict)

@@ -26,7 +26,8 @@ How a step runs (Lightning's closure is training_step -> zero_grad -> backward):
   ``manual_backward`` or ``optimizer.step()`` inside it has no place.
 
 Checkpoints hold the full model under the original names (gathered from the stages), so they load into
-the plain module; a full checkpoint loads into any number of stages. With ``save_distributed=True`` each
+the plain module, and a network held in the hyperparameters whole; a full checkpoint loads into any number
+of stages, as strictly as on one device. With ``save_distributed=True`` each
 stage writes only its own tensors (``checkpointing.sharded``).
 """
 
@@ -46,6 +47,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
+from lightning_parallel.checkpointing.contract import check_keys
 from lightning_parallel.checkpointing.loss_check import check_finite_loss
 from lightning_parallel.distributed.collectives import start_gather_numbers
 from lightning_parallel.distributed.p2p import PeerLink
@@ -57,7 +59,12 @@ from lightning_parallel.materialize import has_meta_tensors
 from lightning_parallel.pipeline.deferred_batchnorm import DeferredBatchNorm, batchnorm_warning
 from lightning_parallel.pipeline.executor import StageExecutor, batch_size, split_microbatches
 from lightning_parallel.pipeline.logs import LogMirror, WholeBatchMetrics, capture_logs, summarize
-from lightning_parallel.pipeline.partition import StagePartition, find_block_stack, partition
+from lightning_parallel.pipeline.partition import (
+    StagePartition,
+    find_block_stack,
+    keep_block_skeletons,
+    partition,
+)
 from lightning_parallel.pipeline.profile import (
     average_over_ranks,
     capture_block_inputs,
@@ -232,6 +239,7 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
             self._deferred_bn = DeferredBatchNorm(module)
         self._full_keys = list(module.state_dict().keys())
         self._full_param_names = [n for n, _ in module.named_parameters()]
+        keep_block_skeletons(module, self.block_stack)
         stage = self.mesh.pp_rank
         costs = self._measure_block_times(module) if self.balance == "time" else None
 
@@ -585,16 +593,17 @@ class PipelineParallelStrategy(AsyncPipelineMixin, ParallelStrategyBase):
         return {k: merged[k] for k in self._full_keys if k in merged}
 
     def load_full_model_state(self, state_dict: dict[str, Any], strict: bool = True) -> None:
-        """A full checkpoint (any layout, or a plain single-device one): each stage takes its tensors."""
+        """A full checkpoint (any layout, or a plain single-device one): each stage takes its tensors.
+        ``strict`` refuses, as one device does, keys of no stage (unexpected) and this stage's keys that the
+        checkpoint lacks (missing)."""
         if self.partition is None:
             return super().load_full_model_state(state_dict, strict=strict)
         local_keys = set(self.lightning_module.state_dict().keys())
-        state = {k: v for k, v in state_dict.items() if k in local_keys}
-        missing = local_keys - set(state)
-        if strict and missing:
-            raise KeyError(
-                f"checkpoint lacks {sorted(missing)[:5]} (of {len(missing)}) for this pipeline stage"
+        if strict:
+            check_keys(
+                local_keys, set(state_dict), set(self._full_keys), f"pipeline stage {self.mesh.pp_rank}"
             )
+        state = {k: v for k, v in state_dict.items() if k in local_keys}
         self.lightning_module.load_state_dict(state, strict=False)
 
     def full_optimizer_state(self, optimizer: Any) -> dict[str, Any]:

@@ -235,22 +235,9 @@ class TensorParallelStrategy(ParallelStrategyBase):
             return super().full_model_state()
         return full_state_dict(self.lightning_module, self.tp_group)
 
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """A network held in the hyperparameters (``save_hyperparameters()`` with a module argument) is
-        saved as on one device, like the state dict: whole layers, no process group."""
-        hparams = checkpoint.get("hyper_parameters")
-        if (
-            isinstance(hparams, dict)
-            and self.is_global_zero
-            and self._is_sharded()
-            and not self.save_distributed
-        ):
-            module, state = self.lightning_module, checkpoint["state_dict"]
-            checkpoint["hyper_parameters"] = {
-                k: unsharded_copy(v, module, state) if isinstance(v, nn.Module) else v
-                for k, v in hparams.items()
-            }
-        super().save_checkpoint(checkpoint, filepath, storage_options)
+    def one_device_copy(self, tree: nn.Module, state: Mapping[str, Any]) -> nn.Module:
+        """``tree`` as on one device: whole layers, per-feature tensors whole, no process group."""
+        return unsharded_copy(tree, self.lightning_module, state)
 
     def shard_layouts(self) -> dict[str, ShardLayout]:
         """For ``save_distributed``: which slice of each full tensor this rank holds."""

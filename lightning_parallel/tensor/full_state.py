@@ -10,12 +10,12 @@ the hyperparameters is saved as it would be on one device (``unsharded_copy``).
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Mapping, Optional, Union
 
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_parallel.checkpointing.one_device import SKELETON, one_device_copy
 from lightning_parallel.distributed.collectives import all_gather_list
 from lightning_parallel.tensor.layers import (
     FEATURE_SHARDS,
@@ -33,7 +33,6 @@ __all__ = [
     "full_optimizer_state",
     "shard_optimizer_state",
     "unsharded_copy",
-    "meta_skeleton",
 ]
 
 
@@ -134,38 +133,19 @@ def shard_optimizer_state(state: Mapping[str, Any], optimizer: Any, module: nn.M
     return state
 
 
-def meta_skeleton(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` with every tensor on the meta device (no memory): what a sharded layer keeps
-    of the layer it replaced, to be rebuilt whole for a checkpoint's hyperparameters."""
-    memo: dict[int, Any] = {}
-    for t in [*module.parameters(), *module.buffers()]:
-        empty = t.detach().to("meta")
-        memo[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
-    return copy.deepcopy(module, memo)
-
-
 def unsharded_copy(tree: nn.Module, root: nn.Module, state: Mapping[str, Tensor]) -> nn.Module:
     """A copy of ``tree`` (a part of the sharded ``root``, such as a network held in the hyperparameters)
     as it is on one device: the sharded layers back to the layers they replaced, per-feature tensors
     whole, values from the full ``state`` (``root``'s names), no process group."""
     names = {id(m): n for n, m in root.named_modules()}
-    memo: dict[int, Any] = {}
     for m in tree.modules():
-        for value in vars(m).values():  # a SyncBatchNorm's group; a sharded layer's (replaced below)
-            if isinstance(value, dist.ProcessGroup):
-                memo[id(value)] = None
-        if not isinstance(m, _TPLayer) or id(m) not in names:
-            continue
-        prefix = names[id(m)] + "." if names[id(m)] else ""
-        if "unsharded" not in m.__dict__:
+        if isinstance(m, _TPLayer) and id(m) in names and SKELETON not in m.__dict__:
             raise ValueError(f"{names[id(m)]!r} was sharded without a skeleton of its layer (by apply_plan)")
-        plain = copy.deepcopy(m.__dict__["unsharded"]).to_empty(device=next(m.parameters()).device)
-        plain.load_state_dict({k: state[prefix + k] for k in plain.state_dict()})
-        memo[id(m)] = plain
+    memo: dict[int, Any] = {}
     record = getattr(root, FEATURE_SHARDS, None)
     for name in record.specs if record is not None else ():
         owner, _, attr = name.rpartition(".")
         local = getattr(root.get_submodule(owner), attr)
         full = state[name].detach().clone()
         memo[id(local)] = nn.Parameter(full, local.requires_grad) if isinstance(local, nn.Parameter) else full
-    return copy.deepcopy(tree, memo)
+    return one_device_copy(tree, root, state, memo)

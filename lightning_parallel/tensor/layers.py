@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from lightning_parallel.checkpointing.one_device import SKELETON
 from lightning_parallel.distributed.collectives import (
     copy_to_group,
     gather_from_group,
@@ -129,7 +130,7 @@ class _TPLayer(nn.Module):
         """Pickled as the layer it replaced, whole and empty (``unsharded``, set by ``apply_plan``): a
         network held in the hyperparameters stays picklable (Lightning drops what is not), with no
         process group; a checkpoint's copy is rebuilt with the full values (``full_state``)."""
-        skeleton = self.__dict__.get("unsharded")
+        skeleton = self.__dict__.get(SKELETON)
         return super().__reduce_ex__(protocol) if skeleton is None else (_unpickled, (skeleton,))
 
     def __deepcopy__(self, memo: dict) -> "_TPLayer":

@@ -36,8 +36,8 @@ from typing import Any, Mapping, Optional, Union
 import torch.distributed as dist
 from torch import nn
 
+from lightning_parallel.checkpointing.one_device import keep_skeleton
 from lightning_parallel.distributed.collectives import all_reduce_sum
-from lightning_parallel.tensor.full_state import meta_skeleton
 from lightning_parallel.tensor.layers import TP_LAYERS, ShardSpec, SharedEntry, _linear_shape, shard_features
 
 __all__ = [
@@ -580,7 +580,7 @@ def apply_plan(
             kwargs["entry"] = entries.setdefault(parent_name, SharedEntry(group))
         new = cls(a.module, group, tp, tp_rank, **kwargs)
         new.train(a.module.training)
-        new.__dict__["unsharded"] = meta_skeleton(a.module)  # not a submodule: no state, no parameters
+        keep_skeleton(new, a.module)
         for local, _ in list(new.named_parameters(recurse=False)):
             for full in tied.get(f"{a.name}.{local}", []):
                 if full in shared:  # tied: every holder holds one sharded parameter

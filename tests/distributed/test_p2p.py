@@ -40,8 +40,8 @@ SHAPES = [
 
 @pytest.mark.parametrize("tensors,is_tuple", SHAPES)
 def test_header_round_trip(tensors, is_tuple):
-    specs, tuple_flag, follow = decode_header(encode_header(tensors, is_tuple, follow=123))
-    assert tuple_flag == is_tuple and follow == 123
+    specs, tuple_flag, follow, nones = decode_header(encode_header(tensors, is_tuple, follow=123))
+    assert tuple_flag == is_tuple and follow == 123 and nones == []
     assert specs == [(tuple(t.shape), t.dtype) for t in tensors]
 
 
@@ -60,6 +60,14 @@ def test_pack_round_trip_keeps_values_and_gives_each_tensor_its_own_memory(tenso
         assert got.dtype == sent.dtype and got.shape == sent.shape
         assert torch.equal(got, sent)
         assert got.untyped_storage().data_ptr() != message.untyped_storage().data_ptr()
+
+
+def test_a_tuple_with_none_arrives_with_none_in_its_places():
+    """A Hugging Face block returns ``(hidden, None)``: the None crosses in the header, in its place."""
+    hidden, mask = torch.randn(2, 3), torch.ones(2, dtype=torch.bool)
+    back = unpack(pack([None, hidden, None, mask, None], True, torch.device("cpu")), torch.device("cpu"))
+    assert len(back) == 5 and back[0] is None and back[2] is None and back[4] is None
+    assert torch.equal(back[1], hidden) and torch.equal(back[3], mask)
 
 
 def test_what_cannot_travel_is_named():

@@ -82,3 +82,33 @@ def memory_report(trainer) -> dict:
             "optimizer_state": storages(state),
         },
     }
+
+
+def _refit_with_an_extra_key(trainer, strict: bool) -> dict:
+    """After fit: a full checkpoint of the run with one key the module lacks (``extra.weight``), then
+    ``fit(ckpt_path=...)`` again from it, with ``strict_loading=strict``; the module stays split across
+    the stages, so each stage loads its part. Returns this rank's tensors after the load."""
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    strategy, module = trainer.strategy, trainer.lightning_module
+    path = Path(strategy.broadcast(tempfile.mkdtemp() if strategy.is_global_zero else None)) / "extra.ckpt"
+    trainer.save_checkpoint(path)
+    if strategy.is_global_zero:
+        checkpoint = torch.load(path, weights_only=False)
+        checkpoint["state_dict"]["extra.weight"] = torch.zeros(3)
+        torch.save(checkpoint, path)
+    strategy.barrier()
+    module.strict_loading = strict
+    trainer.fit(module, datamodule=trainer.datamodule, ckpt_path=path)
+    return {"checkpoint": str(path), "state_dict": {k: v.clone() for k, v in module.state_dict().items()}}
+
+
+def refit_with_an_extra_key(trainer) -> dict:
+    return _refit_with_an_extra_key(trainer, strict=True)
+
+
+def refit_with_an_extra_key_not_strict(trainer) -> dict:
+    return _refit_with_an_extra_key(trainer, strict=False)

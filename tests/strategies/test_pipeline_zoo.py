@@ -50,6 +50,9 @@ VALIDATE = {
     "validate_after_fit": True,
 }
 CASES_4 = [case("hf_llama-dp2-1f1b", "hf_llama", "1f1b", dp=2)]
+# decoder blocks that return a tuple: Falcon's (hidden, None), with multi-query and grouped-query
+# attention; Bloom's, MPT's and GPT-Neo's (hidden, attention weights)
+TUPLE_BLOCKS = [case(f"{a}-1f1b", a, "1f1b") for a in ("falcon", "falcon_new", "bloom", "mpt", "gpt_neo")]
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +65,12 @@ def zoo2(tmp_path_factory):
 def zoo4(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zoo4")
     return tmp, run_distributed(CASES_4, world_size=4, tmp_path=tmp, timeout=200)
+
+
+@pytest.fixture(scope="module")
+def tuple_blocks2(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tuple_blocks2")
+    return tmp, run_distributed(TUPLE_BLOCKS, world_size=2, tmp_path=tmp, timeout=240)
 
 
 @pytest.mark.timeout(300)
@@ -118,6 +127,16 @@ def test_torch_encoder_validates_on_every_stage(zoo2):
 def test_llama_with_two_replicas_of_two_stages_matches_single_device(zoo4):
     tmp, results = zoo4
     check(tmp, results, 4, CASES_4[0])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("c", TUPLE_BLOCKS, ids=[c["name"] for c in TUPLE_BLOCKS])
+def test_blocks_that_return_a_tuple_match_single_device(tuple_blocks2, c):
+    """``FalconForCausalLM``'s decoder blocks return ``(hidden states, None)``: the tensor crosses the
+    stage boundary, None in its place, and the next stage's ``forward`` gets the tuple as the output of the
+    previous stage's last block (the model takes ``outputs[0]`` from it); 5 SGD steps equal one device's."""
+    tmp, results = tuple_blocks2
+    check(tmp, results, 2, c)
 
 
 def test_two_stack_model_pipelines_its_largest_stack_and_names_the_other():
