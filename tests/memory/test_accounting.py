@@ -87,19 +87,18 @@ def test_format_table_leaves_out_what_was_not_measured() -> None:
     assert trainer.global_step == 1
 
 
-def _fit(report: MemoryReport, max_steps: int = 3) -> Trainer:
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=max_steps,
-        precision="64-true",
-        callbacks=[report],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
+def _trainer(report: MemoryReport, accelerator: str = "cpu", **kwargs) -> Trainer:
+    """A quiet one-device Trainer with ``report``."""
+    quiet = dict(
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False
     )
+    return Trainer(
+        accelerator=accelerator, devices=1, callbacks=[report], limit_val_batches=0, **quiet, **kwargs
+    )
+
+
+def _fit(report: MemoryReport, max_steps: int = 3) -> Trainer:
+    trainer = _trainer(report, max_steps=max_steps, precision="64-true")
     trainer.fit(MLP(optimizer="adam"), datamodule=RegressionData(batch_size=8))
     return trainer
 
@@ -124,17 +123,7 @@ def test_callback_under_lightning_single_device(caplog) -> None:
 @pytest.mark.timeout(120)
 def test_callback_reads_the_cuda_allocator_on_a_gpu(cuda_required) -> None:
     report = MemoryReport()
-    trainer = Trainer(
-        accelerator="gpu",
-        devices=1,
-        max_steps=2,
-        callbacks=[report],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-    )
+    trainer = _trainer(report, accelerator="gpu", max_steps=2)
     trainer.fit(MLP(optimizer="adam"), datamodule=RegressionData(batch_size=8, dtype="float32"))
     (row,) = report.tables["end_of_fit"]
     assert row.device.startswith("cuda") and row.activations > 0
