@@ -23,6 +23,10 @@ What the base adds on top:
   (``install_global_norm_clipping``), one overflow verdict for every rank under 16-mixed
   (``share_found_inf``), and the refusal of launchers that would hand back rank 0's part only
   (``popen_only``);
+- deferred initialization and a set-up that holds only the rank's share (``set_up_share``, from
+  ``materialize``): ``init_module()`` / ``configure_model`` build on meta (``tensor_init_context``), the
+  parallelism is applied to the meta module, and the rank allocates and fills only what it keeps, from a
+  checkpoint, ``initial_weights``, rank 0's real tensors or the modules' initializers;
 - options checked by ``own_option_problems`` at each level, which ``lp-train`` runs before launching too
   (``strategies.options``);
 - with ``memory_report=True`` (default), rank 0 prints every rank's memory after set-up and at the end of
