@@ -12,8 +12,9 @@ code that reads such a value works as in a real run (``bool((mask == causal).all
 ``nn.TransformerDecoder``, ``nonzero`` of a padding mask). A torchmetrics ``Metric`` called in the step
 reads what it is given whole and computes nothing (its checks read values; its state and value feed
 only itself and the logs, never the loss). A step whose work depends on the value of
-anything a parameter or buffer touched (``.item()`` of a loss in a computation, a mixture of experts'
-``nonzero`` over its router's choices) raises here; the caller then decides without a trace.
+anything a parameter or buffer touched (``.item()`` of a loss in a computation) raises here; the caller
+then decides without a trace. Hugging Face mixtures of experts run their batched experts instead of the
+eager loop over the router's ``nonzero`` choices (``_experts_batched``).
 """
 
 from __future__ import annotations
@@ -174,6 +175,26 @@ class _InputValues(TorchDispatchMode):
 
 
 @contextmanager
+def _experts_batched(module: nn.Module) -> Iterator[None]:
+    """Hugging Face mixtures of experts run their batched form (``experts_implementation="batched_mm"``:
+    every expert's weights gathered per token) instead of the eager loop over the experts the router
+    chose, whose trip count depends on values fakes do not have; the same layers, the same data flow into
+    and out of the experts."""
+    configs = {
+        id(c): c
+        for m in module.modules()
+        if getattr(c := getattr(m, "config", None), "_experts_implementation", None) == "eager"
+    }
+    for config in configs.values():
+        config._experts_implementation = "batched_mm"
+    try:
+        yield
+    finally:
+        for config in configs.values():
+            config._experts_implementation = "eager"
+
+
+@contextmanager
 def fake_step(module: nn.Module, run: Callable[[], Any]) -> Iterator[Callable[[], Any]]:
     """Within: ``module``'s parameters and buffers are fakes and fake mode is on; yields ``run`` on fake
     inputs. A ``SampleStep`` keeps random state, buffers, metrics and logs as they were around it all;
@@ -184,7 +205,8 @@ def fake_step(module: nn.Module, run: Callable[[], Any]) -> Iterator[Callable[[]
         kept, inputs, step = nullcontext(), None, lambda _: run()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     values = _InputValues(mode)
-    with kept, _fake_tensors(module, mode, step_device(module, inputs)), _metrics_read_whole(module):
+    device = step_device(module, inputs)
+    with kept, _fake_tensors(module, mode, device), _metrics_read_whole(module), _experts_batched(module):
         fake_inputs = apply_to_collection(inputs, Tensor, lambda t: _with_value(values, t))
         with mode, values:
             yield lambda: step(fake_inputs)
