@@ -29,7 +29,9 @@ def shared_rng_state(state: Optional[Tensor] = None) -> Tensor:
     values made from it agree everywhere."""
     state = torch.get_rng_state() if state is None else state.clone()
     if _distributed():
-        dist.broadcast(state, src=0)
+        carrier = state.cuda() if dist.get_backend() == "nccl" else state  # NCCL moves CUDA tensors only
+        dist.broadcast(carrier, src=0)
+        state = carrier.cpu()
     return state
 
 
