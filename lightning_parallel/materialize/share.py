@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from lightning_parallel.materialize.initializers import initialized_copy
 from lightning_parallel.materialize.tensors import Captured, Slot, own_tensors
 
-__all__ = ["Cut", "describe_loaded", "materialize", "shared_rng_state"]
+__all__ = ["Cut", "describe_loaded", "materialize", "release_freed_host_memory", "shared_rng_state"]
 
 #: (full name, full tensor) -> what this rank keeps of it
 Cut = Callable[[str, Tensor], Tensor]
@@ -115,7 +115,7 @@ def _allocate(module: nn.Module, device: torch.device) -> dict[str, Tensor]:
     return names
 
 
-def _release_freed_host_memory() -> None:
+def release_freed_host_memory() -> None:
     """Hand the heap memory that freed full tensors leave behind back to the system (glibc keeps it)."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -130,13 +130,12 @@ def materialize(
     rng_state: Tensor,
     cut: Optional[Cut] = None,
     checkpoint: Optional[Mapping[str, Tensor]] = None,
-) -> int:
+) -> None:
     """Allocate on ``device`` every meta tensor that ``module`` (parallelized after ``capture``) still
     registers, and write each from its full value (``full_values``) through ``cut`` (default: whole).
-    Returns the bytes allocated. Raises if a tensor gets no value."""
+    Raises if a tensor gets no value."""
     local = _allocate(module, device)
     pending = {id(t): t for t in local.values()}
-    allocated = sum(t.numel() * t.element_size() for t in pending.values())
     had_sources = any(slot.source is not None for slot in captured.slots())
     with torch.no_grad():
         for slot, full in full_values(module, captured, rng_state, device, checkpoint):
@@ -152,5 +151,4 @@ def materialize(
             f"set-up gave no values to {missing[:5]} (of {len(missing)}): a bug, please report it"
         )
     if had_sources:
-        _release_freed_host_memory()
-    return allocated
+        release_freed_host_memory()

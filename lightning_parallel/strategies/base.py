@@ -185,7 +185,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self._loss_check = FiniteLossCheck()
         self._watchdog: Optional[FailureWatchdog] = None
         self._pending_full_state: Optional[Mapping[str, Any]] = None  # a checkpoint for a meta module
-        self.setup_bytes: Optional[int] = None  # what set-up allocated on this rank's device
+        self._setup_rng_state: Optional[Tensor] = None  # CPU random state at set-up: deferred initial values
         self.initial_weights = initial_weights
         self.initial_weights_prefix = initial_weights_prefix
         self.memory_report = memory_report
@@ -296,7 +296,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
     evaluates_split = False
 
     def setup(self, trainer: "pl.Trainer") -> None:
-        self._setup_rng_state = torch.get_rng_state()  # deferred initial values: the same in every layout
+        self._setup_rng_state = torch.get_rng_state()  # the same in every layout
         if self._layer_sync is not None:
             # Trainer(sync_batchnorm=True): torch's SyncBatchNorm refuses CPU, syncs over WORLD and replaces
             # the layers; ours syncs over this run's data-parallel group and converts them in place
@@ -352,14 +352,14 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         filled one module at a time: from a checkpoint given before set-up, the module's real tensors (rank
         0's, one at a time), or its initializers, run on the host from rank 0's random state."""
         module = self.lightning_module
-        rng_state = shared_rng_state(getattr(self, "_setup_rng_state", None))
+        rng_state = shared_rng_state(self._setup_rng_state)
         captured = capture(module)
         cut = parallelize()
         checkpoint, self._pending_full_state = self._pending_full_state, None
         if checkpoint is None and self.initial_weights is not None:
             checkpoint = open_weights(self.initial_weights, self.initial_weights_prefix)
             rank_zero_info(describe_loaded(captured, checkpoint, self.initial_weights))
-        self.setup_bytes = materialize(module, captured, self.root_device, rng_state, cut, checkpoint)
+        materialize(module, captured, self.root_device, rng_state, cut, checkpoint)
 
     def load_full_model_state(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """A checkpoint read before set-up into a module built on meta is kept, and set-up reads each

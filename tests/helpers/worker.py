@@ -8,7 +8,6 @@ one after another in the same processes to save start-up time.
 
 from __future__ import annotations
 
-import ctypes
 import gc
 import importlib
 import json
@@ -21,7 +20,8 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
 
-from lightning_parallel.memory.accounting import peak_rss_bytes, rss_bytes
+from lightning_parallel.materialize.share import release_freed_host_memory
+from lightning_parallel.memory.accounting import peak_rss_bytes, rss_bytes, unique_storage_bytes
 
 __all__ = ["run_case", "load_object"]
 
@@ -46,12 +46,9 @@ def reset_peak_resident() -> None:
     """Give freed heap back to the system and restart the peak (VmHWM) from the current resident memory,
     so that a case measures its own peak, not an earlier case's in the same process."""
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+    release_freed_host_memory()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 
 
 class SetupMemory(Callback):
@@ -67,12 +64,7 @@ class SetupMemory(Callback):
         if self.peak_at_first_step is None:
             self.peak_at_first_step = peak_rss_bytes()
             self.rss_at_first_step = rss_bytes()
-            storages = {
-                p.untyped_storage().data_ptr(): p.untyped_storage().nbytes()
-                for p in pl_module.parameters()
-                if p.device.type != "meta"
-            }
-            self.parameter_bytes = sum(storages.values())
+            self.parameter_bytes = unique_storage_bytes(pl_module.parameters())
 
     def figures(self) -> dict:
         growth = None if self.peak_at_first_step is None else self.peak_at_first_step - self.rss_before

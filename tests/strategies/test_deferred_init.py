@@ -51,6 +51,36 @@ def _full(tmp, world, name):
     return torch.load(tmp / f"dist{world}" / name / "last.ckpt", weights_only=False)["state_dict"]
 
 
+USERS = {  # models written without this package: (module, data, its arguments, layout)
+    "transformer": (
+        "tests.helpers.tp_models:TransformerRegressor",
+        "tests.helpers.tp_models:SequenceData",
+        {},
+        "tp2",
+    ),
+    "mixtral": ("tests.helpers.zoo:ZooLM", "tests.helpers.tp_models:TokenData", {"arch": "mixtral"}, "1f1b"),
+    "batchnorm": ("tests.helpers.models:BatchNormNet", "tests.helpers.models:RegressionData", {}, "tp2"),
+}
+
+
+def user_case(name: str, layout: str, steps: int = 4) -> dict:
+    """A ``USERS`` model under ``layout`` (or lp_ddp on one process: ``"ddp1"``), built on meta."""
+    model, data, model_kwargs, _ = USERS[name]
+    _, strategy, kwargs, dp = LAYOUTS[layout] if layout in LAYOUTS else (1, DDP, {}, 1)
+    return {
+        "name": f"{name}-{layout}",
+        "model": model,
+        "model_kwargs": model_kwargs,
+        "data": data,
+        "data_kwargs": {"global_batch_size": 16},
+        "dp_size": dp,
+        "empty_init": True,
+        "trainer": {**F64, "max_steps": steps},
+        "strategy": {"class": strategy, "kwargs": kwargs},
+        "save_checkpoint": True,
+    }
+
+
 def resumed(name: str, layout: str, ckpt, **kwargs) -> dict:
     """GPT under ``layout``, built on meta, resumed from ``ckpt`` up to step 10."""
     _, strategy, strategy_kwargs, dp = LAYOUTS[layout]
@@ -86,6 +116,9 @@ def deferred(tmp_path_factory):
         built_late = case("gpt", f"configure-{layout}", strategy, kwargs, dp)
         built_late.pop("empty_init")
         cases[2].append({**built_late, "model": "tests.helpers.tp_models:ConfiguredGPT"})
+    for name, (*_, layout) in USERS.items():
+        cases[1].append(user_case(name, "ddp1"))
+        cases[2].append(user_case(name, layout))
     pretrained = save_pretrained_llama(tmp / "pretrained")
     weights = {"initial_weights": str(pretrained), "initial_weights_prefix": "model."}
     cases[1] += [
@@ -175,3 +208,13 @@ def test_pretrained_weights_are_read_into_the_shards(deferred):
 def test_a_network_built_in_configure_model_is_deferred_too(deferred, layout):
     tmp, _ = deferred
     assert_params_close(_full(tmp, 2, f"gpt-configure-{layout}"), _full(tmp, 1, "gpt-ddp1"), atol=1e-10)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", list(USERS))
+def test_models_written_without_the_package_are_deferred_too(deferred, name):
+    """torch's nn.Transformer under tp=2, Hugging Face Mixtral (mixture of experts) under 1F1B, a BatchNorm
+    network under tp=2: each built on meta equals lp_ddp on one process."""
+    tmp, _ = deferred
+    layout = USERS[name][3]
+    assert_params_close(_full(tmp, 2, f"{name}-{layout}"), _full(tmp, 1, f"{name}-ddp1"), atol=1e-10)
