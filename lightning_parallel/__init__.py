@@ -9,6 +9,7 @@ from lightning_parallel.registry import STRATEGY_NAMES, register_strategies
 from lightning_parallel.strategies import (
     DataParallelStrategy,
     DDPStrategy,
+    ParallelStrategy,
     ParallelStrategyBase,
     PipelineParallelStrategy,
     TensorParallelStrategy,
@@ -20,6 +21,7 @@ __all__ = [
     "DDPStrategy",
     "DataParallelStrategy",
     "MemoryReport",
+    "ParallelStrategy",
     "ParallelStrategyBase",
     "PipelineParallelStrategy",
     "STRATEGY_NAMES",

@@ -31,6 +31,11 @@ STRATEGY_NAMES: dict[str, tuple[str, dict[str, Any], str]] = {
         {},
         "Megatron-style tensor parallelism (plan='auto'), optionally 2-D with data parallelism",
     ),
+    "lp_parallel": (
+        "ParallelStrategy",
+        {},
+        "data x tensor x pipeline parallelism on one mesh (3-D), the parallelisms applied in one order",
+    ),
     "lp_pipeline_gpipe": (
         "PipelineParallelStrategy",
         {"schedule": "gpipe"},

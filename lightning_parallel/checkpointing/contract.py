@@ -26,8 +26,8 @@ import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from torch import nn
 
+from lightning_parallel.checkpointing.by_name import state_by_name
 from lightning_parallel.checkpointing.one_device import one_device_copy
-from lightning_parallel.pipeline.stage_state import stage_state_by_name
 
 __all__ = ["CheckpointContract", "ShardLayout", "check_keys"]
 
@@ -114,7 +114,7 @@ class CheckpointContract:
 
     def local_optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """This rank's optimizer state by parameter name: ``{"state": {name: {...}}, "groups": [...]}``."""
-        return stage_state_by_name(unwrapped(optimizer), self.lightning_module)
+        return state_by_name(unwrapped(optimizer), self.lightning_module)
 
     def optimizer_state_layouts(self) -> dict[str, ShardLayout]:
         """Parameter name -> the slice its optimizer-state tensors (of the parameter's shape) are."""

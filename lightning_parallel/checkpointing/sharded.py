@@ -38,9 +38,9 @@ from lightning.fabric.utilities.types import _PATH
 from torch import Tensor, nn
 
 from lightning_parallel.checkpointing.atomic import atomic_torch_save
+from lightning_parallel.checkpointing.by_name import names_in_optimizer
 from lightning_parallel.checkpointing.contract import ShardLayout
 from lightning_parallel.checkpointing.resume_state import all_gather_objects
-from lightning_parallel.pipeline.stage_state import names_in_optimizer
 
 __all__ = [
     "META_FILE",

@@ -24,6 +24,7 @@ from omegaconf import MISSING
 from lightning_parallel.strategies import (
     DataParallelStrategy,
     DDPStrategy,
+    ParallelStrategy,
     PipelineParallelStrategy,
     TensorParallelStrategy,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "LightningDDPStrategyConf",
     "TensorParallelStrategyConf",
     "PipelineParallelStrategyConf",
+    "ParallelStrategyConf",
     "TrainerConf",
     "CheckpointConf",
     "LPTrainConf",
@@ -91,6 +93,7 @@ DataParallelStrategyConf = strategy_schema(DataParallelStrategy)
 # into ``trainer.strategy`` (its plan comes as ``+lp/plan@trainer.strategy.plan=<name>``)
 TensorParallelStrategyConf = strategy_schema(TensorParallelStrategy, plan="${oc.select:..plan,auto}")
 PipelineParallelStrategyConf = strategy_schema(PipelineParallelStrategy)
+ParallelStrategyConf = strategy_schema(ParallelStrategy, plan="${oc.select:..plan,auto}")
 
 
 @dataclass

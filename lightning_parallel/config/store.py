@@ -11,6 +11,7 @@ from lightning_parallel.config.schema import (
     DDPStrategyConf,
     LightningDDPStrategyConf,
     LPTrainConf,
+    ParallelStrategyConf,
     PipelineParallelStrategyConf,
     TensorParallelStrategyConf,
     TrainerConf,
@@ -28,6 +29,7 @@ SCHEMAS = {
     ("strategy", "ddp_schema"): LightningDDPStrategyConf,
     ("strategy", "tensor_parallel_schema"): TensorParallelStrategyConf,
     ("strategy", "pipeline_schema"): PipelineParallelStrategyConf,
+    ("strategy", "parallel_schema"): ParallelStrategyConf,
     ("trainer", "trainer_schema"): TrainerConf,
 }
 

@@ -18,7 +18,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_parallel.strategies.base import ParallelStrategyBase
-from lightning_parallel.strategies.checks import layout
+from lightning_parallel.strategies.checks import layout, layout_sizes
 from lightning_parallel.strategies.options import defaults, option_problems
 
 __all__ = ["ConfigError", "validate", "world_size_of", "problems"]
@@ -143,18 +143,15 @@ def _strategy_problems(strategy: Any, trainer: Any, cfg: DictConfig) -> list[str
     values = {**defaults(cls), **OmegaConf.to_container(strategy, resolve=True)}
     out = option_problems(cls, values, prefix="strategy.")
     world = world_size_of(trainer)
-    if out or world is None or world < 1 or cls.model_parallel_option is None:
+    if out or world is None or world < 1 or not cls.size_options:
         return out
     where = f"trainer.devices={trainer.devices} x trainer.num_nodes={trainer.num_nodes} = {world} process(es)"
-    dp, size_name = values["data_parallel_size"], cls.model_parallel_option
-    problem = layout(world, where, dp, values[size_name], size_name, prefix="strategy.")
+    sizes = {name: values[name] for name in cls.size_options}
+    problem = layout(world, where, sizes, prefix="strategy.")
     if problem:
         return [problem]
-    return (
-        _stage_problems(values, values[size_name] or world // dp, cfg)
-        if cls.model_parallel_axis == "pp"
-        else []
-    )
+    stages = layout_sizes(world, sizes).get("pipeline_parallel_size", 1)
+    return _stage_problems(values, stages, cfg) if stages > 1 or "pp" in cls.always_applied else []
 
 
 def _stage_problems(values: dict[str, Any], stages: int, cfg: DictConfig) -> list[str]:

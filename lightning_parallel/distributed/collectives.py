@@ -34,6 +34,7 @@ __all__ = [
     "all_gather_list",
     "group_size",
     "clip_grad_norm_sharded",
+    "clip_grad_norm_counted",
     "share_found_inf",
     "group_rank",
     "start_gather_numbers",
@@ -202,25 +203,34 @@ def split_to_group(x: Tensor, group: Optional[dist.ProcessGroup], dim: int = -1)
 def clip_grad_norm_sharded(
     parameters: Iterable[Tensor], max_norm: float, sharded: set[int], group: Optional[dist.ProcessGroup]
 ) -> Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` with the global 2-norm of parameters split over ``group``.
-
-    Parameters whose ``id`` is in ``sharded`` hold a slice each: their squared norms are summed over the
-    group; the others are replicated and counted once. Every rank joins the sum, a rank without
-    gradients (a pipeline stage that got none this step) with 0, so no rank waits for one that skipped
-    it. Every rank gets the same norm and the same scale, as one device holding the whole model would.
-    Returns the total norm."""
+    """``torch.nn.utils.clip_grad_norm_`` with the global 2-norm of parameters split over ``group``:
+    parameters whose ``id`` is in ``sharded`` hold a slice each, the others are the same on every rank of
+    the group and are counted on its first rank (``clip_grad_norm_counted``). Returns the total norm."""
     params = list(parameters)
-    with_grad = [p for p in params if p.grad is not None]
-    split = [p.grad for p in with_grad if id(p) in sharded]
-    whole = [p.grad for p in with_grad if id(p) not in sharded]
+    first = group_rank(group) == 0
+    counted = {id(p) for p in params if id(p) in sharded or first}
+    return clip_grad_norm_counted(params, max_norm, counted, group)
+
+
+def clip_grad_norm_counted(
+    parameters: Iterable[Tensor], max_norm: float, counted: set[int], group: Optional[dist.ProcessGroup]
+) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` over a model spread across ``group``: the squared norms of the
+    gradients whose parameter's ``id`` is in ``counted`` are summed over the group, where every part of
+    the model is counted on exactly one rank (a shard by its holder, a copy by one of its holders).
+    Every rank joins the sum, a rank without gradients (a pipeline stage that got none this step) with
+    0, so no rank waits for one that skipped it. Every rank gets the same norm and scales all of its
+    gradients alike, as one device holding the whole model would. Returns the total norm."""
+    params = list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    mine = [p.grad for p in params if p.grad is not None and id(p) in counted]
     dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
     device = params[0].device if params else _collective_device(group)
-    squares = _add_squares(torch.zeros((), device=device, dtype=dtype), split)
     # summed in float64 whatever each rank's dtype: every rank sends the same kind of tensor
-    squares = _add_squares(all_reduce_sum(squares.to(torch.float64), group).to(dtype), whole)
-    total = squares.sqrt()
+    squares = _add_squares(torch.zeros((), device=device, dtype=torch.float64), mine)
+    total = all_reduce_sum(squares, group).to(dtype).sqrt()
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for g in split + whole:
+    for g in grads:
         g.detach().mul_(scale.to(g.dtype))
     return total
 

@@ -37,10 +37,18 @@ class MeshShape:
     def rank(self, dp: int, pp: int, tp: int) -> int:
         return (dp * self.pp + pp) * self.tp + tp
 
+    def size(self, axis: str) -> int:
+        """The size of ``axis``: ``"dp"``, ``"pp"``, ``"tp"``, or ``"model"`` (pp x tp: the ranks of one
+        replica of the model, which together hold all of it)."""
+        return self.pp * self.tp if axis == "model" else getattr(self, axis)
+
     def axis_ranks(self, axis: str, rank: int) -> list[int]:
-        """The global ranks that share every coordinate of ``rank`` except ``axis``."""
+        """The global ranks that share every coordinate of ``rank`` except ``axis`` (``"model"``: except
+        pp and tp)."""
         d, p, t = self.coordinates(rank)
-        size = getattr(self, axis)
+        size = self.size(axis)
+        if axis == "model":
+            return [self.rank(d, 0, 0) + i for i in range(size)]
         if axis == "dp":
             return [self.rank(i, p, t) for i in range(size)]
         if axis == "pp":
@@ -98,8 +106,8 @@ def build_mesh(shape: MeshShape) -> Mesh:
         )
     rank = dist.get_rank()
     mesh = Mesh(shape=shape, rank=rank)
-    for axis in ("dp", "pp", "tp"):
-        size = getattr(shape, axis)
+    for axis in ("dp", "pp", "tp", "model"):
+        size = shape.size(axis)
         if size == world:
             mesh.groups[axis] = None
             continue

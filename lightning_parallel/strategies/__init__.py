@@ -3,6 +3,7 @@
 from lightning_parallel.strategies.base import ParallelStrategyBase
 from lightning_parallel.strategies.ddp import DDPStrategy
 from lightning_parallel.strategies.dp import DataParallelStrategy
+from lightning_parallel.strategies.parallel import ParallelStrategy
 from lightning_parallel.strategies.pipeline import PipelineParallelStrategy
 from lightning_parallel.strategies.reference import SingleDeviceReferenceStrategy
 from lightning_parallel.strategies.tensor_parallel import TensorParallelStrategy
@@ -12,6 +13,7 @@ __all__ = [
     "DDPStrategy",
     "DataParallelStrategy",
     "SingleDeviceReferenceStrategy",
+    "ParallelStrategy",
     "TensorParallelStrategy",
     "PipelineParallelStrategy",
 ]

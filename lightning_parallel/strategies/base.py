@@ -19,7 +19,7 @@ What the base adds on top:
   every rank exits within ``failure_timeout`` seconds (default 60) naming the rank and the call, instead
   of waiting in a collective; a signal (SIGTERM) ends a rank stuck in one within seconds;
 - the set-up that split models share: the (dp, model-parallel) sizes checked against the world before
-  any process group exists (``parallel_sizes``), clipping by the whole model's norm
+  any process group exists (``mesh_shape``), clipping by the whole model's norm
   (``install_global_norm_clipping``), one overflow verdict for every rank under 16-mixed
   (``share_found_inf``), and the refusal of launchers that would hand back rank 0's part only
   (``popen_only``);
@@ -60,7 +60,7 @@ from torch import Tensor
 from lightning_parallel.checkpointing import AtomicCheckpointIO, Checkpointer
 from lightning_parallel.checkpointing.contract import check_keys
 from lightning_parallel.checkpointing.loss_check import FiniteLossCheck, training_loss
-from lightning_parallel.distributed.collectives import clip_grad_norm_sharded, share_found_inf
+from lightning_parallel.distributed.collectives import clip_grad_norm_counted, share_found_inf
 from lightning_parallel.distributed.mesh import Mesh, MeshShape, build_mesh, destroy_process_groups_at_exit
 from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.replicas import broadcast_module_states
@@ -77,7 +77,7 @@ from lightning_parallel.materialize import (
     shared_rng_state,
 )
 from lightning_parallel.memory import MemoryReport
-from lightning_parallel.strategies.checks import layout, one_of, positive_number, require
+from lightning_parallel.strategies.checks import layout, layout_sizes, one_of, positive_number, require
 from lightning_parallel.strategies.global_batch import describe_global_batch
 from lightning_parallel.strategies.launcher import HydraSafeSubprocessLauncher, failure_exit_fn
 from lightning_parallel.strategies.options import level_problems, options
@@ -132,10 +132,9 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
     supports_save_distributed = True
     #: why only ``start_method="popen"`` works, where the others would hand back rank 0's part only
     popen_only: Optional[str] = None
-    #: the option that sizes the model-parallel axis (``"tensor_parallel_size"``), beside ``data_parallel_size``
-    model_parallel_option: Optional[str] = None
-    #: that axis in the mesh: ``"tp"`` or ``"pp"``
-    model_parallel_axis: Optional[str] = None
+    #: the options that size the mesh's axes (option name -> "dp", "tp" or "pp"), in the order messages name
+    #: them; an axis without one has size 1, and without any the run is data parallel over every process
+    size_options: dict[str, str] = {}
     #: ``init_module()`` and ``configure_model`` build on the meta device unless ``empty_init=False``
     #: (split models: each rank materializes its share); otherwise only with ``empty_init=True``
     defers_init_by_default = False
@@ -240,22 +239,17 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             super()._configure_launcher()
 
     # ----------------------------------------------------------------- layout
-    def parallel_sizes(self) -> tuple[int, int]:
-        """(data-parallel, model-parallel) sizes of this run; raises, naming sizes that fit, when their
-        product is not the world. Pure data parallel: (world, 1)."""
-        if self.model_parallel_option is None:
-            return self.world_size, 1
-        world, dp, size = self.world_size, self.data_parallel_size, getattr(self, self.model_parallel_option)
-        where = f"{world} process(es) of this run (num_nodes={self.num_nodes} x devices={self.num_processes})"
-        require(
-            [layout(world, where, dp, size, self.model_parallel_option)], prefix=f"{type(self).__name__}: "
-        )
-        return dp, size or world // dp
-
     def mesh_shape(self) -> MeshShape:
-        """The (dp, pp, tp) layout of this strategy: ``parallel_sizes`` on the model-parallel axis."""
-        dp, size = self.parallel_sizes()
-        return MeshShape(dp=dp, **({self.model_parallel_axis: size} if self.model_parallel_axis else {}))
+        """The (dp, pp, tp) layout of this run from ``size_options``; raises, naming sizes that fit, when
+        their product is not the world, before any process group exists."""
+        if not self.size_options:
+            return MeshShape(dp=self.world_size)
+        world = self.world_size
+        where = f"{world} process(es) of this run (num_nodes={self.num_nodes} x devices={self.num_processes})"
+        sizes = {name: getattr(self, name) for name in self.size_options}
+        require([layout(world, where, sizes)], prefix=f"{type(self).__name__}: ")
+        resolved = layout_sizes(world, sizes)
+        return MeshShape(**{axis: resolved[name] for name, axis in self.size_options.items()})
 
     def setup_distributed(self) -> None:
         """Lightning's, except that a GPU is bound to the process group only for NCCL: Lightning binds it
@@ -393,14 +387,14 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             share_found_inf(self.scaler(), group=None)
 
     def install_global_norm_clipping(
-        self, split: set[int], group: Optional[torch.distributed.ProcessGroup]
+        self, counted: set[int], group: Optional[torch.distributed.ProcessGroup]
     ) -> None:
-        """Clipping by norm uses the whole model's norm: the parameters in ``split`` (by id) differ across
-        ``group``, the others are the same on every rank of it. Lightning's plugin would clip each rank by
-        its local norm; this replaces it on this plugin instance."""
+        """Clipping by norm uses the whole model's norm: the squares of the parameters in ``counted`` (by
+        id; each part of the model on one rank of ``group``) are summed over ``group``. Lightning's plugin
+        would clip each rank by its local norm; this replaces it on this plugin instance."""
 
         def clip_grad_by_norm(plugin: Any, optimizer: Any, clip_val: Union[int, float]) -> None:
-            clip_grad_norm_sharded(list(plugin.main_params(optimizer)), float(clip_val), split, group)
+            clip_grad_norm_counted(list(plugin.main_params(optimizer)), float(clip_val), counted, group)
 
         self.precision_plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, self.precision_plugin)
 

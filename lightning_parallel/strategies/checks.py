@@ -7,10 +7,11 @@ config before any process starts (``config.validate``). Both call these function
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["layout", "one_of", "positive_int", "positive_number", "require"]
+__all__ = ["layout", "layout_sizes", "one_of", "positive_int", "positive_number", "require"]
 
 
 def require(problems: Iterable[str | None], prefix: str = "") -> None:
@@ -46,22 +47,41 @@ def one_of(name: str, value: Any, choices: Sequence[Any], hint: str = "") -> str
     return f"{name}={value!r} is not supported; use one of {', '.join(repr(c) for c in choices)}{hint}."
 
 
-def layout(world: int, where: str, dp: int, size: int | None, size_name: str, prefix: str = "") -> str | None:
-    """``data_parallel_size`` x ``size_name`` must equal the ``world`` (``where`` says how it is counted);
-    a size of None takes ``world // dp``."""
-    s, d = f"{prefix}{size_name}", f"{prefix}data_parallel_size"
-    if size is not None and size > world:
-        return (
-            f"{s}={size} is more than the {where}; each part needs its own process: use at most {world} "
-            "or more devices"
-        )
-    if size is not None and world % size:
-        return (
-            f"{where} is not divisible by {s}={size}; use a device count that is a multiple of {size}, "
-            f"or {s}=null to use all {world}"
-        )
-    if world % dp:
-        return f"{where} is not divisible by {d}={dp}; use {d}=1 or a divisor of {world}"
-    if size is not None and size * dp != world:
-        return f"{d}={dp} x {s}={size} = {dp * size} must equal the {where}; use {d}={world // size}"
-    return None
+def layout(world: int, where: str, sizes: Mapping[str, int | None], prefix: str = "") -> str | None:
+    """The sizes named in ``sizes`` (option name -> size, in the order a message lists them; the first is
+    ``data_parallel_size``) must multiply to the ``world`` (``where`` says how it is counted); one of them
+    may be None, which takes what the others leave."""
+    named = {f"{prefix}{name}": size for name, size in sizes.items()}
+    unset = [name for name, size in named.items() if size is None]
+    if len(unset) > 1:
+        return f"at most one of {', '.join(unset)} may be null (inferred from the {where}); set the others"
+    first = next(iter(named))
+    for name, size in named.items():
+        if name != first and size is not None and size > world:
+            return (
+                f"{name}={size} is more than the {where}; each part needs its own process: use at most {world} "
+                "or more devices"
+            )
+        if name != first and size is not None and world % size:
+            return (
+                f"{where} is not divisible by {name}={size}; use a device count that is a multiple of {size}, "
+                f"or {name}=null to use all {world}"
+            )
+    if named[first] is not None and world % named[first]:
+        return f"{where} is not divisible by {first}={named[first]}; use {first}=1 or a divisor of {world}"
+    given = math.prod(size for size in named.values() if size is not None)
+    if world % given:
+        product = " x ".join(f"{n}={s}" for n, s in named.items() if s is not None)
+        return f"{product} = {given} does not divide the {where}"
+    if unset or given == world:
+        return None
+    others = given // named[first]
+    hint = f"; use {first}={world // others}" if world % others == 0 else ""
+    return f"{' x '.join(f'{n}={s}' for n, s in named.items())} = {given} must equal the {where}{hint}"
+
+
+def layout_sizes(world: int, sizes: Mapping[str, int | None]) -> dict[str, int]:
+    """``sizes`` with the one None (if any) replaced by what the others leave of ``world``; assumes
+    ``layout`` found no problem."""
+    given = math.prod(size for size in sizes.values() if size is not None)
+    return {name: world // given if size is None else size for name, size in sizes.items()}

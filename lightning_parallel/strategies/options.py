@@ -46,14 +46,24 @@ def _own_options(klass: type) -> list[Option]:
     ]
 
 
-def options(cls: type, configurable: bool = True) -> list[Option]:
-    """Every keyword option of ``cls``, the subclass's first; ``configurable`` leaves out ``TRAINER_SUPPLIED``."""
+def _all_options(cls: type) -> dict[str, Option]:
     found: dict[str, Option] = {}
     for klass in cls.__mro__:
         if klass.__module__.startswith("lightning_parallel") and "__init__" in vars(klass):
             for option in _own_options(klass):
                 found.setdefault(option.name, option)
-    return [o for o in found.values() if not (configurable and o.name in TRAINER_SUPPLIED)]
+    return found
+
+
+def options(cls: type, configurable: bool = True) -> list[Option]:
+    """Every keyword option of ``cls``, the subclass's first, without those a preset fixes (its
+    ``hidden_options``); ``configurable`` leaves out ``TRAINER_SUPPLIED``."""
+    hidden = set(getattr(cls, "hidden_options", ()))
+    return [
+        o
+        for o in _all_options(cls).values()
+        if o.name not in hidden and not (configurable and o.name in TRAINER_SUPPLIED)
+    ]
 
 
 def defaults(cls: type) -> dict[str, Any]:
@@ -71,5 +81,5 @@ def level_problems(level: type, cls: type, values: Mapping[str, Any], prefix: st
 def option_problems(cls: type, values: Mapping[str, Any], prefix: str = "") -> list[str]:
     """Every problem of ``values`` (absent options at their defaults) that the constructors of ``cls`` check,
     each naming the option as ``prefix + name``."""
-    merged = {**defaults(cls), **values}
+    merged = {**{o.name: o.default for o in _all_options(cls).values()}, **values}
     return [p for level in reversed(cls.__mro__) for p in level_problems(level, cls, merged, prefix)]

@@ -49,12 +49,15 @@ def sharded_parameters(module: nn.Module) -> dict[str, tuple[Tensor, ShardSpec, 
         if isinstance(layer, _TPLayer):
             for name, spec in layer.SHARDS.items():
                 tensor = getattr(layer, name, None)
-                if tensor is not None:
+                # a tensor held as a plain attribute is another pipeline stage's (``hold_elsewhere``)
+                if tensor is not None and (name in layer._parameters or name in layer._buffers):
                     out[f"{prefix}.{name}" if prefix else name] = (tensor, spec, layer)
     record = getattr(module, FEATURE_SHARDS, None)
     for name, spec in (record.specs if record is not None else {}).items():
         owner, _, attr = name.rpartition(".")
-        out[name] = (getattr(module.get_submodule(owner), attr), spec, record)
+        holder = module.get_submodule(owner)
+        if attr in holder._parameters or attr in holder._buffers:
+            out[name] = (getattr(holder, attr), spec, record)
     by_id = {id(t): entry for t, *_ in out.values() for entry in [(t, *_)]}
     for name, p in module.named_parameters(remove_duplicate=False):  # other names of a tied shard
         if id(p) in by_id and name not in out:

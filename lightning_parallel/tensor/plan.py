@@ -605,6 +605,9 @@ def install_gradient_sums(
     module: nn.Module, resolved: ResolvedPlan, group: Optional[dist.ProcessGroup]
 ) -> None:
     """Sum the gradients of ``resolved.gradient_sums`` (whole parameters used on split values) over the
-    group as each backward makes them (on the parameter objects ``module`` holds now)."""
+    group as each backward makes them (on the parameter objects ``module`` holds now; a pipeline stage
+    holds only its own)."""
+    held = dict(module.named_parameters(remove_duplicate=False))
     for name in resolved.gradient_sums:
-        module.get_parameter(name).register_hook(lambda g: all_reduce_sum(g.clone(), group))
+        if name in held:
+            held[name].register_hook(lambda g: all_reduce_sum(g.clone(), group))

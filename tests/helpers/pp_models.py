@@ -7,7 +7,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Subset, default_collate
 
 from tests.helpers.models import MLP
-from tests.helpers.tp_models import TokenData
+from tests.helpers.tp_models import SmallGPT, TokenData
 
 
 class SequentialNet(MLP):
@@ -261,3 +261,7 @@ class MicroBatchNormStack(MicroBatchNorm, BatchNormStack):
 
 class AsyncMicroBatchNormStack(AsyncRule, MicroBatchNorm, BatchNormStack):
     """``BatchNormStack`` trained as the async pipeline with micro-batches trains it, on one process."""
+
+
+class AsyncRuleGPT(AsyncRule, SmallGPT):
+    """``SmallGPT`` (plain SGD) trained by the async rule on one process."""

@@ -1,6 +1,6 @@
-"""Optimizer state across pipeline stages, in the layout-independent form of a single-device run.
+"""Model and optimizer state of a split model, in the layout-independent form of a single-device run.
 
-Each stage's optimizer only knows its own parameters and numbers them 0..k-1. A checkpoint must not
+Each rank's optimizer only knows its own parameters (a pipeline stage's) and numbers them 0..k-1. A checkpoint must not
 depend on that: we write the state a single-device optimizer would have (parameters numbered in the
 module's ``named_parameters`` order), so it loads into any other layout and any layout's loads here.
 Assumes what ``configure_optimizers`` usually does: one parameter group per optimizer built from
@@ -9,11 +9,19 @@ Assumes what ``configure_optimizers`` usually does: one parameter group per opti
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
+import torch.distributed as dist
 from torch import nn
 
-__all__ = ["names_in_optimizer", "stage_state_by_name", "merge_stage_states", "stage_state_from_full"]
+__all__ = [
+    "names_in_optimizer",
+    "state_by_name",
+    "merge_states",
+    "state_from_full",
+    "gather_parts",
+    "gather_optimizer_parts",
+]
 
 
 def names_in_optimizer(optimizer: Any, module: nn.Module) -> list[str]:
@@ -22,9 +30,12 @@ def names_in_optimizer(optimizer: Any, module: nn.Module) -> list[str]:
     return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
 
 
-def stage_state_by_name(optimizer: Any, module: nn.Module) -> dict[str, Any]:
-    """This stage's optimizer state keyed by parameter name (what the stages exchange)."""
-    state = optimizer.state_dict()
+def state_by_name(
+    optimizer: Any, module: nn.Module, state: Optional[Mapping[str, Any]] = None
+) -> dict[str, Any]:
+    """This rank's optimizer state (``state``, else ``optimizer.state_dict()``) keyed by parameter name
+    (what the ranks exchange)."""
+    state = optimizer.state_dict() if state is None else state
     names = names_in_optimizer(optimizer, module)
     order = [i for group in state["param_groups"] for i in group["params"]]
     by_index = dict(zip(order, names))
@@ -35,8 +46,8 @@ def stage_state_by_name(optimizer: Any, module: nn.Module) -> dict[str, Any]:
     return {"state": {by_index[i]: s for i, s in state["state"].items()}, "groups": groups}
 
 
-def merge_stage_states(stages: Sequence[Mapping[str, Any]], full_names: Sequence[str]) -> dict[str, Any]:
-    """The single-device ``optimizer.state_dict()`` made from every stage's named state."""
+def merge_states(stages: Sequence[Mapping[str, Any]], full_names: Sequence[str]) -> dict[str, Any]:
+    """The single-device ``optimizer.state_dict()`` made from every part's named state."""
     position = {n: i for i, n in enumerate(full_names)}
     groups = []
     for g, first in enumerate(stages[0]["groups"]):
@@ -54,10 +65,10 @@ def merge_stage_states(stages: Sequence[Mapping[str, Any]], full_names: Sequence
     return {"state": state, "param_groups": param_groups}
 
 
-def stage_state_from_full(
+def state_from_full(
     full: Mapping[str, Any], optimizer: Any, module: nn.Module, full_names: Sequence[str]
 ) -> dict[str, Any]:
-    """This stage's ``optimizer.state_dict()`` cut out of a single-device one (any layout saved it)."""
+    """This rank's ``optimizer.state_dict()`` cut out of a single-device one (any layout saved it)."""
     ordered = [i for g in full["param_groups"] for i in g["params"]]
     if len(ordered) != len(full_names):
         raise ValueError(
@@ -79,3 +90,27 @@ def stage_state_from_full(
         if name in local_index:
             state[local_index[name]] = s
     return {"state": state, "param_groups": param_groups}
+
+
+def gather_parts(
+    local: Mapping[str, Any], group: Optional[dist.ProcessGroup], keys: Sequence[str]
+) -> dict[str, Any]:
+    """The state dict made of every rank's part over ``group`` (each rank holds some of ``keys``; a key
+    several hold is the same on each), in the order of ``keys`` (a collective)."""
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(
+        parts, {k: v.detach().cpu() if hasattr(v, "detach") else v for k, v in local.items()}, group=group
+    )
+    merged: dict[str, Any] = {}
+    for part in parts:
+        merged.update(part)
+    return {k: merged[k] for k in keys if k in merged}
+
+
+def gather_optimizer_parts(
+    named: Mapping[str, Any], group: Optional[dist.ProcessGroup], full_names: Sequence[str]
+) -> dict[str, Any]:
+    """The single-device ``optimizer.state_dict()`` made of every rank's named state over ``group``."""
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, named, group=group)
+    return merge_states(parts, full_names)

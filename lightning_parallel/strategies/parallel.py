@@ -1,0 +1,338 @@
+"""``lp_parallel``: data x tensor x pipeline parallelism on one (dp, pp, tp) mesh, for unmodified LightningModules.
+
+Set-up applies the parallelisms to the module in one order, each a function of the module and the mesh
+that knows no strategy class (``configure_parallelism`` reads as that order):
+
+1. tensor parallel: the plan is resolved on the whole, unmodified module (``plan="auto"`` traces the
+   user's ``training_step`` on fake tensors), then its layers are sharded over the tp group
+   (``tensor.shard_module``);
+2. pipeline: the block stack of the sharded module is partitioned into stages over the pp group
+   (``pipeline.partition``); the stage's ranks of one tp group run the same blocks and pass the same
+   activations on to the next stage's tp group;
+3. data parallel: the gradients of the parameters this rank holds are averaged over the dp group, by the
+   ``GradientReducer`` overlapped with backward when nothing is pipelined, after the stage's schedule
+   otherwise.
+
+Steps 1 and 2 run on the module built on meta (``set_up_share``): a rank allocates only its share.
+Checkpoints stack the gathers in the same order: over tp (full tensors), then over pp (the stages'
+parts), so a checkpoint of any layout holds the single-device state under single-device names and loads
+into any other layout; clipping uses the norm of the whole model over tp and pp.
+
+``lp_tensor_parallel`` and ``lp_pipeline_*`` are this class with an axis fixed (``tensor_parallel.py``,
+``pipeline.py``): their options are the ones they declare, their defaults and behaviour as before.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_parallel.checkpointing import ShardLayout
+from lightning_parallel.checkpointing.by_name import (
+    gather_optimizer_parts,
+    gather_parts,
+    state_by_name,
+    state_from_full,
+)
+from lightning_parallel.checkpointing.contract import check_keys, unwrapped
+from lightning_parallel.distributed.reducer import GradientReducer
+from lightning_parallel.pipeline.partition import partition
+from lightning_parallel.pipeline.schedules import SCHEDULES
+from lightning_parallel.strategies.base import ParallelStrategyBase
+from lightning_parallel.strategies.checks import one_of, positive_int, require
+from lightning_parallel.strategies.options import level_problems
+from lightning_parallel.strategies.pipeline_async import AsyncPipelineMixin
+from lightning_parallel.strategies.pipeline_stages import PipelineStages
+from lightning_parallel.strategies.plan_verification import PlanVerification
+from lightning_parallel.tensor import Plan, ResolvedPlan, parse_plan, resolve
+from lightning_parallel.tensor.coverage import check_coverage, sample_forward
+from lightning_parallel.tensor.full_state import (
+    full_optimizer_state,
+    full_state_dict,
+    load_full_state_dict,
+    shard_optimizer_state,
+    sharded_parameters,
+    unsharded_copy,
+)
+from lightning_parallel.tensor.layers import SharedEntry, _TPLayer
+from lightning_parallel.tensor.plan import install_gradient_sums
+from lightning_parallel.tensor.shard import shard_module
+
+__all__ = ["ParallelStrategy", "BALANCES"]
+
+BALANCES = ("parameters", "time")
+
+
+class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, ParallelStrategyBase):
+    """Data x tensor x pipeline parallelism (3-D) on ``torch.distributed``; see docs/parallel_3d.md.
+
+    Args:
+        data_parallel_size: replicas of the model, each with its own batches; None = what the other two
+            leave of the world.
+        tensor_parallel_size: processes that split each sharded layer (neighbouring ranks); None = what
+            the other two leave.
+        pipeline_parallel_size: pipeline stages; None = what the other two leave. At most one of the
+            three sizes may be None.
+        plan: the tensor-parallel plan: ``"auto"``, a dict of module-name patterns to styles, a YAML file
+            path, or a ``Plan`` (used when ``tensor_parallel_size > 1``).
+        verify_plan: on the first batch, also run the unsharded module and fail with the largest
+            difference if the outputs disagree (without pipeline stages).
+        require_sharded: the least share of the model's parameters the plan must split; a plan that
+            splits less fails before training, naming what stayed whole and why. 0 accepts any plan.
+        schedule: ``"gpipe"`` (fill-drain), ``"1f1b"`` (one-forward-one-backward, flush each step), or
+            ``"async"`` (PipeDream-2BW's update rule; see ``pipeline_async.py``).
+        num_microbatches: micro-batches per batch; a batch that does not divide evenly is split into
+            parts differing by one sample, each weighted by its size.
+        split_points: where stages start: block names (``["model.blocks.2"]``) or block counts per
+            stage (``[2, 2]``); None balances by parameter count.
+        balance: how stages are chosen when ``split_points`` is None: ``"parameters"`` (equal parameter
+            counts) or ``"time"`` (each block's forward + backward time measured on the first micro-batch
+            before training, averaged over ranks; the random state is left as it was).
+        block_stack: name of the ``nn.ModuleList``/``nn.Sequential`` to split; None takes the one with the
+            most parameters (of an ``nn.Transformer``, the decoder's layers). Other stacks run whole on
+            every stage, like an embedding; rank 0 names both at start-up.
+        timeline_step: the step whose pipeline timeline is written (Chrome trace + SVG) to the run's folder.
+        **kwargs: process plumbing, as for Lightning's ``DDPStrategy``.
+    """
+
+    strategy_name = "lp_parallel"
+    defers_init_by_default = True
+    popen_only = "Lightning's spawn launcher hands back only rank 0's part of the model"
+    size_options = {"data_parallel_size": "dp", "tensor_parallel_size": "tp", "pipeline_parallel_size": "pp"}
+    #: axes applied even at size 1 (the presets: a tensor-parallel run of one process still shards, a
+    #: pipeline of one stage still runs micro-batches)
+    always_applied: tuple[str, ...] = ()
+    #: the sizes that may be None (inferred from the world)
+    nullable_sizes: tuple[str, ...] = tuple(size_options)
+    evaluates_split = True
+    #: the options of each axis; a preset that fixes an axis hides its options (``strategies.options``)
+    tensor_options = ("tensor_parallel_size", "plan", "verify_plan", "require_sharded")
+    pipeline_options = (
+        "pipeline_parallel_size",
+        "schedule",
+        "num_microbatches",
+        "split_points",
+        "balance",
+        "block_stack",
+        "timeline_step",
+    )
+
+    def __init__(
+        self,
+        data_parallel_size: Optional[int] = None,
+        tensor_parallel_size: Optional[int] = 1,
+        pipeline_parallel_size: Optional[int] = 1,
+        plan: Union[str, Path, Mapping[str, Any], Plan, None] = "auto",
+        verify_plan: bool = False,
+        require_sharded: float = 0.2,
+        schedule: str = "1f1b",
+        num_microbatches: int = 4,
+        split_points: Optional[Sequence[Union[str, int]]] = None,
+        balance: str = "parameters",
+        block_stack: Optional[str] = None,
+        timeline_step: Optional[int] = 2,
+        **kwargs: Any,
+    ) -> None:
+        require(level_problems(ParallelStrategy, type(self), locals()))
+        # malformed plans and missing files fail here, before any process starts (and are read once)
+        self._plan = plan if plan is None or (isinstance(plan, str) and plan == "auto") else parse_plan(plan)
+        super().__init__(**kwargs)
+        self.data_parallel_size = data_parallel_size
+        self.tensor_parallel_size = tensor_parallel_size
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self.plan, self.verify_plan, self.require_sharded = plan, verify_plan, float(require_sharded)
+        self.schedule, self.num_microbatches = schedule, num_microbatches
+        self.split_points, self.block_stack, self.timeline_step = split_points, block_stack, timeline_step
+        self.balance = balance
+        self.resolved: Optional[ResolvedPlan] = None
+        self._entries: list[SharedEntry] = []
+        self._stage_costs: Optional[list[float]] = None  # balance='time': each block's measured seconds
+        self._init_stage_state()
+        self._init_async_state()
+        self._init_verification()
+
+    @classmethod
+    def own_option_problems(cls, values: Mapping[str, Any], prefix: str = "") -> list[Optional[str]]:
+        """The checks of the arguments declared here (``strategies.options.option_problems`` reads them)."""
+        share, balance, split_points = values["require_sharded"], values["balance"], values["split_points"]
+        return [
+            *(
+                positive_int(f"{prefix}{name}", values[name], allow_none=name in cls.nullable_sizes)
+                for name in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size")
+            ),
+            None
+            if isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share <= 1
+            else f"{prefix}require_sharded must be a share between 0 and 1, got {share!r}",
+            one_of(f"{prefix}schedule", values["schedule"], SCHEDULES),
+            positive_int(f"{prefix}num_microbatches", values["num_microbatches"]),
+            one_of(f"{prefix}balance", balance, BALANCES, hint=", or give split_points"),
+            None
+            if balance != "time" or split_points is None
+            else f"{prefix}balance='time' and {prefix}split_points={list(split_points)!r} both choose the stages; give "
+            "one of them (split_points fix the stages, balance='time' measures and chooses them).",
+        ]
+
+    # ----------------------------------------------------------------- layout
+    @property
+    def tp_group(self) -> Optional[dist.ProcessGroup]:
+        return self.mesh.group("tp") if self.mesh is not None else None
+
+    def applies(self, axis: str) -> bool:
+        """Whether set-up applies the parallelism of ``axis`` ("tp" or "pp") to this run's module."""
+        return self.mesh.shape.size(axis) > 1 or axis in self.always_applied
+
+    def model_is_split(self) -> bool:
+        return self.pipelined or self._is_sharded()
+
+    def _is_sharded(self) -> bool:
+        return self.lightning_module is not None and bool(sharded_parameters(self.lightning_module))
+
+    # ----------------------------------------------------------------- set-up: the composition
+    def configure_parallelism(self) -> None:
+        module = self.lightning_module
+        shape = self.mesh.shape
+        if self.applies("pp"):
+            self.check_schedule(shape.pp)
+        self.share_found_inf()
+        self._bind_metrics_to_dp_group()  # also for validate/test/predict without a fit
+        if not self.model_is_split():
+            self._split(module)
+        elif self._is_sharded():  # split by an earlier fit of this trainer: keep its layers
+            self._keep_earlier_shards(module, shape.tp)
+        if self.pipelined and self.executor is None:
+            self.wire_stages(self._stage_costs)
+        if not self.pipelined and shape.dp > 1:  # stages average their gradients after the schedule
+            self.reducer = GradientReducer(list(module.named_parameters()), group=self.dp_group)
+        self.install_global_norm_clipping(self._counted_for_norm(module), self.mesh.group("model"))
+
+    def _split(self, module: nn.Module) -> None:
+        """Tensor parallel, then pipeline stages, applied to the meta module inside ``set_up_share``: the
+        rank allocates only its stage's shards (and what it replicates), each filled from the full value."""
+        shards = self.applies("tp") and self._plan is not None
+        if shards:
+            tp = self.mesh.shape.tp
+            self.resolved = resolve(module, self._plan, tp, run=sample_forward(module, self.batch_to_device))
+            check_coverage(module, self.resolved, self.require_sharded)
+            if self.verify_plan:
+                self.keep_reference(module, self.resolved, pipelined=self.applies("pp"))
+        self._stage_costs = self.prepare_stages(module) if self.applies("pp") else None
+
+        def parallelize() -> Any:
+            cut = None
+            if shards:
+                self._entries, cut = shard_module(module, self.resolved, self.tp_group, self.mesh.tp_rank)
+            if self.applies("pp"):
+                pp, stage = self.mesh.shape.pp, self.mesh.pp_rank
+                self.partition = partition(
+                    module, pp, stage, self.block_stack, self.split_points, self._stage_costs
+                )
+            return cut
+
+        self.set_up_share(parallelize)
+        if shards:
+            install_gradient_sums(module, self.resolved, self.tp_group)
+
+    def _keep_earlier_shards(self, module: nn.Module, tp: int) -> None:
+        layers = [m for m in module.modules() if isinstance(m, _TPLayer)]
+        if any(layer.tp_size != tp for layer in layers):
+            raise ValueError(
+                f"the module is already sharded for tensor_parallel_size={layers[0].tp_size}, "
+                f"but this run has tensor_parallel_size={tp}; start from an unsharded module or a "
+                "full checkpoint"
+            )
+        self._entries = list({id(e): e for layer in layers if (e := getattr(layer, "entry", None))}.values())
+
+    def _counted_for_norm(self, module: nn.Module) -> set[int]:
+        """The parameters whose squares this rank adds to the model's norm, summed over the model group
+        (pp x tp): a shard by its holder; a tensor whole on every tp rank by tp rank 0; a module outside
+        the block stack (on every stage) by stage 0."""
+        sharded = {id(t) for t, _, _ in sharded_parameters(module).values()}
+        owned = set(self.partition.owned) if self.pipelined else None
+        first_tp, first_stage = self.mesh.tp_rank == 0, self.mesh.pp_rank == 0
+        return {
+            id(p)
+            for n, p in module.named_parameters()
+            if (id(p) in sharded or first_tp) and (owned is None or n in owned or first_stage)
+        }
+
+    # ----------------------------------------------------------------- per step
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        for entry in self._entries:
+            entry.clear()  # do not keep the step's activations alive
+
+    # ----------------------------------------------------------------- checkpoints: gathers over tp, then pp
+    def full_state_keys(self) -> list[str]:
+        return list(self._full_keys) if self.pipelined else super().full_state_keys()
+
+    def full_parameter_names(self) -> list[str]:
+        return list(self._full_param_names) if self.pipelined else super().full_parameter_names()
+
+    def full_model_state(self) -> dict[str, Any]:
+        """The single-device state dict: the shards gathered over tp, then the stages' parts over pp."""
+        module = self.lightning_module
+        state = full_state_dict(module, self.tp_group) if self._is_sharded() else module.state_dict()
+        return gather_parts(state, self.pp_group, self._full_keys) if self.pipelined else state
+
+    def load_full_model_state(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+        """A full checkpoint (any layout, or a plain single-device one): each rank takes its stage's part
+        (``strict`` refuses, as one device does, keys of no stage and this stage's keys it lacks) and cuts
+        its shards from it."""
+        if not self.model_is_split():
+            return super().load_full_model_state(state_dict, strict=strict)
+        module = self.lightning_module
+        if self.pipelined:
+            local_keys = set(module.state_dict().keys())
+            if strict:
+                check_keys(
+                    local_keys, set(state_dict), set(self._full_keys), f"pipeline stage {self.mesh.pp_rank}"
+                )
+            state_dict, strict = {k: v for k, v in state_dict.items() if k in local_keys}, False
+        if self._is_sharded():
+            load_full_state_dict(module, state_dict, strict=strict)
+        else:
+            module.load_state_dict(state_dict, strict=strict)
+
+    def one_device_copy(self, tree: nn.Module, state: Mapping[str, Any]) -> nn.Module:
+        """``tree`` as on one device: whole layers and blocks, per-feature tensors whole, no process group."""
+        if self._is_sharded():
+            return unsharded_copy(tree, self.lightning_module, state)
+        return super().one_device_copy(tree, state)
+
+    def shard_layouts(self) -> dict[str, ShardLayout]:
+        """For ``save_distributed``: which slice of each full tensor this rank holds."""
+        return {
+            key: ShardLayout(spec.dim, spec.chunks, layer.tp_rank, layer.tp_size, self.tp_group)
+            for key, (_, spec, layer) in sharded_parameters(self.lightning_module).items()
+        }
+
+    def full_optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The single-device optimizer state: its shards gathered over tp, then the stages' over pp."""
+        if not self.model_is_split():
+            return super().full_optimizer_state(optimizer)
+        optimizer, module = unwrapped(optimizer), self.lightning_module
+        state = full_optimizer_state(optimizer, module, self.tp_group) if self._is_sharded() else None
+        if not self.pipelined:
+            return state
+        named = state_by_name(optimizer, module, state)
+        return gather_optimizer_parts(named, self.pp_group, self._full_param_names)
+
+    def load_full_optimizer_state(self, checkpoint: Mapping[str, Any]) -> None:
+        if not self.model_is_split():
+            return super().load_full_optimizer_state(checkpoint)
+        module = self.lightning_module
+        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
+            if self.pipelined:
+                state = state_from_full(state, optimizer, module, self._full_param_names)
+            if self._is_sharded():
+                state = shard_optimizer_state(state, optimizer, module)
+            optimizer.load_state_dict(state)
+
+    def teardown(self) -> None:
+        self._entries = []
+        self.drop_reference()
+        super().teardown()

@@ -1,0 +1,507 @@
+"""Pipeline stages in Lightning's terms: the part of ``ParallelStrategy`` that runs a step as micro-batches
+through this rank's stage (``PipelineStages``, a mixin, active once the module is partitioned; the
+``async`` schedule's part is ``pipeline_async.AsyncPipelineMixin``).
+
+How a step runs (Lightning's closure is training_step -> zero_grad -> backward):
+
+- ``training_step``: split the batch into micro-batches and run this stage's schedule; the user's own
+  ``training_step`` is the loss, run on the last stage once per micro-batch, weighted by its share of the
+  batch, so a step equals the full-batch step. The gradients it produced are set aside (the closure's
+  ``zero_grad`` would wipe them) and the full-batch loss is returned on every stage.
+- ``backward``: Lightning's backward of the returned loss touches no parameter; ``pre_backward`` puts
+  the set-aside gradients back (added, for gradient accumulation), those of the replicated modules
+  outside the block stack summed over the stages (a sum started as soon as the stage's backwards were
+  done); ``post_backward`` averages everything over the data-parallel group (skipped on accumulating
+  micro-steps).
+- ``self.log`` calls made by the user's code on the last stage are captured per micro-batch, averaged
+  with the same weights, and replayed on every stage, so the progress bar (rank 0 is the first stage),
+  loggers, ``ModelCheckpoint`` and ``EarlyStopping`` see the same values everywhere.
+- Collectives that the user's step makes (``self.all_gather``, the strategy's ``reduce``/``broadcast``/
+  ``barrier``, a metric's ``compute()``) span the replicas of this stage while the step runs: the step's
+  code after the model's forward runs on the last stage only, so a collective over every rank would
+  wait for stages that never join it. Outside the step they span every rank, as under ``ddp``.
+- ``validation_step``/``test_step``/``predict_step`` return, on every stage, what the last stage's step
+  returned for the whole batch (micro-batch outputs merged), so prediction writers and
+  ``trainer.predict`` get the predictions on every rank.
+- Manual optimization is refused at set-up: the step is split across stages and micro-batches, so a
+  ``manual_backward`` or ``optimizer.step()`` inside it has no place.
+
+Checkpoints hold the full model under the original names (gathered from the stages), so they load into
+the plain module, and a network held in the hyperparameters whole; a full checkpoint loads into any number
+of stages, as strictly as on one device. With ``save_distributed=True`` each
+stage writes only its own tensors (``checkpointing.sharded``).
+"""
+
+from __future__ import annotations
+
+import statistics
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.apply_func import move_data_to_device
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.strategies.strategy import Strategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+
+from lightning_parallel.checkpointing.loss_check import check_finite_loss
+from lightning_parallel.distributed.collectives import start_gather_numbers
+from lightning_parallel.distributed.p2p import PeerLink
+from lightning_parallel.distributed.replicas import (
+    all_reduce_gradients,
+    start_sum_at,
+)
+from lightning_parallel.materialize import has_meta_tensors
+from lightning_parallel.pipeline.deferred_batchnorm import DeferredBatchNorm, batchnorm_warning
+from lightning_parallel.pipeline.executor import StageExecutor, batch_size, split_microbatches
+from lightning_parallel.pipeline.logs import LogMirror, WholeBatchMetrics, capture_logs, summarize
+from lightning_parallel.pipeline.partition import (
+    StagePartition,
+    find_block_stack,
+    keep_block_skeletons,
+)
+from lightning_parallel.pipeline.profile import (
+    average_over_ranks,
+    capture_block_inputs,
+    time_blocks,
+    untouched,
+)
+from lightning_parallel.pipeline.schedules import bubble_fraction, schedule
+from lightning_parallel.pipeline.timeline import (
+    Timeline,
+    bubble,
+    from_dicts,
+    to_dicts,
+    write_chrome_trace,
+    write_svg,
+)
+
+__all__ = ["PipelineStages"]
+
+
+class PipelineStages:
+    """Micro-batched steps, logs, metrics and evaluation outputs of a partitioned module (``self.partition``
+    set by ``ParallelStrategy``); without a partition every hook is the plain strategy's."""
+
+    partition: Optional[StagePartition]
+
+    def _init_stage_state(self) -> None:
+        self.stage_report: list[dict[str, Any]] = []  # per stage: blocks, parameters, measured seconds
+        self.partition = None
+        self.executor: Optional[StageExecutor] = None
+        self._set_aside: list[Optional[Tensor]] = []
+        self._replicated: list[int] = []  # set by wire_stages
+        self._replicated_sum: Optional[Callable[[], list]] = None  # the stages' sum of replicated gradients
+        self._full_keys: list[str] = []
+        self._full_param_names: list[str] = []
+        self.bubbles: list[float] = []  # this rank's measured bubble, per training step
+        self.peak_held: list[int] = []  # per training step: most micro-batches this stage held at once
+        self.whole_batch = WholeBatchMetrics()  # the step values of metric objects logged on the last stage
+        self._bubbles_gathered: Optional[Callable[[], list[float]]] = None  # every rank's, of the last step
+        self.last_timeline: list[Any] = []  # this rank's timeline events of the last training step
+        self.logs: Optional[LogMirror] = None
+        self._last_loss: Optional[Tensor] = None
+        self._deferred_bn: Optional[DeferredBatchNorm] = None  # BatchNorm statistics once per batch
+        self._in_user_step = False  # the user's step is running: its collectives span this stage's replicas
+
+    @property
+    def pipelined(self) -> bool:
+        """The module is partitioned into stages: steps run through the schedule."""
+        return self.partition is not None
+
+    # ----------------------------------------------------------------- layout
+    @property
+    def pp_group(self) -> Optional[dist.ProcessGroup]:
+        return self.mesh.group("pp") if self.mesh is not None else None
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.mesh is not None and self.mesh.pp_rank == self.mesh.shape.pp - 1
+
+    # ----------------------------------------------------------------- set-up
+    def check_schedule(self, pp: int) -> None:
+        """Refuse, before the split, what the schedule cannot run; forget collectives of an earlier fit."""
+        module = self.lightning_module
+        # a fit that ended in an exception may have left collectives in flight, on groups now gone
+        self._bubbles_gathered = self._replicated_sum = None
+        if not module.automatic_optimization and module.trainer.state.fn == TrainerFn.FITTING:
+            raise ValueError(
+                f"{type(self).__name__} (schedule={self.schedule!r}) does not support manual optimization "
+                f"(automatic_optimization=False in {type(module).__name__}): the strategy runs training_step once "
+                "per micro-batch, split across the stages, and makes the backward itself, so manual_backward "
+                "and optimizer.step() inside training_step have no place. Use automatic optimization, or "
+                "lp_ddp / lp_tensor_parallel, which support manual optimization."
+            )
+        if self.schedule == "1f1b" and self.num_microbatches < pp:
+            raise ValueError(
+                f"schedule='1f1b' needs num_microbatches >= the number of stages ({pp}), got "
+                f"{self.num_microbatches}; raise num_microbatches or use schedule='gpipe'."
+            )
+        if self.schedule == "async" and self.lightning_module.trainer.accumulate_grad_batches > 1:
+            raise ValueError(
+                f"schedule='async' does not support accumulate_grad_batches="
+                f"{self.lightning_module.trainer.accumulate_grad_batches}: its update rule is per batch. Raise "
+                "num_microbatches (or the batch size) instead, or use schedule='1f1b'."
+            )
+        if self.schedule == "async" and self.scaler() is not None:
+            raise ValueError(
+                "schedule='async' does not support precision='16-mixed' with a gradient scaler: a batch's gradient "
+                "is finished a step later, under a loss scale that may have changed. Use precision='bf16-mixed' "
+                "(no scaler), or schedule='1f1b'."
+            )
+
+    def prepare_stages(self, module: Any) -> Optional[list[float]]:
+        """What the partition needs of the whole module, read before anything changes it: its names, a
+        skeleton of every block, the BatchNorm deferral, and (balance='time') each block's cost."""
+        batchnorm = batchnorm_warning(module, self.num_microbatches)
+        if batchnorm is not None:
+            rank_zero_warn(batchnorm)
+            self._deferred_bn = DeferredBatchNorm(module)
+        self._full_keys = list(module.state_dict().keys())
+        self._full_param_names = [n for n, _ in module.named_parameters()]
+        keep_block_skeletons(module, self.block_stack)
+        return self._measure_block_times(module) if self.balance == "time" else None
+
+    def wire_stages(self, costs: Optional[list[float]]) -> None:
+        """After the partition: the stage report, the executor and its links, the log mirror, and the
+        gradients of the modules replicated outside the stack."""
+        module = self.lightning_module
+        pp, stage = self.mesh.shape.pp, self.mesh.pp_rank
+        self._report_stages(costs)
+        ranks = self.mesh.ranks("pp")
+        self.executor = StageExecutor(
+            stage,
+            pp,
+            ranks[stage - 1] if stage > 0 else None,
+            ranks[stage + 1] if stage < pp - 1 else None,
+            PeerLink(self.root_device),
+            self.partition.io,
+            Timeline(self.global_rank),
+        )
+        # summaries go over gloo on CPU: gloo keeps tags apart (NCCL would mix them with activations)
+        objects = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        self.logs = LogMirror(PeerLink(torch.device("cpu"), objects), ranks[-1], ranks[:-1], stage == pp - 1)
+        owned = set(self.partition.owned)
+        # positions in module.parameters() of the trainable parameters outside the stack, on every stage
+        self._replicated = [
+            i for i, (n, p) in enumerate(module.named_parameters()) if n not in owned and p.requires_grad
+        ]
+        if self.schedule == "async" and pp > 1:
+            self.async_grads.reduce = self._replicated_gradient_reduce(module, self._replicated)
+
+    def _measure_block_times(self, module: Any) -> Optional[list[float]]:
+        """balance='time': each block's forward + backward seconds on the first training micro-batch."""
+        trainer = module.trainer
+        if trainer.state.fn != TrainerFn.FITTING:
+            rank_zero_warn(
+                "balance='time' measures on a training batch; outside fit the stages are balanced by "
+                "parameters instead."
+            )
+            return None
+        if has_meta_tensors(module):
+            raise ValueError(
+                "balance='time' times each block on a real batch, and this module was built on the meta device "
+                "(init_module / configure_model): use balance='parameters' or split_points, or build it with "
+                "init_module(empty_init=False)"
+            )
+        _, stack = find_block_stack(module, self.block_stack)
+        with untouched(module):
+            try:
+                batch = next(iter(trainer.fit_loop._data_source.dataloader()))
+            except (StopIteration, TypeError, AttributeError) as error:
+                raise ValueError(
+                    "balance='time' needs a training dataloader with at least one batch to measure "
+                    f"the blocks on ({error}); use balance='parameters' or split_points."
+                ) from error
+            sample = split_microbatches(self.batch_to_device(batch), self.num_microbatches)[0]
+            with capture_logs(module, log_objects=False):
+                inputs = capture_block_inputs(list(stack), lambda: module.training_step(sample, 0))
+            times = time_blocks(list(stack), inputs)
+        return average_over_ranks(times)
+
+    def _report_stages(self, costs: Optional[list[float]]) -> None:
+        """Gather what each stage holds; rank 0 prints it (parameters per rank, as the user will ask)."""
+        start, end = self.partition.bounds[self.partition.stage]
+        owned = set(self.partition.owned)
+        named = list(self.lightning_module.named_parameters())
+        mine = {
+            "rank": self.global_rank,
+            "stage": self.partition.stage,
+            "stack": self.partition.stack_name,
+            "blocks": f"{start}..{end - 1}",
+            "parameters": sum(p.numel() for n, p in named if n in owned),
+            "replicated": sum(p.numel() for n, p in named if n not in owned),
+            "seconds": None if costs is None else sum(costs[start:end]),
+        }
+        parts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(parts, mine)
+        self.stage_report = parts
+        lines = [
+            f"  rank {r['rank']}: stage {r['stage']}, blocks {r['blocks']} of {self.partition.stack_name!r}, "
+            f"{r['parameters']:,} parameters in its blocks + {r['replicated']:,} replicated outside the stack"
+            + ("" if r["seconds"] is None else f", {1e3 * r['seconds']:.2f} ms forward+backward measured")
+            for r in parts
+        ]
+        rank_zero_info(
+            f"Pipeline stages (balance={self.balance!r}); {self.partition.describe_stack()}:\n"
+            + "\n".join(lines)
+        )
+
+    # ----------------------------------------------------------------- steps
+    def training_step(self, batch: Any, batch_idx: int, *args: Any) -> Tensor:
+        if not self.pipelined:
+            return super().training_step(batch, batch_idx, *args)
+        params = list(self.lightning_module.parameters())
+        earlier = [p.grad for p in params]  # accumulated so far (or stale: the closure zeroes them next)
+        step_fn = lambda mb: Strategy.training_step(self, mb, batch_idx, *args)  # noqa: E731
+        if self.schedule == "async":
+            loss = self._async_step(params, batch, step_fn, batch_idx)
+        else:
+            for p in params:
+                p.grad = None
+            actions = schedule(self.schedule, self.mesh.shape.pp, self.num_microbatches, self.mesh.pp_rank)
+            self._run(actions, batch, step_fn, backward=True, batch_idx=batch_idx)
+            self._set_aside = [p.grad for p in params]
+            self._start_replicated_sum(params)
+            loss = self._show(self.logs.take("train"))
+        for p, g in zip(params, earlier):
+            p.grad = g
+        self._record_timeline()
+        self._log_bubbles()
+        return loss.detach().requires_grad_()  # Lightning's backward of this touches no parameter
+
+    def _show(self, summary: dict) -> Optional[Tensor]:
+        """Replay a summary's logs on this stage; the loss it carries (None for evaluation). A non-finite
+        training loss stops every stage alike, naming the last stage's rank, before the optimizer step."""
+        loss = self.logs.replay(self.lightning_module, summary, self.root_device)
+        if self.check_finite_loss and loss is not None and summary["kind"] == "train":
+            late = summary["batch"] is not None  # async: the loss of the step numbered in the summary
+            step = summary["batch"] if late else self.lightning_module.trainer.global_step
+            check_finite_loss(loss, step, summary["batch_idx"], self.mesh.ranks("pp")[-1])
+        if summary["batch"] is not None:
+            self.lightning_module.log(
+                "pipeline_async_batch", float(summary["batch"]), on_step=True, on_epoch=False
+            )
+        if loss is not None:
+            self._last_loss = loss
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
+        if not self.pipelined:
+            return super().validation_step(batch, batch_idx, *args)
+        return self._forward_only(batch, lambda mb: Strategy.validation_step(self, mb, batch_idx, *args))
+
+    def test_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
+        if not self.pipelined:
+            return super().test_step(batch, batch_idx, *args)
+        return self._forward_only(batch, lambda mb: Strategy.test_step(self, mb, batch_idx, *args))
+
+    def predict_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
+        if not self.pipelined:
+            return super().predict_step(batch, batch_idx, *args)
+        return self._forward_only(batch, lambda mb: Strategy.predict_step(self, mb, batch_idx, *args))
+
+    def _forward_only(self, batch: Any, step_fn: Any) -> Any:
+        """Evaluate a batch pipelined; every stage returns what the last stage's step returned for the whole
+        batch (the merged micro-batch outputs), and replays its logs."""
+        actions = [
+            a
+            for a in schedule("gpipe", self.mesh.shape.pp, self.num_microbatches, self.mesh.pp_rank)
+            if a.kind == "F"
+        ]
+        with torch.no_grad():
+            # no wait for sends: under async, a receiver may still owe a receive from the last train step
+            result = self._run(actions, batch, step_fn, backward=False, flushed=False)
+        summary = self.logs.take("eval")
+        self._show(summary)
+        if self.is_last_stage:
+            return result.output
+        return move_data_to_device(summary["outputs"], self.root_device)
+
+    def _run(
+        self,
+        actions: list,
+        batch: Any,
+        step_fn: Any,
+        backward: bool,
+        before_backward: Any = None,
+        flushed: bool = True,
+        batch_idx: Optional[int] = None,
+    ) -> Any:
+        """Run this stage's actions on the batch's micro-batches; the last stage publishes its summary.
+        ``flushed``: the call leaves no stage with work in flight, so it may wait for its sends."""
+        microbatches = split_microbatches(batch, self.num_microbatches)
+        sizes = [batch_size(mb) or 1 for mb in microbatches]
+        weights = [s / sum(sizes) for s in sizes]
+        # Lightning divides each step's loss by accumulate_grad_batches before its backward, and a 16-mixed
+        # gradient scaler multiplies it by the loss scale (unscale_ divides it out later); so do we
+        scale = 1.0 / self.lightning_module.trainer.accumulate_grad_batches
+        if backward and self.scaler() is not None:
+            scale *= self.scaler().get_scale()
+        # only the last stage runs the user's step, so only it calls metrics
+        tracked = self.whole_batch.track(self.lightning_module) if self.is_last_stage else nullcontext()
+        deferred = (
+            self._deferred_bn.mini_batch(self.num_microbatches)
+            if backward and self._deferred_bn is not None
+            else nullcontext()
+        )
+        with capture_logs(self.lightning_module) as logged, tracked, deferred:
+            result = self.executor.run(
+                actions,
+                microbatches,
+                self._as_user_step(step_fn),
+                [w * scale for w in weights],
+                backward=backward,
+                before_backward=before_backward,
+                flushed=flushed,
+            )
+        if backward:
+            self.peak_held.append(result.peak_held)
+        if self.is_last_stage:
+            kind = "train" if backward else "eval"
+            number = (
+                self.lightning_module.trainer.global_step if self.schedule == "async" and backward else None
+            )
+            self.logs.publish(
+                summarize(
+                    kind, result.losses, weights, logged, number, batch_idx, self.whole_batch, result.output
+                )
+            )
+        self.logs.finish(flushed)
+        return result
+
+    # ----------------------------------------------------------------- the user's collectives
+    def _as_user_step(self, step_fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``step_fn`` run as the user's step: the collectives it makes span this stage's replicas."""
+
+        def user_step(microbatch: Any) -> Any:
+            with self._user_step():
+                return step_fn(microbatch)
+
+        return user_step
+
+    @contextmanager
+    def _user_step(self) -> Iterator[None]:
+        outer, self._in_user_step = self._in_user_step, True
+        try:
+            yield
+        finally:
+            self._in_user_step = outer
+
+    def _step_group(self, group: Optional[Any]) -> Optional[Any]:
+        """The group a collective asked for with ``group`` spans: inside the user's step the default (None or
+        WORLD, which ``LightningModule.all_gather`` passes) is the data-parallel group of this stage, the
+        ranks that run the same code at the same time (the last stage of every replica, for the code after
+        the model's forward; one rank when there is one replica)."""
+        if not self._in_user_step or (group is not None and group is not dist.group.WORLD):
+            return group
+        return self.dp_group if self.dp_group is not None else dist.group.WORLD
+
+    def all_gather(self, tensor: Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> Tensor:
+        """Inside the user's step, a tensor of shape (data_parallel_size, ...): one entry per replica."""
+        return super().all_gather(tensor, group=self._step_group(group), sync_grads=sync_grads)
+
+    def reduce(
+        self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Tensor:
+        return super().reduce(tensor, group=self._step_group(group), reduce_op=reduce_op)
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Inside the user's step, ``src`` counts the replicas (0: the first replica's copy of this stage)."""
+        if not self._in_user_step or not dist.is_initialized():
+            return super().broadcast(obj, src)
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.mesh.ranks("dp")[src], group=self._step_group(None))
+        return box[0]
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not self._in_user_step or not dist.is_initialized():
+            return super().barrier(*args, **kwargs)
+        nccl = dist.get_backend() == "nccl"
+        ids = {"device_ids": self.determine_ddp_device_ids()} if nccl else {}
+        dist.barrier(group=self._step_group(None), **ids)
+
+    def _record_timeline(self) -> None:
+        events = list(self.executor.timeline.events)
+        self.executor.timeline.clear()
+        self.last_timeline = events
+        self.bubbles.append(bubble(events))
+        step = self.lightning_module.trainer.global_step
+        if self.timeline_step is None or step != self.timeline_step:
+            return
+        gathered: list[Any] = [None] * self.mesh.shape.pp
+        dist.all_gather_object(gathered, to_dicts(events), group=self.pp_group)
+        if self.global_rank == 0:
+            folder = Path(self.lightning_module.trainer.default_root_dir)
+            folder.mkdir(parents=True, exist_ok=True)
+            everyone = [e for rank_events in gathered for e in from_dicts(rank_events)]
+            title = (
+                f"{self.schedule}, {self.mesh.shape.pp} stages, {self.num_microbatches} micro-batches, step {step}; "
+                f"theory bubble {bubble_fraction(self.mesh.shape.pp, self.num_microbatches):.0%}"
+                + (
+                    " with a flush, 0% without (B3' = the previous batch's)"
+                    if self.schedule == "async"
+                    else ""
+                )
+            )
+            write_chrome_trace(everyone, folder / f"pipeline_timeline_step{step}.json")
+            write_svg(everyone, folder / f"pipeline_timeline_step{step}.svg", title)
+
+    def _log_bubbles(self) -> None:
+        """Log the previous step's bubble of every stage (``pipeline_bubble_stage<s>``, averaged over the
+        replicas) and their mean (``pipeline_bubble``), the same values on every rank. The gather is
+        started at one step and read at the next, so no stage waits for another here. Logged on the steps
+        whose logs Lightning writes (``log_every_n_steps``), the only ones loggers see: a ``self.log`` costs
+        about a millisecond on a CPU, on the critical path of every step."""
+        gathered, self._bubbles_gathered = self._bubbles_gathered, start_gather_numbers(self.bubbles[-1])
+        if gathered is None:
+            return
+        everyone = gathered()
+        trainer = self.lightning_module.trainer
+        if not (trainer._logger_connector.should_update_logs or trainer.fast_dev_run):
+            return
+        shape = self.mesh.shape
+        stages = [
+            statistics.mean(v for r, v in enumerate(everyone) if shape.coordinates(r)[1] == s)
+            for s in range(shape.pp)
+        ]
+        for s, value in enumerate(stages):
+            self.lightning_module.log(f"pipeline_bubble_stage{s}", value, on_step=True, on_epoch=False)
+        self.lightning_module.log("pipeline_bubble", statistics.mean(stages), on_step=True, on_epoch=False)
+
+    # ----------------------------------------------------------------- gradients
+    def _start_replicated_sum(self, params: list) -> None:
+        """Start summing over the stages this micro-step's gradients of the modules replicated outside the
+        block stack (each stage holds part of them: the first its embedding's, the last its head's), as
+        soon as this stage's backwards are done, so the collective overlaps the rest of the step;
+        ``pre_backward`` waits for it and adds the sums. Summed every micro-step, the gradients that
+        accumulate are sums already, whatever the loop's ``zero_grad`` does in between."""
+        if self.mesh.shape.pp == 1:
+            return
+        self._replicated_sum = start_sum_at(self._replicated, params, self._set_aside, self.pp_group)
+
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        if not self.pipelined:
+            return super().pre_backward(closure_loss)
+        if self._replicated_sum is not None:
+            self._set_aside, self._replicated_sum = self._replicated_sum(), None
+        for p, fresh in zip(self.lightning_module.parameters(), self._set_aside):
+            if fresh is None:
+                continue
+            if p.grad is None:
+                p.grad = fresh
+            else:
+                p.grad += fresh
+        self._set_aside = []
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        if not self.pipelined:
+            return super().post_backward(closure_loss)
+        if not self._sync_grads:
+            return
+        if self.mesh.shape.dp > 1:
+            all_reduce_gradients(self.lightning_module.parameters(), self.dp_group, average=True)

@@ -1,0 +1,145 @@
+"""``lp_parallel`` (data x tensor x pipeline on one mesh) on real gloo processes: 2x2x2 on 8 processes equals
+one device in float64 (1e-10) on the GPT-style model and the Hugging Face Llama-style zoo model, for gpipe and
+1f1b, with plan="auto" and the model built on meta; async equals its one-process emulation; 1x2x2, 2x2x1 and
+2x1x2 run through the same class. A 2x2x2 checkpoint loads on one device and resumes exactly on one process,
+at tp=2 and at dp2 x pp2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.harness import assert_params_close, max_param_diff, run_distributed
+from tests.helpers.tp_models import SmallGPT
+
+PARALLEL = "lightning_parallel:ParallelStrategy"
+DDP = "lightning_parallel:DDPStrategy"
+MODELS = {
+    "gpt": ("tests.helpers.tp_models:SmallGPT", {"optimizer": "adamw", "lr": 1e-2}),
+    "llama": ("tests.helpers.zoo:ZooLM", {"arch": "hf_llama", "optimizer": "adamw", "lr": 1e-2}),
+}
+
+
+def layout(dp: int, tp: int, pp: int, schedule: str = "1f1b") -> dict:
+    return {
+        "data_parallel_size": dp,
+        "tensor_parallel_size": tp,
+        "pipeline_parallel_size": pp,
+        "schedule": schedule,
+        "num_microbatches": 2,
+        "plan": "auto",
+    }
+
+
+def case(name: str, model: str, strategy: str, kwargs: dict, dp: int, steps: int = 5, **more) -> dict:
+    target, model_kwargs = MODELS[model]
+    return {
+        "name": name,
+        "model": target,
+        "model_kwargs": model_kwargs,
+        "data": "tests.helpers.tp_models:TokenData",
+        "data_kwargs": {"global_batch_size": 16},
+        "dp_size": dp,
+        "empty_init": True,
+        "trainer": {"precision": "64-true", "max_steps": steps},
+        "strategy": {"class": strategy, "kwargs": kwargs},
+        "save_checkpoint": True,
+        **more,
+    }
+
+
+def async_case(name: str, strategy: str, kwargs: dict, dp: int, model: str) -> dict:
+    """GPT with plain SGD (the async rule's optimizer), built normally from the seed."""
+    c = case(name, "gpt", strategy, kwargs, dp, model_kwargs={"optimizer": "sgd", "lr": 0.05})
+    c.pop("empty_init")
+    return {**c, "model": model}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("parallel3d")
+    cases: dict[int, list[dict]] = {1: [], 8: [], 4: []}
+    for model in MODELS:
+        cases[1].append(case(f"{model}-ref", model, DDP, {}, 1))
+        for schedule in ("gpipe", "1f1b"):
+            cases[8].append(case(f"{model}-2x2x2-{schedule}", model, PARALLEL, layout(2, 2, 2, schedule), 2))
+    cases[1].append(case("gpt-ref-10", "gpt", DDP, {}, 1, steps=10))
+    cases[1].append({**async_case("async-emulation", "auto", {}, 1, "tests.helpers.pp_models:AsyncRuleGPT")})
+    cases[8].append(async_case("async-2x2x2", PARALLEL, layout(2, 2, 2, "async"), 2, MODELS["gpt"][0]))
+    for dp, tp, pp in ((1, 2, 2), (2, 2, 1), (2, 1, 2)):
+        cases[4].append(case(f"gpt-{dp}x{tp}x{pp}", "gpt", PARALLEL, layout(dp, tp, pp), dp))
+    results = {}
+    for world in (1, 8, 4):
+        results.update(run_distributed(cases[world], world_size=world, tmp_path=tmp, timeout=600))
+    saved = tmp / "dist8" / "gpt-2x2x2-1f1b" / "last.ckpt"
+    later: dict[int, list[dict]] = {
+        1: [case("resume-1", "gpt", DDP, {}, 1, steps=10, ckpt_path=str(saved))],
+        2: [case("resume-tp2", "gpt", PARALLEL, layout(1, 2, 1), 1, steps=10, ckpt_path=str(saved))],
+        4: [case("resume-dp2xpp2", "gpt", PARALLEL, layout(2, 1, 2), 2, steps=10, ckpt_path=str(saved))],
+    }
+    for world, group in later.items():
+        results.update(run_distributed(group, world_size=world, tmp_path=tmp / "later", timeout=400))
+    return tmp, results
+
+
+def _saved(tmp, world: int, name: str) -> dict:
+    return torch.load(tmp / f"dist{world}" / name / "last.ckpt", weights_only=False)
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("model", list(MODELS))
+def test_2x2x2_equals_one_device(runs, model, schedule):
+    tmp, results = runs
+    reference = results[f"{model}-ref"][0]["state_dict"]
+    full = _saved(tmp, 8, f"{model}-2x2x2-{schedule}")["state_dict"]
+    assert set(full) == set(reference)
+    assert_params_close(full, reference, atol=1e-10)
+    assert max_param_diff(full, results[f"{model}-ref"][0]["state_dict"]) < 1e-10
+    ranks = results[f"{model}-2x2x2-{schedule}"]
+    assert len(ranks) == 8
+    for rank in ranks:  # each rank holds a stage's part, its sharded layers split
+        assert set(rank["state_dict"]) < set(full)
+        assert sum(v.numel() for v in rank["state_dict"].values()) < sum(v.numel() for v in full.values()) / 2
+    for rank in ranks:  # every rank reports the full-batch loss of one device
+        assert rank["losses"] == pytest.approx(results[f"{model}-ref"][0]["losses"], abs=1e-10)
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("shape", ["1x2x2", "2x2x1", "2x1x2"])
+def test_other_layouts_through_the_same_class(runs, shape):
+    tmp, results = runs
+    world = {"1x2x2": 4, "2x2x1": 4, "2x1x2": 4}[shape]
+    full = _saved(tmp, world, f"gpt-{shape}")["state_dict"]
+    assert_params_close(full, results["gpt-ref"][0]["state_dict"], atol=1e-10)
+
+
+@pytest.mark.timeout(1500)
+def test_async_2x2x2_equals_its_emulation(runs):
+    tmp, results = runs
+    full = _saved(tmp, 8, "async-2x2x2")["state_dict"]
+    emulated = results["async-emulation"][0]["state_dict"]
+    assert_params_close(full, emulated, atol=1e-10)
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("resumed, world", [("resume-1", 1), ("resume-tp2", 2), ("resume-dp2xpp2", 4)])
+def test_2x2x2_checkpoint_resumes_exactly_in_other_layouts(runs, resumed, world):
+    tmp, results = runs
+    full = torch.load(tmp / "later" / f"dist{world}" / resumed / "last.ckpt", weights_only=False)
+    assert_params_close(full["state_dict"], results["gpt-ref-10"][0]["state_dict"], atol=1e-10)
+    assert full["global_step"] == 10
+
+
+@pytest.mark.timeout(1500)
+def test_2x2x2_checkpoint_loads_on_one_device(runs):
+    tmp, results = runs
+    path = tmp / "dist8" / "gpt-2x2x2-1f1b" / "last.ckpt"
+    model = SmallGPT.load_from_checkpoint(path, map_location="cpu")
+    state = {k: v.double() for k, v in model.state_dict().items()}
+    assert_params_close(state, results["gpt-ref"][0]["state_dict"], atol=1e-10)
+    optimizer = torch.load(path, weights_only=False)["optimizer_states"][0]
+    names = [n for n, _ in model.named_parameters()]
+    assert len(optimizer["state"]) == len(names)  # AdamW moments of every parameter, single-device indices
+    for index, name in enumerate(names):
+        assert optimizer["state"][index]["exp_avg"].shape == model.get_parameter(name).shape
