@@ -156,6 +156,9 @@ class RunRecorder(Callback):
             "val_loss": pick_metric(metrics, VAL_LOSS_KEYS, "val"),
             "samples_per_second": self.samples_per_second,
             "train_seconds": round(self.train_time, 3),
+            "seconds_per_step": round(self.train_time / trainer.global_step, 4)
+            if trainer.global_step
+            else None,
             "checkpoint": checkpoint or None,
             "metrics": metrics,
             "val_history": self.val_history,

@@ -34,10 +34,14 @@ COLUMNS = (
     "world_size",
     "global_step",
     "samples_per_second",
+    "seconds_per_step",
     "train_loss",
     "val_loss",
-    "memory_peak_rss_mib",
+    "memory_parameters_mib",
+    "memory_gradients_mib",
+    "memory_optimizer_state_mib",
     "memory_activations_mib",
+    "memory_peak_rss_mib",
     "wall_seconds",
     "error",
 )
@@ -119,9 +123,23 @@ def _bars(
     return out
 
 
+def _model_states(row: dict[str, Any]) -> Optional[float]:
+    """The largest rank's parameters + gradients + optimizer state (MiB), where the report has them."""
+    parts = [row[f"memory_{n}_mib"] for n in ("parameters", "gradients", "optimizer_state")]
+    return sum(parts) if all(isinstance(p, (int, float)) for p in parts) else None
+
+
 def svg_chart(rows: list[dict[str, Any]]) -> str:
-    """Horizontal bars per job: samples/s and final validation loss (train loss where no validation ran)."""
-    rows = [dict(r, final_loss=r["val_loss"] if r["val_loss"] is not None else r["train_loss"]) for r in rows]
+    """Horizontal bars per job: seconds per step, final validation loss (train loss where no validation
+    ran), and the largest rank's memory (model states, peak resident)."""
+    rows = [
+        dict(
+            r,
+            final_loss=r["val_loss"] if r["val_loss"] is not None else r["train_loss"],
+            model_states=_model_states(r),
+        )
+        for r in rows
+    ]
     # label each bar with what varies between jobs; what all jobs share goes in a footnote
     tokens = [str(r["overrides"] or "").split() for r in rows]
     common = [t for t in tokens[0] if all(t in other for other in tokens)] if tokens else []
@@ -131,7 +149,13 @@ def svg_chart(rows: list[dict[str, Any]]) -> str:
     label_w = 12 + 6.6 * max(
         [len(label) for label in labels] + [20]
     )  # ~6.6 px per 12 px sans-serif character
-    width = label_w + 2 * (bar_w + 90)
+    panels = (
+        ("seconds_per_step", "seconds per step", "#4a7fb5"),
+        ("final_loss", "final loss (val, else train)", "#d08c3a"),
+        ("model_states", "largest rank: params+grads+optimizer MiB", "#5a9e6f"),
+        ("memory_peak_rss_mib", "largest rank: peak resident MiB", "#8a6bb5"),
+    )
+    width = label_w + len(panels) * (bar_w + 90)
     height = top + row_h * max(len(rows), 1) + (40 if common else 20)
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
@@ -144,10 +168,8 @@ def svg_chart(rows: list[dict[str, Any]]) -> str:
     if common:
         shared = html.escape("all jobs: " + " ".join(common))
         parts.append(f'<text x="6" y="{height - 14:.1f}" fill="#555">{shared}</text>')
-    parts += _bars(rows, "samples_per_second", "samples/s", label_w, bar_w, top, row_h, "#4a7fb5")
-    parts += _bars(
-        rows, "final_loss", "final loss (val, else train)", label_w + bar_w + 90, bar_w, top, row_h, "#d08c3a"
-    )
+    for i, (key, title, color) in enumerate(panels):
+        parts += _bars(rows, key, title, label_w + i * (bar_w + 90), bar_w, top, row_h, color)
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
 

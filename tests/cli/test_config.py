@@ -6,6 +6,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lightning_parallel.config import ConfigError, problems, register_configs, validate
@@ -164,3 +165,41 @@ def test_plan_group_feeds_the_tensor_parallel_strategy() -> None:
         pytest.skip("no conf/plan/*.yaml in this branch yet (written with the tensor-parallel strategy)")
     cfg = _compose("strategy=tensor_parallel", f"plan={plans[0]}")
     assert cfg.strategy.plan == cfg.plan and cfg.plan != "auto"
+
+
+LAYOUTS_8 = ["8x1x1", "4x2x1", "4x1x2", "2x2x2", "1x2x4", "2x1x4", "1x4x2"]
+
+
+def test_the_8_process_layout_sweep_lists_seven_valid_layouts() -> None:
+    """``lp-train -m experiment=layouts_8`` sweeps the seven layouts; each composes to a valid lp_parallel
+    run of 8 processes (the layout check, the stages against the model's blocks)."""
+    sweep = OmegaConf.load(CONF / "experiment" / "layouts_8.yaml")
+    assert sweep.hydra.sweeper.params["+layout"].split(",") == LAYOUTS_8
+    for name in LAYOUTS_8:
+        cfg = _compose("experiment=layouts_8", f"+layout={name}")
+        dp, tp, pp = (int(n) for n in name.split("x"))
+        assert cfg.strategy._target_ == "lightning_parallel.ParallelStrategy"
+        assert (cfg.strategy.data_parallel_size, cfg.strategy.tensor_parallel_size) == (dp, tp)
+        assert cfg.strategy.pipeline_parallel_size == pp and cfg.trainer.devices == 8
+        assert problems(cfg) == []
+
+
+def test_a_3d_layout_that_does_not_fit_is_refused_before_launch() -> None:
+    found = _problems(
+        "strategy=parallel", "trainer.devices=8", "+layout=2x2x2", "strategy.tensor_parallel_size=4"
+    )
+    assert any("= 16 does not divide the trainer.devices=8" in p for p in found), found
+    found = _problems(
+        "strategy=parallel",
+        "trainer.devices=8",
+        "strategy.tensor_parallel_size=2",
+        "strategy.pipeline_parallel_size=3",
+    )
+    assert any("pipeline_parallel_size=3" in p for p in found), found
+    found = _problems(
+        "strategy=parallel",
+        "trainer.devices=8",
+        "strategy.data_parallel_size=null",
+        "strategy.tensor_parallel_size=null",
+    )
+    assert any("at most one of" in p for p in found), found
