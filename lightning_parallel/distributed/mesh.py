@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-__all__ = ["destroy_process_groups_at_exit", "MeshShape", "Mesh", "build_mesh"]
+__all__ = ["destroy_process_groups_at_exit", "MeshShape", "Mesh", "build_mesh", "new_axis_group"]
 
 
 @dataclass(frozen=True)
@@ -107,15 +107,19 @@ def build_mesh(shape: MeshShape) -> Mesh:
     rank = dist.get_rank()
     mesh = Mesh(shape=shape, rank=rank)
     for axis in ("dp", "pp", "tp", "model"):
-        size = shape.size(axis)
-        if size == world:
-            mesh.groups[axis] = None
-            continue
-        for ranks in shape.all_axis_groups(axis):
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                mesh.groups[axis] = group
+        mesh.groups[axis] = None if shape.size(axis) == world else new_axis_group(shape, axis, rank)
     return mesh
+
+
+def new_axis_group(shape: MeshShape, axis: str, rank: int) -> dist.ProcessGroup:
+    """A new process group along ``axis`` holding ``rank`` (every rank calls this alike: each group of
+    the axis is created on every rank, in one order, as ``new_group`` requires)."""
+    mine = None
+    for ranks in shape.all_axis_groups(axis):
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
 
 
 _DESTROY_REGISTERED = False

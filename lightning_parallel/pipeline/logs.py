@@ -31,12 +31,18 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
 from torchmetrics import Metric
 
 from lightning_parallel.distributed.p2p import PeerLink
+from lightning_parallel.step_effects import (
+    METRICS,
+    capture_logs,
+    load_metric_state,
+    metric_state,
+    to_cpu,
+    to_device,
+)
 
 __all__ = [
     "capture_logs",
@@ -47,41 +53,6 @@ __all__ = [
     "METRICS",
     "WholeBatchMetrics",
 ]
-
-METRICS = "__metrics__"  # the key under which capture_logs records metric objects
-
-
-def _number(value: Any) -> float:
-    """A logged value as a number; nan for a fake tensor (``tensor.fake``), which has no value."""
-    if isinstance(value, Tensor):
-        return float("nan") if is_fake(value) else float(value.detach())
-    return float(value)
-
-
-@contextmanager
-def capture_logs(module: Any, log_objects: bool = True) -> Iterator[dict[str, list]]:
-    """Record ``module.log`` calls of numbers and tensors instead of making them; metric objects are
-    logged (unless ``log_objects`` is False), and recorded as ``(Metric, its module path, kwargs, the
-    value of its forward at each call)`` under ``logged[METRICS][name]``."""
-    logged: dict[str, Any] = {METRICS: {}}
-    paths = {id(m): n for n, m in module.named_modules()}
-
-    def log(name: str, value: Any, *args: Any, **kwargs: Any) -> None:
-        if isinstance(value, Tensor) or isinstance(value, (int, float)):
-            logged.setdefault(name, []).append((_number(value), kwargs))
-            return
-        if isinstance(value, Metric) and id(value) in paths:
-            calls = logged[METRICS].get(name, (None, None, None, []))[3]
-            logged[METRICS][name] = (value, paths[id(value)], kwargs, calls + [_cpu(value._forward_cache)])
-        if log_objects:
-            original(name, value, *args, **kwargs)
-
-    original = module.log
-    module.log = log
-    try:
-        yield logged
-    finally:
-        del module.log
 
 
 class WholeBatchMetrics:
@@ -147,7 +118,7 @@ def summarize(
     metrics = {}
     for name, (metric, path, kwargs, values) in logged.get(METRICS, {}).items():
         value = whole_batch.value(metric) if whole_batch is not None else None
-        step_value = _cpu(value) if value is not None else _weighted(values, weights)
+        step_value = to_cpu(value) if value is not None else _weighted(values, weights)
         metrics[name] = (path, {**metric_state(metric), "forward_cache": step_value}, kwargs)
     for name, calls in logged.items():
         if name == METRICS:
@@ -162,12 +133,8 @@ def summarize(
         "metrics": metrics,
         "batch": batch,
         "batch_idx": batch_idx,
-        "outputs": _cpu(outputs),
+        "outputs": to_cpu(outputs),
     }
-
-
-def _cpu(v: Any) -> Any:
-    return apply_to_collection(v, Tensor, lambda t: t.detach().cpu())
 
 
 def _weighted(values: Sequence[Any], weights: Sequence[float]) -> Any:
@@ -177,28 +144,6 @@ def _weighted(values: Sequence[Any], weights: Sequence[float]) -> Any:
     if len(values) == len(weights) and all(isinstance(v, Tensor) and v.is_floating_point() for v in values):
         return sum(w * v for w, v in zip(weights, values))
     return values[-1] if values else None
-
-
-def metric_state(metric: Metric) -> dict[str, Any]:
-    """What a copy of ``metric`` needs to log and compute the same values (tensors on the CPU)."""
-    return {
-        "states": {k: _cpu(getattr(metric, k)) for k in metric._defaults},
-        "update_count": metric._update_count,
-        "forward_cache": _cpu(metric._forward_cache),
-    }
-
-
-def load_metric_state(metric: Metric, state: dict[str, Any], device: torch.device) -> None:
-    """Make ``metric`` a copy of the one ``state`` was taken from."""
-    for name, value in state["states"].items():
-        setattr(metric, name, _to(value, device))
-    metric._update_count = state["update_count"]
-    metric._forward_cache = _to(state["forward_cache"], device)
-    metric._computed = None
-
-
-def _to(v: Any, device: torch.device) -> Any:
-    return apply_to_collection(v, Tensor, lambda t: t.to(device))
 
 
 class LogMirror:
@@ -245,7 +190,7 @@ class LogMirror:
         for name, (path, state, kwargs) in summary.get("metrics", {}).items():
             metric = module.get_submodule(path)
             if self.is_last:  # logged during the step already: only its step value becomes the whole batch's
-                metric._forward_cache = _to(state["forward_cache"], device)
+                metric._forward_cache = to_device(state["forward_cache"], device)
             else:
                 load_metric_state(metric, state, device)
             module.log(name, metric, **kwargs)  # Lightning takes the step value when log() is called

@@ -13,51 +13,16 @@ same places.
 
 from __future__ import annotations
 
-import random
 import statistics
 import time
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
-from torchmetrics import Metric
 
-from lightning_parallel.pipeline.logs import load_metric_state, metric_state
-
-__all__ = ["capture_block_inputs", "time_blocks", "average_over_ranks", "untouched"]
-
-
-@contextmanager
-def untouched(module: nn.Module) -> Iterator[None]:
-    """Python, NumPy and torch (CPU and CUDA) random states, the module's buffers (BatchNorm statistics),
-    torchmetrics states and gradients are the same after the block as before: measuring changes nothing."""
-    states = random.getstate(), np.random.get_state()
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    metrics = [(m, _cloned(metric_state(m)), m.device) for m in module.modules() if isinstance(m, Metric)]
-    grads = [(p, p.grad) for p in module.parameters()]
-    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            random.setstate(states[0])
-            np.random.set_state(states[1])
-            with torch.no_grad():
-                for b, saved in buffers:
-                    b.copy_(saved)
-            for m, saved, device in metrics:
-                load_metric_state(m, saved, device)
-            for p, g in grads:
-                p.grad = g
-
-
-def _cloned(state: Any) -> Any:
-    """Copies of the tensors in ``state`` (metrics update their states in place)."""
-    return apply_to_collection(state, Tensor, lambda t: t.detach().clone())
+__all__ = ["capture_block_inputs", "time_blocks", "average_over_ranks"]
 
 
 class _StopForward(BaseException):

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_parallel.distributed.mesh import new_axis_group
 from lightning_parallel.distributed.replicas import start_sum_at
 from lightning_parallel.pipeline.async_gradients import AsyncGradients, Reduce, merge_stage_gradients
 from lightning_parallel.pipeline.executor import weights_snapshot
@@ -149,11 +150,7 @@ class AsyncPipelineMixin:
         a batch's gradient is finished (``AsyncGradients``). It runs on a process group of its own: other
         collectives of the stages (clipping, checkpoints) come between its start and its end, and must
         not be paired with it."""
-        group = None
-        for ranks in self.mesh.shape.all_axis_groups("pp"):  # every rank creates every group, in one order
-            made = dist.new_group(ranks)
-            if self.global_rank in ranks:
-                group = made
+        group = new_axis_group(self.mesh.shape, "pp", self.global_rank)
         params = list(module.parameters())
         return lambda grads: start_sum_at(replicated, params, grads, group)
 

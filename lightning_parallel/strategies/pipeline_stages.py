@@ -58,7 +58,7 @@ from lightning_parallel.distributed.replicas import (
 from lightning_parallel.materialize import has_meta_tensors
 from lightning_parallel.pipeline.deferred_batchnorm import DeferredBatchNorm, batchnorm_warning
 from lightning_parallel.pipeline.executor import StageExecutor, batch_size, split_microbatches
-from lightning_parallel.pipeline.logs import LogMirror, WholeBatchMetrics, capture_logs, summarize
+from lightning_parallel.pipeline.logs import LogMirror, WholeBatchMetrics, summarize
 from lightning_parallel.pipeline.partition import (
     StagePartition,
     find_block_stack,
@@ -68,7 +68,6 @@ from lightning_parallel.pipeline.profile import (
     average_over_ranks,
     capture_block_inputs,
     time_blocks,
-    untouched,
 )
 from lightning_parallel.pipeline.schedules import bubble_fraction, schedule
 from lightning_parallel.pipeline.timeline import (
@@ -79,6 +78,7 @@ from lightning_parallel.pipeline.timeline import (
     write_chrome_trace,
     write_svg,
 )
+from lightning_parallel.step_effects import capture_logs, untouched
 
 __all__ = ["PipelineStages"]
 

@@ -16,8 +16,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_parallel.pipeline.logs import capture_logs
-from lightning_parallel.pipeline.profile import untouched
+from lightning_parallel.step_effects import capture_logs, untouched
 from lightning_parallel.tensor.plan import PlanError, ResolvedPlan
 from lightning_parallel.tensor.table import collectives_per_step, plan_rows
 

@@ -24,7 +24,15 @@ from tests.projects.test_bn_classifier import PROJECT
 
 CONF = REPO / "conf"
 APP_CONF = PROJECT / "configs"
-OFFERED = ["lp_ddp", "lp_dp", "pipeline_1f1b", "pipeline_async", "pipeline_gpipe", "tensor_parallel"]
+OFFERED = [
+    "lp_ddp",
+    "lp_dp",
+    "parallel",
+    "pipeline_1f1b",
+    "pipeline_async",
+    "pipeline_gpipe",
+    "tensor_parallel",
+]
 CLASSES = {
     "lp_ddp": lightning_parallel.DDPStrategy,
     "lp_dp": lightning_parallel.DataParallelStrategy,
@@ -32,6 +40,7 @@ CLASSES = {
     "pipeline_gpipe": lightning_parallel.PipelineParallelStrategy,
     "pipeline_1f1b": lightning_parallel.PipelineParallelStrategy,
     "pipeline_async": lightning_parallel.PipelineParallelStrategy,
+    "parallel": lightning_parallel.ParallelStrategy,
 }
 
 
@@ -75,7 +84,9 @@ def test_the_readme_install_shows_the_plugin_to_hydra_without_the_checkout_on_th
         "print([c.__name__ for c in Plugins.instance().discover(SearchPathPlugin)])\n"
     )
     clean = {k: v for k, v in env().items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-c", code], cwd="/", env=clean, capture_output=True, text=True, timeout=100)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd="/", env=clean, capture_output=True, text=True, timeout=100
+    )
     assert proc.returncode == 0, proc.stderr
     assert "LightningParallelSearchPath" in proc.stdout, (
         "Hydra does not see the plugin: install with the README's command (editable_mode=compat)"

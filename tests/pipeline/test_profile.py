@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from lightning_parallel.pipeline.partition import balance, block_parameters
-from lightning_parallel.pipeline.profile import capture_block_inputs, time_blocks, untouched
+from lightning_parallel.pipeline.profile import capture_block_inputs, time_blocks
+from lightning_parallel.step_effects import untouched
 from tests.helpers.pp_models import UnevenTimeNet
 
 
