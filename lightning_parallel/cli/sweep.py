@@ -130,8 +130,8 @@ def _model_states(row: dict[str, Any]) -> Optional[float]:
 
 
 def svg_chart(rows: list[dict[str, Any]]) -> str:
-    """Horizontal bars per job: seconds per step, final validation loss (train loss where no validation
-    ran), and the largest rank's memory (model states, peak resident)."""
+    """Horizontal bars per job: samples/s, final validation loss (train loss where no validation ran), and
+    the largest rank's memory (model states, peak resident)."""
     rows = [
         dict(
             r,
@@ -150,7 +150,7 @@ def svg_chart(rows: list[dict[str, Any]]) -> str:
         [len(label) for label in labels] + [20]
     )  # ~6.6 px per 12 px sans-serif character
     panels = (
-        ("seconds_per_step", "seconds per step", "#4a7fb5"),
+        ("samples_per_second", "samples/s", "#4a7fb5"),
         ("final_loss", "final loss (val, else train)", "#d08c3a"),
         ("model_states", "largest rank: params+grads+optimizer MiB", "#5a9e6f"),
         ("memory_peak_rss_mib", "largest rank: peak resident MiB", "#8a6bb5"),

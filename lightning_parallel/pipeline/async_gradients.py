@@ -119,10 +119,10 @@ class AsyncGradients:
         self._reduced = self.reduce(grads) if self.reduce is not None else None
 
 
-def merge_stage_gradients(parts: Sequence[dict[str, Tensor]], num_stages: int) -> dict[str, Tensor]:
-    """Per-rank pending gradients (rank order: replica-major, stage-minor) -> one full gradient:
-    summed over the stages of a replica (replicated modules' parts), averaged over the replicas."""
-    replicas = len(parts) // num_stages
+def merge_stage_gradients(parts: Sequence[dict[str, Tensor]], replicas: int) -> dict[str, Tensor]:
+    """Per-rank pending gradients (whole tensors; a rank that holds no part of its own sends none) -> one
+    full gradient: summed over the stages of a replica (replicated modules' parts), averaged over the
+    ``replicas``."""
     full: dict[str, Tensor] = {}
     for part in parts:
         for name, g in part.items():

@@ -161,6 +161,7 @@ class AsyncPipelineMixin:
             return
         owned = set(self.partition.owned)
         named = list(self.lightning_module.named_parameters())
+        self.async_grads.pending_by_name = self.cut_gradients(self.async_grads.pending_by_name)
         self.async_grads.place_from_checkpoint(
             named, {n for n, _ in named if n not in owned}, self.mesh.pp_rank == 0
         )
@@ -179,11 +180,11 @@ class AsyncPipelineMixin:
         self._place_checkpoint_gradient()
         pending = self.async_grads.pending
         names = [n for n, _ in self.lightning_module.named_parameters()]
-        local = {n: g.detach().cpu() for n, g in zip(names, pending or []) if g is not None}
+        local = self.whole_gradients({n: g.detach() for n, g in zip(names, pending or []) if g is not None})
         parts: list[Any] = [None] * self.world_size
-        dist.all_gather_object(parts, local)
+        dist.all_gather_object(parts, {n: g.cpu() for n, g in local.items()})
         if any(parts):
-            state["async_pending_gradient"] = merge_stage_gradients(parts, self.mesh.shape.pp)
+            state["async_pending_gradient"] = merge_stage_gradients(parts, self.mesh.shape.dp)
         if self._summary_due and self._held_summary is None:  # so the resumed step shows the right loss
             self._held_summary = self.logs.take("train")
         state["async_due_summary"] = self._held_summary

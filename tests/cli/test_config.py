@@ -184,22 +184,17 @@ def test_the_8_process_layout_sweep_lists_seven_valid_layouts() -> None:
         assert problems(cfg) == []
 
 
-def test_a_3d_layout_that_does_not_fit_is_refused_before_launch() -> None:
-    found = _problems(
-        "strategy=parallel", "trainer.devices=8", "+layout=2x2x2", "strategy.tensor_parallel_size=4"
-    )
-    assert any("= 16 does not divide the trainer.devices=8" in p for p in found), found
-    found = _problems(
-        "strategy=parallel",
-        "trainer.devices=8",
-        "strategy.tensor_parallel_size=2",
-        "strategy.pipeline_parallel_size=3",
-    )
-    assert any("pipeline_parallel_size=3" in p for p in found), found
-    found = _problems(
-        "strategy=parallel",
-        "trainer.devices=8",
-        "strategy.data_parallel_size=null",
-        "strategy.tensor_parallel_size=null",
-    )
-    assert any("at most one of" in p for p in found), found
+@pytest.mark.parametrize(
+    "sizes, expected",
+    [
+        (["+layout=2x2x2", "strategy.tensor_parallel_size=4"], "= 16 does not divide the trainer.devices=8"),
+        (
+            ["strategy.tensor_parallel_size=2", "strategy.pipeline_parallel_size=3"],
+            "pipeline_parallel_size=3",
+        ),
+        (["strategy.data_parallel_size=null", "strategy.tensor_parallel_size=null"], "at most one of"),
+    ],
+)
+def test_a_3d_layout_that_does_not_fit_is_refused_before_launch(sizes: list[str], expected: str) -> None:
+    found = _problems("strategy=parallel", "trainer.devices=8", *sizes)
+    assert any(expected in p for p in found), found

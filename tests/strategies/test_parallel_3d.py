@@ -2,22 +2,20 @@
 one device in float64 (1e-10) on the GPT-style model and the Hugging Face Llama-style zoo model, for gpipe and
 1f1b, with plan="auto" and the model built on meta; async equals its one-process emulation; 1x2x2, 2x2x1 and
 2x1x2 run through the same class. A 2x2x2 checkpoint loads on one device and resumes exactly on one process,
-at tp=2 and at dp2 x pp2."""
+at tp=2 and at dp2 x pp2; a 2x2x2 save_distributed folder resumes exactly with 2 stages."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.helpers.harness import assert_params_close, run_distributed
+from tests.helpers.harness import assert_params_close, max_param_diff, run_distributed
 from tests.helpers.tp_models import SmallGPT
+from tests.strategies.test_deferred_init import MODELS
+from tests.strategies.test_deferred_init import case as deferred_case
 
 PARALLEL = "lightning_parallel:ParallelStrategy"
 DDP = "lightning_parallel:DDPStrategy"
-MODELS = {
-    "gpt": ("tests.helpers.tp_models:SmallGPT", {"optimizer": "adamw", "lr": 1e-2}),
-    "llama": ("tests.helpers.zoo:ZooLM", {"arch": "hf_llama", "optimizer": "adamw", "lr": 1e-2}),
-}
 
 
 def layout(dp: int, tp: int, pp: int, schedule: str = "1f1b") -> dict:
@@ -32,25 +30,14 @@ def layout(dp: int, tp: int, pp: int, schedule: str = "1f1b") -> dict:
 
 
 def case(name: str, model: str, strategy: str, kwargs: dict, dp: int, steps: int = 5, **more) -> dict:
-    target, model_kwargs = MODELS[model]
-    return {
-        "name": name,
-        "model": target,
-        "model_kwargs": model_kwargs,
-        "data": "tests.helpers.tp_models:TokenData",
-        "data_kwargs": {"global_batch_size": 16},
-        "dp_size": dp,
-        "empty_init": True,
-        "trainer": {"precision": "64-true", "max_steps": steps},
-        "strategy": {"class": strategy, "kwargs": kwargs},
-        "save_checkpoint": True,
-        **more,
-    }
+    """``model`` under ``strategy``, built on meta, float64, ``steps`` steps, a checkpoint at the end."""
+    return {**deferred_case(model, "", strategy, kwargs, dp, steps), "name": name, **more}
 
 
-def async_case(name: str, strategy: str, kwargs: dict, dp: int, model: str) -> dict:
+def async_case(name: str, strategy: str, kwargs: dict, dp: int, model: str, steps: int = 5, **more) -> dict:
     """GPT with plain SGD (the async rule's optimizer), built normally from the seed."""
-    c = case(name, "gpt", strategy, kwargs, dp, model_kwargs={"optimizer": "sgd", "lr": 0.05})
+    c = case(name, "gpt", strategy, kwargs, dp, steps, **more)
+    c["model_kwargs"] = {"optimizer": "sgd", "lr": 0.05}
     c.pop("empty_init")
     return {**c, "model": model}
 
@@ -66,17 +53,40 @@ def runs(tmp_path_factory):
     cases[1].append(case("gpt-ref-10", "gpt", DDP, {}, 1, steps=10))
     emulation = async_case("async-emulation", DDP, {}, 1, "tests.helpers.pp_models:AsyncRuleGPT")
     cases[1].append({**emulation, "strategy": "auto", "save_checkpoint": False})
+    emulation = async_case("async-emulation-10", DDP, {}, 1, "tests.helpers.pp_models:AsyncRuleGPT", steps=10)
+    cases[1].append({**emulation, "strategy": "auto", "save_checkpoint": False})
+    cases[4].append(async_case("async-1x2x2", PARALLEL, layout(1, 2, 2, "async"), 1, MODELS["gpt"][0]))
+    sharded = {**layout(2, 2, 2), "save_distributed": True}
+    cases[8].append(case("gpt-2x2x2-sharded", "gpt", PARALLEL, sharded, 2))
     cases[8].append(async_case("async-2x2x2", PARALLEL, layout(2, 2, 2, "async"), 2, MODELS["gpt"][0]))
+    clip = {"precision": "64-true", "max_steps": 5, "gradient_clip_val": 0.05}  # small: every step clips
+    cases[1].append({**case("gpt-ref-clip", "gpt", DDP, {}, 1), "trainer": clip})
+    cases[4].append({**case("gpt-1x2x2-clip", "gpt", PARALLEL, layout(1, 2, 2), 1), "trainer": clip})
     for dp, tp, pp in ((1, 2, 2), (2, 2, 1), (2, 1, 2)):
         cases[4].append(case(f"gpt-{dp}x{tp}x{pp}", "gpt", PARALLEL, layout(dp, tp, pp), dp))
     results = {}
     for world in (1, 8, 4):
         results.update(run_distributed(cases[world], world_size=world, tmp_path=tmp, timeout=600))
     saved = tmp / "dist8" / "gpt-2x2x2-1f1b" / "last.ckpt"
+    folder = tmp / "dist8" / "gpt-2x2x2-sharded" / "last.ckpt"  # save_distributed: a folder of shards
     later: dict[int, list[dict]] = {
         1: [case("resume-1", "gpt", DDP, {}, 1, steps=10, ckpt_path=str(saved))],
-        2: [case("resume-tp2", "gpt", PARALLEL, layout(1, 2, 1), 1, steps=10, ckpt_path=str(saved))],
-        4: [case("resume-dp2xpp2", "gpt", PARALLEL, layout(2, 1, 2), 2, steps=10, ckpt_path=str(saved))],
+        2: [
+            case("resume-tp2", "gpt", PARALLEL, layout(1, 2, 1), 1, steps=10, ckpt_path=str(saved)),
+            case("resume-sharded-pp2", "gpt", PARALLEL, layout(1, 1, 2), 1, steps=10, ckpt_path=str(folder)),
+        ],
+        4: [
+            case("resume-dp2xpp2", "gpt", PARALLEL, layout(2, 1, 2), 2, steps=10, ckpt_path=str(saved)),
+            async_case(
+                "async-resume-1x2x2",
+                PARALLEL,
+                layout(1, 2, 2, "async"),
+                1,
+                MODELS["gpt"][0],
+                steps=10,
+                ckpt_path=str(tmp / "dist4" / "async-1x2x2" / "last.ckpt"),
+            ),
+        ],
     }
     for world, group in later.items():
         results.update(run_distributed(group, world_size=world, tmp_path=tmp / "later", timeout=400))
@@ -129,7 +139,10 @@ def test_async_2x2x2_equals_its_emulation(runs):
 
 
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("resumed, world", [("resume-1", 1), ("resume-tp2", 2), ("resume-dp2xpp2", 4)])
+@pytest.mark.parametrize(
+    "resumed, world",
+    [("resume-1", 1), ("resume-tp2", 2), ("resume-dp2xpp2", 4), ("resume-sharded-pp2", 2)],
+)
 def test_2x2x2_checkpoint_resumes_exactly_in_other_layouts(runs, resumed, world):
     tmp, results = runs
     full = torch.load(tmp / "later" / f"dist{world}" / resumed / "last.ckpt", weights_only=False)
@@ -153,3 +166,21 @@ def test_2x2x2_checkpoint_loads_on_one_device(runs):
     assert len(optimizer["state"]) == len(names)  # AdamW moments of every parameter, single-device indices
     for index, name in enumerate(names):
         assert optimizer["state"][index]["exp_avg"].shape == model.get_parameter(name).shape
+
+
+@pytest.mark.timeout(1500)
+def test_clipping_uses_the_norm_of_the_whole_model(runs):
+    """Clipped by norm at 1x2x2, each rank holding half of its stage's sharded layers: equal to one device."""
+    tmp, results = runs
+    full = _saved(tmp, 4, "gpt-1x2x2-clip")["state_dict"]
+    assert_params_close(full, results["gpt-ref-clip"][0]["state_dict"], atol=1e-10)
+    assert max_param_diff(full, results["gpt-ref"][0]["state_dict"]) > 1e-4  # the clipping changed the run
+
+
+@pytest.mark.timeout(1500)
+def test_async_with_tensor_parallel_resumes_as_its_emulation(runs):
+    """The unapplied gradient of the async rule travels in the checkpoint whole (its shards gathered over
+    tp) and is cut back into shards: 5 steps at 1x2x2, then 5 more resumed, equal 10 steps of the rule."""
+    tmp, results = runs
+    resumed = torch.load(tmp / "later" / "dist4" / "async-resume-1x2x2" / "last.ckpt", weights_only=False)
+    assert_params_close(resumed["state_dict"], results["async-emulation-10"][0]["state_dict"], atol=1e-10)
