@@ -170,10 +170,17 @@ class GradientReducer:
         self._build_buckets(self._order)
 
     # ------------------------------------------------------------------ buckets
-    def _build_buckets(self, order: list[nn.Parameter]) -> None:
+    def _build_buckets(self, order: list[nn.Parameter], unused: int = 0) -> None:
+        """Buckets over ``order``; its last ``unused`` parameters (no gradient in the first step) get buckets
+        of their own, so they do not hold back, until ``finish_sync``, the buckets filled in backward (a
+        pipeline stage never gives a gradient to the modules other stages use)."""
         self.buckets: list[_Bucket] = []
         self._where: dict[nn.Parameter, tuple[int, int]] = {}
-        for b, indices in enumerate(assign_buckets(order, self.bucket_cap_mb, self.first_bucket_cap_mb)):
+        used = len(order) - unused
+        caps = (self.bucket_cap_mb, self.first_bucket_cap_mb)
+        groups = assign_buckets(order[:used], *caps)
+        groups += [[used + i for i in b] for b in assign_buckets(order[used:], *caps)]
+        for b, indices in enumerate(groups):
             params = [order[i] for i in indices]
             # empty: every slot is zeroed or written before it is read (prepare_for_backward), so the
             # gradient memory is touched by the first backward, not at set-up
@@ -206,10 +213,11 @@ class GradientReducer:
             by_name = {n: p for p, n in self._names.items()}
             arrived = [by_name[n] for n in holder[0]]
         seen = set(arrived)
-        order = arrived + [p for p in self._order if p not in seen]
-        if [id(p) for p in order] != [id(p) for p in self._order]:
+        unused = [p for p in self._order if p not in seen]
+        order = arrived + unused
+        if unused or [id(p) for p in order] != [id(p) for p in self._order]:
             self._order = order
-            self._build_buckets(order)
+            self._build_buckets(order, len(unused))
         self.stats.rebuilt = True
 
     # ------------------------------------------------------------------ step
@@ -262,14 +270,23 @@ class GradientReducer:
             self.stats.launched_in_backward += int(in_backward)
 
     def _launch(self, index: int) -> None:
+        """Start the collective of one bucket (a comm hook's, or ``_reduce_bucket``); waited in ``finish_sync``."""
         bucket = self.buckets[index]
-        if self.comm_hook is None:  # torch's allreduce_hook: divide first, sum in place
-            bucket.work = dist.all_reduce(
-                bucket.buffer.div_(self.world_size), group=self.group, async_op=True
-            )
+        if self.comm_hook is None:
+            bucket.work = self._reduce_bucket(bucket)
         else:
             hook_bucket = HookBucket(bucket, index, last=index == len(self.buckets) - 1)
             bucket.future = self.comm_hook(self.comm_state, hook_bucket)
+
+    def _reduce_bucket(self, bucket: _Bucket) -> dist.Work:
+        """The one data-parallel gradient collective of every strategy with a dp axis (DDP, tensor
+        parallel, pipeline stages): an asynchronous all-reduce of the bucket's flat buffer, divided first
+        (torch's ``allreduce_hook``), so ``.grad`` holds the average once it is waited for.
+
+        This is the seam for optimizer sharding (ZeRO-1/2): a subclass returns a ``reduce_scatter_tensor``
+        of the buffer into this rank's shard instead, and the rest (buckets, hooks, overlap with
+        backward, no_sync, the wait in ``finish_sync``) stays as it is."""
+        return dist.all_reduce(bucket.buffer.div_(self.world_size), group=self.group, async_op=True)
 
     def finish_sync(self) -> None:
         """Send what is left, wait once, and leave averaged gradients in ``.grad``."""
