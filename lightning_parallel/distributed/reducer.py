@@ -19,6 +19,13 @@ without it, the step fails with the names of the parameters, instead of hanging.
 the same parameters are used every step: unused ones are allowed, found once (first synchronised step),
 and the per-step search (a collective of flags) is skipped afterwards.
 
+Every strategy with a data-parallel axis averages its gradients here (lp_ddp, tensor parallel, pipeline
+stages). A pipeline stage runs several backwards per step: its hooks only count until the stage's last
+backward, before which the strategy calls ``prepare_for_backward`` again (sync on), so the buckets are sent
+while that backward still runs. The async pipeline applies a gradient finished a step earlier: its reducer
+has no hooks, and ``average_now`` sends the buckets at once. The bucket collective is one method,
+``_reduce_bucket``: where optimizer sharding will reduce-scatter instead of all-reduce.
+
 A communication hook (torch DDP's ``hook(state, bucket) -> Future[Tensor]``, e.g. torch's
 ``fp16_compress_hook`` or ``PowerSGD``) replaces the built-in all-reduce of a bucket: it receives a
 ``HookBucket`` with torch's ``GradBucket`` methods, and the future's value is copied into the bucket.
@@ -144,6 +151,7 @@ class GradientReducer:
         comm_state: Any = None,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = True,
+        hooks: bool = True,
     ) -> None:
         self.group = group
         self.world_size = dist.get_world_size(group)
@@ -162,11 +170,13 @@ class GradientReducer:
         # Gradients roughly arrive in reverse registration order; that is the first guess.
         self._order: list[nn.Parameter] = list(reversed(list(self._names)))
         # Arrival order, recorded until the first synchronised step (a dict keeps first arrivals only).
-        self._arrivals: Optional[dict[nn.Parameter, None]] = {}
+        self._arrivals: Optional[dict[nn.Parameter, None]] = {} if hooks else None
         self._synced_once = False
         self._used: set[nn.Parameter] = set()
         self._next_bucket = 0
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._names]
+        # without hooks (``average_now``), the gradients are not watched as they arrive
+        hooked = self._names if hooks else []
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in hooked]
         self._build_buckets(self._order)
 
     # ------------------------------------------------------------------ buckets
@@ -328,6 +338,16 @@ class GradientReducer:
         self._used.clear()
         self._synced_once = True
         self.stats.synced_steps += 1
+
+    def average_now(self) -> None:
+        """Average the gradients now in ``.grad`` at once, outside a backward (a reducer made with
+        ``hooks=False``): the async pipeline applies a gradient finished a step earlier, while the
+        backwards of the next batch ran into other tensors. Parameters without a gradient on any rank
+        keep none (the optimizer skips them)."""
+        present = [p for p in self._names if p.grad is not None]
+        self.prepare_for_backward()
+        self._used.update(present)
+        self.finish_sync()
 
     def _globally_unused(self, locally_unused: list[nn.Parameter]) -> list[nn.Parameter]:
         """All ranks take part (another rank may have unused parameters even if this one has none); with

@@ -11,7 +11,7 @@ that knows no strategy class (``configure_parallelism`` reads as that order):
    activations on to the next stage's tp group;
 3. data parallel: the gradients of the parameters this rank holds are averaged over the dp group by the
    ``GradientReducer``, overlapped with backward (pipeline stages: with the stage's last backward of the
-   step; the ``async`` schedule averages its finished gradient after the step).
+   step; the ``async`` schedule's finished gradient is averaged at once, after the step).
 
 Steps 1 and 2 run on the module built on meta (``set_up_share``): a rank allocates only its share.
 Checkpoints stack the gathers in the same order: over tp (full tensors), then over pp (the stages'
@@ -207,10 +207,14 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
             self._keep_earlier_shards(module, shape.tp)
         if self.pipelined and self.executor is None:
             self.wire_stages(self._stage_costs)
-        if shape.dp > 1 and not (self.pipelined and self.schedule == "async"):
-            # pipeline stages: a module replicated outside the block stack gets no gradient on some stages
+        if shape.dp > 1:
+            # pipeline stages: a module replicated outside the block stack gets no gradient on some stages;
+            # async averages a gradient finished a step earlier, not one arriving in backward
             self.reducer = self.reducer_class(
-                list(module.named_parameters()), group=self.dp_group, find_unused_parameters=self.pipelined
+                list(module.named_parameters()),
+                group=self.dp_group,
+                find_unused_parameters=self.pipelined,
+                hooks=not (self.pipelined and self.schedule == "async"),
             )
         self.install_global_norm_clipping(self._counted_for_norm(module), self.mesh.group("model"))
 

@@ -12,9 +12,10 @@ How a step runs (Lightning's closure is training_step -> zero_grad -> backward):
   buckets, whose all-reduces over the stage's replicas start during the stage's last backward of the
   step (only on the last step of a gradient-accumulation window); ``post_backward`` waits for them.
 - ``backward``: Lightning's backward of the returned loss touches no parameter; ``pre_backward`` puts
-  the set-aside gradients back (added, for gradient accumulation); ``post_backward`` (skipped on
-  accumulating micro-steps) finishes the data-parallel average and sums the gradients of the modules
-  replicated outside the block stack over the stages.
+  the set-aside gradients back (added, for gradient accumulation); the gradients of the modules
+  replicated outside the block stack are summed over the stages: with one replica on every micro-step
+  (a sum started as soon as the stage's backwards are done), with several in ``post_backward`` (skipped on
+  accumulating micro-steps), after waiting for the data-parallel average.
 - ``self.log`` calls made by the user's code on the last stage are captured per micro-batch, averaged
   with the same weights, and replayed on every stage, so the progress bar (rank 0 is the first stage),
   loggers, ``ModelCheckpoint`` and ``EarlyStopping`` see the same values everywhere.
@@ -53,10 +54,7 @@ from torch import Tensor
 from lightning_parallel.checkpointing.loss_check import check_finite_loss
 from lightning_parallel.distributed.collectives import start_gather_numbers
 from lightning_parallel.distributed.p2p import PeerLink
-from lightning_parallel.distributed.replicas import (
-    all_reduce_gradients,
-    start_sum_at,
-)
+from lightning_parallel.distributed.replicas import start_sum_at
 from lightning_parallel.materialize import has_meta_tensors
 from lightning_parallel.pipeline.deferred_batchnorm import DeferredBatchNorm, batchnorm_warning
 from lightning_parallel.pipeline.executor import StageExecutor, batch_size, split_microbatches
@@ -98,6 +96,7 @@ class PipelineStages:
         self._set_aside: list[Optional[Tensor]] = []
         self._replicated: list[int] = []  # set by wire_stages
         self._accumulating = False  # the last backward kept its gradients local (accumulate_grad_batches)
+        self._replicated_sum: Optional[Callable[[], list]] = None  # one replica: the stages' sum, in flight
         self._full_keys: list[str] = []
         self._full_param_names: list[str] = []
         self.bubbles: list[float] = []  # this rank's measured bubble, per training step
@@ -129,7 +128,8 @@ class PipelineStages:
         """Refuse, before the split, what the schedule cannot run; forget collectives of an earlier fit."""
         module = self.lightning_module
         # a fit that ended in an exception may have left collectives in flight, on groups now gone
-        self._bubbles_gathered, self._accumulating = None, False
+        self._bubbles_gathered = self._replicated_sum = None
+        self._accumulating = False
         if not module.automatic_optimization and module.trainer.state.fn == TrainerFn.FITTING:
             raise ValueError(
                 f"{type(self).__name__} (schedule={self.schedule!r}) does not support manual optimization "
@@ -269,7 +269,9 @@ class PipelineStages:
                 actions, batch, step_fn, backward=True, batch_idx=batch_idx, before_backward=last_backward
             )
             self._set_aside = [p.grad for p in params]
-            if self.reducer is not None:  # in the buckets (being averaged): out of zero_grad's reach
+            if self.reducer is None:
+                self._replicated_sum = self._start_replicated_sum(params, self._set_aside)
+            else:  # in the buckets (being averaged): out of zero_grad's reach
                 earlier = [None] * len(params)
             loss = self._show(self.logs.take("train"))
         for p, g in zip(params, earlier):
@@ -507,14 +509,26 @@ class PipelineStages:
 
         return before_backward
 
-    def _sum_replicated(self) -> None:
-        """Sum over the stages the gradients of the modules replicated outside the block stack (each stage
-        holds part of them: the first its embedding's, the last its head's), once per optimizer step, after
-        the data-parallel average (the two commute); every stage then holds the same whole gradient."""
+    def _start_replicated_sum(self, params: list, grads: list) -> Optional[Callable[[], list]]:
+        """Start summing over the stages the gradients of the modules replicated outside the block stack
+        (each stage holds part of them: the first its embedding's, the last its head's); the returned
+        function waits and gives ``grads`` with those replaced by their sums (None: nothing to sum).
+
+        One replica: started on each micro-step's gradients as soon as the stage's backwards are done, so
+        it overlaps the rest of the step; ``pre_backward`` waits and adds the sums. With data parallelism:
+        once per optimizer step, after the average (the two commute: ``_sum_averaged_replicated``)."""
         if self.mesh.shape.pp == 1 or not self._replicated:
-            return
+            return None
+        return start_sum_at(self._replicated, params, grads, self.pp_group)
+
+    def _sum_averaged_replicated(self) -> None:
+        """The stages' sum of the averaged gradients of the replicated modules, into ``.grad`` (a bucket
+        view keeps aliasing its bucket); every stage then holds the same whole gradient."""
         params = list(self.lightning_module.parameters())
-        summed = start_sum_at(self._replicated, params, [p.grad for p in params], self.pp_group)()
+        finish = self._start_replicated_sum(params, [p.grad for p in params])
+        if finish is None:
+            return
+        summed = finish()
         for i in self._replicated:
             p, value = params[i], summed[i]
             if value is None:
@@ -527,6 +541,8 @@ class PipelineStages:
     def pre_backward(self, closure_loss: Tensor) -> None:
         if not self.pipelined:
             return super().pre_backward(closure_loss)
+        if self._replicated_sum is not None:
+            self._set_aside, self._replicated_sum = self._replicated_sum(), None
         for p, fresh in zip(self.lightning_module.parameters(), self._set_aside):
             if fresh is None:
                 continue
@@ -542,9 +558,8 @@ class PipelineStages:
         self._accumulating = not self._sync_grads
         if self._accumulating:
             return
-        if self.reducer is not None:
+        if self.reducer is not None and self.schedule == "async":
+            self.reducer.average_now()  # a gradient finished a step earlier, now back in .grad
+        elif self.reducer is not None:
             self.reducer.finish_sync()
-        elif self.mesh.shape.dp > 1:  # async: its finished gradient, after the step
-            all_reduce_gradients(self.lightning_module.parameters(), self.dp_group, average=True)
-        if self.schedule != "async":  # async sums over the stages as a gradient finishes (AsyncGradients)
-            self._sum_replicated()
+            self._sum_averaged_replicated()
