@@ -294,8 +294,9 @@ class GradientReducer:
         (torch's ``allreduce_hook``), so ``.grad`` holds the average once it is waited for.
 
         This is the seam for optimizer sharding (ZeRO-1/2): a subclass returns a ``reduce_scatter_tensor``
-        of the buffer into this rank's shard instead, and the rest (buckets, hooks, overlap with
-        backward, no_sync, the wait in ``finish_sync``) stays as it is."""
+        of the buffer into this rank's shard instead (its optimizer then reads only that shard), and the
+        rest (buckets, hooks, overlap with backward, no_sync, the wait in ``finish_sync``) stays as it is.
+        ``ParallelStrategy.reducer_class`` picks the subclass."""
         return dist.all_reduce(bucket.buffer.div_(self.world_size), group=self.group, async_op=True)
 
     def finish_sync(self) -> None:
