@@ -19,6 +19,13 @@ without it, the step fails with the names of the parameters, instead of hanging.
 the same parameters are used every step: unused ones are allowed, found once (first synchronised step),
 and the per-step search (a collective of flags) is skipped afterwards.
 
+Every strategy with a data-parallel axis averages its gradients here (lp_ddp, tensor parallel, pipeline
+stages). A pipeline stage runs several backwards per step: its hooks only count until the stage's last
+backward, before which the strategy calls ``prepare_for_backward`` again (sync on), so the buckets are sent
+while that backward still runs. The async pipeline applies a gradient finished a step earlier: its reducer
+has no hooks, and ``average_now`` sends the buckets at once. The bucket collective is one method,
+``_reduce_bucket``: where optimizer sharding will reduce-scatter instead of all-reduce.
+
 A communication hook (torch DDP's ``hook(state, bucket) -> Future[Tensor]``, e.g. torch's
 ``fp16_compress_hook`` or ``PowerSGD``) replaces the built-in all-reduce of a bucket: it receives a
 ``HookBucket`` with torch's ``GradBucket`` methods, and the future's value is copied into the bucket.
@@ -144,6 +151,7 @@ class GradientReducer:
         comm_state: Any = None,
         static_graph: bool = False,
         gradient_as_bucket_view: bool = True,
+        hooks: bool = True,
     ) -> None:
         self.group = group
         self.world_size = dist.get_world_size(group)
@@ -162,18 +170,27 @@ class GradientReducer:
         # Gradients roughly arrive in reverse registration order; that is the first guess.
         self._order: list[nn.Parameter] = list(reversed(list(self._names)))
         # Arrival order, recorded until the first synchronised step (a dict keeps first arrivals only).
-        self._arrivals: Optional[dict[nn.Parameter, None]] = {}
+        self._arrivals: Optional[dict[nn.Parameter, None]] = {} if hooks else None
         self._synced_once = False
         self._used: set[nn.Parameter] = set()
         self._next_bucket = 0
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self._names]
+        # without hooks (``average_now``), the gradients are not watched as they arrive
+        hooked = self._names if hooks else []
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in hooked]
         self._build_buckets(self._order)
 
     # ------------------------------------------------------------------ buckets
-    def _build_buckets(self, order: list[nn.Parameter]) -> None:
+    def _build_buckets(self, order: list[nn.Parameter], unused: int = 0) -> None:
+        """Buckets over ``order``; its last ``unused`` parameters (no gradient in the first step) get buckets
+        of their own, so they do not hold back, until ``finish_sync``, the buckets filled in backward (a
+        pipeline stage never gives a gradient to the modules other stages use)."""
         self.buckets: list[_Bucket] = []
         self._where: dict[nn.Parameter, tuple[int, int]] = {}
-        for b, indices in enumerate(assign_buckets(order, self.bucket_cap_mb, self.first_bucket_cap_mb)):
+        used = len(order) - unused
+        caps = (self.bucket_cap_mb, self.first_bucket_cap_mb)
+        groups = assign_buckets(order[:used], *caps)
+        groups += [[used + i for i in b] for b in assign_buckets(order[used:], *caps)]
+        for b, indices in enumerate(groups):
             params = [order[i] for i in indices]
             # empty: every slot is zeroed or written before it is read (prepare_for_backward), so the
             # gradient memory is touched by the first backward, not at set-up
@@ -206,10 +223,11 @@ class GradientReducer:
             by_name = {n: p for p, n in self._names.items()}
             arrived = [by_name[n] for n in holder[0]]
         seen = set(arrived)
-        order = arrived + [p for p in self._order if p not in seen]
-        if [id(p) for p in order] != [id(p) for p in self._order]:
+        unused = [p for p in self._order if p not in seen]
+        order = arrived + unused
+        if unused or [id(p) for p in order] != [id(p) for p in self._order]:
             self._order = order
-            self._build_buckets(order)
+            self._build_buckets(order, len(unused))
         self.stats.rebuilt = True
 
     # ------------------------------------------------------------------ step
@@ -262,14 +280,24 @@ class GradientReducer:
             self.stats.launched_in_backward += int(in_backward)
 
     def _launch(self, index: int) -> None:
+        """Start the collective of one bucket (a comm hook's, or ``_reduce_bucket``); waited in ``finish_sync``."""
         bucket = self.buckets[index]
-        if self.comm_hook is None:  # torch's allreduce_hook: divide first, sum in place
-            bucket.work = dist.all_reduce(
-                bucket.buffer.div_(self.world_size), group=self.group, async_op=True
-            )
+        if self.comm_hook is None:
+            bucket.work = self._reduce_bucket(bucket)
         else:
             hook_bucket = HookBucket(bucket, index, last=index == len(self.buckets) - 1)
             bucket.future = self.comm_hook(self.comm_state, hook_bucket)
+
+    def _reduce_bucket(self, bucket: _Bucket) -> dist.Work:
+        """The one data-parallel gradient collective of every strategy with a dp axis (DDP, tensor
+        parallel, pipeline stages): an asynchronous all-reduce of the bucket's flat buffer, divided first
+        (torch's ``allreduce_hook``), so ``.grad`` holds the average once it is waited for.
+
+        This is the seam for optimizer sharding (ZeRO-1/2): a subclass returns a ``reduce_scatter_tensor``
+        of the buffer into this rank's shard instead (its optimizer then reads only that shard), and the
+        rest (buckets, hooks, overlap with backward, no_sync, the wait in ``finish_sync``) stays as it is.
+        ``ParallelStrategy.reducer_class`` picks the subclass."""
+        return dist.all_reduce(bucket.buffer.div_(self.world_size), group=self.group, async_op=True)
 
     def finish_sync(self) -> None:
         """Send what is left, wait once, and leave averaged gradients in ``.grad``."""
@@ -311,6 +339,16 @@ class GradientReducer:
         self._used.clear()
         self._synced_once = True
         self.stats.synced_steps += 1
+
+    def average_now(self) -> None:
+        """Average the gradients now in ``.grad`` at once, outside a backward (a reducer made with
+        ``hooks=False``): the async pipeline applies a gradient finished a step earlier, while the
+        backwards of the next batch ran into other tensors. Parameters without a gradient on any rank
+        keep none (the optimizer skips them)."""
+        present = [p for p in self._names if p.grad is not None]
+        self.prepare_for_backward()
+        self._used.update(present)
+        self.finish_sync()
 
     def _globally_unused(self, locally_unused: list[nn.Parameter]) -> list[nn.Parameter]:
         """All ranks take part (another rank may have unused parameters even if this one has none); with

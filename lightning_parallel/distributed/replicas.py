@@ -17,8 +17,7 @@ __all__ = [
     "broadcast_tensors",
     "broadcast_module_states",
     "global_rank",
-    "all_reduce_gradients",
-    "start_gradient_reduce",
+    "start_gradient_sum",
     "start_sum_at",
 ]
 
@@ -55,16 +54,15 @@ def broadcast_module_states(
         broadcast_tensors(tensors, src=src, group=group)
 
 
-def start_gradient_reduce(
+def start_gradient_sum(
     params: Sequence[nn.Parameter],
     grads: Sequence[Optional[Tensor]],
     group: Optional[dist.ProcessGroup],
-    average: bool,
 ) -> Callable[[], list[Optional[Tensor]]]:
-    """Start summing (or averaging) ``grads`` (one per parameter, None where this rank has none) over
-    ``group``, one non-blocking collective per dtype; the returned function waits for them and gives the
-    reduced gradients (None where no rank had one). Started early, the collective overlaps other work,
-    and a rank that gets there first does not wait for the slowest at that point."""
+    """Start summing ``grads`` (one per parameter, None where this rank has none) over ``group`` (the
+    pipeline stages' parts of a replicated module's gradient), one non-blocking collective per dtype; the
+    returned function waits for them and gives the sums (None where no rank had one). Started early, the
+    collective overlaps other work. Averaging over data-parallel replicas is ``reducer.GradientReducer``'s."""
     by_kind: dict[tuple[torch.dtype, torch.device], list[int]] = defaultdict(list)
     for i, p in enumerate(params):
         by_kind[(p.dtype, p.device)].append(i)
@@ -80,15 +78,12 @@ def start_gradient_reduce(
             ]
         )
         started.append((same, flat, dist.all_reduce(flat, group=group, async_op=True)))
-    size = dist.get_world_size(group)
 
     def finish() -> list[Optional[Tensor]]:
         reduced: list[Optional[Tensor]] = [None] * len(params)
         for same, flat, work in started:
             work.wait()
             n = flat.numel() - len(same)
-            if average:
-                flat[:n].div_(size)
             had = flat[n:].tolist()
             offset = 0
             for k, i in enumerate(same):
@@ -109,9 +104,7 @@ def start_sum_at(
     """Start summing over ``group`` only the gradients at ``positions`` (those of the parameters every
     rank holds a part of the gradient of); the returned function waits and gives ``grads`` with those
     replaced by their sums."""
-    finish = start_gradient_reduce(
-        [params[i] for i in positions], [grads[i] for i in positions], group, average=False
-    )
+    finish = start_gradient_sum([params[i] for i in positions], [grads[i] for i in positions], group)
 
     def summed() -> list[Optional[Tensor]]:
         out = list(grads)
@@ -120,19 +113,3 @@ def start_sum_at(
         return out
 
     return summed
-
-
-def all_reduce_gradients(
-    params: Iterable[nn.Parameter], group: Optional[dist.ProcessGroup], average: bool
-) -> None:
-    """Sum (or average) ``.grad`` over ``group``, one collective per dtype. A parameter without a
-    gradient takes part with zeros, and gets one if any rank had it."""
-    params = [p for p in params if p.requires_grad]
-    reduced = start_gradient_reduce(params, [p.grad for p in params], group, average)()
-    for p, value in zip(params, reduced):
-        if value is None:
-            continue
-        if p.grad is None:
-            p.grad = value.clone()
-        else:
-            p.grad.copy_(value)

@@ -9,9 +9,9 @@ that knows no strategy class (``configure_parallelism`` reads as that order):
 2. pipeline: the block stack of the sharded module is partitioned into stages over the pp group
    (``pipeline.partition``); the stage's ranks of one tp group run the same blocks and pass the same
    activations on to the next stage's tp group;
-3. data parallel: the gradients of the parameters this rank holds are averaged over the dp group, by the
-   ``GradientReducer`` overlapped with backward when nothing is pipelined, after the stage's schedule
-   otherwise.
+3. data parallel: the gradients of the parameters this rank holds are averaged over the dp group by the
+   ``GradientReducer``, overlapped with backward (pipeline stages: with the stage's last backward of the
+   step; the ``async`` schedule's finished gradient is averaged at once, after the step).
 
 Steps 1 and 2 run on the module built on meta (``set_up_share``): a rank allocates only its share.
 Checkpoints stack the gathers in the same order: over tp (full tensors), then over pp (the stages'
@@ -109,6 +109,8 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
     always_applied: tuple[str, ...] = ()
     #: the sizes that may be None (inferred from the world)
     nullable_sizes: tuple[str, ...] = tuple(size_options)
+    #: the data-parallel gradient path (a subclass swaps the bucket collective, e.g. for optimizer sharding)
+    reducer_class: type[GradientReducer] = GradientReducer
     evaluates_split = True
     #: the options of each axis; a preset that fixes an axis hides its options (``strategies.options``)
     tensor_options = ("tensor_parallel_size", "plan", "verify_plan", "require_sharded")
@@ -206,8 +208,15 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
             self._keep_earlier_shards(module, shape.tp)
         if self.pipelined and self.executor is None:
             self.wire_stages(self._stage_costs)
-        if not self.pipelined and shape.dp > 1:  # stages average their gradients after the schedule
-            self.reducer = GradientReducer(list(module.named_parameters()), group=self.dp_group)
+        if shape.dp > 1:
+            # pipeline stages: a module replicated outside the block stack gets no gradient on some stages;
+            # async averages a gradient finished a step earlier, not one arriving in backward
+            self.reducer = self.reducer_class(
+                list(module.named_parameters()),
+                group=self.dp_group,
+                find_unused_parameters=self.pipelined,
+                hooks=not (self.pipelined and self.schedule == "async"),
+            )
         self.install_global_norm_clipping(self._counted_for_norm(module), self.mesh.group("model"))
 
     def _split(self, module: nn.Module) -> None:

@@ -8,11 +8,14 @@ How a step runs (Lightning's closure is training_step -> zero_grad -> backward):
   ``training_step`` is the loss, run on the last stage once per micro-batch, weighted by its share of the
   batch, so a step equals the full-batch step. The gradients it produced are set aside (the closure's
   ``zero_grad`` would wipe them) and the full-batch loss is returned on every stage.
+- data parallel (``data_parallel_size > 1``): the backwards accumulate into the ``GradientReducer``'s
+  buckets, whose all-reduces over the stage's replicas start during the stage's last backward of the
+  step (only on the last step of a gradient-accumulation window); ``post_backward`` waits for them.
 - ``backward``: Lightning's backward of the returned loss touches no parameter; ``pre_backward`` puts
-  the set-aside gradients back (added, for gradient accumulation), those of the replicated modules
-  outside the block stack summed over the stages (a sum started as soon as the stage's backwards were
-  done); ``post_backward`` averages everything over the data-parallel group (skipped on accumulating
-  micro-steps).
+  the set-aside gradients back (added, for gradient accumulation); the gradients of the modules
+  replicated outside the block stack are summed over the stages: with one replica on every micro-step
+  (a sum started as soon as the stage's backwards are done), with several in ``post_backward`` (skipped on
+  accumulating micro-steps), after waiting for the data-parallel average.
 - ``self.log`` calls made by the user's code on the last stage are captured per micro-batch, averaged
   with the same weights, and replayed on every stage, so the progress bar (rank 0 is the first stage),
   loggers, ``ModelCheckpoint`` and ``EarlyStopping`` see the same values everywhere.
@@ -51,10 +54,7 @@ from torch import Tensor
 from lightning_parallel.checkpointing.loss_check import check_finite_loss
 from lightning_parallel.distributed.collectives import start_gather_numbers
 from lightning_parallel.distributed.p2p import PeerLink
-from lightning_parallel.distributed.replicas import (
-    all_reduce_gradients,
-    start_sum_at,
-)
+from lightning_parallel.distributed.replicas import start_sum_at
 from lightning_parallel.materialize import has_meta_tensors
 from lightning_parallel.pipeline.deferred_batchnorm import DeferredBatchNorm, batchnorm_warning
 from lightning_parallel.pipeline.executor import StageExecutor, batch_size, split_microbatches
@@ -69,7 +69,7 @@ from lightning_parallel.pipeline.profile import (
     capture_block_inputs,
     time_blocks,
 )
-from lightning_parallel.pipeline.schedules import bubble_fraction, schedule
+from lightning_parallel.pipeline.schedules import Action, bubble_fraction, schedule
 from lightning_parallel.pipeline.timeline import (
     Timeline,
     bubble,
@@ -95,7 +95,8 @@ class PipelineStages:
         self.executor: Optional[StageExecutor] = None
         self._set_aside: list[Optional[Tensor]] = []
         self._replicated: list[int] = []  # set by wire_stages
-        self._replicated_sum: Optional[Callable[[], list]] = None  # the stages' sum of replicated gradients
+        self._accumulating = False  # the last backward kept its gradients local (accumulate_grad_batches)
+        self._replicated_sum: Optional[Callable[[], list]] = None  # one replica: the stages' sum, in flight
         self._full_keys: list[str] = []
         self._full_param_names: list[str] = []
         self.bubbles: list[float] = []  # this rank's measured bubble, per training step
@@ -128,6 +129,7 @@ class PipelineStages:
         module = self.lightning_module
         # a fit that ended in an exception may have left collectives in flight, on groups now gone
         self._bubbles_gathered = self._replicated_sum = None
+        self._accumulating = False
         if not module.automatic_optimization and module.trainer.state.fn == TrainerFn.FITTING:
             raise ValueError(
                 f"{type(self).__name__} (schedule={self.schedule!r}) does not support manual optimization "
@@ -261,12 +263,16 @@ class PipelineStages:
         if self.schedule == "async":
             loss = self._async_step(params, batch, step_fn, batch_idx)
         else:
-            for p in params:
-                p.grad = None
             actions = schedule(self.schedule, self.mesh.shape.pp, self.num_microbatches, self.mesh.pp_rank)
-            self._run(actions, batch, step_fn, backward=True, batch_idx=batch_idx)
+            last_backward = self._begin_gradients(params, earlier, actions)
+            self._run(
+                actions, batch, step_fn, backward=True, batch_idx=batch_idx, before_backward=last_backward
+            )
             self._set_aside = [p.grad for p in params]
-            self._start_replicated_sum(params)
+            if self.reducer is None:
+                self._replicated_sum = self._start_replicated_sum(params, self._set_aside)
+            else:  # in the buckets (being averaged): out of zero_grad's reach
+                earlier = [None] * len(params)
             loss = self._show(self.logs.take("train"))
         for p, g in zip(params, earlier):
             p.grad = g
@@ -474,15 +480,63 @@ class PipelineStages:
         self.lightning_module.log("pipeline_bubble", statistics.mean(stages), on_step=True, on_epoch=False)
 
     # ----------------------------------------------------------------- gradients
-    def _start_replicated_sum(self, params: list) -> None:
-        """Start summing over the stages this micro-step's gradients of the modules replicated outside the
-        block stack (each stage holds part of them: the first its embedding's, the last its head's), as
-        soon as this stage's backwards are done, so the collective overlaps the rest of the step;
-        ``pre_backward`` waits for it and adds the sums. Summed every micro-step, the gradients that
-        accumulate are sums already, whatever the loop's ``zero_grad`` does in between."""
-        if self.mesh.shape.pp == 1:
+    def _begin_gradients(
+        self, params: list, earlier: list, actions: list[Action]
+    ) -> Optional[Callable[[Action], None]]:
+        """Where this step's backwards accumulate; returns the executor's ``before_backward`` (or None).
+
+        Without a reducer (one replica): into fresh ``.grad``, set aside after the schedule and added to the
+        accumulated ones in ``pre_backward``. With one: into the reducer's buckets, continuing the gradients
+        of an accumulation window (dropped at a window's first step: they are the applied ones, which the
+        loop's ``zero_grad`` would wipe). Its hooks only count until this stage's last backward of the step;
+        before that one, sync is turned on (unless the step accumulates) and the counts restart, so each
+        bucket's all-reduce starts as soon as that backward has filled it, and overlaps the rest of it."""
+        reducer = self.reducer
+        if reducer is None:
+            for p in params:
+                p.grad = None
+            return None
+        for p, g in zip(params, earlier):
+            p.grad = g if self._accumulating else None
+        sync, reducer.sync_enabled = self._sync_grads, False
+        reducer.prepare_for_backward()
+        last = [a for a in actions if a.kind == "B"][-1]
+
+        def before_backward(action: Action) -> None:
+            if action is last:
+                reducer.sync_enabled = sync
+                reducer.prepare_for_backward()
+
+        return before_backward
+
+    def _start_replicated_sum(self, params: list, grads: list) -> Optional[Callable[[], list]]:
+        """Start summing over the stages the gradients of the modules replicated outside the block stack
+        (each stage holds part of them: the first its embedding's, the last its head's); the returned
+        function waits and gives ``grads`` with those replaced by their sums (None: nothing to sum).
+
+        One replica: started on each micro-step's gradients as soon as the stage's backwards are done, so
+        it overlaps the rest of the step; ``pre_backward`` waits and adds the sums. With data parallelism:
+        once per optimizer step, after the average (the two commute: ``_sum_averaged_replicated``)."""
+        if self.mesh.shape.pp == 1 or not self._replicated:
+            return None
+        return start_sum_at(self._replicated, params, grads, self.pp_group)
+
+    def _sum_averaged_replicated(self) -> None:
+        """The stages' sum of the averaged gradients of the replicated modules, into ``.grad`` (a bucket
+        view keeps aliasing its bucket); every stage then holds the same whole gradient."""
+        params = list(self.lightning_module.parameters())
+        finish = self._start_replicated_sum(params, [p.grad for p in params])
+        if finish is None:
             return
-        self._replicated_sum = start_sum_at(self._replicated, params, self._set_aside, self.pp_group)
+        summed = finish()
+        for i in self._replicated:
+            p, value = params[i], summed[i]
+            if value is None:
+                continue
+            if p.grad is None:
+                p.grad = value
+            else:
+                p.grad.copy_(value)  # keeps a reducer's bucket view
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         if not self.pipelined:
@@ -501,7 +555,11 @@ class PipelineStages:
     def post_backward(self, closure_loss: Tensor) -> None:
         if not self.pipelined:
             return super().post_backward(closure_loss)
-        if not self._sync_grads:
+        self._accumulating = not self._sync_grads
+        if self._accumulating:
             return
-        if self.mesh.shape.dp > 1:
-            all_reduce_gradients(self.lightning_module.parameters(), self.dp_group, average=True)
+        if self.reducer is not None and self.schedule == "async":
+            self.reducer.average_now()  # a gradient finished a step earlier, now back in .grad
+        elif self.reducer is not None:
+            self.reducer.finish_sync()
+            self._sum_averaged_replicated()

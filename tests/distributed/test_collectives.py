@@ -117,9 +117,9 @@ def clip_without_gradients_program(out: Path) -> None:
 
 
 def check_gradient_reductions(rank: int) -> None:
-    """``state.start_gradient_reduce``: a parameter only one rank has a gradient for gets it on both,
+    """``replicas.start_gradient_sum``: a parameter only one rank has a gradient for gets it on both,
     one no rank has stays None; two reductions in flight at once finish in either order."""
-    from lightning_parallel.distributed.replicas import all_reduce_gradients, start_gradient_reduce
+    from lightning_parallel.distributed.replicas import start_gradient_sum
 
     check = torch.testing.assert_close
     params = [
@@ -129,18 +129,14 @@ def check_gradient_reductions(rank: int) -> None:
     ]
     first = [torch.full((2,), rank + 1.0), torch.ones(3, dtype=torch.float64) if rank == 0 else None, None]
     second = [torch.full((2,), 10.0 * (rank + 1)), None, None]
-    finish_first = start_gradient_reduce(params, first, None, average=False)
-    finish_second = start_gradient_reduce(params, second, None, average=True)
+    finish_first = start_gradient_sum(params, first, None)
+    finish_second = start_gradient_sum(params, second, None)
     got_second, got_first = finish_second(), finish_first()
     check(got_first[0], torch.full((2,), 3.0))
     check(got_first[1], torch.ones(3, dtype=torch.float64))  # rank 1 had none: it gets rank 0's
     assert got_first[2] is None
-    check(got_second[0], torch.full((2,), 15.0))
+    check(got_second[0], torch.full((2,), 30.0))
     check(first[0], torch.full((2,), rank + 1.0))  # the inputs are left as they were
-    params[0].grad = torch.full((2,), float(rank))
-    all_reduce_gradients(params, None, average=True)
-    check(params[0].grad, torch.full((2,), 0.5))
-    assert params[1].grad is None and params[2].grad is None
 
 
 @pytest.mark.timeout(120)
@@ -163,7 +159,49 @@ def test_clipping_returns_on_every_rank_when_one_has_no_gradients(tmp_path):
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
 
 
-PROGRAMS = {"all": rank_program, "clip_without_gradients": clip_without_gradients_program}
+def reducer_program(out: Path) -> None:
+    """``GradientReducer``: with ``hooks=False``, ``average_now`` averages what ``.grad`` holds (a parameter
+    no rank has a gradient for keeps none); with hooks, a parameter unused in the first synchronised step
+    gets a bucket of its own, so the others' buckets are sent from the hooks of the next backwards."""
+    from lightning_parallel.distributed.reducer import GradientReducer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, check = dist.get_rank(), torch.testing.assert_close
+    a, b, c = (torch.nn.Parameter(torch.zeros(2)) for _ in range(3))
+    later = GradientReducer([("a", a), ("b", b), ("c", c)], hooks=False, find_unused_parameters=True)
+    a.grad, b.grad = torch.full((2,), float(rank)), (torch.ones(2) if rank == 0 else None)
+    later.average_now()
+    check(a.grad, torch.full((2,), 0.5))
+    check(b.grad, torch.full((2,), 0.5))  # rank 1 had none: it takes part with zeros
+    assert c.grad is None and later.stats.launched_in_backward == 0
+
+    hooked = GradientReducer([("a", a), ("b", b), ("c", c)], find_unused_parameters=True)
+    for step in range(2):
+        a.grad = b.grad = None  # the optimizer's zero_grad
+        hooked.prepare_for_backward()
+        (a.sum() * (rank + 1) + b.sum()).backward()  # c never gets a gradient
+        hooked.finish_sync()
+    assert hooked.bucket_names()[-1] == ["c"], hooked.bucket_names()
+    assert hooked.stats.launched_in_backward >= 1  # the second step: a and b's bucket, from b's hook
+    check(a.grad, torch.full((2,), 1.5))
+    assert c.grad is None
+    (out / f"ok{rank}").write_text("ok")
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_reducer_averages_now_and_buckets_unused_parameters_apart(tmp_path):
+    cmd = [sys.executable, "-m", "tests.distributed.test_collectives", str(tmp_path), "reducer"]
+    run_processes([cmd, cmd], [worker_env(r, 2) for r in range(2)], timeout=30, cwd=tmp_path, rendezvous=True)
+    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
+
+
+PROGRAMS = {
+    "all": rank_program,
+    "clip_without_gradients": clip_without_gradients_program,
+    "reducer": reducer_program,
+}
 
 if __name__ == "__main__":
     os.chdir(REPO)

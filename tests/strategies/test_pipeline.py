@@ -133,6 +133,7 @@ for c in CASES_2:
         c["probe"] = "tests.helpers.probes:sequence_lengths"
 CASES_4 = [
     case("gpt-dp2-1f1b", "gpt", dp=2, schedule="1f1b"),
+    case("gpt-dp2-1f1b-accumulate", "gpt", dp=2, schedule="1f1b", trainer={"accumulate_grad_batches": 2}),
     case(
         "seq-dp2-gpipe-accumulate-clip",
         "seq",
@@ -159,6 +160,7 @@ CASES_4 = [
     ),
     case("seq-dp2-async-time", "seq", dp=2, schedule="async", balance="time", model_kwargs=SGD),
 ]
+CASES_4[0]["probe"] = "tests.helpers.probes:reducer_stats"
 CASES_4_SYNC = [c for c in CASES_4 if "async" not in c["name"]]
 
 
@@ -396,6 +398,18 @@ def test_two_stages_match_single_device(pp2, c):
 def test_four_processes_match_single_device(pp4, c):
     tmp, results = pp4
     check(tmp, results, 4, c)
+
+
+@pytest.mark.timeout(600)
+def test_data_parallel_stages_average_during_their_last_backward(pp4):
+    """dp2 x pp2: every stage's gradient buckets are averaged by the reducer, their all-reduces launched from
+    the gradient hooks of the stage's last backward of the step (the case also equals one device, above)."""
+    _, results = pp4
+    for rank in results["gpt-dp2-1f1b"]:
+        stats = rank["probe"]
+        assert stats["synced_steps"] == 5  # max_steps: one average per optimizer step
+        assert stats["launched_in_backward"] > 0
+        assert stats["bucket_all_reduces"] >= stats["launched_in_backward"]
 
 
 @pytest.mark.timeout(600)
