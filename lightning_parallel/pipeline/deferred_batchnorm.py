@@ -29,6 +29,8 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.hooks import RemovableHandle
 
+from lightning_parallel.recompute import is_recomputing
+
 __all__ = ["DeferredBatchNorm", "batchnorm_warning"]
 
 _BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
@@ -115,8 +117,9 @@ class DeferredBatchNorm:
             self._records = {}
 
     def _before(self, layer: _BatchNorm, args: tuple) -> None:
-        """The call updates zeroed scratch buffers with momentum 1: they end up holding its statistics."""
-        if not layer.training:
+        """The call updates zeroed scratch buffers with momentum 1: they end up holding its statistics.
+        A recompute of the forward (activation checkpointing) records nothing: its call was recorded."""
+        if not layer.training or is_recomputing():
             return
         own = {name: layer._buffers[name] for name in _BUFFERS}
         self._own[layer] = own, layer.momentum

@@ -34,6 +34,7 @@ __all__ = [
     "batch_size",
     "StageExecutor",
     "StepResult",
+    "snapshot_in_use",
     "weights_snapshot",
 ]
 
@@ -147,6 +148,17 @@ def loss_of(output: Any) -> Tensor:
     return loss
 
 
+#: the lookups of the ``weights_snapshot`` blocks entered now, innermost last
+_SNAPSHOTS: list[Callable[[Tensor], Optional[Tensor]]] = []
+
+
+def snapshot_in_use() -> Optional[Callable[[Tensor], Optional[Tensor]]]:
+    """The innermost ``weights_snapshot`` in use now: a function from a tensor to the same view of the
+    snapshot's copy (None for a tensor that is no parameter's); None outside any snapshot. A recomputed
+    forward (``recompute``) reads the parameters through it, so it uses the weights the forward used."""
+    return _SNAPSHOTS[-1] if _SNAPSHOTS else None
+
+
 @contextmanager
 def weights_snapshot(parameters: Sequence[Tensor]) -> Iterator[None]:
     """Within this block, autograd saves, for any tensor that is (a view of) a parameter's storage, the
@@ -157,15 +169,21 @@ def weights_snapshot(parameters: Sequence[Tensor]) -> Iterator[None]:
     hook would otherwise hide."""
     snapshot = {storage_key(p): storage_of(p).clone() for p in parameters if _has_values(p)}
 
+    def view(t: Tensor) -> Optional[Tensor]:
+        copy = snapshot.get(storage_key(t))
+        return None if copy is None else t.new_empty(0).set_(copy, t.storage_offset(), t.size(), t.stride())
+
     def pack(t: Tensor) -> Tensor:
         record_saved(t)
-        copy = snapshot.get(storage_key(t))
-        if copy is None:
-            return t
-        return t.new_empty(0).set_(copy, t.storage_offset(), t.size(), t.stride())
+        copy = view(t)
+        return t if copy is None else copy
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield
+    _SNAPSHOTS.append(view)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+    finally:
+        _SNAPSHOTS.remove(view)
 
 
 def _has_values(p: Tensor) -> bool:

@@ -41,6 +41,7 @@ __all__ = [
     "balance",
     "block_parameters",
     "find_block_stack",
+    "held_elsewhere",
     "hold_elsewhere",
     "keep_block_skeletons",
     "other_stacks",
@@ -290,6 +291,11 @@ def _free_tensors(module: nn.Module) -> None:
         del module._buffers[name]
         module._non_persistent_buffers_set.discard(name)
         object.__setattr__(module, name, None if buffer is None else buffer.to("meta"))
+
+
+def held_elsewhere(block: nn.Module) -> bool:
+    """Whether ``block`` is held by another stage (``hold_elsewhere``): it passes its input through."""
+    return block.__dict__.get("forward") is _first_input
 
 
 def _first_input(*args: Any, **kwargs: Any) -> Any:

@@ -77,6 +77,7 @@ from lightning_parallel.materialize import (
     shared_rng_state,
 )
 from lightning_parallel.memory import MemoryReport
+from lightning_parallel.recompute import Spec, apply_activation_checkpointing, spec_problem
 from lightning_parallel.strategies.checks import layout, layout_sizes, one_of, positive_number, require
 from lightning_parallel.strategies.global_batch import describe_global_batch
 from lightning_parallel.strategies.launcher import HydraSafeSubprocessLauncher, failure_exit_fn
@@ -126,6 +127,9 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             takes precedence. See docs/large_models.md.
         initial_weights_prefix: put before every name of ``initial_weights`` (``"model."`` for a Hugging
             Face model held as ``self.model``).
+        activation_checkpointing: recompute activations in backward instead of keeping them: False (off),
+            True (every block of the block stack), ``"selective"`` (only each block's attention) or a list
+            of module-name patterns; applied at set-up after the model is split (``recompute``).
     """
 
     #: False where sharded checkpoints would be wrong or pointless (lp_dp: the optimizer lives on rank 0)
@@ -155,6 +159,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         memory_report: bool = True,
         initial_weights: Optional[WeightSource] = None,
         initial_weights_prefix: str = "",
+        activation_checkpointing: Spec = False,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -188,6 +193,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self.initial_weights = initial_weights
         self.initial_weights_prefix = initial_weights_prefix
         self.memory_report = memory_report
+        self.activation_checkpointing = activation_checkpointing
         self.memory = MemoryReport(defer_to_callback=True) if memory_report else None  # baseline: now
 
     @classmethod
@@ -208,6 +214,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             ),
             cls._save_distributed_problem(values["save_distributed"], values.get("checkpoint_io"), prefix),
             _initial_weights_problem(values["initial_weights"], prefix),
+            spec_problem(values["activation_checkpointing"], f"{prefix}activation_checkpointing"),
         ]
 
     @classmethod
@@ -374,6 +381,12 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
 
     def configure_parallelism(self) -> None:
         """Subclasses rewrite the module and create ``self.reducer`` here."""
+
+    def apply_activation_checkpointing(self, stack_name: Optional[str] = None) -> None:
+        """``activation_checkpointing`` on the module as this rank holds it (after tensor-parallel sharding
+        and the pipeline partition, before the data-parallel gradient path)."""
+        if self.activation_checkpointing is not False:
+            apply_activation_checkpointing(self.lightning_module, self.activation_checkpointing, stack_name)
 
     # ----------------------------------------------------------------- set-up shared by split models
     def scaler(self) -> Optional[Any]:

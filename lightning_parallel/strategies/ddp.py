@@ -188,6 +188,7 @@ class DDPStrategy(ParallelStrategyBase):
             self.set_up_share()
         elif self.init_sync:
             broadcast_module_states(module, src=0, group=self.dp_group)
+        self.apply_activation_checkpointing()
         self._has_buffers = any(True for _ in module.buffers())
         self._sync_buffers_next = True
         self.reducer = GradientReducer(

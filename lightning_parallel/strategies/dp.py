@@ -39,6 +39,7 @@ class DataParallelStrategy(ParallelStrategyBase):
             self.set_up_share()
         else:
             broadcast_module_states(self.lightning_module, src=0)
+        self.apply_activation_checkpointing()
 
     def post_backward(self, closure_loss: Tensor) -> None:
         if self._sync_grads:

@@ -206,6 +206,7 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
             self._split(module)
         elif self._is_sharded():  # split by an earlier fit of this trainer: keep its layers
             self._keep_earlier_shards(module, shape.tp)
+        self.apply_activation_checkpointing(self.block_stack)  # on the sharded stage, before the dp path
         if self.pipelined and self.executor is None:
             self.wire_stages(self._stage_costs)
         if shape.dp > 1:

@@ -1,0 +1,213 @@
+"""Activation checkpointing: chosen blocks keep only their inputs and recompute the rest in backward.
+
+``apply_activation_checkpointing(module, spec)`` wraps the ``forward`` of each chosen submodule in
+place (the same object, names and ``state_dict`` keys, so the tensor-parallel plan, the pipeline
+partition and checkpoints see the same module) with torch's non-reentrant ``checkpoint``:
+
+- ``True``: every block of the block stack (``pipeline.partition.find_block_stack``); blocks held by
+  another pipeline stage are left alone;
+- a list of module-name patterns (``*`` is one dotted segment, as in tensor-parallel plans);
+- ``"selective"``: only the attention of each block, as Megatron recomputes the attention core: the
+  innermost submodule whose ``forward`` computes softmax attention (``softmax``,
+  ``scaled_dot_product_attention``, a Hugging Face ``attention_interface``) or an
+  ``nn.MultiheadAttention``.
+
+The recomputed forward equals the original one: the random state is replayed (dropout), BatchNorm
+layers update scratch copies of their running statistics (kept once, from the forward), a pipeline's
+``DeferredBatchNorm`` records nothing (``is_recomputing``), and under an async pipeline's
+``weights_snapshot`` the parameters hold the snapshot's values (the weights the forward used). What
+the recompute saves is reported to ``memory.saved.record_saved``, so the peak counts it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import contextmanager, nullcontext
+from functools import partial
+from collections.abc import Sequence
+from typing import Any, Callable, Iterator, Optional, Union
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils.checkpoint import checkpoint
+
+from lightning_parallel.memory.saved import record_saved
+from lightning_parallel.pipeline.executor import snapshot_in_use
+from lightning_parallel.pipeline.partition import find_block_stack, held_elsewhere
+from lightning_parallel.tensor.plan import match_pattern
+
+__all__ = [
+    "CheckpointedForward",
+    "Spec",
+    "apply_activation_checkpointing",
+    "checkpoint_targets",
+    "is_recomputing",
+    "remove_activation_checkpointing",
+    "spec_problem",
+]
+
+Spec = Union[bool, str, Sequence[str]]
+
+#: words in a ``forward``'s source that say it computes softmax(QK^T)V
+_ATTENTION_MARKERS = ("softmax", "scaled_dot_product_attention", "attention_interface")
+_recomputing = 0  # > 0 while a checkpointed forward is being recomputed
+
+
+def is_recomputing() -> bool:
+    """Whether a checkpointed forward is being recomputed now (in backward)."""
+    return _recomputing > 0
+
+
+def spec_problem(value: Any, name: str = "activation_checkpointing") -> Optional[str]:
+    """Why ``value`` is not a valid ``activation_checkpointing`` (None when it is)."""
+    if isinstance(value, bool) or value == "selective":
+        return None
+    if _is_patterns(value) and value and all(isinstance(p, str) and p for p in value):
+        return None
+    return (
+        f"{name}={value!r} is not valid: use False (off), True (every block of the block stack), "
+        '"selective" (only the attention of each block) or a non-empty list of module-name patterns '
+        '(e.g. ["model.blocks.*"])'
+    )
+
+
+def _is_patterns(value: Any) -> bool:
+    """A list of patterns (a Hydra list config included), not a string."""
+    return isinstance(value, Sequence) and not isinstance(value, str)
+
+
+def checkpoint_targets(module: nn.Module, spec: Spec, stack_name: Optional[str] = None) -> list[str]:
+    """The names of the submodules of ``module`` that ``spec`` checkpoints (raises when it finds none)."""
+    problem = spec_problem(spec)
+    if problem is not None:
+        raise ValueError(problem)
+    if spec is False:
+        return []
+    if _is_patterns(spec):
+        names = [n for n, _ in module.named_modules() if n and any(match_pattern(p, n) for p in spec)]
+        if not names:
+            raise ValueError(f"activation_checkpointing patterns {list(spec)} match no module of the model")
+        return names
+    stack, blocks = find_block_stack(module, stack_name)
+    mine = [(f"{stack}.{i}" if stack else str(i), b) for i, b in enumerate(blocks) if not held_elsewhere(b)]
+    if spec is True:
+        return [name for name, _ in mine]
+    return [name for block_name, block in mine for name in _attention_cores(block, block_name)]
+
+
+def _attention_cores(block: nn.Module, block_name: str) -> list[str]:
+    """The innermost submodules of ``block`` that compute softmax attention (raises when none does)."""
+    found = [n for n, m in block.named_modules() if n and _computes_attention(m)]
+    innermost = [n for n in found if not any(o.startswith(f"{n}.") for o in found)]
+    if not innermost:
+        raise ValueError(
+            f'activation_checkpointing="selective" found no attention core in {block_name} '
+            f"({type(block).__name__}): no submodule is an nn.MultiheadAttention or has a forward that calls "
+            f"{', '.join(_ATTENTION_MARKERS)}. Use True (whole blocks) or module-name patterns."
+        )
+    return [f"{block_name}.{n}" for n in innermost]
+
+
+def _computes_attention(module: nn.Module) -> bool:
+    if isinstance(module, nn.MultiheadAttention):
+        return True
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return False
+    return any(marker in source for marker in _ATTENTION_MARKERS)
+
+
+def apply_activation_checkpointing(
+    module: nn.Module, spec: Spec, stack_name: Optional[str] = None
+) -> list[str]:
+    """Checkpoint the submodules ``spec`` chooses (see the module docstring); returns their names.
+    Submodules already checkpointed stay as they are."""
+    names = checkpoint_targets(module, spec, stack_name)
+    for name in names:
+        sub = module.get_submodule(name)
+        if not isinstance(sub.__dict__.get("forward"), CheckpointedForward):
+            sub.forward = CheckpointedForward(sub, sub.__dict__.get("forward"))
+    return names
+
+
+def remove_activation_checkpointing(module: nn.Module) -> None:
+    """Give every checkpointed submodule of ``module`` back the forward it had."""
+    for sub in module.modules():
+        wrapper = sub.__dict__.get("forward")
+        if isinstance(wrapper, CheckpointedForward):
+            del sub.forward
+            if wrapper.inner is not None:
+                sub.forward = wrapper.inner
+
+
+class CheckpointedForward:
+    """A module's ``forward`` run under non-reentrant ``torch.utils.checkpoint`` while gradients are on.
+
+    An object holding its module, not a closure, so that a deep copy of the module calls the copy."""
+
+    def __init__(self, module: nn.Module, inner: Optional[Callable[..., Any]] = None) -> None:
+        self.module = module
+        self.inner = inner  # an instance ``forward`` the module had, else its class's is used
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        run = self.inner if self.inner is not None else partial(type(self.module).forward, self.module)
+        if not torch.is_grad_enabled():
+            return run(*args, **kwargs)
+        contexts = partial(_contexts, self.module)
+        return checkpoint(
+            run, *args, use_reentrant=False, preserve_rng_state=True, context_fn=contexts, **kwargs
+        )
+
+
+def _contexts(module: nn.Module) -> tuple[Any, Any]:
+    """Called at the forward: nothing around it; the recompute is wrapped by ``_recompute``."""
+    return nullcontext(), _recompute(module, snapshot_in_use())
+
+
+@contextmanager
+def _recompute(module: nn.Module, snapshot: Optional[Callable[[Tensor], Optional[Tensor]]]) -> Iterator[None]:
+    """Around a recompute: BatchNorm updates go to scratch copies, parameters hold the forward's snapshot
+    (if one was in use), and what is saved is reported to the memory counters."""
+    global _recomputing
+    layers = [
+        m for m in module.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats
+    ]
+    own = [dict(m._buffers) for m in layers]
+    for layer, buffers in zip(layers, own):
+        layer._buffers.update({k: v.clone() for k, v in buffers.items() if v is not None})
+    swapped = []
+    for p in module.parameters() if snapshot is not None else ():
+        view = snapshot(p)
+        if view is not None:
+            swapped.append((p, p.data))
+            p.data = view
+    _recomputing += 1
+    try:
+        with _reporting_saved():
+            yield
+    finally:
+        _recomputing -= 1
+        for p, data in swapped:
+            p.data = data
+        for layer, buffers in zip(layers, own):
+            layer._buffers.update(buffers)
+
+
+@contextmanager
+def _reporting_saved() -> Iterator[None]:
+    """Chain a call of ``record_saved`` before the recompute's own pack hook (only the innermost pair of
+    saved-tensor hooks runs, so a hook of our own would replace torch's)."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    if top is None:
+        yield
+        return
+    pack, unpack = top
+
+    def counted(t: Tensor) -> Any:
+        record_saved(t)
+        return pack(t)
+
+    with torch.autograd.graph.saved_tensors_hooks(counted, unpack):
+        yield

@@ -1,0 +1,127 @@
+"""Activation checkpointing on one process: what is wrapped, that names and values are unchanged, that
+dropout, BatchNorm and the async weight snapshot recompute exactly, and the refusals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_parallel.memory.saved import SavedTensorCounter
+from lightning_parallel.models.gpt import GPT
+from lightning_parallel.pipeline.executor import weights_snapshot
+from lightning_parallel.recompute import (
+    apply_activation_checkpointing,
+    checkpoint_targets,
+    remove_activation_checkpointing,
+    spec_problem,
+)
+from tests.helpers.zoo import build
+
+
+def _gpt(dropout: float = 0.1, layers: int = 2) -> GPT:
+    torch.manual_seed(0)
+    return GPT(vocab_size=16, block_size=8, n_layer=layers, n_head=2, n_embd=8, dropout=dropout).double()
+
+
+def _grads(model: nn.Module, idx: torch.Tensor, seed: int = 1) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    model.zero_grad()
+    model(idx).pow(2).mean().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+IDX = torch.arange(16).reshape(2, 8) % 16
+
+
+@pytest.mark.parametrize("spec", [True, "selective", ["blocks.*.mlp", "head"]])
+def test_same_names_and_gradients_with_dropout(spec):
+    plain = _gpt()
+    wrapped = copy.deepcopy(plain)
+    names = apply_activation_checkpointing(wrapped, spec)
+    assert names and list(wrapped.state_dict()) == list(plain.state_dict())
+    assert [n for n, _ in wrapped.named_modules()] == [n for n, _ in plain.named_modules()]
+    expected, got = _grads(plain, IDX), _grads(wrapped, IDX)
+    assert all(torch.equal(expected[n], got[n]) for n in expected)
+
+
+def test_targets():
+    model = _gpt()
+    assert checkpoint_targets(model, True) == ["blocks.0", "blocks.1"]
+    assert checkpoint_targets(model, "selective") == ["blocks.0.attn", "blocks.1.attn"]
+    assert checkpoint_targets(model, ["blocks.*.mlp"]) == ["blocks.0.mlp", "blocks.1.mlp"]
+    assert checkpoint_targets(model, False) == []
+
+
+@pytest.mark.parametrize("arch, core", [("hf_llama", "self_attn"), ("hf_gpt2", "attn")])
+def test_selective_finds_hugging_face_attention(arch, core):
+    names = checkpoint_targets(build(arch), "selective")
+    assert len(names) == 2 and all(n.endswith(f".{core}") for n in names)
+
+
+def test_wrapper_is_removable_and_copies_call_their_copy():
+    model = _gpt(dropout=0.0)
+    apply_activation_checkpointing(model, True)
+    twin = copy.deepcopy(model)
+    assert twin.blocks[0].forward.module is twin.blocks[0]
+    remove_activation_checkpointing(model)
+    assert "forward" not in model.blocks[0].__dict__
+
+
+@pytest.mark.parametrize("value", [None, "all", [], [""], 3])
+def test_bad_values_are_named(value):
+    problem = spec_problem(value)
+    assert problem is not None and repr(value) in problem and '"selective"' in problem
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="no attention core"):
+        checkpoint_targets(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), "selective")
+    with pytest.raises(ValueError, match="match no module"):
+        checkpoint_targets(_gpt(), ["blockz.*"])
+
+
+def test_batchnorm_statistics_updated_once():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 1)).double()
+    wrapped = copy.deepcopy(plain)
+    apply_activation_checkpointing(wrapped, True)
+    x = torch.randn(8, 3, dtype=torch.float64)
+    for model in (plain, wrapped):
+        for _ in range(2):
+            model(x).sum().backward()
+    for name, value in plain.state_dict().items():
+        assert torch.equal(value, wrapped.state_dict()[name]), name
+
+
+def test_recompute_uses_the_snapshot_weights():
+    """Under ``weights_snapshot`` (the async pipeline), a parameter updated after the forward: the backward
+    computes with the forward's weights, as without checkpointing."""
+    results = []
+    for spec in (False, True):
+        model = _gpt(dropout=0.0)
+        apply_activation_checkpointing(model, spec)
+        with weights_snapshot(list(model.parameters())):
+            loss = model(IDX).pow(2).mean()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.5)
+        loss.backward()
+        results.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_peak_saved_activations_of_8_blocks():
+    peaks = []
+    for spec in (False, True):
+        model = _gpt(dropout=0.0, layers=8)
+        apply_activation_checkpointing(model, spec)
+        counter = SavedTensorCounter()
+        counter.ignore(list(model.parameters()) + list(model.buffers()))
+        counter.start()
+        model(IDX).pow(2).mean().backward()
+        counter.stop()
+        peaks.append(counter.peak)
+    assert 0 < peaks[1] <= peaks[0] / 3, peaks
