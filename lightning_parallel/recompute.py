@@ -22,9 +22,9 @@ the recompute saves is reported to ``memory.saved.record_saved``, so the peak co
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
 from functools import partial
-from collections.abc import Sequence
 from typing import Any, Callable, Iterator, Optional, Union
 
 import torch
