@@ -9,8 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_parallel import DDPStrategy
 from lightning_parallel.memory.saved import SavedTensorCounter
 from lightning_parallel.models.gpt import GPT
+from lightning_parallel.pipeline.deferred_batchnorm import DeferredBatchNorm
 from lightning_parallel.pipeline.executor import weights_snapshot
 from lightning_parallel.recompute import (
     apply_activation_checkpointing,
@@ -125,3 +127,26 @@ def test_peak_saved_activations_of_8_blocks():
         counter.stop()
         peaks.append(counter.peak)
     assert 0 < peaks[1] <= peaks[0] / 3, peaks
+
+
+def test_deferred_batchnorm_records_the_forward_only():
+    """A pipeline stage's ``DeferredBatchNorm`` records each micro-batch's statistics once, not again when
+    the backward recomputes the layer."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(
+        nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh()), nn.Linear(4, 1)
+    ).double()
+    wrapped = copy.deepcopy(plain)
+    apply_activation_checkpointing(wrapped, ["0"])  # the layer's hooks run inside the recomputed forward
+    x = torch.randn(8, 3, dtype=torch.float64)
+    for model in (plain, wrapped):
+        with DeferredBatchNorm(model).mini_batch(2):
+            for part in x.chunk(2):
+                model(part).sum().backward()
+    for name, value in plain.state_dict().items():
+        assert torch.equal(value, wrapped.state_dict()[name]), name
+
+
+def test_strategies_refuse_a_bad_value_before_training():
+    with pytest.raises(ValueError, match="activation_checkpointing='all' is not valid"):
+        DDPStrategy(activation_checkpointing="all")
