@@ -132,9 +132,9 @@ def apply_activation_checkpointing(
     return names
 
 
-def remove_activation_checkpointing(module: nn.Module) -> None:
-    """Give every checkpointed submodule of ``module`` back the forward it had."""
-    for sub in module.modules():
+def remove_activation_checkpointing(module: nn.Module, names: Optional[Sequence[str]] = None) -> None:
+    """Give the checkpointed submodules ``names`` of ``module`` (None: all) back the forward they had."""
+    for sub in module.modules() if names is None else map(module.get_submodule, names):
         wrapper = sub.__dict__.get("forward")
         if isinstance(wrapper, CheckpointedForward):
             del sub.forward

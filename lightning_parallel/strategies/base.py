@@ -77,7 +77,12 @@ from lightning_parallel.materialize import (
     shared_rng_state,
 )
 from lightning_parallel.memory import MemoryReport
-from lightning_parallel.recompute import Spec, apply_activation_checkpointing, spec_problem
+from lightning_parallel.recompute import (
+    Spec,
+    apply_activation_checkpointing,
+    remove_activation_checkpointing,
+    spec_problem,
+)
 from lightning_parallel.strategies.checks import layout, layout_sizes, one_of, positive_number, require
 from lightning_parallel.strategies.global_batch import describe_global_batch
 from lightning_parallel.strategies.launcher import HydraSafeSubprocessLauncher, failure_exit_fn
@@ -194,6 +199,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self.initial_weights_prefix = initial_weights_prefix
         self.memory_report = memory_report
         self.activation_checkpointing = activation_checkpointing
+        self._checkpointed: list[str] = []  # the submodules whose forward set-up checkpointed
         self.memory = MemoryReport(defer_to_callback=True) if memory_report else None  # baseline: now
 
     @classmethod
@@ -386,7 +392,9 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         """``activation_checkpointing`` on the module as this rank holds it (after tensor-parallel sharding
         and the pipeline partition, before the data-parallel gradient path)."""
         if self.activation_checkpointing is not False:
-            apply_activation_checkpointing(self.lightning_module, self.activation_checkpointing, stack_name)
+            self._checkpointed = apply_activation_checkpointing(
+                self.lightning_module, self.activation_checkpointing, stack_name
+            )
 
     # ----------------------------------------------------------------- set-up shared by split models
     def scaler(self) -> Optional[Any]:
@@ -518,6 +526,10 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         if self.reducer is not None:  # kept (without hooks) so its stats can be read after fit
             self.reducer.remove_hooks()
         module = self.lightning_module
+        if module is not None and self._checkpointed and not self.model_is_split():
+            # a whole model leaves fit as the user's; a split one keeps its set-up until the next fit
+            remove_activation_checkpointing(module, self._checkpointed)
+            self._checkpointed = []
         if module is None or not has_meta_tensors(module):
             return super().teardown()
         # a set-up that failed before materializing: Lightning's module.cpu() cannot copy meta tensors
