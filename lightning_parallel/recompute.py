@@ -198,8 +198,10 @@ def _recompute(module: nn.Module, snapshot: Optional[Callable[[Tensor], Optional
 @contextmanager
 def _reporting_saved() -> Iterator[None]:
     """Chain a call of ``record_saved`` before the recompute's own pack hook (only the innermost pair of
-    saved-tensor hooks runs, so a hook of our own would replace torch's)."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    saved-tensor hooks runs, so a hook of our own would replace torch's). Reads that hook with a private
+    torch function; where it is missing, the recompute's saves go uncounted."""
+    read_top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    top = read_top(False) if read_top is not None else None
     if top is None:
         yield
         return

@@ -57,10 +57,24 @@ def test_targets():
     assert checkpoint_targets(model, False) == []
 
 
-@pytest.mark.parametrize("arch, core", [("hf_llama", "self_attn"), ("hf_gpt2", "attn")])
-def test_selective_finds_hugging_face_attention(arch, core):
+@pytest.mark.parametrize(
+    "arch, core",
+    [
+        ("hf_llama", "self_attn"),
+        ("hf_gpt2", "attn"),
+        ("hf_bert", "attention.self"),  # the core without the output projection
+        ("torch_encoder", "self_attn"),
+        ("nanogpt", "attn"),
+    ],
+)
+def test_selective_finds_the_attention_of_each_block(arch, core):
     names = checkpoint_targets(build(arch), "selective")
-    assert len(names) == 2 and all(n.endswith(f".{core}") for n in names)
+    assert len(names) == 2 and all(n.endswith(f".{core}") for n in names), names
+
+
+def test_selective_names_a_block_whose_attention_is_inline():
+    with pytest.raises(ValueError, match=r"no attention core in blocks\.0 \(InlineBlock\)"):
+        checkpoint_targets(build("inline_mlp"), "selective")
 
 
 def test_wrapper_is_removable_and_copies_call_their_copy():
