@@ -55,7 +55,15 @@ def runs(tmp_path_factory):
     cases[1].append({**emulation, "strategy": "auto", "save_checkpoint": False})
     emulation = async_case("async-emulation-10", DDP, {}, 1, "tests.helpers.pp_models:AsyncRuleGPT", steps=10)
     cases[1].append({**emulation, "strategy": "auto", "save_checkpoint": False})
-    cases[4].append(async_case("async-1x2x2", PARALLEL, layout(1, 2, 2, "async"), 1, MODELS["gpt"][0]))
+    every_3 = {  # a checkpoint mid-run, a batch's gradient still unapplied
+        "class": "lightning.pytorch.callbacks:ModelCheckpoint",
+        "kwargs": {"dirpath": "ckpt", "every_n_train_steps": 3, "save_top_k": -1, "filename": "{step}"},
+    }
+    cases[4].append(
+        async_case(
+            "async-1x2x2", PARALLEL, layout(1, 2, 2, "async"), 1, MODELS["gpt"][0], callbacks=[every_3]
+        )
+    )
     sharded = {**layout(2, 2, 2), "save_distributed": True}
     cases[8].append(case("gpt-2x2x2-sharded", "gpt", PARALLEL, sharded, 2))
     cases[8].append(async_case("async-2x2x2", PARALLEL, layout(2, 2, 2, "async"), 2, MODELS["gpt"][0]))
@@ -84,7 +92,7 @@ def runs(tmp_path_factory):
                 1,
                 MODELS["gpt"][0],
                 steps=10,
-                ckpt_path=str(tmp / "dist4" / "async-1x2x2" / "last.ckpt"),
+                ckpt_path=str(tmp / "dist4" / "async-1x2x2" / "ckpt" / "step=3.ckpt"),
             ),
         ],
     }
@@ -180,7 +188,8 @@ def test_clipping_uses_the_norm_of_the_whole_model(runs):
 @pytest.mark.timeout(1500)
 def test_async_with_tensor_parallel_resumes_as_its_emulation(runs):
     """The unapplied gradient of the async rule travels in the checkpoint whole (its shards gathered over
-    tp) and is cut back into shards: 5 steps at 1x2x2, then 5 more resumed, equal 10 steps of the rule."""
+    tp) and is cut back into shards: resumed at 1x2x2 from step 3's checkpoint (saved mid-run), 10 steps
+    equal 10 steps of the rule."""
     tmp, results = runs
     resumed = torch.load(tmp / "later" / "dist4" / "async-resume-1x2x2" / "last.ckpt", weights_only=False)
     assert_params_close(resumed["state_dict"], results["async-emulation-10"][0]["state_dict"], atol=1e-10)
