@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import append_record, read_records, step_timer, torchrun  # noqa: E402
+from common import append_record, benchmark_parser, read_records, step_timer, torchrun  # noqa: E402
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -85,18 +85,11 @@ def launch(strategy: str, world_size: int, out: Path, args: argparse.Namespace) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser = benchmark_parser(__doc__, rounds=3, steps=30, warmup=5)
     parser.add_argument("--strategy", default="lp_ddp", help=argparse.SUPPRESS)
     parser.add_argument("--world-size", type=int, default=2, help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--strategies", nargs="+", default=["ddp", "lp_ddp", "lp_dp"])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=16, help="per process")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--width", type=int, default=128)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -14,7 +15,28 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # the benchmarks import the package from this checkout
     sys.path.insert(0, str(REPO))
 
-__all__ = ["REPO", "torchrun", "step_timer", "append_record", "read_records", "median_of", "median_ratio"]
+__all__ = [
+    "REPO",
+    "benchmark_parser",
+    "torchrun",
+    "step_timer",
+    "append_record",
+    "read_records",
+    "median_of",
+    "median_ratio",
+]
+
+
+def benchmark_parser(doc: str, rounds: int, steps: int, warmup: int) -> argparse.ArgumentParser:
+    """The arguments every benchmark takes: the hidden ones of a worker run (``--worker``, ``--out``) and
+    how many rounds, steps and warm-up steps to time; a benchmark adds its own."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, default=warmup)
+    return parser
 
 
 def torchrun(script: str, nprocs: int, args: list[str], timeout: float = 600) -> None:

@@ -1,7 +1,7 @@
 """dp2 x pp2: the gradient average overlapped with each stage's last backward vs the same average after the step.
 
-    python benchmarks/dp_pipeline_overlap.py                    # 4 CPU processes (gloo), 3 rounds
-    python benchmarks/dp_pipeline_overlap.py --rounds 5 --steps 20 --width 768
+    python benchmarks/bench_dp_pipeline.py                    # 4 CPU processes (gloo), 3 rounds
+    python benchmarks/bench_dp_pipeline.py --rounds 5 --steps 20 --width 768
 
 Both sides are ``lp_pipeline_1f1b`` with ``data_parallel_size=2`` (two replicas of two stages) inside
 ``Trainer.fit``, on a wide ``CharGPT`` with a small batch, so each stage's gradient all-reduce is a visible
@@ -26,7 +26,15 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import append_record, median_of, median_ratio, read_records, step_timer, torchrun  # noqa: E402
+from common import (  # noqa: E402
+    append_record,
+    benchmark_parser,
+    median_of,
+    median_ratio,
+    read_records,
+    step_timer,
+    torchrun,
+)
 
 VARIANTS = ("overlapped", "after step")
 
@@ -94,16 +102,9 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser = benchmark_parser(__doc__, rounds=3, steps=15, warmup=3)
     parser.add_argument("--variant", default="overlapped", help=argparse.SUPPRESS)
     parser.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=15)
-    parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=4, help="per replica")
     parser.add_argument("--block-size", type=int, default=32)
     parser.add_argument("--microbatches", type=int, default=2)
