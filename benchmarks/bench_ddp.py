@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import append_record, benchmark_parser, read_records, step_timer, torchrun  # noqa: E402
+from common import QUIET_TRAINER, append_record, benchmark_parser, read_records, step_timer, torchrun  # noqa: E402
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -38,11 +38,7 @@ def worker(args: argparse.Namespace) -> None:
         devices=args.world_size,
         strategy=args.strategy,
         max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
+        **QUIET_TRAINER,
         callbacks=[timer],
     )
     trainer.fit(model, datamodule=data)

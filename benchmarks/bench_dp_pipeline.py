@@ -27,6 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
+    QUIET_TRAINER,
     append_record,
     benchmark_parser,
     median_of,
@@ -76,11 +77,7 @@ def worker(args: argparse.Namespace) -> None:
         devices=4,
         strategy=strategy,
         max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
+        **QUIET_TRAINER,
         callbacks=[timer],
     )
     model = CharGPT(n_layer=args.layers, n_embd=args.width, n_head=4, block_size=args.block_size)
