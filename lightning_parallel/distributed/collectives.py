@@ -33,7 +33,6 @@ __all__ = [
     "all_gather_dim",
     "all_gather_list",
     "group_size",
-    "clip_grad_norm_sharded",
     "clip_grad_norm_counted",
     "share_found_inf",
     "group_rank",
@@ -198,18 +197,6 @@ def gather_from_group(x: Tensor, group: Optional[dist.ProcessGroup], dim: int = 
 def split_to_group(x: Tensor, group: Optional[dist.ProcessGroup], dim: int = -1) -> Tensor:
     """Keep this rank's slice of ``dim`` forward, all-gather the gradient backward."""
     return x if group_size(group) == 1 else _SplitToGroup.apply(x, group, dim)
-
-
-def clip_grad_norm_sharded(
-    parameters: Iterable[Tensor], max_norm: float, sharded: set[int], group: Optional[dist.ProcessGroup]
-) -> Tensor:
-    """``torch.nn.utils.clip_grad_norm_`` with the global 2-norm of parameters split over ``group``:
-    parameters whose ``id`` is in ``sharded`` hold a slice each, the others are the same on every rank of
-    the group and are counted on its first rank (``clip_grad_norm_counted``). Returns the total norm."""
-    params = list(parameters)
-    first = group_rank(group) == 0
-    counted = {id(p) for p in params if id(p) in sharded or first}
-    return clip_grad_norm_counted(params, max_norm, counted, group)
 
 
 def clip_grad_norm_counted(

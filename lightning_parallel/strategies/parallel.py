@@ -39,7 +39,6 @@ from lightning_parallel.checkpointing.by_name import (
     state_from_full,
 )
 from lightning_parallel.checkpointing.contract import check_keys, unwrapped
-from lightning_parallel.distributed.collectives import all_gather_list
 from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.pipeline.partition import partition
 from lightning_parallel.pipeline.schedules import SCHEDULES
@@ -52,14 +51,16 @@ from lightning_parallel.strategies.plan_verification import PlanVerification
 from lightning_parallel.tensor import Plan, ResolvedPlan, parse_plan, resolve
 from lightning_parallel.tensor.coverage import check_coverage, sample_forward
 from lightning_parallel.tensor.full_state import (
+    cut_shards,
     full_optimizer_state,
     full_state_dict,
+    gather_shards,
     load_full_state_dict,
     shard_optimizer_state,
     sharded_parameters,
     unsharded_copy,
 )
-from lightning_parallel.tensor.layers import SharedEntry, _TPLayer, full_tensor, shard_tensor
+from lightning_parallel.tensor.layers import SharedEntry, _TPLayer
 from lightning_parallel.tensor.plan import install_gradient_sums
 from lightning_parallel.tensor.shard import shard_module
 
@@ -346,19 +347,12 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
     def whole_gradients(self, grads: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This rank's gradients by name with its shards gathered over tp (a collective); a rank other than
         tp rank 0 returns none, so each part of the model is counted once (the async resume state)."""
-        grads = dict(grads)
-        for name, (_, spec, layer) in sharded_parameters(self.lightning_module).items():
-            if name in grads:
-                grads[name] = full_tensor(all_gather_list(grads[name].contiguous(), self.tp_group), spec)
-        return grads if self.mesh.tp_rank == 0 else {}
+        whole = gather_shards(self.lightning_module, grads, self.tp_group)
+        return whole if self.mesh.tp_rank == 0 else {}
 
     def cut_gradients(self, full: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Whole gradients by name cut to this rank's shards (no communication)."""
-        full = dict(full)
-        for name, (_, spec, layer) in sharded_parameters(self.lightning_module).items():
-            if name in full:
-                full[name] = shard_tensor(full[name], spec, layer.tp_size, layer.tp_rank)
-        return full
+        return cut_shards(self.lightning_module, full)
 
     def teardown(self) -> None:
         self._entries = []

@@ -28,6 +28,8 @@ from lightning_parallel.tensor.layers import (
 
 __all__ = [
     "sharded_parameters",
+    "gather_shards",
+    "cut_shards",
     "full_state_dict",
     "load_full_state_dict",
     "full_optimizer_state",
@@ -71,12 +73,30 @@ def _full_shape(local: Tensor, spec: ShardSpec, tp_size: int) -> tuple[int, ...]
     return tuple(shape)
 
 
+def gather_shards(
+    module: nn.Module, tensors: Mapping[str, Tensor], group: Optional[dist.ProcessGroup]
+) -> dict[str, Tensor]:
+    """``tensors`` (by state-dict key, each shaped as ``module``'s own) with those of sharded tensors
+    gathered to their full size over ``group`` (a collective: every rank holds the same keys)."""
+    out = dict(tensors)
+    for key, (_, spec, _) in sharded_parameters(module).items():
+        if key in out:
+            out[key] = full_tensor(all_gather_list(out[key].detach().contiguous(), group), spec)
+    return out
+
+
+def cut_shards(module: nn.Module, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Full-size ``tensors`` (by state-dict key) with those of sharded tensors cut to this rank's slice."""
+    out = dict(tensors)
+    for key, (_, spec, layer) in sharded_parameters(module).items():
+        if key in out:
+            out[key] = shard_tensor(out[key], spec, layer.tp_size, layer.tp_rank)
+    return out
+
+
 def full_state_dict(module: nn.Module, group: Optional[dist.ProcessGroup]) -> dict[str, Any]:
     """``module.state_dict()`` with every sharded tensor gathered to its full size (a collective)."""
-    state = module.state_dict()
-    for key, (tensor, spec, _) in sharded_parameters(module).items():
-        state[key] = full_tensor(all_gather_list(tensor.detach(), group), spec)
-    return state
+    return gather_shards(module, module.state_dict(), group)
 
 
 def load_full_state_dict(module: nn.Module, state: Mapping[str, Any], strict: bool = True) -> Any:

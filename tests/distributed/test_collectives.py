@@ -20,7 +20,7 @@ from tests.helpers.harness import REPO, run_processes, worker_env
 def rank_program(out: Path) -> None:
     from lightning_parallel.distributed.collectives import (
         COUNTS,
-        clip_grad_norm_sharded,
+        clip_grad_norm_counted,
         copy_to_group,
         gather_from_group,
         reduce_from_group,
@@ -66,7 +66,8 @@ def rank_program(out: Path) -> None:
     shard.grad = full_w.chunk(2)[rank].clone()
     b = torch.nn.Parameter(bias.clone())
     b.grad = bias.clone()
-    total = clip_grad_norm_sharded([shard, b], 1.0, {id(shard)}, None)
+    # the shard counted by each holder, the replicated bias by rank 0
+    total = clip_grad_norm_counted([shard, b], 1.0, {id(shard)} | ({id(b)} if rank == 0 else set()), None)
     expected = torch.cat([full_w, bias]).norm()
     check(total, expected)
     check(shard.grad, full_w.chunk(2)[rank] / (expected + 1e-6))
@@ -93,7 +94,7 @@ def clip_without_gradients_program(out: Path) -> None:
     import time
     from datetime import timedelta
 
-    from lightning_parallel.distributed.collectives import clip_grad_norm_sharded
+    from lightning_parallel.distributed.collectives import clip_grad_norm_counted
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=5))
@@ -104,7 +105,9 @@ def clip_without_gradients_program(out: Path) -> None:
     if rank == 0:
         shard.grad = grad.clone()
     start = time.monotonic()
-    total = clip_grad_norm_sharded([shard, bias], 1.0, {id(shard)}, None)
+    total = clip_grad_norm_counted(
+        [shard, bias], 1.0, {id(shard)} | ({id(bias)} if rank == 0 else set()), None
+    )
     dist.barrier()  # a rank that skipped the norm's all-reduce meets the other one here: both time out
     assert time.monotonic() - start < 5.0
     torch.testing.assert_close(total, torch.tensor(13.0, dtype=torch.float64))

@@ -67,18 +67,8 @@ def user_case(name: str, layout: str, steps: int = 4) -> dict:
     """A ``USERS`` model under ``layout`` (or lp_ddp on one process: ``"ddp1"``), built on meta."""
     model, data, model_kwargs, _ = USERS[name]
     _, strategy, kwargs, dp = LAYOUTS[layout] if layout in LAYOUTS else (1, DDP, {}, 1)
-    return {
-        "name": f"{name}-{layout}",
-        "model": model,
-        "model_kwargs": model_kwargs,
-        "data": data,
-        "data_kwargs": {"global_batch_size": 16},
-        "dp_size": dp,
-        "empty_init": True,
-        "trainer": {**F64, "max_steps": steps},
-        "strategy": {"class": strategy, "kwargs": kwargs},
-        "save_checkpoint": True,
-    }
+    c = case("gpt", layout, strategy, kwargs, dp, steps)
+    return {**c, "name": f"{name}-{layout}", "model": model, "model_kwargs": model_kwargs, "data": data}
 
 
 def resumed(name: str, layout: str, ckpt, **kwargs) -> dict:
