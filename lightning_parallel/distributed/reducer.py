@@ -24,7 +24,7 @@ stages). A pipeline stage runs several backwards per step: its hooks only count 
 backward, before which the strategy calls ``prepare_for_backward`` again (sync on), so the buckets are sent
 while that backward still runs. The async pipeline applies a gradient finished a step earlier: its reducer
 has no hooks, and ``average_now`` sends the buckets at once. The bucket collective is one method,
-``_reduce_bucket``: where optimizer sharding will reduce-scatter instead of all-reduce.
+``_reduce_bucket``: optimizer sharding (``zero.py``) reduce-scatters there instead of all-reducing.
 
 A communication hook (torch DDP's ``hook(state, bucket) -> Future[Tensor]``, e.g. torch's
 ``fp16_compress_hook`` or ``PowerSGD``) replaces the built-in all-reduce of a bucket: it receives a
@@ -173,6 +173,7 @@ class GradientReducer:
         self._arrivals: Optional[dict[nn.Parameter, None]] = {} if hooks else None
         self._synced_once = False
         self._used: set[nn.Parameter] = set()
+        self.unused_last_sync: set[nn.Parameter] = set()  # no gradient on any rank in the last sync
         self._next_bucket = 0
         # without hooks (``average_now``), the gradients are not watched as they arrive
         hooked = self._names if hooks else []
@@ -192,22 +193,33 @@ class GradientReducer:
         groups += [[used + i for i in b] for b in assign_buckets(order[used:], *caps)]
         for b, indices in enumerate(groups):
             params = [order[i] for i in indices]
-            # empty: every slot is zeroed or written before it is read (prepare_for_backward), so the
-            # gradient memory is touched by the first backward, not at set-up
-            buffer = torch.empty(
-                sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
-            )
-            views, offset = [], 0
-            for slot, p in enumerate(params):
-                views.append(buffer[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
+            bucket = _Bucket(params=params, buffer=torch.empty(0), views=[])
+            bucket.names = [self._names[p] for p in params]
+            self._allocate(bucket)
+            for slot, (p, view) in enumerate(zip(params, bucket.views)):
                 self._where[p] = (b, slot)
                 if p.grad is not None:  # keep what was already accumulated
-                    views[-1].copy_(p.grad)
+                    view.copy_(p.grad)
                     if self.as_views:
-                        p.grad = views[-1]
-            names = [self._names[p] for p in params]
-            self.buckets.append(_Bucket(params=params, buffer=buffer, views=views, names=names))
+                        p.grad = view
+            self.buckets.append(bucket)
+
+    def _buffer_size(self, numel: int) -> int:
+        """Elements of a bucket's flat buffer holding ``numel`` gradient elements (a sharding subclass pads)."""
+        return numel
+
+    def _allocate(self, bucket: _Bucket) -> None:
+        """The bucket's flat buffer and a view of it per parameter. Empty: every slot is zeroed or written
+        before it is read (prepare_for_backward), so the gradient memory is touched by the first backward,
+        not at set-up; only padding past the gradients is zeroed."""
+        params = bucket.params
+        numel = sum(p.numel() for p in params)
+        bucket.buffer = torch.empty(self._buffer_size(numel), dtype=params[0].dtype, device=params[0].device)
+        bucket.buffer[numel:].zero_()
+        bucket.views, offset = [], 0
+        for p in params:
+            bucket.views.append(bucket.buffer[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
 
     def bucket_names(self) -> list[list[str]]:
         """The parameter names in each bucket, in the order buckets are sent."""
@@ -293,10 +305,9 @@ class GradientReducer:
         parallel, pipeline stages): an asynchronous all-reduce of the bucket's flat buffer, divided first
         (torch's ``allreduce_hook``), so ``.grad`` holds the average once it is waited for.
 
-        This is the seam for optimizer sharding (ZeRO-1/2): a subclass returns a ``reduce_scatter_tensor``
-        of the buffer into this rank's shard instead (its optimizer then reads only that shard), and the
-        rest (buckets, hooks, overlap with backward, no_sync, the wait in ``finish_sync``) stays as it is.
-        ``ParallelStrategy.reducer_class`` picks the subclass."""
+        Optimizer sharding (``distributed.zero.ShardedGradientReducer``) returns a reduce-scatter of the
+        buffer into this rank's shard instead; the rest (buckets, hooks, overlap with backward, no_sync,
+        the wait in ``finish_sync``) stays as it is."""
         return dist.all_reduce(bucket.buffer.div_(self.world_size), group=self.group, async_op=True)
 
     def finish_sync(self) -> None:
@@ -336,6 +347,7 @@ class GradientReducer:
                         p.grad.copy_(view)
         for p in globally_unused:  # torch DDP leaves these without a gradient
             p.grad = None
+        self.unused_last_sync = set(globally_unused)
         self._used.clear()
         self._synced_once = True
         self.stats.synced_steps += 1
@@ -363,6 +375,10 @@ class GradientReducer:
         if self.static_graph:
             self._static_unused = unused
         return unused
+
+    def gradient_tensors(self) -> list[Tensor]:
+        """The gradient memory this reducer holds (its buckets), for the memory report."""
+        return [b.buffer for b in self.buckets]
 
     def remove_hooks(self) -> None:
         for handle in self._handles:

@@ -141,6 +141,7 @@ class MemoryReport(Callback):
             self.counter.peak,
             self._setup,
             trainer.strategy.root_device,
+            held_gradients(trainer.strategy),
         )
         self.tables[when] = _all_ranks(row)
         rank_zero_info(format_table(self.tables[when], _TITLES[when]))
@@ -149,6 +150,12 @@ class MemoryReport(Callback):
     def summary(self) -> dict[str, list[dict[str, Any]]]:
         """The tables made so far as plain dictionaries (bytes), keyed by when they were made."""
         return {when: as_dicts(rows) for when, rows in self.tables.items()}
+
+
+def held_gradients(strategy: Any) -> list[torch.Tensor]:
+    """The gradient memory a strategy's data-parallel path holds (a lightning_parallel reducer's buckets)."""
+    reducer = getattr(strategy, "reducer", None)
+    return reducer.gradient_tensors() if hasattr(reducer, "gradient_tensors") else []
 
 
 def report_of(trainer: Trainer) -> Optional[MemoryReport]:

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Iterable, Optional
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_parallel.memory.accounting import (
     ModelSize,
@@ -67,8 +67,10 @@ def measure_rank(
     activations: int,
     setup: SetupFigures,
     device: torch.device,
+    held_gradients: Iterable[Tensor] = (),
 ) -> RankMemory:
-    """This rank's row, measured now: the tensors it holds, and the process's memory."""
+    """This rank's row, measured now: the tensors it holds, and the process's memory. ``held_gradients``:
+    gradient memory the strategy holds beside the ``.grad`` of the parameters (its buckets, ZeRO's shards)."""
     params = list(module.parameters())
     cuda = cuda_allocated(device) or {}
     return RankMemory(
@@ -76,7 +78,7 @@ def measure_rank(
         device=str(device),
         model_parameters=model.bytes_as(floating_dtype(params)),
         parameters=unique_storage_bytes(params),
-        gradients=unique_storage_bytes(gradients(params)),
+        gradients=unique_storage_bytes([*gradients(params), *held_gradients]),
         optimizer_state=unique_storage_bytes(optimizer_state_tensors(optimizers)),
         activations=activations,
         setup_peak=setup.peak,

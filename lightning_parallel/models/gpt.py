@@ -117,6 +117,7 @@ class CharGPT(LightningModule):
         lr: float = 3e-3,
         optimizer: str = "adamw",
         weight_decay: float = 0.0,
+        momentum: float = 0.0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -141,7 +142,7 @@ class CharGPT(LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         h = self.hparams
         if h.optimizer == "sgd":
-            return torch.optim.SGD(self.parameters(), lr=h.lr)
+            return torch.optim.SGD(self.parameters(), lr=h.lr, momentum=h.get("momentum", 0.0))
         if h.optimizer == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=h.lr, weight_decay=h.weight_decay)
         raise ValueError(f"optimizer={h.optimizer!r} is not supported; use 'adamw' or 'sgd'.")

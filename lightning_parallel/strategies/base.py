@@ -62,10 +62,12 @@ from lightning_parallel.checkpointing.contract import check_keys
 from lightning_parallel.checkpointing.loss_check import FiniteLossCheck, training_loss
 from lightning_parallel.distributed.collectives import clip_grad_norm_counted, share_found_inf
 from lightning_parallel.distributed.mesh import Mesh, MeshShape, build_mesh, destroy_process_groups_at_exit
+from lightning_parallel.distributed.optimizer_shards import ShardedOptimizer, sharding_problem
 from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.replicas import broadcast_module_states
 from lightning_parallel.distributed.sync_batchnorm import SyncBatchNormPlugin
 from lightning_parallel.distributed.watchdog import FailureWatchdog
+from lightning_parallel.distributed.zero import ZERO_STAGES, ShardedGradientReducer
 from lightning_parallel.materialize import (
     Cut,
     WeightSource,
@@ -135,10 +137,18 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         activation_checkpointing: recompute activations in backward instead of keeping them: False (off),
             True (every block of the block stack), ``"selective"`` (only each block's attention) or a list
             of module-name patterns; applied at set-up after the model is split (``recompute``).
+        zero_stage: optimizer sharding over the data-parallel group (ZeRO; ``distributed.zero``): 0 (off),
+            1 (each rank keeps and updates 1/dp of the optimizer state; gradients reduce-scattered, updated
+            parameters all-gathered) or 2 (also only 1/dp of the gradients kept between steps). Needs an
+            elementwise ``torch.optim`` optimizer (SGD, Adam, AdamW, Adagrad, ...).
     """
 
     #: False where sharded checkpoints would be wrong or pointless (lp_dp: the optimizer lives on rank 0)
     supports_save_distributed = True
+    #: why ``zero_stage`` cannot be used (lp_dp: the optimizer lives on rank 0), or None
+    zero_refused: Optional[str] = None
+    #: the data-parallel gradient path without optimizer sharding (a benchmark swaps the bucket collective)
+    reducer_class: type[GradientReducer] = GradientReducer
     #: why only ``start_method="popen"`` works, where the others would hand back rank 0's part only
     popen_only: Optional[str] = None
     #: the options that size the mesh's axes (option name -> "dp", "tp" or "pp"), in the order messages name
@@ -165,6 +175,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         initial_weights: Optional[WeightSource] = None,
         initial_weights_prefix: str = "",
         activation_checkpointing: Spec = False,
+        zero_stage: int = 0,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -199,6 +210,9 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self.initial_weights_prefix = initial_weights_prefix
         self.memory_report = memory_report
         self.activation_checkpointing = activation_checkpointing
+        self.zero_stage = zero_stage
+        self._optimizer_shards: dict[int, ShardedOptimizer] = {}  # id(optimizer) -> its sharding
+        self._norm_counted: Optional[set[int]] = None  # what global-norm clipping counts (ids), if installed
         self._checkpointed: list[str] = []  # the submodules whose forward set-up checkpointed
         self.memory = MemoryReport(defer_to_callback=True) if memory_report else None  # baseline: now
 
@@ -221,6 +235,10 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             cls._save_distributed_problem(values["save_distributed"], values.get("checkpoint_io"), prefix),
             _initial_weights_problem(values["initial_weights"], prefix),
             spec_problem(values["activation_checkpointing"], f"{prefix}activation_checkpointing"),
+            one_of(f"{prefix}zero_stage", values["zero_stage"], ZERO_STAGES),
+            None
+            if not values["zero_stage"] or cls.zero_refused is None
+            else f"{prefix}zero_stage={values['zero_stage']!r} is not supported by {cls.__name__}: {cls.zero_refused}",
         ]
 
     @classmethod
@@ -382,8 +400,54 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
 
     def configure_ddp(self) -> None:
         """Called by Lightning's ``DDPStrategy.setup`` while fitting: install our parallelism instead."""
+        self._norm_counted = None
         self.configure_parallelism()
         self._bind_metrics_to_dp_group()
+        if isinstance(self.reducer, ShardedGradientReducer):
+            self._clip_over_pieces(self.reducer)
+
+    def make_reducer(self, named_params: list, **kwargs: Any) -> GradientReducer:
+        """The data-parallel gradient path over ``dp_group``: ``reducer_class``, or with ``zero_stage`` the
+        sharded one (``kwargs["whole"]``: parameters all-reduced, as ``ShardedGradientReducer`` says)."""
+        whole = kwargs.pop("whole", ())
+        if self.zero_stage:
+            return ShardedGradientReducer(named_params, self.dp_group, self.zero_stage, whole, **kwargs)
+        return self.reducer_class(named_params, group=self.dp_group, **kwargs)
+
+    def setup_optimizers(self, trainer: "pl.Trainer") -> None:
+        """Lightning's; with ``zero_stage``, each optimizer then updates only this rank's pieces."""
+        super().setup_optimizers(trainer)
+        reducer = self.reducer
+        if not isinstance(reducer, ShardedGradientReducer):
+            return
+        refused = [p for p in (sharding_problem(o, self.zero_stage) for o in self.optimizers) if p]
+        require(refused)
+        bucketed = {p for b in reducer.buckets for p in b.params}
+        self._optimizer_shards = {
+            id(o): ShardedOptimizer(o, reducer.pieces(), bucketed, self.dp_group) for o in self.optimizers
+        }
+
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
+        """Lightning's step; a sharded optimizer steps its pieces (clipping and hooks see them), then every
+        rank's updated pieces are gathered into the model."""
+        shards = self._optimizer_shards.get(id(getattr(optimizer, "_optimizer", optimizer)))
+        if shards is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        with shards.sharded():
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self.reducer.gather_parameters()
+        return output
+
+    def _clip_over_pieces(self, reducer: ShardedGradientReducer) -> None:
+        """Clipping by the global norm over the pieces: each element of the model is in one piece of one
+        rank of the world (the data-parallel ranks hold disjoint pieces of what the model group counts)."""
+        counted = self._norm_counted
+        pieces = reducer.pieces()
+        self.install_global_norm_clipping(
+            {id(x.shard) for x in pieces if counted is None or id(x.param) in counted}, None
+        )
 
     def configure_parallelism(self) -> None:
         """Subclasses rewrite the module and create ``self.reducer`` here."""
@@ -413,6 +477,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         """Clipping by norm uses the whole model's norm: the squares of the parameters in ``counted`` (by
         id; each part of the model on one rank of ``group``) are summed over ``group``. Lightning's plugin
         would clip each rank by its local norm; this replaces it on this plugin instance."""
+        self._norm_counted = counted
 
         def clip_grad_by_norm(plugin: Any, optimizer: Any, clip_val: Union[int, float]) -> None:
             clip_grad_norm_counted(list(plugin.main_params(optimizer)), float(clip_val), counted, group)
@@ -504,6 +569,12 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
     def post_backward(self, closure_loss: Tensor) -> None:
         if self.reducer is not None:
             self.reducer.finish_sync()
+            self.shard_gradients()
+
+    def shard_gradients(self) -> None:
+        """With ``zero_stage``, once the step's gradients are averaged: each piece takes its gradient."""
+        if isinstance(self.reducer, ShardedGradientReducer) and self.reducer.sync_enabled:
+            self.reducer.shard_gradients()
 
     def on_exception(self, exception: BaseException) -> None:
         """A failing rank tells the others (they stop within ``failure_timeout``, naming it)."""

@@ -23,7 +23,6 @@ from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostL
 from lightning_parallel.distributed.reducer import (
     COMM_HOOKS,
     CommHook,
-    GradientReducer,
     UnusedParametersError,
     resolve_comm_hook,
 )
@@ -68,6 +67,29 @@ UNUSED_PREFIX = (
     "It looks like your LightningModule has parameters that were not used in producing the loss returned by "
     "training_step."
 )
+
+
+def _zero_problem(values: Mapping[str, Any], prefix: str) -> Optional[str]:
+    """``zero_stage`` (a base option: in ``kwargs`` while constructing) with what only all-reduce supports."""
+    stage = values["zero_stage"] if "zero_stage" in values else values.get("kwargs", {}).get("zero_stage", 0)
+    if not stage:
+        return None
+    clashes = [
+        f"{name}={values[name]!r}"
+        for name, fine in (
+            ("ddp_comm_hook", values["ddp_comm_hook"] is None),
+            ("gradient_as_bucket_view", values["gradient_as_bucket_view"]),
+            ("model_averaging_period", values["model_averaging_period"] is None),
+        )
+        if not fine
+    ]
+    if not clashes:
+        return None
+    return (
+        f"{prefix}zero_stage={stage} reduce-scatters each bucket into this rank's shard, which does not go with "
+        f"{', '.join(clashes)} (all-reduce hooks, separate gradient copies, parameter averaging); leave those at "
+        "their defaults or use zero_stage=0"
+    )
 
 
 class DDPStrategy(ParallelStrategyBase):
@@ -165,6 +187,7 @@ class DDPStrategy(ParallelStrategyBase):
                 "ddp_comm_state=PostLocalSGDState(...) and ddp_comm_hook=post_localSGD_hook "
                 "(torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook), or leave it None"
             ),
+            _zero_problem(values, prefix),
             None
             if period is not None or not post_local_sgd
             else (
@@ -191,9 +214,8 @@ class DDPStrategy(ParallelStrategyBase):
         self.apply_activation_checkpointing()
         self._has_buffers = any(True for _ in module.buffers())
         self._sync_buffers_next = True
-        self.reducer = GradientReducer(
+        self.reducer = self.make_reducer(
             list(module.named_parameters()),
-            group=self.dp_group,
             bucket_cap_mb=self.bucket_cap_mb,
             first_bucket_cap_mb=self.first_bucket_cap_mb,
             find_unused_parameters=self.find_unused_parameters,

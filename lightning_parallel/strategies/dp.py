@@ -28,6 +28,9 @@ class DataParallelStrategy(ParallelStrategyBase):
 
     strategy_name = "lp_dp"
     supports_save_distributed = False
+    zero_refused = (
+        "the master-based design keeps the one optimizer on rank 0; use lp_ddp for optimizer sharding"
+    )
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

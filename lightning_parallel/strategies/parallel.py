@@ -39,7 +39,6 @@ from lightning_parallel.checkpointing.by_name import (
     state_from_full,
 )
 from lightning_parallel.checkpointing.contract import check_keys, unwrapped
-from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.pipeline.partition import partition
 from lightning_parallel.pipeline.schedules import SCHEDULES
 from lightning_parallel.strategies.base import ParallelStrategyBase
@@ -110,8 +109,6 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
     always_applied: tuple[str, ...] = ()
     #: the sizes that may be None (inferred from the world)
     nullable_sizes: tuple[str, ...] = tuple(size_options)
-    #: the data-parallel gradient path (a subclass swaps the bucket collective, e.g. for optimizer sharding)
-    reducer_class: type[GradientReducer] = GradientReducer
     evaluates_split = True
     #: the options of each axis; a preset that fixes an axis hides its options (``strategies.options``)
     tensor_options = ("tensor_parallel_size", "plan", "verify_plan", "require_sharded")
@@ -213,11 +210,12 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
         if shape.dp > 1:
             # pipeline stages: a module replicated outside the block stack gets no gradient on some stages;
             # async averages a gradient finished a step earlier, not one arriving in backward
-            self.reducer = self.reducer_class(
+            params = list(module.parameters())
+            self.reducer = self.make_reducer(
                 list(module.named_parameters()),
-                group=self.dp_group,
                 find_unused_parameters=self.pipelined,
                 hooks=not (self.pipelined and self.schedule == "async"),
+                whole=[params[i] for i in self._replicated] if self.pipelined else (),
             )
         self.install_global_norm_clipping(self._counted_for_norm(module), self.mesh.group("model"))
 

@@ -142,7 +142,7 @@ class AsyncPipelineMixin:
         self.post_backward(torch.zeros(()))
         for optimizer in self.optimizers:
             # through the precision plugin: unscaling (16-mixed), clipping and the optimizer hooks
-            self.precision_plugin.optimizer_step(optimizer, module, lambda: torch.zeros(()))
+            self.optimizer_step(optimizer, lambda: torch.zeros(()), module)
             optimizer.zero_grad()
 
     def _replicated_gradient_reduce(self, module: Any, replicated: list[int]) -> Reduce:

@@ -563,3 +563,4 @@ class PipelineStages:
         elif self.reducer is not None:
             self.reducer.finish_sync()
             self._sum_averaged_replicated()
+        self.shard_gradients()

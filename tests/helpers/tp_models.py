@@ -48,6 +48,8 @@ class SmallGPT(CharGPT):
         n_embd: int = 16,
         lr: float = 1e-2,
         optimizer: str = "adamw",
+        weight_decay: float = 0.0,
+        momentum: float = 0.0,
     ) -> None:
         super().__init__(
             vocab_size=vocab_size,
@@ -57,6 +59,8 @@ class SmallGPT(CharGPT):
             n_embd=n_embd,
             lr=lr,
             optimizer=optimizer,
+            weight_decay=weight_decay,
+            momentum=momentum,
         )
 
 

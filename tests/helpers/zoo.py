@@ -235,6 +235,7 @@ class ZooLM(LightningModule):
         heads: int = 4,
         lr: float = 0.5,
         optimizer: str = "sgd",
+        momentum: float = 0.0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -269,7 +270,7 @@ class ZooLM(LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.hparams.optimizer == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.get("momentum", 0.0))
 
 
 class AsyncZooLM(AsyncRule, ZooLM):

@@ -1,0 +1,198 @@
+"""The user's optimizer made to update only this rank's pieces (ZeRO), and its state in unsharded form.
+
+``ShardedOptimizer`` keeps the user's optimizer object (its LR schedulers hold it), and only swaps what its
+``param_groups`` list: the model's parameters outside a step (what Lightning, the checkpoint code and the
+user see), this rank's pieces (``zero.Piece``) inside one (``sharded()``), so the optimizer creates and
+updates state for the pieces only. An elementwise optimizer (SGD, Adam, AdamW, Adagrad, ...) gives each
+element exactly what it gives on one device; an optimizer that mixes elements of a parameter (Adafactor's
+factored moments, LBFGS) is refused.
+
+Its ``state_dict()`` is the one an unsharded optimizer of this rank would return: the pieces' state
+gathered over the data-parallel group (a collective) and joined into tensors of each parameter's shape,
+numbered as the model's parameters. ``load_state_dict()`` takes that form and keeps this rank's pieces.
+So every checkpoint path (full files, tensor-parallel and pipeline gathers, sharded directories) sees an
+ordinary optimizer, and a checkpoint loads under another data-parallel size or with ZeRO off.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Generator, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_parallel.distributed.zero import Piece
+
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardedOptimizer", "sharding_problem"]
+
+#: torch optimizers whose update of an element reads only that element's gradient and state
+ELEMENTWISE_OPTIMIZERS = tuple(
+    getattr(torch.optim, name)
+    for name in (
+        "SGD",
+        "Adam",
+        "AdamW",
+        "Adagrad",
+        "Adamax",
+        "NAdam",
+        "RAdam",
+        "RMSprop",
+        "Rprop",
+        "ASGD",
+        "Adadelta",
+    )
+    if hasattr(torch.optim, name)
+)
+
+
+def sharding_problem(optimizer: Any, zero_stage: int) -> Optional[str]:
+    """Why ``optimizer`` cannot be sharded elementwise, or None."""
+    if isinstance(optimizer, ELEMENTWISE_OPTIMIZERS):
+        return None
+    names = ", ".join(o.__name__ for o in ELEMENTWISE_OPTIMIZERS)
+    return (
+        f"zero_stage={zero_stage} shards the optimizer state element by element, which is exact only for an "
+        f"optimizer that updates each element from its own gradient and state; {type(optimizer).__name__} is "
+        f"not one of those known to be: {names}. Use one of them, or zero_stage=0."
+    )
+
+
+class ShardedOptimizer:
+    """``optimizer`` updating only ``pieces`` (this rank's; see the module docstring) over ``group``."""
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, pieces: list[Piece], bucketed: set, group: Optional[Any]
+    ) -> None:
+        """``bucketed``: every parameter the reducer shards (a rank holds pieces of some of them); the
+        optimizer's other parameters are held whole by every rank."""
+        self.optimizer, self.group = optimizer, group
+        piece_of = {piece.param: piece for piece in pieces}
+        self.model_groups = [list(g["params"]) for g in optimizer.param_groups]
+        self.shapes = [p.shape for params in self.model_groups for p in params]
+        # what the optimizer holds inside a step, and for each: (model index, its piece or None if whole)
+        self.shard_groups: list[list[nn.Parameter]] = []
+        self.index: list[tuple[int, Optional[Piece]]] = []
+        j = 0
+        for params in self.model_groups:
+            held = []
+            for p in params:
+                piece = piece_of.get(p)
+                if piece is not None or p not in bucketed:
+                    held.append(piece.shard if piece is not None else p)
+                    self.index.append((j, piece))
+                j += 1
+            self.shard_groups.append(held)
+        earlier = type(optimizer).state_dict(optimizer) if optimizer.state else None
+        optimizer.state_dict = self.state_dict  # type: ignore[method-assign]
+        optimizer.load_state_dict = self.load_state_dict  # type: ignore[method-assign]
+        if earlier is not None:
+            self._load_local(earlier)
+
+    @contextmanager
+    def sharded(self) -> Generator[None, None, None]:
+        """The optimizer's groups hold this rank's pieces (a step, its clipping and hooks run inside)."""
+        self._swap(self.shard_groups)
+        try:
+            yield
+        finally:
+            self._swap(self.model_groups)
+
+    def _swap(self, groups: list[list[nn.Parameter]]) -> None:
+        for group, params in zip(self.optimizer.param_groups, groups):
+            group["params"] = params
+
+    # ------------------------------------------------------------------ state in unsharded form
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state as an unsharded optimizer would hold it (a collective over the group)."""
+        with self.sharded():
+            local = type(self.optimizer).state_dict(self.optimizer)
+        mine = []
+        for i, entry in local["state"].items():
+            j, piece = self.index[int(i)]
+            span = (piece.start, piece.stop) if piece is not None else None
+            mine.append(
+                (j, span, {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in entry.items()})
+            )
+        parts: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(parts, mine, group=self.group)
+        return {
+            "state": self._joined(parts),
+            "param_groups": _numbered(local["param_groups"], self.model_groups),
+        }
+
+    def _joined(self, parts: list[list[tuple[int, Any, dict]]]) -> dict[int, dict[str, Any]]:
+        """Each parameter's state from its pieces on every rank: tensors of a piece's shape concatenated in
+        element order into the parameter's shape, the rest (a step count) taken from the first piece."""
+        spans: dict[int, list[tuple[Any, dict]]] = {}
+        for part in parts:
+            for j, span, entry in part:
+                spans.setdefault(j, []).append((span, entry))
+        state = {}
+        for j, entries in sorted(spans.items()):
+            if entries[0][0] is None:  # held whole by every rank
+                state[j] = entries[0][1]
+                continue
+            entries.sort(key=lambda e: e[0][0])
+            shape, first = self.shapes[j], entries[0][1]
+            state[j] = {
+                k: torch.cat([e[k] for _, e in entries]).view(shape) if _elementwise(v, entries[0][0]) else v
+                for k, v in first.items()
+            }
+            numel = sum(stop - start for (start, stop), _ in entries)
+            if numel != shape.numel():
+                raise RuntimeError(
+                    f"optimizer state of parameter {j} covers {numel} of {shape.numel()} elements"
+                )
+        return state
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load an unsharded optimizer state (this rank's parameters numbered as ``state_dict`` would give
+        them): each piece takes its elements."""
+        self._load_local(state_dict)
+
+    def _load_local(self, full: Mapping[str, Any]) -> None:
+        saved = {int(j): entry for j, entry in full["state"].items()}
+        state = {}
+        for i, (j, piece) in enumerate(self.index):
+            entry = saved.get(j)
+            if entry is None:
+                continue
+            if piece is None:
+                state[i] = entry
+                continue
+            shape = self.shapes[j]
+            state[i] = {
+                k: v.reshape(-1)[piece.start : piece.stop].clone() if _of_shape(v, shape) else v
+                for k, v in entry.items()
+            }
+        if len(full["param_groups"]) != len(self.shard_groups):
+            raise ValueError(
+                f"the checkpoint's optimizer has {len(full['param_groups'])} parameter groups, this one "
+                f"{len(self.shard_groups)}; it was saved for another optimizer configuration"
+            )
+        groups = _numbered(full["param_groups"], self.shard_groups)
+        with self.sharded():
+            type(self.optimizer).load_state_dict(self.optimizer, {"state": state, "param_groups": groups})
+
+
+def _numbered(hypers: list[Mapping[str, Any]], params: list[list[Any]]) -> list[dict[str, Any]]:
+    """``hypers`` (parameter groups' settings) with each group's ``params`` numbered 0.. across groups."""
+    out, start = [], 0
+    for hyper, held in zip(hypers, params):
+        out.append(
+            {k: v for k, v in hyper.items() if k != "params"}
+            | {"params": list(range(start, start + len(held)))}
+        )
+        start += len(held)
+    return out
+
+
+def _elementwise(value: Any, span: tuple[int, int]) -> bool:
+    """A piece's state tensor of the piece's own shape (a moment), not a count."""
+    return isinstance(value, Tensor) and value.dim() == 1 and value.numel() == span[1] - span[0]
+
+
+def _of_shape(value: Any, shape: torch.Size) -> bool:
+    return isinstance(value, Tensor) and value.shape == shape
