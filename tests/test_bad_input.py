@@ -7,9 +7,11 @@ from lightning.pytorch import Trainer
 from torch import nn
 
 import lightning_parallel as lp
+from lightning_parallel.distributed.optimizer_shards import sharding_problem
 from lightning_parallel.models import CharGPT
 from lightning_parallel.pipeline.executor import split_microbatches
 from lightning_parallel.pipeline.partition import find_block_stack, stage_bounds
+from lightning_parallel.strategies.checks import require
 from lightning_parallel.tensor import resolve
 
 
@@ -46,6 +48,30 @@ CATALOGUE = [
         lambda: lp.DDPStrategy(ddp_comm_hook="int8"),
         ValueError,
         ["'int8'", "'fp16'", "'bf16'"],
+    ),
+    (
+        "zero-stage-3",
+        lambda: lp.DDPStrategy(zero_stage=3),
+        ValueError,
+        ["zero_stage=3", "0, 1, 2"],
+    ),
+    (
+        "zero-on-lp-dp",
+        lambda: lp.DataParallelStrategy(zero_stage=1),
+        ValueError,
+        ["zero_stage=1", "DataParallelStrategy", "use lp_ddp"],
+    ),
+    (
+        "zero-with-comm-hook",
+        lambda: lp.DDPStrategy(zero_stage=2, ddp_comm_hook="fp16", gradient_as_bucket_view=False),
+        ValueError,
+        ["zero_stage=2", "ddp_comm_hook='fp16'", "gradient_as_bucket_view=False", "zero_stage=0"],
+    ),
+    (
+        "zero-optimizer-not-elementwise",
+        lambda: require([sharding_problem(torch.optim.LBFGS(nn.Linear(2, 2).parameters()), 1)]),
+        ValueError,
+        ["zero_stage=1", "LBFGS", "AdamW", "zero_stage=0"],
     ),
     (
         "start-method",

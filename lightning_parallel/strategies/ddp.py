@@ -212,6 +212,8 @@ class DDPStrategy(ParallelStrategyBase):
         elif self.init_sync:
             broadcast_module_states(module, src=0, group=self.dp_group)
         self.apply_activation_checkpointing()
+        if self.zero_stage:  # each rank unscales its own pieces: one overflow verdict for all
+            self.share_found_inf()
         self._has_buffers = any(True for _ in module.buffers())
         self._sync_buffers_next = True
         self.reducer = self.make_reducer(

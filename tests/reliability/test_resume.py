@@ -14,6 +14,7 @@ the 2 ranks form one replica).
   (``checkpointing/preemption.py``), so both save ``last.ckpt`` at step 6 and stop cleanly; the resumed run continues
   exactly.
 - lp_tensor_parallel (tp=2, one replica: both ranks see the same batch): resumes mid-epoch.
+- lp_ddp with ``zero_stage=2`` mid-epoch, and with ``zero_stage=1`` from a sharded checkpoint.
 - lp_pipeline_1f1b (2 stages, loss on the last stage only) mid-epoch; lp_pipeline_gpipe from an
   epoch-end checkpoint; lp_pipeline_async (no flush: the unapplied gradient travels) mid-epoch.
 - lp_ddp with ``accumulate_grad_batches=4`` (does not divide the 6 batches: Lightning also steps at the
@@ -85,6 +86,23 @@ CASES = {
         "lightning_launcher": True,
     },
     "lp_tensor_parallel": {**TP, "every": 2, "kill": [9, 0, "SIGKILL"], "ckpt_step": 8},
+    # ZeRO: the checkpoint holds the optimizer state gathered over dp (stage 2), or each rank's shard
+    # (stage 1, sharded); StepLR keeps its meaning on the sharded optimizer
+    "lp_ddp_zero2": {
+        "strategy": "lp_ddp",
+        "strategy_kwargs": {"zero_stage": 2},
+        "every": 2,
+        "kill": [9, 1, "SIGKILL"],
+        "ckpt_step": 8,
+    },
+    "lp_ddp_zero1_sharded": {
+        "strategy": "lp_ddp",
+        "strategy_kwargs": {"zero_stage": 1},
+        "every": 4,
+        "kill": [10, 0, "SIGKILL"],
+        "ckpt_step": 8,
+        "sharded": True,
+    },
     "lp_pipeline_1f1b": {
         **PP,
         "strategy": "lp_pipeline_1f1b",
