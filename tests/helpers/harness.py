@@ -28,6 +28,7 @@ __all__ = [
     "run_processes",
     "max_param_diff",
     "assert_params_close",
+    "saved_checkpoint",
     "REPO",
 ]
 
@@ -93,6 +94,11 @@ def run_distributed(
 def max_param_diff(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), f"different parameter names: {sorted(set(a) ^ set(b))}"
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].numel())
+
+
+def saved_checkpoint(tmp_path: Path, world_size: int, name: str) -> dict:
+    """The ``last.ckpt`` that case ``name`` saved in a ``run_distributed`` run of ``world_size`` processes."""
+    return torch.load(tmp_path / f"dist{world_size}" / name / "last.ckpt", weights_only=False)
 
 
 def assert_params_close(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], atol: float) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.harness import assert_params_close, max_param_diff, run_distributed
+from tests.helpers.harness import assert_params_close, max_param_diff, run_distributed, saved_checkpoint
 from tests.helpers.tp_models import SmallGPT
 from tests.strategies.test_deferred_init import MODELS
 from tests.strategies.test_deferred_init import case as deferred_case
@@ -101,17 +101,13 @@ def runs(tmp_path_factory):
     return tmp, results
 
 
-def _saved(tmp, world: int, name: str) -> dict:
-    return torch.load(tmp / f"dist{world}" / name / "last.ckpt", weights_only=False)
-
-
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("model", list(MODELS))
 def test_2x2x2_equals_one_device(runs, model, schedule):
     tmp, results = runs
     reference = results[f"{model}-ref"][0]["state_dict"]
-    full = _saved(tmp, 8, f"{model}-2x2x2-{schedule}")["state_dict"]
+    full = saved_checkpoint(tmp, 8, f"{model}-2x2x2-{schedule}")["state_dict"]
     assert set(full) == set(reference)
     assert_params_close(full, reference, atol=1e-10)
     initial = results[f"{model}-ref"][0]["losses"]
@@ -134,14 +130,14 @@ def test_2x2x2_equals_one_device(runs, model, schedule):
 def test_other_layouts_through_the_same_class(runs, shape):
     tmp, results = runs
     world = {"1x2x2": 4, "2x2x1": 4, "2x1x2": 4}[shape]
-    full = _saved(tmp, world, f"gpt-{shape}")["state_dict"]
+    full = saved_checkpoint(tmp, world, f"gpt-{shape}")["state_dict"]
     assert_params_close(full, results["gpt-ref"][0]["state_dict"], atol=1e-10)
 
 
 @pytest.mark.timeout(1500)
 def test_async_2x2x2_equals_its_emulation(runs):
     tmp, results = runs
-    full = _saved(tmp, 8, "async-2x2x2")["state_dict"]
+    full = saved_checkpoint(tmp, 8, "async-2x2x2")["state_dict"]
     emulated = results["async-emulation"][0]["state_dict"]
     assert_params_close(full, emulated, atol=1e-10)
 
@@ -180,7 +176,7 @@ def test_2x2x2_checkpoint_loads_on_one_device(runs):
 def test_clipping_uses_the_norm_of_the_whole_model(runs):
     """Clipped by norm at 1x2x2, each rank holding half of its stage's sharded layers: equal to one device."""
     tmp, results = runs
-    full = _saved(tmp, 4, "gpt-1x2x2-clip")["state_dict"]
+    full = saved_checkpoint(tmp, 4, "gpt-1x2x2-clip")["state_dict"]
     assert_params_close(full, results["gpt-ref-clip"][0]["state_dict"], atol=1e-10)
     assert max_param_diff(full, results["gpt-ref"][0]["state_dict"]) > 1e-4  # the clipping changed the run
 

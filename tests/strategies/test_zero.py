@@ -1,7 +1,8 @@
 """ZeRO (``zero_stage`` 1 and 2) on real gloo processes: equal to one device in float64 (1e-10) with AdamW and
 with SGD with momentum, on the GPT-style model and the Hugging Face Llama-style zoo model, under lp_ddp (2 and 4
-processes), tensor parallel dp2 x tp2 and pipeline dp2 x pp2; the async pipeline equals its emulation; clipping
-and gradient accumulation keep their meaning; the memory report shows 1/dp of the optimizer state (and of the
+processes), tensor parallel dp2 x tp2 and pipeline dp2 x pp2 (1F1B and GPipe), and with activation checkpointing;
+the async pipeline equals its emulation; clipping, gradient accumulation, bf16-mixed and 16-mixed (a GradScaler)
+keep their meaning; the memory report shows 1/dp of the optimizer state (and of the
 gradients at stage 2); a checkpoint saved at dp=2 with ZeRO resumes exactly at dp=1, at dp=4 and with ZeRO off."""
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.harness import assert_params_close, max_param_diff, run_distributed
+from tests.helpers.harness import assert_params_close, max_param_diff, run_distributed, saved_checkpoint
 from tests.strategies.test_deferred_init import MODELS
 
 DDP = "lightning_parallel:DDPStrategy"
@@ -76,6 +77,16 @@ RUNS = {
     "dp2tp2-llama-sgdm-z2": (4, "llama", "sgdm", PARALLEL, {**layout(2, 2, 1, 2), "plan": "auto"}, 2, {}),
     "dp2pp2-gpt-sgdm-z2": (4, "gpt", "sgdm", PARALLEL, layout(2, 1, 2, 2), 2, {}),
     "dp2pp2-llama-adamw-z1": (4, "llama", "adamw", PARALLEL, layout(2, 1, 2, 1), 2, {}),
+    "dp2pp2-gpipe-gpt-adamw-z1": (4, "gpt", "adamw", PARALLEL, layout(2, 1, 2, 1, "gpipe"), 2, {}),
+    "ddp2-gpt-adamw-z2-recompute": (
+        2,
+        "gpt",
+        "adamw",
+        DDP,
+        {"zero_stage": 2, "activation_checkpointing": True},
+        2,
+        {},
+    ),
 }
 REFERENCES = {  # name: (model, optimizer, steps, trainer)
     "gpt-adamw": ("gpt", "adamw", 5, {}),
@@ -123,10 +134,6 @@ def runs(tmp_path_factory):
     return tmp, results
 
 
-def _saved(tmp, world: int, name: str) -> dict:
-    return torch.load(tmp / f"dist{world}" / name / "last.ckpt", weights_only=False)
-
-
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("name", list(RUNS))
 def test_zero_equals_one_device(runs, name):
@@ -134,7 +141,7 @@ def test_zero_equals_one_device(runs, name):
     world, model, optimizer, *_ = RUNS[name]
     reference = f"ref-{model}-{optimizer}" + ("-clip-accumulate" if "clip" in name else "")
     expected = results[reference][0]["state_dict"]
-    full = _saved(tmp, world, name)["state_dict"]
+    full = saved_checkpoint(tmp, world, name)["state_dict"]
     assert_params_close(full, expected, atol=1e-10)
     for rank in results[name]:  # every rank holds the whole updated model (all-gathered after each step)
         if "pp2" not in name and "tp2" not in name:
@@ -154,15 +161,15 @@ def test_mixed_precision_keeps_its_meaning(runs, precision):
     """Under 16-mixed (a GradScaler: every rank skips a step when any rank's pieces overflowed) and
     bf16-mixed, ZeRO-2 trains as plain lp_ddp does, to float32 round-off."""
     tmp, results = runs
-    sharded = _saved(tmp, 2, f"ddp2-gpt-adamw-{precision}-z2")["state_dict"]
-    plain = _saved(tmp, 2, f"ddp2-gpt-adamw-{precision}-z0")["state_dict"]
+    sharded = saved_checkpoint(tmp, 2, f"ddp2-gpt-adamw-{precision}-z2")["state_dict"]
+    plain = saved_checkpoint(tmp, 2, f"ddp2-gpt-adamw-{precision}-z0")["state_dict"]
     assert_params_close(sharded, plain, atol=1e-5)
 
 
 @pytest.mark.timeout(1500)
 def test_async_pipeline_with_zero_equals_its_emulation(runs):
     tmp, results = runs
-    full = _saved(tmp, 4, "async-dp2pp2-z1")["state_dict"]
+    full = saved_checkpoint(tmp, 4, "async-dp2pp2-z1")["state_dict"]
     assert_params_close(full, results["async-emulation"][0]["state_dict"], atol=1e-10)
 
 
@@ -211,8 +218,8 @@ def test_zero_checkpoint_resumes_exactly_under_other_dp_sizes(runs, resumed, wor
 @pytest.mark.timeout(1500)
 def test_zero_checkpoint_holds_the_single_device_optimizer_state(runs):
     tmp, results = runs
-    saved = _saved(tmp, 2, "ddp2-gpt-adamw-z1")
-    reference = _saved(tmp, 1, "ref-gpt-adamw")
+    saved = saved_checkpoint(tmp, 2, "ddp2-gpt-adamw-z1")
+    reference = saved_checkpoint(tmp, 1, "ref-gpt-adamw")
     ours, theirs = saved["optimizer_states"][0], reference["optimizer_states"][0]
     assert ours["param_groups"] == theirs["param_groups"]
     assert set(ours["state"]) == set(theirs["state"])
