@@ -405,6 +405,11 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self._bind_metrics_to_dp_group()
         if isinstance(self.reducer, ShardedGradientReducer):
             self._clip_over_pieces(self.reducer)
+        if self.zero_stage and self.mesh is not None and self.mesh.shape.dp == 1:
+            rank_zero_info(
+                f"zero_stage={self.zero_stage}: the data-parallel group has one process, so nothing is sharded "
+                "(the optimizer state and gradients are whole, as with zero_stage=0)"
+            )
 
     def make_reducer(self, named_params: list, **kwargs: Any) -> GradientReducer:
         """The data-parallel gradient path over ``dp_group``: ``reducer_class``, or with ``zero_stage`` the
