@@ -17,6 +17,7 @@ __all__ = [
     "SequenceData",
     "EncoderRegressor",
     "TransformerRegressor",
+    "MomentumGPT",
 ]
 
 
@@ -146,3 +147,10 @@ class ConfiguredGPT(SmallGPT):
 
             h = self.hparams
             self.model = GPT(h.vocab_size, h.block_size, h.n_layer, h.n_head, h.n_embd, h.dropout)
+
+
+class MomentumGPT(SmallGPT):
+    """``SmallGPT`` trained by SGD with momentum."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)

@@ -1,0 +1,186 @@
+"""Sequence parallelism (Megatron-SP, Korthikanti et al. 2022) on a tensor-parallel module, by hooks.
+
+Between the column/row pairs of a transformer (norms, dropout, residual adds) tensor parallelism keeps
+whole copies of the activations on every rank. Sequence parallelism cuts them along the sequence:
+
+    enter   the first block's hidden-state input is split along the sequence (backward: all-gather)
+    region  a module holding a column -> row pair (attention, MLP) all-gathers its hidden-state input
+            (backward: reduce-scatter); its column-parallel layers then need no "f" operator, and its
+            row-parallel layer reduce-scatters along the sequence instead of all-reducing
+    exit    a module that needs the whole sequence again (the LM head) gathers its input: a
+            column-parallel head through its entry (backward: reduce-scatter), any other module by an
+            all-gather whose backward keeps this rank's part
+
+A replicated parameter used on the sequence shards (a norm's weight, a row-parallel bias) gets a partial
+gradient on each rank, summed over the group in backward. Which parameters those are is seen as the
+forward runs: those of a module called between ``enter`` and ``exit`` and outside the regions. A module
+called both there and outside is refused (its gradient would mix partial and whole contributions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from lightning_parallel.distributed.collectives import (
+    all_reduce_sum,
+    gather_from_group,
+    gather_sequence,
+    split_to_group,
+)
+from lightning_parallel.tensor.layers import ColumnParallelLinear, _TPLayer
+
+__all__ = ["SequencePlan", "SequenceParallel", "apply_sequence_parallel", "first_tensor", "replace_first"]
+
+
+@dataclass(frozen=True)
+class SequencePlan:
+    """Where the sequence is cut and gathered, by module name (``tensor.sequence_plan`` finds it)."""
+
+    dim: int  # the sequence dimension of the hidden states ([batch, sequence, features]: 1)
+    enter: str  # its first tensor input is split along ``dim``
+    regions: tuple[str, ...]  # modules holding a column -> row pair: their first tensor input is gathered
+    rows: tuple[str, ...]  # the row-parallel layers that reduce-scatter
+    exits: tuple[str, ...]  # modules that need the whole sequence again
+
+
+def first_tensor(args: tuple, kwargs: dict) -> Optional[Tensor]:
+    """The first tensor argument of a call: positional, else keyword in call order (``hidden_states=``)."""
+    return next((a for a in (*args, *kwargs.values()) if isinstance(a, Tensor)), None)
+
+
+def replace_first(args: tuple, kwargs: dict, new: Tensor) -> tuple[tuple, dict]:
+    """The call's arguments with the first tensor, and every argument that is the same object (the
+    key and value of self-attention), replaced by ``new``."""
+    old = first_tensor(args, kwargs)
+    return (
+        tuple(new if a is old else a for a in args),
+        {k: new if v is old else v for k, v in kwargs.items()},
+    )
+
+
+class SequenceParallel:
+    """The hooks of one ``SequencePlan`` on a sharded module (``remove()`` takes them off again)."""
+
+    def __init__(self, module: nn.Module, plan: SequencePlan, group: Optional[dist.ProcessGroup]) -> None:
+        self.plan, self.group = plan, group
+        self.inside = False  # between enter and exit, outside the regions, in the running forward
+        self.where: dict[str, set[bool]] = {}  # module name -> where its calls ran
+        self.handles: list[RemovableHandle] = []
+        self.row_biases = {
+            id(module.get_submodule(r).bias) for r in plan.rows if module.get_submodule(r).bias is not None
+        }
+        self._wire(module)
+
+    def _hook(self, module: nn.Module, pre: Any = None, post: Any = None) -> None:
+        if pre is not None:
+            self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+        if post is not None:
+            self.handles.append(module.register_forward_hook(post))
+
+    def _wire(self, module: nn.Module) -> None:
+        plan, dim = self.plan, self.plan.dim
+        for name in plan.rows:
+            module.get_submodule(name).sequence_dim = dim
+        for name, layer in module.named_modules():
+            if isinstance(layer, ColumnParallelLinear):
+                inside = any(name.startswith(r + ".") for r in plan.regions)
+                if inside or name in plan.exits:
+                    layer.entry.sequence_dim, layer.entry.gathered = dim, inside
+        self._hook(module.get_submodule(plan.enter), pre=self._enter)
+        for name in plan.regions:
+            self._hook(module.get_submodule(name), pre=self._gather_region, post=self._leave_region)
+        for name in plan.exits:
+            self._hook(module.get_submodule(name), pre=self._exit)
+        for name, m in module.named_modules():  # after the hooks above: they run first
+            if not isinstance(m, _TPLayer) and any(True for _ in m.parameters(recurse=False)):
+                self._hook(m, pre=self._recorder(name))
+
+    # ------------------------------------------------------------------ forward
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        x = first_tensor(args, kwargs)
+        if x is None or x.dim() <= self.plan.dim:
+            shape = None if x is None else tuple(x.shape)
+            raise ValueError(
+                f"sequence parallel: {self.plan.enter!r} is called with no hidden state of at least "
+                f"{self.plan.dim + 1} dimensions to split along dimension {self.plan.dim} (first tensor "
+                f"argument: {shape}); set sequence_dim in the plan, or sequence_parallel=False"
+            )
+        self.inside = True
+        return replace_first(args, kwargs, split_to_group(x, self.group, self.plan.dim))
+
+    def _gather_region(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self.inside = False
+        x = first_tensor(args, kwargs)
+        return replace_first(args, kwargs, gather_sequence(x, self.group, self.plan.dim))
+
+    def _leave_region(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.inside = True
+
+    def _exit(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
+        self.inside = False
+        if isinstance(module, ColumnParallelLinear):  # its entry gathers (reduce-scatter backward)
+            return None
+        x = first_tensor(args, kwargs)
+        return replace_first(args, kwargs, gather_from_group(x, self.group, self.plan.dim))
+
+    def _recorder(self, name: str) -> Any:
+        def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if torch._C._current_graph_task_id() != -1:  # a recompute inside backward: seen already
+                return
+            seen = self.where.setdefault(name, set())
+            seen.add(self.inside)
+            if len(seen) > 1:
+                raise ValueError(
+                    f"sequence parallel: {name!r} runs both on the sequence shards (between "
+                    f"{self.plan.enter!r} and {', '.join(self.plan.exits)}) and on whole sequences; its "
+                    "parameters' gradients would mix partial and whole parts. Move the exit "
+                    "(sequence: {exit: ...} in the plan) or set sequence_parallel=False"
+                )
+
+        return record
+
+    # ------------------------------------------------------------------ backward
+    def install_gradient_sums(self, module: nn.Module) -> None:
+        """Sum over the group the gradients of the replicated parameters used on the sequence shards (as
+        seen by the forward that made them), on the parameter objects ``module`` holds now."""
+        owners: dict[int, tuple[nn.Parameter, list[str]]] = {}
+        for name, m in module.named_modules(remove_duplicate=False):
+            for p in m.parameters(recurse=False):
+                if id(p) in self.row_biases or not isinstance(m, _TPLayer):
+                    owners.setdefault(id(p), (p, []))[1].append(name)
+        for key, (p, names) in owners.items():
+            self.handles.append(p.register_hook(self._sum_if_inside(names, key)))
+
+    def _sum_if_inside(self, names: list[str], key: int) -> Any:
+        def hook(grad: Tensor) -> Tensor:
+            seen = set().union(*(self.where.get(n, set()) for n in names))
+            if key in self.row_biases or seen == {True}:
+                return all_reduce_sum(grad.clone(), self.group)
+            return grad
+
+        return hook
+
+    def summed(self) -> list[str]:
+        """The modules whose parameters' gradients are summed (known after a forward)."""
+        return sorted(n for n, seen in self.where.items() if seen == {True})
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+def apply_sequence_parallel(
+    module: nn.Module, plan: SequencePlan, group: Optional[dist.ProcessGroup], gradient_hooks: bool = True
+) -> SequenceParallel:
+    """Wire ``plan`` into ``module`` (sharded already, by ``tensor.shard_module``) over ``group``."""
+    sp = SequenceParallel(module, plan, group)
+    if gradient_hooks:
+        sp.install_gradient_sums(module)
+    return sp
