@@ -3,12 +3,13 @@ found for ``plan="auto"`` and checked on the traced step before anything changes
 
 The regions are the modules that hold a column -> row pair (an attention, an MLP); the sequence is cut
 at the first block of the block stack and gathered again where a column-parallel layer outside the
-blocks reads it (the LM head). A written plan may name them::
+blocks reads it (the LM head), or else the last Linear outside the blocks. A written plan may name them::
 
     sequence:
       dim: 1                  # hidden states [batch, sequence, features]; the default
       enter: model.blocks.0   # default: the first block of the block stack
-      exit: model.head        # default: the column-parallel layers outside the regions (a list is fine)
+      exit: model.head        # default: the column-parallel layers outside the regions, else the last
+                              # Linear after the blocks (a list is fine)
 
 For ``plan="auto"`` the step runs once on fake tensors (``tensor.fake``) with every ATen operation between
 the cut and the gather checked to treat the positions of the sequence apart (``_Positions``); the dimension
@@ -33,6 +34,7 @@ from lightning_parallel.tensor.dry_run import dry_run
 from lightning_parallel.tensor.fake import fake_step
 from lightning_parallel.tensor.plan import PlanError, ResolvedPlan, _no_match
 from lightning_parallel.tensor.sequence import SequencePlan, first_tensor
+from lightning_parallel.tensor.trace import is_projection
 
 __all__ = [
     "SEQUENCE_KEYS",
@@ -135,27 +137,29 @@ def sequence_plan(
             )
     columns = [a.name for a in resolved.assignments if a.style == "colwise"]
     outside = [c for c in columns if not any(_inside(c, r) for r in regions)]
-    exits = section["exit"] or outside
+    heads = [n for n, m in modules.items() if is_projection(m) and not _inside(n, stack)]
+    exits = section["exit"] or outside or heads[-1:]
     if not exits:
         raise PlanError(
             "sequence parallel: no column-parallel layer reads the last hidden state after the blocks; name "
             "the module that needs the whole sequence again in the plan: sequence: {exit: model.head}"
         )
+    for name in (enter, *exits):
+        if name not in modules:
+            raise _no_match(name, [n for n in modules if n])
     stray = [c for c in outside if c not in exits]
     if stray:
         raise PlanError(
             f"sequence parallel: colwise layer(s) {stray[:3]} are in no module with a row-parallel partner "
             "and are not an exit; name them in sequence: {exit: [...]}, or set sequence_parallel=False"
         )
-    for name in (enter, *exits):
-        if name not in modules:
-            raise _no_match(name, [n for n in modules if n])
     return SequencePlan(section["dim"], enter, tuple(regions), tuple(sorted(rows)), tuple(exits))
 
 
 class _Positions(TorchDispatchMode):
     """Checks, on a fake step of the unsharded module, that every operation on the hidden states between
-    ``enter`` and the exits (outside the regions) keeps the positions of the sequence apart."""
+    ``enter`` and the exits (outside the regions) keeps the positions of the sequence apart. Each value
+    that holds the sequence is known with the dimension it holds it in (a transpose moves it)."""
 
     def __init__(self, plan: SequencePlan, batch: Optional[int]) -> None:
         super().__init__()
@@ -163,43 +167,55 @@ class _Positions(TorchDispatchMode):
         self.dim = plan.dim
         self.length: Optional[int] = None
         self.active = False
-        self.values: dict[int, Tensor] = {}  # id -> a hidden state cut along the sequence (kept alive)
+        self.values: dict[int, tuple[Tensor, int]] = {}  # id -> (value, its sequence dimension), kept alive
         self.problem: Optional[str] = None
         self.reached_exit = False
         self.owner = [""]
+        self.names: dict[int, str] = {}
 
-    def mark(self, out: Any) -> None:
+    def mark(self, out: Any, dim: int) -> None:
         for t in tree_flatten(out)[0]:
-            if isinstance(t, Tensor) and t.dim() > self.dim and t.shape[self.dim] == self.length:
-                self.values[id(t)] = t
+            if isinstance(t, Tensor) and t.dim() > dim and t.shape[dim] == self.length:
+                self.values[id(t)] = (t, dim)
 
     def fail(self, why: str) -> None:
         self.problem = self.problem or why
+
+    def _check_whole(self, x: Optional[Tensor], where: str) -> None:
+        """``x`` enters a region or an exit: it must be a hidden state, with the sequence where it started."""
+        held = self.values.get(id(x))
+        if held is None:
+            self.fail(f"the input of {where!r} is not the hidden state of the blocks")
+        elif held[1] != self.dim:
+            self.fail(f"the input of {where!r} holds the sequence in dimension {held[1]}, not {self.dim}")
 
     # ---------------------------------------------------------------- module hooks
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         x = first_tensor(args, kwargs)
         if x is None or x.dim() < 3:
+            shape = None if x is None else tuple(x.shape)
             return self.fail(
-                f"the hidden state entering {self.plan.enter!r} has shape {None if x is None else tuple(x.shape)}: "
-                "no sequence dimension beside the batch and the features"
+                f"the hidden state entering {self.plan.enter!r} has shape {shape}: no sequence dimension "
+                "beside the batch and the features"
             )
         if self.batch is not None and x.shape[0] != self.batch and x.shape[1] == self.batch:
             self.dim = 0  # [sequence, batch, features]
         self.length = x.shape[self.dim]
         self.active = True
-        self.mark(x)
+        self.mark(x, self.dim)
 
     def region_in(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.active:
+            self._check_whole(first_tensor(args, kwargs), self.names.get(id(module), "?"))
         self.active = False
 
     def region_out(self, module: nn.Module, args: tuple, output: Any) -> None:
         self.active = self.length is not None
-        self.mark(output if isinstance(output, Tensor) else first_tensor(tuple(tree_flatten(output)[0]), {}))
+        self.mark(output if isinstance(output, Tensor) else tree_flatten(output)[0][:1], self.dim)
 
     def exit(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.active and id(first_tensor(args, kwargs)) not in self.values:
-            self.fail(f"the input of {self.owner[-1]!r} is not the hidden state of the blocks")
+        if self.active:
+            self._check_whole(first_tensor(args, kwargs), self.names.get(id(module), "?"))
         self.active, self.reached_exit = False, self.reached_exit or self.active
 
     def push(self, module: nn.Module, args: tuple) -> None:
@@ -215,44 +231,55 @@ class _Positions(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, Tensor)]
-        computes = any(isinstance(t, Tensor) for t in tree_flatten(out)[0])  # not a question (device)
-        if self.active and computes and self.problem is None and any(id(a) in self.values for a in inputs):
-            why = self._mixes(func, args, inputs, out)
+        first = next((t for t in tree_flatten(out)[0] if isinstance(t, Tensor)), None)  # None: a question
+        src = next((self.values[id(a)] for a in inputs if id(a) in self.values), None)
+        if self.active and first is not None and self.problem is None and src is not None:
+            why, dim = self._mixes(func, args, kwargs, inputs, src, first)
             if why:
                 name = func.overloadpacket.__name__
                 self.fail(f"{name} in {self.owner[-1] or 'the root module'!r} {why}")
             else:
-                self.mark(out)
+                self.mark(out, dim)
         return out
 
-    def _mixes(self, func: Any, args: tuple, inputs: list[Tensor], out: Any) -> Optional[str]:
-        """Why ``func`` would read positions of the sequence together (None: it keeps them apart)."""
-        name, dim = func.overloadpacket.__name__, self.dim
-        src = next(a for a in inputs if id(a) in self.values)
+    def _mixes(
+        self, func: Any, args: tuple, kwargs: dict, inputs: list[Tensor], src: tuple[Tensor, int], out: Tensor
+    ) -> tuple[Optional[str], int]:
+        """Why ``func`` would read positions of the sequence together (None: it keeps them apart), and the
+        dimension that holds the sequence in its output."""
+        name, (x, dim) = func.overloadpacket.__name__, src
         if torch.Tag.pointwise in func.tags or name in _ELEMENTWISE:
+            at = dim + out.dim() - x.dim()
             for t in inputs:
-                at = dim - (src.dim() - t.dim())
-                if id(t) not in self.values and 0 <= at < t.dim() and t.shape[at] != 1:
-                    return f"combines the sequence with a tensor of shape {tuple(t.shape)} along it"
-            return None
+                d = at - (out.dim() - t.dim())
+                if id(t) not in self.values and 0 <= d < t.dim() and t.shape[d] != 1:
+                    return f"combines the sequence with a tensor of shape {tuple(t.shape)} along it", at
+            return None, at
+        if name in ("transpose", "permute", "t"):
+            order = list(range(x.dim()))
+            if name == "permute":
+                order = [d % x.dim() for d in args[1]]
+            else:
+                a, b = (0, 1) if name == "t" else (args[1] % x.dim(), args[2] % x.dim())
+                order[a], order[b] = order[b], order[a]
+            return None, order.index(dim)
         if name in _VIEWS:
-            first = tree_flatten(out)[0][0]
-            keeps = first.dim() > dim and tuple(first.shape[: dim + 1]) == tuple(src.shape[: dim + 1])
-            return (
-                None
-                if keeps
-                else f"reshapes the sequence dimension ({tuple(src.shape)} -> {tuple(first.shape)})"
-            )
+            keeps = out.dim() > dim and tuple(out.shape[: dim + 1]) == tuple(x.shape[: dim + 1])
+            return (None if keeps else f"reshapes the sequence ({tuple(x.shape)} -> {tuple(out.shape)})"), dim
         if name in _REDUCTIONS or name in _LAST_DIM:
-            dims = args[1] if len(args) > 1 and args[1] is not None else list(range(src.dim()))
-            dims = [d % src.dim() for d in ([dims] if isinstance(dims, int) else dims)]
-            return f"reduces over the sequence dimension {dim}" if dim in dims or not dims else None
+            dims = args[1] if len(args) > 1 and args[1] is not None else kwargs.get("dim")
+            dims = list(range(x.dim())) if dims is None else dims
+            dims = [d % x.dim() for d in ([dims] if isinstance(dims, int) else dims)] or list(range(x.dim()))
+            if dim in dims:
+                return f"reduces over the sequence (dimension {dim})", dim
+            keep = name in _LAST_DIM or (args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+            return None, dim if keep else dim - sum(d < dim for d in dims)
         if name in _NORMS:
-            normalized = len(args[1])
-            return None if dim < src.dim() - normalized else "normalizes over the sequence dimension"
+            inside = dim < x.dim() - len(args[1])
+            return (None if inside else "normalizes over the sequence"), dim
         if "batch_norm" in name:
-            return "normalizes over the batch and the sequence (a BatchNorm)"
-        return "is not known to keep the positions of the sequence apart"
+            return "normalizes over the batch and the sequence (a BatchNorm)", dim
+        return "is not known to keep the positions of the sequence apart", dim
 
 
 def _batch_size(run: Any) -> Optional[int]:

@@ -1,0 +1,149 @@
+"""Where sequence parallelism cuts the sequence: found for ``plan="auto"`` from a fake step (or refused, naming
+why), and a written plan's ``sequence`` section checked before anything runs. One process, fake tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor, nn
+
+from lightning_parallel import ParallelStrategy, TensorParallelStrategy
+from lightning_parallel.models.gpt import GPT
+from lightning_parallel.tensor import PlanError, parse_plan, resolve
+from lightning_parallel.tensor.coverage import forward_on
+from lightning_parallel.tensor.sequence_plan import auto_sequence_plan, sequence_plan
+from tests.helpers.harness import REPO
+from tests.helpers.tp_models import EncoderRegressor
+
+IDS = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(0))
+
+
+class Wrapped(LightningModule):
+    """A network held as ``self.model``, as users hold one."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.model(x)
+
+
+def _gpt(block_forward=None) -> nn.Module:
+    model = GPT(vocab_size=32, block_size=8, n_layer=2, n_head=4, n_embd=16)
+    if block_forward is not None:
+        for block in model.blocks:
+            block.forward = block_forward.__get__(block)
+    return Wrapped(model)
+
+
+def _auto(model: nn.Module, inputs: Tensor = IDS):
+    model.example_input_array = inputs  # the step traced: forward on it
+    run = forward_on(model)
+    return auto_sequence_plan(model, resolve(model, "auto", 2, run=run), run)
+
+
+def test_auto_finds_the_sequence_of_the_gpt():
+    found, why = _auto(_gpt())
+    assert found is not None, why
+    assert (found.dim, found.enter, found.exits) == (1, "model.blocks.0", ("model.head",))
+    assert found.regions == tuple(f"model.blocks.{i}.{m}" for i in (0, 1) for m in ("attn", "mlp"))
+    assert "sequence dimension 1 (length 8)" in why
+
+
+def _mean_over_sequence(self, x, mask):
+    x = x + self.attn(self.ln1(x), mask)
+    x = x - x.mean(1, keepdim=True)  # mixes the positions
+    return x + self.mlp(self.ln2(x))
+
+
+def _batchnorm_over_features(self, x, mask):
+    x = x + self.attn(self.ln1(x), mask)
+    x = self.bn(x.transpose(1, 2)).transpose(1, 2)  # statistics over batch and sequence
+    return x + self.mlp(self.ln2(x))
+
+
+def _position_bias(self, x, mask):
+    x = x + self.attn(self.ln1(x), mask) + self.bias  # [T, C]: one row per position
+    return x + self.mlp(self.ln2(x))
+
+
+def test_auto_refuses_operations_that_mix_positions():
+    found, why = _auto(_gpt(_mean_over_sequence))
+    assert found is None and "mean in 'model.blocks.0'" in why and "reduces over the sequence" in why, why
+    model = _gpt(_batchnorm_over_features)
+    for block in model.model.blocks:
+        block.bn = nn.BatchNorm1d(16)
+    found, why = _auto(model)
+    assert found is None and "BatchNorm" in why, why
+    model = _gpt(_position_bias)
+    for block in model.model.blocks:
+        block.bias = nn.Parameter(torch.zeros(8, 16))
+    found, why = _auto(model)
+    assert found is None and "combines the sequence with a tensor of shape (8, 16)" in why, why
+
+
+class Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(16)
+        self.mlp = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class FlatNet(nn.Module):
+    """Residual MLP blocks on [batch, features]: no sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Residual() for _ in range(2))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_auto_refuses_a_model_without_a_sequence_and_multihead_attention():
+    found, why = _auto(Wrapped(FlatNet()), torch.randn(4, 16))
+    assert found is None and "no sequence dimension" in why and "(4, 16)" in why, why
+    model = EncoderRegressor().double()
+    found, why = _auto(model, torch.randn(4, 6, 16, dtype=torch.float64))
+    assert found is None and "nn.MultiheadAttention" in why, why
+
+
+def test_a_written_plan_states_the_sequence_and_is_checked():
+    plan = parse_plan(REPO / "conf/plan/char_gpt.yaml")
+    model = _gpt()
+    resolved = resolve(model, plan, 2)
+    found = sequence_plan(model, resolved, {"dim": 1, "exit": "model.head"})
+    assert (found.enter, found.exits) == ("model.blocks.0", ("model.head",))
+    with pytest.raises(PlanError, match=r"dim=-1 must be the sequence dimension.*1 for \[batch, sequence"):
+        parse_plan({"layers": {"model.head": "colwise"}, "sequence": {"dim": -1}})
+    with pytest.raises(PlanError, match=r"unknown key\(s\) \['dims'\]; allowed: dim, enter, exit"):
+        parse_plan({"sequence": {"dims": 1}})
+    with pytest.raises(PlanError, match="closest module names"):
+        sequence_plan(model, resolved, {"exit": "model.heads"})
+    no_head = resolve(model, {k: v for k, v in plan_dict().items() if k != "model.head"}, 2)
+    assert sequence_plan(model, no_head, {}).exits == ("model.head",)  # the last Linear: gathered whole
+    del model.model.head
+    with pytest.raises(PlanError, match=r"sequence: \{exit: model.head\}"):
+        sequence_plan(model, no_head, {})
+
+
+def plan_dict() -> dict:
+    import yaml
+
+    spec = yaml.safe_load((REPO / "conf/plan/char_gpt.yaml").read_text())
+    return {**spec["layers"], **spec["attributes"]}
+
+
+def test_the_option_is_checked_and_refused_with_pipeline_stages():
+    with pytest.raises(ValueError, match="sequence_parallel must be True or False, got 'yes'"):
+        TensorParallelStrategy(sequence_parallel="yes")
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2: sequence parallelism is not composed"):
+        ParallelStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, sequence_parallel=True)
