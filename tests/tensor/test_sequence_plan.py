@@ -147,3 +147,15 @@ def test_the_option_is_checked_and_refused_with_pipeline_stages():
         TensorParallelStrategy(sequence_parallel="yes")
     with pytest.raises(ValueError, match="pipeline_parallel_size=2: sequence parallelism is not composed"):
         ParallelStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, sequence_parallel=True)
+
+
+def test_the_plan_table_shows_the_collectives_with_and_without_sequence_parallel(capsys):
+    from lightning_parallel.cli.plan_table import main
+
+    args = ["tests.helpers.tp_models:SmallGPT", "--tp", "2", "--plan", "char_gpt", "--sequence-parallel"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "model.blocks.0.attn       sequence gather  -             0            all-gather 16/tok" in out
+    assert "reduce-scatter 16/tok                 all-gather 16/tok" in out  # a row-parallel layer
+    # per block: 2 all-gathers + 2 reduce-scatters each way instead of 2 all-reduces
+    assert "collectives per step 11 forward + 10 backward, without it 6 + 5" in out
