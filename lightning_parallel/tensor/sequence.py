@@ -6,7 +6,8 @@ whole copies of the activations on every rank. Sequence parallelism cuts them al
     enter   the first block's hidden-state input is split along the sequence (backward: all-gather)
     region  a module holding a column -> row pair (attention, MLP) all-gathers its hidden-state input
             (backward: reduce-scatter); its column-parallel layers then need no "f" operator, and its
-            row-parallel layer reduce-scatters along the sequence instead of all-reducing
+            row-parallel layer reduce-scatters along the sequence instead of all-reducing; the gathered
+            input is saved for backward as this rank's part (``tensor.sequence_saved``)
     exit    a module that needs the whole sequence again (the LM head) gathers its input: a
             column-parallel head through its entry (backward: reduce-scatter), any other module by an
             all-gather whose backward keeps this rank's part
@@ -34,6 +35,7 @@ from lightning_parallel.distributed.collectives import (
     split_to_group,
 )
 from lightning_parallel.tensor.layers import ColumnParallelLinear, _TPLayer
+from lightning_parallel.tensor.sequence_saved import SavedAsPart
 
 __all__ = ["SequencePlan", "SequenceParallel", "apply_sequence_parallel", "first_tensor", "replace_first"]
 
@@ -72,6 +74,7 @@ class SequenceParallel:
         self.inside = False  # between enter and exit, outside the regions, in the running forward
         self.where: dict[str, set[bool]] = {}  # module name -> where its calls ran
         self.handles: list[RemovableHandle] = []
+        self.saved = SavedAsPart(group, plan.dim)
         self.row_biases = {
             id(module.get_submodule(r).bias) for r in plan.rows if module.get_submodule(r).bias is not None
         }
@@ -117,9 +120,12 @@ class SequenceParallel:
     def _gather_region(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self.inside = False
         x = first_tensor(args, kwargs)
-        return replace_first(args, kwargs, gather_sequence(x, self.group, self.plan.dim))
+        gathered = gather_sequence(x, self.group, self.plan.dim)
+        self.saved.enter(gathered, x)
+        return replace_first(args, kwargs, gathered)
 
     def _leave_region(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.saved.exit()
         self.inside = True
 
     def _exit(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
