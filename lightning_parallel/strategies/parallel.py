@@ -223,6 +223,12 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
                 raise ValueError(
                     f"sequence_parallel=True with pipeline_parallel_size={shape.pp}: {SP_WITH_PP}"
                 )
+        if self.sequence_parallel and self.activation_checkpointing:
+            raise ValueError(
+                f"sequence_parallel=True with activation_checkpointing={self.activation_checkpointing!r}: not "
+                "composed yet (the recompute would repeat the sequence gathers inside its own saved-tensor "
+                "hooks); use one of them"
+            )
         self.share_found_inf()
         self._bind_metrics_to_dp_group()  # also for validate/test/predict without a fit
         if not self.model_is_split():

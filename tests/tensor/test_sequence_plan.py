@@ -8,7 +8,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-from lightning_parallel import ParallelStrategy, TensorParallelStrategy
+from lightning_parallel import TensorParallelStrategy
 from lightning_parallel.models.gpt import GPT
 from lightning_parallel.tensor import PlanError, parse_plan, resolve
 from lightning_parallel.tensor.coverage import forward_on
@@ -142,11 +142,26 @@ def plan_dict() -> dict:
     return {**spec["layers"], **spec["attributes"]}
 
 
-def test_the_option_is_checked_and_refused_with_pipeline_stages():
-    with pytest.raises(ValueError, match="sequence_parallel must be True or False, got 'yes'"):
-        TensorParallelStrategy(sequence_parallel="yes")
-    with pytest.raises(ValueError, match="pipeline_parallel_size=2: sequence parallelism is not composed"):
-        ParallelStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, sequence_parallel=True)
+def test_activation_checkpointing_is_refused_before_training(tmp_path):
+    from lightning.pytorch import Trainer
+
+    from tests.helpers.tp_models import SmallGPT, TokenData
+
+    strategy = TensorParallelStrategy(sequence_parallel=True, activation_checkpointing=True)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )
+    with pytest.raises(
+        ValueError, match="sequence_parallel=True with activation_checkpointing=True: not composed"
+    ):
+        trainer.fit(SmallGPT(), datamodule=TokenData())
 
 
 def test_the_plan_table_shows_the_collectives_with_and_without_sequence_parallel(capsys):
