@@ -14,8 +14,14 @@ whole copies of the activations on every rank. Sequence parallelism cuts them al
 
 A replicated parameter used on the sequence shards (a norm's weight, a row-parallel bias) gets a partial
 gradient on each rank, summed over the group in backward. Which parameters those are is seen as the
-forward runs: those of a module called between ``enter`` and ``exit`` and outside the regions. A module
-called both there and outside is refused (its gradient would mix partial and whole contributions).
+forward runs: those of a module called between ``enter`` and ``exit``, outside the regions (what follows
+a region's row-parallel layer is outside). A module called both there and on whole sequences is refused
+(its gradient would mix partial and whole contributions).
+
+An ``nn.Dropout`` called on the sequence parts draws the mask one device draws for the whole sequence
+(same shape, same random stream) and keeps this rank's part, so a rank's masks are one device's for its
+positions (exact where nothing else random runs differently under tensor parallelism: attention dropout
+on split heads does). A functional ``F.dropout`` in the blocks would draw on the part.
 """
 
 from __future__ import annotations
@@ -26,12 +32,15 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn import functional as F
 from torch.utils.hooks import RemovableHandle
 
 from lightning_parallel.distributed.collectives import (
     all_reduce_sum,
     gather_from_group,
     gather_sequence,
+    group_rank,
+    group_size,
     split_to_group,
 )
 from lightning_parallel.tensor.layers import ColumnParallelLinear, _TPLayer
@@ -75,6 +84,7 @@ class SequenceParallel:
         self.where: dict[str, set[bool]] = {}  # module name -> where its calls ran
         self.handles: list[RemovableHandle] = []
         self.saved = SavedAsPart(group, plan.dim)
+        self.dropped: dict[int, float] = {}  # dropout modules switched off for this call -> their p
         self.row_biases = {
             id(module.get_submodule(r).bias) for r in plan.rows if module.get_submodule(r).bias is not None
         }
@@ -90,6 +100,7 @@ class SequenceParallel:
         plan, dim = self.plan, self.plan.dim
         for name in plan.rows:
             module.get_submodule(name).sequence_dim = dim
+            self._hook(module.get_submodule(name), post=self._leave_pair)
         for name, layer in module.named_modules():
             if isinstance(layer, ColumnParallelLinear):
                 inside = any(name.startswith(r + ".") for r in plan.regions)
@@ -98,6 +109,10 @@ class SequenceParallel:
         self._hook(module.get_submodule(plan.enter), pre=self._enter)
         for name in plan.regions:
             self._hook(module.get_submodule(name), pre=self._gather_region, post=self._leave_region)
+        for m in module.modules():
+            if isinstance(m, nn.Dropout):
+                self.handles.append(m.register_forward_pre_hook(self._dropout_off))
+                self.handles.append(m.register_forward_hook(self._dropout_part))
         for name in plan.exits:
             self._hook(module.get_submodule(name), pre=self._exit)
         for name, m in module.named_modules():  # after the hooks above: they run first
@@ -124,9 +139,28 @@ class SequenceParallel:
         self.saved.enter(gathered, x)
         return replace_first(args, kwargs, gathered)
 
+    def _leave_pair(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.inside = True  # what follows the row-parallel layer, in its module too, runs on the parts
+
     def _leave_region(self, module: nn.Module, args: tuple, output: Any) -> None:
         self.saved.exit()
-        self.inside = True
+
+    def _dropout_off(self, m: nn.Dropout, args: tuple) -> None:
+        """On the sequence parts, the module's own draw is switched off (``_dropout_part`` draws)."""
+        if self.inside and m.training and m.p > 0:
+            self.dropped[id(m)], m.p = m.p, 0.0
+
+    def _dropout_part(self, m: nn.Dropout, args: tuple, output: Tensor) -> Optional[Tensor]:
+        """This rank's part of the mask one device draws for the whole sequence."""
+        p = self.dropped.pop(id(m), None)
+        if p is None:
+            return None
+        m.p, x = p, args[0]
+        dim, size = self.plan.dim, group_size(self.group)
+        full = [*x.shape[:dim], x.shape[dim] * size, *x.shape[dim + 1 :]]
+        # the same draw as one device's F.dropout of the whole sequence (same shape, dtype and device)
+        noise = F.dropout(torch.ones(full, dtype=x.dtype, device=x.device), p, training=True)
+        return x * noise.narrow(dim, group_rank(self.group) * x.shape[dim], x.shape[dim]).clone()
 
     def _exit(self, module: nn.Module, args: tuple, kwargs: dict) -> Optional[tuple[tuple, dict]]:
         self.inside = False

@@ -128,6 +128,12 @@ def sequence_plan(
         stack = _parent(section["enter"])
     enter = section["enter"] or f"{stack}.0"
     regions = sorted({_parent(r) for r in rows})
+    doubled = sorted({_parent(r) for r in rows if sum(_parent(o) == _parent(r) for o in rows) > 1})
+    if doubled:
+        raise PlanError(
+            f"sequence parallel: {doubled[0]!r} holds more than one row-parallel layer; each pair needs a "
+            "module of its own (its input gathered, its row-parallel output cut), or sequence_parallel=False"
+        )
     for region in regions:
         if not region or _parent(region) == stack or enter == region or _inside(enter, region):
             raise PlanError(
@@ -171,6 +177,7 @@ class _Positions(TorchDispatchMode):
         self.problem: Optional[str] = None
         self.reached_exit = False
         self.owner = [""]
+        self.modules: list[nn.Module] = []  # the modules whose forward is running, innermost last
         self.names: dict[int, str] = {}
 
     def mark(self, out: Any, dim: int) -> None:
@@ -209,9 +216,10 @@ class _Positions(TorchDispatchMode):
             self._check_whole(first_tensor(args, kwargs), self.names.get(id(module), "?"))
         self.active = False
 
-    def region_out(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def row_out(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """What follows a region's row-parallel layer runs on the sequence parts (its dropout too)."""
         self.active = self.length is not None
-        self.mark(output if isinstance(output, Tensor) else tree_flatten(output)[0][:1], self.dim)
+        self.mark(output, self.dim)
 
     def exit(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.active:
@@ -220,9 +228,11 @@ class _Positions(TorchDispatchMode):
 
     def push(self, module: nn.Module, args: tuple) -> None:
         self.owner.append(self.names.get(id(module), "?"))
+        self.modules.append(module)
 
     def pop(self, module: nn.Module, args: tuple, output: Any) -> None:
         self.owner.pop()
+        self.modules.pop()
 
     # ---------------------------------------------------------------- operations
     def __torch_dispatch__(
@@ -234,7 +244,10 @@ class _Positions(TorchDispatchMode):
         first = next((t for t in tree_flatten(out)[0] if isinstance(t, Tensor)), None)  # None: a question
         src = next((self.values[id(a)] for a in inputs if id(a) in self.values), None)
         if self.active and first is not None and self.problem is None and src is not None:
-            why, dim = self._mixes(func, args, kwargs, inputs, src, first)
+            in_dropout = bool(self.modules) and isinstance(
+                self.modules[-1], nn.Dropout
+            )  # drawn as one device
+            why, dim = (None, src[1]) if in_dropout else self._mixes(func, args, kwargs, inputs, src, first)
             if why:
                 name = func.overloadpacket.__name__
                 self.fail(f"{name} in {self.owner[-1] or 'the root module'!r} {why}")
@@ -294,7 +307,8 @@ def _checked_positions(module: nn.Module, plan: SequencePlan, run: Callable[[], 
     handles = [module.get_submodule(plan.enter).register_forward_pre_hook(check.enter, with_kwargs=True)]
     for r in plan.regions:
         handles.append(module.get_submodule(r).register_forward_pre_hook(check.region_in, with_kwargs=True))
-        handles.append(module.get_submodule(r).register_forward_hook(check.region_out))
+    for r in plan.rows:
+        handles.append(module.get_submodule(r).register_forward_hook(check.row_out))
     for e in plan.exits:
         handles.append(module.get_submodule(e).register_forward_pre_hook(check.exit, with_kwargs=True))
     handles.append(nn.modules.module.register_module_forward_pre_hook(check.push))

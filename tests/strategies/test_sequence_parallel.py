@@ -1,6 +1,7 @@
 """Sequence parallelism (``sequence_parallel=True``) on 2 real processes (tp=2): equal to single-device
-training in float64 (AdamW and SGD with momentum, written and automatic plans, the package's GPT and the
-zoo's Hugging Face Llama), and fewer saved activations per rank than tensor parallelism alone.
+training in float64 (AdamW and SGD with momentum, written and automatic plans, the package's GPT, with
+dropout on its residual branches too, and the zoo's Hugging Face Llama), and fewer saved activations per
+rank than tensor parallelism alone.
 
 One ``run_distributed`` call holds every case (start-up is costly).
 """
@@ -15,7 +16,8 @@ from tests.helpers.harness import REPO, assert_params_close, max_param_diff, run
 TP = "lightning_parallel:TensorParallelStrategy"
 F64 = {"precision": "64-true", "max_steps": 4}
 GPT = ("tests.helpers.tp_models:SmallGPT", {})
-MOMENTUM = ("tests.helpers.tp_models:MomentumGPT", {"lr": 0.05})
+# dropout on the residual branches: each rank draws its part of one device's masks
+DROPOUT = ("tests.helpers.tp_models:DropoutGPT", {"lr": 0.05, "residual_dropout": 0.2})
 LLAMA = ("tests.helpers.zoo:ZooLM", {"arch": "hf_llama", "optimizer": "adamw", "lr": 0.01})
 # long enough sequences that the activations outside the pairs show (memory cases)
 WIDE = {"block_size": 32, "n_embd": 32}
@@ -40,7 +42,7 @@ def case(name, model, plan, sequence=True, model_kwargs=None, data_kwargs=None, 
 CHAR_GPT = str(REPO / "conf/plan/char_gpt.yaml")
 EXACT = {
     "gpt-written-adamw": case("gpt-written-adamw", GPT, CHAR_GPT),
-    "gpt-auto-momentum": case("gpt-auto-momentum", MOMENTUM, "auto"),
+    "gpt-auto-dropout-momentum": case("gpt-auto-dropout-momentum", DROPOUT, "auto"),
     "llama-auto-adamw": case("llama-auto-adamw", LLAMA, "auto"),
 }
 MEMORY = [
