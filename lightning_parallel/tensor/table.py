@@ -7,8 +7,9 @@ sequence sizes multiply it). Column-parallel layers that share a parent share on
 their input (q, k and v), as the layers do at run time. Attention is counted as self-attention: used
 for cross-attention it adds one backward all-reduce (for the gradient of the keys' and values' source).
 With sequence parallelism (``resolved.sequence``) the rows say where the sequence is cut and gathered: each
-pair's module gathers its input (all-gather forward, reduce-scatter backward) in place of its column-parallel
-layers' all-reduce, and its row-parallel layer reduce-scatters; the totals then count those.
+pair's module gathers its input (all-gather forward, reduce-scatter backward, and an all-gather of the part
+it saved for backward) in place of its column-parallel layers' all-reduce, and its row-parallel layer
+reduce-scatters; the totals then count those.
 """
 
 from __future__ import annotations
@@ -123,8 +124,10 @@ def _sequence_rows(module: nn.Module, resolved: ResolvedPlan, rows: list[PlanRow
         changed.append(r)
     extra = [PlanRow(seq.enter, "sequence cut", "-", 0, "-", f"all-gather {hidden}/tok")]
     extra += [
-        PlanRow(g, "sequence gather", "-", 0, f"all-gather {width[g]}/tok", f"reduce-scatter {width[g]}/tok")
-        for g in seq.regions
+        PlanRow(
+            g, "sequence gather", "-", 0, f"all-gather {w}/tok", f"reduce-scatter {w}/tok, all-gather {w}/tok"
+        )
+        for g, w in ((g, width[g]) for g in seq.regions)
     ]
     extra += [
         PlanRow(e, "sequence gather", "-", 0, f"all-gather {hidden}/tok", "-")

@@ -172,5 +172,6 @@ def test_the_plan_table_shows_the_collectives_with_and_without_sequence_parallel
     out = capsys.readouterr().out
     assert "model.blocks.0.attn       sequence gather  -             0            all-gather 16/tok" in out
     assert "reduce-scatter 16/tok                 all-gather 16/tok" in out  # a row-parallel layer
-    # per block: 2 all-gathers + 2 reduce-scatters each way instead of 2 all-reduces
-    assert "collectives per step 11 forward + 10 backward, without it 6 + 5" in out
+    # per block: 2 all-gathers + 2 reduce-scatters each way (+ 2 all-gathers of the saved parts) instead of
+    # 2 all-reduces
+    assert "collectives per step 11 forward + 14 backward, without it 6 + 5" in out
