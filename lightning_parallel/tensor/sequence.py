@@ -127,7 +127,8 @@ class SequenceParallel:
             raise ValueError(
                 f"sequence parallel: {self.plan.enter!r} is called with no hidden state of at least "
                 f"{self.plan.dim + 1} dimensions to split along dimension {self.plan.dim} (first tensor "
-                f"argument: {shape}); set sequence_dim in the plan, or sequence_parallel=False"
+                f"argument: {shape}); name the dimension in the plan (sequence: {{dim: ...}}), or set "
+                "sequence_parallel=False"
             )
         self.inside = True
         return replace_first(args, kwargs, split_to_group(x, self.group, self.plan.dim))

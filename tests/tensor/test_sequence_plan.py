@@ -84,6 +84,21 @@ def test_auto_refuses_operations_that_mix_positions():
     assert found is None and "combines the sequence with a tensor of shape (8, 16)" in why, why
 
 
+def _norm_twice(self, idx):
+    x = self.ln_f(self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1])))  # ln_f on whole sequences
+    mask = torch.ones(idx.shape[1], idx.shape[1], dtype=torch.bool).tril()
+    for block in self.blocks:
+        x = block(x, mask)
+    return self.head(self.ln_f(x))  # and on the parts
+
+
+def test_auto_refuses_a_module_used_on_whole_sequences_and_on_parts():
+    model = _gpt()
+    model.model.forward = _norm_twice.__get__(model.model)
+    found, why = _auto(model)
+    assert found is None and "'model.ln_f' runs both on the sequence shards" in why, why
+
+
 class Residual(nn.Module):
     def __init__(self) -> None:
         super().__init__()
