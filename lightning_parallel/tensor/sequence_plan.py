@@ -167,9 +167,9 @@ class _Positions(TorchDispatchMode):
     ``enter`` and the exits (outside the regions) keeps the positions of the sequence apart. Each value
     that holds the sequence is known with the dimension it holds it in (a transpose moves it)."""
 
-    def __init__(self, plan: SequencePlan, batch: Optional[int]) -> None:
+    def __init__(self, plan: SequencePlan, batch: Optional[int], detect: bool = True) -> None:
         super().__init__()
-        self.plan, self.batch = plan, batch
+        self.plan, self.batch, self.detect = plan, batch, detect
         self.dim = plan.dim
         self.length: Optional[int] = None
         self.active = False
@@ -199,13 +199,13 @@ class _Positions(TorchDispatchMode):
     # ---------------------------------------------------------------- module hooks
     def enter(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         x = first_tensor(args, kwargs)
-        if x is None or x.dim() < 3:
+        if x is None or x.dim() < (3 if self.detect else self.dim + 1):
             shape = None if x is None else tuple(x.shape)
             return self.fail(
                 f"the hidden state entering {self.plan.enter!r} has shape {shape}: no sequence dimension "
                 "beside the batch and the features"
             )
-        if self.batch is not None and x.shape[0] != self.batch and x.shape[1] == self.batch:
+        if self.detect and self.batch is not None and x.shape[0] != self.batch and x.shape[1] == self.batch:
             self.dim = 0  # [sequence, batch, features]
         self.length = x.shape[self.dim]
         self.active = True
@@ -301,8 +301,12 @@ def _batch_size(run: Any) -> Optional[int]:
     return None if first is None else first.shape[0]
 
 
-def _checked_positions(module: nn.Module, plan: SequencePlan, run: Callable[[], Any]) -> _Positions:
-    check = _Positions(plan, _batch_size(run))
+def _checked_positions(
+    module: nn.Module, plan: SequencePlan, run: Callable[[], Any], detect: bool = True
+) -> _Positions:
+    """The sample step run on fake tensors with ``plan``'s positions checked (``detect``: the sequence
+    dimension found from the hidden state, else ``plan.dim``)."""
+    check = _Positions(plan, _batch_size(run), detect)
     check.names = {id(m): n for n, m in module.named_modules()}
     handles = [module.get_submodule(plan.enter).register_forward_pre_hook(check.enter, with_kwargs=True)]
     for r in plan.regions:
@@ -365,10 +369,35 @@ def resolve_sequence(
     """``sequence_parallel=True``: a written plan's sequence plan (a ``PlanError`` when it does not fit), or
     for ``plan="auto"`` the one found, else None with rank 0 saying why."""
     if not (isinstance(plan, str) and plan == "auto"):
-        return sequence_plan(module, resolved, plan.sequence)
+        found = sequence_plan(module, resolved, plan.sequence)
+        _check_written(module, found, resolved.tp_size, run)
+        return found
     found, why = auto_sequence_plan(module, resolved, run)
     if found is None:
         rank_zero_warn(f"lp_tensor_parallel: sequence parallel is off: {why}")
     else:
         rank_zero_info(f"lp_tensor_parallel: sequence parallel: {why}")
     return found
+
+
+def _check_written(module: nn.Module, plan: SequencePlan, tp: int, run: Optional[Callable[[], Any]]) -> None:
+    """A written sequence plan tried on the sample step (fake tensors) before training: the hidden state at
+    ``enter`` must have the plan's dimension, of a length tp divides (a ``PlanError``); an operation that
+    looks like it mixes positions is a warning (the plan says where the sequence is). A step that does not
+    run on fake tensors is not checked here."""
+    if run is None:
+        return
+    try:
+        check = _checked_positions(module, plan, run, detect=False)
+    except Exception:  # noqa: BLE001  (the user's step on fake tensors)
+        return
+    if check.length is None and check.problem is not None:
+        raise PlanError(f"sequence parallel: {check.problem}; name the dimension: sequence: {{dim: ...}}")
+    if check.length is not None and check.length % tp:
+        raise PlanError(
+            f"sequence parallel: the sequence length {check.length} (dimension {plan.dim} of the hidden state "
+            f"entering {plan.enter!r}) is not divisible by tensor_parallel_size={tp}; use a length that "
+            f"{tp} divides, or sequence_parallel=False"
+        )
+    if check.problem is not None:
+        rank_zero_warn(f"lp_tensor_parallel: sequence parallel as the plan says, although {check.problem}")

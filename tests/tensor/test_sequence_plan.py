@@ -12,7 +12,7 @@ from lightning_parallel import TensorParallelStrategy
 from lightning_parallel.models.gpt import GPT
 from lightning_parallel.tensor import PlanError, parse_plan, resolve
 from lightning_parallel.tensor.coverage import forward_on
-from lightning_parallel.tensor.sequence_plan import auto_sequence_plan, sequence_plan
+from lightning_parallel.tensor.sequence_plan import auto_sequence_plan, resolve_sequence, sequence_plan
 from tests.helpers.harness import REPO
 from tests.helpers.tp_models import EncoderRegressor
 
@@ -148,6 +148,32 @@ def test_a_written_plan_states_the_sequence_and_is_checked():
     del model.model.head
     with pytest.raises(PlanError, match=r"sequence: \{exit: model.head\}"):
         sequence_plan(model, no_head, {})
+
+
+def test_a_written_plan_is_tried_on_the_sample_step_before_training():
+    model = _gpt()
+    plan = parse_plan(REPO / "conf/plan/char_gpt.yaml")
+    odd = torch.randint(0, 32, (4, 7))
+    model.example_input_array = odd
+    with pytest.raises(
+        PlanError, match=r"sequence length 7 \(dimension 1 .*not divisible by tensor_parallel_size=2"
+    ):
+        resolve_sequence(model, resolve(model, plan, 2), plan, forward_on(model))
+    model.example_input_array = IDS
+    plan.sequence = {"dim": 3}
+    with pytest.raises(
+        PlanError, match=r"has shape \(4, 8, 16\): no sequence dimension.*sequence: \{dim: ...\}"
+    ):
+        resolve_sequence(model, resolve(model, plan, 2), plan, forward_on(model))
+
+
+def test_the_written_llama_plan_has_its_pairs_as_regions():
+    from tests.helpers.zoo import ZooLM
+
+    model = ZooLM("hf_llama")
+    found = sequence_plan(model, resolve(model, REPO / "conf/plan/hf_llama.yaml", 2))
+    assert (found.enter, found.exits) == ("model.model.layers.0", ("model.lm_head",))
+    assert found.regions[:2] == ("model.model.layers.0.mlp", "model.model.layers.0.self_attn")
 
 
 def plan_dict() -> dict:
