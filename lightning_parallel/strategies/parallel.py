@@ -223,11 +223,12 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
                 raise ValueError(
                     f"sequence_parallel=True with pipeline_parallel_size={shape.pp}: {SP_WITH_PP}"
                 )
-        if self.sequence_parallel and self.activation_checkpointing:
+        recompute = self.activation_checkpointing
+        if self.sequence_parallel and recompute and recompute != "selective":
             raise ValueError(
-                f"sequence_parallel=True with activation_checkpointing={self.activation_checkpointing!r}: not "
-                "composed yet (the recompute would repeat the sequence gathers inside its own saved-tensor "
-                "hooks); use one of them"
+                f"sequence_parallel=True with activation_checkpointing={recompute!r}: only 'selective' is "
+                "composed with it (whole blocks recomputed on the sequence parts measured a higher peak of "
+                "saved activations than without sequence parallelism); use 'selective', or one of the two"
             )
         self.share_found_inf()
         self._bind_metrics_to_dp_group()  # also for validate/test/predict without a fit

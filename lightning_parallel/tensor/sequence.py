@@ -75,12 +75,18 @@ def replace_first(args: tuple, kwargs: dict, new: Tensor) -> tuple[tuple, dict]:
     )
 
 
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
 class SequenceParallel:
     """The hooks of one ``SequencePlan`` on a sharded module (``remove()`` takes them off again)."""
 
     def __init__(self, module: nn.Module, plan: SequencePlan, group: Optional[dist.ProcessGroup]) -> None:
         self.plan, self.group = plan, group
-        self.inside = False  # between enter and exit, outside the regions, in the running forward
+        # on the sequence parts now (between enter and exit, outside the pairs): in a forward, and in a
+        # recompute during backward (activation checkpointing replays blocks, which start on the parts)
+        self._inside = {False: False, True: True}
         self.where: dict[str, set[bool]] = {}  # module name -> where its calls ran
         self.handles: list[RemovableHandle] = []
         self.saved = SavedAsPart(group, plan.dim)
@@ -89,6 +95,14 @@ class SequenceParallel:
             id(module.get_submodule(r).bias) for r in plan.rows if module.get_submodule(r).bias is not None
         }
         self._wire(module)
+
+    @property
+    def inside(self) -> bool:
+        return self._inside[_in_backward()]
+
+    @inside.setter
+    def inside(self, value: bool) -> None:
+        self._inside[_in_backward()] = value
 
     def _hook(self, module: nn.Module, pre: Any = None, post: Any = None) -> None:
         if pre is not None:
@@ -172,7 +186,7 @@ class SequenceParallel:
 
     def _recorder(self, name: str) -> Any:
         def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if torch._C._current_graph_task_id() != -1:  # a recompute inside backward: seen already
+            if _in_backward():  # a recompute: seen in the forward already
                 return
             seen = self.where.setdefault(name, set())
             seen.add(self.inside)

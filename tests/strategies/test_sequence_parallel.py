@@ -1,7 +1,7 @@
 """Sequence parallelism (``sequence_parallel=True``) on 2 real processes (tp=2): equal to single-device
 training in float64 (AdamW and SGD with momentum, written and automatic plans, the package's GPT, with
-dropout on its residual branches too, and the zoo's Hugging Face Llama), and fewer saved activations per
-rank than tensor parallelism alone.
+dropout on its residual branches too and with selective activation checkpointing, and the zoo's Hugging
+Face Llama), and fewer saved activations per rank than tensor parallelism alone.
 
 One ``run_distributed`` call holds every case (start-up is costly).
 """
@@ -23,7 +23,7 @@ LLAMA = ("tests.helpers.zoo:ZooLM", {"arch": "hf_llama", "optimizer": "adamw", "
 WIDE = {"block_size": 32, "n_embd": 32}
 
 
-def case(name, model, plan, sequence=True, model_kwargs=None, data_kwargs=None, steps=4):
+def case(name, model, plan, sequence=True, model_kwargs=None, data_kwargs=None, steps=4, **strategy):
     target, defaults = model
     return {
         "name": name,
@@ -33,7 +33,7 @@ def case(name, model, plan, sequence=True, model_kwargs=None, data_kwargs=None, 
         "data_kwargs": {"global_batch_size": 16, **(data_kwargs or {})},
         "dp_size": 1,
         "trainer": {**F64, "max_steps": steps},
-        "strategy": {"class": TP, "kwargs": {"plan": plan, "sequence_parallel": sequence}},
+        "strategy": {"class": TP, "kwargs": {"plan": plan, "sequence_parallel": sequence, **strategy}},
         "save_checkpoint": True,
         "probe": "tests.helpers.probes:sequence_parallel",
     }
@@ -44,6 +44,10 @@ EXACT = {
     "gpt-written-adamw": case("gpt-written-adamw", GPT, CHAR_GPT),
     "gpt-auto-dropout-momentum": case("gpt-auto-dropout-momentum", DROPOUT, "auto"),
     "llama-auto-adamw": case("llama-auto-adamw", LLAMA, "auto"),
+    # each block's attention recomputed in backward: its gathers and reduce-scatter repeated there
+    "gpt-written-selective": case(
+        "gpt-written-selective", GPT, CHAR_GPT, activation_checkpointing="selective"
+    ),
 }
 MEMORY = [
     case(f"memory-sp-{on}", GPT, CHAR_GPT, on, WIDE, {"block_size": 32}, steps=2) for on in (False, True)

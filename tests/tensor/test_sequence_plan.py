@@ -183,7 +183,7 @@ def plan_dict() -> dict:
     return {**spec["layers"], **spec["attributes"]}
 
 
-def test_activation_checkpointing_is_refused_before_training(tmp_path):
+def test_whole_block_recompute_is_refused_before_training(tmp_path):
     from lightning.pytorch import Trainer
 
     from tests.helpers.tp_models import SmallGPT, TokenData
@@ -200,7 +200,7 @@ def test_activation_checkpointing_is_refused_before_training(tmp_path):
         default_root_dir=tmp_path,
     )
     with pytest.raises(
-        ValueError, match="sequence_parallel=True with activation_checkpointing=True: not composed"
+        ValueError, match="activation_checkpointing=True: only 'selective' is composed with it"
     ):
         trainer.fit(SmallGPT(), datamodule=TokenData())
 
