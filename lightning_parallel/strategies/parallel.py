@@ -92,7 +92,8 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
         require_sharded: the least share of the model's parameters the plan must split; a plan that
             splits less fails before training, naming what stayed whole and why. 0 accepts any plan.
         sequence_parallel: Megatron's sequence parallelism under tensor parallelism: norms, dropout and
-            residual adds hold 1/tp of the sequence (docs/tensor_parallel.md); not with pipeline stages.
+            residual adds hold 1/tp of the sequence (docs/tensor_parallel.md); not with pipeline stages,
+            and of activation checkpointing only ``"selective"``.
         schedule: ``"gpipe"`` (fill-drain), ``"1f1b"`` (one-forward-one-backward, flush each step), or
             ``"async"`` (PipeDream-2BW's update rule; see ``pipeline_async.py``).
         num_microbatches: micro-batches per batch; a batch that does not divide evenly is split into
