@@ -65,6 +65,7 @@ _REDUCTIONS = frozenset(
     {"mean", "sum", "var", "std", "amax", "amin", "var_mean", "linalg_vector_norm", "norm"}
 )
 _LAST_DIM = frozenset({"_softmax", "_log_softmax", "softmax", "log_softmax"})
+_LIKE = frozenset({"empty_like", "zeros_like", "ones_like", "full_like"})
 _NORMS = frozenset({"native_layer_norm", "_fused_rms_norm", "rms_norm", "layer_norm"})
 
 
@@ -261,6 +262,13 @@ class _Positions(TorchDispatchMode):
         """Why ``func`` would read positions of the sequence together (None: it keeps them apart), and the
         dimension that holds the sequence in its output."""
         name, (x, dim) = func.overloadpacket.__name__, src
+        if name.startswith("bernoulli"):
+            return (
+                "draws random numbers on the sequence (a functional dropout: an nn.Dropout draws as one device)",
+                dim,
+            )
+        if name in _LIKE:
+            return None, dim
         if torch.Tag.pointwise in func.tags or name in _ELEMENTWISE:
             at = dim + out.dim() - x.dim()
             for t in inputs:

@@ -69,6 +69,11 @@ def _position_bias(self, x, mask):
     return x + self.mlp(self.ln2(x))
 
 
+def _functional_dropout(self, x, mask):
+    x = x + nn.functional.dropout(self.attn(self.ln1(x), mask), 0.1, self.training)
+    return x + self.mlp(self.ln2(x))
+
+
 def test_auto_refuses_operations_that_mix_positions():
     found, why = _auto(_gpt(_mean_over_sequence))
     assert found is None and "mean in 'model.blocks.0'" in why and "reduces over the sequence" in why, why
@@ -82,6 +87,8 @@ def test_auto_refuses_operations_that_mix_positions():
         block.bias = nn.Parameter(torch.zeros(8, 16))
     found, why = _auto(model)
     assert found is None and "combines the sequence with a tensor of shape (8, 16)" in why, why
+    found, why = _auto(_gpt(_functional_dropout))
+    assert found is None and "bernoulli" in why and "a functional dropout" in why, why
 
 
 def _norm_twice(self, idx):
