@@ -205,6 +205,24 @@ CATALOGUE = [
         ["'spawn'", "'popen'"],
     ),
     (
+        "sp-type",
+        lambda: lp.TensorParallelStrategy(sequence_parallel="yes"),
+        ValueError,
+        ["sequence_parallel must be True or False", "'yes'"],
+    ),
+    (
+        "sp-with-pipeline-stages",
+        lambda: lp.ParallelStrategy(tensor_parallel_size=2, pipeline_parallel_size=2, sequence_parallel=True),
+        ValueError,
+        ["pipeline_parallel_size=2", "not composed with pipeline stages", "sequence_parallel=False"],
+    ),
+    (
+        "sp-plan-dim",
+        lambda: lp.TensorParallelStrategy(plan={"model.head": "colwise", "sequence": {"dim": "T"}}),
+        ValueError,
+        ["dim='T'", "1 for [batch, sequence, features]"],
+    ),
+    (
         "pp-too-many-stages",
         lambda: stage_bounds("model.blocks", gpt().model.blocks, 3),
         ValueError,

@@ -1,11 +1,13 @@
 """``python -m lightning_parallel.cli.plan_table <module target> --tp 2 [--plan auto|NAME|FILE.yaml] [--kwargs JSON]
-[--data package.module:DataModule [--data-kwargs JSON]]``
+[--data package.module:DataModule [--data-kwargs JSON]] [--sequence-parallel]``
 
 Prints the sharding plan of a module as a table (style, local weight shape, parameters per rank and
 communication per layer, with totals) without starting any process. The target is ``package.module:Class``
 (built with ``--kwargs``); a named plan of ``conf/plan`` or a YAML file can be given as ``--plan``. For
 ``auto``, the plan is traced from ``training_step`` on the first batch of ``--data`` (as the strategy does),
 else from ``forward`` on the module's ``example_input_array``, else found from the module's structure.
+``--sequence-parallel`` adds where sequence parallelism cuts and gathers the sequence, and the collectives
+per step with and without it.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import json
 import sys
 from typing import Optional
 
-from lightning_parallel.tensor import PlanError, resolve
+from lightning_parallel.tensor import PlanError, parse_plan, resolve
 from lightning_parallel.tensor.coverage import forward_on
+from lightning_parallel.tensor.sequence_plan import resolve_sequence
 from lightning_parallel.tensor.table import format_table
 
 __all__ = ["main"]
@@ -30,6 +33,10 @@ def _load(target: str) -> object:
     return getattr(importlib.import_module(module), attr)
 
 
+def parse_plan_unless_auto(plan: str) -> object:
+    return plan if plan == "auto" else parse_plan(plan)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_parallel.cli.plan_table", description=__doc__.splitlines()[0]
@@ -40,6 +47,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--kwargs", default="{}", help="JSON keyword arguments for the target")
     parser.add_argument("--data", default=None, help="package.module:DataModule whose first batch is traced")
     parser.add_argument("--data-kwargs", default="{}", help="JSON keyword arguments for the data module")
+    parser.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="as with sequence_parallel=True (docs/tensor_parallel.md)",
+    )
     args = parser.parse_args(argv)
     if args.tp < 1:
         parser.error(f"--tp must be a positive integer, got {args.tp}")
@@ -49,8 +61,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         data = _load(args.data)(**json.loads(args.data_kwargs))
         data.setup("fit")
         batch = next(iter(data.train_dataloader()))
+    run = forward_on(module, batch)
     try:
-        resolved = resolve(module, args.plan, args.tp, run=forward_on(module, batch))
+        resolved = resolve(module, args.plan, args.tp, run=run)
+        if args.sequence_parallel:
+            resolved.sequence = resolve_sequence(module, resolved, parse_plan_unless_auto(args.plan), run)
     except PlanError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -7,6 +7,8 @@ layer's backward is exactly the transpose of its forward:
     reduce_from_group  all-reduce forward, identity backward     (Megatron's "g": leaves a sharded region)
     gather_from_group  all-gather forward, split backward        (gather a sharded last dimension)
     split_to_group     split forward,      all-gather backward   (shard a replicated last dimension)
+    gather_sequence          all-gather forward, reduce-scatter backward (sequence parallel: into a pair)
+    reduce_scatter_sequence  reduce-scatter forward, all-gather backward (sequence parallel: out of a pair)
 
 Every function takes the ``group`` to talk over (None = the whole world). A group of size one makes every
 operator the identity and issues no collective. A ``SimulatedGroup`` stands for a group in a one-process dry
@@ -29,7 +31,10 @@ __all__ = [
     "reduce_from_group",
     "gather_from_group",
     "split_to_group",
+    "gather_sequence",
+    "reduce_scatter_sequence",
     "all_reduce_sum",
+    "reduce_scatter_dim",
     "all_gather_dim",
     "all_gather_list",
     "group_size",
@@ -114,6 +119,22 @@ def all_gather_dim(tensor: Tensor, group: Optional[dist.ProcessGroup], dim: int 
     return torch.cat(parts, dim=dim)
 
 
+def reduce_scatter_dim(tensor: Tensor, group: Optional[dist.ProcessGroup], dim: int) -> Tensor:
+    """Sum ``tensor`` over ``group`` and keep this rank's equal part along ``dim`` (no autograd)."""
+    size = group_size(group)
+    if size == 1:
+        return tensor
+    if isinstance(group, SimulatedGroup):
+        return _split(tensor, group, dim)
+    if tensor.shape[dim] % size:
+        raise ValueError(f"cannot split dimension {dim} of size {tensor.shape[dim]} into {size} equal parts")
+    COUNTS["reduce_scatter"] += 1
+    front = tensor.movedim(dim, 0).contiguous()
+    out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
+    dist.reduce_scatter_single(out, front, group=group)
+    return out.movedim(0, dim)
+
+
 def all_gather_list(tensor: Tensor, group: Optional[dist.ProcessGroup]) -> list[Tensor]:
     """Every rank's ``tensor``, in group-rank order (no autograd); shapes must match."""
     if group_size(group) == 1:
@@ -179,6 +200,28 @@ class _SplitToGroup(torch.autograd.Function):
         return all_gather_dim(grad, ctx.group, ctx.dim), None, None
 
 
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Optional[dist.ProcessGroup], dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        return all_gather_dim(x, group, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return reduce_scatter_dim(grad, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatterSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: Optional[dist.ProcessGroup], dim: int) -> Tensor:
+        ctx.group, ctx.dim = group, dim
+        return reduce_scatter_dim(x, group, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        return all_gather_dim(grad, ctx.group, ctx.dim), None, None
+
+
 def copy_to_group(x: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
     """Identity forward, all-reduce (sum) of the gradient backward."""
     return x if group_size(group) == 1 else _CopyToGroup.apply(x, group)
@@ -197,6 +240,18 @@ def gather_from_group(x: Tensor, group: Optional[dist.ProcessGroup], dim: int = 
 def split_to_group(x: Tensor, group: Optional[dist.ProcessGroup], dim: int = -1) -> Tensor:
     """Keep this rank's slice of ``dim`` forward, all-gather the gradient backward."""
     return x if group_size(group) == 1 else _SplitToGroup.apply(x, group, dim)
+
+
+def gather_sequence(x: Tensor, group: Optional[dist.ProcessGroup], dim: int) -> Tensor:
+    """All-gather along ``dim`` forward, reduce-scatter of the gradient backward: the whole sequence
+    into a column-parallel pair, whose ranks each return a partial gradient of it."""
+    return x if group_size(group) == 1 else _GatherSequence.apply(x, group, dim)
+
+
+def reduce_scatter_sequence(x: Tensor, group: Optional[dist.ProcessGroup], dim: int) -> Tensor:
+    """Reduce-scatter along ``dim`` forward, all-gather of the gradient backward: a row-parallel layer's
+    partial sums, each rank keeping its part of the sequence."""
+    return x if group_size(group) == 1 else _ReduceScatterSequence.apply(x, group, dim)
 
 
 def clip_grad_norm_counted(

@@ -61,11 +61,17 @@ from lightning_parallel.tensor.full_state import (
 )
 from lightning_parallel.tensor.layers import SharedEntry, _TPLayer
 from lightning_parallel.tensor.plan import install_gradient_sums
+from lightning_parallel.tensor.sequence import SequenceParallel, apply_sequence_parallel
+from lightning_parallel.tensor.sequence_plan import resolve_sequence
 from lightning_parallel.tensor.shard import shard_module
 
 __all__ = ["ParallelStrategy", "BALANCES"]
 
 BALANCES = ("parameters", "time")
+SP_WITH_PP = (
+    "sequence parallelism is not composed with pipeline stages (a stage's activations would be sent cut "
+    "along the sequence); use pipeline_parallel_size=1 or sequence_parallel=False"
+)
 
 
 class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, ParallelStrategyBase):
@@ -84,6 +90,9 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
             difference if the outputs disagree (without pipeline stages).
         require_sharded: the least share of the model's parameters the plan must split; a plan that
             splits less fails before training, naming what stayed whole and why. 0 accepts any plan.
+        sequence_parallel: Megatron's sequence parallelism under tensor parallelism: norms, dropout and
+            residual adds hold 1/tp of the sequence (docs/tensor_parallel.md); not with pipeline stages,
+            and of activation checkpointing only ``"selective"``.
         schedule: ``"gpipe"`` (fill-drain), ``"1f1b"`` (one-forward-one-backward, flush each step), or
             ``"async"`` (PipeDream-2BW's update rule; see ``pipeline_async.py``).
         num_microbatches: micro-batches per batch; a batch that does not divide evenly is split into
@@ -111,7 +120,7 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
     nullable_sizes: tuple[str, ...] = tuple(size_options)
     evaluates_split = True
     #: the options of each axis; a preset that fixes an axis hides its options (``strategies.options``)
-    tensor_options = ("tensor_parallel_size", "plan", "verify_plan", "require_sharded")
+    tensor_options = ("tensor_parallel_size", "plan", "verify_plan", "require_sharded", "sequence_parallel")
     pipeline_options = (
         "pipeline_parallel_size",
         "schedule",
@@ -130,6 +139,7 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
         plan: Union[str, Path, Mapping[str, Any], Plan, None] = "auto",
         verify_plan: bool = False,
         require_sharded: float = 0.2,
+        sequence_parallel: bool = False,
         schedule: str = "1f1b",
         num_microbatches: int = 4,
         split_points: Optional[Sequence[Union[str, int]]] = None,
@@ -146,6 +156,8 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
         self.tensor_parallel_size = tensor_parallel_size
         self.pipeline_parallel_size = pipeline_parallel_size
         self.plan, self.verify_plan, self.require_sharded = plan, verify_plan, float(require_sharded)
+        self.sequence_parallel = sequence_parallel
+        self.sequence: Optional[SequenceParallel] = None
         self.schedule, self.num_microbatches = schedule, num_microbatches
         self.split_points, self.block_stack, self.timeline_step = split_points, block_stack, timeline_step
         self.balance = balance
@@ -160,7 +172,14 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
     def own_option_problems(cls, values: Mapping[str, Any], prefix: str = "") -> list[Optional[str]]:
         """The checks of the arguments declared here (``strategies.options.option_problems`` reads them)."""
         share, balance, split_points = values["require_sharded"], values["balance"], values["split_points"]
+        sequence, pp = values["sequence_parallel"], values["pipeline_parallel_size"]
         return [
+            None
+            if isinstance(sequence, bool)
+            else f"{prefix}sequence_parallel must be True or False, got {sequence!r}",
+            None
+            if sequence is not True or pp in (1, None)
+            else f"{prefix}sequence_parallel=True with {prefix}pipeline_parallel_size={pp}: {SP_WITH_PP}",
             *(
                 positive_int(f"{prefix}{name}", values[name], allow_none=name in cls.nullable_sizes)
                 for name in ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size")
@@ -198,6 +217,17 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
         shape = self.mesh.shape
         if self.applies("pp"):
             self.check_schedule(shape.pp)
+            if self.sequence_parallel:
+                raise ValueError(
+                    f"sequence_parallel=True with pipeline_parallel_size={shape.pp}: {SP_WITH_PP}"
+                )
+        recompute = self.activation_checkpointing
+        if self.sequence_parallel and recompute and recompute != "selective":
+            raise ValueError(
+                f"sequence_parallel=True with activation_checkpointing={recompute!r}: only 'selective' is "
+                "composed with it (whole blocks recomputed on the sequence parts measured a higher peak of "
+                "saved activations than without sequence parallelism); use 'selective', or one of the two"
+            )
         self.share_found_inf()
         self._bind_metrics_to_dp_group()  # also for validate/test/predict without a fit
         if not self.model_is_split():
@@ -225,7 +255,10 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
         shards = self.applies("tp") and self._plan is not None
         if shards:
             tp = self.mesh.shape.tp
-            self.resolved = resolve(module, self._plan, tp, run=sample_forward(module, self.batch_to_device))
+            run = sample_forward(module, self.batch_to_device)
+            self.resolved = resolve(module, self._plan, tp, run=run)
+            if self.sequence_parallel:
+                self.resolved.sequence = resolve_sequence(module, self.resolved, self._plan, run)
             check_coverage(module, self.resolved, self.require_sharded)
             if self.verify_plan:
                 self.keep_reference(module, self.resolved, pipelined=self.applies("pp"))
@@ -245,6 +278,8 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
         self.set_up_share(parallelize)
         if shards:
             install_gradient_sums(module, self.resolved, self.tp_group)
+            if self.resolved.sequence is not None:
+                self.sequence = apply_sequence_parallel(module, self.resolved.sequence, self.tp_group)
 
     def _keep_earlier_shards(self, module: nn.Module, tp: int) -> None:
         layers = [m for m in module.modules() if isinstance(m, _TPLayer)]

@@ -5,7 +5,9 @@ seeded with ``PL_GLOBAL_SEED``; its step-``b`` batches, taken together over the 
 one contiguous slice of a single permutation. A plain single-device run would instead keep the user's
 sampler and see other samples. This strategy is single-device training that asks Lightning for the
 same sampler with one replica, so step ``b`` sees exactly the union of the ranks' step-``b`` batches:
-the "same global batch" that equivalence is defined on.
+the "same global batch" that equivalence is defined on. Its random state at set-up is that of the
+distributed ranks too: Lightning's ``DDPStrategy`` re-seeds from ``PL_GLOBAL_SEED`` as it sets up the
+process group (``reset_seed``), and so does this strategy as it sets up its environment.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.strategies import ParallelStrategy
 
 from lightning_parallel.checkpointing import Checkpointer
@@ -53,6 +56,10 @@ class SingleDeviceReferenceStrategy(Checkpointer, ParallelStrategy):
     @property
     def global_rank(self) -> int:
         return 0
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()  # as Lightning's DDPStrategy.setup_distributed does on every rank
 
     def setup(self, trainer: Any) -> None:
         super().setup(trainer)

@@ -30,7 +30,8 @@ class TensorParallelStrategy(ParallelStrategy):
         tensor_parallel_size: processes that split each sharded layer; None = all processes / dp.
         data_parallel_size: replicas of the tensor-parallel group, each with its own batches.
         plan, verify_plan, require_sharded: as for ``ParallelStrategy``.
-        **kwargs: process plumbing, as for Lightning's ``DDPStrategy``.
+        **kwargs: ``sequence_parallel`` (as for ``ParallelStrategy``), and process plumbing, as for
+            Lightning's ``DDPStrategy``.
     """
 
     strategy_name = "lp_tensor_parallel"

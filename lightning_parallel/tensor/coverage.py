@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -28,8 +29,9 @@ def sample_forward(module: Any, to_device: Callable[[Any], Any]) -> SampleStep |
     trainer = getattr(module, "_trainer", None)
     batch = None
     if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-        try:
-            batch = to_device(next(iter(trainer.fit_loop._data_source.dataloader())))
+        try:  # a loader's iterator draws its base seed from the global random state: left as it was
+            with torch.random.fork_rng(devices=[]):
+                batch = to_device(next(iter(trainer.fit_loop._data_source.dataloader())))
         except (StopIteration, TypeError, AttributeError):
             batch = None
     return forward_on(module, batch)

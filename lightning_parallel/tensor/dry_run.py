@@ -3,7 +3,8 @@
 A trace shows where values flow, not where a size came from: ``view(B, T, C)`` with ``C`` read from the
 unsplit input fails on a rank whose tensor holds ``C / tp`` features, although the trace looks the
 same as ``view(B, T, -1)``. So the automatic plan is tried: the planned layers are swapped for rank 0's
-shards with a ``SimulatedGroup`` (no communication, values meaningless, shapes exact), the forward runs
+shards with a ``SimulatedGroup`` (no communication, values meaningless, shapes exact; the sequence cut
+where ``resolved.sequence`` says), the forward runs
 on fake tensors (``tensor.fake``: the shards are fakes too, so nothing is allocated and a module on the
 meta device works), and everything is put back. An exception names the module whose ``forward``
 failed.
@@ -21,6 +22,7 @@ from lightning_parallel.distributed.collectives import SimulatedGroup
 from lightning_parallel.tensor.fake import fake_step
 from lightning_parallel.tensor.layers import FEATURE_SHARDS
 from lightning_parallel.tensor.plan import ResolvedPlan, apply_plan
+from lightning_parallel.tensor.sequence import apply_sequence_parallel
 
 __all__ = ["DryRunFailure", "dry_run"]
 
@@ -40,9 +42,14 @@ def _as_rank_zero(module: nn.Module, resolved: ResolvedPlan) -> Iterator[None]:
     ]
     buffers = [(name.rpartition(".")[0], name.rpartition(".")[2], b) for name, b in module.named_buffers()]
     apply_plan(module, resolved, SimulatedGroup(resolved.tp_size), 0, gradient_hooks=False)
+    sequence = resolved.sequence and apply_sequence_parallel(
+        module, resolved.sequence, SimulatedGroup(resolved.tp_size), gradient_hooks=False
+    )
     try:
         yield
     finally:
+        if sequence:
+            sequence.remove()
         for a in resolved.assignments:
             if a.style != "replicate":
                 parent, _, child = a.name.rpartition(".")

@@ -15,7 +15,9 @@ the same parameter names as the layer it replaces, so a module's ``state_dict`` 
 
 A column-parallel layer starts with the "f" operator (identity forward, all-reduce backward). Layers
 fed the same tensor (q, k and v) share one ``SharedEntry``, so their input gradient is all-reduced
-once, as in Megatron (2 all-reduces forward and 2 backward per transformer block).
+once, as in Megatron (2 all-reduces forward and 2 backward per transformer block). Under sequence
+parallelism (``tensor.sequence``) the entry is an all-gather of the sequence (or nothing, where the pair's
+module gathered it already) and a row-parallel layer reduce-scatters along the sequence.
 """
 
 from __future__ import annotations
@@ -33,7 +35,9 @@ from lightning_parallel.checkpointing.one_device import SKELETON
 from lightning_parallel.distributed.collectives import (
     copy_to_group,
     gather_from_group,
+    gather_sequence,
     reduce_from_group,
+    reduce_scatter_sequence,
     split_to_group,
 )
 
@@ -87,17 +91,24 @@ class SharedEntry:
     """The "f" operator for a sharded region, shared by layers that read the same input tensor.
 
     Remembers the last input (by identity, with the grad mode) and returns the same output for it, so
-    the gradients of all consumers are summed by autograd first and all-reduced once."""
+    the gradients of all consumers are summed by autograd first and all-reduced once. Sequence parallel
+    sets ``sequence_dim``: the entry then all-gathers that dimension (reduce-scatter backward), or passes
+    the input through when ``gathered`` (the pair's module gathered it on entry)."""
 
     def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
         self.group = group
+        self.sequence_dim: Optional[int] = None
+        self.gathered = False
         self.clear()
 
     def __call__(self, x: Tensor) -> Tensor:
         grad_mode = torch.is_grad_enabled()
         if self._x is x and self._grad_mode == grad_mode:
             return self._y
-        y = copy_to_group(x, self.group)
+        if self.sequence_dim is None:
+            y = copy_to_group(x, self.group)
+        else:
+            y = x if self.gathered else gather_sequence(x, self.group, self.sequence_dim)
         self._x, self._y, self._grad_mode = x, y, grad_mode
         return y
 
@@ -214,6 +225,7 @@ class RowParallelLinear(_TPLayer):
         _check_divisible("in_features", self.in_features, tp_size)
         self._init_tp(group, tp_size, tp_rank)
         self.input_is_parallel = input_is_parallel
+        self.sequence_dim: Optional[int] = None  # sequence parallel: reduce-scatter along it, not all-reduce
         self.SHARDS = {"weight": ShardSpec(0 if self.transposed else 1)}
         self.weight = _new_param(linear.weight, self.SHARDS["weight"], tp_size, tp_rank)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
@@ -221,7 +233,11 @@ class RowParallelLinear(_TPLayer):
     def forward(self, x: Tensor) -> Tensor:
         if not self.input_is_parallel:
             x = split_to_group(x, self.group, -1)
-        y = reduce_from_group(_project(x, self.weight, None, self.transposed), self.group)
+        y = _project(x, self.weight, None, self.transposed)
+        if self.sequence_dim is None:
+            y = reduce_from_group(y, self.group)
+        else:
+            y = reduce_scatter_sequence(y, self.group, self.sequence_dim)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -117,6 +117,8 @@ class Plan:
     unread: list[str] = field(default_factory=list)
     # parameters and buffers cut with the features they meet (found by ``plan="auto"``): name -> how
     features: dict[str, ShardSpec] = field(default_factory=dict)
+    # the ``sequence`` section (where sequence parallelism cuts the sequence), read by tensor.sequence_plan
+    sequence: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -137,6 +139,7 @@ class ResolvedPlan:
     report: list[tuple[str, str]] = field(default_factory=list)  # (name, why it stays replicated), from auto
     gradient_sums: list[str] = field(default_factory=list)  # parameter names, see Plan
     features: dict[str, ShardSpec] = field(default_factory=dict)  # per-feature tensors, see Plan
+    sequence: Any = None  # a tensor.sequence.SequencePlan when sequence parallelism is on
 
     def styles(self) -> dict[str, str]:
         return {a.name: a.style for a in self.assignments}
@@ -216,7 +219,7 @@ def parse_plan(spec: Any) -> Plan:
             f"a plan must be a mapping of module-name patterns to styles, got {type(spec).__name__}"
         )
     plan = Plan()
-    sections = {"layers", "attributes"}
+    sections = {"layers", "attributes", "sequence"}
     flat = {k: v for k, v in spec.items() if k not in sections}
     entries = list(flat.items()) + list((spec.get("layers") or {}).items())
     for pattern, value in entries:
@@ -228,6 +231,11 @@ def parse_plan(spec: Any) -> Plan:
                 f"attribute {pattern!r}: unknown action {action!r}; use one of {ATTRIBUTE_ACTIONS}"
             )
         plan.attributes.append(AttributeRule(str(pattern), action))
+    if "sequence" in spec:
+        from lightning_parallel.tensor.sequence_plan import check_sequence_section
+
+        check_sequence_section(spec["sequence"])
+        plan.sequence = dict(spec["sequence"])
     return plan
 
 

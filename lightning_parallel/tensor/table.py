@@ -6,6 +6,10 @@ Communication is per call of the module in one forward+backward, in elements per
 sequence sizes multiply it). Column-parallel layers that share a parent share one backward all-reduce of
 their input (q, k and v), as the layers do at run time. Attention is counted as self-attention: used
 for cross-attention it adds one backward all-reduce (for the gradient of the keys' and values' source).
+With sequence parallelism (``resolved.sequence``) the rows say where the sequence is cut and gathered: each
+pair's module gathers its input (all-gather forward, reduce-scatter backward, and an all-gather of the part
+it saved for backward) in place of its column-parallel layers' all-reduce, and its row-parallel layer
+reduce-scatters; the totals then count those.
 """
 
 from __future__ import annotations
@@ -92,8 +96,52 @@ def _per_feature(a, resolved: ResolvedPlan) -> tuple[str, int, set[int]]:
     return ", ".join(shapes), n, ids
 
 
-def plan_rows(module: nn.Module, resolved: ResolvedPlan) -> list[PlanRow]:
-    """One row per planned module, in the model's order, then one for everything left replicated."""
+def _sequence_rows(module: nn.Module, resolved: ResolvedPlan, rows: list[PlanRow]) -> list[PlanRow]:
+    """``rows`` as sequence parallelism changes them, with a row for each place the sequence is cut or
+    gathered (per call, elements per token of the whole sequence)."""
+    seq, styles = resolved.sequence, {a.name: a for a in resolved.assignments}
+    width = {r.rpartition(".")[0]: _linear_shape(styles[r].module)[1] for r in seq.rows}
+    hidden = next(iter(width.values()))
+    changed = []
+    for r in rows:
+        if r.name in seq.rows:
+            n = width[r.name.rpartition(".")[0]]
+            r = PlanRow(
+                r.name,
+                r.style,
+                r.local_shape,
+                r.params_per_rank,
+                f"reduce-scatter {n}/tok",
+                f"all-gather {n}/tok",
+            )
+        elif r.style == "colwise" and r.name.rpartition(".")[0] in seq.regions:
+            r = PlanRow(r.name, r.style, r.local_shape, r.params_per_rank, r.forward, "-")
+        elif r.name in seq.exits and r.style == "colwise":
+            gather = f"all-gather {_linear_shape(styles[r.name].module)[0]}/tok"
+            forward = gather if r.forward == "-" else f"{gather}, {r.forward}"
+            back = gather.replace("all-gather", "reduce-scatter")
+            r = PlanRow(r.name, r.style, r.local_shape, r.params_per_rank, forward, back)
+        changed.append(r)
+    extra = [PlanRow(seq.enter, "sequence cut", "-", 0, "-", f"all-gather {hidden}/tok")]
+    extra += [
+        PlanRow(
+            g, "sequence gather", "-", 0, f"all-gather {w}/tok", f"reduce-scatter {w}/tok, all-gather {w}/tok"
+        )
+        for g, w in ((g, width[g]) for g in seq.regions)
+    ]
+    extra += [
+        PlanRow(e, "sequence gather", "-", 0, f"all-gather {hidden}/tok", "-")
+        for e in seq.exits
+        if e not in styles or styles[e].style != "colwise"
+    ]
+    order = {name: i for i, (name, _) in enumerate(module.named_modules())}
+    last = changed.pop()  # everything left replicated
+    return sorted(changed + extra, key=lambda r: order.get(r.name, len(order))) + [last]
+
+
+def plan_rows(module: nn.Module, resolved: ResolvedPlan, sequence: bool = True) -> list[PlanRow]:
+    """One row per planned module, in the model's order, then one for everything left replicated; with
+    the places sequence parallelism cuts and gathers the sequence when the plan has them (``sequence``)."""
     tp = resolved.tp_size
     rows, seen_entry, covered = [], set(), set()
     order = {name: i for i, (name, _) in enumerate(module.named_modules())}
@@ -115,7 +163,7 @@ def plan_rows(module: nn.Module, resolved: ResolvedPlan) -> list[PlanRow]:
         covered.update(id(p) for p in a.module.parameters())
     rest = sum(p.numel() for p in module.parameters() if id(p) not in covered)
     rows.append(PlanRow("(all other parameters)", "replicate", "(full)", rest, "-", "-"))
-    return rows
+    return _sequence_rows(module, resolved, rows) if sequence and resolved.sequence is not None else rows
 
 
 def params_per_rank(module: nn.Module, resolved: ResolvedPlan) -> int:
@@ -124,8 +172,8 @@ def params_per_rank(module: nn.Module, resolved: ResolvedPlan) -> int:
 
 def collectives_per_step(rows: list[PlanRow]) -> tuple[int, int]:
     """(forward, backward) collectives, counting each module call once."""
-    fwd = sum(1 for r in rows if r.forward != "-")
-    bwd = sum(1 for r in rows if r.backward not in ("-", "(shared)"))
+    fwd = sum(r.forward.count(",") + 1 for r in rows if r.forward != "-")
+    bwd = sum(r.backward.count(",") + 1 for r in rows if r.backward not in ("-", "(shared)"))
     return fwd, bwd
 
 
@@ -152,4 +200,11 @@ def format_table(module: nn.Module, resolved: ResolvedPlan) -> str:
         lines.append(f"attribute {owner}.{attr}: {value} -> {value // resolved.tp_size} per rank")
     for name, why in resolved.report:
         lines.append(f"replicated {name}: {why}")
+    if resolved.sequence is not None:
+        seq = resolved.sequence
+        plain = collectives_per_step(plan_rows(module, resolved, sequence=False))
+        lines.append(
+            f"sequence parallel: dimension {seq.dim} cut at {seq.enter}, gathered at {', '.join(seq.exits)}; "
+            f"collectives per step {fwd} forward + {bwd} backward, without it {plain[0]} + {plain[1]}"
+        )
     return "\n".join(lines)

@@ -112,3 +112,20 @@ def refit_with_an_extra_key(trainer) -> dict:
 
 def refit_with_an_extra_key_not_strict(trainer) -> dict:
     return _refit_with_an_extra_key(trainer, strict=False)
+
+
+def sequence_parallel(trainer) -> dict:
+    """The sequence plan in use (or None), the modules whose gradients are summed for it, and this rank's
+    peak saved activations from the memory report's end-of-fit table."""
+    from dataclasses import asdict as fields
+
+    from lightning_parallel.memory import report_of
+
+    strategy = trainer.strategy
+    resolved = strategy.resolved
+    rank = trainer.global_rank
+    return {
+        "plan": None if resolved.sequence is None else fields(resolved.sequence),
+        "summed": strategy.sequence.summed() if strategy.sequence is not None else [],
+        "activations": report_of(trainer).tables["end_of_fit"][rank].activations,
+    }

@@ -8,7 +8,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_parallel.models.gpt import CharGPT
+from lightning_parallel.models.gpt import Block, CharGPT
 
 __all__ = [
     "TokenData",
@@ -17,6 +17,8 @@ __all__ = [
     "SequenceData",
     "EncoderRegressor",
     "TransformerRegressor",
+    "MomentumGPT",
+    "DropoutGPT",
 ]
 
 
@@ -150,3 +152,33 @@ class ConfiguredGPT(SmallGPT):
 
             h = self.hparams
             self.model = GPT(h.vocab_size, h.block_size, h.n_layer, h.n_head, h.n_embd, h.dropout)
+
+
+class MomentumGPT(SmallGPT):
+    """``SmallGPT`` trained by SGD with momentum."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+
+
+class ResidualDropoutBlock(Block):
+    """A GPT block with dropout on both residual branches (after each pair's row-parallel layer)."""
+
+    def __init__(self, n_embd: int, n_head: int, p: float) -> None:
+        super().__init__(n_embd, n_head)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.ln1(x), mask))
+        return x + self.drop(self.mlp(self.ln2(x)))
+
+
+class DropoutGPT(MomentumGPT):
+    """``MomentumGPT`` whose blocks drop out on their residual branches (none inside attention)."""
+
+    def __init__(self, residual_dropout: float = 0.1, **kwargs) -> None:
+        super().__init__(**kwargs)
+        h = self.hparams
+        blocks = [ResidualDropoutBlock(h.n_embd, h.n_head, residual_dropout) for _ in range(h.n_layer)]
+        self.model.blocks = nn.ModuleList(blocks)
+        self.model.blocks.apply(self.model._init_weights)
