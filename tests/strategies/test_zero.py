@@ -1,6 +1,7 @@
 """ZeRO (``zero_stage`` 1 and 2) on real gloo processes: equal to one device in float64 (1e-10) with AdamW and
 with SGD with momentum, on the GPT-style model and the Hugging Face Llama-style zoo model, under lp_ddp (2 and 4
-processes), tensor parallel dp2 x tp2 and pipeline dp2 x pp2 (1F1B and GPipe), and with activation checkpointing;
+processes), tensor parallel dp2 x tp2 (also with sequence parallelism) and pipeline dp2 x pp2 (1F1B and GPipe), and
+with activation checkpointing;
 the async pipeline equals its emulation; clipping, gradient accumulation, bf16-mixed and 16-mixed (a GradScaler)
 keep their meaning; the memory report shows 1/dp of the optimizer state (and of the
 gradients at stage 2); a checkpoint saved at dp=2 with ZeRO resumes exactly at dp=1, at dp=4 and with ZeRO off."""
@@ -75,6 +76,15 @@ RUNS = {
     "ddp4-gpt-adamw-z2": (4, "gpt", "adamw", DDP, {"zero_stage": 2}, 4, {}),
     "dp2tp2-gpt-adamw-z1": (4, "gpt", "adamw", PARALLEL, {**layout(2, 2, 1, 1), "plan": "auto"}, 2, {}),
     "dp2tp2-llama-sgdm-z2": (4, "llama", "sgdm", PARALLEL, {**layout(2, 2, 1, 2), "plan": "auto"}, 2, {}),
+    "dp2tp2-sp-gpt-adamw-z2": (
+        4,
+        "gpt",
+        "adamw",
+        PARALLEL,
+        {**layout(2, 2, 1, 2), "plan": "auto", "sequence_parallel": True},
+        2,
+        {},
+    ),
     "dp2pp2-gpt-sgdm-z2": (4, "gpt", "sgdm", PARALLEL, layout(2, 1, 2, 2), 2, {}),
     "dp2pp2-llama-adamw-z1": (4, "llama", "adamw", PARALLEL, layout(2, 1, 2, 1), 2, {}),
     "dp2pp2-gpipe-gpt-adamw-z1": (4, "gpt", "adamw", PARALLEL, layout(2, 1, 2, 1, "gpipe"), 2, {}),
