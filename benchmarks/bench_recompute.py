@@ -17,9 +17,10 @@ probabilities as Megatron's attention did (the regime of Korthikanti et al.'s se
 default CPU kernel is fused and saves none of them.
 
 Configurations run back to back in each round, in reverse order every other round. Reported: rank 0's
-median step time (the median of each run's steps after warm-up, then over rounds), every rank's peak saved
-activations from the memory report (docs/memory.md) and peak resident memory, the median over rounds of
-each run's ratio to ``off`` of the same layout in the same round, and the training loss at the last step.
+median step time, wall and CPU (the median of each run's steps after warm-up, then over rounds), every
+rank's peak saved activations from the memory report (docs/memory.md) and peak resident memory, the median
+over rounds of each run's ratio to ``off`` of the same layout in the same round, and the training loss at
+the last step.
 """
 
 from __future__ import annotations
@@ -37,11 +38,13 @@ from common import (  # noqa: E402
     QUIET_TRAINER,
     append_record,
     benchmark_parser,
+    interleaved,
     median_of,
     median_ratio,
     read_records,
     step_timer,
     torchrun,
+    worker_args,
 )
 
 MIB = 2**20
@@ -116,6 +119,7 @@ def worker(args: argparse.Namespace) -> None:
                 "config": args.config,
                 "round": args.round,
                 "step_ms": statistics.median(timer.times[args.warmup :]) * 1e3,
+                "cpu_ms": statistics.median(timer.cpu_times[args.warmup :]) * 1e3,
                 "activations": [r.activations for r in rows],
                 "peak_rss": [r.peak_rss for r in rows],
                 "max_activations": max(r.activations for r in rows),
@@ -136,6 +140,8 @@ def summarize(records: list[dict], configs: list[str]) -> list[dict]:
                 "config": name,
                 "step_ms": median_of(records, "step_ms", config=name),
                 "time_ratio": median_ratio(records, "step_ms", {"config": name}, {"config": off}),
+                "cpu_ms": median_of(records, "cpu_ms", config=name),
+                "cpu_ratio": median_ratio(records, "cpu_ms", {"config": name}, {"config": off}),
                 "activations_mib": [
                     statistics.median(a) / MIB for a in zip(*(r["activations"] for r in mine))
                 ],
@@ -148,24 +154,24 @@ def summarize(records: list[dict], configs: list[str]) -> list[dict]:
     return rows
 
 
-def overhead_kept(rows: list[dict], off: str, full: str, selective: str) -> float:
-    """The share of full recompute's time overhead that selective recompute still pays."""
-    ms = {r["config"]: r["step_ms"] for r in rows}
-    return (ms[selective] - ms[off]) / (ms[full] - ms[off])
+def overhead_kept(rows: list[dict], key: str, full: str, selective: str) -> float:
+    """The share of full recompute's overhead (time ratio ``key`` minus 1) that selective recompute pays."""
+    ratio = {r["config"]: r[key] for r in rows}
+    return (ratio[selective] - 1) / (ratio[full] - 1)
 
 
 def print_table(rows: list[dict]) -> None:
     def ranks(values: list[float]) -> str:
         return " / ".join(f"{v:.1f}" for v in values)
 
-    heads = ("configuration", "step ms", "time / off", "activations MiB (rank 0 / 1)", "/ off")
-    heads += ("peak RSS MiB (rank 0 / 1)", "/ off", "loss")
+    heads = ("configuration", "step ms", "/ off", "CPU ms per step", "/ off", "activations MiB (rank 0 / 1)")
+    heads += ("/ off", "peak RSS MiB (rank 0 / 1)", "/ off", "loss")
     print("| " + " | ".join(heads) + " |\n" + "|---" * len(heads) + "|")
     for r in rows:
-        print(
-            f"| {r['config']} | {r['step_ms']:.1f} | {r['time_ratio']:.3f} | {ranks(r['activations_mib'])} | "
-            f"{r['memory_ratio']:.3f} | {ranks(r['peak_rss_mib'])} | {r['rss_ratio']:.3f} | {r['loss']:.6f} |"
-        )
+        cells = [r["config"], f"{r['step_ms']:.1f}", f"{r['time_ratio']:.3f}", f"{r['cpu_ms']:.1f}"]
+        cells += [f"{r['cpu_ratio']:.3f}", ranks(r["activations_mib"]), f"{r['memory_ratio']:.3f}"]
+        cells += [ranks(r["peak_rss_mib"]), f"{r['rss_ratio']:.3f}", f"{r['loss']:.6f}"]
+        print("| " + " | ".join(cells) + " |")
 
 
 def main() -> None:
@@ -190,16 +196,13 @@ def main() -> None:
         return worker(args)
 
     configs = [c for c in CONFIGS if not (args.no_pipeline and CONFIGS[c][0] == "1f1b")]
-    out = Path(tempfile.mkdtemp()) / "results.jsonl"
-    shared = ["--out", str(out), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    args.out = Path(tempfile.mkdtemp()) / "results.jsonl"
+    shared = worker_args(args, ("layers", "width", "batch_size", "block_size", "microbatches"))
     shared += ["--math-attention"] if args.math_attention else []
-    for name in ("layers", "width", "batch_size", "block_size", "microbatches"):
-        shared += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    for round_ in range(args.rounds):
-        for config in configs if round_ % 2 == 0 else configs[::-1]:
-            torchrun(__file__, 2, ["--config", config, "--round", str(round_), *shared])
-            print(f"round {round_ + 1}/{args.rounds}: {config} done", file=sys.stderr)
-    records = read_records(out)
+    for round_, config in interleaved(args.rounds, configs):
+        torchrun(__file__, 2, ["--config", config, "--round", str(round_), *shared])
+        print(f"round {round_ + 1}/{args.rounds}: {config} done", file=sys.stderr)
+    records = read_records(args.out)
     rows = summarize(records, configs)
     print(
         f"\nCharGPT(n_layer={args.layers}, n_embd={args.width}, n_head=4), batch {args.batch_size} x "
@@ -209,12 +212,10 @@ def main() -> None:
         "medians of the rounds' own ratios (rank 0's step time, the largest rank's memory)\n"
     )
     print_table(rows)
-    layouts = [("off", "full", "selective"), ("1f1b off", "1f1b full", "1f1b selective")]
-    for off, full, selective in layouts:
+    for full, selective in [("full", "selective"), ("1f1b full", "1f1b selective")]:
         if selective in configs:
-            print(
-                f"\n{selective}: pays {overhead_kept(rows, off, full, selective):.0%} of {full}'s time overhead"
-            )
+            wall, cpu = (overhead_kept(rows, key, full, selective) for key in ("time_ratio", "cpu_ratio"))
+            print(f"\n{selective} pays {wall:.0%} (wall) / {cpu:.0%} (CPU) of {full}'s time overhead")
     if args.json:
         Path(args.json).write_text(
             json.dumps({"args": vars(args), "rows": rows, "records": records}, indent=1)
