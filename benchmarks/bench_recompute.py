@@ -218,7 +218,7 @@ def main() -> None:
             print(f"\n{selective} pays {wall:.0%} (wall) / {cpu:.0%} (CPU) of {full}'s time overhead")
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"args": vars(args), "rows": rows, "records": records}, indent=1)
+            json.dumps({"args": vars(args), "rows": rows, "records": records}, indent=1, default=str)
         )
 
 
