@@ -10,6 +10,8 @@ Every measurement is a real ``Trainer.fit`` of ``CharGPT`` under torchrun, one t
 - ``torch wrapper``: ``lp_ddp`` without the option, the blocks wrapped instead by torch's own
   ``checkpoint_wrapper`` through torch's ``apply_activation_checkpointing``, exactly as Lightning's FSDP
   ``activation_checkpointing_policy`` applies it (without FSDP's sharding, so only the recompute differs);
+  Its activations column leaves out what the recompute saves in backward (torch's own saved-tensor hooks
+  hide it from the memory report's counter); compare the peak RSS;
 - unless ``--no-pipeline``: ``lp_pipeline_1f1b`` of 2 stages, off / full / selective.
 
 ``--math-attention`` runs every configuration with torch's math attention kernel, which saves the attention
@@ -212,6 +214,11 @@ def main() -> None:
         "medians of the rounds' own ratios (rank 0's step time, the largest rank's memory)\n"
     )
     print_table(rows)
+    if "torch wrapper" in configs:
+        print(
+            "\ntorch wrapper: its activations leave out what the recompute saves in backward (torch's own "
+            "saved-tensor hooks hide it from the counter, docs/memory.md); its peak RSS counts everything"
+        )
     for full, selective in [("full", "selective"), ("1f1b full", "1f1b selective")]:
         if selective in configs:
             wall, cpu = (overhead_kept(rows, key, full, selective) for key in ("time_ratio", "cpu_ratio"))
