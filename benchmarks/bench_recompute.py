@@ -9,7 +9,7 @@ Every measurement is a real ``Trainer.fit`` of ``CharGPT`` under torchrun, one t
   recomputed in backward) and ``"selective"`` (only each block's attention);
 - ``torch wrapper``: ``lp_ddp`` without the option, the blocks wrapped instead by torch's own
   ``checkpoint_wrapper`` through torch's ``apply_activation_checkpointing``, exactly as Lightning's FSDP
-  ``activation_checkpointing_policy`` applies it (without FSDP's sharding, so only the recompute differs);
+  ``activation_checkpointing_policy`` applies it (without FSDP's sharding, so only the recompute differs).
   Its activations column leaves out what the recompute saves in backward (torch's own saved-tensor hooks
   hide it from the memory report's counter); compare the peak RSS;
 - unless ``--no-pipeline``: ``lp_pipeline_1f1b`` of 2 stages, off / full / selective.
