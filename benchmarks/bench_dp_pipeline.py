@@ -30,11 +30,13 @@ from common import (  # noqa: E402
     QUIET_TRAINER,
     append_record,
     benchmark_parser,
+    interleaved,
     median_of,
     median_ratio,
     read_records,
     step_timer,
     torchrun,
+    worker_args,
 )
 
 VARIANTS = ("overlapped", "after step")
@@ -111,15 +113,12 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
-    out = Path(tempfile.mkdtemp()) / "results.jsonl"
-    shared = ["--out", str(out), "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    for name in ("batch_size", "block_size", "microbatches", "layers", "width"):
-        shared += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    for round_ in range(args.rounds):
-        for variant in VARIANTS if round_ % 2 == 0 else VARIANTS[::-1]:
-            torchrun(__file__, 4, ["--variant", variant, "--round", str(round_), *shared])
-        print(f"round {round_ + 1}/{args.rounds} done", file=sys.stderr)
-    records = read_records(out)
+    args.out = Path(tempfile.mkdtemp()) / "results.jsonl"
+    shared = worker_args(args, ("batch_size", "block_size", "microbatches", "layers", "width"))
+    for round_, variant in interleaved(args.rounds, list(VARIANTS)):
+        torchrun(__file__, 4, ["--variant", variant, "--round", str(round_), *shared])
+        print(f"round {round_ + 1}/{args.rounds}: {variant} done", file=sys.stderr)
+    records = read_records(args.out)
     first = next(r for r in records if r["rank"] == 0)
     print(
         f"\nCharGPT(n_layer={args.layers}, n_embd={args.width}), dp2 x pp2 (1f1b, m={args.microbatches}) on 4 CPU "

@@ -30,6 +30,8 @@ __all__ = [
     "benchmark_parser",
     "torchrun",
     "step_timer",
+    "worker_args",
+    "interleaved",
     "append_record",
     "read_records",
     "median_of",
@@ -70,20 +72,41 @@ def torchrun(script: str, nprocs: int, args: list[str], timeout: float = 600) ->
 
 
 def step_timer():
-    """A Lightning callback that records the wall time of every training step."""
+    """A Lightning callback that records the wall time (``times``) and the process's CPU time
+    (``cpu_times``, all its threads) of every training step: on a shared machine the CPU time is the
+    steadier measure of the work a step does."""
     from lightning.pytorch import Callback
 
     class StepTimer(Callback):
         def __init__(self) -> None:
             self.times: list[float] = []
+            self.cpu_times: list[float] = []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-            self.start = time.perf_counter()
+            self.start, self.start_cpu = time.perf_counter(), time.process_time()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.times.append(time.perf_counter() - self.start)
+            self.cpu_times.append(time.process_time() - self.start_cpu)
 
     return StepTimer()
+
+
+def worker_args(args: argparse.Namespace, names: tuple[str, ...]) -> list[str]:
+    """``--out``, ``--steps``, ``--warmup`` and the options ``names`` (attribute names) of ``args``, as a
+    worker's command line."""
+    line = ["--out", str(args.out), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    for name in names:
+        line += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    return line
+
+
+def interleaved(rounds: int, variants: list[str]):
+    """``(round, variant)`` for every variant of every round, in reverse order every other round, so that
+    a slow spell of a shared machine does not always hit the same variant first."""
+    for round_ in range(rounds):
+        for variant in variants if round_ % 2 == 0 else variants[::-1]:
+            yield round_, variant
 
 
 def append_record(path: str, record: dict) -> None:
