@@ -178,48 +178,30 @@ class _ReduceFromGroup(torch.autograd.Function):
         return grad, None
 
 
-class _GatherFromGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Optional[dist.ProcessGroup], dim: int) -> Tensor:
-        ctx.group, ctx.dim = group, dim
-        return all_gather_dim(x, group, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        return _split(grad, ctx.group, ctx.dim), None, None
+DimOp = Callable[[Tensor, Optional[dist.ProcessGroup], int], Tensor]
 
 
-class _SplitToGroup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Optional[dist.ProcessGroup], dim: int) -> Tensor:
-        ctx.group, ctx.dim = group, dim
-        return _split(x, group, dim)
+def _conjugates(forward_op: DimOp, backward_op: DimOp) -> type[torch.autograd.Function]:
+    """An autograd function running ``forward_op(x, group, dim)`` forward and ``backward_op`` on the
+    gradient (the collective's conjugate: all-gather and split, all-gather and reduce-scatter)."""
 
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        return all_gather_dim(grad, ctx.group, ctx.dim), None, None
+    class Conjugates(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: Tensor, group: Optional[dist.ProcessGroup], dim: int) -> Tensor:
+            ctx.group, ctx.dim = group, dim
+            return forward_op(x, group, dim)
 
+        @staticmethod
+        def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+            return backward_op(grad, ctx.group, ctx.dim), None, None
 
-class _GatherSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Optional[dist.ProcessGroup], dim: int) -> Tensor:
-        ctx.group, ctx.dim = group, dim
-        return all_gather_dim(x, group, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        return reduce_scatter_dim(grad, ctx.group, ctx.dim), None, None
+    return Conjugates
 
 
-class _ReduceScatterSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Optional[dist.ProcessGroup], dim: int) -> Tensor:
-        ctx.group, ctx.dim = group, dim
-        return reduce_scatter_dim(x, group, dim)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        return all_gather_dim(grad, ctx.group, ctx.dim), None, None
+_GatherFromGroup = _conjugates(all_gather_dim, _split)
+_SplitToGroup = _conjugates(_split, all_gather_dim)
+_GatherSequence = _conjugates(all_gather_dim, reduce_scatter_dim)
+_ReduceScatterSequence = _conjugates(reduce_scatter_dim, all_gather_dim)
 
 
 def copy_to_group(x: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
