@@ -103,10 +103,21 @@ def gradients(parameters: Iterable[Tensor]) -> Iterator[Optional[Tensor]]:
 def optimizer_state_tensors(optimizers: Iterable[Any]) -> Iterator[Tensor]:
     """Every tensor in the state of ``optimizers`` (momentum, Adam's moments and step counts, ...)."""
     for optimizer in optimizers:
-        optimizer = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapper
+        optimizer = _holding_state(getattr(optimizer, "optimizer", optimizer))  # Lightning's wrapper
         for state in optimizer.state.values():
             values = state.values() if isinstance(state, dict) else [state]
             yield from (v for v in values if isinstance(v, Tensor))
+
+
+def _holding_state(optimizer: Any) -> Any:
+    """The optimizer whose ``state`` holds the tensors: torch's ``ZeroRedundancyOptimizer`` keeps this rank's
+    in its local optimizer, ``optim``, and leaves its own ``state`` empty."""
+    if torch.distributed.is_available():
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            return optimizer.optim
+    return optimizer
 
 
 def rss_bytes() -> Optional[int]:
