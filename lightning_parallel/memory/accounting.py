@@ -28,6 +28,7 @@ __all__ = [
     "optimizer_state_tensors",
     "rss_bytes",
     "peak_rss_bytes",
+    "reset_peak_rss",
     "cuda_allocated",
 ]
 
@@ -138,6 +139,17 @@ def peak_rss_bytes() -> int:
     except (OSError, StopIteration, ValueError, IndexError):
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Lower the process's peak resident memory (``VmHWM``) to its resident memory now (Linux 4.0+:
+    ``/proc/self/clear_refs``), so that a peak read later is what came after; False where that cannot be done."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def cuda_allocated(device: torch.device) -> Optional[dict[str, int]]:

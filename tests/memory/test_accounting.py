@@ -54,6 +54,16 @@ def test_optimizer_state_of_a_zero_redundancy_optimizer_is_read_from_its_local_o
         torch.distributed.destroy_process_group()
 
 
+def test_reset_peak_rss_lowers_the_peak_to_the_resident_memory_now() -> None:
+    from lightning_parallel.memory.accounting import peak_rss_bytes, reset_peak_rss, rss_bytes
+
+    big = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    del big
+    if not reset_peak_rss():
+        pytest.skip("no /proc/self/clear_refs here")
+    assert peak_rss_bytes() < rss_bytes() + 32 * 2**20
+
+
 def _forward_backward(model: nn.Module, batch: int) -> None:
     model(torch.randn(batch, 16)).square().sum().backward()
 
