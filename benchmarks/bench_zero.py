@@ -2,6 +2,7 @@
 
     python benchmarks/bench_zero.py                          # 2 CPU processes (gloo), 3 rounds
     python benchmarks/bench_zero.py --world-sizes 2 4 --rounds 5 --steps 20
+    python benchmarks/bench_zero.py --collectives --steps 40    # the collectives alone, on the model's size
 
 Every side is a real ``Trainer.fit`` of the same ``CharGPT`` (AdamW) on the embedded corpus, same batch,
 steps and seed, under torchrun, one thread per process:
@@ -167,6 +168,47 @@ def worker(args: argparse.Namespace) -> None:
     append_record(args.out, record)
 
 
+def collectives(args: argparse.Namespace) -> None:
+    """The collectives of each side on a flat float32 tensor of the model's size, alone: the median time of a
+    call and how much each rank's resident memory grew over ``--steps`` calls (the most of any rank)."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from lightning_parallel.memory.accounting import rss_bytes
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    size = sum(p.numel() for p in build_model("lp_ddp", args).parameters()) // world
+    full, part = torch.randn(size * world), torch.empty(size)
+    calls = {
+        "all_reduce (DDP)": lambda: dist.all_reduce(full),
+        "reduce_scatter_tensor (ZeRO, FSDP)": lambda: dist.reduce_scatter_tensor(part, full),
+        "all_gather_into_tensor (ZeRO, FSDP)": lambda: dist.all_gather_into_tensor(full, part),
+        "a broadcast from each rank (ZeroRedundancyOptimizer)": lambda: [
+            dist.broadcast(full[i * size : (i + 1) * size], i) for i in range(world)
+        ],
+    }
+    for name, call in calls.items():
+        before, times = rss_bytes() or 0, []
+        for _ in range(args.steps):
+            dist.barrier()
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        grown: list = [None] * world
+        dist.all_gather_object(grown, (rss_bytes() or 0) - before)
+        if dist.get_rank() == 0:
+            ms = statistics.median(times[args.warmup :]) * 1e3
+            append_record(
+                args.out, {"collective": name, "world_size": world, "ms": ms, "rss_growth": max(grown)}
+            )
+    dist.destroy_process_group()
+
+
 def launch(config: str, world_size: int, round_: int, out: Path, args: argparse.Namespace) -> None:
     shared = ["--out", str(out), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     for name in ("batch_size", "block_size", "layers", "width", "heads", "bucket_cap_mb"):
@@ -228,6 +270,17 @@ def report(records: list[dict], args: argparse.Namespace) -> None:
             print(f"| {world_size} | {ours} | {theirs} | {ratio:.3f} | {states:.3f} |")
 
 
+def time_collectives(args: argparse.Namespace) -> None:
+    out = Path(tempfile.mkdtemp()) / "collectives.jsonl"
+    for world_size in args.world_sizes:
+        launch("collectives", world_size, 0, out, args)
+    print(f"\nflat float32 tensor of the model's size, {args.steps} calls ({args.warmup} warm-up), gloo\n")
+    print("| processes | collective | ms per call (median) | resident memory growth, MiB (largest rank) |")
+    print("|---|---|---|---|")
+    for r in read_records(out):
+        print(f"| {r['world_size']} | {r['collective']} | {r['ms']:.1f} | {r['rss_growth'] / MIB:.1f} |")
+
+
 def main() -> None:
     parser = benchmark_parser(__doc__, rounds=3, steps=20, warmup=5)
     parser.add_argument("--config", default="lp_ddp", help=argparse.SUPPRESS)
@@ -243,9 +296,14 @@ def main() -> None:
     parser.add_argument(
         "--bucket-cap-mb", type=float, default=25, help="gradient buckets of lp_ddp and torch DDP (both: 25)"
     )
+    parser.add_argument(
+        "--collectives", action="store_true", help="time the collectives alone on the model's size instead"
+    )
     args = parser.parse_args()
     if args.worker:
-        return worker(args)
+        return collectives(args) if args.config == "collectives" else worker(args)
+    if args.collectives:
+        return time_collectives(args)
 
     out = Path(tempfile.mkdtemp()) / "results.jsonl"
     configs = [c for c in CONFIGS if c in args.configs]
