@@ -131,7 +131,7 @@ def _model_states(row: dict[str, Any]) -> Optional[float]:
 
 def svg_chart(rows: list[dict[str, Any]]) -> str:
     """Horizontal bars per job: samples/s, final validation loss (train loss where no validation ran), and
-    the largest rank's memory (model states, peak resident)."""
+    the largest rank's memory (model states, saved activations, peak resident)."""
     rows = [
         dict(
             r,
@@ -153,6 +153,7 @@ def svg_chart(rows: list[dict[str, Any]]) -> str:
         ("samples_per_second", "samples/s", "#4a7fb5"),
         ("final_loss", "final loss (val, else train)", "#d08c3a"),
         ("model_states", "largest rank: params+grads+optimizer MiB", "#5a9e6f"),
+        ("memory_activations_mib", "largest rank: saved activations MiB", "#b55a5a"),
         ("memory_peak_rss_mib", "largest rank: peak resident MiB", "#8a6bb5"),
     )
     width = label_w + len(panels) * (bar_w + 90)

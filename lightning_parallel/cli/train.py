@@ -202,8 +202,10 @@ def _fit(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     import lightning_parallel  # noqa: F401  (registers the strategy names)
     from lightning_parallel.cli.recorder import ProgressPrinter, RunRecorder
     from lightning_parallel.memory import MemoryReport
+    from lightning_parallel.memory.accounting import reset_peak_rss
     from lightning_parallel.strategies.launcher import install
 
+    reset_peak_rss()  # a sweep runs its jobs one after another in this process: each job's peak is its own
     seed_everything(cfg.seed, workers=True, verbose=False)
     model = instantiate_user(cfg.model, "model")
     data = instantiate_user(cfg.data, "data")

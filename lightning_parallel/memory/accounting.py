@@ -28,6 +28,7 @@ __all__ = [
     "optimizer_state_tensors",
     "rss_bytes",
     "peak_rss_bytes",
+    "reset_peak_rss",
     "cuda_allocated",
 ]
 
@@ -103,10 +104,21 @@ def gradients(parameters: Iterable[Tensor]) -> Iterator[Optional[Tensor]]:
 def optimizer_state_tensors(optimizers: Iterable[Any]) -> Iterator[Tensor]:
     """Every tensor in the state of ``optimizers`` (momentum, Adam's moments and step counts, ...)."""
     for optimizer in optimizers:
-        optimizer = getattr(optimizer, "optimizer", optimizer)  # Lightning's wrapper
+        optimizer = _holding_state(getattr(optimizer, "optimizer", optimizer))  # Lightning's wrapper
         for state in optimizer.state.values():
             values = state.values() if isinstance(state, dict) else [state]
             yield from (v for v in values if isinstance(v, Tensor))
+
+
+def _holding_state(optimizer: Any) -> Any:
+    """The optimizer whose ``state`` holds the tensors: torch's ``ZeroRedundancyOptimizer`` keeps this rank's
+    in its local optimizer, ``optim``, and leaves its own ``state`` empty."""
+    if torch.distributed.is_available():
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            return optimizer.optim
+    return optimizer
 
 
 def rss_bytes() -> Optional[int]:
@@ -127,6 +139,17 @@ def peak_rss_bytes() -> int:
     except (OSError, StopIteration, ValueError, IndexError):
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Lower the process's peak resident memory (``VmHWM``) to its resident memory now (Linux 4.0+:
+    ``/proc/self/clear_refs``), so that a peak read later is what came after; False where that cannot be done."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def cuda_allocated(device: torch.device) -> Optional[dict[str, int]]:

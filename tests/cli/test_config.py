@@ -184,6 +184,21 @@ def test_the_8_process_layout_sweep_lists_seven_valid_layouts() -> None:
         assert problems(cfg) == []
 
 
+def test_the_zero_sweep_crosses_zero_stages_with_activation_checkpointing() -> None:
+    """``lp-train -m experiment=zero_sweep``: zero_stage 0, 1, 2 x activation_checkpointing false, true under
+    lp_ddp on 2 processes; each job composes to a valid run."""
+    params = OmegaConf.load(CONF / "experiment" / "zero_sweep.yaml").hydra.sweeper.params
+    assert params["strategy.zero_stage"].split(",") == ["0", "1", "2"]
+    assert params["strategy.activation_checkpointing"].split(",") == ["false", "true"]
+    for stage in (0, 1, 2):
+        for checkpointing in (False, True):
+            overrides = [f"strategy.zero_stage={stage}", f"strategy.activation_checkpointing={checkpointing}"]
+            cfg = _compose("experiment=zero_sweep", *overrides)
+            assert cfg.strategy._target_ == "lightning_parallel.DDPStrategy" and cfg.trainer.devices == 2
+            assert (cfg.strategy.zero_stage, cfg.strategy.activation_checkpointing) == (stage, checkpointing)
+            assert problems(cfg) == []
+
+
 @pytest.mark.parametrize(
     "sizes, expected",
     [

@@ -33,6 +33,37 @@ def test_model_size_counts_a_meta_model_and_reads_it_in_another_dtype() -> None:
     assert size.bytes_as(torch.float64) == 36 * 8
 
 
+def test_optimizer_state_of_a_zero_redundancy_optimizer_is_read_from_its_local_optimizer(tmp_path) -> None:
+    """torch's ZeroRedundancyOptimizer keeps this rank's state in ``optim`` and its own ``state`` empty."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from lightning_parallel.memory.accounting import optimizer_state_tensors
+
+    torch.distributed.init_process_group(
+        "gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1
+    )
+    try:
+        model = nn.Linear(8, 4)  # 36 float32 elements
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=0.1)
+        model(torch.randn(2, 8)).sum().backward()
+        optimizer.step()
+        assert not optimizer.state
+        # two moments of 36 elements, and a step count per parameter
+        assert unique_storage_bytes(optimizer_state_tensors([optimizer])) == 2 * 36 * 4 + 2 * 4
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_reset_peak_rss_lowers_the_peak_to_the_resident_memory_now() -> None:
+    from lightning_parallel.memory.accounting import peak_rss_bytes, reset_peak_rss, rss_bytes
+
+    big = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    del big
+    if not reset_peak_rss():
+        pytest.skip("no /proc/self/clear_refs here")
+    assert peak_rss_bytes() < rss_bytes() + 32 * 2**20
+
+
 def _forward_backward(model: nn.Module, batch: int) -> None:
     model(torch.randn(batch, 16)).square().sum().backward()
 
