@@ -10,7 +10,8 @@ One step, in the order the strategy drives it::
 
     backward        gradients accumulate in the buckets (as views), as in ``GradientReducer``; a full
                     bucket is reduce-scattered (``_reduce_bucket``), so this rank receives the average of
-                    its range only, overlapped with the rest of backward
+                    its range only, overlapped with the rest of backward (stage 1: into the bucket's
+                    own slice for that range, so the gradients hold the bucket's memory and no more)
     shard_gradients the pieces' ``.grad`` become views of the received range; the model's ``.grad`` are
                     dropped (stage 2 frees the full-size bucket buffers here: a rank keeps 1/W of the
                     gradients between steps, the buffer is allocated again in the next backward)
@@ -62,7 +63,7 @@ class BucketShard:
     size: int
     whole: bool  # all-reduced: the pieces read the (stage-summed) ``.grad`` of their parameters
     pieces: list[Piece] = field(default_factory=list)
-    grad: Optional[Tensor] = None  # the received range (reduce-scatter output), kept between steps
+    grad: Optional[Tensor] = None  # the received range (stage 1: a slice of the bucket), kept between steps
 
 
 class ShardedGradientReducer(GradientReducer):
@@ -136,7 +137,10 @@ class ShardedGradientReducer(GradientReducer):
         shard = self._shard_of[id(bucket)]
         if shard.whole:
             return super()._reduce_bucket(bucket)
-        if shard.grad is None:
+        if self.stage == 1:  # received in place, into this rank's own slice of the kept bucket
+            low = self.rank * shard.size
+            shard.grad = bucket.buffer[low : low + shard.size]
+        elif shard.grad is None:  # stage 2: kept apart, the bucket is freed after the reduce-scatter
             shard.grad = bucket.buffer.new_empty(shard.size)
         return _reduce_scatter(
             shard.grad, bucket.buffer.div_(self.world_size), group=self.group, async_op=True
