@@ -188,6 +188,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 "done: %s",
                 json.dumps({k: summary.get(k) for k in SUMMARY_KEYS if k not in ("overrides",)}, default=str),
             )
+    if _global_rank(trainer) != 0:
+        # a launched rank closes its process group before it exits (the launching rank's job end does it for
+        # its own): left to the interpreter's exit, gloo's threads were seen to abort a finished rank
+        from lightning_parallel.strategies.launcher import _destroy_process_group
+
+        _destroy_process_group()
     if summary["status"] != "completed" and not multirun:
         sys.exit(2 if summary.get("error", "").startswith("invalid lp-train configuration") else 1)
     return summary
