@@ -88,7 +88,7 @@ class ShardedOptimizer:
         optimizer.state_dict = self.state_dict  # type: ignore[method-assign]
         optimizer.load_state_dict = self.load_state_dict  # type: ignore[method-assign]
         if earlier is not None:
-            self._load_local(earlier)
+            self.load_state_dict(earlier)
 
     @contextmanager
     def sharded(self) -> Generator[None, None, None]:
@@ -147,12 +147,9 @@ class ShardedOptimizer:
                 )
         return state
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+    def load_state_dict(self, full: Mapping[str, Any]) -> None:
         """Load an unsharded optimizer state (this rank's parameters numbered as ``state_dict`` would give
         them): each piece takes its elements."""
-        self._load_local(state_dict)
-
-    def _load_local(self, full: Mapping[str, Any]) -> None:
         saved = {int(j): entry for j, entry in full["state"].items()}
         state = {}
         for i, (j, piece) in enumerate(self.index):

@@ -13,6 +13,7 @@ import torch
 
 from tests.helpers.harness import assert_params_close, max_param_diff, run_distributed, saved_checkpoint
 from tests.strategies.test_deferred_init import MODELS
+from tests.strategies.test_parallel_3d import layout as layout_3d
 
 DDP = "lightning_parallel:DDPStrategy"
 PARALLEL = "lightning_parallel:ParallelStrategy"
@@ -47,14 +48,7 @@ def case(name: str, model: str, optimizer: str, strategy: str, kwargs: dict, dp:
 
 
 def layout(dp: int, tp: int, pp: int, zero: int, schedule: str = "1f1b") -> dict:
-    return {
-        "data_parallel_size": dp,
-        "tensor_parallel_size": tp,
-        "pipeline_parallel_size": pp,
-        "schedule": schedule,
-        "num_microbatches": 2,
-        "zero_stage": zero,
-    }
+    return {**layout_3d(dp, tp, pp, schedule), "zero_stage": zero}
 
 
 CLIP_ACCUMULATE = {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}
@@ -74,14 +68,14 @@ RUNS = {
         {"trainer": CLIP_ACCUMULATE},
     ),
     "ddp4-gpt-adamw-z2": (4, "gpt", "adamw", DDP, {"zero_stage": 2}, 4, {}),
-    "dp2tp2-gpt-adamw-z1": (4, "gpt", "adamw", PARALLEL, {**layout(2, 2, 1, 1), "plan": "auto"}, 2, {}),
-    "dp2tp2-llama-sgdm-z2": (4, "llama", "sgdm", PARALLEL, {**layout(2, 2, 1, 2), "plan": "auto"}, 2, {}),
+    "dp2tp2-gpt-adamw-z1": (4, "gpt", "adamw", PARALLEL, layout(2, 2, 1, 1), 2, {}),
+    "dp2tp2-llama-sgdm-z2": (4, "llama", "sgdm", PARALLEL, layout(2, 2, 1, 2), 2, {}),
     "dp2tp2-sp-gpt-adamw-z2": (
         4,
         "gpt",
         "adamw",
         PARALLEL,
-        {**layout(2, 2, 1, 2), "plan": "auto", "sequence_parallel": True},
+        {**layout(2, 2, 1, 2), "sequence_parallel": True},
         2,
         {},
     ),
