@@ -189,8 +189,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 json.dumps({k: summary.get(k) for k in SUMMARY_KEYS if k not in ("overrides",)}, default=str),
             )
     if _global_rank(trainer) != 0:
-        # a launched rank closes its process group before it exits (the launching rank's job end does it for
-        # its own): left to the interpreter's exit, gloo's threads were seen to abort a finished rank
+        # a rank > 0 closes its process group while the interpreter is whole (the launching rank's job end does
+        # it for its own); ``main`` then ends a rank that our launcher started without the interpreter's
+        # finalization (``_exit_launched_rank``)
         from lightning_parallel.strategies.launcher import _destroy_process_group
 
         _destroy_process_group()
@@ -278,7 +279,7 @@ def main() -> Optional[Any]:
     import hydra
 
     from lightning_parallel.config import register_configs
-    from lightning_parallel.strategies.launcher import ENTRY_ENV
+    from lightning_parallel.strategies.launcher import ENTRY_ENV, is_launched_rank
 
     os.environ[ENTRY_ENV] = json.dumps(_entry_command())
     # like ``python -m``: the user's own modules in the current folder can be named by ``_target_``
@@ -287,7 +288,26 @@ def main() -> Optional[Any]:
     _per_rank_logs_when_launched_externally()
     register_configs()
     app = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(train)
-    return app()
+    if not is_launched_rank():
+        return app()
+    try:
+        app()
+    except SystemExit as end:
+        _exit_launched_rank(end.code)
+    _exit_launched_rank(0)
+
+
+def _exit_launched_rank(code: Any) -> None:
+    """End a rank that our launcher started, its job done and its files written: flush the logs and the
+    output, then leave without the interpreter's finalization. There, torch's gloo teardown was seen to abort
+    a finished rank of Lightning's ``ddp`` (SIGABRT, 'terminate called without an active exception', no
+    Python frame), which failed a completed job in a sweep. The launching rank exits normally."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    if isinstance(code, str):
+        print(code, file=sys.stderr, flush=True)
+    os._exit(code if isinstance(code, int) else (0 if code is None else 1))
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ __all__ = [
     "install",
     "child_command",
     "RankFailedError",
+    "is_launched_rank",
     "ENTRY_ENV",
     "READY_ENV",
     "LAUNCH_ENV_VARS",
@@ -188,6 +189,11 @@ def _kill(procs: Sequence[subprocess.Popen], grace: float = 0.0) -> None:
             proc.wait(10)
         except subprocess.TimeoutExpired:  # pragma: no cover
             log.error("rank process %d did not exit after SIGKILL", proc.pid)
+
+
+def is_launched_rank() -> bool:
+    """Whether this process is a rank > 0 that this launcher started (its launching process set ``READY_ENV``)."""
+    return bool(os.environ.get(READY_ENV))
 
 
 def _destroy_process_group() -> None:
@@ -349,7 +355,7 @@ class HydraSafeSubprocessLauncher(_SubprocessScriptLauncher):
         if not env.creates_processes_externally:
             self._start_job_children()
             self._wait_until_children_ready()
-        elif os.environ.get(READY_ENV):
+        elif is_launched_rank():
             # a child of ours, about to join the process group: tell the launching process
             Path(os.environ[READY_ENV], os.environ.get("LOCAL_RANK", "0")).touch()
         _set_num_threads_if_needed(num_processes=self.num_processes)
