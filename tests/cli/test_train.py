@@ -68,14 +68,10 @@ def test_user_module_runs_unmodified_via_target(tmp_path) -> None:
 
 
 @pytest.mark.timeout(200)
-def test_builtin_ddp_single_process_and_spawn(tmp_path) -> None:
-    """Lightning's own ddp gets our launcher too; devices=1 runs one process; with start_method=spawn
-    training runs in spawned processes and rank 0 still reports its figures."""
-    for name, devices, extra in (
-        ("ddp", 2, []),
-        ("lp_dp", 1, []),
-        ("lp_ddp", 2, ["strategy.start_method=spawn"]),
-    ):
+def test_spawn_start_method(tmp_path) -> None:
+    """With start_method=spawn training runs in spawned processes and rank 0 still reports its figures.
+    (Lightning's own ddp on 1 and 2 devices, and one process at devices=1: tests/cli/test_sweep.py.)"""
+    for name, devices, extra in (("lp_ddp", 2, ["strategy.start_method=spawn"]),):
         run_dir = tmp_path / f"{name}_{len(extra)}"
         proc = run(
             [f"strategy={name}", f"trainer.devices={devices}", *extra, *QUICK, f"hydra.run.dir={run_dir}"],
