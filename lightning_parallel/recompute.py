@@ -7,10 +7,15 @@ partition and checkpoints see the same module) with torch's non-reentrant ``chec
 - ``True``: every block of the block stack (``pipeline.partition.find_block_stack``); blocks held by
   another pipeline stage are left alone;
 - a list of module-name patterns (``*`` is one dotted segment, as in tensor-parallel plans);
-- ``"selective"``: only the attention of each block, as Megatron recomputes the attention core: the
-  innermost submodule whose ``forward`` computes softmax attention (``softmax``,
+- ``"selective"``: only the attention core of each block, as Megatron recomputes it. The checkpointed
+  module is the innermost submodule whose ``forward`` computes softmax attention (``softmax``,
   ``scaled_dot_product_attention``, a Hugging Face ``attention_interface``) or an
-  ``nn.MultiheadAttention``.
+  ``nn.MultiheadAttention``; inside it, torch's selective checkpoint policy keeps the outputs of the matrix
+  products with the weights (``aten.mm``/``addmm``: the query/key/value and output projections), so
+  backward reruns only what lies between them (QK^T, mask, softmax, dropout, the product with V, or one
+  ``scaled_dot_product_attention``) and the collectives of a tensor-parallel layer. What it keeps: the
+  module's input and the projections' outputs; what it drops: the attention scores and probabilities,
+  the dropout mask and what the kernel saves.
 
 The recomputed forward equals the original one: the random state is replayed (dropout), BatchNorm
 layers update scratch copies of their running statistics (kept once, from the forward), a pipeline's
@@ -22,6 +27,7 @@ the recompute saves is reported to ``memory.saved.record_saved``, so the peak co
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
 from functools import partial
@@ -30,12 +36,14 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_parallel.memory.saved import record_saved
 from lightning_parallel.pipeline.executor import snapshot_in_use
 from lightning_parallel.pipeline.partition import find_block_stack, held_elsewhere
 from lightning_parallel.tensor.plan import match_pattern
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CheckpointedForward",
@@ -51,6 +59,9 @@ Spec = Union[bool, str, Sequence[str]]
 
 #: words in a ``forward``'s source that say it computes softmax(QK^T)V
 _ATTENTION_MARKERS = ("softmax", "scaled_dot_product_attention", "attention_interface")
+#: the operators of a linear layer's product with its weight (2-D operands); the attention core's products
+#: of activations are batched (``bmm``) or one fused kernel, so a selective recompute reruns those
+_PROJECTION_OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default})
 _recomputing = 0  # > 0 while a checkpointed forward is being recomputed
 
 
@@ -125,11 +136,24 @@ def apply_activation_checkpointing(
     """Checkpoint the submodules ``spec`` chooses (see the module docstring); returns their names.
     Submodules already checkpointed stay as they are."""
     names = checkpoint_targets(module, spec, stack_name)
+    if names:
+        _no_kv_cache(module)
     for name in names:
         sub = module.get_submodule(name)
         if not isinstance(sub.__dict__.get("forward"), CheckpointedForward):
-            sub.forward = CheckpointedForward(sub, sub.__dict__.get("forward"))
+            sub.forward = CheckpointedForward(sub, sub.__dict__.get("forward"), spec == "selective")
     return names
+
+
+def _no_kv_cache(module: nn.Module) -> None:
+    """Turn off the key/value cache of each Hugging Face model in ``module`` (``config.use_cache``), as
+    Hugging Face's own gradient checkpointing does: a cache filled in the forward is filled again by the
+    recompute, which then attends over the keys twice. Training reads no cache; ``generate`` asks for one."""
+    for name, sub in module.named_modules():
+        config = getattr(sub, "config", None)
+        if getattr(config, "use_cache", False) is True:
+            config.use_cache = False
+            log.info("activation checkpointing: %s.config.use_cache set to False", name or type(sub).__name__)
 
 
 def remove_activation_checkpointing(module: nn.Module, names: Optional[Sequence[str]] = None) -> None:
@@ -145,25 +169,48 @@ def remove_activation_checkpointing(module: nn.Module, names: Optional[Sequence[
 class CheckpointedForward:
     """A module's ``forward`` run under non-reentrant ``torch.utils.checkpoint`` while gradients are on.
 
-    An object holding its module, not a closure, so that a deep copy of the module calls the copy."""
+    An object holding its module, not a closure, so that a deep copy of the module calls the copy.
+    ``keep_projections``: the selective form, which keeps the outputs of ``_PROJECTION_OPS``."""
 
-    def __init__(self, module: nn.Module, inner: Optional[Callable[..., Any]] = None) -> None:
+    def __init__(
+        self, module: nn.Module, inner: Optional[Callable[..., Any]] = None, keep_projections: bool = False
+    ) -> None:
         self.module = module
         self.inner = inner  # an instance ``forward`` the module had, else its class's is used
+        self.keep_projections = keep_projections
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         run = self.inner if self.inner is not None else partial(type(self.module).forward, self.module)
         if not torch.is_grad_enabled():
             return run(*args, **kwargs)
-        contexts = partial(_contexts, self.module)
+        contexts = partial(_contexts, self.module, self.keep_projections)
         return checkpoint(
             run, *args, use_reentrant=False, preserve_rng_state=True, context_fn=contexts, **kwargs
         )
 
 
-def _contexts(module: nn.Module) -> tuple[Any, Any]:
-    """Called at the forward: nothing around it; the recompute is wrapped by ``_recompute``."""
-    return nullcontext(), _recompute(module, snapshot_in_use())
+def _contexts(module: nn.Module, keep_projections: bool) -> tuple[Any, Any]:
+    """Called at the forward: the contexts around the forward and around its recompute (``_recompute``;
+    with ``keep_projections``, inside torch's selective checkpoint modes)."""
+    if not keep_projections:
+        return nullcontext(), _recompute(module, snapshot_in_use())
+    forward, recompute = create_selective_checkpoint_contexts(_keep_projections)
+    return forward, _within(recompute, _recompute(module, snapshot_in_use()))
+
+
+def _keep_projections(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The selective policy: keep what a projection computes (counted as saved), recompute the rest."""
+    if op not in _PROJECTION_OPS:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if not ctx.is_recompute:
+        record_saved(ctx.op_output)
+    return CheckpointPolicy.MUST_SAVE
+
+
+@contextmanager
+def _within(outer: Any, inner: Any) -> Iterator[None]:
+    with outer, inner:
+        yield
 
 
 @contextmanager

@@ -4,10 +4,12 @@ dropout, BatchNorm and the async weight snapshot recompute exactly, and the refu
 from __future__ import annotations
 
 import copy
+from collections import Counter
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_parallel import DDPStrategy
 from lightning_parallel.memory.saved import SavedTensorCounter
@@ -70,6 +72,46 @@ def test_targets():
 def test_selective_finds_the_attention_of_each_block(arch, core):
     names = checkpoint_targets(build(arch), "selective")
     assert len(names) == 2 and all(n.endswith(f".{core}") for n in names), names
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the operators that run (a cached output of a selective recompute does not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+_CORE_OPS = ("_softmax", "_safe_softmax", "_scaled_dot_product_flash_attention_for_cpu")
+_PRODUCTS = ("mm", "addmm")
+
+
+@pytest.mark.parametrize("arch", ["gpt", "nanogpt", "hf_llama"])
+def test_selective_recomputes_the_attention_core_and_not_the_projections(arch):
+    """Backward: "selective" reruns the core once per block and no matrix product beyond the gradients'
+    own (as without checkpointing); True reruns the projections too. Gradients stay equal."""
+    counts, grads = {}, {}
+    for spec in (False, "selective", True):
+        torch.manual_seed(0)
+        model = _gpt(dropout=0.1) if arch == "gpt" else build(arch).double()
+        apply_activation_checkpointing(model, spec)
+        torch.manual_seed(1)
+        out = model(IDX) if arch == "gpt" else model(input_ids=IDX) if arch == "hf_llama" else model(IDX)
+        loss = (out if isinstance(out, torch.Tensor) else out.logits).pow(2).mean()
+        with _OpCounter() as counter:
+            loss.backward()
+        counts[spec] = counter.counts
+        grads[spec] = [p.grad for p in model.parameters()]
+    core = {spec: sum(c[op] for op in _CORE_OPS) for spec, c in counts.items()}
+    products = {spec: sum(c[op] for op in _PRODUCTS) for spec, c in counts.items()}
+    assert core[False] == 0 and core["selective"] == core[True] == 2, core
+    assert products["selective"] == products[False] < products[True], products
+    for spec in ("selective", True):
+        assert all(torch.equal(a, b) for a, b in zip(grads[False], grads[spec])), spec
 
 
 def test_selective_names_a_block_whose_attention_is_inline():
