@@ -10,12 +10,11 @@ partition and checkpoints see the same module) with torch's non-reentrant ``chec
 - ``"selective"``: only the attention core of each block, as Megatron recomputes it. The checkpointed
   module is the innermost submodule whose ``forward`` computes softmax attention (``softmax``,
   ``scaled_dot_product_attention``, a Hugging Face ``attention_interface``) or an
-  ``nn.MultiheadAttention``; inside it, torch's selective checkpoint policy keeps the outputs of the matrix
-  products with the weights (``aten.mm``/``addmm``: the query/key/value and output projections), so
-  backward reruns only what lies between them (QK^T, mask, softmax, dropout, the product with V, or one
-  ``scaled_dot_product_attention``) and the collectives of a tensor-parallel layer. What it keeps: the
-  module's input and the projections' outputs; what it drops: the attention scores and probabilities,
-  the dropout mask and what the kernel saves.
+  ``nn.MultiheadAttention``; inside it, torch's selective checkpoint policy keeps the outputs of
+  ``_KEPT_OPS`` (the query/key/value and output projections, a fused attention kernel), so backward reruns
+  only an unfused core between them (QK^T, mask, softmax, dropout, the product with V), the cheap shape
+  operations and the collectives of a tensor-parallel layer. What it drops: the s x s attention scores and
+  probabilities and the dropout mask, which only an unfused core keeps.
 
 The recomputed forward equals the original one: the random state is replayed (dropout), BatchNorm
 layers update scratch copies of their running statistics (kept once, from the forward), a pipeline's
@@ -59,9 +58,23 @@ Spec = Union[bool, str, Sequence[str]]
 
 #: words in a ``forward``'s source that say it computes softmax(QK^T)V
 _ATTENTION_MARKERS = ("softmax", "scaled_dot_product_attention", "attention_interface")
-#: the operators of a linear layer's product with its weight (2-D operands); the attention core's products
-#: of activations are batched (``bmm``) or one fused kernel, so a selective recompute reruns those
-_PROJECTION_OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default})
+#: what a selective recompute keeps from the forward: the products of a linear layer with its weight (2-D
+#: operands; the attention core's products of activations are batched, ``bmm``), and the fused attention
+#: kernels, which keep no s x s scores for backward (recomputing one would cost time and free nothing, as
+#: torchtitan's selective policy also judges). What is left to rerun is an unfused core: the scores, mask,
+#: softmax, dropout and the product with V.
+_KEPT_OPS = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "mm",
+        "addmm",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    if hasattr(torch.ops.aten, name)
+)
 _recomputing = 0  # > 0 while a checkpointed forward is being recomputed
 
 
@@ -170,40 +183,42 @@ class CheckpointedForward:
     """A module's ``forward`` run under non-reentrant ``torch.utils.checkpoint`` while gradients are on.
 
     An object holding its module, not a closure, so that a deep copy of the module calls the copy.
-    ``keep_projections``: the selective form, which keeps the outputs of ``_PROJECTION_OPS``."""
+    ``selective``: the selective form, which keeps the outputs of ``_KEPT_OPS``."""
 
     def __init__(
-        self, module: nn.Module, inner: Optional[Callable[..., Any]] = None, keep_projections: bool = False
+        self, module: nn.Module, inner: Optional[Callable[..., Any]] = None, selective: bool = False
     ) -> None:
         self.module = module
         self.inner = inner  # an instance ``forward`` the module had, else its class's is used
-        self.keep_projections = keep_projections
+        self.selective = selective
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         run = self.inner if self.inner is not None else partial(type(self.module).forward, self.module)
         if not torch.is_grad_enabled():
             return run(*args, **kwargs)
-        contexts = partial(_contexts, self.module, self.keep_projections)
+        contexts = partial(_contexts, self.module, self.selective)
         return checkpoint(
             run, *args, use_reentrant=False, preserve_rng_state=True, context_fn=contexts, **kwargs
         )
 
 
-def _contexts(module: nn.Module, keep_projections: bool) -> tuple[Any, Any]:
+def _contexts(module: nn.Module, selective: bool) -> tuple[Any, Any]:
     """Called at the forward: the contexts around the forward and around its recompute (``_recompute``;
-    with ``keep_projections``, inside torch's selective checkpoint modes)."""
-    if not keep_projections:
+    with ``selective``, inside torch's selective checkpoint modes)."""
+    if not selective:
         return nullcontext(), _recompute(module, snapshot_in_use())
-    forward, recompute = create_selective_checkpoint_contexts(_keep_projections)
+    forward, recompute = create_selective_checkpoint_contexts(_selective_policy)
     return forward, _within(recompute, _recompute(module, snapshot_in_use()))
 
 
-def _keep_projections(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """The selective policy: keep what a projection computes (counted as saved), recompute the rest."""
-    if op not in _PROJECTION_OPS:
+def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The selective policy: keep what ``_KEPT_OPS`` compute (counted as saved), recompute the rest."""
+    if op not in _KEPT_OPS:
         return CheckpointPolicy.PREFER_RECOMPUTE
     if not ctx.is_recompute:
-        record_saved(ctx.op_output)
+        for out in ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else (ctx.op_output,):
+            if isinstance(out, Tensor):
+                record_saved(out)
     return CheckpointPolicy.MUST_SAVE
 
 

@@ -15,11 +15,16 @@ along the split dimension, where each rank's part is one slice; the layouts that
 their tensor the same way when loading.
 
 Optimizer state is stored by parameter name; a state tensor of its parameter's shape is sliced as
-``optimizer_state_layouts`` says. The rest of the checkpoint (loops, callbacks, schedulers, resume state,
-optimizer hyperparameters) goes into ``meta.pt``, which rank 0 writes last into a hidden temporary
-directory before renaming it into place: a directory without ``meta.pt`` and DCP's ``.metadata`` is never
-taken for a checkpoint. Tensors are read at the end of the strategy's set-up, once the module has its layout
-and the optimizers exist. ``consolidate`` turns a directory into one single-device ``.ckpt``.
+``optimizer_state_layouts`` says. Under ZeRO (``zero_stage``) a rank holds a moment only for its range of the
+flattened parameter (``StatePieces``); it hands DCP that range as the few boxes it makes in the tensor's
+shape (a ``ShardedTensor``: a flat range of an n-dimensional tensor is at most 2n - 1 boxes), so each rank
+writes only its own pieces and every layout reads them back as it reads a slice.
+
+The rest of the checkpoint (loops, callbacks, schedulers, resume state, optimizer hyperparameters) goes into
+``meta.pt``, which rank 0 writes last into a hidden temporary directory before renaming it into place: a
+directory without ``meta.pt`` and DCP's ``.metadata`` is never taken for a checkpoint. Tensors are read at the
+end of the strategy's set-up, once the module has its layout and the optimizers exist. ``consolidate`` turns a
+directory into one single-device ``.ckpt``.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from lightning_parallel.checkpointing.atomic import atomic_torch_save
 from lightning_parallel.checkpointing.by_name import names_in_optimizer
 from lightning_parallel.checkpointing.contract import ShardLayout
 from lightning_parallel.checkpointing.resume_state import all_gather_objects
+from lightning_parallel.distributed.optimizer_shards import StatePieces
 
 __all__ = [
     "META_FILE",
@@ -107,9 +113,77 @@ def _as_dtensor(local: Tensor, layout: ShardLayout, meshes: dict) -> Any:
 
 
 def _full_shape(local: Tensor, layout: ShardLayout) -> tuple[int, ...]:
-    full = list(local.shape)
+    return _full_size(tuple(local.shape), layout)
+
+
+def _full_size(shape: tuple[int, ...], layout: ShardLayout) -> tuple[int, ...]:
+    full = list(shape)
     full[layout.dim] *= layout.size
     return tuple(full)
+
+
+def _boxes(start: int, stop: int, shape: tuple[int, ...]) -> list[tuple[list[int], list[int], int]]:
+    """Elements ``start:stop`` of a tensor of ``shape`` flattened, as boxes ``(offsets, sizes, first)``:
+    each box is a run of consecutive elements from flat index ``first``."""
+    if start >= stop:
+        return []
+    if len(shape) == 1:
+        return [([start], [stop - start], start)]
+    inner = math.prod(shape[1:])
+    row, row_stop = start // inner, stop // inner
+    if row == row_stop:  # within one row
+        return [
+            ([row, *o], [1, *s], row * inner + f)
+            for o, s, f in _boxes(start % inner, stop % inner, shape[1:])
+        ]
+    out = []
+    if start % inner:  # the end of a first, partial row
+        out += [([row, *o], [1, *s], row * inner + f) for o, s, f in _boxes(start % inner, inner, shape[1:])]
+        row += 1
+    if row_stop > row:  # whole rows
+        out.append(([row] + [0] * (len(shape) - 1), [row_stop - row, *shape[1:]], row * inner))
+    if stop % inner:  # the start of a last, partial row
+        out += [
+            ([row_stop, *o], [1, *s], row_stop * inner + f) for o, s, f in _boxes(0, stop % inner, shape[1:])
+        ]
+    return out
+
+
+def _as_pieces(pieces: StatePieces, layout: ShardLayout | None) -> Any:
+    """ZeRO's pieces of one state tensor as a ``ShardedTensor`` of the full (packed-viewed) tensor: this rank's
+    elements as their boxes (sharing their memory), every rank's boxes as its metadata."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensorBase
+    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+
+    shape, tp_ranks, tp_rank, shard_dim = tuple(pieces.shape), 1, 0, 0
+    full = shape
+    if layout is not None:
+        full = _packed(_full_size(shape, layout), layout.dim, layout.chunks)
+        shape = _packed(shape, layout.dim, layout.chunks)
+        tp_ranks, tp_rank, shard_dim = layout.size, layout.rank, layout.dim + (1 if layout.chunks > 1 else 0)
+
+    def boxes(start: int, stop: int, rank: int) -> list[tuple[list[int], list[int], int]]:
+        found = _boxes(start, stop, shape)
+        for offsets, _, _ in found:
+            offsets[shard_dim] += rank * shape[shard_dim]
+        return found
+
+    everyone = [
+        ShardMetadata(o, s) for r in range(tp_ranks) for a, b in pieces.spans for o, s, _ in boxes(a, b, r)
+    ]
+    flat, start = pieces.value.reshape(-1), pieces.start
+    local = [
+        Shard(
+            flat[first - start : first - start + math.prod(sizes)].view(sizes), ShardMetadata(offsets, sizes)
+        )
+        for offsets, sizes, first in boxes(start, start + flat.numel(), tp_rank)
+    ]
+    properties = TensorProperties(dtype=flat.dtype, requires_grad=False)
+    metadata = ShardedTensorMetadata(everyone, torch.Size(full), properties)
+    spec = EnumerableShardingSpec(everyone)  # the boxes as they are (torch would infer a placed chunking)
+    return ShardedTensorBase._init_from_local_shards_and_global_metadata(local, metadata, spec)
 
 
 def _move_into_place(tmp: Path, path: Path) -> None:
@@ -188,9 +262,11 @@ def _dcp_state(strategy: Any, checkpoint: dict[str, Any]) -> tuple[dict[str, Any
         for name, entry in by_name["state"].items():
             for k, v in entry.items():
                 sliced = name in optim_layouts and isinstance(v, Tensor) and v.shape == params[name].shape
-                state[f"{_OPTIM}{i}/{name}/{k}"] = (
-                    _as_dtensor(v, optim_layouts[name], meshes) if sliced else v
-                )
+                if isinstance(v, StatePieces):  # ZeRO: this rank's elements only
+                    v = _as_pieces(v, optim_layouts.get(name))
+                elif sliced:
+                    v = _as_dtensor(v, optim_layouts[name], meshes)
+                state[f"{_OPTIM}{i}/{name}/{k}"] = v
         groups.append(by_name["groups"])
     return state, groups
 

@@ -17,6 +17,7 @@ ordinary optimizer, and a checkpoint loads under another data-parallel size or w
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Generator, Mapping, Optional
 
 import torch
@@ -25,7 +26,7 @@ from torch import Tensor, nn
 
 from lightning_parallel.distributed.zero import Piece
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardedOptimizer", "sharding_problem"]
+__all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardedOptimizer", "StatePieces", "sharding_problem"]
 
 #: torch optimizers whose update of an element reads only that element's gradient and state
 ELEMENTWISE_OPTIMIZERS = tuple(
@@ -57,6 +58,19 @@ def sharding_problem(optimizer: Any, zero_stage: int) -> Optional[str]:
         f"optimizer that updates each element from its own gradient and state; {type(optimizer).__name__} is "
         f"not one of those known to be: {names}. Use one of them, or zero_stage=0."
     )
+
+
+@dataclass
+class StatePieces:
+    """One elementwise state tensor (a moment) of a parameter as this rank holds it: elements
+    ``start : start + value.numel()`` of the parameter of ``shape`` flattened, and every data-parallel rank's
+    ``(start, stop)`` of it (``spans``: together they cover the parameter). What a sharded checkpoint writes
+    for this rank (``checkpointing.sharded``)."""
+
+    value: Tensor
+    start: int
+    spans: list[tuple[int, int]]
+    shape: torch.Size
 
 
 class ShardedOptimizer:
@@ -121,6 +135,34 @@ class ShardedOptimizer:
             "state": self._joined(parts),
             "param_groups": _numbered(local["param_groups"], self.model_groups),
         }
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """As ``state_dict``, but each moment of a piece stays this rank's, as ``StatePieces`` (the state's own
+        memory, nothing gathered): for a sharded checkpoint, where each rank writes its own pieces. Exchanges
+        only the spans over the group (a collective)."""
+        with self.sharded():
+            local = type(self.optimizer).state_dict(self.optimizer)
+        mine = [(j, piece.start, piece.stop) for j, piece in self.index if piece is not None]
+        parts: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(parts, mine, group=self.group)
+        spans: dict[int, list[tuple[int, int]]] = {}
+        for part in parts:
+            for j, start, stop in part:
+                spans.setdefault(j, []).append((start, stop))
+        state = {}
+        for i, entry in local["state"].items():
+            j, piece = self.index[int(i)]
+            if piece is None:  # held whole by every rank
+                state[j] = entry
+                continue
+            span = (piece.start, piece.stop)
+            state[j] = {
+                k: StatePieces(v.detach(), piece.start, sorted(spans[j]), self.shapes[j])
+                if _elementwise(v, span)
+                else v
+                for k, v in entry.items()
+            }
+        return {"state": state, "param_groups": _numbered(local["param_groups"], self.model_groups)}
 
     def _joined(self, parts: list[list[tuple[int, Any, dict]]]) -> dict[int, dict[str, Any]]:
         """Each parameter's state from its pieces on every rank: tensors of a piece's shape concatenated in

@@ -58,7 +58,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from lightning_parallel.checkpointing import AtomicCheckpointIO, Checkpointer
-from lightning_parallel.checkpointing.contract import check_keys
+from lightning_parallel.checkpointing.by_name import state_by_name
+from lightning_parallel.checkpointing.contract import check_keys, unwrapped
 from lightning_parallel.checkpointing.loss_check import FiniteLossCheck, training_loss
 from lightning_parallel.distributed.collectives import clip_grad_norm_counted, share_found_inf
 from lightning_parallel.distributed.mesh import Mesh, MeshShape, build_mesh, destroy_process_groups_at_exit
@@ -431,6 +432,13 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self._optimizer_shards = {
             id(o): ShardedOptimizer(o, reducer.pieces(), bucketed, self.dp_group) for o in self.optimizers
         }
+
+    def local_optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """This rank's optimizer state by name (a sharded checkpoint's); with ``zero_stage``, only its pieces."""
+        shards = self._optimizer_shards.get(id(unwrapped(optimizer)))
+        if shards is None:
+            return super().local_optimizer_state(optimizer)
+        return state_by_name(unwrapped(optimizer), self.lightning_module, shards.local_state_dict())
 
     def optimizer_step(
         self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any

@@ -92,6 +92,11 @@ RUNS = {
         {},
     ),
 }
+#: ZeRO with ``save_distributed``: each rank writes only its own pieces of the optimizer state
+SHARDED_SAVES = {
+    "dp2tp2-gpt-adamw-z1-sharded": (4, layout(2, 2, 1, 1)),
+    "dp2pp2-gpt-adamw-z2-sharded": (4, layout(2, 1, 2, 2)),
+}
 REFERENCES = {  # name: (model, optimizer, steps, trainer)
     "gpt-adamw": ("gpt", "adamw", 5, {}),
     "gpt-sgdm": ("gpt", "sgdm", 5, {}),
@@ -122,6 +127,8 @@ def runs(tmp_path_factory):
             by_world[2].append(
                 case(name, "gpt", "adamw", DDP, {"zero_stage": zero}, 2, trainer=trainer, **extra)
             )
+    for name, (world, kwargs) in SHARDED_SAVES.items():
+        by_world[world].append(case(name, "gpt", "adamw", PARALLEL, {**kwargs, "save_distributed": True}, 2))
     async_run = case("async-dp2pp2-z1", "gpt", "sgdm", PARALLEL, layout(2, 1, 2, 1, "async"), 2)
     by_world[4].append({**async_run, "model_kwargs": sgd})
     results = {}
@@ -133,6 +140,12 @@ def runs(tmp_path_factory):
         2: [case("resume-dp2-off", "gpt", "adamw", DDP, {}, 2, 10, ckpt_path=saved)],
         4: [case("resume-dp4-z1", "gpt", "adamw", DDP, {"zero_stage": 1}, 4, 10, ckpt_path=saved)],
     }
+    for name in SHARDED_SAVES:  # read into one device, and into lp_ddp with ZeRO-2
+        directory = str(tmp / "dist4" / name / "last.ckpt")
+        later[1].append(case(f"resume-{name}-dp1", "gpt", "adamw", DDP, {}, 1, 10, ckpt_path=directory))
+        later[2].append(
+            case(f"resume-{name}-dp2-z2", "gpt", "adamw", DDP, {"zero_stage": 2}, 2, 10, ckpt_path=directory)
+        )
     for world, cases in later.items():
         results.update(run_distributed(cases, world_size=world, tmp_path=tmp / "later", timeout=400))
     return tmp, results
@@ -230,3 +243,35 @@ def test_zero_checkpoint_holds_the_single_device_optimizer_state(runs):
     for index, state in theirs["state"].items():
         for key, value in state.items():
             torch.testing.assert_close(ours["state"][index][key], value, atol=1e-10, rtol=0)
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("name", list(SHARDED_SAVES))
+def test_sharded_zero_checkpoint_is_written_in_pieces_and_resumes_exactly(runs, name):
+    """``save_distributed`` with ZeRO: a moment of a parameter is written as pieces by both data-parallel
+    ranks (not gathered and written by one), the directory consolidates into the single-device optimizer
+    state, and it resumes exactly on one device and under lp_ddp with ZeRO-2."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from lightning_parallel.checkpointing.sharded import consolidate
+
+    tmp, _ = runs
+    directory = tmp / "dist4" / name / "last.ckpt"
+    metadata = FileSystemReader(str(directory)).read_metadata()
+    writers: dict[str, set] = {}
+    for index, info in metadata.storage_data.items():
+        if index.fqn.startswith("optimizer_states/") and index.fqn.endswith("/exp_avg"):
+            writers.setdefault(index.fqn, set()).add(info.relative_path)
+    assert writers and max(len(files) for files in writers.values()) >= 2, writers
+    consolidate(directory, tmp / f"{name}.ckpt")
+    ours = torch.load(tmp / f"{name}.ckpt", weights_only=False)["optimizer_states"][0]
+    theirs = saved_checkpoint(tmp, 1, "ref-gpt-adamw")["optimizer_states"][0]
+    assert set(ours["state"]) == set(theirs["state"])
+    for index, state in theirs["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(ours["state"][index][key], value, atol=1e-10, rtol=0)
+    expected = runs[1]["ref-gpt-adamw-10"][0]["state_dict"]
+    for resumed, world in ((f"resume-{name}-dp1", 1), (f"resume-{name}-dp2-z2", 2)):
+        full = torch.load(tmp / "later" / f"dist{world}" / resumed / "last.ckpt", weights_only=False)
+        assert full["global_step"] == 10, resumed
+        assert_params_close(full["state_dict"], expected, atol=1e-10)
