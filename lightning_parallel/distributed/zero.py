@@ -45,6 +45,43 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+class _Works:
+    """Several works, waited for as one; ``then`` runs after the last."""
+
+    def __init__(self, works: list[Any], then: Optional[Any] = None) -> None:
+        self.works, self.then = works, then
+
+    def wait(self, timeout: Any = None) -> bool:
+        for work in self.works:
+            work.wait()
+        if self.then is not None:
+            self.then()
+            self.then = None
+        return True
+
+
+def _ranges(buffer: Tensor, group: Optional[dist.ProcessGroup]) -> list[tuple[int, Tensor]]:
+    """Each rank of ``group`` (as its global rank) with its equal range of the flat ``buffer``."""
+    size = buffer.numel() // dist.get_world_size(group)
+    ranks = range(dist.get_world_size(group))
+    global_rank = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))
+    return [(global_rank(r), buffer[r * size : (r + 1) * size]) for r in ranks]
+
+
+def _reduce_scatter_by_ranges(output: Tensor, buffer: Tensor, group: Optional[dist.ProcessGroup]) -> _Works:
+    """A reduce-scatter as one in-place reduce per rank's range (gloo): gloo's own reduce-scatter left
+    tens of MiB to the allocator in every call (docs/benchmarks.md, the collectives), reduces leave none."""
+    mine = buffer[dist.get_rank(group) * output.numel() :][: output.numel()]
+    works = [dist.reduce(part, dst=rank, group=group, async_op=True) for rank, part in _ranges(buffer, group)]
+    return _Works(works, None if output.data_ptr() == mine.data_ptr() else lambda: output.copy_(mine))
+
+
+def _all_gather_by_ranges(buffer: Tensor, group: Optional[dist.ProcessGroup]) -> _Works:
+    """An in-place all-gather of ``buffer``'s ranges (this rank's filled in already) as one broadcast per
+    rank (gloo, as ``ZeroRedundancyOptimizer`` does; see ``_reduce_scatter_by_ranges``)."""
+    return _Works([dist.broadcast(part, src=rank, group=group, async_op=True) for rank, part in _ranges(buffer, group)])
+
+
 @dataclass
 class Piece:
     """Elements ``start:stop`` of ``param`` (flattened), held by this rank at ``offset`` of its range."""
@@ -94,6 +131,8 @@ class ShardedGradientReducer(GradientReducer):
             )
         self.stage = stage
         self.rank = dist.get_rank(group)
+        # gloo: collectives made of per-rank reduces and broadcasts (``_reduce_scatter_by_ranges``)
+        self._by_ranges = dist.get_backend(group) == "gloo"
         self._whole = set(whole)
         self.shards: list[BucketShard] = []
         super().__init__(named_params, group=group, **kwargs)
@@ -142,9 +181,10 @@ class ShardedGradientReducer(GradientReducer):
             shard.grad = bucket.buffer[low : low + shard.size]
         elif shard.grad is None:  # stage 2: kept apart, the bucket is freed after the reduce-scatter
             shard.grad = bucket.buffer.new_empty(shard.size)
-        return _reduce_scatter(
-            shard.grad, bucket.buffer.div_(self.world_size), group=self.group, async_op=True
-        )
+        bucket.buffer.div_(self.world_size)
+        if self._by_ranges:
+            return _reduce_scatter_by_ranges(shard.grad, bucket.buffer, self.group)
+        return _reduce_scatter(shard.grad, bucket.buffer, group=self.group, async_op=True)
 
     def finish_sync(self) -> None:
         """Send what is left and wait; the model's ``.grad`` of reduce-scattered buckets hold only this
@@ -183,13 +223,21 @@ class ShardedGradientReducer(GradientReducer):
         started = []
         for bucket, shard in zip(self.buckets, self.shards):
             first = bucket.params[0]
-            send = torch.zeros(shard.size, dtype=first.dtype, device=first.device)
+            # the bucket's buffer is free until the next backward (the model's .grad no longer alias it)
+            full = bucket.buffer
+            if not full.numel():
+                full = torch.empty(shard.size * self.world_size, dtype=first.dtype, device=first.device)
+            own = full[self.rank * shard.size : (self.rank + 1) * shard.size]
+            send = own if self._by_ranges else torch.empty_like(own)  # gloo: in place
+            send.zero_()
             for piece in shard.pieces:
                 send[piece.offset : piece.offset + piece.stop - piece.start].copy_(piece.shard.detach())
                 piece.shard.grad = None
-            # the bucket's buffer is free until the next backward (the model's .grad no longer alias it)
-            full = bucket.buffer if bucket.buffer.numel() else send.new_empty(shard.size * self.world_size)
-            started.append((_all_gather(full, send, group=self.group, async_op=True), full, bucket))
+            if self._by_ranges:
+                work = _all_gather_by_ranges(full, self.group)
+            else:  # NCCL: the fused collective
+                work = _all_gather(full, send, group=self.group, async_op=True)
+            started.append((work, full, bucket))
         with torch.no_grad():
             for work, full, bucket in started:
                 work.wait()
