@@ -130,23 +130,20 @@ def _boxes(start: int, stop: int, shape: tuple[int, ...]) -> list[tuple[list[int
     if len(shape) == 1:
         return [([start], [stop - start], start)]
     inner = math.prod(shape[1:])
+
+    def in_row(row: int, begin: int, end: int) -> list[tuple[list[int], list[int], int]]:
+        """Elements ``begin:end`` of one row, as boxes of the whole tensor."""
+        return [([row, *o], [1, *s], row * inner + f) for o, s, f in _boxes(begin, end, shape[1:])]
+
     row, row_stop = start // inner, stop // inner
-    if row == row_stop:  # within one row
-        return [
-            ([row, *o], [1, *s], row * inner + f)
-            for o, s, f in _boxes(start % inner, stop % inner, shape[1:])
-        ]
+    if row == row_stop:
+        return in_row(row, start % inner, stop % inner)
     out = []
     if start % inner:  # the end of a first, partial row
-        out += [([row, *o], [1, *s], row * inner + f) for o, s, f in _boxes(start % inner, inner, shape[1:])]
-        row += 1
+        out, row = in_row(row, start % inner, inner), row + 1
     if row_stop > row:  # whole rows
         out.append(([row] + [0] * (len(shape) - 1), [row_stop - row, *shape[1:]], row * inner))
-    if stop % inner:  # the start of a last, partial row
-        out += [
-            ([row_stop, *o], [1, *s], row_stop * inner + f) for o, s, f in _boxes(0, stop % inner, shape[1:])
-        ]
-    return out
+    return out + in_row(row_stop, 0, stop % inner)  # the start of a last, partial row
 
 
 def _as_pieces(pieces: StatePieces, layout: ShardLayout | None) -> Any:

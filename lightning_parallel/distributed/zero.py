@@ -71,8 +71,9 @@ def _ranges(buffer: Tensor, group: Optional[dist.ProcessGroup]) -> list[tuple[in
 def _reduce_scatter_by_ranges(output: Tensor, buffer: Tensor, group: Optional[dist.ProcessGroup]) -> _Works:
     """A reduce-scatter as one in-place reduce per rank's range (gloo): gloo's own reduce-scatter left
     tens of MiB to the allocator in every call (docs/benchmarks.md, the collectives), reduces leave none."""
-    mine = buffer[dist.get_rank(group) * output.numel() :][: output.numel()]
-    works = [dist.reduce(part, dst=rank, group=group, async_op=True) for rank, part in _ranges(buffer, group)]
+    ranges = _ranges(buffer, group)
+    mine = ranges[dist.get_rank(group)][1]
+    works = [dist.reduce(part, dst=rank, group=group, async_op=True) for rank, part in ranges]
     return _Works(works, None if output.data_ptr() == mine.data_ptr() else lambda: output.copy_(mine))
 
 
