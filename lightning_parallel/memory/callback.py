@@ -3,7 +3,9 @@
 A Lightning callback, so that it works under any strategy, Lightning's own included. Every
 lightning_parallel strategy holds one too (``memory_report=True``) and calls the same hooks from its own;
 that one stays silent when the Trainer has a ``MemoryReport`` among its callbacks, so a run prints one
-table. Counting saved activations starts at the first training batch and stops at the end of training.
+table. Saved activations are counted in a sample, the optimizer steps ``COUNTED_STEPS`` (the first two:
+a pipeline that keeps a batch's activations into the next step is counted at its steady state), not on
+every step: the count costs a lookup and a finalizer per saved tensor. The tables' titles name the sample.
 """
 
 from __future__ import annotations
@@ -26,7 +28,10 @@ from lightning_parallel.memory.accounting import (
 from lightning_parallel.memory.report import RankMemory, SetupFigures, as_dicts, format_table, measure_rank
 from lightning_parallel.memory.saved import SavedTensorCounter
 
-__all__ = ["MemoryReport", "report_of"]
+__all__ = ["MemoryReport", "report_of", "COUNTED_STEPS"]
+
+#: the optimizer steps (``trainer.global_step``) whose saved activations are counted, first and last
+COUNTED_STEPS = (0, 1)
 
 #: the moments a table is made, as named in the printed title and in ``summary.json``
 AFTER_SETUP, END_OF_FIT = "after_setup", "end_of_fit"
@@ -83,6 +88,8 @@ class MemoryReport(Callback):
         self._at_setup: Optional[int] = None
         self._model = ModelSize()
         self._setup: Optional[SetupFigures] = None
+        #: the first and last optimizer step whose saved activations were counted
+        self.counted: Optional[tuple[int, int]] = None
 
     def active(self, trainer: Trainer) -> bool:
         """Whether this report measures and prints in ``trainer`` (False where it defers to a callback)."""
@@ -96,21 +103,28 @@ class MemoryReport(Callback):
             return
         self._at_setup = _resident(trainer.strategy.root_device)
         self._model = model_size(pl_module.parameters())
-        self._setup, self.tables, self.counter = None, {}, SavedTensorCounter()
+        self._setup, self.tables, self.counter, self.counted = None, {}, SavedTensorCounter(), None
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
         """The first batch reads the set-up's figures and starts counting; the first batch after the first
-        optimizer step (when the optimizer state exists) prints the set-up table."""
+        optimizer step (when the optimizer state exists) prints the set-up table; the first batch after
+        ``COUNTED_STEPS`` stops counting."""
         if not self.active(trainer):
             return
         if self._setup is None:
             self._read_setup(trainer.strategy.root_device)
             self.counter.ignore([*pl_module.parameters(), *pl_module.buffers()])
             self.counter.start()
+            self.counted = (trainer.global_step, trainer.global_step)
         if trainer.global_step >= 1 and AFTER_SETUP not in self.tables:
             self.report(trainer, pl_module, AFTER_SETUP)
+        if self.counter.counting:
+            if trainer.global_step > self.counted[0] + COUNTED_STEPS[1] - COUNTED_STEPS[0]:
+                self.counter.stop()
+            else:
+                self.counted = (self.counted[0], trainer.global_step)
 
     def _read_setup(self, device: torch.device) -> None:
         peak, created = _peak(device), self._created["cuda" if device.type == "cuda" else "cpu"]
@@ -144,8 +158,14 @@ class MemoryReport(Callback):
             held_gradients(trainer.strategy),
         )
         self.tables[when] = _all_ranks(row)
-        rank_zero_info(format_table(self.tables[when], _TITLES[when]))
+        rank_zero_info(format_table(self.tables[when], f"{_TITLES[when]}; {self.counted_text()}"))
         return self.tables[when]
+
+    def counted_text(self) -> str:
+        """Which steps the activations column counted, as the tables' titles say it."""
+        first, last = self.counted or (0, 0)
+        steps = f"step {first}" if first == last else f"steps {first}-{last}"
+        return f"activations: peak saved in {steps}"
 
     def summary(self) -> dict[str, list[dict[str, Any]]]:
         """The tables made so far as plain dictionaries (bytes), keyed by when they were made."""

@@ -76,6 +76,11 @@ class SavedTensorCounter:
             self._hooks.__enter__()
             _COUNTING.append(self)
 
+    @property
+    def counting(self) -> bool:
+        """Whether the counting hook is installed now."""
+        return self._hooks is not None
+
     def stop(self) -> None:
         """Stop counting and remove the hook (storages still live keep counting down as they are freed)."""
         if self._hooks is not None:

@@ -113,7 +113,9 @@ def summarize(
     computed in (async, where it is shown a step later), ``batch_idx``: its index in the epoch;
     ``outputs``: what an evaluation step returned for the whole batch (sent on the CPU), so every stage
     hands Lightning the same as the last."""
-    loss = sum(w * float(value) for w, value in zip(weights, losses)) if losses else None
+    # the micro-batches' losses read in one transfer (one host sync), summed in float64
+    values = torch.stack([torch.as_tensor(v).reshape(()) for v in losses]).double().tolist() if losses else []
+    loss = sum(w * value for w, value in zip(weights, values)) if losses else None
     logs = {}
     metrics = {}
     for name, (metric, path, kwargs, values) in logged.get(METRICS, {}).items():

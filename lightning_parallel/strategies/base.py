@@ -61,7 +61,7 @@ from lightning_parallel.checkpointing import AtomicCheckpointIO, Checkpointer
 from lightning_parallel.checkpointing.by_name import state_by_name
 from lightning_parallel.checkpointing.contract import check_keys, unwrapped
 from lightning_parallel.checkpointing.loss_check import FiniteLossCheck, training_loss
-from lightning_parallel.distributed.collectives import clip_grad_norm_counted, share_found_inf
+from lightning_parallel.distributed.collectives import clip_grad_norm_counted, group_size, share_found_inf
 from lightning_parallel.distributed.mesh import Mesh, MeshShape, build_mesh, destroy_process_groups_at_exit
 from lightning_parallel.distributed.optimizer_shards import ShardedOptimizer, sharding_problem
 from lightning_parallel.distributed.reducer import GradientReducer
@@ -412,9 +412,12 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
                 "(the optimizer state and gradients are whole, as with zero_stage=0)"
             )
 
-    def make_reducer(self, named_params: list, **kwargs: Any) -> GradientReducer:
+    def make_reducer(self, named_params: list, **kwargs: Any) -> Optional[GradientReducer]:
         """The data-parallel gradient path over ``dp_group``: ``reducer_class``, or with ``zero_stage`` the
-        sharded one (``kwargs["whole"]``: parameters all-reduced, as ``ShardedGradientReducer`` says)."""
+        sharded one (``kwargs["whole"]``: parameters all-reduced, as ``ShardedGradientReducer`` says).
+        None where the group has one process: nothing is averaged, so no bucket, hook or collective runs."""
+        if group_size(self.dp_group) == 1:
+            return None
         whole = kwargs.pop("whole", ())
         if self.zero_stage:
             return ShardedGradientReducer(named_params, self.dp_group, self.zero_stage, whole, **kwargs)
@@ -544,16 +547,21 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
     def reduce(
         self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Tensor:
-        """``self.log(sync_dist=True)`` lands here: reduce over the data-parallel group by default."""
+        """``self.log(sync_dist=True)`` lands here: reduce over the data-parallel group by default (a group
+        of one process leaves the value as it is, with no collective)."""
         if not isinstance(tensor, Tensor):
             return tensor
         if group is None and self.mesh is not None and self.mesh.shape.dp != self.world_size:
             group = self.dp_group
+        if group_size(group) == 1:
+            return tensor
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Every process votes (``ModelCheckpoint``, ``EarlyStopping``): summed over the whole world, which
         Lightning compares with ``world_size``, not over the data-parallel group that ``reduce`` uses."""
+        if self.world_size == 1:
+            return decision
         votes = _sync_ddp_if_available(
             torch.tensor(int(decision), device=self.root_device), None, reduce_op=ReduceOp.SUM
         )

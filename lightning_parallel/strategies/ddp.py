@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
 
+from lightning_parallel.distributed.collectives import group_size
 from lightning_parallel.distributed.reducer import (
     COMM_HOOKS,
     CommHook,
@@ -214,7 +215,8 @@ class DDPStrategy(ParallelStrategyBase):
         self.apply_activation_checkpointing()
         if self.zero_stage:  # each rank unscales its own pieces: one overflow verdict for all
             self.share_found_inf()
-        self._has_buffers = any(True for _ in module.buffers())
+        # buffers broadcast from rank 0 before a forward, as torch DDP does: only where there are replicas
+        self._has_buffers = group_size(self.dp_group) > 1 and any(True for _ in module.buffers())
         self._sync_buffers_next = True
         self.reducer = self.make_reducer(
             list(module.named_parameters()),

@@ -237,16 +237,15 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
         self.apply_activation_checkpointing(self.block_stack)  # on the sharded stage, before the dp path
         if self.pipelined and self.executor is None:
             self.wire_stages(self._stage_costs)
-        if shape.dp > 1:
-            # pipeline stages: a module replicated outside the block stack gets no gradient on some stages;
-            # async averages a gradient finished a step earlier, not one arriving in backward
-            params = list(module.parameters())
-            self.reducer = self.make_reducer(
-                list(module.named_parameters()),
-                find_unused_parameters=self.pipelined,
-                hooks=not (self.pipelined and self.schedule == "async"),
-                whole=[params[i] for i in self._replicated] if self.pipelined else (),
-            )
+        # pipeline stages: a module replicated outside the block stack gets no gradient on some stages;
+        # async averages a gradient finished a step earlier, not one arriving in backward
+        params = list(module.parameters())
+        self.reducer = self.make_reducer(
+            list(module.named_parameters()),
+            find_unused_parameters=self.pipelined,
+            hooks=not (self.pipelined and self.schedule == "async"),
+            whole=[params[i] for i in self._replicated] if self.pipelined else (),
+        )
         self.install_global_norm_clipping(self._counted_for_norm(module), self.mesh.group("model"))
 
     def _split(self, module: nn.Module) -> None:

@@ -439,8 +439,9 @@ class PipelineStages:
         step = self.lightning_module.trainer.global_step
         if self.timeline_step is None or step != self.timeline_step:
             return
-        gathered: list[Any] = [None] * self.mesh.shape.pp
-        dist.all_gather_object(gathered, to_dicts(events), group=self.pp_group)
+        gathered: list[Any] = [to_dicts(events)] * self.mesh.shape.pp
+        if self.mesh.shape.pp > 1:
+            dist.all_gather_object(gathered, gathered[0], group=self.pp_group)
         if self.global_rank == 0:
             folder = Path(self.lightning_module.trainer.default_root_dir)
             folder.mkdir(parents=True, exist_ok=True)

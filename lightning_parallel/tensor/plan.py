@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_parallel.checkpointing.one_device import keep_skeleton
-from lightning_parallel.distributed.collectives import all_reduce_sum
+from lightning_parallel.distributed.collectives import all_reduce_sum, group_size
 from lightning_parallel.tensor.layers import TP_LAYERS, ShardSpec, SharedEntry, _linear_shape, shard_features
 
 __all__ = [
@@ -614,7 +614,9 @@ def install_gradient_sums(
 ) -> None:
     """Sum the gradients of ``resolved.gradient_sums`` (whole parameters used on split values) over the
     group as each backward makes them (on the parameter objects ``module`` holds now; a pipeline stage
-    holds only its own)."""
+    holds only its own). Nothing where the group has one process."""
+    if group_size(group) == 1:
+        return
     held = dict(module.named_parameters(remove_duplicate=False))
     for name in resolved.gradient_sums:
         if name in held:

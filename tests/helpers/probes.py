@@ -129,3 +129,55 @@ def sequence_parallel(trainer) -> dict:
         "summed": strategy.sequence.summed() if strategy.sequence is not None else [],
         "activations": report_of(trainer).tables["end_of_fit"][rank].activations,
     }
+
+
+class CollectiveCounter:
+    """A callback that counts the calls of torch.distributed's collectives made inside training batches
+    (from the start of a batch to its end), by wrapping them for that time: the collectives still run."""
+
+    NAMES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor")
+    NAMES += ("reduce", "all_gather_object", "broadcast_object_list", "barrier", "send", "recv", "isend", "irecv")
+
+    def __new__(cls, *args, **kwargs):
+        from lightning.pytorch import Callback
+
+        class Counter(Callback):
+            def __init__(self) -> None:
+                self.calls: dict[str, int] = {}
+                self._originals: dict = {}
+
+            def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+                import torch.distributed as dist
+
+                for name in CollectiveCounter.NAMES:
+                    original = self._originals[name] = getattr(dist, name)
+
+                    def counted(*a, _name=name, _original=original, **k):
+                        self.calls[_name] = self.calls.get(_name, 0) + 1
+                        return _original(*a, **k)
+
+                    setattr(dist, name, counted)
+
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+                import torch.distributed as dist
+
+                for name, original in self._originals.items():
+                    setattr(dist, name, original)
+                self._originals = {}
+
+        return Counter()
+
+
+def collectives_in_steps(trainer) -> dict:
+    """What ``CollectiveCounter`` counted, whether the strategy holds a gradient reducer, and which steps
+    the memory report counted saved activations in."""
+    from lightning_parallel.memory import report_of
+
+    counter = next(c for c in trainer.callbacks if hasattr(c, "calls"))
+    report = report_of(trainer)
+    return {
+        "calls": counter.calls,
+        "reducer": getattr(trainer.strategy, "reducer", None) is not None,
+        "counted": report.counted,
+        "counting": report.counter.counting,
+    }
