@@ -8,7 +8,6 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-from lightning_parallel import TensorParallelStrategy
 from lightning_parallel.models.gpt import GPT
 from lightning_parallel.tensor import PlanError, parse_plan, resolve
 from lightning_parallel.tensor.coverage import forward_on
@@ -188,28 +187,6 @@ def plan_dict() -> dict:
 
     spec = yaml.safe_load((REPO / "conf/plan/char_gpt.yaml").read_text())
     return {**spec["layers"], **spec["attributes"]}
-
-
-def test_whole_block_recompute_is_refused_before_training(tmp_path):
-    from lightning.pytorch import Trainer
-
-    from tests.helpers.tp_models import SmallGPT, TokenData
-
-    strategy = TensorParallelStrategy(sequence_parallel=True, activation_checkpointing=True)
-    trainer = Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        default_root_dir=tmp_path,
-    )
-    with pytest.raises(
-        ValueError, match="activation_checkpointing=True: only 'selective' is composed with it"
-    ):
-        trainer.fit(SmallGPT(), datamodule=TokenData())
 
 
 def test_the_plan_table_shows_the_collectives_with_and_without_sequence_parallel(capsys):
