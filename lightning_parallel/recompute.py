@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lightning_parallel.memory.saved import SavedHooks, counting, record_saved
+from lightning_parallel.memory.saved import SavedHooks, can_stack, counting, record_saved
 from lightning_parallel.pipeline.partition import find_block_stack, held_elsewhere
 from lightning_parallel.recompute_state import SnapshotView, recomputing, snapshot_in_use
 from lightning_parallel.tensor.plan import match_pattern
@@ -239,7 +239,8 @@ def _recompute(module: nn.Module, snapshot: Optional[SnapshotView]) -> Iterator[
             swapped.append((p, p.data))
             p.data = view
     # torch's recompute hook below stores what it is given: counted there, through the package's hooks
-    reported = SavedHooks(below_stores=True) if counting() else nullcontext()
+    # (which could not see it, and would hide it, where torch gives no way to read it)
+    reported = SavedHooks(below_stores=True) if counting() and can_stack() else nullcontext()
     try:
         with recomputing(), reported:
             yield

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from lightning_parallel.memory.accounting import storage_key, storage_of
 
-__all__ = ["SavedHooks", "SavedTensorCounter", "Stored", "counting", "record_saved"]
+__all__ = ["SavedHooks", "SavedTensorCounter", "Stored", "can_stack", "counting", "record_saved"]
 
 #: the counters counting now; every pack hook of the package reports to them through ``record_saved``
 _COUNTING: list["SavedTensorCounter"] = []
@@ -38,6 +38,13 @@ def record_saved(t: Tensor) -> None:
 def counting() -> bool:
     """Whether a counter counts now (a hook that only reports need not be installed otherwise)."""
     return bool(_COUNTING)
+
+
+def can_stack() -> bool:
+    """Whether this torch lets ``SavedHooks`` read the hooks below them (a private function torch 2.13 has
+    and 2.5 lacks). Without it they hide the hooks below, as any other hooks do: a hook inside torch's
+    checkpoint then stores for real what the checkpoint would have recomputed."""
+    return hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
 
 
 class Stored(NamedTuple):
@@ -118,8 +125,7 @@ class SavedHooks(torch.autograd.graph.saved_tensors_hooks):
 
 def _innermost_hooks() -> Optional[tuple[Callable[[Tensor], Any], Callable[[Any], Tensor]]]:
     """The saved-tensor hooks that run now (the innermost pair), read with a private torch function."""
-    read = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return read(False) if read is not None else None
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) if can_stack() else None
 
 
 def _package_hooks(pack: Callable[[Tensor], Any]) -> Optional[SavedHooks]:

@@ -39,6 +39,7 @@ from lightning_parallel.checkpointing.by_name import (
     state_from_full,
 )
 from lightning_parallel.checkpointing.contract import check_keys, unwrapped
+from lightning_parallel.memory.saved import can_stack
 from lightning_parallel.pipeline.partition import partition
 from lightning_parallel.pipeline.schedules import SCHEDULES
 from lightning_parallel.strategies.base import ParallelStrategyBase
@@ -220,6 +221,14 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
                 raise ValueError(
                     f"sequence_parallel=True with pipeline_parallel_size={shape.pp}: {SP_WITH_PP}"
                 )
+        recompute = self.activation_checkpointing
+        if self.sequence_parallel and recompute not in (False, "selective") and not can_stack():
+            raise ValueError(
+                f"sequence_parallel=True with activation_checkpointing={recompute!r} needs a torch whose "
+                f"saved-tensor hooks can be stacked (2.13 can; this is {torch.__version__}): without it the "
+                "sequence-parallel regions inside checkpointed modules would be saved for real. Use "
+                "activation_checkpointing='selective', or a newer torch"
+            )
         self.share_found_inf()
         self._bind_metrics_to_dp_group()  # also for validate/test/predict without a fit
         if not self.model_is_split():

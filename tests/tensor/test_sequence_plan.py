@@ -189,6 +189,31 @@ def plan_dict() -> dict:
     return {**spec["layers"], **spec["attributes"]}
 
 
+def test_whole_block_recompute_is_refused_where_torch_cannot_stack_saved_tensor_hooks(tmp_path, monkeypatch):
+    from lightning.pytorch import Trainer
+
+    from lightning_parallel import TensorParallelStrategy
+    from lightning_parallel.strategies import parallel
+    from tests.helpers.tp_models import SmallGPT, TokenData
+
+    monkeypatch.setattr(parallel, "can_stack", lambda: False)  # torch 2.5 lacks the function it reads
+    strategy = TensorParallelStrategy(sequence_parallel=True, activation_checkpointing=True)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=tmp_path,
+    )
+    with pytest.raises(
+        ValueError, match="activation_checkpointing=True needs a torch whose saved-tensor hooks"
+    ):
+        trainer.fit(SmallGPT(), datamodule=TokenData())
+
+
 def test_the_plan_table_shows_the_collectives_with_and_without_sequence_parallel(capsys):
     from lightning_parallel.cli.plan_table import main
 
