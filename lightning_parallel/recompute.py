@@ -18,9 +18,10 @@ partition and checkpoints see the same module) with torch's non-reentrant ``chec
 
 The recomputed forward equals the original one: the random state is replayed (dropout), BatchNorm
 layers update scratch copies of their running statistics (kept once, from the forward), a pipeline's
-``DeferredBatchNorm`` records nothing (``is_recomputing``), and under an async pipeline's
-``weights_snapshot`` the parameters hold the snapshot's values (the weights the forward used). What
-the recompute saves is reported to ``memory.saved.record_saved``, so the peak counts it.
+``DeferredBatchNorm`` records nothing (``recompute_state.is_recomputing``, which the recompute sets), and
+under an async pipeline's weights snapshot (``recompute_state.snapshot_in_use``) the parameters hold the
+snapshot's values (the weights the forward used). While a counter counts, what the recompute saves is
+reported to it (a ``memory.saved.SavedHooks`` over torch's recompute hook), so the peak counts it.
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from lightning_parallel.memory.saved import record_saved
-from lightning_parallel.pipeline.executor import snapshot_in_use
+from lightning_parallel.memory.saved import SavedHooks, can_stack, counting, record_saved
 from lightning_parallel.pipeline.partition import find_block_stack, held_elsewhere
+from lightning_parallel.recompute_state import SnapshotView, recomputing, snapshot_in_use
 from lightning_parallel.tensor.plan import match_pattern
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,6 @@ __all__ = [
     "Spec",
     "apply_activation_checkpointing",
     "checkpoint_targets",
-    "is_recomputing",
     "remove_activation_checkpointing",
     "spec_problem",
 ]
@@ -75,12 +75,6 @@ _KEPT_OPS = frozenset(
     )
     if hasattr(torch.ops.aten, name)
 )
-_recomputing = 0  # > 0 while a checkpointed forward is being recomputed
-
-
-def is_recomputing() -> bool:
-    """Whether a checkpointed forward is being recomputed now (in backward)."""
-    return _recomputing > 0
 
 
 def spec_problem(value: Any, name: str = "activation_checkpointing") -> Optional[str]:
@@ -229,10 +223,9 @@ def _within(outer: Any, inner: Any) -> Iterator[None]:
 
 
 @contextmanager
-def _recompute(module: nn.Module, snapshot: Optional[Callable[[Tensor], Optional[Tensor]]]) -> Iterator[None]:
+def _recompute(module: nn.Module, snapshot: Optional[SnapshotView]) -> Iterator[None]:
     """Around a recompute: BatchNorm updates go to scratch copies, parameters hold the forward's snapshot
-    (if one was in use), and what is saved is reported to the memory counters."""
-    global _recomputing
+    (if one was in use), and what is saved is reported to the memory counters (if any counts)."""
     layers = [
         m for m in module.modules() if isinstance(m, _BatchNorm) and m.training and m.track_running_stats
     ]
@@ -245,33 +238,14 @@ def _recompute(module: nn.Module, snapshot: Optional[Callable[[Tensor], Optional
         if view is not None:
             swapped.append((p, p.data))
             p.data = view
-    _recomputing += 1
+    # torch's recompute hook below stores what it is given: counted there, through the package's hooks
+    # (which could not see it, and would hide it, where torch gives no way to read it)
+    reported = SavedHooks(below_stores=True) if counting() and can_stack() else nullcontext()
     try:
-        with _reporting_saved():
+        with recomputing(), reported:
             yield
     finally:
-        _recomputing -= 1
         for p, data in swapped:
             p.data = data
         for layer, buffers in zip(layers, own):
             layer._buffers.update(buffers)
-
-
-@contextmanager
-def _reporting_saved() -> Iterator[None]:
-    """Chain a call of ``record_saved`` before the recompute's own pack hook (only the innermost pair of
-    saved-tensor hooks runs, so a hook of our own would replace torch's). Reads that hook with a private
-    torch function; where it is missing, the recompute's saves go uncounted."""
-    read_top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    top = read_top(False) if read_top is not None else None
-    if top is None:
-        yield
-        return
-    pack, unpack = top
-
-    def counted(t: Tensor) -> Any:
-        record_saved(t)
-        return pack(t)
-
-    with torch.autograd.graph.saved_tensors_hooks(counted, unpack):
-        yield

@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_parallel import DDPStrategy
-from lightning_parallel.memory.saved import SavedTensorCounter
+from lightning_parallel.memory.saved import SavedHooks, SavedTensorCounter, can_stack
 from lightning_parallel.models.gpt import GPT
 from lightning_parallel.pipeline.deferred_batchnorm import DeferredBatchNorm
 from lightning_parallel.pipeline.executor import weights_snapshot
@@ -236,3 +236,37 @@ def test_deferred_batchnorm_records_the_forward_only():
 def test_strategies_refuse_a_bad_value_before_training():
     with pytest.raises(ValueError, match="activation_checkpointing='all' is not valid"):
         DDPStrategy(activation_checkpointing="all")
+
+
+class _HooksSeen(nn.Module):
+    """Records the innermost saved-tensor hooks' owner each time its forward runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+        self.owners: list[object] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self.owners.append(None if hooks is None else getattr(hooks[0], "__self__", None) or hooks[0])
+        return torch.tanh(self.layer(x))
+
+
+@pytest.mark.skipif(not can_stack(), reason="this torch cannot read the saved-tensor hooks")
+@pytest.mark.parametrize("counted", [False, True])
+def test_the_recompute_reports_to_the_counter_only_while_one_counts(counted) -> None:
+    """Counting, a package hook is stacked on torch's recompute hook; otherwise nothing is installed."""
+    model = nn.Sequential(_HooksSeen())
+    apply_activation_checkpointing(model, ["0"])
+    counter = SavedTensorCounter()
+    if counted:
+        counter.start()
+    try:
+        model(torch.randn(2, 4, requires_grad=True)).sum().backward()
+    finally:
+        counter.stop()
+    forward, recompute = model[0].owners
+    if counted:
+        assert isinstance(recompute, SavedHooks), recompute
+    else:  # torch's own recompute hook runs innermost
+        assert "_recomputation_hook" in getattr(recompute, "__qualname__", ""), recompute

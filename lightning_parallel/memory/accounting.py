@@ -19,6 +19,7 @@ from torch import Tensor
 
 __all__ = [
     "storage_of",
+    "storage_id",
     "storage_key",
     "unique_storage_bytes",
     "ModelSize",
@@ -45,16 +46,22 @@ def storage_of(t: Tensor) -> Optional[torch.UntypedStorage]:
     return None if t.device.type == "meta" else t.untyped_storage()
 
 
+def storage_id(t: Tensor) -> int:
+    """The identity of the storage behind ``t`` (a DTensor's local one) among the live storages: the
+    package's one way to tell whether two tensors share their memory (views do). Real, meta and fake
+    tensors all have one; it can be reused once the storage is freed."""
+    return _local(t).untyped_storage()._cdata
+
+
 def storage_key(t: Tensor) -> Optional[int]:
-    """An identity of the storage behind ``t`` among the live storages, or None for a meta tensor."""
-    storage = storage_of(t)
-    return None if storage is None else storage._cdata
+    """``storage_id`` of a tensor that holds memory, or None for a meta tensor."""
+    return None if storage_of(t) is None else storage_id(t)
 
 
 def unique_storage_bytes(tensors: Iterable[Optional[Tensor]]) -> int:
     """Bytes of the distinct storages behind ``tensors`` (None entries skipped): each storage once, meta 0."""
-    storages = (storage_of(t) for t in tensors if t is not None)
-    return sum({s._cdata: s.nbytes() for s in storages if s is not None}.values())
+    held = (t for t in tensors if t is not None and storage_of(t) is not None)
+    return sum({storage_id(t): storage_of(t).nbytes() for t in held}.values())
 
 
 @dataclass(frozen=True)
@@ -80,7 +87,7 @@ def model_size(tensors: Iterable[Tensor]) -> ModelSize:
     for t in tensors:
         storage = storage_of(t)
         nbytes = t.numel() * t.element_size() if storage is None else storage.nbytes()
-        key = ("meta", id(t)) if storage is None else storage._cdata
+        key = ("meta", id(t)) if storage is None else storage_id(t)
         seen[key] = (t.is_floating_point(), nbytes, t.element_size())
     floats = [(n, size) for is_float, n, size in seen.values() if is_float]
     return ModelSize(

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.hooks import RemovableHandle
 
-from lightning_parallel.recompute import is_recomputing
+from lightning_parallel.recompute_state import is_recomputing
 
 __all__ = ["DeferredBatchNorm", "batchnorm_warning"]
 

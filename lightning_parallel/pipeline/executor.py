@@ -23,10 +23,11 @@ from torch import Tensor
 
 from lightning_parallel.distributed.p2p import PeerLink
 from lightning_parallel.memory.accounting import storage_key, storage_of
-from lightning_parallel.memory.saved import record_saved
+from lightning_parallel.memory.saved import SavedHooks, Stored
 from lightning_parallel.pipeline.partition import StageInput, StageOutput
 from lightning_parallel.pipeline.schedules import Action
 from lightning_parallel.pipeline.timeline import Timeline
+from lightning_parallel.recompute_state import using_snapshot
 
 __all__ = [
     "split_microbatches",
@@ -34,7 +35,6 @@ __all__ = [
     "batch_size",
     "StageExecutor",
     "StepResult",
-    "snapshot_in_use",
     "weights_snapshot",
 ]
 
@@ -148,42 +148,27 @@ def loss_of(output: Any) -> Tensor:
     return loss
 
 
-#: the lookups of the ``weights_snapshot`` blocks entered now, innermost last
-_SNAPSHOTS: list[Callable[[Tensor], Optional[Tensor]]] = []
-
-
-def snapshot_in_use() -> Optional[Callable[[Tensor], Optional[Tensor]]]:
-    """The innermost ``weights_snapshot`` in use now: a function from a tensor to the same view of the
-    snapshot's copy (None for a tensor that is no parameter's); None outside any snapshot. A recomputed
-    forward (``recompute``) reads the parameters through it, so it uses the weights the forward used."""
-    return _SNAPSHOTS[-1] if _SNAPSHOTS else None
-
-
 @contextmanager
 def weights_snapshot(parameters: Sequence[Tensor]) -> Iterator[None]:
     """Within this block, autograd saves, for any tensor that is (a view of) a parameter's storage, the
     same view of a copy of that storage taken on entry, so in-place updates made later (the optimizer's)
     do not change what the backward computes with. Each storage is copied once, whole: parameters that
-    are views into one flat buffer share the copy, at their own offsets and strides.
-    What autograd saves is reported to the memory counters (``memory.saved.record_saved``), which this
-    hook would otherwise hide."""
+    are views into one flat buffer share the copy, at their own offsets and strides. The snapshot is the
+    one in use (``recompute_state.snapshot_in_use``) within the block, for the recomputes of forwards
+    that ran in it; its pack hook is one of the package's ``SavedHooks``, so the memory counters still see
+    what is saved (the copy counted as the parameter: a weight buffer, not an activation)."""
     snapshot = {storage_key(p): storage_of(p).clone() for p in parameters if _has_values(p)}
 
     def view(t: Tensor) -> Optional[Tensor]:
         copy = snapshot.get(storage_key(t))
         return None if copy is None else t.new_empty(0).set_(copy, t.storage_offset(), t.size(), t.stride())
 
-    def pack(t: Tensor) -> Tensor:
-        record_saved(t)
+    def keep(t: Tensor) -> Stored:
         copy = view(t)
-        return t if copy is None else copy
+        return Stored(t) if copy is None else Stored(copy, counted=t)
 
-    _SNAPSHOTS.append(view)
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            yield
-    finally:
-        _SNAPSHOTS.remove(view)
+    with using_snapshot(view), SavedHooks(keep):
+        yield
 
 
 def _has_values(p: Tensor) -> bool:

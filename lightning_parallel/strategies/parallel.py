@@ -39,6 +39,7 @@ from lightning_parallel.checkpointing.by_name import (
     state_from_full,
 )
 from lightning_parallel.checkpointing.contract import check_keys, unwrapped
+from lightning_parallel.memory.saved import can_stack
 from lightning_parallel.pipeline.partition import partition
 from lightning_parallel.pipeline.schedules import SCHEDULES
 from lightning_parallel.strategies.base import ParallelStrategyBase
@@ -91,8 +92,7 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
         require_sharded: the least share of the model's parameters the plan must split; a plan that
             splits less fails before training, naming what stayed whole and why. 0 accepts any plan.
         sequence_parallel: Megatron's sequence parallelism under tensor parallelism: norms, dropout and
-            residual adds hold 1/tp of the sequence (docs/tensor_parallel.md); not with pipeline stages,
-            and of activation checkpointing only ``"selective"``.
+            residual adds hold 1/tp of the sequence (docs/tensor_parallel.md); not with pipeline stages.
         schedule: ``"gpipe"`` (fill-drain), ``"1f1b"`` (one-forward-one-backward, flush each step), or
             ``"async"`` (PipeDream-2BW's update rule; see ``pipeline_async.py``).
         num_microbatches: micro-batches per batch; a batch that does not divide evenly is split into
@@ -222,11 +222,12 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
                     f"sequence_parallel=True with pipeline_parallel_size={shape.pp}: {SP_WITH_PP}"
                 )
         recompute = self.activation_checkpointing
-        if self.sequence_parallel and recompute and recompute != "selective":
+        if self.sequence_parallel and recompute not in (False, "selective") and not can_stack():
             raise ValueError(
-                f"sequence_parallel=True with activation_checkpointing={recompute!r}: only 'selective' is "
-                "composed with it (whole blocks recomputed on the sequence parts measured a higher peak of "
-                "saved activations than without sequence parallelism); use 'selective', or one of the two"
+                f"sequence_parallel=True with activation_checkpointing={recompute!r} needs a torch whose "
+                f"saved-tensor hooks can be stacked (2.13 can; this is {torch.__version__}): without it the "
+                "sequence-parallel regions inside checkpointed modules would be saved for real. Use "
+                "activation_checkpointing='selective', or a newer torch"
             )
         self.share_found_inf()
         self._bind_metrics_to_dp_group()  # also for validate/test/predict without a fit

@@ -32,12 +32,12 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     unset_fake_temporarily,
 )
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 from torchmetrics import Metric
 
+from lightning_parallel.memory.accounting import storage_id
 from lightning_parallel.tensor.coverage import SampleStep
 
 __all__ = ["VALUE_LIMIT", "fake_step", "step_device"]
@@ -120,10 +120,6 @@ def _metrics_read_whole(module: nn.Module) -> Iterator[None]:
                     state[key] = before[key]
 
 
-def _storage(t: Tensor) -> int:
-    return StorageWeakRef(t.untyped_storage()).cdata
-
-
 class _InputValues(TorchDispatchMode):
     """Real values beside the fakes computed from the step's inputs and constants alone (under
     ``VALUE_LIMIT`` elements): an operation whose tensors all have one is also run on them, and one
@@ -158,8 +154,8 @@ class _InputValues(TorchDispatchMode):
         if known and all(o.numel() <= VALUE_LIMIT for o in tree_flatten(out)[0] if isinstance(o, Tensor)):
             self._pair(out, self._real(func, args, kwargs))
         elif func._schema.is_mutable:
-            written = {_storage(t) for t in tensors}
-            for fake in [f for f in self.values if _storage(f) in written]:
+            written = {storage_id(t) for t in tensors}
+            for fake in [f for f in self.values if storage_id(f) in written]:
                 del self.values[fake]
         return out
 

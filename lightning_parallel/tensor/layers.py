@@ -93,7 +93,9 @@ class SharedEntry:
     Remembers the last input (by identity, with the grad mode) and returns the same output for it, so
     the gradients of all consumers are summed by autograd first and all-reduced once. Sequence parallel
     sets ``sequence_dim``: the entry then all-gathers that dimension (reduce-scatter backward), or passes
-    the input through when ``gathered`` (the pair's module gathered it on entry)."""
+    the input through when ``gathered`` (the pair's module gathered it on entry; nothing is remembered
+    then, since holding the gathered input would keep the whole sequence alive through backward, where
+    only this rank's part is saved)."""
 
     def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
         self.group = group
@@ -102,13 +104,15 @@ class SharedEntry:
         self.clear()
 
     def __call__(self, x: Tensor) -> Tensor:
+        if self.gathered:
+            return x
         grad_mode = torch.is_grad_enabled()
         if self._x is x and self._grad_mode == grad_mode:
             return self._y
         if self.sequence_dim is None:
             y = copy_to_group(x, self.group)
         else:
-            y = x if self.gathered else gather_sequence(x, self.group, self.sequence_dim)
+            y = gather_sequence(x, self.group, self.sequence_dim)
         self._x, self._y, self._grad_mode = x, y, grad_mode
         return y
 

@@ -43,6 +43,7 @@ from lightning_parallel.distributed.collectives import (
     group_size,
     split_to_group,
 )
+from lightning_parallel.recompute_state import is_recomputing
 from lightning_parallel.tensor.layers import ColumnParallelLinear, _TPLayer
 from lightning_parallel.tensor.sequence_saved import SavedAsPart
 
@@ -75,17 +76,13 @@ def replace_first(args: tuple, kwargs: dict, new: Tensor) -> tuple[tuple, dict]:
     )
 
 
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
 class SequenceParallel:
     """The hooks of one ``SequencePlan`` on a sharded module (``remove()`` takes them off again)."""
 
     def __init__(self, module: nn.Module, plan: SequencePlan, group: Optional[dist.ProcessGroup]) -> None:
         self.plan, self.group = plan, group
         # on the sequence parts now (between enter and exit, outside the pairs): in a forward, and in a
-        # recompute during backward (activation checkpointing replays blocks, which start on the parts)
+        # recompute (activation checkpointing replays blocks, which start on the parts)
         self._inside = {False: False, True: True}
         self.where: dict[str, set[bool]] = {}  # module name -> where its calls ran
         self.handles: list[RemovableHandle] = []
@@ -98,17 +95,17 @@ class SequenceParallel:
 
     @property
     def inside(self) -> bool:
-        return self._inside[_in_backward()]
+        return self._inside[is_recomputing()]
 
     @inside.setter
     def inside(self, value: bool) -> None:
-        self._inside[_in_backward()] = value
+        self._inside[is_recomputing()] = value
 
     def _hook(self, module: nn.Module, pre: Any = None, post: Any = None) -> None:
         if pre is not None:
             self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-        if post is not None:
-            self.handles.append(module.register_forward_hook(post))
+        if post is not None:  # also when the call raises: a recompute stopped early by torch's checkpoint
+            self.handles.append(module.register_forward_hook(post, always_call=True))
 
     def _wire(self, module: nn.Module) -> None:
         plan, dim = self.plan, self.plan.dim
@@ -186,7 +183,7 @@ class SequenceParallel:
 
     def _recorder(self, name: str) -> Any:
         def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if _in_backward():  # a recompute: seen in the forward already
+            if is_recomputing():  # seen in the forward already
                 return
             seen = self.where.setdefault(name, set())
             seen.add(self.inside)

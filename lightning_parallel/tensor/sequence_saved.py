@@ -1,59 +1,64 @@
 """A region's gathered input kept for backward as this rank's part of the sequence, and gathered again there.
 
 The column-parallel layers of a sequence-parallel region read the whole sequence, so autograd would save
-the gathered input (``tp`` times this rank's part) for their weight gradients. As in Megatron-SP, the
-saved copy is the part instead (a pack hook while the region runs), and backward all-gathers it again
-when it unpacks it: the saved activations of a region's input drop by ``tp``, for one more all-gather per
-saved use in backward. What is saved is reported to ``memory.saved.record_saved`` (only the innermost
-pack hook runs, and the memory report counts through it).
+the gathered input (``tp`` times this rank's part) for their weight gradients. As in Megatron-SP, what is
+stored is the part instead (a ``memory.saved.SavedHooks`` while the region runs), and backward all-gathers
+it again when it unpacks it: the saved activations of a region's input drop by ``tp``, for one more
+all-gather per region in backward (q, k and v share it). The hooks stack on those below them: inside a
+checkpointed block, torch's checkpoint stores nothing in the forward and the part in its recompute.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_parallel.distributed.collectives import all_gather_dim
-from lightning_parallel.memory.saved import record_saved
+from lightning_parallel.memory.accounting import storage_id
+from lightning_parallel.memory.saved import SavedHooks, Stored
 
 __all__ = ["SavedAsPart"]
 
 
 class SavedAsPart:
-    """Pack hooks for one region call: ``gathered`` (made from ``part`` along ``dim``), or any view of it,
-    is saved as ``part``; ``enter()``/``exit()`` bracket the region's forward."""
+    """Saved-tensor hooks for the region calls running now: the gathered input (made from ``part`` along
+    ``dim``), or any view of it, is stored as ``part``; ``enter()``/``exit()`` bracket a region's forward."""
 
     def __init__(self, group: Optional[dist.ProcessGroup], dim: int) -> None:
         self.group, self.dim = group, dim
-        self.stack: list[tuple[Any, Tensor, Tensor]] = []  # (hooks, gathered, part) of the running regions
-        self._last: Optional[tuple[Tensor, Tensor]] = None  # (part, gathered again): q, k and v share one
+        self.stack: list[tuple[SavedHooks, int, Tensor]] = []  # (hooks, gathered's storage, part) per region
+        self._last: Optional[tuple[tuple, Tensor, Tensor]] = None  # (part's place, part, gathered again)
 
     def enter(self, gathered: Tensor, part: Tensor) -> None:
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks = SavedHooks(self._keep)
         hooks.__enter__()
-        self.stack.append((hooks, gathered, part))
+        self.stack.append((hooks, storage_id(gathered), part))
 
     def exit(self) -> None:
         if self.stack:
             self.stack.pop()[0].__exit__(None, None, None)
         self._last = None
 
-    def _pack(self, t: Tensor) -> Any:
+    def _keep(self, t: Tensor) -> Stored:
         _, gathered, part = self.stack[-1]
-        same = t.untyped_storage().data_ptr() == gathered.untyped_storage().data_ptr() and t.numel()
-        if not same or t.device.type == "meta":
-            record_saved(t)
-            return t
-        record_saved(part)
-        return (part, tuple(t.shape), t.stride(), t.storage_offset())
+        if not t.numel() or t.device.type == "meta" or storage_id(t) != gathered:
+            return Stored(t)
+        geometry = (tuple(t.shape), t.stride(), t.storage_offset())
+        return Stored(part, lambda kept: self._gathered(kept).as_strided(*geometry))
 
-    def _unpack(self, packed: Any) -> Tensor:
-        if isinstance(packed, Tensor):
-            return packed
-        part, shape, stride, offset = packed
-        if self._last is None or self._last[0] is not part:
-            self._last = (part, all_gather_dim(part, self.group, self.dim))
-        return self._last[1].as_strided(shape, stride, offset)
+    def _gathered(self, part: Tensor) -> Tensor:
+        """``part`` gathered again; the last one is kept for the next unpack of the same part (q, k and v
+        read one input) until the backward ends."""
+        key = (storage_id(part), part.storage_offset(), tuple(part.shape))
+        if self._last is None or self._last[0] != key:
+            self._last = None  # freed before the next one is gathered
+            self._last = (key, part, all_gather_dim(part, self.group, self.dim))
+            if torch._C._current_graph_task_id() != -1:
+                torch.autograd.Variable._execution_engine.queue_callback(self._forget)
+        return self._last[2]
+
+    def _forget(self) -> None:
+        self._last = None

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_parallel.memory.accounting import storage_id
 from lightning_parallel.tensor.fake import fake_step
 
 __all__ = ["LEAF_TYPES", "Node", "Ref", "Trace", "is_projection", "trace_dataflow"]
@@ -105,8 +105,7 @@ def _signature(t: Tensor) -> tuple | None:
     try:
         if not t.numel():
             return None
-        storage = StorageWeakRef(t.untyped_storage()).cdata
-        return (storage, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        return (storage_id(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
     except (RuntimeError, NotImplementedError):
         return None
 

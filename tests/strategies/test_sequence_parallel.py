@@ -1,7 +1,8 @@
 """Sequence parallelism (``sequence_parallel=True``) on 2 real processes (tp=2): equal to single-device
 training in float64 (AdamW and SGD with momentum, written and automatic plans, the package's GPT, with
-dropout on its residual branches too and with selective activation checkpointing, and the zoo's Hugging
-Face Llama), and fewer saved activations per rank than tensor parallelism alone.
+dropout on its residual branches too and with activation checkpointing of whole blocks and selective, and
+the zoo's Hugging Face Llama), fewer saved activations per rank than tensor parallelism alone, and under
+activation checkpointing no more than that checkpointing saves without it.
 
 One ``run_distributed`` call holds every case (start-up is costly).
 """
@@ -48,9 +49,25 @@ EXACT = {
     "gpt-written-selective": case(
         "gpt-written-selective", GPT, CHAR_GPT, activation_checkpointing="selective"
     ),
+    # whole blocks recomputed: each block's regions gathered again in the recompute, dropout replayed
+    "gpt-auto-dropout-recompute": case(
+        "gpt-auto-dropout-recompute", DROPOUT, "auto", activation_checkpointing=True
+    ),
 }
+RECOMPUTE = (False, True, "selective")
 MEMORY = [
-    case(f"memory-sp-{on}", GPT, CHAR_GPT, on, WIDE, {"block_size": 32}, steps=2) for on in (False, True)
+    case(
+        f"memory-sp-{on}-ac-{ac}",
+        GPT,
+        CHAR_GPT,
+        on,
+        WIDE,
+        {"block_size": 32},
+        steps=2,
+        activation_checkpointing=ac,
+    )
+    for ac in RECOMPUTE
+    for on in (False, True)
 ]
 
 
@@ -84,11 +101,29 @@ def test_sequence_parallel_equals_single_device(runs, name):
         )
 
 
+def _peaks(results, ac):
+    """Each rank's peak saved activations (without, with sequence parallel) under ``ac``."""
+    return [
+        tuple(results[f"memory-sp-{on}-ac-{ac}"][rank]["probe"]["activations"] for on in (False, True))
+        for rank in range(2)
+    ]
+
+
 @pytest.mark.timeout(400)
 def test_sequence_parallel_lowers_the_saved_activations_per_rank(runs):
     _, results = runs
-    for rank in range(2):
-        without = results["memory-sp-False"][rank]["probe"]["activations"]
-        with_sp = results["memory-sp-True"][rank]["probe"]["activations"]
+    for rank, (without, with_sp) in enumerate(_peaks(results, False)):
         print(f"rank {rank}: peak saved activations {without} B without, {with_sp} B with sequence parallel")
         assert 0 < with_sp < without, (rank, with_sp, without)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("ac", [True, "selective"])
+def test_under_recompute_sequence_parallel_saves_no_more_than_recompute_alone(runs, ac):
+    _, results = runs
+    for rank, (without, with_sp) in enumerate(_peaks(results, ac)):
+        print(
+            f"activation_checkpointing={ac!r}, rank {rank}: peak saved activations {without} B without, "
+            f"{with_sp} B with sequence parallel"
+        )
+        assert 0 < with_sp <= without, (rank, with_sp, without)

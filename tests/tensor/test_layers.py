@@ -5,6 +5,9 @@ are exercised by the multi-process tests in tests/strategies/test_tensor_paralle
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -138,3 +141,16 @@ def test_shared_entry_reuses_the_operator_for_the_same_input():
         assert entry(x) is not None
     entry.clear()
     assert entry._x is None
+
+
+def test_an_entry_inside_a_sequence_parallel_region_keeps_no_input_alive() -> None:
+    """The region gathered the whole sequence; the entry passes it through and does not hold it (only the
+    part is saved for backward)."""
+    entry = SharedEntry(None)
+    entry.sequence_dim, entry.gathered = 1, True
+    gathered = torch.randn(2, 8, 4, requires_grad=True)
+    assert entry(gathered) is gathered
+    seen = weakref.ref(gathered)
+    del gathered
+    gc.collect()
+    assert seen() is None
