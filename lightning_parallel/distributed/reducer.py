@@ -332,25 +332,29 @@ class GradientReducer:
         self._launch_ready()
         globally_unused = self._globally_unused(missing) if self.find_unused_parameters else []
         for bucket in self.buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
-            if bucket.future is not None:
-                value = bucket.future.wait()
-                if value.data_ptr() != bucket.buffer.data_ptr():
-                    bucket.buffer.copy_(value.view_as(bucket.buffer))
-            bucket.work = bucket.future = None
-            if not self.as_views:
-                for p, view in zip(bucket.params, bucket.views):
-                    if p.grad is None:
-                        p.grad = view.clone()
-                    else:
-                        p.grad.copy_(view)
+            self._wait(bucket)
         for p in globally_unused:  # torch DDP leaves these without a gradient
             p.grad = None
         self.unused_last_sync = set(globally_unused)
         self._used.clear()
         self._synced_once = True
         self.stats.synced_steps += 1
+
+    def _wait(self, bucket: _Bucket) -> None:
+        """Wait for the bucket's collective (if not waited yet) and leave its averaged gradients in ``.grad``."""
+        if bucket.work is not None:
+            bucket.work.wait()
+        if bucket.future is not None:
+            value = bucket.future.wait()
+            if value.data_ptr() != bucket.buffer.data_ptr():
+                bucket.buffer.copy_(value.view_as(bucket.buffer))
+        bucket.work = bucket.future = None
+        if not self.as_views:
+            for p, view in zip(bucket.params, bucket.views):
+                if p.grad is None:
+                    p.grad = view.clone()
+                else:
+                    p.grad.copy_(view)
 
     def average_now(self) -> None:
         """Average the gradients now in ``.grad`` at once, outside a backward (a reducer made with
