@@ -214,12 +214,17 @@ class GradientReducer:
         not at set-up; only padding past the gradients is zeroed."""
         params = bucket.params
         numel = sum(p.numel() for p in params)
-        bucket.buffer = torch.empty(self._buffer_size(numel), dtype=params[0].dtype, device=params[0].device)
+        bucket.buffer = self._new_buffer(self._buffer_size(numel), params[0].dtype, params[0].device)
         bucket.buffer[numel:].zero_()
         bucket.views, offset = [], 0
         for p in params:
             bucket.views.append(bucket.buffer[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
+
+    def _new_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A bucket's flat buffer (uninitialised); a subclass that frees its buckets every step allocates
+        them its own way."""
+        return torch.empty(numel, dtype=dtype, device=device)
 
     def bucket_names(self) -> list[list[str]]:
         """The parameter names in each bucket, in the order buckets are sent."""

@@ -11,12 +11,21 @@ One step, in the order the strategy drives it::
     backward        gradients accumulate in the buckets (as views), as in ``GradientReducer``; a full
                     bucket is reduce-scattered (``_reduce_bucket``), so this rank receives the average of
                     its range only, overlapped with the rest of backward (stage 1: into the bucket's
-                    own slice for that range, so the gradients hold the bucket's memory and no more)
-    shard_gradients the pieces' ``.grad`` become views of the received range; the model's ``.grad`` are
-                    dropped (stage 2 frees the full-size bucket buffers here: a rank keeps 1/W of the
-                    gradients between steps, the buffer is allocated again in the next backward)
+                    own slice for that range, so the gradients hold the bucket's memory and no more;
+                    stage 2: into a range of its own, the bucket allocated at its first gradient and
+                    freed as soon as its reduce-scatter is done, at most ``IN_FLIGHT`` in flight)
+    shard_gradients the pieces' ``.grad`` become views of the received range; the model's ``.grad`` were
+                    dropped after the reduce-scatter (they held this rank's local sums)
     optimizer step  on the pieces only (clipping, hooks and the LR schedulers see the pieces)
-    gather_parameters  every bucket's ranges all-gathered into the model's parameters
+    gather_parameters  every bucket's ranges all-gathered in place into a buffer of the bucket's size
+                    (stage 1: the kept bucket), then copied into the model's parameters
+
+Several synchronised backwards before one step (manual optimization's accumulation, each
+``manual_backward`` synchronised) accumulate as ``.grad`` does: a bucket's first backward after a sync
+starts this rank's range at ``W`` times what it received (``_start``), so the next reduce-scatter, of the
+buffer divided by ``W``, receives what the range held plus the new average. The step consumes the
+received ranges (``gather_parameters``). ``accumulate_grad_batches`` instead accumulates in the buckets
+and synchronises once, as under ``GradientReducer``.
 
 Buckets of *whole* parameters (a pipeline's modules replicated over the stages, whose gradient is summed
 over the stages after the data-parallel average) are all-reduced instead, and their pieces read the
@@ -27,6 +36,7 @@ compression, PowerSGD) are all-reduce hooks and are refused by the strategies.
 
 from __future__ import annotations
 
+import mmap
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
@@ -45,7 +55,9 @@ ZERO_STAGES = (0, 1, 2)
 
 #: stage 2: full-size buffers at once, at most (a bucket's reduce-scatter or the parameters' all-gather in
 #: flight); one more is waited for before it starts
-IN_FLIGHT = 2
+IN_FLIGHT = 1
+#: stage 2's buffers of this size or more are mapped memory of their own on the CPU (``_scratch``)
+MAPPED_BYTES = 2**20
 
 
 class _Works:
@@ -89,6 +101,17 @@ def _all_gather_by_ranges(buffer: Tensor, group: Optional[dist.ProcessGroup]) ->
     return _Works(
         [dist.broadcast(part, src=rank, group=group, async_op=True) for rank, part in _ranges(buffer, group)]
     )
+
+
+def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A buffer that stage 2 allocates and frees in every step (a bucket, a gather). On the CPU, one of
+    ``MAPPED_BYTES`` or more is memory mapped for it alone, handed back to the system when it is freed:
+    glibc serves such sizes from its heap once a large block has been freed, and the pages of freed buckets
+    stayed resident there, which put stage 2's peak resident memory above stage 1's."""
+    nbytes = numel * dtype.itemsize
+    if device.type != "cpu" or nbytes < MAPPED_BYTES:
+        return torch.empty(numel, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=numel)
 
 
 @dataclass
@@ -214,6 +237,11 @@ class ShardedGradientReducer(GradientReducer):
         if fresh is not None:
             bucket.views[self._where[arrived][1]].add_(fresh)
 
+    def _new_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return (
+            _scratch(numel, dtype, device) if self.stage == 2 else super()._new_buffer(numel, dtype, device)
+        )
+
     @staticmethod
     def _free(bucket: _Bucket) -> None:
         for p in bucket.params:
@@ -315,6 +343,14 @@ class ShardedGradientReducer(GradientReducer):
                 for p in bucket.params:
                     p.grad = None
 
+    def zero_grad(self) -> None:
+        """Drop what the ranges received since the step, as an optimizer's ``zero_grad`` drops ``.grad``:
+        the next synchronised backward starts from zero (the model's parameters hold no ``.grad`` under
+        ZeRO for the optimizer's own ``zero_grad`` to clear)."""
+        self.syncs_since_step, self._unused_since_step = 0, None
+        for piece in self.pieces():
+            piece.shard.grad = None
+
     def gather_parameters(self) -> None:
         """After the optimizer step, which consumed the received ranges: every rank's updated ranges into
         every rank's parameters, one in-place all-gather per bucket (stage 1: in the kept bucket, all
@@ -335,7 +371,7 @@ class ShardedGradientReducer(GradientReducer):
         first = bucket.params[0]
         full = bucket.buffer
         if not full.numel():
-            full = torch.empty(shard.size * self.world_size, dtype=first.dtype, device=first.device)
+            full = _scratch(shard.size * self.world_size, first.dtype, first.device)
         own = self._own(full, shard)
         held = sum(piece.stop - piece.start for piece in shard.pieces)
         if held:  # the pieces tile the range from its start, in order
