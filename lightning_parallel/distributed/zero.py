@@ -162,6 +162,10 @@ class ShardedGradientReducer(GradientReducer):
                 f"zero_stage={stage} views each parameter's elements flat, and these parameters are not "
                 f"contiguous: {strided[:5]}; make them contiguous (p.data = p.data.contiguous()) or use zero_stage=0"
             )
+        if not kwargs.get("gradient_as_bucket_view", True):
+            raise ValueError(
+                f"zero_stage={stage} needs gradient_as_bucket_view=True (the gradients are the buckets)"
+            )
         self.stage = stage
         self.rank = dist.get_rank(group)
         # gloo: collectives made of per-rank reduces and broadcasts (``_reduce_scatter_by_ranges``)
