@@ -270,6 +270,33 @@ def report(records: list[dict], args: argparse.Namespace) -> None:
             print(f"| {world_size} | {ours} | {theirs} | {ratio:.3f} | {states:.3f} |")
 
 
+#: (configuration, the one it is measured against) for the peak resident memory it saves per rank
+SAVINGS = (("lp_ddp_zero1", "lp_ddp"), ("lp_ddp_zero2", "lp_ddp_zero1"))
+
+
+def report_savings(records: list[dict], args: argparse.Namespace) -> None:
+    """Each rank's peak resident memory (median over rounds) per configuration, and what a ZeRO stage saves
+    of it against the stage below (the largest rank's peak there minus the largest rank's here), in MiB and
+    bytes."""
+    print(
+        "\n| processes | configuration | peak RSS per rank, MiB | saved against | peak RSS saved (largest rank) |"
+    )
+    print("|---|---|---|---|---|")
+    for world_size in args.world_sizes:
+        peaks = {}
+        for config in (c for c in CONFIGS if c in args.configs):
+            mine = [r for r in records if r["config"] == config and r["world_size"] == world_size]
+            if mine:
+                ranks = range(world_size)
+                peaks[config] = [median_of([dict(r, v=r["peak_rss"][i]) for r in mine], "v") for i in ranks]
+        for config, below in SAVINGS:
+            if config in peaks and below in peaks:
+                saved = int(max(peaks[below]) - max(peaks[config]))
+                ours, theirs = ("/".join(f"{v / MIB:.0f}" for v in peaks[c]) for c in (config, below))
+                saving = f"{saved / MIB:.0f} MiB ({saved:,} bytes)"
+                print(f"| {world_size} | {config} | {ours} | {below} ({theirs}) | {saving} |")
+
+
 def time_collectives(args: argparse.Namespace) -> None:
     out = Path(tempfile.mkdtemp()) / "collectives.jsonl"
     for world_size in args.world_sizes:
@@ -314,6 +341,7 @@ def main() -> None:
                 print(f"round {round_ + 1}/{args.rounds}: {config} x{world_size} done", file=sys.stderr)
     print(f"records: {out}", file=sys.stderr)
     report(read_records(out), args)
+    report_savings(read_records(out), args)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_parallel.compat import reduce_scatter_single
+
 __all__ = [
     "copy_to_group",
     "reduce_from_group",
@@ -131,7 +133,7 @@ def reduce_scatter_dim(tensor: Tensor, group: Optional[dist.ProcessGroup], dim: 
     COUNTS["reduce_scatter"] += 1
     front = tensor.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
-    dist.reduce_scatter_single(out, front, group=group)
+    reduce_scatter_single()(out, front, group=group)
     return out.movedim(0, dim)
 
 

@@ -214,12 +214,17 @@ class GradientReducer:
         not at set-up; only padding past the gradients is zeroed."""
         params = bucket.params
         numel = sum(p.numel() for p in params)
-        bucket.buffer = torch.empty(self._buffer_size(numel), dtype=params[0].dtype, device=params[0].device)
+        bucket.buffer = self._new_buffer(self._buffer_size(numel), params[0].dtype, params[0].device)
         bucket.buffer[numel:].zero_()
         bucket.views, offset = [], 0
         for p in params:
             bucket.views.append(bucket.buffer[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
+
+    def _new_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A bucket's flat buffer (uninitialised); a subclass that frees its buckets every step allocates
+        them its own way."""
+        return torch.empty(numel, dtype=dtype, device=device)
 
     def bucket_names(self) -> list[list[str]]:
         """The parameter names in each bucket, in the order buckets are sent."""
@@ -332,25 +337,29 @@ class GradientReducer:
         self._launch_ready()
         globally_unused = self._globally_unused(missing) if self.find_unused_parameters else []
         for bucket in self.buckets:
-            if bucket.work is not None:
-                bucket.work.wait()
-            if bucket.future is not None:
-                value = bucket.future.wait()
-                if value.data_ptr() != bucket.buffer.data_ptr():
-                    bucket.buffer.copy_(value.view_as(bucket.buffer))
-            bucket.work = bucket.future = None
-            if not self.as_views:
-                for p, view in zip(bucket.params, bucket.views):
-                    if p.grad is None:
-                        p.grad = view.clone()
-                    else:
-                        p.grad.copy_(view)
+            self._wait(bucket)
         for p in globally_unused:  # torch DDP leaves these without a gradient
             p.grad = None
         self.unused_last_sync = set(globally_unused)
         self._used.clear()
         self._synced_once = True
         self.stats.synced_steps += 1
+
+    def _wait(self, bucket: _Bucket) -> None:
+        """Wait for the bucket's collective (if not waited yet) and leave its averaged gradients in ``.grad``."""
+        if bucket.work is not None:
+            bucket.work.wait()
+        if bucket.future is not None:
+            value = bucket.future.wait()
+            if value.data_ptr() != bucket.buffer.data_ptr():
+                bucket.buffer.copy_(value.view_as(bucket.buffer))
+        bucket.work = bucket.future = None
+        if not self.as_views:
+            for p, view in zip(bucket.params, bucket.views):
+                if p.grad is None:
+                    p.grad = view.clone()
+                else:
+                    p.grad.copy_(view)
 
     def average_now(self) -> None:
         """Average the gradients now in ``.grad`` at once, outside a backward (a reducer made with

@@ -11,12 +11,21 @@ One step, in the order the strategy drives it::
     backward        gradients accumulate in the buckets (as views), as in ``GradientReducer``; a full
                     bucket is reduce-scattered (``_reduce_bucket``), so this rank receives the average of
                     its range only, overlapped with the rest of backward (stage 1: into the bucket's
-                    own slice for that range, so the gradients hold the bucket's memory and no more)
-    shard_gradients the pieces' ``.grad`` become views of the received range; the model's ``.grad`` are
-                    dropped (stage 2 frees the full-size bucket buffers here: a rank keeps 1/W of the
-                    gradients between steps, the buffer is allocated again in the next backward)
+                    own slice for that range, so the gradients hold the bucket's memory and no more;
+                    stage 2: into a range of its own, the bucket allocated at its first gradient and
+                    freed as soon as its reduce-scatter is done, at most ``IN_FLIGHT`` in flight)
+    shard_gradients the pieces' ``.grad`` become views of the received range; the model's ``.grad`` were
+                    dropped after the reduce-scatter (they held this rank's local sums)
     optimizer step  on the pieces only (clipping, hooks and the LR schedulers see the pieces)
-    gather_parameters  every bucket's ranges all-gathered into the model's parameters
+    gather_parameters  every bucket's ranges all-gathered in place into a buffer of the bucket's size
+                    (stage 1: the kept bucket), then copied into the model's parameters
+
+Several synchronised backwards before one step (manual optimization's accumulation, each
+``manual_backward`` synchronised) accumulate as ``.grad`` does: a bucket's first backward after a sync
+starts this rank's range at ``W`` times what it received (``_start``), so the next reduce-scatter, of the
+buffer divided by ``W``, receives what the range held plus the new average. The step consumes the
+received ranges (``gather_parameters``). ``accumulate_grad_batches`` instead accumulates in the buckets
+and synchronises once, as under ``GradientReducer``.
 
 Buckets of *whole* parameters (a pipeline's modules replicated over the stages, whose gradient is summed
 over the stages after the data-parallel average) are all-reduced instead, and their pieces read the
@@ -27,6 +36,8 @@ compression, PowerSGD) are all-reduce hooks and are refused by the strategies.
 
 from __future__ import annotations
 
+import mmap
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
 
@@ -34,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_parallel.compat import all_gather_single, reduce_scatter_single
 from lightning_parallel.distributed.reducer import GradientReducer, _Bucket
 
 __all__ = ["Piece", "BucketShard", "ShardedGradientReducer", "ZERO_STAGES"]
@@ -41,8 +53,11 @@ __all__ = ["Piece", "BucketShard", "ShardedGradientReducer", "ZERO_STAGES"]
 #: 0: off; 1: optimizer state sharded; 2: gradients too
 ZERO_STAGES = (0, 1, 2)
 
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+#: stage 2: full-size buffers at once, at most (a bucket's reduce-scatter or the parameters' all-gather in
+#: flight); one more is waited for before it starts
+IN_FLIGHT = 1
+#: stage 2's buffers of this size or more are mapped memory of their own on the CPU (``_scratch``)
+MAPPED_BYTES = 2**20
 
 
 class _Works:
@@ -50,6 +65,9 @@ class _Works:
 
     def __init__(self, works: list[Any], then: Optional[Any] = None) -> None:
         self.works, self.then = works, then
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
 
     def wait(self, timeout: Any = None) -> bool:
         for work in self.works:
@@ -80,7 +98,20 @@ def _reduce_scatter_by_ranges(output: Tensor, buffer: Tensor, group: Optional[di
 def _all_gather_by_ranges(buffer: Tensor, group: Optional[dist.ProcessGroup]) -> _Works:
     """An in-place all-gather of ``buffer``'s ranges (this rank's filled in already) as one broadcast per
     rank (gloo, as ``ZeroRedundancyOptimizer`` does; see ``_reduce_scatter_by_ranges``)."""
-    return _Works([dist.broadcast(part, src=rank, group=group, async_op=True) for rank, part in _ranges(buffer, group)])
+    return _Works(
+        [dist.broadcast(part, src=rank, group=group, async_op=True) for rank, part in _ranges(buffer, group)]
+    )
+
+
+def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A buffer that stage 2 allocates and frees in every step (a bucket, a gather). On the CPU, one of
+    ``MAPPED_BYTES`` or more is memory mapped for it alone, handed back to the system when it is freed:
+    glibc serves such sizes from its heap once a large block has been freed, and the pages of freed buckets
+    stayed resident there, which put stage 2's peak resident memory above stage 1's."""
+    nbytes = numel * dtype.itemsize
+    if device.type != "cpu" or nbytes < MAPPED_BYTES:
+        return torch.empty(numel, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=numel)
 
 
 @dataclass
@@ -108,7 +139,8 @@ class ShardedGradientReducer(GradientReducer):
     """``GradientReducer`` with each bucket reduce-scattered over ``group``; see the module docstring.
 
     Args:
-        stage: 1 (the full-size buffers are kept between steps) or 2 (freed after each reduce-scatter).
+        stage: 1 (the full-size buffers are kept between steps) or 2 (each allocated at its first gradient
+            of a backward and freed once its reduce-scatter is done).
         whole: parameters whose buckets are all-reduced (their gradients are summed over pipeline stages
             after the average); the optimizer state of their pieces is still sharded.
         **kwargs: as for ``GradientReducer``.
@@ -130,12 +162,20 @@ class ShardedGradientReducer(GradientReducer):
                 f"zero_stage={stage} views each parameter's elements flat, and these parameters are not "
                 f"contiguous: {strided[:5]}; make them contiguous (p.data = p.data.contiguous()) or use zero_stage=0"
             )
+        if not kwargs.get("gradient_as_bucket_view", True):
+            raise ValueError(
+                f"zero_stage={stage} needs gradient_as_bucket_view=True (the gradients are the buckets)"
+            )
         self.stage = stage
         self.rank = dist.get_rank(group)
         # gloo: collectives made of per-rank reduces and broadcasts (``_reduce_scatter_by_ranges``)
         self._by_ranges = dist.get_backend(group) == "gloo"
         self._whole = set(whole)
         self.shards: list[BucketShard] = []
+        # synchronised backwards whose averages the received ranges hold, not yet consumed by a step
+        self.syncs_since_step = 0
+        self._unused_since_step: Optional[set[nn.Parameter]] = None  # no gradient in any of those syncs
+        self._in_flight: deque[_Bucket] = deque()  # stage 2: reduce-scatters started, buffers not yet freed
         super().__init__(named_params, group=group, **kwargs)
         self._arrivals = None  # never rebuilt: the optimizer state lives in the pieces the buckets define
 
@@ -149,6 +189,10 @@ class ShardedGradientReducer(GradientReducer):
         super()._build_buckets([p for p in order if p not in self._whole] + whole, len(whole))
         self.shards = [self._cut(bucket) for bucket in self.buckets]
         self._shard_of = {id(bucket): shard for bucket, shard in zip(self.buckets, self.shards)}
+        if self.stage == 2:  # allocated again by the first gradient of a backward
+            for bucket, shard in zip(self.buckets, self.shards):
+                if not shard.whole and all(p.grad is None for p in bucket.params):
+                    self._free(bucket)
 
     def _cut(self, bucket: _Bucket) -> BucketShard:
         size = bucket.buffer.numel() // self.world_size
@@ -166,51 +210,136 @@ class ShardedGradientReducer(GradientReducer):
         """This rank's pieces, bucket by bucket."""
         return [piece for shard in self.shards for piece in shard.pieces]
 
+    # ------------------------------------------------------------------ a bucket's buffer
+    def _own(self, buffer: Tensor, shard: BucketShard) -> Tensor:
+        """This rank's range of a bucket's flat buffer."""
+        return buffer[self.rank * shard.size : (self.rank + 1) * shard.size]
+
+    def _start(self, bucket: _Bucket) -> None:
+        """The bucket's first backward since its gradients were last reduced: every ``.grad`` becomes its
+        view, zeroed, except that this rank's range starts at ``world_size`` times what it received in the
+        syncs since the step (accumulation over several synchronised backwards, as manual optimization
+        does). The buffer is divided by ``world_size`` before the reduce-scatter, so the range then receives
+        what it held plus the new average, as ``.grad`` accumulates (exact for a power-of-two size)."""
+        shard = self._shard_of[id(bucket)]
+        if shard.whole or not self.syncs_since_step or shard.grad is None:
+            bucket.buffer.zero_()
+        else:
+            own = self._own(bucket.buffer, shard)
+            torch.mul(shard.grad, self.world_size, out=own)  # stage 1: own is shard.grad itself
+            bucket.buffer[: self.rank * shard.size].zero_()
+            bucket.buffer[(self.rank + 1) * shard.size :].zero_()
+        for p, view in zip(bucket.params, bucket.views):
+            p.grad = view
+
+    def _open(self, bucket: _Bucket, arrived: Optional[nn.Parameter] = None) -> None:
+        """Stage 2: allocate and start the bucket's buffer at its first gradient of a backward (``arrived``,
+        whose fresh ``.grad`` is added to its slot), or before its reduce-scatter if none came."""
+        fresh = None if arrived is None else arrived.grad
+        self._allocate(bucket)
+        self._start(bucket)
+        if fresh is not None:
+            bucket.views[self._where[arrived][1]].add_(fresh)
+
+    def _new_buffer(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+        return (
+            _scratch(numel, dtype, device) if self.stage == 2 else super()._new_buffer(numel, dtype, device)
+        )
+
+    @staticmethod
+    def _free(bucket: _Bucket) -> None:
+        for p in bucket.params:
+            p.grad = None
+        bucket.buffer, bucket.views = bucket.buffer.new_empty(0), []
+
     # ------------------------------------------------------------------ step
     def prepare_for_backward(self) -> None:
+        """As ``GradientReducer``'s, except: a bucket whose gradients were reduced starts from this rank's
+        received range (``_start``), and at stage 2 a freed bucket stays freed until its first gradient."""
         for bucket in self.buckets:
-            if bucket.buffer.numel() == 0:  # freed by stage 2 after the last reduce-scatter
+            bucket.pending = len(bucket.params)
+            bucket.work = bucket.future = None
+            if all(p.grad is None for p in bucket.params):
+                if bucket.buffer.numel():
+                    self._start(bucket)
+                continue
+            if not bucket.buffer.numel():  # a .grad set from outside: adopted by a fresh buffer
                 self._allocate(bucket)
-        super().prepare_for_backward()
+            for p, view in zip(bucket.params, bucket.views):
+                self._attach(p, view)
+        self._next_bucket = 0
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        bucket = self.buckets[self._where[p][0]]
+        if not bucket.buffer.numel():
+            self._open(bucket, p)
+        super()._on_grad_ready(p)
+
+    def _launch_ready(self, in_backward: bool = False) -> None:
+        """Start the full buckets' collectives; stage 2 then frees the buckets whose reduce-scatter is done
+        (asked without waiting), and waits for the oldest while more than ``IN_FLIGHT`` are in flight."""
+        super()._launch_ready(in_backward)
+        while self._in_flight and (
+            len(self._in_flight) > IN_FLIGHT or self._in_flight[0].work.is_completed()
+        ):
+            self._wait(self._in_flight.popleft())
 
     def _reduce_bucket(self, bucket: _Bucket) -> dist.Work:
         shard = self._shard_of[id(bucket)]
         if shard.whole:
             return super()._reduce_bucket(bucket)
+        if not bucket.buffer.numel():  # no gradient of this bucket on this rank
+            self._open(bucket)
         if self.stage == 1:  # received in place, into this rank's own slice of the kept bucket
-            low = self.rank * shard.size
-            shard.grad = bucket.buffer[low : low + shard.size]
+            shard.grad = self._own(bucket.buffer, shard)
         elif shard.grad is None:  # stage 2: kept apart, the bucket is freed after the reduce-scatter
             shard.grad = bucket.buffer.new_empty(shard.size)
         bucket.buffer.div_(self.world_size)
         if self._by_ranges:
-            return _reduce_scatter_by_ranges(shard.grad, bucket.buffer, self.group)
-        return _reduce_scatter(shard.grad, bucket.buffer, group=self.group, async_op=True)
+            work: Any = _reduce_scatter_by_ranges(shard.grad, bucket.buffer, self.group)
+        else:
+            work = reduce_scatter_single()(shard.grad, bucket.buffer, group=self.group, async_op=True)
+        if self.stage == 2:
+            self._in_flight.append(bucket)
+        return work
+
+    def _wait(self, bucket: _Bucket) -> None:
+        """After a reduce-scatter the model's ``.grad`` of the bucket hold only this rank's local sums: they
+        are dropped, and stage 2 frees the bucket's buffer."""
+        super()._wait(bucket)
+        if self._shard_of[id(bucket)].whole:
+            return
+        if self.stage == 2:
+            self._free(bucket)
+        else:
+            for p in bucket.params:
+                p.grad = None
 
     def finish_sync(self) -> None:
-        """Send what is left and wait; the model's ``.grad`` of reduce-scattered buckets hold only this
-        rank's local sums, so they are dropped, and stage 2 frees those buckets' buffers."""
+        """Send what is left and wait (``_wait``); the received ranges now hold the averages of every
+        synchronised backward since the step."""
         if not self.sync_enabled:
             return
         super().finish_sync()
-        for bucket, shard in zip(self.buckets, self.shards):
-            if shard.whole:
-                continue
-            for p in bucket.params:
-                p.grad = None
-            if self.stage == 2:
-                bucket.buffer, bucket.views = bucket.buffer.new_empty(0), []
+        self._in_flight.clear()
+        self.syncs_since_step += 1
+        unused = self._unused_since_step
+        self._unused_since_step = (
+            set(self.unused_last_sync) if unused is None else unused & self.unused_last_sync
+        )
 
     def shard_gradients(self) -> None:
         """After the strategy's gradient path is complete (pipelines: after the sum over the stages): each
-        piece's ``.grad`` is its part of the averaged gradient (None where its parameter has none, as one
-        device would leave it); the whole buckets' ``.grad`` are dropped (the next step starts at zero)."""
+        piece's ``.grad`` is its part of the averaged gradient (None where its parameter had none in every
+        sync since the step, as one device would leave it); the whole buckets' ``.grad`` are dropped (the
+        next step starts at zero)."""
+        unused = self._unused_since_step or set()
         for bucket, shard in zip(self.buckets, self.shards):
             for piece in shard.pieces:
                 if shard.whole:
                     g = piece.param.grad
                     piece.shard.grad = None if g is None else g.detach().reshape(-1)[piece.start : piece.stop]
-                elif piece.param in self.unused_last_sync or shard.grad is None:
+                elif piece.param in unused or shard.grad is None:
                     piece.shard.grad = None
                 else:
                     piece.shard.grad = shard.grad[piece.offset : piece.offset + piece.stop - piece.start]
@@ -218,34 +347,53 @@ class ShardedGradientReducer(GradientReducer):
                 for p in bucket.params:
                     p.grad = None
 
+    def zero_grad(self) -> None:
+        """Drop what the ranges received since the step, as an optimizer's ``zero_grad`` drops ``.grad``:
+        the next synchronised backward starts from zero (the model's parameters hold no ``.grad`` under
+        ZeRO for the optimizer's own ``zero_grad`` to clear)."""
+        self.syncs_since_step, self._unused_since_step = 0, None
+        for piece in self.pieces():
+            piece.shard.grad = None
+
     def gather_parameters(self) -> None:
-        """After the optimizer step: every rank's updated ranges into every rank's parameters (one
-        all-gather per bucket, all started before the first wait); the pieces' gradients are dropped."""
-        started = []
+        """After the optimizer step, which consumed the received ranges: every rank's updated ranges into
+        every rank's parameters, one in-place all-gather per bucket (stage 1: in the kept bucket, all
+        started before the first wait; stage 2: in a buffer of the bucket's size, at most ``IN_FLIGHT``
+        at once); the pieces' gradients are dropped."""
+        self.syncs_since_step, self._unused_since_step = 0, None
+        started: deque[tuple[Any, Tensor, _Bucket]] = deque()
         for bucket, shard in zip(self.buckets, self.shards):
-            first = bucket.params[0]
-            # the bucket's buffer is free until the next backward (the model's .grad no longer alias it)
-            full = bucket.buffer
-            if not full.numel():
-                full = torch.empty(shard.size * self.world_size, dtype=first.dtype, device=first.device)
-            own = full[self.rank * shard.size : (self.rank + 1) * shard.size]
-            send = own if self._by_ranges else torch.empty_like(own)  # gloo: in place
-            send.zero_()
-            for piece in shard.pieces:
-                send[piece.offset : piece.offset + piece.stop - piece.start].copy_(piece.shard.detach())
-                piece.shard.grad = None
-            if self._by_ranges:
-                work = _all_gather_by_ranges(full, self.group)
-            else:  # NCCL: the fused collective
-                work = _all_gather(full, send, group=self.group, async_op=True)
-            started.append((work, full, bucket))
+            started.append((*self._start_gather(bucket, shard), bucket))
+            if self.stage == 2 and len(started) > IN_FLIGHT:
+                self._finish_gather(*started.popleft())
+        while started:
+            self._finish_gather(*started.popleft())
+
+    def _start_gather(self, bucket: _Bucket, shard: BucketShard) -> tuple[Any, Tensor]:
+        """This rank's updated pieces into its range of a buffer of the bucket's size (the bucket's own when
+        it is allocated: the model's ``.grad`` no longer alias it), and that buffer's all-gather started."""
+        first = bucket.params[0]
+        full = bucket.buffer
+        if not full.numel():
+            full = _scratch(shard.size * self.world_size, first.dtype, first.device)
+        own = self._own(full, shard)
+        held = sum(piece.stop - piece.start for piece in shard.pieces)
+        if held:  # the pieces tile the range from its start, in order
+            torch.cat([piece.shard.detach() for piece in shard.pieces], out=own[:held])
+        own[held:].zero_()
+        for piece in shard.pieces:
+            piece.shard.grad = None
+        if self._by_ranges:
+            return _all_gather_by_ranges(full, self.group), full
+        return all_gather_single()(full, own, group=self.group, async_op=True), full
+
+    @staticmethod
+    def _finish_gather(work: Any, full: Tensor, bucket: _Bucket) -> None:
+        work.wait()
+        sizes = [p.numel() for p in bucket.params]
+        parts = full.split([*sizes, full.numel() - sum(sizes)])
         with torch.no_grad():
-            for work, full, bucket in started:
-                work.wait()
-                offset = 0
-                for p in bucket.params:
-                    p.view(-1).copy_(full[offset : offset + p.numel()])
-                    offset += p.numel()
+            torch._foreach_copy_([p.view(-1) for p in bucket.params], list(parts[: len(sizes)]))
 
     def gradient_tensors(self) -> list[Tensor]:
         return [*super().gradient_tensors(), *(s.grad for s in self.shards if s.grad is not None)]

@@ -2,6 +2,8 @@
 
 from dataclasses import asdict
 
+from lightning.pytorch import Callback
+
 
 def reducer_stats(trainer) -> dict:
     reducer = trainer.strategy.reducer
@@ -180,4 +182,41 @@ def collectives_in_steps(trainer) -> dict:
         "reducer": getattr(trainer.strategy, "reducer", None) is not None,
         "counted": report.counted,
         "counting": report.counter.counting,
+    }
+
+
+class GradientPeak(Callback):
+    """The most gradient bytes a rank held at once during training, by the memory report's accounting
+    (unique storages of the parameters' ``.grad`` and of the gradient memory the strategy holds besides),
+    read at every gradient's arrival and before every optimizer step."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        params = [p for p in pl_module.parameters() if p.requires_grad]
+        for p in params:
+            p.register_post_accumulate_grad_hook(lambda _, params=params: self.sample(trainer, params))
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self.sample(trainer, list(pl_module.parameters()))
+
+    def sample(self, trainer, params) -> None:
+        from lightning_parallel.memory.accounting import unique_storage_bytes
+        from lightning_parallel.memory.callback import held_gradients
+
+        held = [*held_gradients(trainer.strategy), *(p.grad for p in params)]
+        self.peak = max(self.peak, unique_storage_bytes(held))
+
+
+def gradient_peak(trainer) -> dict:
+    """``GradientPeak``'s figure, and the gradient bytes held between steps (the end-of-fit report's)."""
+    from lightning_parallel.memory import report_of
+
+    (found,) = [c for c in trainer.callbacks if isinstance(c, GradientPeak)]
+    buckets = trainer.strategy.reducer.buckets
+    return {
+        "peak": found.peak,
+        "between_steps": report_of(trainer).tables["end_of_fit"][trainer.global_rank].gradients,
+        "largest_bucket": max(b.params[0].element_size() * sum(p.numel() for p in b.params) for b in buckets),
     }

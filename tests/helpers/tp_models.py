@@ -13,6 +13,7 @@ from lightning_parallel.models.gpt import Block, CharGPT
 __all__ = [
     "TokenData",
     "SmallGPT",
+    "ManualAccumulationGPT",
     "ConfiguredGPT",
     "SequenceData",
     "EncoderRegressor",
@@ -64,6 +65,32 @@ class SmallGPT(CharGPT):
             weight_decay=weight_decay,
             momentum=momentum,
         )
+
+
+class ManualAccumulationGPT(SmallGPT):
+    """``SmallGPT`` under manual optimization, accumulating ``accumulate`` batches per optimizer step as
+    Lightning documents it: each batch's loss divided by ``accumulate`` goes through its own
+    ``manual_backward``, and every ``accumulate`` batches come ``step()`` and ``zero_grad()``.
+
+    The attention keys have no bias: softmax is unchanged by a shift of a row's scores, so a key bias's
+    gradient is zero but for rounding, and Adam turns that rounding into steps of ``lr`` (two summation
+    orders of the same gradient then differ by up to ``lr`` in those elements)."""
+
+    def __init__(self, accumulate: int = 2, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.accumulate = accumulate
+        self.automatic_optimization = False
+        for block in self.model.blocks:
+            block.attn.k.bias = None
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        loss = self._loss(batch)
+        self.manual_backward(loss / self.accumulate)
+        if (batch_idx + 1) % self.accumulate == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+        return loss.detach()
 
 
 class SequenceData(LightningDataModule):

@@ -122,7 +122,7 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
         if "dirpath" in kwargs:
             kwargs["dirpath"] = str(out_dir / kwargs["dirpath"])
         trainer_kwargs["callbacks"].append(load_object(cb["class"])(**kwargs))
-    if case.get("callbacks"):
+    if any(c["class"].endswith(":ModelCheckpoint") for c in case.get("callbacks", [])):
         trainer_kwargs["enable_checkpointing"] = True
     if case.get(
         "fp16_cpu"
