@@ -7,11 +7,14 @@ updates state for the pieces only. An elementwise optimizer (SGD, Adam, AdamW, A
 element exactly what it gives on one device; an optimizer that mixes elements of a parameter (Adafactor's
 factored moments, LBFGS) is refused.
 
-Its ``state_dict()`` is the one an unsharded optimizer of this rank would return: the pieces' state
-gathered over the data-parallel group (a collective) and joined into tensors of each parameter's shape,
-numbered as the model's parameters. ``load_state_dict()`` takes that form and keeps this rank's pieces.
-So every checkpoint path (full files, tensor-parallel and pipeline gathers, sharded directories) sees an
-ordinary optimizer, and a checkpoint loads under another data-parallel size or with ZeRO off.
+Its ``state_dict()`` is the one an unsharded optimizer of this rank would return, on the rank that writes
+it: the pieces' state gathered to the data-parallel group's rank 0 and joined into tensors of each
+parameter's shape, numbered as the model's parameters. It is a collective: every rank of the
+data-parallel group must call it (Lightning's checkpoint saving does, on every rank); the other ranks send
+their pieces and get the parameter groups with an empty ``state``. ``load_state_dict()`` takes the
+unsharded form and keeps this rank's pieces. So every checkpoint path (full files, tensor-parallel and
+pipeline gathers, sharded directories) sees an ordinary optimizer, and a checkpoint loads under another
+data-parallel size or with ZeRO off.
 
 The model's parameters hold no gradient under ZeRO (the pieces do), so torch's clipping functions called
 on them would clip nothing: ``refuse_raw_clipping`` makes such a call raise, naming
@@ -133,7 +136,11 @@ class ShardedOptimizer:
 
     # ------------------------------------------------------------------ state in unsharded form
     def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state as an unsharded optimizer would hold it (a collective over the group)."""
+        """The optimizer state as an unsharded optimizer of this rank would hold it, on the group's rank 0
+        (the rank that writes a checkpoint; the ranks whose tensor-parallel and pipeline gathers reach
+        Lightning's writer, global rank 0, are each their group's rank 0). A collective: every rank of the
+        group must call it. The other ranks send their pieces and get the parameter groups with an empty
+        ``state``."""
         with self.sharded():
             local = type(self.optimizer).state_dict(self.optimizer)
         mine = []
@@ -143,10 +150,9 @@ class ShardedOptimizer:
             mine.append(
                 (j, span, {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in entry.items()})
             )
-        parts: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(parts, mine, group=self.group)
+        parts = _gather_to_first(mine, self.group)
         return {
-            "state": self._joined(parts),
+            "state": self._joined(parts) if parts is not None else {},
             "param_groups": _numbered(local["param_groups"], self.model_groups),
         }
 
@@ -228,6 +234,15 @@ class ShardedOptimizer:
         groups = _numbered(full["param_groups"], self.shard_groups)
         with self.sharded():
             type(self.optimizer).load_state_dict(self.optimizer, {"state": state, "param_groups": groups})
+
+
+def _gather_to_first(obj: Any, group: Optional[Any]) -> Optional[list[Any]]:
+    """Every rank's ``obj`` on rank 0 of ``group``, in group-rank order; None on the other ranks."""
+    first = dist.get_rank(group) == 0
+    parts: Optional[list[Any]] = [None] * dist.get_world_size(group) if first else None
+    dst = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.gather_object(obj, parts, dst=dst, group=group)
+    return parts
 
 
 def _numbered(hypers: list[Mapping[str, Any]], params: list[list[Any]]) -> list[dict[str, Any]]:
