@@ -1,12 +1,15 @@
-"""Clipping by the user's own call under ZeRO, in manual optimization, on real gloo processes: the user's
-``self.clip_gradients(opt, ..., "norm")`` clips by the whole model's norm, so ``zero_stage`` 1 and 2 equal
-``zero_stage=0`` and one device (float64, 1e-10) under lp_ddp and dp2 x tp2, with a clip value that clips
-every step; ``torch.nn.utils.clip_grad_norm_(self.parameters())``, which cannot see the pieces' gradients,
-raises naming ``self.clip_gradients`` instead of clipping nothing."""
+"""Clipping under ZeRO on real gloo processes, with a clip value that clips every step: in manual
+optimization the user's ``self.clip_gradients(opt, ..., "norm")`` clips by the whole model's norm, so
+``zero_stage`` 1 and 2 equal ``zero_stage=0`` and one device (float64, 1e-10) under lp_ddp and dp2 x tp2;
+in automatic optimization the strategy's step does under dp2 x pp2; and the full-file checkpoints of these
+runs (each tp and pp position's data-parallel rank 0 gathers the optimizer state) hold the single-device
+optimizer state. ``torch.nn.utils.clip_grad_norm_(self.parameters())``, which cannot see the pieces'
+gradients, raises naming ``self.clip_gradients`` instead of clipping nothing."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.helpers.harness import (
     assert_params_close,
@@ -27,6 +30,7 @@ RUNS = {
     "dp2tp2-z1": (4, PARALLEL, layout(2, 2, 1, 1)),
     "dp2tp2-z2": (4, PARALLEL, layout(2, 2, 1, 2)),
 }
+CLIP = {"gradient_clip_val": 0.05}
 
 
 def manual(name: str, strategy: str, kwargs: dict, dp: int, clip: str = "lightning", clip_val: float = 0.05):
@@ -44,6 +48,10 @@ def runs(tmp_path_factory):
     by_world: dict[int, list[dict]] = {1: [], 2: [], 4: []}
     by_world[1].append(manual("ref", DDP, {}, 1))
     by_world[1].append(manual("ref-unclipped", DDP, {}, 1, clip_val=1e6))
+    by_world[1].append(case("ref-automatic", "gpt", "adamw", DDP, {}, 1, trainer=CLIP))
+    by_world[4].append(
+        case("dp2pp2-z1-automatic", "gpt", "adamw", PARALLEL, layout(2, 1, 2, 1), 2, trainer=CLIP)
+    )
     for name, (world, strategy, kwargs) in RUNS.items():
         by_world[world].append(manual(name, strategy, kwargs, 2))
     results = {}
@@ -66,6 +74,29 @@ def test_the_users_clip_gradients_under_zero_clips_by_the_whole_models_norm(runs
             saved_checkpoint(tmp, 2, "ddp2-z0")["state_dict"],
             atol=1e-10,
         )
+
+
+@pytest.mark.timeout(900)
+def test_the_strategys_clipping_under_zero_and_pipeline_stages_clips_by_the_whole_models_norm(runs):
+    tmp, results = runs
+    full = saved_checkpoint(tmp, 4, "dp2pp2-z1-automatic")["state_dict"]
+    assert_params_close(full, results["ref-automatic"][0]["state_dict"], atol=1e-10)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    "name, world, reference",
+    [("ddp2-z1", 2, "ref"), ("dp2tp2-z2", 4, "ref"), ("dp2pp2-z1-automatic", 4, "ref-automatic")],
+)
+def test_a_full_checkpoint_under_zero_holds_the_single_device_optimizer_state(runs, name, world, reference):
+    tmp, _ = runs
+    ours = saved_checkpoint(tmp, world, name)["optimizer_states"][0]
+    theirs = saved_checkpoint(tmp, 1, reference)["optimizer_states"][0]
+    assert ours["param_groups"] == theirs["param_groups"]
+    assert set(ours["state"]) == set(theirs["state"])
+    for index, state in theirs["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(ours["state"][index][key], value, atol=1e-10, rtol=0)
 
 
 @pytest.mark.timeout(300)
