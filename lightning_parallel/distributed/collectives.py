@@ -246,26 +246,38 @@ def clip_grad_norm_counted(
     the model is counted on exactly one rank (a shard by its holder, a copy by one of its holders).
     Every rank joins the sum, a rank without gradients (a pipeline stage that got none this step) with
     0, so no rank waits for one that skipped it. Every rank gets the same norm and scales all of its
-    gradients alike, as one device holding the whole model would. Returns the total norm."""
+    gradients alike, as one device holding the whole model would. A few foreach kernels per device and
+    dtype, no host sync. Returns the total norm."""
     params = list(parameters)
     grads = [p.grad for p in params if p.grad is not None]
     mine = [p.grad for p in params if p.grad is not None and id(p) in counted]
     dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
     device = params[0].device if params else _collective_device(group)
-    # summed in float64 whatever each rank's dtype: every rank sends the same kind of tensor
-    squares = _add_squares(torch.zeros((), device=device, dtype=torch.float64), mine)
-    total = all_reduce_sum(squares, group).to(dtype).sqrt()
-    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for g in grads:
-        g.detach().mul_(scale.to(g.dtype))
+    with torch.no_grad():
+        # summed in float64 whatever each rank's dtype: every rank sends the same kind of tensor
+        total = all_reduce_sum(_sum_of_squares(mine, device), group).to(dtype).sqrt()
+        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for same in _by_device_and_dtype(grads):
+            torch._foreach_mul_(same, scale.to(device=same[0].device, dtype=same[0].dtype))
     return total
 
 
-def _add_squares(acc: Tensor, grads: list[Tensor]) -> Tensor:
-    """``acc`` plus the squared 2-norm of each of ``grads`` in turn (in ``acc``'s dtype), in place."""
-    for g in grads:
-        acc += g.detach().to(acc.dtype).pow(2).sum()
-    return acc
+def _sum_of_squares(grads: list[Tensor], device: torch.device) -> Tensor:
+    """The squared 2-norm of ``grads`` together, in float64 on ``device``: one foreach norm per device and
+    dtype (in the gradients' dtype, as torch's own ``clip_grad_norm_``), their squares summed."""
+    total = torch.zeros((), device=device, dtype=torch.float64)
+    for same in _by_device_and_dtype(grads):
+        norms = torch.stack(torch._foreach_norm(same, 2))
+        total += norms.to(device=device, dtype=torch.float64).square().sum()
+    return total
+
+
+def _by_device_and_dtype(tensors: list[Tensor]) -> list[list[Tensor]]:
+    """``tensors`` grouped by (device, dtype), the unit a foreach kernel takes."""
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())
 
 
 def share_found_inf(scaler: Any, group: Optional[dist.ProcessGroup] = None) -> None:

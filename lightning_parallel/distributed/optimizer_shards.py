@@ -7,18 +7,27 @@ updates state for the pieces only. An elementwise optimizer (SGD, Adam, AdamW, A
 element exactly what it gives on one device; an optimizer that mixes elements of a parameter (Adafactor's
 factored moments, LBFGS) is refused.
 
-Its ``state_dict()`` is the one an unsharded optimizer of this rank would return: the pieces' state
-gathered over the data-parallel group (a collective) and joined into tensors of each parameter's shape,
-numbered as the model's parameters. ``load_state_dict()`` takes that form and keeps this rank's pieces.
-So every checkpoint path (full files, tensor-parallel and pipeline gathers, sharded directories) sees an
-ordinary optimizer, and a checkpoint loads under another data-parallel size or with ZeRO off.
+Its ``state_dict()`` is the one an unsharded optimizer of this rank would return, on the rank that writes
+it: the pieces' state gathered to the data-parallel group's rank 0 and joined into tensors of each
+parameter's shape, numbered as the model's parameters. It is a collective: every rank of the
+data-parallel group must call it (Lightning's checkpoint saving does, on every rank); the other ranks send
+their pieces and get the parameter groups with an empty ``state``. ``load_state_dict()`` takes the
+unsharded form and keeps this rank's pieces. So every checkpoint path (full files, tensor-parallel and
+pipeline gathers, sharded directories) sees an ordinary optimizer, and a checkpoint loads under another
+data-parallel size or with ZeRO off.
+
+The model's parameters hold no gradient under ZeRO (the pieces do), so torch's clipping functions called
+on them would clip nothing: ``refuse_raw_clipping`` makes such a call raise, naming
+``self.clip_gradients``, which clips the pieces by the whole model's norm.
 """
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Generator, Mapping, Optional
+from types import ModuleType
+from typing import Any, Callable, Generator, Iterable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,7 +35,13 @@ from torch import Tensor, nn
 
 from lightning_parallel.distributed.zero import Piece
 
-__all__ = ["ELEMENTWISE_OPTIMIZERS", "ShardedOptimizer", "StatePieces", "sharding_problem"]
+__all__ = [
+    "ELEMENTWISE_OPTIMIZERS",
+    "ShardedOptimizer",
+    "StatePieces",
+    "refuse_raw_clipping",
+    "sharding_problem",
+]
 
 #: torch optimizers whose update of an element reads only that element's gradient and state
 ELEMENTWISE_OPTIMIZERS = tuple(
@@ -98,6 +113,8 @@ class ShardedOptimizer:
                     self.index.append((j, piece))
                 j += 1
             self.shard_groups.append(held)
+        #: what the optimizer steps on this rank, in and out of a step: what clipping measures and scales
+        self.held_parameters: list[nn.Parameter] = [p for held in self.shard_groups for p in held]
         earlier = type(optimizer).state_dict(optimizer) if optimizer.state else None
         optimizer.state_dict = self.state_dict  # type: ignore[method-assign]
         optimizer.load_state_dict = self.load_state_dict  # type: ignore[method-assign]
@@ -106,7 +123,7 @@ class ShardedOptimizer:
 
     @contextmanager
     def sharded(self) -> Generator[None, None, None]:
-        """The optimizer's groups hold this rank's pieces (a step, its clipping and hooks run inside)."""
+        """The optimizer's groups hold this rank's pieces (a step and its hooks run inside)."""
         self._swap(self.shard_groups)
         try:
             yield
@@ -119,7 +136,11 @@ class ShardedOptimizer:
 
     # ------------------------------------------------------------------ state in unsharded form
     def state_dict(self) -> dict[str, Any]:
-        """This rank's optimizer state as an unsharded optimizer would hold it (a collective over the group)."""
+        """The optimizer state as an unsharded optimizer of this rank would hold it, on the group's rank 0
+        (the rank that writes a checkpoint; the ranks whose tensor-parallel and pipeline gathers reach
+        Lightning's writer, global rank 0, are each their group's rank 0). A collective: every rank of the
+        group must call it. The other ranks send their pieces and get the parameter groups with an empty
+        ``state``."""
         with self.sharded():
             local = type(self.optimizer).state_dict(self.optimizer)
         mine = []
@@ -129,10 +150,9 @@ class ShardedOptimizer:
             mine.append(
                 (j, span, {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in entry.items()})
             )
-        parts: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(parts, mine, group=self.group)
+        parts = _gather_to_first(mine, self.group)
         return {
-            "state": self._joined(parts),
+            "state": self._joined(parts) if parts is not None else {},
             "param_groups": _numbered(local["param_groups"], self.model_groups),
         }
 
@@ -216,6 +236,15 @@ class ShardedOptimizer:
             type(self.optimizer).load_state_dict(self.optimizer, {"state": state, "param_groups": groups})
 
 
+def _gather_to_first(obj: Any, group: Optional[Any]) -> Optional[list[Any]]:
+    """Every rank's ``obj`` on rank 0 of ``group``, in group-rank order; None on the other ranks."""
+    first = dist.get_rank(group) == 0
+    parts: Optional[list[Any]] = [None] * dist.get_world_size(group) if first else None
+    dst = 0 if group is None else dist.get_global_rank(group, 0)
+    dist.gather_object(obj, parts, dst=dst, group=group)
+    return parts
+
+
 def _numbered(hypers: list[Mapping[str, Any]], params: list[list[Any]]) -> list[dict[str, Any]]:
     """``hypers`` (parameter groups' settings) with each group's ``params`` numbered 0.. across groups."""
     out, start = [], 0
@@ -235,3 +264,57 @@ def _elementwise(value: Any, span: tuple[int, int]) -> bool:
 
 def _of_shape(value: Any, shape: torch.Size) -> bool:
     return isinstance(value, Tensor) and value.shape == shape
+
+
+# ---------------------------------------------------------------------- torch's clipping of the model's parameters
+#: id of a model parameter whose gradient lives in this rank's pieces -> the error a raw clipping call raises
+_REFUSED: dict[int, str] = {}
+#: torch's clipping functions replaced while anything is refused: (module, name) -> the original
+_ORIGINALS: dict[tuple[ModuleType, str], Callable[..., Any]] = {}
+
+
+def _clipping_entry_points() -> list[tuple[ModuleType, str]]:
+    """Where a user's clipping call reaches torch. From torch 2.6 ``clip_grad_norm_`` hands its parameters to
+    ``clip_grad._clip_grads_with_norm_``, looked up at every call, so a ``clip_grad_norm_`` imported by name
+    before set-up is caught there too; on torch 2.5 only the module attributes are."""
+    from torch.nn.utils import clip_grad
+
+    names = ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_")
+    points = [(m, n) for m in (torch.nn.utils, clip_grad) for n in names if hasattr(m, n)]
+    if hasattr(clip_grad, "_clip_grads_with_norm_"):  # torch >= 2.6
+        points.append((clip_grad, "_clip_grads_with_norm_"))
+    return points
+
+
+def _refusing(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def clip(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        params = [parameters] if isinstance(parameters, Tensor) else list(parameters)
+        for p in params:
+            if id(p) in _REFUSED:
+                raise RuntimeError(_REFUSED[id(p)])
+        return original(params, *args, **kwargs)
+
+    return clip
+
+
+def refuse_raw_clipping(params: Iterable[Tensor], message: str) -> Callable[[], None]:
+    """Until the returned function is called, torch's ``clip_grad_norm_`` / ``clip_grad_value_`` (and
+    ``clip_grads_with_norm_``) called on any of ``params`` raise ``RuntimeError(message)`` instead of
+    clipping nothing: under ZeRO these parameters hold no gradient, their pieces do."""
+    ids = {id(p) for p in params}
+    _REFUSED.update(dict.fromkeys(ids, message))
+    if not _ORIGINALS:
+        for module, name in _clipping_entry_points():
+            _ORIGINALS[(module, name)] = getattr(module, name)
+            setattr(module, name, _refusing(getattr(module, name)))
+
+    def release() -> None:
+        for i in ids:
+            _REFUSED.pop(i, None)
+        if not _REFUSED:
+            for (module, name), original in _ORIGINALS.items():
+                setattr(module, name, original)
+            _ORIGINALS.clear()
+
+    return release

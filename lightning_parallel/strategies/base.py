@@ -19,8 +19,8 @@ What the base adds on top:
   every rank exits within ``failure_timeout`` seconds (default 60) naming the rank and the call, instead
   of waiting in a collective; a signal (SIGTERM) ends a rank stuck in one within seconds;
 - the set-up that split models share: the (dp, model-parallel) sizes checked against the world before
-  any process group exists (``mesh_shape``), clipping by the whole model's norm
-  (``install_global_norm_clipping``), one overflow verdict for every rank under 16-mixed
+  any process group exists (``mesh_shape``), clipping by the whole model's norm, decided once
+  (``clipping_rule``, installed by ``install_clipping``), one overflow verdict for every rank under 16-mixed
   (``share_found_inf``), and the refusal of launchers that would hand back rank 0's part only
   (``popen_only``);
 - deferred initialization and a set-up that holds only the rank's share (``set_up_share``, from
@@ -63,7 +63,11 @@ from lightning_parallel.checkpointing.contract import check_keys, unwrapped
 from lightning_parallel.checkpointing.loss_check import FiniteLossCheck, training_loss
 from lightning_parallel.distributed.collectives import clip_grad_norm_counted, group_size, share_found_inf
 from lightning_parallel.distributed.mesh import Mesh, MeshShape, build_mesh, destroy_process_groups_at_exit
-from lightning_parallel.distributed.optimizer_shards import ShardedOptimizer, sharding_problem
+from lightning_parallel.distributed.optimizer_shards import (
+    ShardedOptimizer,
+    refuse_raw_clipping,
+    sharding_problem,
+)
 from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.replicas import broadcast_module_states
 from lightning_parallel.distributed.sync_batchnorm import SyncBatchNormPlugin
@@ -109,6 +113,15 @@ def _initial_weights_problem(value: Any, prefix: str) -> Optional[str]:
             "them, a torch file (a checkpoint or a state dict), or a mapping of names to tensors"
         )
     return None
+
+
+def _raw_clipping_refused(zero_stage: int) -> str:
+    return (
+        f"zero_stage={zero_stage}: the model's parameters hold no gradient (each data-parallel rank holds the "
+        "gradients of its pieces of them), so torch's clip_grad_norm_ / clip_grad_value_ on them would clip "
+        "nothing. Call self.clip_gradients(optimizer, gradient_clip_val=..., gradient_clip_algorithm='norm') "
+        "in training_step (it clips by the whole model's norm), or set Trainer(gradient_clip_val=...)."
+    )
 
 
 class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
@@ -213,7 +226,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.zero_stage = zero_stage
         self._optimizer_shards: dict[int, ShardedOptimizer] = {}  # id(optimizer) -> its sharding
-        self._norm_counted: Optional[set[int]] = None  # what global-norm clipping counts (ids), if installed
+        self._release_raw_clipping: Callable[[], None] = lambda: None  # refuse_raw_clipping's, under ZeRO
         self._checkpointed: list[str] = []  # the submodules whose forward set-up checkpointed
         self.memory = MemoryReport(defer_to_callback=True) if memory_report else None  # baseline: now
 
@@ -401,11 +414,9 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
 
     def configure_ddp(self) -> None:
         """Called by Lightning's ``DDPStrategy.setup`` while fitting: install our parallelism instead."""
-        self._norm_counted = None
         self.configure_parallelism()
         self._bind_metrics_to_dp_group()
-        if isinstance(self.reducer, ShardedGradientReducer):
-            self._clip_over_pieces(self.reducer)
+        self.install_clipping()
         if self.zero_stage and self.mesh is not None and self.mesh.shape.dp == 1:
             rank_zero_info(
                 f"zero_stage={self.zero_stage}: the data-parallel group has one process, so nothing is sharded "
@@ -456,15 +467,6 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self.reducer.gather_parameters()
         return output
 
-    def _clip_over_pieces(self, reducer: ShardedGradientReducer) -> None:
-        """Clipping by the global norm over the pieces: each element of the model is in one piece of one
-        rank of the world (the data-parallel ranks hold disjoint pieces of what the model group counts)."""
-        counted = self._norm_counted
-        pieces = reducer.pieces()
-        self.install_global_norm_clipping(
-            {id(x.shard) for x in pieces if counted is None or id(x.param) in counted}, None
-        )
-
     def configure_parallelism(self) -> None:
         """Subclasses rewrite the module and create ``self.reducer`` here."""
 
@@ -487,18 +489,52 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         if self.scaler() is not None:
             share_found_inf(self.scaler(), group=None)
 
-    def install_global_norm_clipping(
-        self, counted: set[int], group: Optional[torch.distributed.ProcessGroup]
-    ) -> None:
-        """Clipping by norm uses the whole model's norm: the squares of the parameters in ``counted`` (by
-        id; each part of the model on one rank of ``group``) are summed over ``group``. Lightning's plugin
-        would clip each rank by its local norm; this replaces it on this plugin instance."""
-        self._norm_counted = counted
+    def norm_share(self) -> Optional[tuple[set[int], Optional[torch.distributed.ProcessGroup]]]:
+        """The model's parameters (by id) whose squared gradients this rank adds to the model's norm, and
+        the group that sum runs over, each part of the model counted on one rank of it; None where every
+        rank holds the whole model (split models say, ``strategies/parallel.py``)."""
+        return None
+
+    def clipping_rule(self) -> Optional[tuple[set[int], Optional[torch.distributed.ProcessGroup]]]:
+        """Which tensors' gradients count in the model's norm on this rank (by id), and over which group
+        their squares are summed; None where Lightning's local norm is the whole model's. With
+        ``zero_stage`` the tensors are this rank's pieces (the model's parameters hold no gradient), and
+        the group is the whole world: the data-parallel ranks hold disjoint pieces of what the model
+        group counts."""
+        share = self.norm_share()
+        if not isinstance(self.reducer, ShardedGradientReducer):
+            return share
+        counted = None if share is None else share[0]
+        return {id(x.shard) for x in self.reducer.pieces() if counted is None or id(x.param) in counted}, None
+
+    def install_clipping(self) -> None:
+        """Clipping by norm uses the whole model's norm (``clipping_rule``, decided here once per set-up),
+        in the strategy's step and in the user's ``self.clip_gradients`` alike: it replaces Lightning's
+        local norm on this precision plugin instance. With ``zero_stage``, the plugin's ``main_params`` of
+        an optimizer are its pieces in and out of a step (clipping by value scales them too), and torch's
+        ``clip_grad_norm_`` / ``clip_grad_value_`` on the model's parameters raise, naming
+        ``self.clip_gradients`` (``refuse_raw_clipping``)."""
+        plugin, rule = self.precision_plugin, self.clipping_rule()
+        for name in ("main_params", "clip_grad_by_norm"):
+            plugin.__dict__.pop(name, None)  # an earlier fit's
+        self._release_raw_clipping()
+        if rule is None:
+            return
+        counted, group = rule
+        main_params = type(plugin).main_params
+
+        def held_params(plugin: Any, optimizer: Any) -> Any:
+            shards = self._optimizer_shards.get(id(unwrapped(optimizer)))
+            return shards.held_parameters if shards is not None else main_params(plugin, optimizer)
 
         def clip_grad_by_norm(plugin: Any, optimizer: Any, clip_val: Union[int, float]) -> None:
             clip_grad_norm_counted(list(plugin.main_params(optimizer)), float(clip_val), counted, group)
 
-        self.precision_plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, self.precision_plugin)
+        plugin.main_params = types.MethodType(held_params, plugin)
+        plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, plugin)
+        if isinstance(self.reducer, ShardedGradientReducer):
+            bucketed = [p for bucket in self.reducer.buckets for p in bucket.params]
+            self._release_raw_clipping = refuse_raw_clipping(bucketed, _raw_clipping_refused(self.zero_stage))
 
     def _bind_metrics_to_dp_group(self) -> None:
         from torchmetrics import Metric
@@ -612,6 +648,8 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         super().on_exception(exception)
 
     def teardown(self) -> None:
+        self._release_raw_clipping()
+        self._release_raw_clipping = lambda: None
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None

@@ -247,7 +247,6 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
             hooks=not (self.pipelined and self.schedule == "async"),
             whole=[params[i] for i in self._replicated] if self.pipelined else (),
         )
-        self.install_global_norm_clipping(self._counted_for_norm(module), self.mesh.group("model"))
 
     def _split(self, module: nn.Module) -> None:
         """Tensor parallel, then pipeline stages, applied to the meta module inside ``set_up_share``: the
@@ -291,18 +290,20 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
             )
         self._entries = list({id(e): e for layer in layers if (e := getattr(layer, "entry", None))}.values())
 
-    def _counted_for_norm(self, module: nn.Module) -> set[int]:
+    def norm_share(self) -> tuple[set[int], Optional[dist.ProcessGroup]]:
         """The parameters whose squares this rank adds to the model's norm, summed over the model group
         (pp x tp): a shard by its holder; a tensor whole on every tp rank by tp rank 0; a module outside
         the block stack (on every stage) by stage 0."""
+        module = self.lightning_module
         sharded = {id(t) for t, _, _ in sharded_parameters(module).values()}
         owned = set(self.partition.owned) if self.pipelined else None
         first_tp, first_stage = self.mesh.tp_rank == 0, self.mesh.pp_rank == 0
-        return {
+        counted = {
             id(p)
             for n, p in module.named_parameters()
             if (id(p) in sharded or first_tp) and (owned is None or n in owned or first_stage)
         }
+        return counted, self.mesh.group("model")
 
     # ----------------------------------------------------------------- per step
     def post_backward(self, closure_loss: torch.Tensor) -> None:

@@ -20,6 +20,7 @@ class OneSidedMLP(MLP):
     """At validation batch ``at_batch`` of the first validation, global rank ``rank`` alone does
     ``action``: ``"all_gather"`` (``self.all_gather``), ``"strategy_barrier"``
     (``trainer.strategy.barrier()``), ``"dist_barrier"`` (``torch.distributed.barrier()``), or
+    ``"optimizer_state_dict"`` (the optimizer's ``state_dict()``, a collective under ZeRO), or
     ``"sleep"`` (``seconds`` without any collective: a slow rank, which is no bug)."""
 
     def __init__(
@@ -42,6 +43,8 @@ class OneSidedMLP(MLP):
                 self.trainer.strategy.barrier()
             elif self.action == "dist_barrier":
                 dist.barrier()
+            elif self.action == "optimizer_state_dict":
+                self.trainer.optimizers[0].state_dict()
             else:
                 time.sleep(self.seconds)
         return loss

@@ -20,6 +20,7 @@ __all__ = [
     "TransformerRegressor",
     "MomentumGPT",
     "DropoutGPT",
+    "ManualClipGPT",
 ]
 
 
@@ -209,3 +210,27 @@ class DropoutGPT(MomentumGPT):
         blocks = [ResidualDropoutBlock(h.n_embd, h.n_head, residual_dropout) for _ in range(h.n_layer)]
         self.model.blocks = nn.ModuleList(blocks)
         self.model.blocks.apply(self.model._init_weights)
+
+
+class ManualClipGPT(SmallGPT):
+    """``SmallGPT`` under manual optimization, clipping by the user's own call before each step:
+    ``clip="lightning"`` is ``self.clip_gradients(opt, clip_val, "norm")``, ``clip="torch"`` is
+    ``torch.nn.utils.clip_grad_norm_(self.parameters(), clip_val)``."""
+
+    def __init__(self, clip: str = "lightning", clip_val: float = 0.05, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+        self.clip, self.clip_val = clip, clip_val
+        self.example_input_array = torch.zeros(2, self.hparams.block_size, dtype=torch.long)
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = self._loss(batch)
+        self.manual_backward(loss)
+        if self.clip == "lightning":
+            self.clip_gradients(opt, gradient_clip_val=self.clip_val, gradient_clip_algorithm="norm")
+        else:
+            torch.nn.utils.clip_grad_norm_(self.parameters(), self.clip_val)
+        opt.step()
+        return loss.detach()

@@ -80,6 +80,25 @@ def test_a_collective_one_rank_never_joins_ends_the_run_naming_it(tmp_path, stra
 
 
 @pytest.mark.timeout(200)
+def test_an_optimizer_state_dict_under_zero_on_one_rank_ends_the_run_naming_it(tmp_path):
+    """``optimizer.state_dict()`` is a collective under ZeRO (gathered to the writing rank): called on
+    rank 0 alone, every rank ends within failure_timeout + 10 s, naming the call and the user's line."""
+    case = one_sided_case("DDPStrategy", "optimizer_state_dict", 0, FAILURE_TIMEOUT)
+    case["strategy"]["kwargs"]["zero_stage"] = 1
+    commands, envs, out, marker = commands_with_marker(case, tmp_path)
+    result = start_processes(commands, envs, timeout=150, cwd=out, grace=120, rendezvous=True)
+    ended = time.time()
+    assert marker.exists(), f"the one-sided call was never reached:\n{result.outputs[0][-3000:]}"
+    assert result.codes == [1, 1], f"exit codes {result.codes}:\n{result.outputs[0][-3000:]}"
+    assert ended - marker.stat().st_mtime <= FAILURE_TIMEOUT + 10
+    for output in result.outputs:
+        line = next((ln for ln in output.splitlines() if NEVER_JOINED in ln), None)
+        assert line is not None, output[-3000:]
+        assert f"{NEVER_JOINED}rank 0 has waited" in line, line
+        assert " at validation_step (one_sided.py:" in line and "which rank 1 did not join" in line, line
+
+
+@pytest.mark.timeout(200)
 def test_waiting_for_a_slow_rank_is_not_a_hang(tmp_path):
     """Rank 1 spends 3 x failure_timeout in validation_step (a slow rank, no collective): rank 0 waits for
     it in its next collective all that time, and the run finishes."""
