@@ -4,7 +4,7 @@
 place (the same object, names and ``state_dict`` keys, so the tensor-parallel plan, the pipeline
 partition and checkpoints see the same module) with torch's non-reentrant ``checkpoint``:
 
-- ``True``: every block of the block stack (``pipeline.partition.find_block_stack``); blocks held by
+- ``True``: every block of the block stack (``module_names.find_block_stack``); blocks held by
   another pipeline stage are left alone;
 - a list of module-name patterns (``*`` is one dotted segment, as in tensor-parallel plans);
 - ``"selective"``: only the attention core of each block, as Megatron recomputes it. The checkpointed
@@ -38,9 +38,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_parallel.memory.saved import record_saved
+from lightning_parallel.module_names import find_block_stack, match_pattern
 from lightning_parallel.pipeline.executor import snapshot_in_use
-from lightning_parallel.pipeline.partition import find_block_stack, held_elsewhere
-from lightning_parallel.tensor.plan import match_pattern
+from lightning_parallel.pipeline.partition import held_elsewhere
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,9 @@ from torch import nn
 import lightning_parallel as lp
 from lightning_parallel.distributed.optimizer_shards import sharding_problem
 from lightning_parallel.models import CharGPT
+from lightning_parallel.module_names import find_block_stack
 from lightning_parallel.pipeline.executor import split_microbatches
-from lightning_parallel.pipeline.partition import find_block_stack, stage_bounds
+from lightning_parallel.pipeline.partition import stage_bounds
 from lightning_parallel.strategies.checks import require
 from lightning_parallel.tensor import resolve
 

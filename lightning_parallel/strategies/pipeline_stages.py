@@ -56,14 +56,11 @@ from lightning_parallel.distributed.collectives import start_gather_numbers
 from lightning_parallel.distributed.p2p import PeerLink
 from lightning_parallel.distributed.replicas import start_sum_at
 from lightning_parallel.materialize import has_meta_tensors
+from lightning_parallel.module_names import find_block_stack
 from lightning_parallel.pipeline.deferred_batchnorm import DeferredBatchNorm, batchnorm_warning
 from lightning_parallel.pipeline.executor import StageExecutor, batch_size, split_microbatches
 from lightning_parallel.pipeline.logs import LogMirror, WholeBatchMetrics, summarize
-from lightning_parallel.pipeline.partition import (
-    StagePartition,
-    find_block_stack,
-    keep_block_skeletons,
-)
+from lightning_parallel.pipeline.partition import StagePartition, keep_block_skeletons
 from lightning_parallel.pipeline.profile import (
     average_over_ranks,
     capture_block_inputs,
