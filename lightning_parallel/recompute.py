@@ -4,12 +4,13 @@
 place (the same object, names and ``state_dict`` keys, so the tensor-parallel plan, the pipeline
 partition and checkpoints see the same module) with torch's non-reentrant ``checkpoint``:
 
-- ``True``: every block of the block stack (``pipeline.partition.find_block_stack``); blocks held by
+- ``True``: every block of the block stack (``module_names.find_block_stack``); blocks held by
   another pipeline stage are left alone;
 - a list of module-name patterns (``*`` is one dotted segment, as in tensor-parallel plans);
 - ``"selective"``: only the attention core of each block, as Megatron recomputes it. The checkpointed
-  module is the innermost submodule whose ``forward`` computes softmax attention (``softmax``,
-  ``scaled_dot_product_attention``, a Hugging Face ``attention_interface``) or an
+  module is the innermost submodule whose ``forward`` computes softmax attention (the softmax of a
+  product of activations, ``scaled_dot_product_attention``, a Hugging Face ``attention_interface``; a
+  softmax that feeds a ``topk`` is a mixture-of-experts router, not attention) or an
   ``nn.MultiheadAttention``; inside it, torch's selective checkpoint policy keeps the outputs of
   ``_KEPT_OPS`` (the query/key/value and output projections, a fused attention kernel), so backward reruns
   only an unfused core between them (QK^T, mask, softmax, dropout, the product with V), the cheap shape
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import re
 from collections.abc import Sequence
 from contextlib import contextmanager, nullcontext
 from functools import partial
@@ -39,9 +41,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from lightning_parallel.memory.saved import SavedHooks, can_stack, counting, record_saved
-from lightning_parallel.pipeline.partition import find_block_stack, held_elsewhere
+from lightning_parallel.module_names import find_block_stack, match_pattern
+from lightning_parallel.pipeline.partition import held_elsewhere
 from lightning_parallel.recompute_state import SnapshotView, recomputing, snapshot_in_use
-from lightning_parallel.tensor.plan import match_pattern
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +58,11 @@ __all__ = [
 
 Spec = Union[bool, str, Sequence[str]]
 
-#: words in a ``forward``'s source that say it computes softmax(QK^T)V
-_ATTENTION_MARKERS = ("softmax", "scaled_dot_product_attention", "attention_interface")
+#: calls in a ``forward``'s source that compute softmax(QK^T)V in one kernel or function
+_FUSED_ATTENTION = ("scaled_dot_product_attention", "attention_interface")
+#: a product of two activations in a ``forward``'s source (the scores QK^T); ``@`` as an operator only,
+#: not a decorator
+_PRODUCT = re.compile(r"\b(?:matmul|bmm|baddbmm|einsum)\(|[\w)\]]\s*@\s*[\w(]")
 #: what a selective recompute keeps from the forward: the products of a linear layer with its weight (2-D
 #: operands; the attention core's products of activations are batched, ``bmm``), and the fused attention
 #: kernels, which keep no s x s scores for backward (recomputing one would cost time and free nothing, as
@@ -122,19 +127,27 @@ def _attention_cores(block: nn.Module, block_name: str) -> list[str]:
         raise ValueError(
             f'activation_checkpointing="selective" found no attention core in {block_name} '
             f"({type(block).__name__}): no submodule is an nn.MultiheadAttention or has a forward that calls "
-            f"{', '.join(_ATTENTION_MARKERS)}. Use True (whole blocks) or module-name patterns."
+            f"{' or '.join(_FUSED_ATTENTION)}, or a softmax of a product of activations (matmul, bmm, einsum, "
+            "@) without a top-k. Use True (whole blocks) or module-name patterns."
         )
     return [f"{block_name}.{n}" for n in innermost]
 
 
 def _computes_attention(module: nn.Module) -> bool:
+    """An ``nn.MultiheadAttention``, or a ``forward`` that calls a fused attention or takes the softmax of a
+    product of activations (the scores), and selects no top-k: a mixture-of-experts router's softmax
+    over its gate's logits, followed by ``topk``, is not attention."""
     if isinstance(module, nn.MultiheadAttention):
         return True
     try:
         source = inspect.getsource(type(module).forward)
     except (OSError, TypeError):
         return False
-    return any(marker in source for marker in _ATTENTION_MARKERS)
+    if "topk" in source:
+        return False
+    return any(call in source for call in _FUSED_ATTENTION) or (
+        "softmax" in source and _PRODUCT.search(source) is not None
+    )
 
 
 def apply_activation_checkpointing(

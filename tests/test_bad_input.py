@@ -9,8 +9,9 @@ from torch import nn
 import lightning_parallel as lp
 from lightning_parallel.distributed.optimizer_shards import sharding_problem
 from lightning_parallel.models import CharGPT
-from lightning_parallel.pipeline.executor import split_microbatches
-from lightning_parallel.pipeline.partition import find_block_stack, stage_bounds
+from lightning_parallel.module_names import find_block_stack
+from lightning_parallel.pipeline.executor import loader_problem, split_microbatches
+from lightning_parallel.pipeline.partition import stage_bounds
 from lightning_parallel.strategies.checks import require
 from lightning_parallel.tensor import resolve
 
@@ -245,6 +246,18 @@ CATALOGUE = [
         lambda: split_microbatches((torch.zeros(3, 2),), 4),
         ValueError,
         ["batch of 3 samples", "num_microbatches=4"],
+    ),
+    (
+        "pp-last-batch-too-small",
+        lambda: require([loader_problem(258, 16, False, 4)]),
+        ValueError,
+        ["last batch holds 2 samples", "258", "batches of 16", "drop_last=True", "num_microbatches <= 2"],
+    ),
+    (
+        "pp-batches-too-small",
+        lambda: require([loader_problem(64, 2, True, 4)]),
+        ValueError,
+        ["batches hold 2 samples", "num_microbatches=4", "num_microbatches <= 2"],
     ),
 ]
 

@@ -68,11 +68,56 @@ def test_targets():
         ("hf_bert", "attention.self"),  # the core without the output projection
         ("torch_encoder", "self_attn"),
         ("nanogpt", "attn"),
+        ("mixtral", "self_attn"),  # not the router (mlp.gate): its softmax feeds a top-k
     ],
 )
 def test_selective_finds_the_attention_of_each_block(arch, core):
     names = checkpoint_targets(build(arch), "selective")
     assert len(names) == 2 and all(n.endswith(f".{core}") for n in names), names
+
+
+class _Attention(nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(width, 3 * width)
+
+    @torch.no_grad()  # a decorator's @ is no product
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
+
+
+class _SparseMoE(nn.Module):
+    """A mixture of experts that routes in its own forward (transformers 4's Mixtral block): a softmax of
+    its gate's logits, then top-k."""
+
+    def __init__(self, width: int = 8, experts: int = 4) -> None:
+        super().__init__()
+        self.gate = nn.Linear(width, experts, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(width, width) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = torch.topk(torch.softmax(self.gate(x), dim=-1), 2, dim=-1)
+        outputs = torch.stack([expert(x) for expert in self.experts], dim=-2)
+        picked = outputs.gather(-2, chosen[..., None].expand(*chosen.shape, x.shape[-1]))
+        return (weights[..., None] * picked).sum(-2)
+
+
+class _Scores(nn.Module):
+    """A softmax with no product of activations (a classifier's head, a router without top-k)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.proj(x), dim=-1)
+
+
+def test_selective_takes_a_softmax_of_scores_and_not_a_router():
+    block = lambda: nn.ModuleDict({"attn": _Attention(), "moe": _SparseMoE(), "head": _Scores()})  # noqa: E731
+    model = nn.ModuleDict({"blocks": nn.ModuleList([block(), block()])})
+    assert checkpoint_targets(model, "selective") == ["blocks.0.attn", "blocks.1.attn"]
 
 
 class _OpCounter(TorchDispatchMode):

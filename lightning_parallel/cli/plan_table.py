@@ -19,7 +19,7 @@ import sys
 from typing import Optional
 
 from lightning_parallel.tensor import PlanError, parse_plan, resolve
-from lightning_parallel.tensor.coverage import forward_on
+from lightning_parallel.tensor.sample import forward_on
 from lightning_parallel.tensor.sequence_plan import resolve_sequence
 from lightning_parallel.tensor.table import format_table
 

@@ -1,9 +1,11 @@
 """Synchronised BatchNorm that also works on CPU (gloo), where ``torch.nn.SyncBatchNorm`` refuses to run.
 
-In training mode the per-channel count, sum and sum of squares are all-reduced over the data-parallel
-group with a differentiable all-reduce, so normalisation uses the statistics of the global batch and
-gradients flow back through them to every rank: the same result as BatchNorm on one device with the
-whole batch. On CUDA, torch's own fused implementation is used.
+In training mode, as torch's SyncBatchNorm does, each rank's per-channel count, mean and sum of squared
+deviations (in float32, or the input's dtype when wider) are gathered over the data-parallel group and
+combined without cancellation, so normalisation uses the statistics of the global batch; in backward
+the two per-channel sums of the input's gradient are all-reduced: the same result as BatchNorm on one
+device with the whole batch. Counts stay tensors (no host sync). On CUDA, torch's own fused
+implementation is used.
 
 Conversion is in place: each ``BatchNorm*d`` object changes class and keeps its identity, tensors,
 hooks and attributes, so whatever holds it (a pipeline stage's hooks, the module pickled into a
@@ -23,7 +25,6 @@ import torch.distributed as dist
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
-from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
@@ -49,20 +50,10 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         if not syncing or dist.get_world_size(self.process_group) == 1:
             return self._local(input)
         self._check_input_dim(input)
-        dims = [0] + list(range(2, input.dim()))
-        count = torch.full((1,), input.numel() // input.shape[1], dtype=input.dtype, device=input.device)
-        stats = torch.cat([input.sum(dims), (input * input).sum(dims), count])
-        stats = differentiable_all_reduce(stats, group=self.process_group or dist.group.WORLD)
-        c = input.shape[1]
-        n = stats[-1]
-        mean = stats[:c] / n
-        var = stats[c : 2 * c] / n - mean * mean
+        group = self.process_group or dist.group.WORLD
+        out, mean, var, count = _SyncBatchNormFunction.apply(input, self.weight, self.bias, self.eps, group)
         if self.track_running_stats:
-            self._update_running_stats(mean.detach(), var.detach(), float(n))
-        shape = [1, c] + [1] * (input.dim() - 2)
-        out = (input - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
-        if self.affine:
-            out = out * self.weight.view(shape) + self.bias.view(shape)
+            self._update_running_stats(mean, var, count)
         return out
 
     def _local(self, input: Tensor) -> Tensor:
@@ -84,13 +75,15 @@ class SyncBatchNorm(nn.SyncBatchNorm):
             self.eps,
         )
 
-    def _update_running_stats(self, mean: Tensor, var: Tensor, n: float) -> None:
-        """Blend in the batch's ``mean`` and biased ``var`` over ``n`` values per channel (the group's)."""
+    def _update_running_stats(self, mean: Tensor, var: Tensor, count: Tensor) -> None:
+        """Blend in the batch's ``mean`` and biased ``var`` over ``count`` values per channel (the group's,
+        a tensor: no host sync)."""
         self.num_batches_tracked.add_(1)
         momentum = self.momentum if self.momentum is not None else 1.0 / float(self.num_batches_tracked)
         with torch.no_grad():
-            self.running_mean.mul_(1 - momentum).add_(mean, alpha=momentum)
-            self.running_var.mul_(1 - momentum).add_(var * n / max(n - 1, 1), alpha=momentum)
+            unbiased = var * (count / (count - 1).clamp(min=1))
+            self.running_mean.mul_(1 - momentum).add_(mean.to(self.running_mean.dtype), alpha=momentum)
+            self.running_var.mul_(1 - momentum).add_(unbiased.to(self.running_var.dtype), alpha=momentum)
 
     def __reduce_ex__(self, protocol: Any) -> tuple:
         """Pickled without the process group: as the converted class, or with the default group."""
@@ -110,6 +103,81 @@ class SyncBatchNorm(nn.SyncBatchNorm):
             {k: v if k == "process_group" else copy.deepcopy(v, memo) for k, v in state.items()}
         )
         return clone
+
+
+def _statistics_dtype(input: Tensor) -> torch.dtype:
+    """float32 for half-precision inputs (E[x^2] - mean^2 cancels in bf16, a sum of squares overflows
+    fp16), the input's own dtype when wider."""
+    return torch.promote_types(input.dtype, torch.float32)
+
+
+class _SyncBatchNormFunction(torch.autograd.Function):
+    """Batch normalisation over the group's batch, as torch's SyncBatchNorm computes it: each rank's
+    count, mean and sum of squared deviations (float32 or wider) gathered and combined without
+    cancellation; in backward, the two per-channel sums of the input gradient all-reduced. Returns the
+    output (the input's dtype) and the group's mean, biased variance and count (no gradient)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        input: Tensor,
+        weight: Optional[Tensor],
+        bias: Optional[Tensor],
+        eps: float,
+        group: dist.ProcessGroup,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        dtype = _statistics_dtype(input)
+        x = input.to(dtype)
+        c, dims = input.shape[1], [0] + list(range(2, input.dim()))
+        shape = [1, c] + [1] * (input.dim() - 2)
+        local_count = input.numel() // c
+        if local_count:
+            local_var, local_mean = torch.var_mean(x, dims, correction=0)
+        else:  # an empty part weighs nothing in the combination
+            local_var = local_mean = x.new_zeros(c)
+        count_row = torch.full((1,), local_count, dtype=dtype, device=input.device)
+        local = torch.cat([count_row, local_mean, local_var * local_count])
+        rows = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(rows, local, group=group)
+        table = torch.stack(rows)
+        counts, means, deviations = table[:, :1], table[:, 1 : c + 1], table[:, c + 1 :]
+        count = counts.sum()
+        mean = (counts * means).sum(0) / count
+        var = (deviations + counts * (means - mean) ** 2).sum(0) / count
+        invstd = torch.rsqrt(var + eps)
+        out = (x - mean.view(shape)) * invstd.view(shape)
+        if weight is not None:
+            out = out * weight.to(dtype).view(shape)
+        if bias is not None:
+            out = out + bias.to(dtype).view(shape)
+        ctx.save_for_backward(input, weight, mean, invstd, count)
+        ctx.group, ctx.bias_dtype = group, None if bias is None else bias.dtype
+        ctx.mark_non_differentiable(mean, var, count)
+        return out.to(input.dtype), mean, var, count
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor, *_: Any) -> tuple[Optional[Tensor], ...]:
+        input, weight, mean, invstd, count = ctx.saved_tensors
+        dtype = mean.dtype
+        c, dims = input.shape[1], [0] + list(range(2, input.dim()))
+        shape = [1, c] + [1] * (input.dim() - 2)
+        dy = grad_out.to(dtype)
+        xmu = input.to(dtype) - mean.view(shape)
+        sum_dy = dy.sum(dims)
+        sum_dy_xmu = (dy * xmu).sum(dims)
+        grad_input = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            sums = torch.cat([sum_dy, sum_dy_xmu])
+            dist.all_reduce(sums, group=ctx.group)
+            mean_dy, mean_dy_xmu = (sums / count).split(c)
+            scale = invstd if weight is None else invstd * weight.to(dtype)
+            correction = xmu * (invstd * invstd * mean_dy_xmu).view(shape)
+            grad_input = ((dy - mean_dy.view(shape) - correction) * scale.view(shape)).to(input.dtype)
+        if weight is not None and ctx.needs_input_grad[1]:
+            grad_weight = (sum_dy_xmu * invstd).to(weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            grad_bias = sum_dy.to(ctx.bias_dtype)
+        return grad_input, grad_weight, grad_bias, None, None
 
 
 def convert_sync_batchnorm(module: nn.Module, process_group: Optional[dist.ProcessGroup] = None) -> nn.Module:

@@ -31,6 +31,7 @@ from lightning_parallel.recompute_state import using_snapshot
 
 __all__ = [
     "split_microbatches",
+    "loader_problem",
     "merge_microbatches",
     "batch_size",
     "StageExecutor",
@@ -62,6 +63,26 @@ def split_microbatches(batch: Any, num_microbatches: int) -> list[Any]:
         return x
 
     return [part(batch, i) for i in range(num_microbatches)]
+
+
+def loader_problem(samples: int, batch_size: int, drop_last: bool, num_microbatches: int) -> Optional[str]:
+    """Why a loader of ``samples`` (this rank's) in batches of ``batch_size`` has a batch that
+    ``split_microbatches`` refuses (None: every batch splits), and what would work."""
+    if batch_size < num_microbatches:
+        return (
+            f"the training batches hold {batch_size} samples per data-parallel rank, fewer than "
+            f"num_microbatches={num_microbatches}; use num_microbatches <= {batch_size} or a larger batch."
+        )
+    last = 0 if drop_last else samples % batch_size
+    if 0 < last < num_microbatches:
+        return (
+            f"the training dataloader's last batch holds {last} samples ({samples} per data-parallel rank in "
+            f"batches of {batch_size}), fewer than num_microbatches={num_microbatches}, so it cannot be split "
+            f"into micro-batches at the end of the epoch; use DataLoader(drop_last=True), a batch size that "
+            f"divides {samples} or leaves at least {num_microbatches} samples in the last batch, or "
+            f"num_microbatches <= {last}."
+        )
+    return None
 
 
 def merge_microbatches(parts: Sequence[Any]) -> Any:

@@ -33,6 +33,7 @@ from typing import Any, Optional, Sequence, Union
 from torch import Tensor, nn
 
 from lightning_parallel.checkpointing.one_device import keep_skeleton
+from lightning_parallel.module_names import find_block_stack, other_stacks
 
 __all__ = [
     "StageInput",
@@ -40,11 +41,9 @@ __all__ = [
     "StagePartition",
     "balance",
     "block_parameters",
-    "find_block_stack",
     "held_elsewhere",
     "hold_elsewhere",
     "keep_block_skeletons",
-    "other_stacks",
     "partition",
     "stage_bounds",
 ]
@@ -65,49 +64,6 @@ class StageInput:
 
     pending: Optional[Any] = None  # a tensor, or a tuple of tensors and None
     used: Optional[Any] = None
-
-
-def _candidate_stacks(module: nn.Module) -> dict[str, nn.Module]:
-    return {
-        n: m
-        for n, m in module.named_modules()
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2
-    }
-
-
-def _parameter_count(module: nn.Module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
-def find_block_stack(module: nn.Module, name: Optional[str] = None) -> tuple[str, nn.Module]:
-    """The block stack: ``name`` if given, else the ModuleList/Sequential (>= 2 children) with the most
-    parameters (the shallowest on a tie)."""
-    stacks = _candidate_stacks(module)
-    if name is not None:
-        if name not in stacks:
-            raise ValueError(
-                f"block stack {name!r} is not an nn.ModuleList/nn.Sequential of the module; candidates: "
-                f"{sorted(stacks) or 'none'}"
-            )
-        return name, stacks[name]
-    if not stacks:
-        raise ValueError(
-            f"{type(module).__name__} has no block stack to pipeline: looked for an nn.ModuleList looped over in "
-            "forward, or an nn.Sequential, with at least 2 blocks. Put the repeated layers in one of those."
-        )
-    best = max(stacks, key=lambda n: (_parameter_count(stacks[n]), -n.count(".")))
-    return best, stacks[best]
-
-
-def other_stacks(module: nn.Module, chosen: str) -> list[str]:
-    """The candidate stacks that are not pipelined: neither inside ``chosen`` nor holding it (e.g. the
-    encoder when the decoder of an ``nn.Transformer`` is chosen). They run whole on every stage."""
-    return [n for n in _candidate_stacks(module) if not (_within(n, chosen) or _within(chosen, n))]
-
-
-def _within(inner: str, outer: str) -> bool:
-    """Whether the module named ``inner`` is ``outer`` or inside it (names from ``named_modules``)."""
-    return outer == "" or inner == outer or inner.startswith(f"{outer}.")
 
 
 def block_parameters(stack: nn.Module) -> list[int]:

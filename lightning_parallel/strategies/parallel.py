@@ -49,7 +49,7 @@ from lightning_parallel.strategies.pipeline_async import AsyncPipelineMixin
 from lightning_parallel.strategies.pipeline_stages import PipelineStages
 from lightning_parallel.strategies.plan_verification import PlanVerification
 from lightning_parallel.tensor import Plan, ResolvedPlan, parse_plan, resolve
-from lightning_parallel.tensor.coverage import check_coverage, sample_forward
+from lightning_parallel.tensor.coverage import check_coverage
 from lightning_parallel.tensor.full_state import (
     cut_shards,
     full_optimizer_state,
@@ -62,6 +62,7 @@ from lightning_parallel.tensor.full_state import (
 )
 from lightning_parallel.tensor.layers import SharedEntry, _TPLayer
 from lightning_parallel.tensor.plan import install_gradient_sums
+from lightning_parallel.tensor.sample import sample_forward
 from lightning_parallel.tensor.sequence import SequenceParallel, apply_sequence_parallel
 from lightning_parallel.tensor.sequence_plan import resolve_sequence
 from lightning_parallel.tensor.shard import shard_module

@@ -56,14 +56,11 @@ from lightning_parallel.distributed.collectives import start_gather_numbers
 from lightning_parallel.distributed.p2p import PeerLink
 from lightning_parallel.distributed.replicas import start_sum_at
 from lightning_parallel.materialize import has_meta_tensors
+from lightning_parallel.module_names import find_block_stack
 from lightning_parallel.pipeline.deferred_batchnorm import DeferredBatchNorm, batchnorm_warning
-from lightning_parallel.pipeline.executor import StageExecutor, batch_size, split_microbatches
+from lightning_parallel.pipeline.executor import StageExecutor, batch_size, loader_problem, split_microbatches
 from lightning_parallel.pipeline.logs import LogMirror, WholeBatchMetrics, summarize
-from lightning_parallel.pipeline.partition import (
-    StagePartition,
-    find_block_stack,
-    keep_block_skeletons,
-)
+from lightning_parallel.pipeline.partition import StagePartition, keep_block_skeletons
 from lightning_parallel.pipeline.profile import (
     average_over_ranks,
     capture_block_inputs,
@@ -155,6 +152,22 @@ class PipelineStages:
                 "is finished a step later, under a loss scale that may have changed. Use precision='bf16-mixed' "
                 "(no scaler), or schedule='1f1b'."
             )
+
+    def on_train_start(self) -> None:
+        """Refuse, before the first step, a training loader with a batch too small to split into
+        ``num_microbatches`` (its last one, unless ``drop_last``): the loaders as Lightning built them,
+        with this rank's sampler."""
+        combined = self.lightning_module.trainer.fit_loop._combined_loader
+        for loader in combined.flattened if self.pipelined and combined is not None else []:
+            size, sampler = getattr(loader, "batch_size", None), getattr(loader, "sampler", None)
+            if size is None or not hasattr(sampler, "__len__"):  # a batch sampler of its own, or no length
+                continue
+            problem = loader_problem(len(sampler), size, loader.drop_last, self.num_microbatches)
+            if problem is not None:
+                raise ValueError(
+                    f"{type(self).__name__}(num_microbatches={self.num_microbatches}): {problem}"
+                )
+        super().on_train_start()
 
     def prepare_stages(self, module: Any) -> Optional[list[float]]:
         """What the partition needs of the whole module, read before anything changes it: its names, a

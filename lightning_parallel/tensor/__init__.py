@@ -36,7 +36,7 @@ def resolve(
     module: nn.Module, plan: Any, tp_size: int, run: Optional[Callable[[], Any]] = None
 ) -> ResolvedPlan:
     """A validated plan for ``module``: ``"auto"`` (traced from ``run()``, a forward such as a
-    ``coverage.SampleStep``, on fake tensors, when given), a dict, a YAML path, or a ``Plan``."""
+    ``sample.SampleStep``, on fake tensors, when given), a dict, a YAML path, or a ``Plan``."""
     if isinstance(plan, str) and plan == "auto":
         return resolve_auto(module, tp_size, run)
     return resolve_plan(module, plan, tp_size)

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_parallel.tensor.plan import match_pattern
+from lightning_parallel.module_names import match_pattern
 
 __all__ = ["declared_styles", "disagreements"]
 

@@ -38,7 +38,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from torchmetrics import Metric
 
 from lightning_parallel.memory.accounting import storage_id
-from lightning_parallel.tensor.coverage import SampleStep
+from lightning_parallel.tensor.sample import SampleStep
 
 __all__ = ["VALUE_LIMIT", "fake_step", "step_device"]
 

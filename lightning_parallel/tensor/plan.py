@@ -38,6 +38,7 @@ from torch import nn
 
 from lightning_parallel.checkpointing.one_device import keep_skeleton
 from lightning_parallel.distributed.collectives import all_reduce_sum, group_size
+from lightning_parallel.module_names import match_pattern
 from lightning_parallel.tensor.layers import TP_LAYERS, ShardSpec, SharedEntry, _linear_shape, shard_features
 
 __all__ = [
@@ -48,7 +49,8 @@ __all__ = [
     "Assignment",
     "ResolvedPlan",
     "parse_plan",
-    "match_pattern",
+    "check_sequence_section",
+    "SEQUENCE_KEYS",
     "resolve_plan",
     "apply_plan",
     "install_gradient_sums",
@@ -67,6 +69,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "per_feature": {},
     "replicate": {},
 }
+SEQUENCE_KEYS = ("dim", "enter", "exit")  # a plan's ``sequence`` section (``tensor.sequence_plan``)
 ATTRIBUTE_ACTIONS = ("divide",)
 # Modules that act on each feature independently: a sharded last dimension passes through them unchanged.
 ELEMENTWISE: tuple[type, ...] = (
@@ -201,6 +204,34 @@ def _rule(pattern: str, value: Any) -> Union[LayerRule, AttributeRule]:
     return LayerRule(pattern, style, options)
 
 
+def check_sequence_section(section: Any) -> dict[str, Any]:
+    """A plan's ``sequence`` section, checked: {dim: int >= 0, enter: name, exit: name or names}."""
+    if not isinstance(section, Mapping):
+        raise PlanError(f"plan section 'sequence' must be a mapping such as {{dim: 1}}, got {section!r}")
+    unknown = sorted(set(section) - set(SEQUENCE_KEYS))
+    if unknown:
+        raise PlanError(
+            f"plan section 'sequence': unknown key(s) {unknown}; allowed: {', '.join(SEQUENCE_KEYS)}"
+        )
+    dim = section.get("dim", 1)
+    if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
+        raise PlanError(
+            f"plan section 'sequence': dim={dim!r} must be the sequence dimension of the hidden states, an "
+            "integer >= 0 (1 for [batch, sequence, features], 0 for [sequence, batch, features])"
+        )
+    exits = section.get("exit")
+    exits = [exits] if isinstance(exits, str) else exits
+    if "enter" in section and not isinstance(section["enter"], str):
+        raise PlanError(f"plan section 'sequence': enter={section['enter']!r} must be a module name")
+    if exits is not None and not (
+        isinstance(exits, list) and exits and all(isinstance(e, str) for e in exits)
+    ):
+        raise PlanError(
+            f"plan section 'sequence': exit={section['exit']!r} must be a module name or a list of them"
+        )
+    return {"dim": dim, "enter": section.get("enter"), "exit": exits}
+
+
 def parse_plan(spec: Any) -> Plan:
     """A ``Plan`` from a dict (flat, or with ``layers``/``attributes``), a YAML path, or a ``Plan``."""
     if isinstance(spec, Plan):
@@ -232,20 +263,12 @@ def parse_plan(spec: Any) -> Plan:
             )
         plan.attributes.append(AttributeRule(str(pattern), action))
     if "sequence" in spec:
-        from lightning_parallel.tensor.sequence_plan import check_sequence_section
-
         check_sequence_section(spec["sequence"])
         plan.sequence = dict(spec["sequence"])
     return plan
 
 
 # ---------------------------------------------------------------------------------------------- resolve
-def match_pattern(pattern: str, name: str) -> bool:
-    """``*`` stands for exactly one dotted segment; everything else must be equal."""
-    p, n = pattern.split("."), name.split(".")
-    return len(p) == len(n) and all(a == "*" or a == b for a, b in zip(p, n))
-
-
 def _no_match(pattern: str, names: list[str], what: str = "module") -> PlanError:
     close = difflib.get_close_matches(pattern, names, n=3, cutoff=0.3)
     hint = (

@@ -28,23 +28,20 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from lightning_parallel.pipeline.partition import find_block_stack
-from lightning_parallel.tensor.coverage import SampleStep
+from lightning_parallel.module_names import find_block_stack
 from lightning_parallel.tensor.dry_run import dry_run
 from lightning_parallel.tensor.fake import fake_step
-from lightning_parallel.tensor.plan import PlanError, ResolvedPlan, _no_match
+from lightning_parallel.tensor.plan import PlanError, ResolvedPlan, _no_match, check_sequence_section
+from lightning_parallel.tensor.sample import SampleStep
 from lightning_parallel.tensor.sequence import SequencePlan, first_tensor
 from lightning_parallel.tensor.trace import is_projection
 
 __all__ = [
-    "SEQUENCE_KEYS",
-    "check_sequence_section",
     "sequence_plan",
     "auto_sequence_plan",
     "resolve_sequence",
 ]
 
-SEQUENCE_KEYS = ("dim", "enter", "exit")
 # operations that keep positions apart when their other operands do not run along the sequence
 _ELEMENTWISE = frozenset(
     {
@@ -67,34 +64,6 @@ _REDUCTIONS = frozenset(
 _LAST_DIM = frozenset({"_softmax", "_log_softmax", "softmax", "log_softmax"})
 _LIKE = frozenset({"empty_like", "zeros_like", "ones_like", "full_like"})
 _NORMS = frozenset({"native_layer_norm", "_fused_rms_norm", "rms_norm", "layer_norm"})
-
-
-def check_sequence_section(section: Any) -> dict[str, Any]:
-    """A plan's ``sequence`` section, checked: {dim: int >= 0, enter: name, exit: name or names}."""
-    if not isinstance(section, Mapping):
-        raise PlanError(f"plan section 'sequence' must be a mapping such as {{dim: 1}}, got {section!r}")
-    unknown = sorted(set(section) - set(SEQUENCE_KEYS))
-    if unknown:
-        raise PlanError(
-            f"plan section 'sequence': unknown key(s) {unknown}; allowed: {', '.join(SEQUENCE_KEYS)}"
-        )
-    dim = section.get("dim", 1)
-    if not isinstance(dim, int) or isinstance(dim, bool) or dim < 0:
-        raise PlanError(
-            f"plan section 'sequence': dim={dim!r} must be the sequence dimension of the hidden states, an "
-            "integer >= 0 (1 for [batch, sequence, features], 0 for [sequence, batch, features])"
-        )
-    exits = section.get("exit")
-    exits = [exits] if isinstance(exits, str) else exits
-    if "enter" in section and not isinstance(section["enter"], str):
-        raise PlanError(f"plan section 'sequence': enter={section['enter']!r} must be a module name")
-    if exits is not None and not (
-        isinstance(exits, list) and exits and all(isinstance(e, str) for e in exits)
-    ):
-        raise PlanError(
-            f"plan section 'sequence': exit={section['exit']!r} must be a module name or a list of them"
-        )
-    return {"dim": dim, "enter": section.get("enter"), "exit": exits}
 
 
 def _parent(name: str) -> str:

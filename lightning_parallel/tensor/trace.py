@@ -206,7 +206,7 @@ def _module_hooks(recorder: _Recorder) -> Iterator[None]:
 
 
 def trace_dataflow(root: nn.Module, run: Callable[[], Any], fake: bool = True) -> Trace:
-    """Run ``run()`` (which calls ``root``'s code, a ``coverage.SampleStep`` or any callable) without
+    """Run ``run()`` (which calls ``root``'s code, a ``sample.SampleStep`` or any callable) without
     gradients and record its data flow: on fake tensors, or with ``fake=False`` on the real ones (the
     tests compare the two). A ``SampleStep`` keeps random state, buffers, metrics and logs untouched."""
     with fake_step(root, run) if fake else nullcontext(run) as step:

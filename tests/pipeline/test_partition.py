@@ -6,13 +6,12 @@ import torch
 from torch import nn
 
 from lightning_parallel.models import CharGPT
+from lightning_parallel.module_names import find_block_stack, other_stacks
 from lightning_parallel.pipeline.executor import split_microbatches
 from lightning_parallel.pipeline.partition import (
     StageOutput,
     balance,
-    find_block_stack,
     hold_elsewhere,
-    other_stacks,
     partition,
     stage_bounds,
 )

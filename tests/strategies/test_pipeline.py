@@ -523,3 +523,29 @@ def test_timeline_files_written(pp2):
     traces = list(tmp.rglob("pipeline_timeline_step2.json"))
     assert svgs and traces
     assert "F0" in svgs[0].read_text() and "B3" in svgs[0].read_text()
+
+
+@pytest.mark.timeout(300)
+def test_a_last_batch_smaller_than_num_microbatches_is_refused_before_training(tmp_path):
+    """258 samples in batches of 16: the 17th batch holds 2, which 4 micro-batches cannot split. Refused
+    when training starts (on_train_start), not at the end of the epoch, naming the sizes and the fixes."""
+    bad = case(
+        "last-batch",
+        "seq",
+        schedule="gpipe",
+        num_microbatches=4,
+        data_kwargs={"global_batch_size": 16, "n": 258},
+    )
+    bad["trainer"] = {"precision": "64-true", "max_epochs": 1}
+    with pytest.raises(RuntimeError) as err:
+        run_distributed([bad], world_size=2, tmp_path=tmp_path, timeout=120)
+    output = str(err.value)
+    for fragment in (
+        "last batch holds 2 samples",
+        "258",
+        "batches of 16",
+        "drop_last=True",
+        "num_microbatches <= 2",
+    ):
+        assert fragment in output, output[-3000:]
+    assert "on_train_start" in output and "split_microbatches" not in output, output[-3000:]

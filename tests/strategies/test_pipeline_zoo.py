@@ -7,7 +7,7 @@ reads them (``nn.TransformerEncoder.forward`` reads ``layers[0].self_attn``) run
 import pytest
 import torch
 
-from lightning_parallel.pipeline.partition import find_block_stack, other_stacks
+from lightning_parallel.module_names import find_block_stack, other_stacks
 from tests.helpers.harness import assert_params_close, max_param_diff, run_distributed, run_single
 from tests.helpers.zoo import ARCHITECTURES, ZooLM, build
 from tests.strategies.test_pipeline import PP, check, reference

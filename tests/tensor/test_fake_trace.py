@@ -22,7 +22,7 @@ from torchmetrics import MeanMetric, Metric
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_parallel.tensor.auto import auto_plan, resolve_auto
-from lightning_parallel.tensor.coverage import forward_on
+from lightning_parallel.tensor.sample import forward_on
 from tests.helpers.harness import REPO
 from tests.helpers.zoo import ARCHITECTURES, ZooLM
 from tests.helpers.zoo_more import MORE

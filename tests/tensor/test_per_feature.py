@@ -12,9 +12,9 @@ from torch import nn
 from lightning_parallel.distributed.collectives import SimulatedGroup
 from lightning_parallel.distributed.sync_batchnorm import convert_sync_batchnorm
 from lightning_parallel.tensor import PlanError, apply_plan, resolve
-from lightning_parallel.tensor.coverage import forward_on
 from lightning_parallel.tensor.full_state import load_full_state_dict, sharded_parameters
 from lightning_parallel.tensor.layers import ShardSpec
+from lightning_parallel.tensor.sample import forward_on
 from lightning_parallel.tensor.table import format_table, params_per_rank
 from tests.helpers.models import RegressionData
 from tests.strategies.test_tensor_parallel_batchnorm import DenseBatchNorm

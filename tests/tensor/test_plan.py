@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from lightning_parallel.tensor.plan import PlanError, apply_plan, match_pattern, parse_plan, resolve_plan
+from lightning_parallel.module_names import match_pattern
+from lightning_parallel.tensor.plan import PlanError, apply_plan, parse_plan, resolve_plan
 from tests.helpers.harness import REPO
 from tests.helpers.models import MLP
 from tests.helpers.tp_models import EncoderRegressor, SmallGPT

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from lightning_parallel.models.gpt import GPT
 from lightning_parallel.tensor import PlanError, parse_plan, resolve
-from lightning_parallel.tensor.coverage import forward_on
+from lightning_parallel.tensor.sample import forward_on
 from lightning_parallel.tensor.sequence_plan import auto_sequence_plan, resolve_sequence, sequence_plan
 from tests.helpers.harness import REPO
 from tests.helpers.tp_models import EncoderRegressor

@@ -132,7 +132,7 @@ def test_a_step_that_cannot_be_traced_falls_back_to_the_structural_rules():
 
 
 def test_manual_optimization_traces_only_forward():
-    from lightning_parallel.tensor.coverage import forward_on
+    from lightning_parallel.tensor.sample import forward_on
 
     module = ZooLM(arch="hf_llama").double()
     module.automatic_optimization = False
