@@ -35,8 +35,14 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
+from lightning_parallel.compat import (
+    CheckpointPolicy,
+    create_selective_checkpoint_contexts,
+    selective_op_outputs,
+    top_saved_tensors_hooks,
+)
 from lightning_parallel.memory.saved import record_saved
 from lightning_parallel.pipeline.executor import snapshot_in_use
 from lightning_parallel.pipeline.partition import find_block_stack, held_elsewhere
@@ -216,7 +222,7 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoin
     if op not in _KEPT_OPS:
         return CheckpointPolicy.PREFER_RECOMPUTE
     if not ctx.is_recompute:
-        for out in ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else (ctx.op_output,):
+        for out in selective_op_outputs(ctx):
             if isinstance(out, Tensor):
                 record_saved(out)
     return CheckpointPolicy.MUST_SAVE
@@ -260,10 +266,9 @@ def _recompute(module: nn.Module, snapshot: Optional[Callable[[Tensor], Optional
 @contextmanager
 def _reporting_saved() -> Iterator[None]:
     """Chain a call of ``record_saved`` before the recompute's own pack hook (only the innermost pair of
-    saved-tensor hooks runs, so a hook of our own would replace torch's). Reads that hook with a private
-    torch function; where it is missing, the recompute's saves go uncounted."""
-    read_top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    top = read_top(False) if read_top is not None else None
+    saved-tensor hooks runs, so a hook of our own would replace torch's). Where torch cannot read that hook
+    (``compat.top_saved_tensors_hooks``), the recompute's saves go uncounted."""
+    top = top_saved_tensors_hooks()
     if top is None:
         yield
         return

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.hooks import RemovableHandle
 
+from lightning_parallel.compat import in_backward as _in_backward
 from lightning_parallel.distributed.collectives import (
     all_reduce_sum,
     gather_from_group,
@@ -73,10 +74,6 @@ def replace_first(args: tuple, kwargs: dict, new: Tensor) -> tuple[tuple, dict]:
         tuple(new if a is old else a for a in args),
         {k: new if v is old else v for k, v in kwargs.items()},
     )
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 class SequenceParallel:

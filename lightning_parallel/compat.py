@@ -1,0 +1,91 @@
+"""Every torch name that is private or newer than the package's floor, in one place, with the version it needs.
+
+The package supports torch 2.5 to the newest release (``setup.cfg``; ``tests/smoke`` runs at both ends in
+CI). No other module imports a private torch name (``torch._*``, ``torch.utils._*``,
+``torch.distributed._*``) or one that arrived after the floor: they import it from here, and each shim
+below says which versions have what and what happens on the others.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+# torch >= 2.0, private modules unchanged since: fake tensors, ShardedTensor from local shards (the form
+# torch.distributed.checkpoint saves ZeRO's flat pieces in), dispatch modes and pytree
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    is_fake,
+    unset_fake_temporarily,
+)
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard as LocalShard
+from torch.distributed._shard.sharded_tensor import ShardedTensorBase
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+# torch >= 2.4: the public selective checkpoint API (floor 2.5)
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+# torch >= 2.5: DTensor's public home; torch 2.4 had it at torch.distributed._tensor
+try:
+    from torch.distributed.tensor import DTensor, Shard
+except ImportError:  # torch < 2.5
+    from torch.distributed._tensor import DTensor, Shard  # type: ignore[no-redef]
+
+__all__ = [
+    "CheckpointPolicy",
+    "DTensor",
+    "DataDependentOutputException",
+    "DynamicOutputShapeException",
+    "EnumerableShardingSpec",
+    "FakeTensorMode",
+    "LocalShard",
+    "Shard",
+    "ShardMetadata",
+    "ShardedTensorBase",
+    "ShardedTensorMetadata",
+    "TensorProperties",
+    "TorchDispatchMode",
+    "create_selective_checkpoint_contexts",
+    "in_backward",
+    "is_fake",
+    "selective_op_outputs",
+    "top_saved_tensors_hooks",
+    "tree_flatten",
+    "tree_map",
+    "unset_fake_temporarily",
+]
+
+
+def in_backward() -> bool:
+    """True while autograd's engine runs a backward on this thread (torch >= 2.0:
+    ``torch._C._current_graph_task_id``, -1 outside a backward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def selective_op_outputs(ctx: Any) -> tuple:
+    """The outputs of the operation a selective checkpoint policy is deciding on, as a tuple.
+
+    torch >= 2.13 calls the policy after the operation and gives them as ``ctx.op_output``. Older torch
+    calls it before the operation and has no ``op_output``: this gives ``()``, so what the policy keeps
+    is not reported to the memory report's saved-tensor counter (its peak reads lower); the policy's
+    decisions, and so the gradients, are the same."""
+    out = getattr(ctx, "op_output", None)
+    if out is None:
+        return ()
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def top_saved_tensors_hooks() -> Optional[tuple[Callable[[Any], Any], Callable[[Any], Any]]]:
+    """The innermost (pack, unpack) pair of saved-tensor hooks installed now, or None (none installed).
+
+    torch >= 2.8 reads it with ``torch._C._autograd._top_saved_tensors_default_hooks``. Older torch has no
+    way to read it: None, so a caller that wraps the pair (to count what it saves) leaves it as it is."""
+    read_top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return read_top(False) if read_top is not None else None
