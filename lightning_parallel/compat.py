@@ -8,6 +8,7 @@ below says which versions have what and what happens on the others.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Optional
 
 import torch
@@ -51,7 +52,9 @@ __all__ = [
     "ShardedTensorBase",
     "ShardedTensorMetadata",
     "TensorProperties",
+    "RESTART_COUNT_ENV",
     "TorchDispatchMode",
+    "agent_store_env",
     "create_selective_checkpoint_contexts",
     "in_backward",
     "is_fake",
@@ -61,6 +64,18 @@ __all__ = [
     "tree_map",
     "unset_fake_temporarily",
 ]
+
+
+#: torchrun's restart count, which torch <= 2.5's ``env://`` rendezvous reads with an agent store
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
+
+
+def agent_store_env(switch: str) -> dict[str, str]:
+    """The environment that makes torch's ``env://`` rendezvous connect every rank as a client of a store
+    hosted elsewhere (``switch``: ``TORCHELASTIC_USE_AGENT_STORE``). torch <= 2.5 also reads
+    ``TORCHELASTIC_RESTART_COUNT`` there (its keys go under ``/worker/attempt_<count>``; torchrun sets it):
+    kept if set, else 0. Newer torch ignores it."""
+    return {switch: "True", RESTART_COUNT_ENV: os.environ.get(RESTART_COUNT_ENV, "0")}
 
 
 def in_backward() -> bool:
