@@ -63,6 +63,7 @@ __all__ = [
     "tree_flatten",
     "tree_map",
     "unset_fake_temporarily",
+    "without_layer_caches",
 ]
 
 
@@ -100,7 +101,27 @@ def selective_op_outputs(ctx: Any) -> tuple:
 def top_saved_tensors_hooks() -> Optional[tuple[Callable[[Any], Any], Callable[[Any], Any]]]:
     """The innermost (pack, unpack) pair of saved-tensor hooks installed now, or None (none installed).
 
-    torch >= 2.8 reads it with ``torch._C._autograd._top_saved_tensors_default_hooks``. Older torch has no
+    torch from about 2.8 (2.13 has it, 2.5 does not) reads it with
+    ``torch._C._autograd._top_saved_tensors_default_hooks``. Older torch has no
     way to read it: None, so a caller that wraps the pair (to count what it saves) leaves it as it is."""
     read_top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
     return read_top(False) if read_top is not None else None
+
+
+def without_layer_caches(output: Any) -> Any:
+    """A block's output with any Hugging Face key/value cache in it (an object whose class derives from
+    transformers' ``Cache``) replaced by None.
+
+    transformers 4.45 decoder layers return ``(hidden, cache)`` when ``use_cache`` (the config's default,
+    in training too); 4.49 and later update the cache in place and return the hidden states alone. A
+    pipeline stage sends its last block's output on, and a cache is neither needed by the next stage (its
+    layers fill the cache of their own forward; the model's loop keeps the last layer's) nor sendable."""
+    items = output if isinstance(output, tuple) else (output,)
+    if not any(_is_cache(item) for item in items):
+        return output
+    kept = tuple(None if _is_cache(item) else item for item in items)
+    return kept if isinstance(output, tuple) else kept[0]
+
+
+def _is_cache(item: Any) -> bool:
+    return not isinstance(item, torch.Tensor) and any(c.__name__ == "Cache" for c in type(item).__mro__)

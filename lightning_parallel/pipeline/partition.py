@@ -33,6 +33,7 @@ from typing import Any, Optional, Sequence, Union
 from torch import Tensor, nn
 
 from lightning_parallel.checkpointing.one_device import keep_skeleton
+from lightning_parallel.compat import without_layer_caches
 
 __all__ = [
     "StageInput",
@@ -324,4 +325,4 @@ def _received_output(io: StageInput, last: bool):
 
 
 def _end_of_stage(module: nn.Module, args: tuple, output: Any) -> None:
-    raise StageOutput(output)
+    raise StageOutput(without_layer_caches(output))
