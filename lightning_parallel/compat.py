@@ -1,14 +1,148 @@
-"""Version shims: every call that differs between torch, Lightning and transformers versions, each with the
-version that changed it. Callers ask here instead of testing versions themselves, so that a guard added for
-one caller holds for all."""
+"""Every torch name that is private or newer than the package's floor, in one place, with the version it needs.
+
+The package supports torch 2.5 to the newest release (``setup.cfg``; ``tests/smoke`` runs at both ends in
+CI). No other module imports a private torch name (``torch._*``, ``torch.utils._*``,
+``torch.distributed._*``) or one that arrived after the floor: they import it from here, and each shim
+below says which versions have what and what happens on the others.
+"""
 
 from __future__ import annotations
 
-from typing import Callable
+import os
+from typing import Any, Callable, Optional
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["reduce_scatter_single", "all_gather_single"]
+# torch >= 2.0, private modules unchanged since: fake tensors, ShardedTensor from local shards (the form
+# torch.distributed.checkpoint saves ZeRO's flat pieces in), dispatch modes and pytree
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    is_fake,
+    unset_fake_temporarily,
+)
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard as LocalShard
+from torch.distributed._shard.sharded_tensor import ShardedTensorBase
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+# torch >= 2.4: the public selective checkpoint API (floor 2.5)
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+# torch >= 2.5: DTensor's public home; torch 2.4 had it at torch.distributed._tensor
+try:
+    from torch.distributed.tensor import DTensor, Shard
+except ImportError:  # torch < 2.5
+    from torch.distributed._tensor import DTensor, Shard  # type: ignore[no-redef]
+
+__all__ = [
+    "all_gather_single",
+    "reduce_scatter_single",
+    "CheckpointPolicy",
+    "DTensor",
+    "DataDependentOutputException",
+    "DynamicOutputShapeException",
+    "EnumerableShardingSpec",
+    "FakeTensorMode",
+    "LocalShard",
+    "Shard",
+    "ShardMetadata",
+    "ShardedTensorBase",
+    "ShardedTensorMetadata",
+    "TensorProperties",
+    "RESTART_COUNT_ENV",
+    "TorchDispatchMode",
+    "agent_store_env",
+    "create_selective_checkpoint_contexts",
+    "saved_tensors_hooks_readable",
+    "in_backward",
+    "foreach_copy_",
+    "foreach_mul_",
+    "foreach_norm",
+    "is_fake",
+    "selective_op_outputs",
+    "top_saved_tensors_hooks",
+    "tree_flatten",
+    "tree_map",
+    "unset_fake_temporarily",
+    "without_layer_caches",
+]
+
+
+#: torchrun's restart count, which torch <= 2.5's ``env://`` rendezvous reads with an agent store
+RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
+
+
+def agent_store_env(switch: str) -> dict[str, str]:
+    """The environment that makes torch's ``env://`` rendezvous connect every rank as a client of a store
+    hosted elsewhere (``switch``: ``TORCHELASTIC_USE_AGENT_STORE``). torch <= 2.5 also reads
+    ``TORCHELASTIC_RESTART_COUNT`` there (its keys go under ``/worker/attempt_<count>``; torchrun sets it):
+    kept if set, else 0. Newer torch ignores it."""
+    return {switch: "True", RESTART_COUNT_ENV: os.environ.get(RESTART_COUNT_ENV, "0")}
+
+
+def selective_op_outputs(ctx: Any) -> tuple:
+    """The outputs of the operation a selective checkpoint policy is deciding on, as a tuple.
+
+    torch >= 2.13 calls the policy after the operation and gives them as ``ctx.op_output``. Older torch
+    calls it before the operation and has no ``op_output``: this gives ``()``, so what the policy keeps
+    is not reported to the memory report's saved-tensor counter (its peak reads lower); the policy's
+    decisions, and so the gradients, are the same."""
+    out = getattr(ctx, "op_output", None)
+    if out is None:
+        return ()
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+#: torch >= 2.1: the multi-tensor kernels (one launch per device and dtype), public in all but name
+foreach_norm = torch._foreach_norm
+foreach_mul_ = torch._foreach_mul_
+foreach_copy_ = torch._foreach_copy_
+
+
+def in_backward() -> bool:
+    """True while autograd's engine runs a backward on this thread (torch >= 2.0:
+    ``torch._C._current_graph_task_id``, -1 outside a backward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def saved_tensors_hooks_readable() -> bool:
+    """Whether ``top_saved_tensors_hooks`` can read the innermost pair (torch from about 2.8; 2.5 cannot)."""
+    return hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
+
+
+def top_saved_tensors_hooks() -> Optional[tuple[Callable[[Any], Any], Callable[[Any], Any]]]:
+    """The innermost (pack, unpack) pair of saved-tensor hooks installed now, or None (none installed).
+
+    torch from about 2.8 (2.13 has it, 2.5 does not) reads it with
+    ``torch._C._autograd._top_saved_tensors_default_hooks``. Older torch has no
+    way to read it: None, so a caller that wraps the pair (to count what it saves) leaves it as it is."""
+    read_top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return read_top(False) if read_top is not None else None
+
+
+def without_layer_caches(output: Any) -> Any:
+    """A block's output with any Hugging Face key/value cache in it (an object whose class derives from
+    transformers' ``Cache``) replaced by None.
+
+    transformers 4.45 decoder layers return ``(hidden, cache)`` when ``use_cache`` (the config's default,
+    in training too); 4.49 and later update the cache in place and return the hidden states alone. A
+    pipeline stage sends its last block's output on, and a cache is neither needed by the next stage (its
+    layers fill the cache of their own forward; the model's loop keeps the last layer's) nor sendable."""
+    items = output if isinstance(output, tuple) else (output,)
+    if not any(_is_cache(item) for item in items):
+        return output
+    kept = tuple(None if _is_cache(item) else item for item in items)
+    return kept if isinstance(output, tuple) else kept[0]
+
+
+def _is_cache(item: Any) -> bool:
+    return not isinstance(item, torch.Tensor) and any(c.__name__ == "Cache" for c in type(item).__mro__)
 
 
 def reduce_scatter_single() -> Callable[..., object]:

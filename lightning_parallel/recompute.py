@@ -38,8 +38,13 @@ from typing import Any, Callable, Iterator, Optional, Union
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint
 
+from lightning_parallel.compat import (
+    CheckpointPolicy,
+    create_selective_checkpoint_contexts,
+    selective_op_outputs,
+)
 from lightning_parallel.memory.saved import SavedHooks, can_stack, counting, record_saved
 from lightning_parallel.module_names import find_block_stack, match_pattern
 from lightning_parallel.pipeline.partition import held_elsewhere
@@ -223,7 +228,7 @@ def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoin
     if op not in _KEPT_OPS:
         return CheckpointPolicy.PREFER_RECOMPUTE
     if not ctx.is_recompute:
-        for out in ctx.op_output if isinstance(ctx.op_output, (tuple, list)) else (ctx.op_output,):
+        for out in selective_op_outputs(ctx):
             if isinstance(out, Tensor):
                 record_saved(out)
     return CheckpointPolicy.MUST_SAVE

@@ -15,8 +15,9 @@ import numpy as np
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import is_fake
 from torchmetrics import Metric
+
+from lightning_parallel.compat import is_fake
 
 __all__ = [
     "METRICS",

@@ -89,7 +89,8 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 def _as_dtensor(local: Tensor, layout: ShardLayout, meshes: dict) -> Any:
     """``local`` as the DTensor slice of the full (packed-viewed) tensor; shares ``local``'s memory."""
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard
+
+    from lightning_parallel.compat import DTensor, Shard
 
     group = layout.group if layout.group is not None else dist.group.WORLD
     mesh = meshes.get(id(group))
@@ -149,10 +150,14 @@ def _boxes(start: int, stop: int, shape: tuple[int, ...]) -> list[tuple[list[int
 def _as_pieces(pieces: StatePieces, layout: ShardLayout | None) -> Any:
     """ZeRO's pieces of one state tensor as a ``ShardedTensor`` of the full (packed-viewed) tensor: this rank's
     elements as their boxes (sharing their memory), every rank's boxes as its metadata."""
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensorBase
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+    from lightning_parallel.compat import (
+        EnumerableShardingSpec,
+        ShardedTensorBase,
+        ShardedTensorMetadata,
+        ShardMetadata,
+        TensorProperties,
+    )
+    from lightning_parallel.compat import LocalShard as Shard
 
     shape, tp_ranks, tp_rank, shard_dim = tuple(pieces.shape), 1, 0, 0
     full = shape

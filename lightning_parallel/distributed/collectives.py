@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_parallel.compat import reduce_scatter_single
+from lightning_parallel.compat import foreach_mul_, foreach_norm, reduce_scatter_single
 
 __all__ = [
     "copy_to_group",
@@ -258,7 +258,7 @@ def clip_grad_norm_counted(
         total = all_reduce_sum(_sum_of_squares(mine, device), group).to(dtype).sqrt()
         scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for same in _by_device_and_dtype(grads):
-            torch._foreach_mul_(same, scale.to(device=same[0].device, dtype=same[0].dtype))
+            foreach_mul_(same, scale.to(device=same[0].device, dtype=same[0].dtype))
     return total
 
 
@@ -267,7 +267,7 @@ def _sum_of_squares(grads: list[Tensor], device: torch.device) -> Tensor:
     dtype (in the gradients' dtype, as torch's own ``clip_grad_norm_``), their squares summed."""
     total = torch.zeros((), device=device, dtype=torch.float64)
     for same in _by_device_and_dtype(grads):
-        norms = torch.stack(torch._foreach_norm(same, 2))
+        norms = torch.stack(foreach_norm(same, 2))
         total += norms.to(device=device, dtype=torch.float64).square().sum()
     return total
 

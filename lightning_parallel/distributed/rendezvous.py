@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from lightning_parallel.compat import agent_store_env
+
 __all__ = ["HostedStore", "AGENT_STORE_ENV"]
 
 #: torch's switch (``torch/distributed/rendezvous.py``): every rank is a client of a store someone else hosts
@@ -41,7 +43,7 @@ class HostedStore:
 
     def env(self) -> dict[str, str]:
         """The environment variables that send each rank's ``env://`` rendezvous to this store."""
-        return {"MASTER_ADDR": self.host, "MASTER_PORT": str(self.port), AGENT_STORE_ENV: "True"}
+        return {"MASTER_ADDR": self.host, "MASTER_PORT": str(self.port), **agent_store_env(AGENT_STORE_ENV)}
 
     def close(self) -> None:
         self._store = None  # the server stops when its last reference goes

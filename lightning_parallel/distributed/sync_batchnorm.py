@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.layer_sync import TorchSyncBatchNorm
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import is_fake
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
+
+from lightning_parallel.compat import is_fake
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm", "SyncBatchNormPlugin"]
 

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_parallel.compat import all_gather_single, reduce_scatter_single
+from lightning_parallel.compat import all_gather_single, foreach_copy_, reduce_scatter_single
 from lightning_parallel.distributed.reducer import GradientReducer, _Bucket
 
 __all__ = ["Piece", "BucketShard", "ShardedGradientReducer", "ZERO_STAGES"]
@@ -393,7 +393,7 @@ class ShardedGradientReducer(GradientReducer):
         sizes = [p.numel() for p in bucket.params]
         parts = full.split([*sizes, full.numel() - sum(sizes)])
         with torch.no_grad():
-            torch._foreach_copy_([p.view(-1) for p in bucket.params], list(parts[: len(sizes)]))
+            foreach_copy_([p.view(-1) for p in bucket.params], list(parts[: len(sizes)]))
 
     def gradient_tensors(self) -> list[Tensor]:
         return [*super().gradient_tensors(), *(s.grad for s in self.shards if s.grad is not None)]

@@ -5,7 +5,10 @@ The initializer of a module is, in this order: the ``_init_weights`` of the oute
 Lightning's and torch FSDP's convention), or its ``_reset_parameters()`` (``nn.MultiheadAttention``). It
 runs on a shallow copy of the module whose own tensors are fresh host tensors, so the live module, its
 children and the device are never touched. Floating-point tensors start as NaN: one that the initializer
-leaves unset is found, not trained from empty memory.
+leaves unset is found, not trained from empty memory. Such a tensor gets what the module's constructor gives
+it, the constructor run again on the host with the arguments recorded when the module was built
+(``constructors.constructed_again``: a norm's weight of ones, a rotary embedding's frequencies); one that is
+still unknown raises ``UninitializedTensorError``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from typing import Callable, Collection, Optional
 import torch
 from torch import nn
 
+from lightning_parallel.materialize.constructors import constructed_again
 from lightning_parallel.materialize.tensors import ModuleRecord
 
 __all__ = ["UninitializedTensorError", "initialized_copy", "initializer_for"]
@@ -74,16 +78,40 @@ def initialized_copy(root: nn.Module, record: ModuleRecord, needed: Collection[s
     if init is not None:
         with torch.no_grad():
             init(fresh)
-    unset = [attr for attr in needed if _is_unset(fresh._parameters.get(attr, fresh._buffers.get(attr)))]
+    unset = [attr for attr in needed if _is_unset(_own(fresh, attr))]
+    if unset:
+        unset = _from_constructor(record, fresh, unset)
     if unset:
         kind = type(record.module).__name__
         how = f"its initializer ({getattr(init, '__qualname__', init)})" if init else "no initializer"
         raise UninitializedTensorError(
             f"{record.name or '(root)'} ({kind}) was built on the meta device (deferred initialization) and "
-            f"{how} sets {unset}: give {kind} a reset_parameters() that initializes its own tensors, load "
+            f"{how} sets {unset}, nor does its constructor run again (or it was built outside "
+            f"init_module / configure_model): give {kind} a reset_parameters() that initializes them, load "
             "a checkpoint (fit(ckpt_path=...)), or build the model without init_module(empty_init=True)."
         )
     return fresh
+
+
+def _own(module: nn.Module, attr: str) -> Optional[torch.Tensor]:
+    return module._parameters.get(attr, module._buffers.get(attr))
+
+
+def _from_constructor(record: ModuleRecord, fresh: nn.Module, unset: list[str]) -> list[str]:
+    """Set ``fresh``'s ``unset`` tensors from the module's constructor run again (those of the same shape);
+    returns the attributes still unset."""
+    again = constructed_again(record.module)
+    if again is None:
+        return unset
+    left = []
+    for attr in unset:
+        target, value = _own(fresh, attr), _own(again, attr)
+        if value is None or value.is_meta or value.shape != target.shape or _is_unset(value):
+            left.append(attr)
+            continue
+        with torch.no_grad():
+            target.copy_(value)
+    return left
 
 
 def _is_unset(t: Optional[torch.Tensor]) -> bool:

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Optional
 import torch
 from torch import Tensor
 
+from lightning_parallel.compat import saved_tensors_hooks_readable, top_saved_tensors_hooks
 from lightning_parallel.memory.accounting import storage_key, storage_of
 
 __all__ = ["SavedHooks", "SavedTensorCounter", "Stored", "can_stack", "counting", "record_saved"]
@@ -44,7 +45,7 @@ def can_stack() -> bool:
     """Whether this torch lets ``SavedHooks`` read the hooks below them (a private function torch 2.13 has
     and 2.5 lacks). Without it they hide the hooks below, as any other hooks do: a hook inside torch's
     checkpoint then stores for real what the checkpoint would have recomputed."""
-    return hasattr(torch._C._autograd, "_top_saved_tensors_default_hooks")
+    return saved_tensors_hooks_readable()
 
 
 class Stored(NamedTuple):
@@ -125,7 +126,7 @@ class SavedHooks(torch.autograd.graph.saved_tensors_hooks):
 
 def _innermost_hooks() -> Optional[tuple[Callable[[Tensor], Any], Callable[[Any], Tensor]]]:
     """The saved-tensor hooks that run now (the innermost pair), read with a private torch function."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) if can_stack() else None
+    return top_saved_tensors_hooks()
 
 
 def _package_hooks(pack: Callable[[Tensor], Any]) -> Optional[SavedHooks]:

@@ -33,6 +33,7 @@ from typing import Any, Optional, Sequence, Union
 from torch import Tensor, nn
 
 from lightning_parallel.checkpointing.one_device import keep_skeleton
+from lightning_parallel.compat import without_layer_caches
 from lightning_parallel.module_names import find_block_stack, other_stacks
 
 __all__ = [
@@ -280,4 +281,4 @@ def _received_output(io: StageInput, last: bool):
 
 
 def _end_of_stage(module: nn.Module, args: tuple, output: Any) -> None:
-    raise StageOutput(output)
+    raise StageOutput(without_layer_caches(output))

@@ -81,6 +81,7 @@ from lightning_parallel.materialize import (
     has_meta_tensors,
     materialize,
     open_weights,
+    recording_constructors,
     shared_rng_state,
 )
 from lightning_parallel.memory import MemoryReport
@@ -371,7 +372,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             with super().tensor_init_context(empty_init):
                 yield
             return
-        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+        with torch.device("meta"), self.precision_plugin.tensor_init_context(), recording_constructors():
             yield
 
     def model_to_device(self) -> None:

@@ -55,6 +55,7 @@ from lightning.fabric.strategies.launchers.subprocess_script import _basic_subpr
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 
+from lightning_parallel.compat import RESTART_COUNT_ENV
 from lightning_parallel.distributed.rendezvous import AGENT_STORE_ENV, HostedStore
 
 __all__ = [
@@ -84,6 +85,7 @@ LAUNCH_ENV_VARS = (
     "WORLD_SIZE",
     "OMP_NUM_THREADS",
     AGENT_STORE_ENV,
+    RESTART_COUNT_ENV,
 )
 # A folder where each child marks (``<local rank>``) that it is about to join the process group.
 READY_ENV = "LP_LAUNCH_READY_DIR"

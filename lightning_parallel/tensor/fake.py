@@ -26,17 +26,18 @@ from typing import Any, Optional
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensorMode,
-    unset_fake_temporarily,
-)
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 from torchmetrics import Metric
 
+from lightning_parallel.compat import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    TorchDispatchMode,
+    tree_flatten,
+    tree_map,
+    unset_fake_temporarily,
+)
 from lightning_parallel.memory.accounting import storage_id
 from lightning_parallel.tensor.sample import SampleStep
 

@@ -25,9 +25,8 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
+from lightning_parallel.compat import TorchDispatchMode, tree_flatten
 from lightning_parallel.module_names import find_block_stack
 from lightning_parallel.tensor.dry_run import dry_run
 from lightning_parallel.tensor.fake import fake_step

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_parallel.compat import in_backward
 from lightning_parallel.distributed.collectives import all_gather_dim
 from lightning_parallel.memory.accounting import storage_id
 from lightning_parallel.memory.saved import SavedHooks, Stored
@@ -56,7 +57,7 @@ class SavedAsPart:
         if self._last is None or self._last[0] != key:
             self._last = None  # freed before the next one is gathered
             self._last = (key, part, all_gather_dim(part, self.group, self.dim))
-            if torch._C._current_graph_task_id() != -1:
+            if in_backward():
                 torch.autograd.Variable._execution_engine.queue_callback(self._forget)
         return self._last[2]
 

@@ -20,9 +20,8 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
 
+from lightning_parallel.compat import TorchDispatchMode, tree_flatten, tree_map
 from lightning_parallel.memory.accounting import storage_id
 from lightning_parallel.tensor.fake import fake_step
 

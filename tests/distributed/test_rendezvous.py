@@ -3,11 +3,13 @@ as a client too), and closing it frees the port."""
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 
 import pytest
 
+from lightning_parallel.compat import RESTART_COUNT_ENV
 from lightning_parallel.distributed.rendezvous import AGENT_STORE_ENV, HostedStore
 from tests.helpers.harness import run_processes, worker_env
 
@@ -26,6 +28,7 @@ def _bindable(port: int) -> bool:
     return True
 
 
+@pytest.mark.smoke
 @pytest.mark.timeout(120)
 def test_port_is_held_before_the_ranks_start_and_they_meet_there(tmp_path) -> None:
     with HostedStore(world_size=2) as store:
@@ -34,6 +37,7 @@ def test_port_is_held_before_the_ranks_start_and_they_meet_there(tmp_path) -> No
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(store.port),
             AGENT_STORE_ENV: "True",
+            RESTART_COUNT_ENV: os.environ.get(RESTART_COUNT_ENV, "0"),  # read by torch <= 2.5
         }
         envs = [{**worker_env(r, 2), **store.env()} for r in range(2)]
         outputs = run_processes([[sys.executable, "-c", ALL_REDUCE]] * 2, envs, timeout=90, cwd=tmp_path)
