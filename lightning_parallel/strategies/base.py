@@ -125,6 +125,10 @@ def _raw_clipping_refused(zero_stage: int) -> str:
     )
 
 
+def _nothing() -> None:
+    """The release of a refusal never installed (a function, not a lambda: the strategy pickles for spawn)."""
+
+
 class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
     """Base of all lightning_parallel strategies; not registered itself.
 
@@ -227,7 +231,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.zero_stage = zero_stage
         self._optimizer_shards: dict[int, ShardedOptimizer] = {}  # id(optimizer) -> its sharding
-        self._release_raw_clipping: Callable[[], None] = lambda: None  # refuse_raw_clipping's, under ZeRO
+        self._release_raw_clipping: Callable[[], None] = _nothing  # refuse_raw_clipping's, under ZeRO
         self._checkpointed: list[str] = []  # the submodules whose forward set-up checkpointed
         self.memory = MemoryReport(defer_to_callback=True) if memory_report else None  # baseline: now
 
@@ -650,7 +654,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
 
     def teardown(self) -> None:
         self._release_raw_clipping()
-        self._release_raw_clipping = lambda: None
+        self._release_raw_clipping = _nothing
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None

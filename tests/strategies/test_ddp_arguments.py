@@ -181,9 +181,9 @@ def test_unused_parameters_error_begins_with_lightnings_words_under_spawn_too(tm
 
     from tests.helpers.models import MLPWithUnusedBranch, RegressionData
 
-    trainer = Trainer(
+    trainer = Trainer(  # 2 processes: one process averages nothing, so it has no reducer to find unused ones
         accelerator="cpu",
-        devices=1,
+        devices=2,
         strategy="lp_ddp_spawn",
         max_steps=2,
         precision="64-true",
