@@ -141,7 +141,7 @@ def test_a_manual_step_that_drops_its_graph_leaves_nothing_alive_under_the_memor
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
-        strategy="lp_ddp",  # memory_report=True: the counter's pack hook runs in every step
+        strategy="lp_ddp",  # memory_report=True: the counter's pack hook runs in the counted steps
         max_epochs=1,
         logger=False,
         enable_checkpointing=False,
@@ -149,6 +149,10 @@ def test_a_manual_step_that_drops_its_graph_leaves_nothing_alive_under_the_memor
         enable_model_summary=False,
         default_root_dir=tmp_path,
     )
-    trainer.fit(model, data)
+    try:
+        trainer.fit(model, data)
+    finally:  # the fit ran in this process: leave no process group to the tests after it
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     gc.collect()
     assert len(model.outputs) == 16 and sum(ref() is not None for ref in model.outputs) == 0
