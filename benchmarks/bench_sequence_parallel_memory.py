@@ -19,8 +19,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
+from common import QUIET_TRAINER  # noqa: E402
 from lightning.pytorch import Callback, Trainer  # noqa: E402
 
 from lightning_parallel import TensorParallelStrategy  # noqa: E402
@@ -85,10 +87,7 @@ def main() -> None:
         devices=2,
         strategy=strategy,
         max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         callbacks=[Phases(f"sequence_parallel={args.sequence_parallel}")],
     )
     data = TokenData(batch_size=args.batch, n=8 * args.batch, block_size=args.seq, vocab_size=128)
