@@ -380,7 +380,8 @@ class GradientReducer:
         flags = torch.tensor(used, dtype=torch.int32, device=self.buckets[0].buffer.device)
         dist.all_reduce(flags, group=self.group)
         index = {p: i for i, p in enumerate(self._order)}
-        unused = [p for p in locally_unused if int(flags[index[p]]) == 0]
+        counts = flags.tolist()  # one host sync, not one per parameter
+        unused = [p for p in locally_unused if counts[index[p]] == 0]
         if self.static_graph:
             self._static_unused = unused
         return unused
