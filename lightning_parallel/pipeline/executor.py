@@ -1,9 +1,16 @@
-"""Runs one stage's list of actions (from ``schedules.py``) with point-to-point communication.
+"""Runs one rank's list of actions (from ``schedules.py``) with point-to-point communication.
 
 ``F i``: take micro-batch i's activation from the previous stage (unless first), run the user's step
 function on micro-batch i (``StageOutput`` ends it on all but the last stage), send the result on.
 ``B i``: on the last stage, backward of the weighted micro-batch loss; elsewhere, backward of the
 stage's output with the gradient received from the next stage; then send the input's gradient back.
+``I i`` does the same for the input's gradient only, and ``W i`` later adds the weight gradients it left
+(``split_backward.py``): the zero-bubble schedules send the input's gradient upstream sooner.
+
+A rank may hold several chunks (virtual stages) of the model: each action names its chunk, each chunk
+has its own previous and next rank (``ChunkLinks``; the previous may be this rank itself, a hand-off with
+no communication), and each boundary between two virtual stages has its own message tags, so that one
+peer can send activations and gradients of different chunks at once.
 
 Without a flush (``async``) a micro-batch's forward and backward can fall in different steps, with an
 optimizer step between them that updates the parameters in place. Its autograd graph must still see
@@ -24,8 +31,9 @@ from torch import Tensor
 from lightning_parallel.distributed.p2p import PeerLink
 from lightning_parallel.memory.accounting import storage_key, storage_of
 from lightning_parallel.memory.saved import SavedHooks, Stored
-from lightning_parallel.pipeline.partition import StageInput, StageOutput
+from lightning_parallel.pipeline.partition import StageOutput, StagePartition
 from lightning_parallel.pipeline.schedules import Action
+from lightning_parallel.pipeline.split_backward import WeightGradients, backward_input
 from lightning_parallel.pipeline.timeline import Timeline
 from lightning_parallel.recompute_state import using_snapshot
 
@@ -34,6 +42,7 @@ __all__ = [
     "loader_problem",
     "merge_microbatches",
     "batch_size",
+    "ChunkLinks",
     "StageExecutor",
     "StepResult",
     "weights_snapshot",
@@ -203,77 +212,113 @@ class StepResult:
     losses: list[Tensor] = field(default_factory=list)  # last stage: each micro-batch's (unweighted) loss
     outputs: list[Any] = field(default_factory=list)  # last stage: what the step function returned
     output: Any = None  # last stage, forward only: ``outputs`` merged as the whole batch's
-    peak_held: int = (
-        0  # most micro-batches whose activations this stage held at once (forward done, backward not)
-    )
+    peak_held: int = 0  # most (micro-batch, chunk) activations this rank held at once (forward done,
+    # backward, or its weight part, not yet)
+
+
+@dataclass(frozen=True)
+class ChunkLinks:
+    """Where one local chunk's input comes from and its output goes (global ranks; None at the model's
+    ends; this rank's own for a hand-off between two of its chunks), and its place in the model."""
+
+    virtual_stage: int
+    previous: Optional[int]
+    next: Optional[int]
+
+    def activation_tag(self, outgoing: bool) -> int:
+        """The tag of the activations crossing the boundary after (``outgoing``) or before this stage."""
+        return 2 * (self.virtual_stage if outgoing else self.virtual_stage - 1)
+
+    def gradient_tag(self, outgoing: bool) -> int:
+        """The tag of the gradients crossing the boundary before (``outgoing``) or after this stage."""
+        return 2 * (self.virtual_stage - 1 if outgoing else self.virtual_stage) + 1
+
+
+Key = tuple[int, int]  # (micro-batch, chunk)
 
 
 class StageExecutor:
-    """The communication and autograd bookkeeping of one stage; knows nothing of Lightning."""
+    """The communication and autograd bookkeeping of one rank's chunks; knows nothing of Lightning."""
 
     def __init__(
         self,
-        stage: int,
-        num_stages: int,
-        prev_rank: Optional[int],
-        next_rank: Optional[int],
+        rank: int,
+        part: StagePartition,
+        links: Sequence[ChunkLinks],
         link: PeerLink,
-        io: StageInput,
         timeline: Timeline,
+        parameters: Sequence[Tensor] = (),
     ) -> None:
-        self.stage, self.num_stages = stage, num_stages
-        self.prev_rank, self.next_rank = prev_rank, next_rank
-        self.link, self.io, self.timeline = link, io, timeline
-        self.in_flight: dict[int, tuple[Any, Any]] = {}  # previous batch: micro-batch -> (output, input)
-        self._expected: Counter = Counter()  # transfers still to come in this run, per peer
+        self.rank, self.part, self.links = rank, part, list(links)
+        self.link, self.io, self.timeline = link, part.io, timeline
+        self.parameters = [p for p in parameters if p.requires_grad]  # what a split backward's W fills
+        self.in_flight: dict[Key, tuple[Any, Any]] = {}  # previous batch: (output, input)
+        self._weights_due: dict[Key, WeightGradients] = {}  # split backwards whose W is still to run
+        self._expected: Counter = Counter()  # transfers still to come in this run, per (peer, tag)
+        self._local: dict[int, list[Any]] = {}  # tag -> hand-offs between this rank's own chunks
 
     @property
     def has_in_flight(self) -> bool:
         return bool(self.in_flight)
 
-    @property
-    def is_first(self) -> bool:
-        return self.stage == 0
+    def starts_model(self, chunk: int) -> bool:
+        return self.links[chunk].previous is None
+
+    def ends_model(self, chunk: int) -> bool:
+        return self.links[chunk].next is None
 
     @property
-    def is_last(self) -> bool:
-        return self.stage == self.num_stages - 1
+    def runs_loss(self) -> bool:
+        """Whether one of this rank's chunks ends the model (it runs the loss)."""
+        return any(self.ends_model(c) for c in range(len(self.links)))
 
-    def _receive(self, peer: int) -> Any:
-        """The next transfer from ``peer``; then post the receive of the one after it, if this run has one
-        (it is known from the actions), so that transfer does not wait for a round trip."""
-        value = self.link.recv(peer)
-        self._expected[peer] -= 1
-        if self._expected[peer] > 0:
-            self.link.post_recv(peer)
+    def _send(self, value: Any, peer: int, tag: int) -> None:
+        if peer == self.rank:
+            self._local.setdefault(tag, []).append(_handed_off(value))
+        else:
+            self.link.send(value, peer, tag)
+
+    def _receive(self, peer: int, tag: int) -> Any:
+        """The next transfer from ``peer`` on ``tag``; then post the receive of the one after it, if this
+        run has one (it is known from the actions), so that transfer does not wait for a round trip."""
+        if peer == self.rank:
+            return self._local[tag].pop(0)
+        value = self.link.recv(peer, tag)
+        self._expected[(peer, tag)] -= 1
+        if self._expected[(peer, tag)] > 0:
+            self.link.post_recv(peer, tag)
         return value
 
     def _expect(self, actions: Sequence[Action], backward: bool) -> None:
-        """Count this run's transfers per peer (activations from the previous stage, gradients from the
-        next) and post the first receive from each."""
+        """Count this run's transfers per peer and tag (activations from the previous stage, gradients
+        from the next) and post the first receive of each."""
         self._expected = Counter()
         for action in actions:
-            if action.kind == "F" and not self.is_first:
-                self._expected[self.prev_rank] += 1
-            elif action.kind == "B" and backward and not self.is_last:
-                self._expected[self.next_rank] += 1
-        for peer in self._expected:
-            self.link.post_recv(peer)
+            links = self.links[action.chunk]
+            if action.kind == "F" and links.previous not in (None, self.rank):
+                self._expected[(links.previous, links.activation_tag(outgoing=False))] += 1
+            elif action.kind in ("B", "I") and backward and links.next not in (None, self.rank):
+                self._expected[(links.next, links.gradient_tag(outgoing=False))] += 1
+        for peer, tag in self._expected:
+            self.link.post_recv(peer, tag)
 
-    def forward(self, step_fn: Callable[[Any], Any], microbatch: Any, index: int) -> tuple[Any, Any]:
-        """Run one forward; returns (what this stage produced, the input leaf it used)."""
-        if not self.is_first:
-            with self.timeline.record("wait", index):
-                self.io.pending = self._receive(self.prev_rank)
-        with self.timeline.record("F", index):
+    def forward(
+        self, step_fn: Callable[[Any], Any], microbatch: Any, index: int, chunk: int = 0
+    ) -> tuple[Any, Any]:
+        """Run one forward of ``chunk``; returns (what it produced, the input leaf it used)."""
+        links = self.links[chunk]
+        if links.previous is not None:
+            with self.timeline.record("wait", index, chunk=chunk):
+                self.io.pending = self._receive(links.previous, links.activation_tag(outgoing=False))
+        with self.part.running(chunk), self.timeline.record("F", index, chunk=chunk):
             try:
                 produced = step_fn(microbatch)
             except StageOutput as end:
                 produced = end.tensor
         used, self.io.used = self.io.used, None
-        if not self.is_last:
+        if links.next is not None:
             _check_sendable(produced)
-            self.link.send(produced, self.next_rank)
+            self._send(produced, links.next, links.activation_tag(outgoing=True))
         return produced, used
 
     def run(
@@ -292,66 +337,93 @@ class StageExecutor:
         sends; otherwise a peer may receive them only in its next call, after collectives of its own."""
         result = StepResult()
         self._expect(actions, backward)
-        produced: dict[int, Any] = {}
-        inputs: dict[int, Any] = {}
+        produced: dict[Key, Any] = {}
+        inputs: dict[Key, Any] = {}
         for action in actions:
-            i = action.microbatch
+            key = (action.microbatch, action.chunk)
             if action.kind == "F":
-                produced[i], inputs[i] = self.forward(step_fn, microbatches[i], i)
+                produced[key], inputs[key] = self.forward(step_fn, microbatches[key[0]], *key)
+                ends = self.ends_model(action.chunk)
                 if backward:
-                    result.peak_held = max(result.peak_held, len(produced) + len(self.in_flight))
-                if self.is_last:
-                    result.outputs.append(produced[i])
+                    held = len(produced) + len(self.in_flight) + len(self._weights_due)
+                    result.peak_held = max(result.peak_held, held)
+                if ends:
+                    result.outputs.append(produced[key])
                     if backward:
-                        produced[i] = loss_of(produced[i])
-                        result.losses.append(produced[i].detach())
+                        produced[key] = loss_of(produced[key])
+                        result.losses.append(produced[key].detach())
                 if not backward:
-                    produced.pop(i), inputs.pop(i)
+                    produced.pop(key), inputs.pop(key)
+            elif action.kind == "W" and backward:
+                with self.timeline.record("W", key[0], chunk=key[1]):
+                    self._weights_due.pop(key).run()
             elif backward:
                 if before_backward is not None:
                     before_backward(action)
                 if action.batch == -1:
-                    output, used = self.in_flight.pop(i)
+                    output, used = self.in_flight.pop(key)
                 else:
-                    output, used = produced.pop(i), inputs.pop(i)
-                self._backward(output, used, weights[i], i, previous=action.batch == -1)
-        if self.is_last and not backward:
+                    output, used = produced.pop(key), inputs.pop(key)
+                self._backward(action, output, used, weights[key[0]])
+        if result.outputs and not backward:
             result.output = merge_microbatches(result.outputs)
         if backward:  # forward-only runs (validation) leave training's in-flight graphs alone
-            if self.in_flight:
+            if self.in_flight or self._weights_due:
                 raise RuntimeError(
-                    f"stage {self.stage}: micro-batches {sorted(self.in_flight)} of the previous "
-                    "batch were left without a backward"
+                    f"stage {self.part.stage}: micro-batches {sorted(self.in_flight or self._weights_due)} "
+                    "(micro-batch, chunk) were left without a backward"
                 )
-            self.in_flight = {i: (produced[i], inputs[i]) for i in produced}
+            self.in_flight = {key: (produced[key], inputs[key]) for key in produced}
         if flushed:
             self.link.wait_sends()
         else:
             self.link.forget_finished_sends()
         return result
 
-    def _backward(
-        self, output: Any, used_input: Any, weight: float, index: int, previous: bool = False
-    ) -> None:
-        if self.is_last:
-            with self.timeline.record("B", index, previous):
-                (output * weight).backward()
+    def _backward(self, action: Action, output: Any, used_input: Any, weight: float) -> None:
+        """``B``/``I`` of one (micro-batch, chunk): the backward of its output (of the weighted loss where
+        the chunk ends the model), then the input's gradient sent back. ``I`` leaves its weight part to a
+        later ``W``."""
+        index, chunk, previous = action.microbatch, action.chunk, action.batch == -1
+        links = self.links[chunk]
+        if links.next is None:
+            roots, grads = [output * weight], [None]
         else:
-            with self.timeline.record("wait", index, previous):
-                grad = self._receive(self.next_rank)
+            with self.timeline.record("wait", index, previous, chunk):
+                grad = self._receive(links.next, links.gradient_tag(outgoing=False))
             pairs = [
                 (o, g)
                 for o, g in zip(_as_tuple(output), _as_tuple(grad))
                 if o is not None and o.requires_grad and g.numel()
             ]
-            with self.timeline.record("B", index, previous):
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        if not self.is_first:
-            if used_input is None:
-                raise RuntimeError(f"stage {self.stage}: no activation was received for micro-batch {index}")
-            grads = tuple(_grad_or_placeholder(t) for t in _as_tuple(used_input))
-            if all(g is None or g.numel() == 0 for g in grads):
-                raise RuntimeError(
-                    f"stage {self.stage}: the activation received for micro-batch {index} got no gradient"
-                )
-            self.link.send(grads if isinstance(used_input, tuple) else grads[0], self.prev_rank)
+            roots, grads = [o for o, _ in pairs], [g for _, g in pairs]
+        with self.timeline.record(action.kind, index, previous, chunk):
+            if action.kind == "I":
+                leaves = [t for t in _as_tuple(used_input) if isinstance(t, Tensor) and t.requires_grad]
+                self._weights_due[(index, chunk)] = backward_input(roots, grads, leaves, self.parameters)
+            else:
+                torch.autograd.backward(roots, grads)
+        if links.previous is None:
+            return
+        if used_input is None:
+            raise RuntimeError(
+                f"stage {self.part.stage}: no activation was received for micro-batch {index} (chunk {chunk})"
+            )
+        grads_back = tuple(_grad_or_placeholder(t) for t in _as_tuple(used_input))
+        if all(g is None or g.numel() == 0 for g in grads_back):
+            raise RuntimeError(
+                f"stage {self.part.stage}: the activation received for micro-batch {index} (chunk {chunk}) "
+                "got no gradient"
+            )
+        message = grads_back if isinstance(used_input, tuple) else grads_back[0]
+        self._send(message, links.previous, links.gradient_tag(outgoing=True))
+
+
+def _handed_off(value: Any) -> Any:
+    """What the next chunk on the same rank receives: the tensors detached (its own leaves, as a received
+    message would be), in the same structure."""
+    if isinstance(value, Tensor):
+        return value.detach()
+    if isinstance(value, (tuple, list)):
+        return tuple(None if t is None else t.detach() for t in value)
+    return value

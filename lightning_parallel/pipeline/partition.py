@@ -17,6 +17,12 @@ into a stage:
 - on the last block of a stage (but the last stage), a hook raises ``StageOutput`` with the block's
   output: the rest of ``forward`` and of ``training_step`` belongs to later stages.
 
+A rank may hold several chunks of the stack (``chunks``: the virtual stages it holds, in the order of
+its local chunk index; the interleaved and V-shaped schedules). ``StageInput.chunk`` says which one runs:
+the blocks before its range return what was received for it, its last block ends the stage, and the
+blocks of the rank's earlier chunks pass their input through while it runs (``StagePartition.running``).
+With one chunk per rank (``chunks=[stage]``) a rank's stage is one contiguous range, as above.
+
 Every block keeps a skeleton of itself from before the cut (``keep_block_skeletons``), so a network held
 in a checkpoint's hyperparameters is saved as one device holds it.
 
@@ -27,8 +33,9 @@ them, and their gradients are summed over the pipeline group so every copy takes
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 from torch import Tensor, nn
 
@@ -65,6 +72,7 @@ class StageInput:
 
     pending: Optional[Any] = None  # a tensor, or a tuple of tensors and None
     used: Optional[Any] = None
+    chunk: int = 0  # the local chunk whose forward runs (several chunks per rank: interleaved, V)
 
 
 def block_parameters(stack: nn.Module) -> list[int]:
@@ -147,15 +155,49 @@ class StagePartition:
     """What ``partition`` did to the module on this rank."""
 
     stack_name: str
-    bounds: list[tuple[int, int]]
-    stage: int
+    bounds: list[tuple[int, int]]  # [start, end) blocks of each (virtual) stage, in model order
+    stage: int  # this rank's place in the pipeline group
+    chunks: list[int] = field(default_factory=list)  # the virtual stages this rank holds, by local chunk
     io: StageInput = field(default_factory=StageInput)
     owned: list[str] = field(default_factory=list)  # names of this stage's parameters that live nowhere else
     unpipelined: list[str] = field(default_factory=list)  # other candidate stacks, run whole on every stage
+    stack: Optional[nn.Module] = None
 
     @property
     def num_stages(self) -> int:
         return len(self.bounds)
+
+    def chunk_bounds(self, chunk: int) -> tuple[int, int]:
+        """[start, end) blocks of this rank's local ``chunk``."""
+        return self.bounds[self.chunks[chunk]]
+
+    def ends_model(self, chunk: int) -> bool:
+        """Whether ``chunk`` holds the stack's last blocks (its stage runs the rest of the forward)."""
+        return self.chunks[chunk] == len(self.bounds) - 1
+
+    @contextmanager
+    def running(self, chunk: int) -> Iterator[None]:
+        """Run ``chunk``'s forward: the hooks take its bounds, and the blocks of this rank's earlier chunks
+        pass their input through (their output is replaced by what was received anyway)."""
+        start = self.chunk_bounds(chunk)[0]
+        earlier = [
+            self.stack[i]
+            for c, (a, b) in enumerate(self.chunk_bounds(c) for c in range(len(self.chunks)))
+            if c != chunk and b <= start
+            for i in range(a, b)
+        ]
+        saved = [block.__dict__.get("forward") for block in earlier]
+        self.io.chunk = chunk
+        for block in earlier:
+            block.forward = _passed_over
+        try:
+            yield
+        finally:
+            for block, forward in zip(earlier, saved):
+                if forward is None:
+                    del block.forward
+                else:
+                    block.forward = forward
 
     def describe_stack(self) -> str:
         """Which stack is pipelined, and which other candidates run whole on every stage."""
@@ -176,20 +218,28 @@ def partition(
     stack_name: Optional[str] = None,
     split_points: Optional[Sequence[Union[str, int]]] = None,
     costs: Optional[Sequence[float]] = None,
+    chunks: Optional[Sequence[int]] = None,
 ) -> StagePartition:
-    """Keep this stage's blocks in ``module`` (in place), hold the others elsewhere (``hold_elsewhere``)
-    and install the stage-boundary hooks."""
+    """Keep this rank's blocks in ``module`` (in place), hold the others elsewhere (``hold_elsewhere``)
+    and install the stage-boundary hooks. ``num_stages`` counts the (virtual) stages the stack is cut
+    into; ``chunks`` are those this rank holds, by local chunk index (default: ``[stage]``)."""
     name, stack = find_block_stack(module, stack_name)
     bounds = stage_bounds(name, stack, num_stages, split_points, costs)
-    part = StagePartition(stack_name=name, bounds=bounds, stage=stage, unpipelined=other_stacks(module, name))
-    start, end = bounds[stage]
+    held = list(chunks) if chunks is not None else [stage]
+    part = StagePartition(
+        stack_name=name,
+        bounds=bounds,
+        stage=stage,
+        chunks=held,
+        unpipelined=other_stacks(module, name),
+        stack=stack,
+    )
+    mine = [i for c in held for i in range(*bounds[c])]
     prefix = f"{name}." if name else ""
-    part.owned = [f"{prefix}{i}.{n}" for i in range(start, end) for n, _ in stack[i].named_parameters()]
-    hold_elsewhere(module, stack, [i for i in range(len(stack)) if not start <= i < end])
-    for i in range(start):  # the blocks of earlier stages: the last one gives what was received
-        stack[i].register_forward_hook(_received_output(part.io, last=i == start - 1))
-    if stage < num_stages - 1:
-        stack[end - 1].register_forward_hook(_end_of_stage)
+    part.owned = [f"{prefix}{i}.{n}" for i in mine for n, _ in stack[i].named_parameters()]
+    hold_elsewhere(module, stack, [i for i in range(len(stack)) if i not in mine])
+    for i in range(len(stack)):
+        stack[i].register_forward_hook(_at_boundary(part, i))
     return part
 
 
@@ -260,25 +310,35 @@ def _first_input(*args: Any, **kwargs: Any) -> Any:
     return args[0] if args else next(iter(kwargs.values()))
 
 
-def _received_output(io: StageInput, last: bool):
-    """The output of a block of an earlier stage: what the previous stage's last block returned (the
-    received tensors in its structure, e.g. ``(hidden, None)``), so the user's code between the blocks
-    (``hidden = outputs[0]``) runs as on one device. Only the last such block takes it for this stage
-    (``io.used``): the earlier ones return it as a stand-in of the right structure."""
+def _at_boundary(part: StagePartition, index: int):
+    """The forward hook of block ``index``, for the chunk that runs (``part.io.chunk``):
+
+    - a block before the chunk's range returns what the previous stage's last block returned (the
+      received tensors in its structure, e.g. ``(hidden, None)``), so the user's code between the blocks
+      (``hidden = outputs[0]``) runs as on one device. Only the last such block takes it for this stage
+      (``io.used``): the earlier ones return it as a stand-in of the right structure;
+    - the chunk's last block ends the stage (``StageOutput``), unless the chunk ends the model."""
 
     def hook(module: nn.Module, args: tuple, output: Any) -> Any:
-        if io.pending is None:
-            raise RuntimeError("pipeline stage ran without an input from the previous stage")
-        received = io.pending
-        for t in received if isinstance(received, tuple) else (received,):
-            if t is not None and t.is_floating_point():
-                t.requires_grad_(True)
-        if last:
-            io.pending, io.used = None, received
-        return received
+        io = part.io
+        start, end = part.chunk_bounds(io.chunk)
+        if index < start:
+            if io.pending is None:
+                raise RuntimeError("pipeline stage ran without an input from the previous stage")
+            received = io.pending
+            for t in received if isinstance(received, tuple) else (received,):
+                if t is not None and t.is_floating_point():
+                    t.requires_grad_(True)
+            if index == start - 1:
+                io.pending, io.used = None, received
+            return received
+        if index == end - 1 and not part.ends_model(io.chunk):
+            raise StageOutput(without_layer_caches(output))
+        return None
 
     return hook
 
 
-def _end_of_stage(module: nn.Module, args: tuple, output: Any) -> None:
-    raise StageOutput(without_layer_caches(output))
+def _passed_over(*args: Any, **kwargs: Any) -> Any:
+    """The forward of a block of this rank's earlier chunk while a later one runs: its first argument."""
+    return _first_input(*args, **kwargs)

@@ -45,14 +45,45 @@ __all__ = [
     "expected_bubbles",
 ]
 
-SCHEDULES = ("gpipe", "1f1b", "async")
+SCHEDULES = ("gpipe", "1f1b", "async", "interleaved_1f1b", "zb_h1")
+OVERLAPPED = ("gpipe", "1f1b")
+
+
+def chunks_per_rank(name: str, virtual_stages=None) -> int:  # TEMPORARY
+    return (virtual_stages or 2) if name == "interleaved_1f1b" else 2 if name == "zbv" else 1
+
+
+def placement(name: str, num_stages: int, virtual_stages: int) -> list[int]:  # TEMPORARY
+    n = num_stages * virtual_stages
+    if name == "zbv":
+        return [g if g < num_stages else n - 1 - g for g in range(n)]
+    return [g % num_stages for g in range(n)]
+
+
+def virtual_stages_problem(name, virtual_stages, prefix=""):  # TEMPORARY
+    if virtual_stages is None:
+        return None
+    if name == "interleaved_1f1b":
+        if isinstance(virtual_stages, int) and virtual_stages >= 2:
+            return None
+        return f"{prefix}virtual_stages must be an integer >= 2 with schedule='interleaved_1f1b', got {virtual_stages!r}"
+    return f"{prefix}virtual_stages={virtual_stages!r} is for schedule='interleaved_1f1b'; schedule={name!r} sets its own"
+
+
+def schedule_problem(name, num_stages, num_microbatches, virtual_stages):  # TEMPORARY
+    return None
+
+
+def forward_only(name, num_stages, num_microbatches, stage, virtual_stages=1):  # TEMPORARY
+    return [Action("F", i, chunk=c) for c in range(virtual_stages) for i in range(num_microbatches)]
 
 
 @dataclass(frozen=True)
 class Action:
-    kind: Literal["F", "B"]
+    kind: Literal["F", "B", "I", "W"]
     microbatch: int
     batch: int = 0  # 0: this step's batch; -1: the previous batch (async carries its cool-down over)
+    chunk: int = 0
 
     def __str__(self) -> str:
         return f"{self.kind}{self.microbatch}" + ("'" if self.batch == -1 else "")
@@ -102,9 +133,17 @@ def one_f_one_b(num_stages: int, num_microbatches: int, stage: int) -> list[Acti
     )
 
 
-def schedule(name: str, num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
+def schedule(name: str, num_stages: int, num_microbatches: int, stage: int, virtual_stages: int = 1) -> list[Action]:
     """The actions of ``stage`` for one flushed step of the named schedule (``async`` flushes like 1F1B;
     its no-flush steps are ``async_step``)."""
+    if name == "interleaved_1f1b":  # TEMPORARY
+        fs = [Action("F", i, chunk=c) for c in range(virtual_stages) for i in range(num_microbatches)]
+        return fs + [Action("B", a.microbatch, chunk=a.chunk) for a in reversed(fs)]
+    if name == "zb_h1":  # TEMPORARY
+        out = []
+        for a in one_f_one_b(num_stages, num_microbatches, stage):
+            out += [a] if a.kind == "F" else [Action("I", a.microbatch), Action("W", a.microbatch)]
+        return out
     if name == "gpipe":
         return gpipe(num_stages, num_microbatches, stage)
     if name in ("1f1b", "async"):

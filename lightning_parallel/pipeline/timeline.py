@@ -2,7 +2,8 @@
 
 From the events we get the measured bubble (the share of a step a stage spends not computing), a
 Chrome-trace JSON (open it in https://ui.perfetto.dev or chrome://tracing) and an SVG picture with
-one row per rank, F and B blocks, and the idle gaps visible as empty space.
+one row per rank, F and B blocks (I and W where a zero-bubble schedule splits the backward), and the idle
+gaps visible as empty space.
 """
 
 from __future__ import annotations
@@ -14,22 +15,29 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["Event", "Timeline", "bubble", "write_chrome_trace", "write_svg"]
+__all__ = ["COMPUTE", "Event", "Timeline", "bubble", "write_chrome_trace", "write_svg"]
+
+COMPUTE = ("F", "B", "I", "W")  # the kinds of event that compute (the rest is waiting)
 
 
 @dataclass
 class Event:
     rank: int
-    kind: str  # "F", "B" or "wait"
+    kind: str  # "F", "B" (whole backward), "I" (input gradient), "W" (weight gradient) or "wait"
     microbatch: int
     start: float
     end: float
     previous: bool = False  # async: a backward of the previous batch, carried into this step
+    chunk: int = 0  # the rank's local chunk (interleaved and V-shaped schedules hold several)
 
     @property
     def label(self) -> str:
-        """``F2``, ``B0``, or ``B3'`` for the previous batch's micro-batch 3."""
-        return f"{self.kind}{self.microbatch}" + ("'" if self.previous else "")
+        """``F2``, ``B0``, ``B3'`` for the previous batch's micro-batch 3, ``F2.1`` for chunk 1's."""
+        return (
+            f"{self.kind}{self.microbatch}"
+            + (f".{self.chunk}" if self.chunk else "")
+            + ("'" if self.previous else "")
+        )
 
 
 @dataclass
@@ -40,12 +48,14 @@ class Timeline:
     events: list[Event] = field(default_factory=list)
 
     @contextmanager
-    def record(self, kind: str, microbatch: int, previous: bool = False) -> Iterator[None]:
+    def record(self, kind: str, microbatch: int, previous: bool = False, chunk: int = 0) -> Iterator[None]:
         start = time.perf_counter()
         try:
             yield
         finally:
-            self.events.append(Event(self.rank, kind, microbatch, start, time.perf_counter(), previous))
+            self.events.append(
+                Event(self.rank, kind, microbatch, start, time.perf_counter(), previous, chunk)
+            )
 
     def clear(self) -> None:
         self.events.clear()
@@ -53,7 +63,7 @@ class Timeline:
 
 def bubble(events: list[Event]) -> float:
     """1 - (compute time / step span) on one rank: the idle share, waits included."""
-    compute = [e for e in events if e.kind in ("F", "B")]
+    compute = [e for e in events if e.kind in COMPUTE]
     if not compute:
         return 0.0
     span = max(e.end for e in events) - min(e.start for e in events)
@@ -63,7 +73,9 @@ def bubble(events: list[Event]) -> float:
 
 def _normalised(events: list[Event]) -> list[Event]:
     t0 = min(e.start for e in events)
-    return [Event(e.rank, e.kind, e.microbatch, e.start - t0, e.end - t0, e.previous) for e in events]
+    return [
+        Event(e.rank, e.kind, e.microbatch, e.start - t0, e.end - t0, e.previous, e.chunk) for e in events
+    ]
 
 
 def write_chrome_trace(events: list[Event], path: Path) -> Path:
@@ -91,7 +103,7 @@ def write_svg(events: list[Event], path: Path, title: str = "") -> Path:
     span = max(e.end for e in events) or 1.0
     width, row, left, top = 900, 34, 60, 30
     scale = (width - left - 10) / span
-    colors = {"F": "#4c78a8", "B": "#54a24b", "wait": "#d0d0d0"}
+    colors = {"F": "#4c78a8", "B": "#54a24b", "I": "#54a24b", "W": "#e4a33a", "wait": "#d0d0d0"}
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{top + row * len(ranks) + 30}" '
         'font-family="monospace" font-size="11">',

@@ -41,7 +41,7 @@ from lightning_parallel.checkpointing.by_name import (
 from lightning_parallel.checkpointing.contract import check_keys, unwrapped
 from lightning_parallel.memory.saved import can_stack
 from lightning_parallel.pipeline.partition import partition
-from lightning_parallel.pipeline.schedules import SCHEDULES
+from lightning_parallel.pipeline.schedules import SCHEDULES, virtual_stages_problem
 from lightning_parallel.strategies.base import ParallelStrategyBase
 from lightning_parallel.strategies.checks import one_of, positive_int, require
 from lightning_parallel.strategies.options import level_problems
@@ -94,8 +94,12 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
             splits less fails before training, naming what stayed whole and why. 0 accepts any plan.
         sequence_parallel: Megatron's sequence parallelism under tensor parallelism: norms, dropout and
             residual adds hold 1/tp of the sequence (docs/tensor_parallel.md); not with pipeline stages.
-        schedule: ``"gpipe"`` (fill-drain), ``"1f1b"`` (one-forward-one-backward, flush each step), or
-            ``"async"`` (PipeDream-2BW's update rule; see ``pipeline_async.py``).
+        schedule: ``"gpipe"`` (fill-drain), ``"1f1b"`` (one-forward-one-backward, flush each step),
+            ``"interleaved_1f1b"`` (Megatron's: ``virtual_stages`` chunks per rank, a smaller bubble),
+            ``"zb_h1"`` (zero bubble: the weight gradients fill 1F1B's bubble), or ``"async"``
+            (PipeDream-2BW's update rule; see ``pipeline_async.py``).
+        virtual_stages: chunks of the block stack per rank under ``schedule="interleaved_1f1b"`` (at
+            least 2; None: 2), in Megatron's looping placement. Other schedules hold one chunk per rank.
         num_microbatches: micro-batches per batch; a batch that does not divide evenly is split into
             parts differing by one sample, each weighted by its size.
         split_points: where stages start: block names (``["model.blocks.2"]``) or block counts per
@@ -125,6 +129,7 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
     pipeline_options = (
         "pipeline_parallel_size",
         "schedule",
+        "virtual_stages",
         "num_microbatches",
         "split_points",
         "balance",
@@ -142,6 +147,7 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
         require_sharded: float = 0.2,
         sequence_parallel: bool = False,
         schedule: str = "1f1b",
+        virtual_stages: Optional[int] = None,
         num_microbatches: int = 4,
         split_points: Optional[Sequence[Union[str, int]]] = None,
         balance: str = "parameters",
@@ -160,6 +166,7 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
         self.sequence_parallel = sequence_parallel
         self.sequence: Optional[SequenceParallel] = None
         self.schedule, self.num_microbatches = schedule, num_microbatches
+        self.chunks_option = virtual_stages
         self.split_points, self.block_stack, self.timeline_step = split_points, block_stack, timeline_step
         self.balance = balance
         self.resolved: Optional[ResolvedPlan] = None
@@ -189,6 +196,7 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
             if isinstance(share, (int, float)) and not isinstance(share, bool) and 0 <= share <= 1
             else f"{prefix}require_sharded must be a share between 0 and 1, got {share!r}",
             one_of(f"{prefix}schedule", values["schedule"], SCHEDULES),
+            virtual_stages_problem(values["schedule"], values["virtual_stages"], prefix),
             positive_int(f"{prefix}num_microbatches", values["num_microbatches"]),
             one_of(f"{prefix}balance", balance, BALANCES, hint=", or give split_points"),
             None
@@ -245,7 +253,7 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
         self.reducer = self.make_reducer(
             list(module.named_parameters()),
             find_unused_parameters=self.pipelined,
-            hooks=not (self.pipelined and self.schedule == "async"),
+            hooks=not self.pipelined or self.overlaps_reducer,
             whole=[params[i] for i in self._replicated] if self.pipelined else (),
         )
 
@@ -269,9 +277,15 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
             if shards:
                 self._entries, cut = shard_module(module, self.resolved, self.tp_group, self.mesh.tp_rank)
             if self.applies("pp"):
-                pp, stage = self.mesh.shape.pp, self.mesh.pp_rank
+                holder, stage = self.stage_of, self.mesh.pp_rank
                 self.partition = partition(
-                    module, pp, stage, self.block_stack, self.split_points, self._stage_costs
+                    module,
+                    len(holder),
+                    stage,
+                    self.block_stack,
+                    self.split_points,
+                    self._stage_costs,
+                    chunks=[g for g, rank in enumerate(holder) if rank == stage],
                 )
             return cut
 

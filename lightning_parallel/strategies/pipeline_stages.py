@@ -58,7 +58,13 @@ from lightning_parallel.distributed.replicas import start_sum_at
 from lightning_parallel.materialize import has_meta_tensors
 from lightning_parallel.module_names import find_block_stack
 from lightning_parallel.pipeline.deferred_batchnorm import DeferredBatchNorm, batchnorm_warning
-from lightning_parallel.pipeline.executor import StageExecutor, batch_size, loader_problem, split_microbatches
+from lightning_parallel.pipeline.executor import (
+    ChunkLinks,
+    StageExecutor,
+    batch_size,
+    loader_problem,
+    split_microbatches,
+)
 from lightning_parallel.pipeline.logs import LogMirror, WholeBatchMetrics, summarize
 from lightning_parallel.pipeline.partition import StagePartition, keep_block_skeletons
 from lightning_parallel.pipeline.profile import (
@@ -66,7 +72,16 @@ from lightning_parallel.pipeline.profile import (
     capture_block_inputs,
     time_blocks,
 )
-from lightning_parallel.pipeline.schedules import Action, bubble_fraction, schedule
+from lightning_parallel.pipeline.schedules import (
+    OVERLAPPED,
+    Action,
+    bubble_fraction,
+    schedule_problem,
+    chunks_per_rank,
+    forward_only,
+    placement,
+    schedule,
+)
 from lightning_parallel.pipeline.timeline import (
     Timeline,
     bubble,
@@ -117,8 +132,31 @@ class PipelineStages:
         return self.mesh.group("pp") if self.mesh is not None else None
 
     @property
+    def virtual_stages(self) -> int:
+        """Chunks of the block stack per rank: the schedule's own, or ``virtual_stages`` where it takes one."""
+        return chunks_per_rank(self.schedule, self.chunks_option)
+
+    @property
+    def stage_of(self) -> list[int]:
+        """The pp index holding each virtual stage of the model, in model order."""
+        return placement(self.schedule, self.mesh.shape.pp, self.virtual_stages)
+
+    @property
+    def loss_stage(self) -> int:
+        """The pp index of the rank that holds the model's last blocks and runs the loss (the last rank,
+        but rank 0 in the V placement)."""
+        return self.stage_of[-1]
+
+    @property
     def is_last_stage(self) -> bool:
-        return self.mesh is not None and self.mesh.pp_rank == self.mesh.shape.pp - 1
+        """Whether this rank runs the end of the model: the head, the loss and the user's step."""
+        return self.mesh is not None and self.mesh.pp_rank == self.loss_stage
+
+    @property
+    def overlaps_reducer(self) -> bool:
+        """Whether the data-parallel average starts during the step's last backward (one chunk per rank and
+        whole backwards); otherwise it runs once after the schedule."""
+        return self.schedule in OVERLAPPED
 
     # ----------------------------------------------------------------- set-up
     def check_schedule(self, pp: int) -> None:
@@ -140,6 +178,9 @@ class PipelineStages:
                 f"schedule='1f1b' needs num_microbatches >= the number of stages ({pp}), got "
                 f"{self.num_microbatches}; raise num_microbatches or use schedule='gpipe'."
             )
+        shape_problem = schedule_problem(self.schedule, pp, self.num_microbatches, self.virtual_stages)
+        if shape_problem is not None:
+            raise ValueError(f"{type(self).__name__}: {shape_problem}")
         if self.schedule == "async" and self.lightning_module.trainer.accumulate_grad_batches > 1:
             raise ValueError(
                 f"schedule='async' does not support accumulate_grad_batches="
@@ -187,19 +228,28 @@ class PipelineStages:
         module = self.lightning_module
         pp, stage = self.mesh.shape.pp, self.mesh.pp_rank
         self._report_stages(costs)
-        ranks = self.mesh.ranks("pp")
+        ranks, holder = self.mesh.ranks("pp"), self.stage_of
+        links = [
+            ChunkLinks(
+                g,
+                ranks[holder[g - 1]] if g > 0 else None,
+                ranks[holder[g + 1]] if g < len(holder) - 1 else None,
+            )
+            for g in self.partition.chunks
+        ]
         self.executor = StageExecutor(
-            stage,
-            pp,
-            ranks[stage - 1] if stage > 0 else None,
-            ranks[stage + 1] if stage < pp - 1 else None,
+            self.global_rank,
+            self.partition,
+            links,
             PeerLink(self.root_device),
-            self.partition.io,
             Timeline(self.global_rank),
+            list(module.parameters()),
         )
         # summaries go over gloo on CPU: gloo keeps tags apart (NCCL would mix them with activations)
         objects = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-        self.logs = LogMirror(PeerLink(torch.device("cpu"), objects), ranks[-1], ranks[:-1], stage == pp - 1)
+        last = ranks[self.loss_stage]
+        others = [r for r in ranks if r != last]
+        self.logs = LogMirror(PeerLink(torch.device("cpu"), objects), last, others, self.is_last_stage)
         owned = set(self.partition.owned)
         # positions in module.parameters() of the trainable parameters outside the stack, on every stage
         self._replicated = [
@@ -240,17 +290,17 @@ class PipelineStages:
 
     def _report_stages(self, costs: Optional[list[float]]) -> None:
         """Gather what each stage holds; rank 0 prints it (parameters per rank, as the user will ask)."""
-        start, end = self.partition.bounds[self.partition.stage]
+        ranges = [self.partition.chunk_bounds(c) for c in range(len(self.partition.chunks))]
         owned = set(self.partition.owned)
         named = list(self.lightning_module.named_parameters())
         mine = {
             "rank": self.global_rank,
             "stage": self.partition.stage,
             "stack": self.partition.stack_name,
-            "blocks": f"{start}..{end - 1}",
+            "blocks": " and ".join(f"{start}..{end - 1}" for start, end in ranges),
             "parameters": sum(p.numel() for n, p in named if n in owned),
             "replicated": sum(p.numel() for n, p in named if n not in owned),
-            "seconds": None if costs is None else sum(costs[start:end]),
+            "seconds": None if costs is None else sum(sum(costs[a:b]) for a, b in ranges),
         }
         parts: list[Any] = [None] * self.world_size
         dist.all_gather_object(parts, mine)
@@ -276,7 +326,9 @@ class PipelineStages:
         if self.schedule == "async":
             loss = self._async_step(params, batch, step_fn, batch_idx)
         else:
-            actions = schedule(self.schedule, self.mesh.shape.pp, self.num_microbatches, self.mesh.pp_rank)
+            actions = schedule(
+                self.schedule, self.mesh.shape.pp, self.num_microbatches, self.mesh.pp_rank, self.virtual_stages
+            )
             last_backward = self._begin_gradients(params, earlier, actions)
             self._run(
                 actions, batch, step_fn, backward=True, batch_idx=batch_idx, before_backward=last_backward
@@ -284,7 +336,7 @@ class PipelineStages:
             self._set_aside = [p.grad for p in params]
             if self.reducer is None:
                 self._replicated_sum = self._start_replicated_sum(params, self._set_aside)
-            else:  # in the buckets (being averaged): out of zero_grad's reach
+            elif self.overlaps_reducer:  # in the buckets (being averaged): out of zero_grad's reach
                 earlier = [None] * len(params)
             loss = self._show(self.logs.take("train"))
         for p, g in zip(params, earlier):
@@ -300,7 +352,7 @@ class PipelineStages:
         if self.check_finite_loss and loss is not None and summary["kind"] == "train":
             late = summary["batch"] is not None  # async: the loss of the step numbered in the summary
             step = summary["batch"] if late else self.lightning_module.trainer.global_step
-            check_finite_loss(loss, step, summary["batch_idx"], self.mesh.ranks("pp")[-1])
+            check_finite_loss(loss, step, summary["batch_idx"], self.mesh.ranks("pp")[self.loss_stage])
         if summary["batch"] is not None:
             self.lightning_module.log(
                 "pipeline_async_batch", float(summary["batch"]), on_step=True, on_epoch=False
@@ -327,11 +379,9 @@ class PipelineStages:
     def _forward_only(self, batch: Any, step_fn: Any) -> Any:
         """Evaluate a batch pipelined; every stage returns what the last stage's step returned for the whole
         batch (the merged micro-batch outputs), and replays its logs."""
-        actions = [
-            a
-            for a in schedule("gpipe", self.mesh.shape.pp, self.num_microbatches, self.mesh.pp_rank)
-            if a.kind == "F"
-        ]
+        actions = forward_only(
+            self.schedule, self.mesh.shape.pp, self.num_microbatches, self.mesh.pp_rank, self.virtual_stages
+        )
         with torch.no_grad():
             # no wait for sends: under async, a receiver may still owe a receive from the last train step
             result = self._run(actions, batch, step_fn, backward=False, flushed=False)
@@ -506,7 +556,7 @@ class PipelineStages:
         before that one, sync is turned on (unless the step accumulates) and the counts restart, so each
         bucket's all-reduce starts as soon as that backward has filled it, and overlaps the rest of it."""
         reducer = self.reducer
-        if reducer is None:
+        if reducer is None or not self.overlaps_reducer:  # averaged after the schedule, if at all
             for p in params:
                 p.grad = None
             return None
@@ -574,6 +624,9 @@ class PipelineStages:
             return
         if self.reducer is not None and self.schedule == "async":
             self.reducer.average_now()  # a gradient finished a step earlier, now back in .grad
+        elif self.reducer is not None and not self.overlaps_reducer:
+            self.reducer.average_now()  # several chunks or split backwards: once, after the schedule
+            self._sum_averaged_replicated()
         elif self.reducer is not None:
             self.reducer.finish_sync()
             self._sum_averaged_replicated()
