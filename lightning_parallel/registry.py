@@ -46,6 +46,16 @@ STRATEGY_NAMES: dict[str, tuple[str, dict[str, Any], str]] = {
         {"schedule": "1f1b"},
         "pipeline parallel, 1F1B with a flush",
     ),
+    "lp_pipeline_interleaved": (
+        "PipelineParallelStrategy",
+        {"schedule": "interleaved_1f1b"},
+        "pipeline parallel, Megatron's interleaved 1F1B (virtual_stages chunks per rank, a smaller bubble)",
+    ),
+    "lp_pipeline_zb": (
+        "PipelineParallelStrategy",
+        {"schedule": "zb_h1"},
+        "pipeline parallel, zero bubble ZB-H1 (weight gradients deferred into 1F1B's bubble)",
+    ),
     "lp_pipeline_async": (
         "PipelineParallelStrategy",
         {"schedule": "async"},

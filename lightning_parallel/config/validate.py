@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_parallel.pipeline.schedules import chunks_per_rank
 from lightning_parallel.strategies.base import ParallelStrategyBase
 from lightning_parallel.strategies.checks import layout, layout_sizes
 from lightning_parallel.strategies.options import defaults, option_problems
@@ -154,19 +155,23 @@ def _strategy_problems(strategy: Any, trainer: Any, cfg: DictConfig) -> list[str
     return _stage_problems(values, stages, cfg) if stages > 1 or "pp" in cls.always_applied else []
 
 
-def _stage_problems(values: dict[str, Any], stages: int, cfg: DictConfig) -> list[str]:
-    """Split points and blocks enough for the run's pipeline stages."""
+def _stage_problems(values: dict[str, Any], ranks: int, cfg: DictConfig) -> list[str]:
+    """Split points and blocks enough for the run's pipeline stages (``virtual_stages`` of them per rank
+    where the schedule holds several chunks)."""
     out = []
+    chunks = chunks_per_rank(values.get("schedule", "1f1b"), values.get("virtual_stages"))
+    stages = ranks * chunks
+    what = f"{stages} pipeline stages" if chunks == 1 else f"{stages} virtual stages ({ranks} x {chunks})"
     split_points = values["split_points"]
     if split_points is not None and len(split_points) + 1 != stages:
         out.append(
             f"strategy.split_points has {len(split_points)} entries, giving {len(split_points) + 1} "
-            f"stages, but the run has {stages} pipeline stages; give {stages - 1} split points"
+            f"stages, but the run has {what}; give {stages - 1} split points"
         )
     n_layer = cfg.model.get("n_layer") if cfg.get("model") is not None else None
     if isinstance(n_layer, int) and stages > n_layer:
         out.append(
-            f"{stages} pipeline stages but model.n_layer={n_layer} blocks; every stage needs at least "
+            f"{what} but model.n_layer={n_layer} blocks; every stage needs at least "
             f"one block: use model.n_layer>={stages} or fewer stages"
         )
     return out

@@ -22,8 +22,11 @@ class PipelineParallelStrategy(ParallelStrategy):
     """Pipeline parallelism (and 2-D with data parallelism): ``ParallelStrategy`` with one tensor-parallel rank.
 
     Args:
-        schedule: ``"gpipe"`` (fill-drain), ``"1f1b"`` (one-forward-one-backward, flush each step), or
+        schedule: ``"gpipe"`` (fill-drain), ``"1f1b"`` (one-forward-one-backward, flush each step),
+            ``"interleaved_1f1b"`` (Megatron's interleaved 1F1B over ``virtual_stages`` chunks per rank),
+            ``"zb_h1"`` (zero bubble: 1F1B with the weight gradients deferred into its bubble), or
             ``"async"`` (PipeDream-2BW's update rule).
+        virtual_stages: chunks per rank for ``"interleaved_1f1b"`` (None: 2).
         pipeline_parallel_size: number of stages; None = all processes / data_parallel_size.
         data_parallel_size: replicas of the whole pipeline, each with its own batches.
         num_microbatches, split_points, balance, block_stack, timeline_step: as for ``ParallelStrategy``.
@@ -40,6 +43,7 @@ class PipelineParallelStrategy(ParallelStrategy):
     def __init__(
         self,
         schedule: str = "gpipe",
+        virtual_stages: Optional[int] = None,
         num_microbatches: int = 4,
         pipeline_parallel_size: Optional[int] = None,
         data_parallel_size: int = 1,
@@ -55,6 +59,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             pipeline_parallel_size=pipeline_parallel_size,
             plan=None,
             schedule=schedule,
+            virtual_stages=virtual_stages,
             num_microbatches=num_microbatches,
             split_points=split_points,
             balance=balance,

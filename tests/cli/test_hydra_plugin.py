@@ -31,6 +31,8 @@ OFFERED = [
     "pipeline_1f1b",
     "pipeline_async",
     "pipeline_gpipe",
+    "pipeline_interleaved",
+    "pipeline_zb",
     "tensor_parallel",
 ]
 CLASSES = {
@@ -40,6 +42,8 @@ CLASSES = {
     "pipeline_gpipe": lightning_parallel.PipelineParallelStrategy,
     "pipeline_1f1b": lightning_parallel.PipelineParallelStrategy,
     "pipeline_async": lightning_parallel.PipelineParallelStrategy,
+    "pipeline_interleaved": lightning_parallel.PipelineParallelStrategy,
+    "pipeline_zb": lightning_parallel.PipelineParallelStrategy,
     "parallel": lightning_parallel.ParallelStrategy,
 }
 
