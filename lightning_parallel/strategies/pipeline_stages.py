@@ -181,6 +181,13 @@ class PipelineStages:
         shape_problem = schedule_problem(self.schedule, pp, self.num_microbatches, self.virtual_stages)
         if shape_problem is not None:
             raise ValueError(f"{type(self).__name__}: {shape_problem}")
+        if self.virtual_stages > 1 and pp > 1 and dist.get_backend() != "gloo":
+            raise ValueError(
+                f"schedule={self.schedule!r} holds {self.virtual_stages} chunks per rank, so one pair of ranks "
+                "carries activations and gradients of several chunks in the same direction; their messages are "
+                f"kept apart by tags, which gloo honours and {dist.get_backend()} does not. Use the gloo backend "
+                "(process_group_backend='gloo'), or a schedule with one chunk per rank ('1f1b', 'zb_h1')."
+            )
         if self.schedule == "async" and self.lightning_module.trainer.accumulate_grad_batches > 1:
             raise ValueError(
                 f"schedule='async' does not support accumulate_grad_batches="

@@ -1,0 +1,130 @@
+"""The interleaved and zero-bubble schedules (``interleaved_1f1b``, ``zb_h1``, ``zbv``) equal single-device
+training on real gloo processes: float64, 5 steps, the full gathered checkpoint against one device to 1e-10,
+on 2 stages (GPT-style and ``nn.Sequential`` models, m = 4 and 8, with validation and gradient
+accumulation) and on 4 processes (4 stages; dp2 x pp2 with ZeRO-1 and recompute; tp2 x pp2 on the Hugging
+Face Llama-style model through ``lp_parallel``). Each stage holds no more activations than the schedule's
+bound."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_parallel.pipeline.schedules import SCHEDULES
+from tests.helpers.harness import assert_params_close, run_distributed, saved_checkpoint
+from tests.strategies.test_parallel_3d import DDP, PARALLEL, layout
+from tests.strategies.test_parallel_3d import case as parallel_case
+from tests.strategies.test_pipeline import case, check
+
+NEW = [s for s in ("interleaved_1f1b", "zb_h1", "zbv") if s in SCHEDULES]
+CHUNKS = {"interleaved_1f1b": 2, "zb_h1": 1, "zbv": 2}  # chunks per rank of each
+
+
+def blocks(schedule: str, stages: int) -> dict:
+    """Enough blocks for every virtual stage: the GPT's ``n_layer`` / the Sequential's ``depth``."""
+    return {"n_layer": stages * CHUNKS[schedule]}
+
+
+CASES_2 = [
+    case(f"gpt-{s}-m{m}", "gpt", schedule=s, num_microbatches=m, model_kwargs=blocks(s, 2))
+    for s in NEW
+    for m in (4, 8)
+] + [
+    case(
+        f"seq-{s}-validate",
+        "seq",
+        schedule=s,
+        num_microbatches=4,
+        model_kwargs={"depth": 2 * CHUNKS[s]},
+        trainer={"limit_val_batches": 2},
+        validate_after_fit=True,
+    )
+    for s in NEW
+] + [
+    case(
+        f"gpt-{s}-accumulate",
+        "gpt",
+        schedule=s,
+        num_microbatches=4,
+        model_kwargs=blocks(s, 2),
+        trainer={"accumulate_grad_batches": 2},
+    )
+    for s in NEW
+]
+for c in CASES_2:
+    c["probe"] = "tests.helpers.probes:pipeline_peak_held"
+
+CASES_4 = [
+    case(
+        f"gpt-{s}-pp4",
+        "gpt",
+        schedule=s,
+        num_microbatches=8,
+        pipeline_parallel_size=4,
+        model_kwargs=blocks(s, 4),
+    )
+    for s in NEW
+] + [
+    case(
+        f"gpt-{s}-dp2-zero1-recompute",
+        "gpt",
+        dp=2,
+        schedule=s,
+        num_microbatches=4,
+        model_kwargs=blocks(s, 2),
+        zero_stage=1,
+        activation_checkpointing=True,
+    )
+    for s in NEW
+]
+CASES_3D, REFERENCES_3D = [], []
+for s in NEW:
+    c = parallel_case(f"llama-tp2pp2-{s}", "llama", PARALLEL, {**layout(1, 2, 2, s), "num_microbatches": 4}, 1)
+    c["model_kwargs"] = {**c["model_kwargs"], "layers": 2 * CHUNKS[s]}
+    CASES_3D.append(c)
+    REFERENCES_3D.append({**c, "name": f"ref-{c['name']}", "strategy": {"class": DDP, "kwargs": {}}})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("schedules")
+    results = run_distributed(CASES_2, world_size=2, tmp_path=tmp, timeout=600)
+    results.update(run_distributed(REFERENCES_3D, world_size=1, tmp_path=tmp, timeout=600))
+    results.update(run_distributed(CASES_4 + CASES_3D, world_size=4, tmp_path=tmp, timeout=600))
+    return tmp, results
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("c", CASES_2, ids=[c["name"] for c in CASES_2])
+def test_two_stages_match_single_device(runs, c):
+    tmp, results = runs
+    check(tmp, results, 2, c)
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("c", CASES_4, ids=[c["name"] for c in CASES_4])
+def test_four_processes_match_single_device(runs, c):
+    tmp, results = runs
+    check(tmp, results, 4, c)
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("c", CASES_3D, ids=[c["name"] for c in CASES_3D])
+def test_tensor_and_pipeline_parallel_llama_built_on_meta_matches_one_device(runs, c):
+    tmp, _ = runs
+    full = saved_checkpoint(tmp, 4, c["name"])["state_dict"]
+    reference = saved_checkpoint(tmp, 1, f"ref-{c['name']}")["state_dict"]
+    assert_params_close(full, reference, atol=1e-10)
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("s", NEW)
+def test_activations_held_stay_within_the_schedules_bound(runs, s):
+    """Counted while the steps ran, in (micro-batch, chunk) units: at most ``max_in_flight`` of the
+    schedule's own action lists, on every step and stage."""
+    from lightning_parallel.pipeline.schedules import max_in_flight, schedule
+
+    _, results = runs
+    per_rank = [r["probe"] for r in results[f"gpt-{s}-m8"]]
+    for stage, steps in enumerate(per_rank):
+        bound = max_in_flight(schedule(s, 2, 8, stage, CHUNKS[s]))
+        assert len(steps) == 5 and max(steps) <= bound, (s, stage, steps, bound)
