@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["V_SHAPED", "global_stage", "rank_and_chunk", "previous_stage", "next_stage"]
+__all__ = ["V_SHAPED", "global_stage", "rank_and_chunk", "stage_ranks", "previous_stage", "next_stage"]
 
 V_SHAPED = ("zbv",)  # the schedules in the V placement; all others loop
 
@@ -43,6 +43,13 @@ def rank_and_chunk(name: str, num_stages: int, stage: int, virtual_stages: int =
     if name in V_SHAPED and chunk % 2 == 1:
         return num_stages - 1 - offset, chunk
     return offset, chunk
+
+
+def stage_ranks(name: str, num_stages: int, virtual_stages: int = 1) -> list[int]:
+    """The rank holding each virtual stage, in model order (its last entry runs the loss)."""
+    return [
+        rank_and_chunk(name, num_stages, g, virtual_stages)[0] for g in range(num_stages * virtual_stages)
+    ]
 
 
 def previous_stage(

@@ -3,7 +3,13 @@ each chunk's neighbours in model order."""
 
 import pytest
 
-from lightning_parallel.pipeline.placement import global_stage, next_stage, previous_stage, rank_and_chunk
+from lightning_parallel.pipeline.placement import (
+    global_stage,
+    next_stage,
+    previous_stage,
+    rank_and_chunk,
+    stage_ranks,
+)
 
 
 def table(name: str, p: int, v: int) -> list[list[int]]:
@@ -15,6 +21,8 @@ def test_the_docstring_tables():
     assert table("zbv", 3, 2) == [[0, 5], [1, 4], [2, 3]]
     assert table("1f1b", 4, 1) == [[0], [1], [2], [3]]
     assert table("interleaved_1f1b", 2, 3) == [[0, 2, 4], [1, 3, 5]]
+    assert stage_ranks("interleaved_1f1b", 3, 2) == [0, 1, 2, 0, 1, 2]
+    assert stage_ranks("zbv", 3, 2) == [0, 1, 2, 2, 1, 0]  # rank 0 runs the loss
 
 
 @pytest.mark.parametrize(
