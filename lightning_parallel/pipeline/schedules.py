@@ -286,9 +286,7 @@ def schedule_problem(
 ) -> Optional[str]:
     """What keeps the named schedule from running ``num_microbatches`` on ``num_stages`` ranks with
     ``virtual_stages`` chunks each; None if nothing. ``schedule`` raises the same."""
-    if name not in SCHEDULES:
-        return f"schedule={name!r} is not known; use one of {', '.join(SCHEDULES)}."
-    problem = virtual_stages_problem(name, virtual_stages)
+    problem = _name_problem(name) or virtual_stages_problem(name, virtual_stages)
     if problem is None and name == "interleaved_1f1b":
         problem = _rounds_problem(num_stages, num_microbatches)
     return problem
@@ -296,9 +294,7 @@ def schedule_problem(
 
 def check_virtual_stages(name: str, virtual_stages: int) -> None:
     """Refuse an unknown schedule, or a number of chunks per rank that it cannot place."""
-    if name not in SCHEDULES:
-        raise ValueError(f"schedule={name!r} is not known; use one of {', '.join(SCHEDULES)}.")
-    problem = virtual_stages_problem(name, virtual_stages)
+    problem = _name_problem(name) or virtual_stages_problem(name, virtual_stages)
     if problem is not None:
         raise ValueError(problem)
 
@@ -380,7 +376,8 @@ def expected_bubbles(
     without ``weight``, half the backward each (a linear layer's backward is two matmuls of equal cost).
     ``bubble_fraction`` assumes equal stages; a real model's last stage also runs the head and the loss.
     Timing is ``clock.run_clock``'s. Idle is measured like the timeline's: from the step's start to the
-    rank's last action. With equal costs, stage 0 of gpipe, 1F1B and interleaved gets ``bubble_fraction``.
+    rank's last action. With equal costs, stage 0 of gpipe and 1F1B gets ``bubble_fraction``, and so
+    does interleaved 1F1B's when m >= p.
     """
     p, v = num_stages, virtual_stages
     weight = [b / 2 for b in backward] if weight is None else weight
@@ -436,6 +433,12 @@ def _looping_order(
         for c in chunks
         for i in range(first, first + size)
     ]
+
+
+def _name_problem(name: str) -> Optional[str]:
+    return (
+        None if name in SCHEDULES else f"schedule={name!r} is not known; use one of {', '.join(SCHEDULES)}."
+    )
 
 
 def _rounds_problem(num_stages: int, num_microbatches: int) -> Optional[str]:
