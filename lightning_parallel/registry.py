@@ -56,6 +56,11 @@ STRATEGY_NAMES: dict[str, tuple[str, dict[str, Any], str]] = {
         {"schedule": "zb_h1"},
         "pipeline parallel, zero bubble ZB-H1 (weight gradients deferred into 1F1B's bubble)",
     ),
+    "lp_pipeline_zbv": (
+        "PipelineParallelStrategy",
+        {"schedule": "zbv"},
+        "pipeline parallel, zero bubble ZBV (two chunks per rank in a V, split backwards)",
+    ),
     "lp_pipeline_async": (
         "PipelineParallelStrategy",
         {"schedule": "async"},

@@ -1,16 +1,37 @@
-"""Pipeline schedules as pure data: for each stage, the ordered list of work it does in one step.
+"""Pipeline schedules as pure data: for each stage (rank), the ordered list of work it does in one step.
 
 Nothing here communicates or computes; ``executor.py`` runs these lists. ``F i`` is the forward of
-micro-batch ``i`` on a stage, ``B i`` its backward. With 3 stages and 4 micro-batches (time ->)::
+micro-batch ``i`` on a stage, ``B i`` its backward. With 3 stages and 4 micro-batches (time ->, each
+action one slot, as ``render(..., timed=True)`` draws them)::
 
     gpipe (fill, drain, then one optimizer step)       1f1b (warm-up, one-forward-one-backward, cool-down)
-    stage 0: F0 F1 F2 F3 .. .. .. .. B0 B1 B2 B3       stage 0: F0 F1 F2 .. .. B0 F3 .. B1 .. B2 .. B3
+    stage 0: F0 F1 F2 F3 .. .. .. .. B0 B1 B2 B3       stage 0: F0 F1 F2 .. .. B0 F3 B1 .. B2 .. B3
     stage 1: .. F0 F1 F2 F3 .. .. B0 B1 B2 B3 ..       stage 1: .. F0 F1 .. B0 F2 B1 F3 B2 .. B3 ..
     stage 2: .. .. F0 F1 F2 F3 B0 B1 B2 B3 .. ..       stage 2: .. .. F0 B0 F1 B1 F2 B2 F3 B3 .. ..
 
 Both do the same work (one F and one B per micro-batch per stage); 1F1B keeps at most
 ``num_stages - stage`` micro-batches' activations alive instead of all of them. The idle slots (the
 bubble) are (p - 1) / (m + p - 1) of a step for both.
+
+``interleaved_1f1b`` (Megatron) gives each rank ``v`` chunks of the model in the looping placement
+(``placement.py``); ``F3.1`` is micro-batch 3 on the rank's chunk 1. A micro-batch crosses the ranks
+``v`` times, each chunk ``1/v`` of a stage, so the fill and drain shrink ``v``-fold:
+(p - 1) / (v m + p - 1) idle. 2 ranks, 4 micro-batches, v = 2::
+
+    rank 0: F0   F1   F0.1 F1.1 F2   B0.1 F3   B1.1 F2.1 B0   F3.1 B1   ..   B2.1 ..   B3.1 B2   B3
+    rank 1: ..   F0   F1   F0.1 B0.1 F1.1 B1.1 F2   B0   F3   B1   F2.1 B2.1 F3.1 B3.1 B2   B3   ..
+
+Zero-bubble schedules (Qi et al., ICLR 2024) split a backward into ``I`` (the input's gradient, sent
+upstream at once) and ``W`` (the weights' gradient, which nothing waits for) and run the ``W``'s where
+1F1B idles. ``zb_h1``, 3 stages and 4 micro-batches (1F1B's B is here two slots, I and W)::
+
+    stage 0: F0 F1 F2 .. .. I0 W0 F3 I1 W1 I2 W2 I3 W3
+    stage 1: .. F0 F1 .. I0 F2 I1 W0 F3 I2 W1 I3 W2 W3
+    stage 2: .. .. F0 I0 F1 I1 F2 I2 W0 F3 I3 W1 W2 W3
+
+``zbv`` does the same with two chunks per rank in the V placement and comes near no bubble at all.
+``clock.py`` runs the lists against each other: ``verify_schedule`` checks a schedule with it, and
+``expected_bubbles`` times it for given costs.
 
 ``async`` (PipeDream-2BW) is 1F1B with no flush: one endless stream in which stage ``s`` keeps
 ``w = p - s - 1`` micro-batches in flight, so batch t+1's first forwards fill batch t's cool-down.
@@ -27,8 +48,12 @@ end of an epoch or of fit). 1F1B itself is one ``async_step`` from an empty pipe
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal, Optional, Sequence
+
+from lightning_parallel.pipeline.clock import ScheduleError, check_plans, run_clock
+from lightning_parallel.pipeline.placement import global_stage
 
 __all__ = [
     "Action",
@@ -37,56 +62,52 @@ __all__ = [
     "async_step",
     "cooldown",
     "warmup_depth",
+    "interleaved_1f1b",
+    "interleaved_round",
+    "interleaved_warmup",
+    "zb_h1",
+    "zbv",
     "schedule",
+    "chunks_per_rank",
+    "virtual_stages_problem",
+    "schedule_problem",
+    "check_virtual_stages",
+    "forward_only",
+    "verify_schedule",
+    "ScheduleError",
     "max_in_flight",
+    "activation_bound",
     "render",
     "SCHEDULES",
+    "OVERLAPPED",
     "bubble_fraction",
+    "zb_h1_bubble_fraction",
     "expected_bubbles",
 ]
 
-SCHEDULES = ("gpipe", "1f1b", "async", "interleaved_1f1b", "zb_h1")
+SCHEDULES = ("gpipe", "1f1b", "async", "interleaved_1f1b", "zb_h1", "zbv")
+#: the schedules with one chunk per rank and whole backwards: a data-parallel bucket is finished by one
+#: backward (the step's last), so its average can start during it
 OVERLAPPED = ("gpipe", "1f1b")
-
-
-def chunks_per_rank(name: str, virtual_stages=None) -> int:  # TEMPORARY
-    return (virtual_stages or 2) if name == "interleaved_1f1b" else 2 if name == "zbv" else 1
-
-
-def placement(name: str, num_stages: int, virtual_stages: int) -> list[int]:  # TEMPORARY
-    n = num_stages * virtual_stages
-    if name == "zbv":
-        return [g if g < num_stages else n - 1 - g for g in range(n)]
-    return [g % num_stages for g in range(n)]
-
-
-def virtual_stages_problem(name, virtual_stages, prefix=""):  # TEMPORARY
-    if virtual_stages is None:
-        return None
-    if name == "interleaved_1f1b":
-        if isinstance(virtual_stages, int) and virtual_stages >= 2:
-            return None
-        return f"{prefix}virtual_stages must be an integer >= 2 with schedule='interleaved_1f1b', got {virtual_stages!r}"
-    return f"{prefix}virtual_stages={virtual_stages!r} is for schedule='interleaved_1f1b'; schedule={name!r} sets its own"
-
-
-def schedule_problem(name, num_stages, num_microbatches, virtual_stages):  # TEMPORARY
-    return None
-
-
-def forward_only(name, num_stages, num_microbatches, stage, virtual_stages=1):  # TEMPORARY
-    return [Action("F", i, chunk=c) for c in range(virtual_stages) for i in range(num_microbatches)]
 
 
 @dataclass(frozen=True)
 class Action:
+    """One piece of work of one rank: ``kind`` of ``microbatch`` on the rank's local ``chunk``.
+
+    ``F`` forward; ``B`` full backward (input and weight gradients); ``I`` the input-gradient part
+    alone, whose result is sent upstream at once; ``W`` the weight-gradient part of an earlier ``I`` of
+    the same micro-batch and chunk. Printed ``F3`` (chunk 0), ``F3.1`` (chunk 1), ``B3'`` (batch -1).
+    """
+
     kind: Literal["F", "B", "I", "W"]
     microbatch: int
     batch: int = 0  # 0: this step's batch; -1: the previous batch (async carries its cool-down over)
-    chunk: int = 0
+    chunk: int = 0  # this rank's local chunk, 0..virtual_stages-1 (placement.py: which piece it holds)
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.microbatch}" + ("'" if self.batch == -1 else "")
+        chunk = f".{self.chunk}" if self.chunk else ""
+        return f"{self.kind}{self.microbatch}{chunk}" + ("'" if self.batch == -1 else "")
 
 
 def gpipe(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
@@ -133,77 +154,309 @@ def one_f_one_b(num_stages: int, num_microbatches: int, stage: int) -> list[Acti
     )
 
 
-def schedule(name: str, num_stages: int, num_microbatches: int, stage: int, virtual_stages: int = 1) -> list[Action]:
-    """The actions of ``stage`` for one flushed step of the named schedule (``async`` flushes like 1F1B;
-    its no-flush steps are ``async_step``)."""
-    if name == "interleaved_1f1b":  # TEMPORARY
-        fs = [Action("F", i, chunk=c) for c in range(virtual_stages) for i in range(num_microbatches)]
-        return fs + [Action("B", a.microbatch, chunk=a.chunk) for a in reversed(fs)]
-    if name == "zb_h1":  # TEMPORARY
-        out = []
-        for a in one_f_one_b(num_stages, num_microbatches, stage):
-            out += [a] if a.kind == "F" else [Action("I", a.microbatch), Action("W", a.microbatch)]
-        return out
+def interleaved_round(num_stages: int, num_microbatches: int) -> int:
+    """How many micro-batches interleaved 1F1B runs through all chunks together (Megatron's group): ``m``
+    in ``m // p`` equal rounds, so one round of ``m`` when ``m < 2p`` and ``p`` when ``p`` divides ``m``.
+
+    Rounds must be equal: a shorter last round deadlocks (its forwards on the later chunks wait for
+    forwards that the ranks run only after backwards that wait for them). So ``m`` must be below ``2p``
+    or a multiple of ``m // p``; other values raise, naming the nearest ones that work."""
+    problem = _rounds_problem(num_stages, num_microbatches)
+    if problem is not None:
+        raise ValueError(problem)
+    return num_microbatches // max(1, num_microbatches // num_stages)
+
+
+def interleaved_warmup(num_stages: int, num_microbatches: int, stage: int, virtual_stages: int) -> int:
+    """How many forwards (of chunks) interleaved 1F1B runs on ``stage`` before its first backward
+    (Megatron's count): a round through every chunk but the last, plus two per stage below this one."""
+    first_round = interleaved_round(num_stages, num_microbatches)
+    warmup = (virtual_stages - 1) * first_round + 2 * (num_stages - stage - 1)
+    return min(warmup, num_microbatches * virtual_stages)
+
+
+def interleaved_1f1b(num_stages: int, num_microbatches: int, stage: int, virtual_stages: int) -> list[Action]:
+    """Megatron's interleaved 1F1B: the rank holds ``virtual_stages`` chunks in the looping placement.
+    The micro-batches go in rounds (``interleaved_round``); a round runs through chunk 0, then chunk 1,
+    ... (its backwards through the last chunk first). Warm-up forwards (``interleaved_warmup``), then
+    one forward and one backward, then the remaining backwards."""
+    _check(num_stages, num_microbatches, stage)
+    check_virtual_stages("interleaved_1f1b", virtual_stages)
+    forwards = _looping_order(num_stages, num_microbatches, virtual_stages, backward=False)
+    backwards = _looping_order(num_stages, num_microbatches, virtual_stages, backward=True)
+    warmup = interleaved_warmup(num_stages, num_microbatches, stage, virtual_stages)
+    actions = [Action("F", i, chunk=c) for i, c in forwards[:warmup]]
+    for (i, c), (j, d) in zip(forwards[warmup:], backwards):
+        actions += [Action("F", i, chunk=c), Action("B", j, chunk=d)]
+    return actions + [Action("B", j, chunk=d) for j, d in backwards[len(forwards) - warmup :]]
+
+
+def zb_h1(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): 1F1B's order, each backward
+    split into ``I`` and ``W``. Stage ``s`` defers up to ``s`` W's, which the later stages (idle
+    longest at the end of 1F1B) run in the cool-down; every stage then holds at most ``num_stages``
+    micro-batches, 1F1B's peak (its stage 0)."""
+    actions, deferred = [], []
+    for a in one_f_one_b(num_stages, num_microbatches, stage):
+        if a.kind == "F":
+            actions.append(a)
+            continue
+        actions.append(Action("I", a.microbatch))
+        deferred.append(Action("W", a.microbatch))
+        if len(deferred) > stage:
+            actions.append(deferred.pop(0))
+    return actions + deferred
+
+
+def zbv(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
+    """ZBV (Qi et al., section 6): two chunks per rank in the V placement, chunk 0 on the way down and
+    chunk 1 on the way back up, backwards split into ``I`` and ``W``. Rank ``r`` (of ``p``):
+
+    - fill: 2(p - r) - 1 forwards of chunk 0, then r pairs (F chunk 1, F chunk 0);
+    - p - r times F, I, W of chunk 1;
+    - steady: F chunk 0 (while any is left), I and W chunk 0, F, I and W chunk 1;
+    - drain: r pairs (I chunk 0, I chunk 1), p - r pairs (I chunk 0, oldest W chunk 0), then the W's
+      still owed, chunk 1's first.
+
+    The pattern fills the V with 2p - 1 micro-batches; with fewer, it is the pattern for 2p - 1 without
+    the missing micro-batches' actions. A rank holds at most 2p chunks' activations: p stages' worth.
+    """
+    _check(num_stages, num_microbatches, stage)
+    p, r = num_stages, stage
+    n = max(num_microbatches, 2 * p - 1)
+    steps = (
+        [("F", 0)] * (2 * (p - r) - 1) + [("F", 1), ("F", 0)] * r + [("F", 1), ("I", 1), ("W", 1)] * (p - r)
+    )
+    for k in range(n - p):
+        steps += [("F", 0)] * (2 * p - r - 1 + k < n) + [("I", 0), ("W", 0), ("F", 1), ("I", 1), ("W", 1)]
+    steps += [("I", 0), ("I", 1)] * r + [("I", 0), ("W", 0)] * (p - r)
+    steps += [("W", 1)] * (n - steps.count(("W", 1))) + [("W", 0)] * (n - steps.count(("W", 0)))
+    numbered: Counter = Counter()
+    actions = []
+    for kind, chunk in steps:
+        numbered[kind, chunk] += 1
+        if numbered[kind, chunk] <= num_microbatches:
+            actions.append(Action(kind, numbered[kind, chunk] - 1, chunk=chunk))
+    return actions
+
+
+def schedule(
+    name: str, num_stages: int, num_microbatches: int, stage: int, virtual_stages: int = 1
+) -> list[Action]:
+    """The actions of ``stage`` (a rank) for one flushed step of the named schedule (``async`` flushes
+    like 1F1B; its no-flush steps are ``async_step``)."""
+    check_virtual_stages(name, virtual_stages)
     if name == "gpipe":
         return gpipe(num_stages, num_microbatches, stage)
     if name in ("1f1b", "async"):
         return one_f_one_b(num_stages, num_microbatches, stage)
-    raise ValueError(f"schedule={name!r} is not known; use one of {', '.join(SCHEDULES)}.")
+    if name == "interleaved_1f1b":
+        return interleaved_1f1b(num_stages, num_microbatches, stage, virtual_stages)
+    if name == "zb_h1":
+        return zb_h1(num_stages, num_microbatches, stage)
+    return zbv(num_stages, num_microbatches, stage)
+
+
+def chunks_per_rank(name: str, virtual_stages: Optional[int] = None) -> int:
+    """How many chunks (virtual stages) each rank holds under the named schedule: ``virtual_stages``
+    (None: 2) for interleaved 1F1B, 2 for zbv, 1 for the others."""
+    if name == "interleaved_1f1b":
+        return 2 if virtual_stages is None else virtual_stages
+    return 2 if name == "zbv" else 1
+
+
+def virtual_stages_problem(name: str, virtual_stages: Optional[int], prefix: str = "") -> Optional[str]:
+    """What is wrong with ``virtual_stages`` chunks per rank for the named schedule; None if nothing (None
+    takes the schedule's own, ``chunks_per_rank``). An unknown ``name`` is left to the schedule check."""
+    if virtual_stages is None or name not in SCHEDULES:
+        return None
+    given = f"{prefix}virtual_stages={virtual_stages!r} with schedule={name!r}"
+    if name == "interleaved_1f1b":
+        if isinstance(virtual_stages, int) and not isinstance(virtual_stages, bool) and virtual_stages >= 2:
+            return None
+        return f"{given}: it needs an integer >= 2 chunks per rank (with one chunk it is schedule='1f1b')."
+    if virtual_stages == chunks_per_rank(name):
+        return None
+    if name == "zbv":
+        return f"{given}: it places exactly 2 chunks per rank (the V)."
+    return (
+        f"{given}, which runs one chunk per rank; several chunks per rank need "
+        "schedule='interleaved_1f1b' (virtual_stages >= 2) or schedule='zbv' (2)."
+    )
+
+
+def schedule_problem(
+    name: str, num_stages: int, num_microbatches: int, virtual_stages: Optional[int] = None
+) -> Optional[str]:
+    """What keeps the named schedule from running ``num_microbatches`` on ``num_stages`` ranks with
+    ``virtual_stages`` chunks each; None if nothing. ``schedule`` raises the same."""
+    problem = _name_problem(name) or virtual_stages_problem(name, virtual_stages)
+    if problem is None and name == "interleaved_1f1b":
+        problem = _rounds_problem(num_stages, num_microbatches)
+    return problem
+
+
+def check_virtual_stages(name: str, virtual_stages: int) -> None:
+    """Refuse an unknown schedule, or a number of chunks per rank that it cannot place."""
+    problem = _name_problem(name) or virtual_stages_problem(name, virtual_stages)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def forward_only(
+    name: str, num_stages: int, num_microbatches: int, stage: int, virtual_stages: int = 1
+) -> list[Action]:
+    """The forwards of an evaluation step: every micro-batch through chunk 0, then chunk 1, ... Each
+    rank's chunks lie in model order in both placements, so no rank waits on a later one of its own."""
+    check_virtual_stages(name, virtual_stages)
+    _check(num_stages, num_microbatches, stage)
+    return [Action("F", i, chunk=c) for c in range(virtual_stages) for i in range(num_microbatches)]
+
+
+def verify_schedule(name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> None:
+    """Raise ``ScheduleError`` unless the named schedule's ranks, run against each other by the clock
+    simulation, do all the work once, without deadlock, with messages in order (``clock.check_plans``)."""
+    plans = [schedule(name, num_stages, num_microbatches, s, virtual_stages) for s in range(num_stages)]
+    check_plans(name, plans, num_microbatches, virtual_stages)
 
 
 def max_in_flight(actions: list[Action]) -> int:
-    """The most micro-batches whose forward ran but whose backward did not yet (activations held)."""
+    """The most (micro-batch, chunk) pairs whose forward ran but whose backward did not yet finish (its
+    ``B``, or its ``W`` for a split one): the activations held, in chunks (a chunk is 1/v of a stage).
+    An upper bound for split ones: after its ``I`` a micro-batch keeps only what its ``W`` needs."""
     live = peak = 0
     for a in actions:
-        live += 1 if a.kind == "F" else -1
+        live += {"F": 1, "B": -1, "I": 0, "W": -1}[a.kind]
         peak = max(peak, live)
     return peak
 
 
-def bubble_fraction(num_stages: int, num_microbatches: int) -> float:
-    """The idle share of a synchronous step in theory, with F and B of equal cost per stage."""
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+def activation_bound(
+    name: str, num_stages: int, num_microbatches: int, stage: int, virtual_stages: int = 1
+) -> int:
+    """The schedule's theoretical ``max_in_flight`` on ``stage``, in chunks: gpipe all ``m``; 1F1B
+    ``p - stage``; interleaved its warm-up plus one (stage 0: ``p * v + p - 1`` chunks, Megatron's
+    ``p * (1 + (p - 1) / (p * v))`` stages); ZB-H1 ``p`` on every stage and ZBV ``2p`` chunks, both
+    1F1B's peak of ``p`` stages. Never more than all ``m * v``."""
+    check_virtual_stages(name, virtual_stages)
+    p, m, v = num_stages, num_microbatches, virtual_stages
+    if name == "interleaved_1f1b":
+        return min(interleaved_warmup(p, m, stage, v) + 1, m * v)
+    bound = {"gpipe": m, "1f1b": p - stage, "async": p - stage, "zb_h1": p, "zbv": 2 * p}[name]
+    return min(bound, m * v)
+
+
+def bubble_fraction(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> float:
+    """The idle share of a synchronous step in theory, with F and B of equal cost per stage (each
+    chunk 1/v of it): (p - 1) / (v * m + p - 1). Megatron's (p - 1) / (v * m) is the same idle time
+    relative to the busy time instead of the whole step. For interleaved 1F1B it holds when m >= p."""
+    return (num_stages - 1) / (virtual_stages * num_microbatches + num_stages - 1)
+
+
+def zb_h1_bubble_fraction(
+    num_stages: int, num_microbatches: int, forward: float, backward_input: float, weight: float
+) -> float:
+    """ZB-H1's idle share of stage 0 in theory: (p - 1)(F + I - W) idle against 1F1B's (p - 1)(F + I + W)
+    (the paper's (p - 1)(F + B - 2W), B the full backward), over m (F + I + W) busy. The clock
+    simulation agrees when m >= p and W <= F; beyond that, ``expected_bubbles`` is the theory."""
+    idle = (num_stages - 1) * (forward + backward_input - weight)
+    return idle / (num_microbatches * (forward + backward_input + weight) + idle)
 
 
 def expected_bubbles(
-    name: str, num_stages: int, num_microbatches: int, forward: Sequence[float], backward: Sequence[float]
+    name: str,
+    num_stages: int,
+    num_microbatches: int,
+    forward: Sequence[float],
+    backward: Sequence[float],
+    weight: Optional[Sequence[float]] = None,
+    virtual_stages: int = 1,
 ) -> list[float]:
-    """The idle share of each stage when stage ``s`` takes ``forward[s]`` and ``backward[s]`` per
-    micro-batch and communication is free: the theory for stages of unequal cost.
+    """The idle share of each rank when virtual stage ``g`` (model order, 0..p*v-1) takes ``forward[g]``
+    and ``backward[g]`` (its full backward) per micro-batch and communication is free: the theory for
+    stages of unequal cost.
 
-    ``bubble_fraction`` assumes equal stages; a real model's last stage also runs the head and the
-    loss. Each action starts when its stage is free and its input exists (F after the previous stage's
-    F, B after the next stage's B). Idle is measured like the timeline's: from the step's start to the
-    stage's last action. With equal costs, stage 0 gets ``bubble_fraction``.
+    Split schedules run the backward as ``I`` (``backward[g] - weight[g]``) and ``W`` (``weight[g]``);
+    without ``weight``, half the backward each (a linear layer's backward is two matmuls of equal cost).
+    ``bubble_fraction`` assumes equal stages; a real model's last stage also runs the head and the loss.
+    Timing is ``clock.run_clock``'s. Idle is measured like the timeline's: from the step's start to the
+    rank's last action. With equal costs, stage 0 of gpipe and 1F1B gets ``bubble_fraction``, and so
+    does interleaved 1F1B's when m >= p.
     """
-    plans = [schedule(name, num_stages, num_microbatches, s) for s in range(num_stages)]
-    finished: dict[tuple[str, int, int], float] = {}
-    clock, position = [0.0] * num_stages, [0] * num_stages
-    while any(position[s] < len(plans[s]) for s in range(num_stages)):
-        progressed = False
-        for s in range(num_stages):
-            if position[s] == len(plans[s]):
-                continue
-            action = plans[s][position[s]]
-            source = s - 1 if action.kind == "F" else s + 1
-            needs = (action.kind, source, action.microbatch) if 0 <= source < num_stages else None
-            if needs is not None and needs not in finished:
-                continue
-            cost = forward[s] if action.kind == "F" else backward[s]
-            clock[s] = max(clock[s], finished.get(needs, 0.0)) + cost
-            finished[(action.kind, s, action.microbatch)] = clock[s]
-            position[s] += 1
-            progressed = True
-        if not progressed:  # pragma: no cover - would mean a schedule whose dependencies form a cycle
-            raise RuntimeError(f"schedule {name!r} cannot proceed")
-    return [1 - num_microbatches * (forward[s] + backward[s]) / clock[s] for s in range(num_stages)]
+    p, v = num_stages, virtual_stages
+    weight = [b / 2 for b in backward] if weight is None else weight
+    if not len(forward) == len(backward) == len(weight) == p * v:
+        raise ValueError(
+            f"give one forward, backward and weight cost per virtual stage ({p} x {v} = {p * v}), got "
+            f"{len(forward)}, {len(backward)} and {len(weight)}"
+        )
+    if not all(0 <= w <= b for w, b in zip(weight, backward)):
+        raise ValueError(f"each weight cost is a part of its full backward cost: {weight} against {backward}")
+    costs = {"F": forward, "B": backward, "I": [b - w for b, w in zip(backward, weight)], "W": weight}
+
+    def cost(rank: int, action: Action) -> float:
+        return costs[action.kind][global_stage(name, p, rank, action.chunk, v)]
+
+    plans = [schedule(name, p, num_microbatches, r, v) for r in range(p)]
+    times = run_clock(name, plans, v, cost)
+    return [1 - sum(cost(r, a) for a in plans[r]) / times[r][-1][1] for r in range(p)]
 
 
-def render(name: str, num_stages: int, num_microbatches: int) -> str:
-    """The schedule as text, one line per stage, in order of execution (no timing)."""
-    return "\n".join(
-        f"stage {s}: " + " ".join(str(a) for a in schedule(name, num_stages, num_microbatches, s))
-        for s in range(num_stages)
+def render(
+    name: str, num_stages: int, num_microbatches: int, virtual_stages: int = 1, timed: bool = False
+) -> str:
+    """The schedule as text, one line per stage (rank), in order of execution. ``timed``: on the clock
+    of ``clock.run_clock`` with every action one slot long, ``..`` for an idle slot."""
+    p, v = num_stages, virtual_stages
+    plans = [schedule(name, p, num_microbatches, s, v) for s in range(p)]
+    label = "stage" if v == 1 else "rank"
+    if not timed:
+        return "\n".join(f"{label} {s}: " + " ".join(map(str, plan)) for s, plan in enumerate(plans))
+    times = run_clock(name, plans, v, lambda r, a: 1.0)
+    width = max(len(str(a)) for plan in plans for a in plan)
+    slots = int(max(t[-1][1] for t in times))
+    lines = []
+    for s, plan in enumerate(plans):
+        cells = [".."] * slots
+        for a, (start, _) in zip(plan, times[s]):
+            cells[int(start)] = str(a)
+        lines.append(f"{label} {s}: " + " ".join(c.ljust(width) for c in cells).rstrip())
+    return "\n".join(lines)
+
+
+def _looping_order(
+    num_stages: int, num_microbatches: int, virtual_stages: int, backward: bool
+) -> list[tuple[int, int]]:
+    """The (micro-batch, chunk) order of interleaved 1F1B: round after round, each through every chunk
+    in turn (the last chunk first for the backwards)."""
+    size = interleaved_round(num_stages, num_microbatches)
+    chunks = range(virtual_stages - 1, -1, -1) if backward else range(virtual_stages)
+    return [
+        (i, c)
+        for first in range(0, num_microbatches, size)
+        for c in chunks
+        for i in range(first, first + size)
+    ]
+
+
+def _name_problem(name: str) -> Optional[str]:
+    return (
+        None if name in SCHEDULES else f"schedule={name!r} is not known; use one of {', '.join(SCHEDULES)}."
+    )
+
+
+def _rounds_problem(num_stages: int, num_microbatches: int) -> Optional[str]:
+    rounds = max(1, num_microbatches // num_stages)
+    if num_microbatches % rounds == 0:
+        return None
+    p, m = num_stages, num_microbatches
+    works = [n for n in range(1, 2 * m) if n < 2 * p or n % (n // p) == 0]
+    below, above = max(n for n in works if n < m), min(n for n in works if n > m)
+    return (
+        f"schedule='interleaved_1f1b' runs the micro-batches in equal rounds of {p} to {2 * p - 1} "
+        f"(num_microbatches // {p} rounds; a shorter last round would deadlock), so num_microbatches must be "
+        f"below {2 * p} or a multiple of num_microbatches // {p}; got {m}: use {below} or {above} (any "
+        f"multiple of {p} works)."
     )
 
 

@@ -96,7 +96,8 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
             residual adds hold 1/tp of the sequence (docs/tensor_parallel.md); not with pipeline stages.
         schedule: ``"gpipe"`` (fill-drain), ``"1f1b"`` (one-forward-one-backward, flush each step),
             ``"interleaved_1f1b"`` (Megatron's: ``virtual_stages`` chunks per rank, a smaller bubble),
-            ``"zb_h1"`` (zero bubble: the weight gradients fill 1F1B's bubble), or ``"async"``
+            ``"zb_h1"`` (zero bubble: the weight gradients fill 1F1B's bubble), ``"zbv"`` (zero bubble,
+            two chunks per rank in a V), or ``"async"``
             (PipeDream-2BW's update rule; see ``pipeline_async.py``).
         virtual_stages: chunks of the block stack per rank under ``schedule="interleaved_1f1b"`` (at
             least 2; None: 2), in Megatron's looping placement. Other schedules hold one chunk per rank.

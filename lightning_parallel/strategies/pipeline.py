@@ -24,7 +24,8 @@ class PipelineParallelStrategy(ParallelStrategy):
     Args:
         schedule: ``"gpipe"`` (fill-drain), ``"1f1b"`` (one-forward-one-backward, flush each step),
             ``"interleaved_1f1b"`` (Megatron's interleaved 1F1B over ``virtual_stages`` chunks per rank),
-            ``"zb_h1"`` (zero bubble: 1F1B with the weight gradients deferred into its bubble), or
+            ``"zb_h1"`` (zero bubble: 1F1B with the weight gradients deferred into its bubble), ``"zbv"``
+            (zero bubble over two chunks per rank in a V; rank 0 runs the loss), or
             ``"async"`` (PipeDream-2BW's update rule).
         virtual_stages: chunks per rank for ``"interleaved_1f1b"`` (None: 2).
         pipeline_parallel_size: number of stages; None = all processes / data_parallel_size.

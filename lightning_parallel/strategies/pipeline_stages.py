@@ -72,6 +72,7 @@ from lightning_parallel.pipeline.profile import (
     capture_block_inputs,
     time_blocks,
 )
+from lightning_parallel.pipeline.placement import stage_ranks
 from lightning_parallel.pipeline.schedules import (
     OVERLAPPED,
     Action,
@@ -79,7 +80,6 @@ from lightning_parallel.pipeline.schedules import (
     schedule_problem,
     chunks_per_rank,
     forward_only,
-    placement,
     schedule,
 )
 from lightning_parallel.pipeline.timeline import (
@@ -139,7 +139,7 @@ class PipelineStages:
     @property
     def stage_of(self) -> list[int]:
         """The pp index holding each virtual stage of the model, in model order."""
-        return placement(self.schedule, self.mesh.shape.pp, self.virtual_stages)
+        return stage_ranks(self.schedule, self.mesh.shape.pp, self.virtual_stages)
 
     @property
     def loss_stage(self) -> int:

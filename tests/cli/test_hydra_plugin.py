@@ -33,6 +33,7 @@ OFFERED = [
     "pipeline_gpipe",
     "pipeline_interleaved",
     "pipeline_zb",
+    "pipeline_zbv",
     "tensor_parallel",
 ]
 CLASSES = {
@@ -44,6 +45,7 @@ CLASSES = {
     "pipeline_async": lightning_parallel.PipelineParallelStrategy,
     "pipeline_interleaved": lightning_parallel.PipelineParallelStrategy,
     "pipeline_zb": lightning_parallel.PipelineParallelStrategy,
+    "pipeline_zbv": lightning_parallel.PipelineParallelStrategy,
     "parallel": lightning_parallel.ParallelStrategy,
 }
 

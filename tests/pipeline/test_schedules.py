@@ -1,20 +1,31 @@
-"""Schedules as pure data: every micro-batch gets one F and one B per stage, dependencies hold when the
-stages' lists are interleaved by a simulated clock, and 1F1B keeps within its activation bound."""
+"""Schedules as pure data: every micro-batch gets one F and one B (or I and W) per stage and chunk,
+dependencies hold when the stages' lists are interleaved by a simulated clock, the bubbles match their
+theory, and each schedule keeps within its activation bound."""
 
 import pytest
 
+from lightning_parallel.pipeline import schedules
+from lightning_parallel.pipeline.clock import ScheduleError, check_plans
+from lightning_parallel.pipeline.clock import run_clock as run_timed
 from lightning_parallel.pipeline.schedules import (
     Action,
+    activation_bound,
     async_step,
     bubble_fraction,
+    chunks_per_rank,
     cooldown,
     expected_bubbles,
+    forward_only,
     gpipe,
     max_in_flight,
     one_f_one_b,
     render,
     schedule,
+    schedule_problem,
+    verify_schedule,
+    virtual_stages_problem,
     warmup_depth,
+    zb_h1_bubble_fraction,
 )
 
 
@@ -149,3 +160,189 @@ def test_async_step_marks_the_previous_batch_and_checks_what_it_carries():
     assert cooldown(2, 4, 1) == []  # the last stage never carries anything over
     with pytest.raises(ValueError, match="can carry 0..1 micro-batches over, not 2"):
         async_step(2, 4, 0, carried=2)
+
+
+# ----------------------------------------------------------------- chunks and split backwards
+NEW = [("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2)]
+SHAPES = [(2, 4), (2, 8), (4, 4), (4, 8)]
+ODD = [(2, 3), (4, 5), (4, 6), (4, 10), (4, 2), (3, 4), (3, 5), (1, 3)]  # accepted by all three
+
+
+@pytest.mark.parametrize("name,v", NEW + [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 3)])
+@pytest.mark.parametrize("p,m", SHAPES + ODD)
+def test_every_schedule_passes_the_clock_check(name, p, m, v):
+    verify_schedule(name, p, m, v)
+
+
+@pytest.mark.parametrize("name,v", NEW)
+@pytest.mark.parametrize("p,m", SHAPES + ODD)
+def test_each_rank_does_each_chunks_work_once(name, p, m, v):
+    for r in range(p):
+        actions = schedule(name, p, m, r, v)
+        split = name != "interleaved_1f1b"
+        absent = "B" if split else "IW"
+        for c in range(v):
+            for kind in "FBIW":
+                got = sorted(a.microbatch for a in actions if a.chunk == c and a.kind == kind)
+                assert got == ([] if kind in absent else list(range(m))), (r, c, kind)
+        assert len(actions) == m * v * (3 if split else 2)
+
+
+def test_small_schedules_exactly():
+    assert render("interleaved_1f1b", 2, 4, 2) == (
+        "rank 0: F0 F1 F0.1 F1.1 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 B2.1 B3.1 B2 B3\n"
+        "rank 1: F0 F1 F0.1 B0.1 F1.1 B1.1 F2 B0 F3 B1 F2.1 B2.1 F3.1 B3.1 B2 B3"
+    )
+    assert render("zb_h1", 2, 4) == (
+        "stage 0: F0 F1 I0 W0 F2 I1 W1 F3 I2 W2 I3 W3\nstage 1: F0 I0 F1 I1 W0 F2 I2 W1 F3 I3 W2 W3"
+    )
+    assert render("zbv", 2, 4, 2) == (
+        "rank 0: F0 F1 F2 F0.1 I0.1 W0.1 F1.1 I1.1 W1.1 F3 I0 W0 F2.1 I2.1 W2.1 I1 W1 F3.1 I3.1 W3.1 I2 W2 I3 W3\n"
+        "rank 1: F0 F0.1 F1 F1.1 I0.1 W0.1 F2 I0 W0 F2.1 I1.1 W1.1 F3 I1 W1 F3.1 I2.1 W2.1 I2 I3.1 I3 W2 W3.1 W3"
+    )
+
+
+def test_the_old_schedules_print_as_before():
+    assert render("gpipe", 2, 3) == "stage 0: F0 F1 F2 B0 B1 B2\nstage 1: F0 F1 F2 B0 B1 B2"
+    assert render("1f1b", 3, 4) == (
+        "stage 0: F0 F1 F2 B0 F3 B1 B2 B3\nstage 1: F0 F1 B0 F2 B1 F3 B2 B3\nstage 2: F0 B0 F1 B1 F2 B2 F3 B3"
+    )
+    assert str(Action("B", 3, -1)) == "B3'" and str(Action("F", 3, chunk=1)) == "F3.1"
+    assert str(Action("B", 2, -1, chunk=1)) == "B2.1'"
+
+
+def test_the_docstring_pictures_are_the_clock_s():
+    for name, p, m, v in [
+        ("gpipe", 3, 4, 1),
+        ("1f1b", 3, 4, 1),
+        ("interleaved_1f1b", 2, 4, 2),
+        ("zb_h1", 3, 4, 1),
+    ]:
+        for line in render(name, p, m, v, timed=True).splitlines():
+            assert line in schedules.__doc__, (name, line)
+
+
+@pytest.mark.parametrize("p,m", SHAPES)
+def test_interleaved_bubble_is_megatron_s_and_below_1f1b_s(p, m):
+    v = 2
+    # each chunk half a stage: F 1 and B 2 per stage, as for 1F1B
+    bubbles = expected_bubbles(
+        "interleaved_1f1b", p, m, [1 / v] * (p * v), [2 / v] * (p * v), virtual_stages=v
+    )
+    assert bubbles[0] == pytest.approx(bubble_fraction(p, m, v))
+    # (p - 1) / (v m) of the busy time, Megatron's form
+    assert bubbles[0] / (1 - bubbles[0]) == pytest.approx((p - 1) / (v * m))
+    assert bubbles[0] < expected_bubbles("1f1b", p, m, [1.0] * p, [2.0] * p)[0]
+
+
+def test_zb_h1_halves_1f1b_s_bubble_at_two_stages_and_four_microbatches():
+    f, i, w = 1.0, 1.0, 1.0
+    zb = expected_bubbles("zb_h1", 2, 4, [f] * 2, [i + w] * 2, [w] * 2)
+    one = expected_bubbles("1f1b", 2, 4, [f] * 2, [i + w] * 2)
+    assert zb[0] <= one[0] / 2
+    # 1 idle unit (F + I - W) against 1F1B's 3 (F + I + W), over 12 busy
+    assert zb[0] == pytest.approx(1 / 13) and one[0] == pytest.approx(3 / 15)
+
+
+@pytest.mark.parametrize("p,m", SHAPES + [(3, 3), (4, 5)])
+@pytest.mark.parametrize("f,i,w", [(1.0, 1.0, 1.0), (2.0, 1.0, 0.5), (1.0, 2.0, 1.0)])
+def test_zb_h1_bubble_is_the_papers(p, m, f, i, w):
+    bubbles = expected_bubbles("zb_h1", p, m, [f] * p, [i + w] * p, [w] * p)
+    assert bubbles[0] == pytest.approx(zb_h1_bubble_fraction(p, m, f, i, w))
+
+
+@pytest.mark.parametrize("p,m", SHAPES)
+def test_zbv_bubble_is_below_1f1b_s_and_none_on_rank_0_with_equal_costs(p, m):
+    # F = I = W = 1 per chunk: F 2 and B 4 per whole stage for 1F1B
+    bubbles = expected_bubbles("zbv", p, m, [1.0] * (2 * p), [2.0] * (2 * p), virtual_stages=2)
+    assert max(bubbles) < expected_bubbles("1f1b", p, m, [2.0] * p, [4.0] * p)[0]
+    if m >= 2 * p:  # enough micro-batches to fill the V
+        assert bubbles[0] == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("name,v", NEW + [("gpipe", 1), ("1f1b", 1)])
+@pytest.mark.parametrize("p,m", SHAPES + ODD)
+def test_activations_stay_within_each_schedule_s_bound(name, v, p, m):
+    for r in range(p):
+        held = max_in_flight(schedule(name, p, m, r, v))
+        assert held <= activation_bound(name, p, m, r, v)
+        if name != "zbv" or m >= 2 * p - 1:  # zbv with fewer micro-batches than its V holds fewer
+            assert held == activation_bound(name, p, m, r, v)
+        if name in ("zb_h1", "zbv"):
+            # in whole stages (a chunk is 1/v of one): never more than 1F1B's peak, its stage 0
+            assert held / v <= activation_bound("1f1b", p, m, 0)
+
+
+def test_interleaved_holds_megatron_s_factor_more_on_stage_0():
+    p, m, v = 4, 8, 2
+    held = max_in_flight(schedule("interleaved_1f1b", p, m, 0, v)) / v  # in whole stages
+    assert held == p * (1 + (p - 1) / (p * v))
+
+
+def test_refused_combinations_name_what_works():
+    with pytest.raises(
+        ValueError, match=r"virtual_stages=1 with schedule='interleaved_1f1b': .* >= 2 .*'1f1b'"
+    ):
+        schedule("interleaved_1f1b", 2, 4, 0, 1)
+    with pytest.raises(
+        ValueError, match=r"below 8 or a multiple of num_microbatches // 4; got 9: use 8 or 10"
+    ):
+        schedule("interleaved_1f1b", 4, 9, 0, 2)
+    with pytest.raises(ValueError, match=r"virtual_stages=3 with schedule='zbv': it places exactly 2 chunks"):
+        schedule("zbv", 2, 4, 0, 3)
+    for name in ("gpipe", "1f1b", "async", "zb_h1"):
+        with pytest.raises(
+            ValueError, match=rf"schedule='{name}', which runs one chunk per rank.*'interleaved_1f1b'"
+        ):
+            schedule(name, 2, 4, 0, 2)
+    with pytest.raises(ValueError, match="one forward, backward and weight cost per virtual stage"):
+        expected_bubbles("zbv", 2, 4, [1.0] * 2, [2.0] * 2, virtual_stages=2)
+
+
+def test_the_strategy_s_questions_about_chunks():
+    assert [chunks_per_rank(n) for n in ("gpipe", "1f1b", "async", "interleaved_1f1b", "zb_h1", "zbv")] == [
+        1,
+        1,
+        1,
+        2,
+        1,
+        2,
+    ]
+    assert chunks_per_rank("interleaved_1f1b", 3) == 3
+    assert virtual_stages_problem("interleaved_1f1b", None) is None  # the schedule's own
+    assert virtual_stages_problem("zbv", 2) is None and virtual_stages_problem("gpipe", 1) is None
+    assert virtual_stages_problem("1f1b", 2, "strategy.").startswith(
+        "strategy.virtual_stages=2 with schedule='1f1b'"
+    )
+    assert virtual_stages_problem("interleaved_1f1b", True) is not None
+    assert schedule_problem("interleaved_1f1b", 4, 8, 2) is None
+    assert "got 9: use 8 or 10" in schedule_problem("interleaved_1f1b", 4, 9, 2)
+    assert "is not known" in schedule_problem("zero", 4, 8, 1)
+
+
+@pytest.mark.parametrize("name,v", NEW + [("gpipe", 1), ("interleaved_1f1b", 3)])
+def test_evaluation_forwards_run_without_deadlock(name, v):
+    p, m = 4, 5
+    plans = [forward_only(name, p, m, r, v) for r in range(p)]
+    assert all(
+        sorted((a.chunk, a.microbatch) for a in plan) == [(c, i) for c in range(v) for i in range(m)]
+        for plan in plans
+    )
+    run_timed(name, plans, v, lambda r, a: 1.0)
+
+
+def test_the_check_catches_broken_schedules():
+    good = [schedule("zb_h1", 2, 2, r) for r in range(2)]
+    check_plans("zb_h1", good, 2, 1)
+    with pytest.raises(ScheduleError, match="rank 1 does not do one F and one B"):
+        check_plans("zb_h1", [good[0], [a for a in good[1] if str(a) != "W1"]], 2, 1)
+    early = [Action("B", 0), Action("F", 0), Action("F", 1), Action("B", 1)]  # a backward before its input
+    with pytest.raises(
+        ScheduleError,
+        match="deadlocks: rank 0 at B0 waits for F0 of rank 0 chunk 0, B0 of rank 1 chunk 0; "
+        "rank 1 at F0 waits for F0 of rank 0 chunk 0",
+    ):
+        check_plans("1f1b", [early, one_f_one_b(2, 2, 1)], 2, 1)
+    swapped = [Action("F", 1), Action("F", 0), Action("B", 0), Action("B", 1)]
+    with pytest.raises(ScheduleError, match=r"rank 1 chunk 0 takes its F inputs in the order \[1, 0\]"):
+        check_plans("gpipe", [gpipe(2, 2, 0), swapped], 2, 1)
