@@ -12,7 +12,9 @@ __all__ = ["WeightGradients", "backward_input"]
 
 
 class WeightGradients:
-    def __init__(self, roots: Sequence[Tensor], grads: Sequence[Optional[Tensor]], parameters: Sequence[Tensor]):
+    def __init__(
+        self, roots: Sequence[Tensor], grads: Sequence[Optional[Tensor]], parameters: Sequence[Tensor]
+    ):
         self.roots, self.grads, self.parameters = list(roots), list(grads), list(parameters)
 
     def run(self) -> None:
@@ -21,7 +23,10 @@ class WeightGradients:
 
 
 def backward_input(
-    roots: Sequence[Tensor], grads: Sequence[Optional[Tensor]], inputs: Sequence[Tensor], parameters: Sequence[Tensor]
+    roots: Sequence[Tensor],
+    grads: Sequence[Optional[Tensor]],
+    inputs: Sequence[Tensor],
+    parameters: Sequence[Tensor],
 ) -> WeightGradients:
     if inputs:
         got = torch.autograd.grad(roots, inputs, grads, retain_graph=True, allow_unused=True)

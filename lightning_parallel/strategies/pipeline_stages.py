@@ -67,20 +67,20 @@ from lightning_parallel.pipeline.executor import (
 )
 from lightning_parallel.pipeline.logs import LogMirror, WholeBatchMetrics, summarize
 from lightning_parallel.pipeline.partition import StagePartition, keep_block_skeletons
+from lightning_parallel.pipeline.placement import stage_ranks
 from lightning_parallel.pipeline.profile import (
     average_over_ranks,
     capture_block_inputs,
     time_blocks,
 )
-from lightning_parallel.pipeline.placement import stage_ranks
 from lightning_parallel.pipeline.schedules import (
     OVERLAPPED,
     Action,
-    bubble_fraction,
-    schedule_problem,
     chunks_per_rank,
+    expected_bubbles,
     forward_only,
     schedule,
+    schedule_problem,
 )
 from lightning_parallel.pipeline.timeline import (
     Timeline,
@@ -233,7 +233,7 @@ class PipelineStages:
         """After the partition: the stage report, the executor and its links, the log mirror, and the
         gradients of the modules replicated outside the stack."""
         module = self.lightning_module
-        pp, stage = self.mesh.shape.pp, self.mesh.pp_rank
+        pp = self.mesh.shape.pp
         self._report_stages(costs)
         ranks, holder = self.mesh.ranks("pp"), self.stage_of
         links = [
@@ -334,7 +334,11 @@ class PipelineStages:
             loss = self._async_step(params, batch, step_fn, batch_idx)
         else:
             actions = schedule(
-                self.schedule, self.mesh.shape.pp, self.num_microbatches, self.mesh.pp_rank, self.virtual_stages
+                self.schedule,
+                self.mesh.shape.pp,
+                self.num_microbatches,
+                self.mesh.pp_rank,
+                self.virtual_stages,
             )
             last_backward = self._begin_gradients(params, earlier, actions)
             self._run(
@@ -516,9 +520,13 @@ class PipelineStages:
             folder = Path(self.lightning_module.trainer.default_root_dir)
             folder.mkdir(parents=True, exist_ok=True)
             everyone = [e for rank_events in gathered for e in from_dicts(rank_events)]
+            pp, v, m = self.mesh.shape.pp, self.virtual_stages, self.num_microbatches
+            equal = [1.0] * (pp * v)  # equal stages, a backward twice a forward (I and W alike)
+            theory = expected_bubbles(self.schedule, pp, m, equal, [2.0] * (pp * v), virtual_stages=v)[0]
+            chunks = f" x {v} chunks" if v > 1 else ""
             title = (
-                f"{self.schedule}, {self.mesh.shape.pp} stages, {self.num_microbatches} micro-batches, step {step}; "
-                f"theory bubble {bubble_fraction(self.mesh.shape.pp, self.num_microbatches):.0%}"
+                f"{self.schedule}, {pp} stages{chunks}, {m} micro-batches, step {step}; "
+                f"theory bubble of stage 0 {theory:.0%}"
                 + (
                     " with a flush, 0% without (B3' = the previous batch's)"
                     if self.schedule == "async"

@@ -1,9 +1,9 @@
 """The interleaved and zero-bubble schedules (``interleaved_1f1b``, ``zb_h1``, ``zbv``) equal single-device
 training on real gloo processes: float64, 5 steps, the full gathered checkpoint against one device to 1e-10,
 on 2 stages (GPT-style and ``nn.Sequential`` models, m = 4 and 8, with validation and gradient
-accumulation) and on 4 processes (4 stages; dp2 x pp2 with ZeRO-1 and recompute; tp2 x pp2 on the Hugging
-Face Llama-style model through ``lp_parallel``). Each stage holds no more activations than the schedule's
-bound."""
+accumulation), on 4 stages, in dp2 x pp2 with ZeRO-1 and recompute, and through ``lp_parallel`` with the
+Hugging Face Llama-style model built on meta (2 and 4 stages, tp2 x pp2) and the GPT in 2x2x2. Each stage
+holds no more activations than the schedule's bound."""
 
 from __future__ import annotations
 
@@ -24,32 +24,36 @@ def blocks(schedule: str, stages: int) -> dict:
     return {"n_layer": stages * CHUNKS[schedule]}
 
 
-CASES_2 = [
-    case(f"gpt-{s}-m{m}", "gpt", schedule=s, num_microbatches=m, model_kwargs=blocks(s, 2))
-    for s in NEW
-    for m in (4, 8)
-] + [
-    case(
-        f"seq-{s}-validate",
-        "seq",
-        schedule=s,
-        num_microbatches=4,
-        model_kwargs={"depth": 2 * CHUNKS[s]},
-        trainer={"limit_val_batches": 2},
-        validate_after_fit=True,
-    )
-    for s in NEW
-] + [
-    case(
-        f"gpt-{s}-accumulate",
-        "gpt",
-        schedule=s,
-        num_microbatches=4,
-        model_kwargs=blocks(s, 2),
-        trainer={"accumulate_grad_batches": 2},
-    )
-    for s in NEW
-]
+CASES_2 = (
+    [
+        case(f"gpt-{s}-m{m}", "gpt", schedule=s, num_microbatches=m, model_kwargs=blocks(s, 2))
+        for s in NEW
+        for m in (4, 8)
+    ]
+    + [
+        case(
+            f"seq-{s}-validate",
+            "seq",
+            schedule=s,
+            num_microbatches=4,
+            model_kwargs={"depth": 2 * CHUNKS[s]},
+            trainer={"limit_val_batches": 2},
+            validate_after_fit=True,
+        )
+        for s in NEW
+    ]
+    + [
+        case(
+            f"gpt-{s}-accumulate",
+            "gpt",
+            schedule=s,
+            num_microbatches=4,
+            model_kwargs=blocks(s, 2),
+            trainer={"accumulate_grad_batches": 2},
+        )
+        for s in NEW
+    ]
+)
 for c in CASES_2:
     c["probe"] = "tests.helpers.probes:pipeline_peak_held"
 
@@ -76,12 +80,28 @@ CASES_4 = [
     )
     for s in NEW
 ]
-CASES_3D, REFERENCES_3D = [], []
-for s in NEW:
-    c = parallel_case(f"llama-tp2pp2-{s}", "llama", PARALLEL, {**layout(1, 2, 2, s), "num_microbatches": 4}, 1)
-    c["model_kwargs"] = {**c["model_kwargs"], "layers": 2 * CHUNKS[s]}
-    CASES_3D.append(c)
-    REFERENCES_3D.append({**c, "name": f"ref-{c['name']}", "strategy": {"class": DDP, "kwargs": {}}})
+
+
+def composed(name: str, model: str, schedule: str, dp: int, tp: int, pp: int, m: int) -> dict:
+    """``lp_parallel`` at dp x tp x pp, the model built on meta, with blocks enough for every virtual stage."""
+    c = parallel_case(name, model, PARALLEL, {**layout(dp, tp, pp, schedule), "num_microbatches": m}, dp)
+    key = "layers" if model == "llama" else "n_layer"
+    c["model_kwargs"] = {**c["model_kwargs"], key: pp * CHUNKS[schedule]}
+    return c
+
+
+COMPOSED = {  # world size: lp_parallel cases, each compared with the same model trained on one process
+    2: [composed(f"llama-pp2-{s}-m{m}", "llama", s, 1, 1, 2, m) for s in NEW for m in (4, 8)],
+    4: [composed(f"llama-pp4-{s}-m8", "llama", s, 1, 1, 4, 8) for s in NEW]
+    + [composed(f"llama-tp2pp2-{s}", "llama", s, 1, 2, 2, 4) for s in NEW],
+    8: [composed(f"gpt-2x2x2-{s}", "gpt", s, 2, 2, 2, 4) for s in NEW],
+}
+REFERENCES = [
+    {**c, "name": f"ref-{c['name']}", "strategy": {"class": DDP, "kwargs": {}}, "dp_size": 1}
+    for cases in COMPOSED.values()
+    for c in cases
+]
+ALL_COMPOSED = [(world, c) for world, cases in COMPOSED.items() for c in cases]
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +113,16 @@ def runs2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs4(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("schedules4")
-    results = run_distributed(REFERENCES_3D, world_size=1, tmp_path=tmp, timeout=600)
-    results.update(run_distributed(CASES_4 + CASES_3D, world_size=4, tmp_path=tmp, timeout=600))
-    return tmp, results
+    return tmp, run_distributed(CASES_4, world_size=4, tmp_path=tmp, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def composed_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("schedules_composed")
+    run_distributed(REFERENCES, world_size=1, tmp_path=tmp, timeout=600)
+    for world, cases in COMPOSED.items():
+        run_distributed(cases, world_size=world, tmp_path=tmp, timeout=600)
+    return tmp
 
 
 @pytest.mark.timeout(1200)
@@ -112,12 +139,11 @@ def test_four_processes_match_single_device(runs4, c):
     check(tmp, results, 4, c)
 
 
-@pytest.mark.timeout(1200)
-@pytest.mark.parametrize("c", CASES_3D, ids=[c["name"] for c in CASES_3D])
-def test_tensor_and_pipeline_parallel_llama_built_on_meta_matches_one_device(runs4, c):
-    tmp, _ = runs4
-    full = saved_checkpoint(tmp, 4, c["name"])["state_dict"]
-    reference = saved_checkpoint(tmp, 1, f"ref-{c['name']}")["state_dict"]
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("world,c", ALL_COMPOSED, ids=[c["name"] for _, c in ALL_COMPOSED])
+def test_lp_parallel_layouts_built_on_meta_match_one_device(composed_runs, world, c):
+    full = saved_checkpoint(composed_runs, world, c["name"])["state_dict"]
+    reference = saved_checkpoint(composed_runs, 1, f"ref-{c['name']}")["state_dict"]
     assert_params_close(full, reference, atol=1e-10)
 
 
