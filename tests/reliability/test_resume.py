@@ -16,7 +16,8 @@ the 2 ranks form one replica).
 - lp_tensor_parallel (tp=2, one replica: both ranks see the same batch): resumes mid-epoch.
 - lp_ddp with ``zero_stage=2`` mid-epoch, and with ``zero_stage=1`` from a sharded checkpoint.
 - lp_pipeline_1f1b (2 stages, loss on the last stage only) mid-epoch; lp_pipeline_gpipe from an
-  epoch-end checkpoint; lp_pipeline_async (no flush: the unapplied gradient travels) mid-epoch.
+  epoch-end checkpoint; lp_pipeline_async (no flush: the unapplied gradient travels) mid-epoch;
+  lp_pipeline_interleaved (two chunks per rank) and lp_pipeline_zb (split backwards) mid-epoch.
 - lp_ddp with ``accumulate_grad_batches=4`` (does not divide the 6 batches: Lightning also steps at the
   epoch's last batch, after 2 micro-batches) from epoch-end checkpoints saved in the last batch's
   ``on_train_batch_end`` (``every_n_train_steps``; killed again after resuming) and in
@@ -116,6 +117,22 @@ CASES = {
         "every": 3,
         "kill": [7, 0, "SIGKILL"],
         "ckpt_step": 6,
+    },
+    # interleaved: one block per virtual stage (2 ranks x 2 chunks); zero bubble: split backwards
+    "lp_pipeline_interleaved": {
+        **PP,
+        "strategy": "lp_pipeline_interleaved",
+        "strategy_kwargs": {"split_points": [1, 1, 1, 1]},
+        "every": 4,
+        "kill": [10, 1, "SIGKILL"],
+        "ckpt_step": 8,
+    },
+    "lp_pipeline_zb": {
+        **PP,
+        "strategy": "lp_pipeline_zb",
+        "every": 4,
+        "kill": [10, 0, "SIGKILL"],
+        "ckpt_step": 8,
     },
     # no flush: the checkpoint at step 8 drains the pipeline and holds batch 7's gradient (applied by the
     # resumed step 8) and batch 7's loss (shown by it); SGD with momentum, dropout on stage 0
