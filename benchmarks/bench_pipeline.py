@@ -50,12 +50,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     append_record,
+    benchmark_parser,
     interleaved,
     median_of,
     median_ratio,
     read_records,
     step_timer,
     torchrun,
+    worker_args,
 )
 
 from lightning_parallel.pipeline.schedules import SCHEDULES, expected_bubbles  # noqa: E402
@@ -380,15 +382,11 @@ def held_text(count: float, chunk_bytes: list[int]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = benchmark_parser(__doc__, rounds=3, steps=20, warmup=5)
     schedules = available_schedules()
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--impl", default="ours", help=argparse.SUPPRESS)
     parser.add_argument("--schedule", default="gpipe", help=argparse.SUPPRESS)
     parser.add_argument("--microbatches", type=int, default=4, help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
     parser.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument(
         "--schedules",
@@ -398,9 +396,6 @@ def main() -> None:
         help="our schedules to run, each with torch's counterpart (default: all)",
     )
     parser.add_argument("--m", type=int, nargs="+", default=[4, 8], help="numbers of micro-batches to run")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument(
         "--layers", type=int, default=4, help="blocks; must divide by 2 x the chunks per rank"
@@ -425,26 +420,13 @@ def main() -> None:
         pieces = RANKS * chunks_per_rank(schedule, args)
         if args.layers % pieces:
             parser.error(
-                f"--layers {args.layers} does not cut into the {pieces} equal virtual stages of {schedule}"
+                f"--layers {args.layers} does not cut into the {pieces} equal virtual stages of {schedule} "
+                f"({RANKS} ranks x {pieces // RANKS} chunks); use a multiple of {pieces}"
             )
 
     out = Path(tempfile.mkdtemp()) / "results.jsonl"
-    common = [
-        "--out",
-        str(out),
-        "--steps",
-        str(args.steps),
-        "--warmup",
-        str(args.warmup),
-        "--batch-size",
-        str(args.batch_size),
-        "--layers",
-        str(args.layers),
-        "--width",
-        str(args.width),
-        "--virtual-stages",
-        str(args.virtual_stages),
-    ]
+    args.out = str(out)
+    common = worker_args(args, ("batch_size", "layers", "width", "virtual_stages"))
     if args.timeline_dir:
         common += ["--timeline-dir", str(Path(args.timeline_dir).resolve())]
     runs = [
