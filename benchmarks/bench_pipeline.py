@@ -11,7 +11,8 @@ Each schedule of ours runs against torch's own implementation of the same schedu
 interleaved_1f1b / ``ScheduleInterleaved1F1B`` (``--virtual-stages`` chunks per rank, looping placement: rank
 r holds virtual stages r, r+p, ...), zb_h1 / ``ScheduleInterleavedZeroBubble`` with one stage per rank (torch
 has no class named ZB-H1; with one stage per rank this one runs 1F1B's order with every backward split into
-the input gradient I and the weight gradient W, rank r deferring up to r W's, which is ZB-H1), zbv /
+the input gradient I and the weight gradient W, rank r deferring up to r W's: the same order of actions as
+our ``schedules.zb_h1``, compared at p=2, m=4 and 8, and p=4, m=8), zbv /
 ``ScheduleZBVZeroBubble`` (two chunks per rank in the V placement: rank r holds r and 2p-1-r, rank 0 runs the
 loss). async has no counterpart in torch.
 
@@ -466,7 +467,7 @@ def report(args: argparse.Namespace, records: list[dict]) -> None:
         v = chunks_per_rank(schedule, args)
         counterpart = TORCH_COUNTERPART[schedule]
         if schedule == "zb_h1":
-            counterpart += " with one stage per rank (torch has no ZB-H1 class)"
+            counterpart += " with one stage per rank (torch has no ZB-H1 class; same order of F, I, W)"
         print(
             f"  {schedule}: {v} chunk(s) per rank, {args.layers // (RANKS * v)} block(s) each; "
             f"torch: {counterpart or 'none'}"
