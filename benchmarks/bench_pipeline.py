@@ -11,10 +11,10 @@ Each schedule of ours runs against torch's own implementation of the same schedu
 interleaved_1f1b / ``ScheduleInterleaved1F1B`` (``--virtual-stages`` chunks per rank, looping placement: rank
 r holds virtual stages r, r+p, ...), zb_h1 / ``ScheduleInterleavedZeroBubble`` with one stage per rank (torch
 has no class named ZB-H1; with one stage per rank this one runs 1F1B's order with every backward split into
-the input gradient I and the weight gradient W, rank r deferring up to r W's: the same order of actions as
-our ``schedules.zb_h1``, compared at p=2, m=4 and 8, and p=4, m=8), zbv /
+the input gradient I and the weight gradient W, rank r deferring up to r W's), zbv /
 ``ScheduleZBVZeroBubble`` (two chunks per rank in the V placement: rank r holds r and 2p-1-r, rank 0 runs the
-loss). async has no counterpart in torch.
+loss). These three run the same order of actions per rank as ours (``schedules.schedule``; compared at p=2,
+m=4 and 8, and p=4, m=8). async has no counterpart in torch.
 
 The same GPT-style model (``CharGPT`` blocks, a causal mask computed in ``forward``), the same batches split
 into the same micro-batches, and SGD on both sides. Ours runs inside ``Trainer.fit`` on the unmodified
