@@ -10,12 +10,10 @@ schedule's own. A rank whose next action waits for something that never comes de
 from __future__ import annotations
 
 from collections import Counter
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
+from lightning_parallel.pipeline.actions import Action
 from lightning_parallel.pipeline.placement import next_stage, previous_stage
-
-if TYPE_CHECKING:
-    from lightning_parallel.pipeline.schedules import Action
 
 __all__ = ["ScheduleError", "run_clock", "check_plans"]
 

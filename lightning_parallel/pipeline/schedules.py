@@ -49,9 +49,9 @@ end of an epoch or of fit). 1F1B itself is one ``async_step`` from an empty pipe
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
-from typing import Literal, Optional, Sequence
+from typing import Optional, Sequence
 
+from lightning_parallel.pipeline.actions import Action
 from lightning_parallel.pipeline.clock import ScheduleError, check_plans, run_clock
 from lightning_parallel.pipeline.placement import global_stage
 
@@ -89,25 +89,6 @@ SCHEDULES = ("gpipe", "1f1b", "async", "interleaved_1f1b", "zb_h1", "zbv")
 #: the schedules with one chunk per rank and whole backwards: a data-parallel bucket is finished by one
 #: backward (the step's last), so its average can start during it
 OVERLAPPED = ("gpipe", "1f1b")
-
-
-@dataclass(frozen=True)
-class Action:
-    """One piece of work of one rank: ``kind`` of ``microbatch`` on the rank's local ``chunk``.
-
-    ``F`` forward; ``B`` full backward (input and weight gradients); ``I`` the input-gradient part
-    alone, whose result is sent upstream at once; ``W`` the weight-gradient part of an earlier ``I`` of
-    the same micro-batch and chunk. Printed ``F3`` (chunk 0), ``F3.1`` (chunk 1), ``B3'`` (batch -1).
-    """
-
-    kind: Literal["F", "B", "I", "W"]
-    microbatch: int
-    batch: int = 0  # 0: this step's batch; -1: the previous batch (async carries its cool-down over)
-    chunk: int = 0  # this rank's local chunk, 0..virtual_stages-1 (placement.py: which piece it holds)
-
-    def __str__(self) -> str:
-        chunk = f".{self.chunk}" if self.chunk else ""
-        return f"{self.kind}{self.microbatch}{chunk}" + ("'" if self.batch == -1 else "")
 
 
 def gpipe(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
