@@ -11,4 +11,8 @@ $LP_TRAIN -m experiment=sweep_strategies hydra.sweep.dir=${OUT:-multirun}/from_c
 #    "lightning-parallel[joblib]") add: hydra/launcher=joblib hydra.launcher.n_jobs=2
 $LP_TRAIN -m strategy=lp_ddp trainer.devices=1,2 experiment=quick hydra.sweep.dir=${OUT:-multirun}/command_line
 
-cat ${OUT:-multirun}/from_config/sweep_summary.md ${OUT:-multirun}/command_line/sweep_summary.md
+# 3. the pipeline schedules side by side on 2 processes (interleaved and ZBV: 2 chunks per rank, so 4 blocks)
+$LP_TRAIN -m strategy=pipeline_1f1b,pipeline_interleaved,pipeline_zb,pipeline_zbv trainer.devices=2 \
+    experiment=quick model.n_layer=4 hydra.sweep.dir=${OUT:-multirun}/schedules
+
+cat ${OUT:-multirun}/{from_config,command_line,schedules}/sweep_summary.md
