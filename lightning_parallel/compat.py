@@ -62,6 +62,7 @@ __all__ = [
     "saved_tensors_hooks_readable",
     "in_backward",
     "graph_task_id",
+    "accumulates_grad",
     "queue_end_of_backward",
     "foreach_copy_",
     "foreach_mul_",
@@ -117,6 +118,17 @@ def graph_task_id() -> int:
     """The id of the backward (autograd graph task) running on this thread, -1 outside one (torch >= 2.0:
     ``torch._C._current_graph_task_id``; a nested backward has an id of its own)."""
     return torch._C._current_graph_task_id()
+
+
+def accumulates_grad(accumulator: Any) -> bool:
+    """Whether the backward running now accumulates into the ``.grad`` of the leaf whose gradient
+    accumulator is ``accumulator`` (``torch.autograd.graph.get_gradient_edge(leaf).node``): True in
+    ``backward()``, False in ``torch.autograd.grad``, which only returns gradients. Every torch of the range:
+    ``torch._C._will_engine_execute_node``, which refuses a leaf inside ``autograd.grad``."""
+    try:
+        return torch._C._will_engine_execute_node(accumulator)
+    except RuntimeError:
+        return False
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:

@@ -10,6 +10,8 @@ partial gradient on each rank of the group, and one device's gradient is their s
                      sum is added to its ``.grad``, and ``ready`` hears that the parameter's gradient is
                      complete
 
+(``torch.autograd.grad``, which accumulates nothing, gets each sum at once, from a collective of its own.)
+
 Each backward sums its own fresh part, so gradient accumulation, several ``manual_backward`` per step and a
 pipeline's micro-batch backwards accumulate sums, as one device accumulates gradients. The data-parallel
 reducer reads ``.grad`` during backward, so it watches no hook of its own on these parameters
@@ -30,9 +32,10 @@ from typing import Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.autograd.graph import get_gradient_edge
 from torch.utils.hooks import RemovableHandle
 
-from lightning_parallel.compat import graph_task_id, queue_end_of_backward
+from lightning_parallel.compat import accumulates_grad, graph_task_id, queue_end_of_backward
 from lightning_parallel.distributed.collectives import all_reduce_sum, group_size
 
 __all__ = ["GradientSums", "gradient_sums_for", "installed_gradient_sums"]
@@ -51,6 +54,7 @@ class GradientSums:
         self.group = group
         self._when: dict[nn.Parameter, When] = {}  # in the order of the flat collective
         self._hooks: dict[nn.Parameter, RemovableHandle] = {}
+        self._accumulators: dict[nn.Parameter, object] = {}  # each parameter's AccumulateGrad node
         self._ready_hooks: list[RemovableHandle] = []
         self._fresh: dict[nn.Parameter, Tensor] = {}  # this backward's gradients, not yet summed
         self._queued_for: Optional[int] = None  # the backward whose end sums them
@@ -73,18 +77,22 @@ class GradientSums:
                 self._when[p] = None if earlier is None or when is None else _either(earlier, when)
                 continue
             self._when[p] = when
+            self._accumulators[p] = get_gradient_edge(p).node
             self._hooks[p] = p.register_hook(partial(self._keep, p))
             added.append(p)
-        self.report_to(self.ready)
+        if self.ready is not None:
+            self.report_to(self.ready)
         return _Added(self, added)
 
     def discard(self, params: Iterable[nn.Parameter]) -> None:
         for p in params:
             self._when.pop(p, None)
+            self._accumulators.pop(p, None)
             handle = self._hooks.pop(p, None)
             if handle is not None:
                 handle.remove()
-        self.report_to(self.ready)
+        if self.ready is not None:
+            self.report_to(self.ready)
 
     def report_to(self, ready: Optional[Ready]) -> None:
         """Tell ``ready(p)`` (a data-parallel reducer's ``grad_ready``) when each parameter's gradient of a
@@ -102,6 +110,8 @@ class GradientSums:
         when = self._when.get(p)
         if when is not None and not when():
             return None
+        if not accumulates_grad(self._accumulators[p]):  # torch.autograd.grad: the sum is its answer
+            return all_reduce_sum(grad.clone(), self.group)
         task = graph_task_id()
         if task != self._queued_for:
             queue_end_of_backward(self._sum)

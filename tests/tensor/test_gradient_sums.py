@@ -1,6 +1,7 @@
 """``tensor.gradient_sums`` in one process, its all-reduce replaced by one over two identical ranks (the
 sum doubles): one collective per backward, each backward's fresh gradient summed once (two backwards before
-a step accumulate two sums, as on one device), and ``ready`` told of each gradient once it is complete."""
+a step accumulate two sums, as on one device), ``ready`` told of each gradient once it is complete, and
+``torch.autograd.grad`` answered with the sum."""
 
 from __future__ import annotations
 
@@ -73,3 +74,16 @@ def test_a_parameter_not_summed_in_a_backward_is_told_at_once(monkeypatch):
     order.clear()
     model(x).sum().backward()
     assert order == ["last", "first"]
+
+
+def test_autograd_grad_gets_the_sum_and_leaves_grad_alone(monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(gradient_sums, "all_reduce_sum", _doubling(calls))
+    x = torch.randn(5, 3, dtype=torch.float64)
+    plain = _model()
+    (expected,) = torch.autograd.grad(plain(x).sum(), [plain[1].weight])
+    model = _model()
+    GradientSums(group=None).add([model[1].weight])
+    (got,) = torch.autograd.grad(model(x).sum(), [model[1].weight])
+    torch.testing.assert_close(got, 2 * expected, rtol=0, atol=1e-12)
+    assert calls == [4] and model[1].weight.grad is None
