@@ -2,8 +2,8 @@
 norms and biases; ``tensor.gradient_sums``) on real gloo processes: one all-reduce per backward whatever the
 number of parameters (Qwen3's q_norm/k_norm add one to Llama's count per step; sequence parallelism's count
 does not grow with the layers), and equal to one device in float64 (1e-10) at tp=2 with gradient
-accumulation, with two ``manual_backward`` per step (sequence parallel), at dp2 x tp2 under ZeRO 0, 1 and 2
-(with manual optimization at 2), and at tp2 x pp2."""
+accumulation, with two ``manual_backward`` per optimizer step (sequence parallel), at dp2 x tp2 under ZeRO 0, 1
+and 2 (with manual optimization at 2), at tp2 x pp2 and at dp2 x tp2 x pp2 (ZeRO 2, accumulation)."""
 
 from __future__ import annotations
 
@@ -64,6 +64,11 @@ RUNS = {
     ),
     "qwen3-dp2tp2-z2": (4, case("qwen3-dp2tp2-z2", ZOO, QWEN3, dp=2, zero_stage=2), "qwen3"),
     "qwen3-tp2pp2": (4, case("qwen3-tp2pp2", ZOO, QWEN3, pp=2), "qwen3"),
+    "qwen3-2x2x2-z2-accumulate": (
+        8,
+        case("qwen3-2x2x2-z2-accumulate", ZOO, QWEN3, dp=2, pp=2, trainer=ACCUMULATE, zero_stage=2),
+        "qwen3-acc",
+    ),
     "gpt-sp-dp2tp2-z2-manual": (
         4,
         case("gpt-sp-dp2tp2-z2-manual", MANUAL_GPT, {}, dp=2, zero_stage=2, **SP),
@@ -86,7 +91,7 @@ def runs(tmp_path_factory):
         name: run_single({**c, "strategy": "auto", "dp_size": 1}, tmp) for name, c in REFERENCES.items()
     }
     results = {}
-    for world in (2, 4):
+    for world in (2, 4, 8):
         cases = [c for w, c, _ in RUNS.values() if w == world]
         results.update(run_distributed(cases, world_size=world, tmp_path=tmp, timeout=600))
     return tmp, single, results
