@@ -61,6 +61,9 @@ __all__ = [
     "create_selective_checkpoint_contexts",
     "saved_tensors_hooks_readable",
     "in_backward",
+    "graph_task_id",
+    "accumulates_grad",
+    "queue_end_of_backward",
     "foreach_copy_",
     "foreach_mul_",
     "foreach_norm",
@@ -109,6 +112,30 @@ def in_backward() -> bool:
     """True while autograd's engine runs a backward on this thread (torch >= 2.0:
     ``torch._C._current_graph_task_id``, -1 outside a backward)."""
     return torch._C._current_graph_task_id() != -1
+
+
+def graph_task_id() -> int:
+    """The id of the backward (autograd graph task) running on this thread, -1 outside one (torch >= 2.0:
+    ``torch._C._current_graph_task_id``; a nested backward has an id of its own)."""
+    return torch._C._current_graph_task_id()
+
+
+def accumulates_grad(accumulator: Any) -> bool:
+    """Whether the backward running now accumulates into the ``.grad`` of the leaf whose gradient
+    accumulator is ``accumulator`` (``torch.autograd.graph.get_gradient_edge(leaf).node``): True in
+    ``backward()``, False in ``torch.autograd.grad``, which only returns gradients. Every torch of the range:
+    ``torch._C._will_engine_execute_node``, which refuses a leaf inside ``autograd.grad``."""
+    try:
+        return torch._C._will_engine_execute_node(accumulator)
+    except RuntimeError:
+        return False
+
+
+def queue_end_of_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the backward running now has computed and accumulated every gradient, before
+    ``backward()`` returns; call it only inside a backward. Every torch of the range:
+    ``torch.autograd.Variable._execution_engine.queue_callback`` (what torch's DDP uses)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def saved_tensors_hooks_readable() -> bool:

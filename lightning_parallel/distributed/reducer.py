@@ -23,8 +23,11 @@ Every strategy with a data-parallel axis averages its gradients here (lp_ddp, te
 stages). A pipeline stage runs several backwards per step: its hooks only count until the stage's last
 backward, before which the strategy calls ``prepare_for_backward`` again (sync on), so the buckets are sent
 while that backward still runs. The async pipeline applies a gradient finished a step earlier: its reducer
-has no hooks, and ``average_now`` sends the buckets at once. The bucket collective is one method,
-``_reduce_bucket``: optimizer sharding (``zero.py``) reduce-scatters there instead of all-reducing.
+has no hooks, and ``average_now`` sends the buckets at once. A *held* parameter (``held``: one whose
+gradient is summed over the tensor-parallel group at the end of each backward, ``tensor.gradient_sums``)
+has no hook here: its owner calls ``grad_ready`` once the gradient is complete, and it comes last in the
+first bucket order. The bucket collective is one method, ``_reduce_bucket``: optimizer sharding
+(``zero.py``) reduce-scatters there instead of all-reducing.
 
 A communication hook (torch DDP's ``hook(state, bucket) -> Future[Tensor]``, e.g. torch's
 ``fp16_compress_hook`` or ``PowerSGD``) replaces the built-in all-reduce of a bucket: it receives a
@@ -36,7 +39,7 @@ default): copied into them when ready and back after the reduce, at the cost of 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -152,6 +155,7 @@ class GradientReducer:
         static_graph: bool = False,
         gradient_as_bucket_view: bool = True,
         hooks: bool = True,
+        held: Iterable[nn.Parameter] = (),
     ) -> None:
         self.group = group
         self.world_size = dist.get_world_size(group)
@@ -167,8 +171,10 @@ class GradientReducer:
         self.sync_enabled = True
         self.stats = ReducerStats()
         self._names = {p: n for n, p in named_params if p.requires_grad}
-        # Gradients roughly arrive in reverse registration order; that is the first guess.
-        self._order: list[nn.Parameter] = list(reversed(list(self._names)))
+        held = set(held)
+        # Gradients roughly arrive in reverse registration order; that is the first guess, with the held
+        # parameters last (they are reported at the end of backward).
+        self._order: list[nn.Parameter] = sorted(reversed(list(self._names)), key=lambda p: p in held)
         # Arrival order, recorded until the first synchronised step (a dict keeps first arrivals only).
         self._arrivals: Optional[dict[nn.Parameter, None]] = {} if hooks else None
         self._synced_once = False
@@ -176,7 +182,8 @@ class GradientReducer:
         self.unused_last_sync: set[nn.Parameter] = set()  # no gradient on any rank in the last sync
         self._next_bucket = 0
         # without hooks (``average_now``), the gradients are not watched as they arrive
-        hooked = self._names if hooks else []
+        self._watching = hooks
+        hooked = [p for p in self._names if p not in held] if hooks else []
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in hooked]
         self._build_buckets(self._order)
 
@@ -289,6 +296,12 @@ class GradientReducer:
         if self.sync_enabled:
             self._launch_ready(in_backward=True)
 
+    def grad_ready(self, p: nn.Parameter) -> None:
+        """A held parameter's gradient of this backward is complete (its owner says so, instead of a hook
+        of the reducer's own): counted as the hook counts the others."""
+        if self._watching and p in self._where:
+            self._on_grad_ready(p)
+
     def _launch_ready(self, in_backward: bool = False) -> None:
         while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].pending <= 0:
             self._launch(self._next_bucket)
@@ -394,3 +407,4 @@ class GradientReducer:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self._watching = False

@@ -60,6 +60,7 @@ from lightning_parallel.tensor.full_state import (
     sharded_parameters,
     unsharded_copy,
 )
+from lightning_parallel.tensor.gradient_sums import installed_gradient_sums
 from lightning_parallel.tensor.layers import SharedEntry, _TPLayer
 from lightning_parallel.tensor.plan import install_gradient_sums
 from lightning_parallel.tensor.sample import sample_forward
@@ -249,14 +250,21 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
         if self.pipelined and self.executor is None:
             self.wire_stages(self._stage_costs)
         # pipeline stages: a module replicated outside the block stack gets no gradient on some stages;
-        # async averages a gradient finished a step earlier, not one arriving in backward
+        # async averages a gradient finished a step earlier, and the schedules with several chunks or split
+        # backwards average once after the schedule, not as gradients arrive in backward; the gradients
+        # summed over tp at the end of each backward are held until then
         params = list(module.parameters())
+        hooks = not self.pipelined or self.overlaps_reducer
+        sums = installed_gradient_sums(module)
         self.reducer = self.make_reducer(
             list(module.named_parameters()),
             find_unused_parameters=self.pipelined,
-            hooks=not self.pipelined or self.overlaps_reducer,
+            hooks=hooks,
             whole=[params[i] for i in self._replicated] if self.pipelined else (),
+            held=sums.params if sums is not None and hooks else (),
         )
+        if sums is not None:
+            sums.report_to(self.reducer.grad_ready if self.reducer is not None and hooks else None)
 
     def _split(self, module: nn.Module) -> None:
         """Tensor parallel, then pipeline stages, applied to the meta module inside ``set_up_share``: the
@@ -406,5 +414,8 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
 
     def teardown(self) -> None:
         self._entries = []
+        sums = installed_gradient_sums(self.lightning_module) if self.lightning_module is not None else None
+        if sums is not None:  # the split module keeps its sums; this fit's reducer hears no more
+            sums.report_to(None)
         self.drop_reference()
         super().teardown()

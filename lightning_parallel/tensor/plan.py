@@ -37,8 +37,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_parallel.checkpointing.one_device import keep_skeleton
-from lightning_parallel.distributed.collectives import all_reduce_sum, group_size
 from lightning_parallel.module_names import match_pattern
+from lightning_parallel.tensor.gradient_sums import GradientSums, gradient_sums_for
 from lightning_parallel.tensor.layers import TP_LAYERS, ShardSpec, SharedEntry, _linear_shape, shard_features
 
 __all__ = [
@@ -593,9 +593,9 @@ def apply_plan(
     gradient_hooks: bool = True,
 ) -> list[SharedEntry]:
     """Replace the planned layers of ``module`` in place by their sharded versions, cut its per-feature
-    tensors (``resolved.features``) to this rank's features, and (with
-    ``gradient_hooks``) sum the gradients of ``resolved.gradient_sums`` over the group as each backward
-    makes them; returns the shared entry operators (the strategy clears their caches after each step)."""
+    tensors (``resolved.features``) to this rank's features, and (with ``gradient_hooks``) sum the
+    gradients of ``resolved.gradient_sums`` over the group in each backward (``install_gradient_sums``);
+    returns the shared entry operators (the strategy clears their caches after each step)."""
     tp = resolved.tp_size
     entries: dict[str, SharedEntry] = {}
     tied = {n: names for names in tied_parameters(module).values() for n in names}
@@ -634,13 +634,12 @@ def apply_plan(
 
 def install_gradient_sums(
     module: nn.Module, resolved: ResolvedPlan, group: Optional[dist.ProcessGroup]
-) -> None:
+) -> Optional[GradientSums]:
     """Sum the gradients of ``resolved.gradient_sums`` (whole parameters used on split values) over the
-    group as each backward makes them (on the parameter objects ``module`` holds now; a pipeline stage
-    holds only its own). Nothing where the group has one process."""
-    if group_size(group) == 1:
-        return
-    held = dict(module.named_parameters(remove_duplicate=False))
-    for name in resolved.gradient_sums:
-        if name in held:
-            held[name].register_hook(lambda g: all_reduce_sum(g.clone(), group))
+    group, each backward's in one collective (``tensor.gradient_sums``), on the parameter objects ``module``
+    holds now (a pipeline stage holds only its own). Nothing where the group has one process."""
+    sums = gradient_sums_for(module, group)
+    if sums is not None:
+        held = dict(module.named_parameters(remove_duplicate=False))
+        sums.add(held[name] for name in resolved.gradient_sums if name in held)
+    return sums

@@ -27,7 +27,7 @@ on split heads does). A functional ``F.dropout`` in the blocks would draw on the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,6 @@ from torch.nn import functional as F
 from torch.utils.hooks import RemovableHandle
 
 from lightning_parallel.distributed.collectives import (
-    all_reduce_sum,
     gather_from_group,
     gather_sequence,
     group_rank,
@@ -44,6 +43,7 @@ from lightning_parallel.distributed.collectives import (
     split_to_group,
 )
 from lightning_parallel.recompute_state import is_recomputing
+from lightning_parallel.tensor.gradient_sums import gradient_sums_for
 from lightning_parallel.tensor.layers import ColumnParallelLinear, _TPLayer
 from lightning_parallel.tensor.sequence_saved import SavedAsPart
 
@@ -200,23 +200,27 @@ class SequenceParallel:
     # ------------------------------------------------------------------ backward
     def install_gradient_sums(self, module: nn.Module) -> None:
         """Sum over the group the gradients of the replicated parameters used on the sequence shards (as
-        seen by the forward that made them), on the parameter objects ``module`` holds now."""
+        seen by the forward that made them), each backward's in one collective (``tensor.gradient_sums``),
+        on the parameter objects ``module`` holds now."""
+        sums = gradient_sums_for(module, self.group)
+        if sums is None:
+            return
         owners: dict[int, tuple[nn.Parameter, list[str]]] = {}
         for name, m in module.named_modules(remove_duplicate=False):
             for p in m.parameters(recurse=False):
                 if id(p) in self.row_biases or not isinstance(m, _TPLayer):
                     owners.setdefault(id(p), (p, []))[1].append(name)
         for key, (p, names) in owners.items():
-            self.handles.append(p.register_hook(self._sum_if_inside(names, key)))
+            self.handles.append(sums.add([p], when=self._on_shards(names, key)))
 
-    def _sum_if_inside(self, names: list[str], key: int) -> Any:
-        def hook(grad: Tensor) -> Tensor:
+    def _on_shards(self, names: list[str], key: int) -> Callable[[], bool]:
+        """Whether the parameter ``key`` (held by the modules ``names``) ran on the sequence shards."""
+
+        def on_shards() -> bool:
             seen = set().union(*(self.where.get(n, set()) for n in names))
-            if key in self.row_biases or seen == {True}:
-                return all_reduce_sum(grad.clone(), self.group)
-            return grad
+            return key in self.row_biases or seen == {True}
 
-        return hook
+        return on_shards
 
     def summed(self) -> list[str]:
         """The modules whose parameters' gradients are summed (known after a forward)."""

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_parallel.compat import in_backward
+from lightning_parallel.compat import in_backward, queue_end_of_backward
 from lightning_parallel.distributed.collectives import all_gather_dim
 from lightning_parallel.memory.accounting import storage_id
 from lightning_parallel.memory.saved import SavedHooks, Stored
@@ -58,7 +57,7 @@ class SavedAsPart:
             self._last = None  # freed before the next one is gathered
             self._last = (key, part, all_gather_dim(part, self.group, self.dim))
             if in_backward():
-                torch.autograd.Variable._execution_engine.queue_callback(self._forget)
+                queue_end_of_backward(self._forget)
         return self._last[2]
 
     def _forget(self) -> None:
