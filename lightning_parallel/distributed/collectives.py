@@ -88,6 +88,20 @@ def _collective_device(group: Optional[dist.ProcessGroup]) -> torch.device:
     return torch.device("cpu")
 
 
+def _on_host(group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether ``group`` (of more than one rank, not simulated) runs on gloo, whose all-gather and
+    reduce-scatter stage the whole tensor in buffers of their own (torch's ``ProcessGroupGloo``: the
+    all-gather through flat outputs it allocates and then copies out; the reduce-scatter through a clone
+    of the whole input that it all-reduces). On gloo, ``all_gather_dim`` and ``reduce_scatter_dim``
+    all-reduce in place instead, in a buffer that is the result (the gather: zeros with this rank's part in
+    place, exact: each sum adds zeros to one value) or one copy of the input (the reduce-scatter: the same
+    communication as gloo's own). Whole-size temporaries on every call fragment a CPU process's heap: with
+    glibc's allocator they kept sequence parallelism's peak resident memory from falling below tensor
+    parallelism's (docs/tensor_parallel.md, "Resident memory"). The gather sends twice the bytes of an
+    all-gather."""
+    return dist.get_backend(group) == "gloo"
+
+
 def start_gather_numbers(
     value: float, group: Optional[dist.ProcessGroup] = None
 ) -> Callable[[], list[float]]:
@@ -115,6 +129,13 @@ def all_gather_dim(tensor: Tensor, group: Optional[dist.ProcessGroup], dim: int 
     if isinstance(group, SimulatedGroup):
         return torch.cat([tensor] * size, dim=dim)
     COUNTS["all_gather"] += 1
+    if _on_host(group):  # summed in place into the result: its only whole-size buffer (``_on_host``)
+        shape = list(tensor.shape)
+        shape[dim] *= size
+        gathered = tensor.new_zeros(shape)
+        gathered.chunk(size, dim=dim)[group_rank(group)].copy_(tensor)
+        dist.all_reduce(gathered, group=group)
+        return gathered
     tensor = tensor.contiguous()
     parts = [torch.empty_like(tensor) for _ in range(size)]
     dist.all_gather(parts, tensor, group=group)
@@ -131,6 +152,11 @@ def reduce_scatter_dim(tensor: Tensor, group: Optional[dist.ProcessGroup], dim: 
     if tensor.shape[dim] % size:
         raise ValueError(f"cannot split dimension {dim} of size {tensor.shape[dim]} into {size} equal parts")
     COUNTS["reduce_scatter"] += 1
+    if _on_host(group):  # gloo's reduce-scatter all-reduces a copy of the whole input: one copy, ours
+        whole = tensor.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(whole, group=group)
+        part = tensor.shape[dim] // size
+        return whole.narrow(dim, group_rank(group) * part, part).contiguous()
     front = tensor.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
     reduce_scatter_single()(out, front, group=group)

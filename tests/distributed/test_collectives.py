@@ -119,6 +119,41 @@ def clip_without_gradients_program(out: Path) -> None:
     dist.destroy_process_group()
 
 
+def host_buffers_program(out: Path) -> None:
+    """Sequence parallelism's all-gather and reduce-scatter along the sequence on gloo: equal to gloo's own
+    collectives, and the only whole-size buffer a gather allocates is its result (gloo's all-gather staged
+    the parts in buffers of its own, and the concatenation was one more), a reduce-scatter one copy of its
+    input besides its part (gloo's reduce-scatter clones the input; moving the sequence to the front was
+    one more). Counted by the profiler: the bytes each operation keeps allocated when it returns."""
+    from lightning_parallel.distributed.collectives import all_gather_dim, reduce_scatter_dim
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    part = torch.randn(4, 64, 32, generator=torch.Generator().manual_seed(rank))
+    whole = torch.randn(4, 128, 32, generator=torch.Generator().manual_seed(10 + rank))
+    parts = [torch.empty_like(part) for _ in range(2)]
+    dist.all_gather(parts, part)
+    summed = whole.clone()
+    dist.all_reduce(summed)
+
+    def allocated(collective):
+        with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+        ) as p:
+            result = collective()
+        return result, sum(max(e.self_cpu_memory_usage, 0) for e in p.events())
+
+    gathered, gather_bytes = allocated(lambda: all_gather_dim(part, None, 1))
+    assert torch.equal(gathered, torch.cat(parts, 1))
+    scattered, scatter_bytes = allocated(lambda: reduce_scatter_dim(whole, None, 1))
+    assert torch.equal(scattered, summed.chunk(2, 1)[rank])
+    assert gather_bytes == whole.nbytes, (gather_bytes, whole.nbytes)
+    assert scatter_bytes == whole.nbytes + part.nbytes, (scatter_bytes, whole.nbytes + part.nbytes)
+    (out / f"ok{rank}").write_text("ok")
+    dist.destroy_process_group()
+
+
 def check_gradient_reductions(rank: int) -> None:
     """``replicas.start_gradient_sum``: a parameter only one rank has a gradient for gets it on both,
     one no rank has stays None; two reductions in flight at once finish in either order."""
@@ -158,6 +193,13 @@ def test_clipping_returns_on_every_rank_when_one_has_no_gradients(tmp_path):
         str(tmp_path),
         "clip_without_gradients",
     ]
+    run_processes([cmd, cmd], [worker_env(r, 2) for r in range(2)], timeout=30, cwd=tmp_path, rendezvous=True)
+    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
+
+
+@pytest.mark.timeout(60)
+def test_sequence_collectives_on_gloo_allocate_no_whole_size_temporaries(tmp_path):
+    cmd = [sys.executable, "-m", "tests.distributed.test_collectives", str(tmp_path), "host_buffers"]
     run_processes([cmd, cmd], [worker_env(r, 2) for r in range(2)], timeout=30, cwd=tmp_path, rendezvous=True)
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
 
@@ -204,6 +246,7 @@ PROGRAMS = {
     "all": rank_program,
     "clip_without_gradients": clip_without_gradients_program,
     "reducer": reducer_program,
+    "host_buffers": host_buffers_program,
 }
 
 if __name__ == "__main__":
