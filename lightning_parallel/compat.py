@@ -9,6 +9,7 @@ below says which versions have what and what happens on the others.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
 import torch
@@ -23,6 +24,7 @@ from torch._subclasses.fake_tensor import (
     is_fake,
     unset_fake_temporarily,
 )
+from torch.autograd.graph import GradientEdge
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard as LocalShard
 from torch.distributed._shard.sharded_tensor import ShardedTensorBase
@@ -42,6 +44,7 @@ except ImportError:  # torch < 2.5
 
 __all__ = [
     "all_gather_single",
+    "backward_from_edges",
     "reduce_scatter_single",
     "CheckpointPolicy",
     "DTensor",
@@ -157,3 +160,29 @@ def all_gather_single() -> Callable[..., object]:
     (``input`` may be this rank's part of ``output``: in place). torch 2.13 added ``dist.all_gather_single``;
     before it the same call is ``dist.all_gather_into_tensor`` (torch >= 1.13)."""
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def backward_from_edges(
+    edges: Sequence[GradientEdge],
+    grads: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    retain_graph: bool,
+) -> None:
+    """``torch.autograd.backward(edges, grads, inputs=inputs)`` started at gradient edges (a node's input
+    slots) instead of tensors: each of ``inputs`` gets its gradient through its own ``AccumulateGrad``
+    node, so ``.grad`` accumulation and the tensor and post-accumulate hooks run as in any backward.
+
+    torch >= 2.7 takes edges in ``torch.autograd.backward``; 2.5 and 2.6 take them only in the engine
+    call that ``backward`` makes (``torch.autograd.graph._engine_run_backward``, the same arguments)."""
+    if torch.__version__ >= "2.7":
+        torch.autograd.backward(list(edges), list(grads), retain_graph=retain_graph, inputs=list(inputs))
+        return
+    torch.autograd.graph._engine_run_backward(
+        tuple(edges),
+        tuple(grads),
+        retain_graph,
+        False,
+        tuple(inputs),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )

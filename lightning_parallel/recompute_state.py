@@ -13,12 +13,20 @@ from typing import Callable, Iterator, Optional
 
 from torch import Tensor
 
-__all__ = ["SnapshotView", "is_recomputing", "recomputing", "snapshot_in_use", "using_snapshot"]
+__all__ = [
+    "SnapshotView",
+    "is_recomputing",
+    "recomputing",
+    "selective_recomputes",
+    "snapshot_in_use",
+    "using_snapshot",
+]
 
 #: a snapshot's lookup: a tensor -> the same view of the snapshot's copy (None: no parameter's)
 SnapshotView = Callable[[Tensor], Optional[Tensor]]
 
 _recomputes = 0  # > 0 while a checkpointed forward is being recomputed
+_selective_recomputes = 0  # selective recomputes started so far (only grows)
 _snapshots: list[SnapshotView] = []  # the lookups of the snapshots entered now, innermost last
 
 
@@ -27,11 +35,19 @@ def is_recomputing() -> bool:
     return _recomputes > 0
 
 
+def selective_recomputes() -> int:
+    """How many selective recomputes have started so far: a split backward (``pipeline.split_backward``)
+    compares it around its input part, since torch's selective checkpoint recomputes a block once only."""
+    return _selective_recomputes
+
+
 @contextmanager
-def recomputing() -> Iterator[None]:
-    """Mark the block as a recompute (``is_recomputing`` is True inside it)."""
-    global _recomputes
+def recomputing(selective: bool = False) -> Iterator[None]:
+    """Mark the block as a recompute (``is_recomputing`` is True inside it); ``selective``: of a selective
+    checkpoint (counted by ``selective_recomputes``)."""
+    global _recomputes, _selective_recomputes
     _recomputes += 1
+    _selective_recomputes += selective
     try:
         yield
     finally:

@@ -1,0 +1,317 @@
+"""A stage's backward in two parts: the input gradient now (I), the weight gradients later (W).
+
+Zero-bubble schedules (ZB-H1, ZBV) send a stage's input gradient upstream as soon as it is known and
+compute the weight gradients in the pipeline's bubbles. Both parts run torch's own autograd on the
+unmodified module: nothing of the user's layers is written again.
+
+How the graph is split. From the outputs, each autograd node either leads to a stage input (it is on
+the *input path*) or leads only to parameters (the *weight side*). A *boundary node* is an input-path
+node with an edge into the weight side: a linear layer's ``AddmmBackward`` (edges to the input and to
+the weight), a LayerNorm's ``NativeLayerNormBackward``.
+
+- I (``backward_input``): ``torch.autograd.backward(outputs, inputs=stage inputs)``. The engine runs
+  only the input path, and torch's kernels compute only the outputs a pass needs, so a linear layer's
+  node computes dX here, not dW. A pre-hook on each boundary node keeps the gradient flowing into it.
+- W (``WeightGradients.run``): autograd again, started at the boundary nodes with the kept gradients
+  (and at the outputs whose graph reaches no input), ``inputs=`` the parameters. Each boundary node now
+  computes only its weight-side outputs; every parameter gets its gradient through its own
+  ``AccumulateGrad`` node, so ``.grad`` accumulation, tensor hooks and post-accumulate hooks (the DDP
+  reducer's) run as in a full backward, once per parameter with its whole gradient: boundary nodes
+  whose weight sides share a node (a parameter used twice) run in one W call.
+
+The sum is exact: I and W compute the same kernels on the same values as one backward does.
+
+What is held between I and W: the gradients kept at the boundary nodes (a linear layer's dY), and
+the part of the graph below the boundary nodes with its saved tensors. torch cannot release one node's
+saved tensors, so the input path's (an activation function's input) stay until W is done, as with
+torch's own split (``torch.distributed.pipelining``). The graph above the highest boundary nodes goes
+when the caller drops the outputs. Under a non-reentrant activation checkpoint only the block's inputs
+are held: I and W each recompute the block's forward (torch recomputes per backward call).
+
+``run()`` then drops every reference to the graph and the kept gradients; the graph's memory goes
+with the outputs' last reference, as after ``backward(retain_graph=True)``.
+
+Costs and limits:
+- A boundary node whose backward computes all its gradients at once computes them twice, once
+  discarded: a custom ``torch.autograd.Function`` that takes a parameter (its ``needs_input_grad`` is
+  fixed at forward, so its backward cannot tell the passes apart), with any collective inside it.
+- A parameter reached at two boundary nodes, one below the other on the input path (a layer applied
+  twice in one stage), makes W recompute the input path between them; a pre-hook replaces what
+  reaches the lower node with its kept gradient, so the result is still exact.
+- A reentrant checkpoint (``use_reentrant=True``) on the input path runs its block's whole backward,
+  weights included, in I: ``backward_input`` raises, naming it.
+- Only the given parameters get gradients in W (other leaves reached only from the weight side do not).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+from lightning_parallel.compat import backward_from_edges
+from lightning_parallel.recompute_state import selective_recomputes
+
+__all__ = ["WeightGradients", "backward_input"]
+
+#: autograd nodes whose backward computes its block's weight gradients inside the input pass
+_UNSPLITTABLE = {
+    "CheckpointFunctionBackward": "a reentrant activation checkpoint (use_reentrant=True) runs its block's "
+    "whole backward, weights included, when the input gradient passes; checkpoint with use_reentrant=False",
+}
+
+
+@dataclass
+class _WeightGroup:
+    """One W call: boundary nodes and outputs whose weight sides share nodes, and their parameters."""
+
+    boundary: list[int] = field(default_factory=list)  # indices into WeightGradients.boundary
+    roots: list[tuple[GradientEdge, Tensor]] = field(default_factory=list)
+    parameters: list[Tensor] = field(default_factory=list)
+
+
+class WeightGradients:
+    """The weight part of a split backward (see the module docstring); made by ``backward_input``."""
+
+    def __init__(self, boundary: list[Node], groups: list[_WeightGroup]) -> None:
+        self.boundary = boundary
+        #: the gradients flowing into each boundary node during I (its outputs' gradients), by index
+        self.kept: list[Optional[tuple[Optional[Tensor], ...]]] = [None] * len(boundary)
+        self.groups = groups
+
+    def run(self) -> None:
+        """Accumulates into each parameter's ``.grad`` what a full backward would have added (through
+        its ``AccumulateGrad`` node: hooks run), then drops the graph and the kept gradients."""
+        if self.groups is None:
+            raise RuntimeError("WeightGradients.run() was called twice: the weight part runs once")
+        try:
+            for group in self.groups:
+                self._run_group(group)
+        finally:
+            self.boundary, self.kept, self.groups = [], [], None
+
+    def _run_group(self, group: _WeightGroup) -> None:
+        edges = [edge for edge, _ in group.roots]
+        grads = [grad for _, grad in group.roots]
+        for index in group.boundary:
+            for output_nr, grad in enumerate(self.kept[index] or ()):
+                if grad is not None:
+                    edges.append(GradientEdge(self.boundary[index], output_nr))
+                    grads.append(grad)
+        if not edges:
+            return
+        # a boundary node below another of the group also gets gradient from the one above: replace it
+        # with the gradient it had in I, which already holds that contribution
+        clamps = (
+            [self.boundary[i].register_prehook(_replace_with(self.kept[i])) for i in group.boundary]
+            if len(group.boundary) > 1
+            else []
+        )
+        try:
+            backward_from_edges(edges, grads, group.parameters, retain_graph=True)
+        except Exception as error:
+            names = ", ".join(sorted({self.boundary[i].name() for i in group.boundary}))
+            raise RuntimeError(
+                f"the weight part of a split backward failed re-running the backward of {names}: a node "
+                "whose backward cannot run twice (a custom autograd.Function that frees its own state, a "
+                "block under torch's selective activation checkpoint) cannot be split; run a full backward"
+            ) from error
+        finally:
+            for handle in clamps:
+                handle.remove()
+
+
+def backward_input(
+    outputs: Sequence[Optional[Tensor]],
+    grad_outputs: Sequence[Optional[Tensor]],
+    inputs: Sequence[Optional[Tensor]],
+    parameters: Sequence[Tensor],
+) -> WeightGradients:
+    """Runs the input-gradient part of ``torch.autograd.backward(outputs, grad_outputs)`` now: afterwards
+    each input that requires grad (a leaf) has its ``.grad``, as a full backward gives it. Returns the
+    weight part for ``parameters``, to ``run()`` later.
+
+    Outputs that are None or do not require grad are skipped; a None gradient means ones for a scalar
+    output, as in ``torch.autograd.backward``."""
+    pairs = _differentiable_pairs(outputs, grad_outputs)
+    leaves = _input_leaves(inputs)
+    parameter_of = {get_gradient_edge(p).node: p for p in parameters if p.requires_grad}
+    children = _graph([get_gradient_edge(output).node for output, _ in pairs])
+    input_path = _leading_to(children, {get_gradient_edge(t).node for t in leaves})
+    weight_side = _leading_to(children, set(parameter_of)) - input_path
+    _check_splittable(input_path)
+    boundary = [
+        node for node in children if node in input_path and _weight_edges(node, children, weight_side)
+    ]
+    roots = [
+        (edge, grad)
+        for edge, grad in ((get_gradient_edge(o), g) for o, g in pairs)
+        if edge.node in weight_side
+    ]
+    weights = WeightGradients(boundary, _weight_groups(boundary, roots, parameter_of, children, weight_side))
+    _run_input_part(pairs, leaves, input_path, weights)
+    return weights
+
+
+def _weight_groups(
+    boundary: list[Node],
+    roots: list[tuple[GradientEdge, Tensor]],
+    parameter_of: dict[Node, Tensor],
+    children: dict[Node, list[Node]],
+    weight_side: set[Node],
+) -> list[_WeightGroup]:
+    """The W calls: boundary nodes and weight-side roots whose weight sides share a node go in one."""
+    starts = [_weight_edges(node, children, weight_side) for node in boundary] + [[e.node] for e, _ in roots]
+    group_of, owner = _join_shared(starts, children, weight_side)
+    groups = {number: _WeightGroup() for number in group_of}
+    for index in range(len(boundary)):
+        groups[group_of[index]].boundary.append(index)
+    for index, root in enumerate(roots, start=len(boundary)):
+        groups[group_of[index]].roots.append(root)
+    for node, parameter in parameter_of.items():
+        if node in owner:
+            groups[group_of[owner[node]]].parameters.append(parameter)
+    return list(groups.values())
+
+
+def _differentiable_pairs(
+    outputs: Sequence[Optional[Tensor]], grad_outputs: Sequence[Optional[Tensor]]
+) -> list[tuple[Tensor, Tensor]]:
+    if len(outputs) != len(grad_outputs):
+        raise ValueError(
+            f"{len(outputs)} outputs but {len(grad_outputs)} gradients: give one gradient per output"
+        )
+    pairs = []
+    for output, grad in zip(outputs, grad_outputs):
+        if output is None or not output.requires_grad:
+            continue
+        if grad is None:
+            if output.numel() != 1:
+                raise RuntimeError("grad can be implicitly created only for scalar outputs")
+            grad = torch.ones_like(output, memory_format=torch.preserve_format)
+        pairs.append((output, grad))
+    return pairs
+
+
+def _input_leaves(inputs: Sequence[Optional[Tensor]]) -> list[Tensor]:
+    leaves = [t for t in inputs if t is not None and t.requires_grad]
+    for index, tensor in enumerate(leaves):
+        if tensor.grad_fn is not None:
+            raise ValueError(
+                f"input {index} of the split backward is not a leaf (grad_fn {tensor.grad_fn.name()}): give "
+                "the stage's received activations, detached with requires_grad_()"
+            )
+    return leaves
+
+
+def _graph(roots: list[Node]) -> dict[Node, list[Node]]:
+    """Every node reachable from ``roots`` with its children, children before parents (post-order)."""
+    children: dict[Node, list[Node]] = {}
+    seen: set[Node] = set()
+    for root in roots:
+        if root in seen:
+            continue
+        seen.add(root)
+        stack = [(root, _children(root))]
+        while stack:
+            node, kids = stack[-1]
+            todo = next((kid for kid in kids if kid not in seen), None)
+            if todo is None:
+                stack.pop()
+                children[node] = kids
+            else:
+                seen.add(todo)
+                stack.append((todo, _children(todo)))
+    return children
+
+
+def _children(node: Node) -> list[Node]:
+    return [child for child, _ in node.next_functions if child is not None]
+
+
+def _leading_to(children: dict[Node, list[Node]], targets: set[Node]) -> set[Node]:
+    """The nodes from which one of ``targets`` is reachable (``children`` is in post-order)."""
+    found: set[Node] = set()
+    for node, kids in children.items():
+        if node in targets or any(kid in found for kid in kids):
+            found.add(node)
+    return found
+
+
+def _weight_edges(node: Node, children: dict[Node, list[Node]], weight_side: set[Node]) -> list[Node]:
+    return [kid for kid in children[node] if kid in weight_side]
+
+
+def _check_splittable(input_path: set[Node]) -> None:
+    for node in input_path:
+        why = _UNSPLITTABLE.get(node.name())
+        if why is not None:
+            raise ValueError(f"cannot split the backward at {node.name()}: {why}")
+
+
+def _join_shared(
+    starts: list[list[Node]], children: dict[Node, list[Node]], weight_side: set[Node]
+) -> tuple[list[int], dict[Node, int]]:
+    """Entries (each a list of weight-side nodes it feeds) whose weight sides share a node are joined.
+    Returns each entry's group number and, for each weight-side node reached, the entry that reached it
+    first."""
+    leader = list(range(len(starts)))
+
+    def find(entry: int) -> int:
+        while leader[entry] != entry:
+            leader[entry] = leader[leader[entry]]
+            entry = leader[entry]
+        return entry
+
+    owner: dict[Node, int] = {}
+    for entry, start in enumerate(starts):
+        stack = list(start)
+        while stack:
+            node = stack.pop()
+            if node in owner:
+                leader[find(owner[node])] = find(entry)
+                continue
+            owner[node] = entry
+            stack.extend(kid for kid in children[node] if kid in weight_side)
+    return [find(entry) for entry in range(len(starts))], owner
+
+
+def _run_input_part(
+    pairs: list[tuple[Tensor, Tensor]], leaves: list[Tensor], input_path: set[Node], weights: WeightGradients
+) -> None:
+    on_path = [(o, g) for o, g in pairs if get_gradient_edge(o).node in input_path]
+    if not on_path:
+        return
+    handles = [node.register_prehook(_keep_into(weights.kept, i)) for i, node in enumerate(weights.boundary)]
+    selective_before = selective_recomputes()
+    try:
+        torch.autograd.backward(
+            [o for o, _ in on_path], [g for _, g in on_path], retain_graph=True, inputs=leaves
+        )
+    finally:
+        for handle in handles:
+            handle.remove()
+    if selective_recomputes() != selective_before:
+        raise ValueError(
+            "cannot split the backward of a block under selective activation checkpointing (recompute="
+            "'selective'): torch recomputes such a block once only, and the weight part would recompute it "
+            "again; checkpoint whole blocks (recompute=True or module patterns) or run a full backward"
+        )
+
+
+def _keep_into(kept: list, index: int):
+    def keep(grad_outputs: tuple[Optional[Tensor], ...]) -> None:
+        kept[index] = grad_outputs
+
+    return keep
+
+
+def _replace_with(grads: Optional[tuple[Optional[Tensor], ...]]):
+    def replace(grad_outputs: tuple[Optional[Tensor], ...]) -> Optional[tuple[Optional[Tensor], ...]]:
+        return grads
+
+    return replace
