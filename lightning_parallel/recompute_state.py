@@ -17,7 +17,7 @@ __all__ = [
     "SnapshotView",
     "is_recomputing",
     "recomputing",
-    "selective_recomputes",
+    "recomputes_started",
     "snapshot_in_use",
     "using_snapshot",
 ]
@@ -26,7 +26,7 @@ __all__ = [
 SnapshotView = Callable[[Tensor], Optional[Tensor]]
 
 _recomputes = 0  # > 0 while a checkpointed forward is being recomputed
-_selective_recomputes = 0  # selective recomputes started so far (only grows)
+_started = [0, 0]  # recomputes started so far (only grows): all, selective ones
 _snapshots: list[SnapshotView] = []  # the lookups of the snapshots entered now, innermost last
 
 
@@ -35,19 +35,21 @@ def is_recomputing() -> bool:
     return _recomputes > 0
 
 
-def selective_recomputes() -> int:
-    """How many selective recomputes have started so far: a split backward (``pipeline.split_backward``)
-    compares it around its input part, since torch's selective checkpoint recomputes a block once only."""
-    return _selective_recomputes
+def recomputes_started(selective: bool = False) -> int:
+    """How many recomputes (with ``selective``: of selective checkpoints only) have started so far. A split
+    backward (``pipeline.split_backward``) compares them around its input part: torch recomputes once per
+    backward call, and a selective checkpoint once only."""
+    return _started[selective]
 
 
 @contextmanager
 def recomputing(selective: bool = False) -> Iterator[None]:
     """Mark the block as a recompute (``is_recomputing`` is True inside it); ``selective``: of a selective
-    checkpoint (counted by ``selective_recomputes``)."""
-    global _recomputes, _selective_recomputes
+    checkpoint (counted apart by ``recomputes_started``)."""
+    global _recomputes
     _recomputes += 1
-    _selective_recomputes += selective
+    _started[False] += 1
+    _started[True] += selective
     try:
         yield
     finally:

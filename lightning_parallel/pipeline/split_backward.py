@@ -16,8 +16,10 @@ the weight), a LayerNorm's ``NativeLayerNormBackward``.
   (and at the outputs whose graph reaches no input), ``inputs=`` the parameters. Each boundary node now
   computes only its weight-side outputs; every parameter gets its gradient through its own
   ``AccumulateGrad`` node, so ``.grad`` accumulation, tensor hooks and post-accumulate hooks (the DDP
-  reducer's) run as in a full backward, once per parameter with its whole gradient: boundary nodes
-  whose weight sides share a node (a parameter used twice) run in one W call.
+  reducer's) run as in a full backward, once per parameter with its whole gradient.
+- W is one autograd call per *group*: boundary nodes whose weight sides share a node (a parameter used
+  twice) form one group. One call for two stacked layers would re-run the input path between them
+  (the engine runs every node on a path to a requested input), so groups run apart.
 
 The sum is exact: I and W compute the same kernels on the same values as one backward does.
 
@@ -25,21 +27,33 @@ What is held between I and W: the gradients kept at the boundary nodes (a linear
 the part of the graph below the boundary nodes with its saved tensors. torch cannot release one node's
 saved tensors, so the input path's (an activation function's input) stay until W is done, as with
 torch's own split (``torch.distributed.pipelining``). The graph above the highest boundary nodes goes
-when the caller drops the outputs. Under a non-reentrant activation checkpoint only the block's inputs
-are held: I and W each recompute the block's forward (torch recomputes per backward call).
+when the caller drops the outputs. ``run()`` drops every reference to the graph and the kept
+gradients; the graph's memory then goes with the outputs' last reference.
 
-``run()`` then drops every reference to the graph and the kept gradients; the graph's memory goes
-with the outputs' last reference, as after ``backward(retain_graph=True)``.
+Activation checkpointing (non-reentrant, the package's ``recompute``): exact, and between I and W only
+the blocks' inputs and the kept gradients are held. torch recomputes a checkpointed block once per
+backward call, so I recomputes it and W again. One W call per group would recompute each block once per
+group in it, so when the package's recompute ran during I (``recompute_state.recomputes_started``), W is
+a single call over all groups: one recompute, at the price of re-running the input path (a pre-hook on
+each boundary node replaces what reaches it with its kept gradient, so the result stays exact). torch's
+``checkpoint`` called directly is not seen: W then recomputes once per group.
+
+Measured (``benchmarks/bench_split_backward.py``: a GPT block of width 512, 4 x 128 tokens, CPU, one
+thread, float32, a shared machine): I 0.52 and W 0.51 of a full backward (I + W 1.03); checkpointed by
+the package's recompute, I 0.59 and W 1.13 of a checkpointed full backward (torch's checkpoint called
+directly, one W call per group: W 2.26).
 
 Costs and limits:
 - A boundary node whose backward computes all its gradients at once computes them twice, once
   discarded: a custom ``torch.autograd.Function`` that takes a parameter (its ``needs_input_grad`` is
   fixed at forward, so its backward cannot tell the passes apart), with any collective inside it.
 - A parameter reached at two boundary nodes, one below the other on the input path (a layer applied
-  twice in one stage), makes W recompute the input path between them; a pre-hook replaces what
-  reaches the lower node with its kept gradient, so the result is still exact.
-- A reentrant checkpoint (``use_reentrant=True``) on the input path runs its block's whole backward,
-  weights included, in I: ``backward_input`` raises, naming it.
+  twice in one stage), makes its group's W call re-run the input path between them (exact, as above).
+- Refused, naming the cause: a reentrant checkpoint (``use_reentrant=True``) on the input path (its
+  node runs its block's whole backward, weights included, in I), raised by ``backward_input`` before
+  anything runs; a selective checkpoint (torch recomputes it once only), raised by ``backward_input``
+  after I; a node whose backward cannot run twice (a custom Function that frees its own state), raised
+  by ``run()``.
 - Only the given parameters get gradients in W (other leaves reached only from the weight side do not).
 """
 
@@ -54,7 +68,7 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from lightning_parallel.compat import backward_from_edges
-from lightning_parallel.recompute_state import selective_recomputes
+from lightning_parallel.recompute_state import recomputes_started
 
 __all__ = ["WeightGradients", "backward_input"]
 
@@ -82,14 +96,17 @@ class WeightGradients:
         #: the gradients flowing into each boundary node during I (its outputs' gradients), by index
         self.kept: list[Optional[tuple[Optional[Tensor], ...]]] = [None] * len(boundary)
         self.groups = groups
+        #: whether the input part recomputed checkpointed blocks: then W is one call (one recompute)
+        self.recomputed = False
 
     def run(self) -> None:
         """Accumulates into each parameter's ``.grad`` what a full backward would have added (through
         its ``AccumulateGrad`` node: hooks run), then drops the graph and the kept gradients."""
         if self.groups is None:
             raise RuntimeError("WeightGradients.run() was called twice: the weight part runs once")
+        groups = [_merged(self.groups)] if self.recomputed and len(self.groups) > 1 else self.groups
         try:
-            for group in self.groups:
+            for group in groups:
                 self._run_group(group)
         finally:
             self.boundary, self.kept, self.groups = [], [], None
@@ -123,6 +140,14 @@ class WeightGradients:
         finally:
             for handle in clamps:
                 handle.remove()
+
+
+def _merged(groups: list[_WeightGroup]) -> _WeightGroup:
+    return _WeightGroup(
+        [i for g in groups for i in g.boundary],
+        [r for g in groups for r in g.roots],
+        [p for g in groups for p in g.parameters],
+    )
 
 
 def backward_input(
@@ -287,7 +312,7 @@ def _run_input_part(
     if not on_path:
         return
     handles = [node.register_prehook(_keep_into(weights.kept, i)) for i, node in enumerate(weights.boundary)]
-    selective_before = selective_recomputes()
+    before = recomputes_started(), recomputes_started(selective=True)
     try:
         torch.autograd.backward(
             [o for o, _ in on_path], [g for _, g in on_path], retain_graph=True, inputs=leaves
@@ -295,7 +320,8 @@ def _run_input_part(
     finally:
         for handle in handles:
             handle.remove()
-    if selective_recomputes() != selective_before:
+    weights.recomputed = recomputes_started() != before[0]
+    if recomputes_started(selective=True) != before[1]:
         raise ValueError(
             "cannot split the backward of a block under selective activation checkpointing (recompute="
             "'selective'): torch recomputes such a block once only, and the weight part would recompute it "

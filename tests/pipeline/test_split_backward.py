@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import weakref
+from functools import partial
 from typing import Callable, Optional
 
 import pytest
@@ -240,12 +241,22 @@ class _Stage(nn.Module):
         return x
 
 
-def test_non_reentrant_activation_checkpointing():
-    """The recompute's whole-block checkpoint: the input part and the weight part each recompute."""
+@pytest.mark.parametrize("recompute", ["package", "torch"])
+def test_non_reentrant_activation_checkpointing(recompute):
+    """Whole-block checkpoints: the input part and the weight part each recompute (the package's recompute,
+    seen by the split: its weight part is one call; torch's checkpoint called directly: one per group)."""
     torch.manual_seed(0)
-    stage = _Stage().double()
-    assert apply_activation_checkpointing(stage, ["blocks.*"]) == ["blocks.0", "blocks.1"]
-    assert_split_is_full(stage, [_leaf(2, TOKENS, WIDTH)])
+    stage, x = _Stage().double(), _leaf(2, TOKENS, WIDTH)
+    if recompute == "package":
+        assert apply_activation_checkpointing(stage, ["blocks.*"]) == ["blocks.0", "blocks.1"]
+        assert_split_is_full(stage, [x])
+        y = stage(x)
+        weights = backward_input([y], [torch.ones_like(y)], [x], list(stage.parameters()))
+        assert weights.recomputed and len(weights.groups) > 1  # run as one call
+        weights.run()
+    else:
+        blocks = [partial(checkpoint, block, use_reentrant=False) for block in stage.blocks]
+        assert_split_is_full(stage, [x], lambda: blocks[1](blocks[0](x)))
 
 
 def test_selective_checkpoint_is_refused_in_the_input_part():
