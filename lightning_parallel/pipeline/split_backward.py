@@ -24,27 +24,29 @@ the weight), a LayerNorm's ``NativeLayerNormBackward``.
 The sum is exact: I and W compute the same kernels on the same values as one backward does.
 
 What is held between I and W: the gradients kept at the boundary nodes (a linear layer's dY: a GPT
-block keeps 11 x width values per token, more than the activations its forward saves; two blocks of
-width 256 on 8192 tokens: 176 MiB kept, 144 MiB saved), and the part of the graph below the boundary
-nodes with its saved tensors. torch cannot release one node's
-saved tensors, so the input path's (an activation function's input) stay until W is done, as with
-torch's own split (``torch.distributed.pipelining``). The graph above the highest boundary nodes goes
-when the caller drops the outputs. ``run()`` drops every reference to the graph and the kept
-gradients; the graph's memory then goes with the outputs' last reference.
+block keeps 11 x width values per token) and what the boundary nodes saved (a linear layer's input).
+What only input-path nodes saved (an activation function's input, attention's q, k, v) is dropped after
+I (``compat.drop_saved_tensors``), unless a W call re-runs the input path (below). Measured with two GPT
+blocks of width 256 on 8192 tokens (RSS, float32): the forward saves 257 MiB; between I and W 304 MiB
+are held (417 without the drop), 176 MiB of them kept gradients; nothing after W. The graph above the
+highest boundary nodes goes when the caller drops the outputs. ``run()`` drops every reference to the
+graph and the kept gradients; the rest of the graph goes with the outputs' last reference.
 
 Activation checkpointing (non-reentrant, the package's ``recompute``): exact. torch recomputes a
 checkpointed block once per backward call, so I recomputes it and W again; between them a block holds
-its inputs, the kept gradients and what I recomputed for nodes that only W runs (none in a GPT block). One W call per group would recompute each block once per
-group in it, so when the package's recompute ran during I (``recompute_state.recomputes_started``), W is
-a single call over all groups: one recompute, at the price of re-running the input path (a pre-hook on
-each boundary node replaces what reaches it with its kept gradient, so the result stays exact). torch's
-``checkpoint`` called directly is not seen: W then recomputes once per group.
+its inputs, the kept gradients and what I recomputed for nodes that only W runs (none in a GPT block:
+the two blocks above hold 176 MiB between I and W, the kept gradients). One W call per group would
+recompute each block once per group in it, so when the package's recompute ran during I
+(``recompute_state.recomputes_started``), W is a single call over all groups: one recompute, at the
+price of re-running the input path (a pre-hook on each boundary node replaces what reaches it with its
+kept gradient, so the result stays exact). torch's ``checkpoint`` called directly is not seen: W then
+recomputes once per group.
 
 Measured (``benchmarks/bench_split_backward.py``: a GPT block of width 512, 4 x 128 tokens, CPU, one
-thread, float32, medians on a shared machine): I 0.52 to 0.57 and W 0.51 to 0.52 of a full backward (I + W
-1.03 to 1.09); checkpointed by the package's recompute, I 0.59 to 0.69 and W 1.13 to 1.18 of a
+thread, float32, medians on a shared machine): I 0.52 to 0.57 and W 0.50 to 0.52 of a full backward (I + W
+1.03 to 1.09); checkpointed by the package's recompute, I 0.59 to 0.69 and W 1.03 to 1.18 of a
 checkpointed full backward (torch's checkpoint called directly, one W call per group: W 2.26). The graph
-walk and the extra calls cost about 0.7 ms per block (a width-16 block: full 0.3 ms, I + W 1.0 ms).
+walk and the extra calls cost about 0.6 ms per block (a width-16 block: full 0.3 ms, I + W 0.9 ms).
 
 Costs and limits:
 - A boundary node whose backward computes all its gradients at once computes them twice, once
@@ -52,7 +54,8 @@ Costs and limits:
   fixed at forward, so its backward cannot tell the passes apart), with any collective inside it. A
   stack of linear layers written as such Functions: I 1.00 and W 0.97 of a full backward.
 - A parameter reached at two boundary nodes, one below the other on the input path (a layer applied
-  twice in one stage), makes its group's W call re-run the input path between them (exact, as above).
+  twice in one stage), makes its group's W call re-run the input path between them (exact, as above);
+  then, as under the recompute, nothing is dropped after I.
 - Refused, naming the cause: a reentrant checkpoint (``use_reentrant=True``) on the input path (its
   node runs its block's whole backward, weights included, in I), raised by ``backward_input`` before
   anything runs; a selective checkpoint (torch recomputes it once only), raised by ``backward_input``
@@ -71,7 +74,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from lightning_parallel.compat import backward_from_edges
+from lightning_parallel.compat import backward_from_edges, drop_saved_tensors
 from lightning_parallel.recompute_state import recomputes_started
 
 __all__ = ["WeightGradients", "backward_input"]
@@ -183,6 +186,9 @@ def backward_input(
     ]
     weights = WeightGradients(boundary, _weight_groups(boundary, roots, parameter_of, children, weight_side))
     _run_input_part(pairs, leaves, input_path, weights)
+    if not weights.recomputed and all(len(group.boundary) == 1 for group in weights.groups if group.boundary):
+        for node in input_path.difference(boundary):  # no W call runs them
+            drop_saved_tensors(node)
     return weights
 
 
