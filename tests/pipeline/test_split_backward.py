@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from lightning_parallel.distributed.collectives import SimulatedGroup
 from lightning_parallel.pipeline.split_backward import backward_input
 from lightning_parallel.recompute import apply_activation_checkpointing
+from lightning_parallel.recompute_state import recomputes_started
 from lightning_parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
 from tests.helpers.zoo import NanoBlock
 
@@ -252,8 +253,10 @@ def test_non_reentrant_activation_checkpointing(recompute):
         assert_split_is_full(stage, [x])
         y = stage(x)
         weights = backward_input([y], [torch.ones_like(y)], [x], list(stage.parameters()))
-        assert weights.recomputed and len(weights.groups) > 1  # run as one call
+        assert weights.recomputed and len(weights.groups) > 1
+        before = recomputes_started()
         weights.run()
+        assert recomputes_started() - before == 2  # one call: each block recomputed once
     else:
         blocks = [partial(checkpoint, block, use_reentrant=False) for block in stage.blocks]
         assert_split_is_full(stage, [x], lambda: blocks[1](blocks[0](x)))
