@@ -9,6 +9,7 @@ below says which versions have what and what happens on the others.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
 import torch
@@ -23,6 +24,7 @@ from torch._subclasses.fake_tensor import (
     is_fake,
     unset_fake_temporarily,
 )
+from torch.autograd.graph import GradientEdge
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard as LocalShard
 from torch.distributed._shard.sharded_tensor import ShardedTensorBase
@@ -42,6 +44,8 @@ except ImportError:  # torch < 2.5
 
 __all__ = [
     "all_gather_single",
+    "backward_from_edges",
+    "drop_saved_tensors",
     "reduce_scatter_single",
     "CheckpointPolicy",
     "DTensor",
@@ -184,3 +188,63 @@ def all_gather_single() -> Callable[..., object]:
     (``input`` may be this rank's part of ``output``: in place). torch 2.13 added ``dist.all_gather_single``;
     before it the same call is ``dist.all_gather_into_tensor`` (torch >= 1.13)."""
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+_BACKWARD_TAKES_EDGES = torch.__version__ >= "2.7"
+
+
+def backward_from_edges(
+    edges: Sequence[GradientEdge],
+    grads: Sequence[torch.Tensor],
+    inputs: Sequence[torch.Tensor],
+    retain_graph: bool,
+) -> None:
+    """``torch.autograd.backward(edges, grads, inputs=inputs)`` started at gradient edges (a node's input
+    slots) instead of tensors: each of ``inputs`` gets its gradient through its own ``AccumulateGrad``
+    node, so ``.grad`` accumulation and the tensor and post-accumulate hooks run as in any backward.
+
+    torch >= 2.7 takes edges in ``torch.autograd.backward``; 2.5 and 2.6 take them only in the engine
+    call that ``backward`` makes (``torch.autograd.graph._engine_run_backward``, the same arguments)."""
+    if _BACKWARD_TAKES_EDGES:
+        torch.autograd.backward(list(edges), list(grads), retain_graph=retain_graph, inputs=list(inputs))
+        return
+    torch.autograd.graph._engine_run_backward(
+        tuple(edges),
+        tuple(grads),
+        retain_graph,
+        False,
+        tuple(inputs),
+        allow_unreachable=True,
+        accumulate_grad=True,
+    )
+
+
+def drop_saved_tensors(node: Any) -> None:
+    """Let go of the tensors an autograd node saved for its backward, where torch allows it; running the
+    node afterwards raises. A saved tensor that already has hooks (a checkpoint's) or is empty is left.
+
+    torch has no public way to free one node's saved tensors. Every torch of the range (from 1.10) shows
+    them as ``node._raw_saved_<name>`` (``SavedTensor``, or a tuple of them for a custom Function), whose
+    ``register_hooks(pack, unpack)`` stores what ``pack`` returns instead of the tensor."""
+    names = _SAVED_NAMES.get(type(node))
+    if names is None:
+        names = _SAVED_NAMES[type(node)] = tuple(n for n in dir(node) if n.startswith("_raw_saved_"))
+    for name in names:
+        saved = getattr(node, name)
+        for one in saved if isinstance(saved, (tuple, list)) else (saved,):
+            try:
+                one.register_hooks(_forget, _refuse_unpack)
+            except (RuntimeError, AttributeError):
+                pass
+
+
+#: each autograd node class's ``_raw_saved_*`` attribute names (``dir`` is slow)
+_SAVED_NAMES: dict[type, tuple[str, ...]] = {}
+
+
+def _forget(tensor: torch.Tensor) -> None:
+    return None
+
+
+def _refuse_unpack(packed: None) -> torch.Tensor:
+    raise RuntimeError("this saved tensor was dropped after the input part of a split backward")

@@ -215,12 +215,31 @@ class CheckpointedForward:
 
 
 def _contexts(module: nn.Module, selective: bool) -> tuple[Any, Any]:
-    """Called at the forward: the contexts around the forward and around its recompute (``_recompute``;
+    """Called at the forward: the contexts around the forward and around each recompute (``_recompute``;
     with ``selective``, inside torch's selective checkpoint modes)."""
+    snapshot = snapshot_in_use()
     if not selective:
-        return nullcontext(), _recompute(module, snapshot_in_use())
+        return nullcontext(), _EachRecompute(partial(_recompute, module, snapshot))
     forward, recompute = create_selective_checkpoint_contexts(_selective_policy)
-    return forward, _within(recompute, _recompute(module, snapshot_in_use()))
+    return forward, _EachRecompute(lambda: _within(recompute, _recompute(module, snapshot, selective=True)))
+
+
+class _EachRecompute:
+    """The context around a recompute, made anew each time torch enters it: torch enters it once per
+    backward call that recomputes the block (twice under a split backward, ``pipeline.split_backward``),
+    and a generator's context can be entered once only."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.make = make
+        self.entered: list[Any] = []
+
+    def __enter__(self) -> Any:
+        context = self.make()
+        self.entered.append(context)
+        return context.__enter__()
+
+    def __exit__(self, *exc_info: Any) -> Any:
+        return self.entered.pop().__exit__(*exc_info)
 
 
 def _selective_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -241,7 +260,9 @@ def _within(outer: Any, inner: Any) -> Iterator[None]:
 
 
 @contextmanager
-def _recompute(module: nn.Module, snapshot: Optional[SnapshotView]) -> Iterator[None]:
+def _recompute(
+    module: nn.Module, snapshot: Optional[SnapshotView], selective: bool = False
+) -> Iterator[None]:
     """Around a recompute: BatchNorm updates go to scratch copies, parameters hold the forward's snapshot
     (if one was in use), and what is saved is reported to the memory counters (if any counts)."""
     layers = [
@@ -260,7 +281,7 @@ def _recompute(module: nn.Module, snapshot: Optional[SnapshotView]) -> Iterator[
     # (which could not see it, and would hide it, where torch gives no way to read it)
     reported = SavedHooks(below_stores=True) if counting() and can_stack() else nullcontext()
     try:
-        with recomputing(), reported:
+        with recomputing(selective), reported:
             yield
     finally:
         for p, data in swapped:

@@ -13,12 +13,20 @@ from typing import Callable, Iterator, Optional
 
 from torch import Tensor
 
-__all__ = ["SnapshotView", "is_recomputing", "recomputing", "snapshot_in_use", "using_snapshot"]
+__all__ = [
+    "SnapshotView",
+    "is_recomputing",
+    "recomputing",
+    "recomputes_started",
+    "snapshot_in_use",
+    "using_snapshot",
+]
 
 #: a snapshot's lookup: a tensor -> the same view of the snapshot's copy (None: no parameter's)
 SnapshotView = Callable[[Tensor], Optional[Tensor]]
 
 _recomputes = 0  # > 0 while a checkpointed forward is being recomputed
+_started = [0, 0]  # recomputes started so far (only grows): all, selective ones
 _snapshots: list[SnapshotView] = []  # the lookups of the snapshots entered now, innermost last
 
 
@@ -27,11 +35,21 @@ def is_recomputing() -> bool:
     return _recomputes > 0
 
 
+def recomputes_started(selective: bool = False) -> int:
+    """How many recomputes (with ``selective``: of selective checkpoints only) have started so far. A split
+    backward (``pipeline.split_backward``) compares them around its input part: torch recomputes once per
+    backward call, and a selective checkpoint once only."""
+    return _started[selective]
+
+
 @contextmanager
-def recomputing() -> Iterator[None]:
-    """Mark the block as a recompute (``is_recomputing`` is True inside it)."""
+def recomputing(selective: bool = False) -> Iterator[None]:
+    """Mark the block as a recompute (``is_recomputing`` is True inside it); ``selective``: of a selective
+    checkpoint (counted apart by ``recomputes_started``)."""
     global _recomputes
     _recomputes += 1
+    _started[False] += 1
+    _started[True] += selective
     try:
         yield
     finally:

@@ -4,6 +4,7 @@ name, and each shim gives the same answer on every torch of the range (this file
 from __future__ import annotations
 
 import re
+import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +17,9 @@ pytestmark = pytest.mark.smoke
 
 PACKAGE = Path(compat.__file__).parent
 #: torch's private modules and functions, and names that arrived after the floor (torch 2.5)
-PRIVATE = re.compile(r"torch\._(?!_version__)|torch\.utils\._|torch\.distributed\._|_top_saved_tensors|\.op_output\b")
+PRIVATE = re.compile(
+    r"torch\._(?!_version__)|torch\.utils\._|torch\.distributed\._|_top_saved_tensors|\.op_output\b"
+)
 
 
 def test_only_compat_reaches_private_torch_names():
@@ -66,3 +69,14 @@ def test_agent_store_environment_names_a_restart_count(monkeypatch):
     assert compat.agent_store_env("SWITCH") == {"SWITCH": "True", compat.RESTART_COUNT_ENV: "0"}
     monkeypatch.setenv(compat.RESTART_COUNT_ENV, "3")
     assert compat.agent_store_env("SWITCH")[compat.RESTART_COUNT_ENV] == "3"
+
+
+def test_a_nodes_saved_tensors_are_dropped():
+    hidden = torch.randn(3, requires_grad=True) * 1
+    out = torch.nn.functional.gelu(hidden)  # saves its input
+    saved = weakref.ref(hidden)
+    compat.drop_saved_tensors(out.grad_fn)
+    del hidden
+    assert saved() is None
+    with pytest.raises(RuntimeError, match="dropped after the input part"):
+        out.sum().backward()
