@@ -118,11 +118,7 @@ def test_one_all_reduce_per_backward_sums_every_such_gradient(runs):
     assert qwen3 - llama == 1, (qwen3, llama)
     two, four = (_all_reduces_per_step(results, f"gpt-sp-{n}-layers") for n in (2, 4))
     per_block = 2 * 5
-    assert four - two == 2 * per_block, (two, four)
-    assert two - 2 * per_block <= 2, (
-        two,
-        four,
-    )  # the vocabulary-parallel embedding's, and the gradient sums'
+    assert four - two == 2 * per_block, (two, four)  # the rest (embedding, loss, the one sum) stays
 
 
 @pytest.mark.slow
