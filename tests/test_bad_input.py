@@ -12,6 +12,7 @@ from lightning_parallel.models import CharGPT
 from lightning_parallel.module_names import find_block_stack
 from lightning_parallel.pipeline.executor import loader_problem, split_microbatches
 from lightning_parallel.pipeline.partition import stage_bounds
+from lightning_parallel.pipeline.schedules import schedule_problem
 from lightning_parallel.strategies.checks import require
 from lightning_parallel.tensor import resolve
 
@@ -234,6 +235,24 @@ CATALOGUE = [
         lambda: stage_bounds("model.blocks", gpt().model.blocks, 2, ["blocks.1"]),
         ValueError,
         ["'blocks.1'", "candidates: model.blocks.0, model.blocks.1"],
+    ),
+    (
+        "pp-interleaved-one-chunk",
+        lambda: lp.PipelineParallelStrategy(schedule="interleaved_1f1b", virtual_stages=1),
+        ValueError,
+        ["virtual_stages=1", "interleaved_1f1b", ">= 2", "schedule='1f1b'"],
+    ),
+    (
+        "pp-zero-bubble-selective",
+        lambda: lp.PipelineParallelStrategy(schedule="zbv", activation_checkpointing="selective"),
+        ValueError,
+        ["schedule='zbv'", "activation_checkpointing='selective'", "activation_checkpointing=True"],
+    ),
+    (
+        "pp-interleaved-microbatches",
+        lambda: require([schedule_problem("interleaved_1f1b", 4, 9, 2)]),
+        ValueError,
+        ["equal rounds", "got 9: use 8 or 10"],
     ),
     (
         "pp-no-stack",

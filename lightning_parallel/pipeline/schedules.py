@@ -80,6 +80,7 @@ __all__ = [
     "render",
     "SCHEDULES",
     "OVERLAPPED",
+    "SPLIT_BACKWARD",
     "bubble_fraction",
     "zb_h1_bubble_fraction",
     "expected_bubbles",
@@ -89,6 +90,8 @@ SCHEDULES = ("gpipe", "1f1b", "async", "interleaved_1f1b", "zb_h1", "zbv")
 #: the schedules with one chunk per rank and whole backwards: a data-parallel bucket is finished by one
 #: backward (the step's last), so its average can start during it
 OVERLAPPED = ("gpipe", "1f1b")
+#: the schedules that split each backward into I and W (``split_backward.py``)
+SPLIT_BACKWARD = ("zb_h1", "zbv")
 
 
 def gpipe(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:

@@ -41,7 +41,7 @@ from lightning_parallel.checkpointing.by_name import (
 from lightning_parallel.checkpointing.contract import check_keys, unwrapped
 from lightning_parallel.memory.saved import can_stack
 from lightning_parallel.pipeline.partition import partition
-from lightning_parallel.pipeline.schedules import SCHEDULES, virtual_stages_problem
+from lightning_parallel.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, virtual_stages_problem
 from lightning_parallel.strategies.base import ParallelStrategyBase
 from lightning_parallel.strategies.checks import one_of, positive_int, require
 from lightning_parallel.strategies.options import level_problems
@@ -157,7 +157,8 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
         timeline_step: Optional[int] = 2,
         **kwargs: Any,
     ) -> None:
-        require(level_problems(ParallelStrategy, type(self), locals()))
+        # the base's options (activation_checkpointing) arrive in kwargs; some checks here read them too
+        require(level_problems(ParallelStrategy, type(self), {**kwargs, **locals()}))
         # malformed plans and missing files fail here, before any process starts (and are read once)
         self._plan = plan if plan is None or (isinstance(plan, str) and plan == "auto") else parse_plan(plan)
         super().__init__(**kwargs)
@@ -199,6 +200,13 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
             else f"{prefix}require_sharded must be a share between 0 and 1, got {share!r}",
             one_of(f"{prefix}schedule", values["schedule"], SCHEDULES),
             virtual_stages_problem(values["schedule"], values["virtual_stages"], prefix),
+            None
+            if values["schedule"] not in SPLIT_BACKWARD
+            or values.get("activation_checkpointing") != "selective"
+            else f"{prefix}schedule={values['schedule']!r} with {prefix}activation_checkpointing='selective': the "
+            "schedule splits each backward into the input's gradient and, later, the weights', and torch's "
+            "selective checkpoint recomputes a block once only. Use activation_checkpointing=True (whole blocks, "
+            "exact with the split), or a schedule with whole backwards ('1f1b', 'interleaved_1f1b').",
             positive_int(f"{prefix}num_microbatches", values["num_microbatches"]),
             one_of(f"{prefix}balance", balance, BALANCES, hint=", or give split_points"),
             None
