@@ -2,8 +2,8 @@
 training on real gloo processes: float64, 5 steps, the full gathered checkpoint against one device to 1e-10,
 on 2 stages (GPT-style and ``nn.Sequential`` models, m = 4 and 8, with validation and gradient
 accumulation), on 4 stages, in dp2 x pp2 with ZeRO-1 and recompute, and through ``lp_parallel`` with the
-Hugging Face Llama-style model built on meta (2 and 4 stages, tp2 x pp2) and the GPT in 2x2x2. Each stage
-holds no more activations than the schedule's bound."""
+Hugging Face Llama-style model built on meta (2 and 4 stages, m = 4 and 8, dp2 x pp2, tp2 x pp2) and the GPT
+in 2x2x2. Each stage holds no more activations than the schedule's bound."""
 
 from __future__ import annotations
 
@@ -92,8 +92,9 @@ def composed(name: str, model: str, schedule: str, dp: int, tp: int, pp: int, m:
 
 COMPOSED = {  # world size: lp_parallel cases, each compared with the same model trained on one process
     2: [composed(f"llama-pp2-{s}-m{m}", "llama", s, 1, 1, 2, m) for s in NEW for m in (4, 8)],
-    4: [composed(f"llama-pp4-{s}-m8", "llama", s, 1, 1, 4, 8) for s in NEW]
-    + [composed(f"llama-tp2pp2-{s}", "llama", s, 1, 2, 2, 4) for s in NEW],
+    4: [composed(f"llama-pp4-{s}-m{m}", "llama", s, 1, 1, 4, m) for s in NEW for m in (4, 8)]
+    + [composed(f"llama-tp2pp2-{s}", "llama", s, 1, 2, 2, 4) for s in NEW]
+    + [composed(f"llama-dp2pp2-{s}", "llama", s, 2, 1, 2, 4) for s in NEW],
     8: [composed(f"gpt-2x2x2-{s}", "gpt", s, 2, 2, 2, 4) for s in NEW],
 }
 REFERENCES = [
