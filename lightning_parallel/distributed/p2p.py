@@ -22,8 +22,8 @@ deadlock on a send. A send's handle and buffer are kept until it completes, whic
 without a flush (``async``) the receiver of the last gradients of a batch posts its receive in the next
 step. Tensors go through host memory when the backend is gloo (gloo cannot send CUDA tensors).
 
-Small Python objects (what the last stage logged) go on their own ``tag``, so they never mix with the
-activation and gradient traffic between the same two ranks; a stage can read them a step later.
+Small Python objects (what the last stage logged) go on their own ``tag`` (``OBJECT_TAG``), so they never
+mix with the activation and gradient traffic between the same two ranks; a stage can read them a step later.
 """
 
 from __future__ import annotations
@@ -50,7 +50,9 @@ __all__ = [
 Activation = Union[Tensor, tuple[Optional[Tensor], ...]]  # what crosses a stage boundary
 MAX_DIMS = 8
 MAX_TENSORS = 8  # elements of a tuple crossing a stage boundary
-OBJECT_TAG = 7  # the channel for pickled objects; activations and gradients use tag 0
+#: the channel for pickled objects, above every stage boundary's: a pipeline's activations and gradients
+#: use tags 2g and 2g + 1 of the boundary g they cross (``executor.ChunkLinks``)
+OBJECT_TAG = 1 << 20
 _DTYPES = [
     torch.float32,
     torch.float64,
