@@ -22,6 +22,7 @@ PP = "lightning_parallel:PipelineParallelStrategy"
 PARALLEL = "lightning_parallel:ParallelStrategy"
 STEPS = 3
 ONE_F_ONE_B = {"schedule": "1f1b", "num_microbatches": 2}
+ZB_H1 = {"schedule": "zb_h1", "num_microbatches": 2}  # split backwards (autograd's edges API since 2.7)
 #: name: (model, strategy, its arguments, data-parallel size), each on 2 processes
 RUNS = {
     "gpt-ddp": ("gpt", DDP, {}, 2),
@@ -35,6 +36,8 @@ RUNS = {
     "gpt-lp-parallel": ("gpt", PARALLEL, layout(1, 1, 2, "gpipe"), 1),
     "llama-tp2": ("llama", TP, {"plan": "auto"}, 1),
     "llama-1f1b": ("llama", PP, ONE_F_ONE_B, 1),
+    "gpt-zb-h1": ("gpt", PP, ZB_H1, 1),
+    "llama-zb-h1": ("llama", PP, ZB_H1, 1),
     "llama-zero2": ("llama", DDP, {"zero_stage": 2}, 2),
 }
 SHARDED = case("gpt", "tp2-sharded", TP, {"plan": "auto", "save_distributed": True}, 1, STEPS)
