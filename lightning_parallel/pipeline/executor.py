@@ -261,16 +261,8 @@ class StageExecutor:
     def has_in_flight(self) -> bool:
         return bool(self.in_flight)
 
-    def starts_model(self, chunk: int) -> bool:
-        return self.links[chunk].previous is None
-
     def ends_model(self, chunk: int) -> bool:
         return self.links[chunk].next is None
-
-    @property
-    def runs_loss(self) -> bool:
-        """Whether one of this rank's chunks ends the model (it runs the loss)."""
-        return any(self.ends_model(c) for c in range(len(self.links)))
 
     def _send(self, value: Any, peer: int, tag: int) -> None:
         if peer == self.rank:

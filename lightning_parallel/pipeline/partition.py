@@ -238,7 +238,7 @@ def partition(
     prefix = f"{name}." if name else ""
     part.owned = [f"{prefix}{i}.{n}" for i in mine for n, _ in stack[i].named_parameters()]
     hold_elsewhere(module, stack, [i for i in range(len(stack)) if i not in mine])
-    for i in range(len(stack)):
+    for i in range(max(bounds[c][1] for c in held)):  # later blocks are never reached on this rank
         stack[i].register_forward_hook(_at_boundary(part, i))
     return part
 

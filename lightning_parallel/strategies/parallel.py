@@ -41,6 +41,7 @@ from lightning_parallel.checkpointing.by_name import (
 from lightning_parallel.checkpointing.contract import check_keys, unwrapped
 from lightning_parallel.memory.saved import can_stack
 from lightning_parallel.pipeline.partition import partition
+from lightning_parallel.pipeline.placement import global_stage
 from lightning_parallel.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, virtual_stages_problem
 from lightning_parallel.strategies.base import ParallelStrategyBase
 from lightning_parallel.strategies.checks import one_of, positive_int, require
@@ -294,15 +295,15 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
             if shards:
                 self._entries, cut = shard_module(module, self.resolved, self.tp_group, self.mesh.tp_rank)
             if self.applies("pp"):
-                holder, stage = self.stage_of, self.mesh.pp_rank
+                pp, stage, v = self.mesh.shape.pp, self.mesh.pp_rank, self.virtual_stages
                 self.partition = partition(
                     module,
-                    len(holder),
+                    pp * v,
                     stage,
                     self.block_stack,
                     self.split_points,
                     self._stage_costs,
-                    chunks=[g for g, rank in enumerate(holder) if rank == stage],
+                    chunks=[global_stage(self.schedule, pp, stage, c, v) for c in range(v)],
                 )
             return cut
 

@@ -67,7 +67,7 @@ from lightning_parallel.pipeline.executor import (
 )
 from lightning_parallel.pipeline.logs import LogMirror, WholeBatchMetrics, summarize
 from lightning_parallel.pipeline.partition import StagePartition, keep_block_skeletons
-from lightning_parallel.pipeline.placement import stage_ranks
+from lightning_parallel.pipeline.placement import next_stage, previous_stage, stage_ranks
 from lightning_parallel.pipeline.profile import (
     average_over_ranks,
     capture_block_inputs,
@@ -235,14 +235,15 @@ class PipelineStages:
         module = self.lightning_module
         pp = self.mesh.shape.pp
         self._report_stages(costs)
-        ranks, holder = self.mesh.ranks("pp"), self.stage_of
+        ranks, v = self.mesh.ranks("pp"), self.virtual_stages
+
+        def rank_of(neighbour: Optional[tuple[int, int]]) -> Optional[int]:
+            return None if neighbour is None else ranks[neighbour[0]]
+
+        here = (self.schedule, pp, self.mesh.pp_rank)
         links = [
-            ChunkLinks(
-                g,
-                ranks[holder[g - 1]] if g > 0 else None,
-                ranks[holder[g + 1]] if g < len(holder) - 1 else None,
-            )
-            for g in self.partition.chunks
+            ChunkLinks(g, rank_of(previous_stage(*here, c, v)), rank_of(next_stage(*here, c, v)))
+            for c, g in enumerate(self.partition.chunks)
         ]
         self.executor = StageExecutor(
             self.global_rank,
