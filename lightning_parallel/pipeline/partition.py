@@ -118,7 +118,8 @@ def stage_bounds(
     if num_stages > n:
         raise ValueError(
             f"{num_stages} pipeline stages need at least {num_stages} blocks, but {stack_name!r} has {n}; "
-            f"use pipeline_parallel_size <= {n}."
+            f"use pipeline_parallel_size <= {n} (with several chunks per rank, pipeline_parallel_size x "
+            f"virtual stages <= {n})."
         )
     if split_points is None:
         counts = balance(block_parameters(stack) if costs is None else costs, num_stages)

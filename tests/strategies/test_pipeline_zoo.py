@@ -1,5 +1,7 @@
 """The model zoo (``tests/helpers/zoo.py``) under the pipeline strategies, on real processes: every family
-under gpipe and 1f1b on 2 stages equals single-device training (float64, 5 SGD steps, 1e-10); async
+under gpipe, 1f1b and zb_h1 (split backwards; Mixtral's experts too) on 2 stages, and three under
+interleaved_1f1b and zbv (two chunks per rank), equals single-device training (float64, 5 SGD steps,
+1e-10); async
 follows its rule (a one-process emulation); ``nn.TransformerEncoder`` validates on every stage; and
 dp=2 x pp=2 on Llama. The blocks a stage does not hold stay the model's own objects, so code that
 reads them (``nn.TransformerEncoder.forward`` reads ``layers[0].self_attn``) runs on every stage."""
@@ -8,6 +10,8 @@ import pytest
 import torch
 
 from lightning_parallel.module_names import find_block_stack, other_stacks
+from lightning_parallel.pipeline.placement import global_stage
+from lightning_parallel.pipeline.schedules import chunks_per_rank
 from tests.helpers.harness import assert_params_close, max_param_diff, run_distributed, run_single
 from tests.helpers.zoo import ARCHITECTURES, ZooLM, build
 from tests.strategies.test_pipeline import PP, check, reference
@@ -36,8 +40,15 @@ def case(name, arch, schedule, dp=1, trainer=None, data=TOKENS, **kwargs):
 
 
 SYNC_2 = [
-    case(f"{arch}-{schedule}", arch, schedule) for arch in ARCHITECTURES for schedule in ("gpipe", "1f1b")
-]
+    case(f"{arch}-{schedule}", arch, schedule)
+    for arch in ARCHITECTURES
+    for schedule in ("gpipe", "1f1b", "zb_h1")
+] + [case("mixtral-zb_h1", "mixtral", "zb_h1")]
+for _arch in ("torch_encoder", "hf_gpt2", "hf_bert"):  # two chunks per rank: 4 blocks for 2 ranks
+    for _schedule in ("interleaved_1f1b", "zbv"):
+        _c = case(f"{_arch}-{_schedule}", _arch, _schedule)
+        _c["model_kwargs"]["layers"] = 4
+        SYNC_2.append(_c)
 ASYNC_2 = [case(f"{arch}-async", arch, "async") for arch in ASYNC_ARCHS]
 VALIDATE = {
     **case(
@@ -79,7 +90,11 @@ def test_zoo_on_two_stages_matches_single_device(zoo2, c):
     tmp, results = zoo2
     check(tmp, results, 2, c)
     reports = [r["probe"] for r in results[c["name"]]]
-    assert reports[0] == reports[1] and [r["blocks"] for r in reports[0]] == ["0..0", "1..1"]
+    schedule = c["strategy"]["kwargs"]["schedule"]
+    v = chunks_per_rank(schedule)
+    held = [[global_stage(schedule, 2, rank, chunk, v) for chunk in range(v)] for rank in range(2)]
+    expected = [" and ".join(f"{g}..{g}" for g in stages) for stages in held]  # one block per virtual stage
+    assert reports[0] == reports[1] and [r["blocks"] for r in reports[0]] == expected
     stack, _ = find_block_stack(ZooLM(**c["model_kwargs"]))
     assert all(r["stack"] == stack for r in reports[0])  # for lightning_demo: its decoder's layers
 
