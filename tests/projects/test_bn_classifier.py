@@ -25,6 +25,7 @@ EXPECTED = {
     "pipeline_gpipe": ("PipelineParallelStrategy", 1),
     "pipeline_1f1b": ("PipelineParallelStrategy", 1),
     "pipeline_async": ("PipelineParallelStrategy", 1),
+    "pipeline_zb": ("PipelineParallelStrategy", 1),
 }
 
 
@@ -57,6 +58,7 @@ def test_the_project_never_names_the_package() -> None:
         "pipeline_gpipe",
         "pipeline_1f1b",
         "pipeline_async",
+        "pipeline_zb",
     ],
 )
 def test_model_parallel_strategy_from_the_plugin(tmp_path, strategy) -> None:
