@@ -5,7 +5,10 @@ Prints the sharding plan of a module as a table (style, local weight shape, para
 communication per layer, with totals) without starting any process. The target is ``package.module:Class``
 (built with ``--kwargs``); a named plan of ``conf/plan`` or a YAML file can be given as ``--plan``. For
 ``auto``, the plan is traced from ``training_step`` on the first batch of ``--data`` (as the strategy does),
-else from ``forward`` on the module's ``example_input_array``, else found from the module's structure.
+or of the module's own ``train_dataloader``, else from ``forward`` on the module's ``example_input_array``;
+the output's first line says which. With none of them the plan is found from the module's structure
+alone, which leaves attention and MLPs written in ``forward`` replicated: the output then says so, and
+how to trace.
 ``--sequence-parallel`` adds where sequence parallelism cuts and gathers the sequence, and the collectives
 per step with and without it.
 """
@@ -16,7 +19,10 @@ import argparse
 import importlib
 import json
 import sys
-from typing import Optional
+from typing import Any, Optional
+
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_parallel.tensor import PlanError, parse_plan, resolve
 from lightning_parallel.tensor.sample import forward_on
@@ -31,6 +37,32 @@ def _load(target: str) -> object:
     if not attr:
         raise SystemExit(f"target {target!r} must look like 'package.module:ClassName'")
     return getattr(importlib.import_module(module), attr)
+
+
+STRUCTURAL = (
+    "note: no sample input, so the plan was not traced: these numbers are structural (found from the module's "
+    "types and names; attention and MLPs written in forward stay replicated, unlike under the strategy, which "
+    "traces the first batch). To trace, pass --data package.module:DataModule (--data-kwargs JSON), or set "
+    "example_input_array on the module"
+)
+
+
+def _first_batch(loader_owner: Any) -> Any:
+    return next(iter(loader_owner.train_dataloader()))
+
+
+def _sample(module: Any, data: Optional[str], data_kwargs: str) -> tuple[Any, str]:
+    """The batch to trace and a line saying what is traced: ``--data``'s first batch, else that of the
+    module's own ``train_dataloader``, else None (``example_input_array``, or nothing)."""
+    if data:
+        datamodule = _load(data)(**json.loads(data_kwargs))
+        datamodule.setup("fit")
+        return _first_batch(datamodule), f"traced: training_step on the first batch of {data}"
+    if isinstance(module, LightningModule) and is_overridden("train_dataloader", module, LightningModule):
+        return _first_batch(module), "traced: training_step on the first batch of the module's train_dataloader"
+    if getattr(module, "example_input_array", None) is not None:
+        return None, "traced: forward on the module's example_input_array"
+    return None, STRUCTURAL
 
 
 def parse_plan_unless_auto(plan: str) -> object:
@@ -56,11 +88,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.tp < 1:
         parser.error(f"--tp must be a positive integer, got {args.tp}")
     module = _load(args.target)(**json.loads(args.kwargs))
-    batch = None
-    if args.data:
-        data = _load(args.data)(**json.loads(args.data_kwargs))
-        data.setup("fit")
-        batch = next(iter(data.train_dataloader()))
+    batch, traced = _sample(module, args.data, args.data_kwargs)
     run = forward_on(module, batch)
     try:
         resolved = resolve(module, args.plan, args.tp, run=run)
@@ -69,7 +97,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     except PlanError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    structural = args.plan == "auto" and traced == STRUCTURAL
+    if args.plan == "auto" and not structural:
+        print(traced)
     print(format_table(module, resolved))
+    if structural:
+        print(traced)
     return 0
 
 

@@ -90,6 +90,7 @@ class _Finder:
         self.attributes: list[AttributeRule] = []
         self.report: dict[str, str] = {}
         self.features: dict[str, ShardSpec] = {}
+        self.full_width: dict[str, set[str]] = {}
 
     def take(self, name: str, style: str, **options: object) -> None:
         self.layers[name] = LayerRule(name, style, dict(options))
@@ -284,6 +285,7 @@ def _traced(
     for name in found.gathered:
         finder.take(name, "colwise", gather_output=True)
     finder.features = dict(found.features)
+    finder.full_width = {m: set(cols) for m, cols in found.full_width.items()}
     finder.attributes = [
         AttributeRule(f"{owner}.{attr}" if owner else attr, "divide")
         for owner, attr in sorted(found.attributes)
@@ -317,6 +319,8 @@ def _drop_failing_region(finder: _Finder, found: TracedPlan, failure: DryRunFail
         found.regions.remove(r)
     for tensor in [t for t, cols in found.feature_columns.items() if cols <= names]:
         finder.features.pop(tensor, None)
+    for module in [m for m, cols in finder.full_width.items() if cols <= names]:
+        finder.full_width.pop(module)
     for name in names:
         finder.layers.pop(name, None)
         finder.report[name] = (
@@ -376,7 +380,10 @@ def auto_plan(
         kept = {n for n, rule in finder.layers.items() if rule.style != "replicate"}
         sums = sorted(n for n, cols in found.gradient_sums.items() if cols & kept)
         finder.features = {t: s for t, s in finder.features.items() if found.feature_columns[t] & kept}
-        plan = Plan(list(finder.layers.values()), finder.attributes, sums, sorted(unread), finder.features)
+        wide = sorted(m for m, cols in finder.full_width.items() if cols & kept)
+        plan = Plan(
+            list(finder.layers.values()), finder.attributes, sums, sorted(unread), finder.features, full_width=wide
+        )
         failure = dry_run(module, _checked(module, plan, tp_size, traced=True), run, fake)
         if failure is None:
             styles = {name: rule.style for name, rule in finder.layers.items()}

@@ -19,7 +19,9 @@ from typing import Any, Callable, Iterator, Optional
 from torch import nn
 
 from lightning_parallel.distributed.collectives import SimulatedGroup
+from lightning_parallel.tensor.attributes import held_objects, restore_attributes
 from lightning_parallel.tensor.fake import fake_step
+from lightning_parallel.tensor.full_width import remove_full_width
 from lightning_parallel.tensor.layers import FEATURE_SHARDS
 from lightning_parallel.tensor.plan import ResolvedPlan, apply_plan
 from lightning_parallel.tensor.sequence import apply_sequence_parallel
@@ -41,6 +43,7 @@ def _as_rank_zero(module: nn.Module, resolved: ResolvedPlan) -> Iterator[None]:
         for name, p in module.named_parameters(remove_duplicate=False)
     ]
     buffers = [(name.rpartition(".")[0], name.rpartition(".")[2], b) for name, b in module.named_buffers()]
+    held_configs = held_objects(module, resolved.attributes)
     apply_plan(module, resolved, SimulatedGroup(resolved.tp_size), 0, gradient_hooks=False)
     sequence = resolved.sequence and apply_sequence_parallel(
         module, resolved.sequence, SimulatedGroup(resolved.tp_size), gradient_hooks=False
@@ -54,8 +57,9 @@ def _as_rank_zero(module: nn.Module, resolved: ResolvedPlan) -> Iterator[None]:
             if a.style != "replicate":
                 parent, _, child = a.name.rpartition(".")
                 setattr(module.get_submodule(parent), child, a.module)
-        for owner, attr, value in resolved.attributes:
-            setattr(module.get_submodule(owner), attr, value)
+        restore_attributes(module, resolved.attributes, held_configs)
+        for name in resolved.full_width:
+            remove_full_width(module.get_submodule(name))
         for owner, attr, p in held:  # tied aliases held outside the planned layers, per-feature tensors
             setattr(module.get_submodule(owner), attr, p)
         for owner, attr, b in buffers:

@@ -38,6 +38,8 @@ from torch import nn
 
 from lightning_parallel.checkpointing.one_device import keep_skeleton
 from lightning_parallel.module_names import match_pattern
+from lightning_parallel.tensor.attributes import attribute_targets, divide_attributes, read_attribute
+from lightning_parallel.tensor.full_width import run_full_width
 from lightning_parallel.tensor.gradient_sums import GradientSums, gradient_sums_for
 from lightning_parallel.tensor.layers import TP_LAYERS, ShardSpec, SharedEntry, _linear_shape, shard_features
 
@@ -122,6 +124,9 @@ class Plan:
     features: dict[str, ShardSpec] = field(default_factory=dict)
     # the ``sequence`` section (where sequence parallelism cuts the sequence), read by tensor.sequence_plan
     sequence: dict[str, Any] = field(default_factory=dict)
+    # modules run on all the features of their split input (a norm over a whole q/k projection, found by
+    # ``plan="auto"``): input all-gathered, output cut again (``tensor.full_width``)
+    full_width: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -142,6 +147,7 @@ class ResolvedPlan:
     report: list[tuple[str, str]] = field(default_factory=list)  # (name, why it stays replicated), from auto
     gradient_sums: list[str] = field(default_factory=list)  # parameter names, see Plan
     features: dict[str, ShardSpec] = field(default_factory=dict)  # per-feature tensors, see Plan
+    full_width: list[str] = field(default_factory=list)  # module names, see Plan
     sequence: Any = None  # a tensor.sequence.SequencePlan when sequence parallelism is on
 
     def styles(self) -> dict[str, str]:
@@ -549,8 +555,7 @@ def resolve_plan(module: nn.Module, plan: Any, tp_size: int, check_dataflow: boo
             assignments.append(Assignment(owner, modules[owner], "per_feature", {}))
     attributes: list[tuple[str, str, int]] = []
     for rule in plan.attributes:
-        owner_pattern, _, attr = rule.pattern.rpartition(".")
-        hits = [n for n in modules if match_pattern(owner_pattern, n)] if owner_pattern else [""]
+        hits = attribute_targets(modules, rule.pattern)
         if not hits:
             raise _no_match(
                 rule.pattern,
@@ -562,8 +567,8 @@ def resolve_plan(module: nn.Module, plan: Any, tp_size: int, check_dataflow: boo
                 ],
                 "attribute",
             )
-        for n in hits:
-            value = getattr(modules[n], attr, None)
+        for n, attr in hits:
+            value = read_attribute(modules[n], attr)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise PlanError(
                     f"attribute {attr!r} of {n or 'the root module'!r} is {value!r}; 'divide' needs an "
@@ -579,8 +584,16 @@ def resolve_plan(module: nn.Module, plan: Any, tp_size: int, check_dataflow: boo
     for name in plan.gradient_sums:
         if name not in parameters:
             raise _no_match(name, list(parameters), "parameter")
+    for name in plan.full_width:
+        if name not in modules:
+            raise _no_match(name, names)
     return ResolvedPlan(
-        assignments, attributes, tp_size, gradient_sums=list(plan.gradient_sums), features=features
+        assignments,
+        attributes,
+        tp_size,
+        gradient_sums=list(plan.gradient_sums),
+        features=features,
+        full_width=list(plan.full_width),
     )
 
 
@@ -593,7 +606,8 @@ def apply_plan(
     gradient_hooks: bool = True,
 ) -> list[SharedEntry]:
     """Replace the planned layers of ``module`` in place by their sharded versions, cut its per-feature
-    tensors (``resolved.features``) to this rank's features, and (with ``gradient_hooks``) sum the
+    tensors (``resolved.features``) to this rank's features, run ``resolved.full_width`` on all the
+    features (``tensor.full_width``), and (with ``gradient_hooks``) sum the
     gradients of ``resolved.gradient_sums`` over the group in each backward (``install_gradient_sums``);
     returns the shared entry operators (the strategy clears their caches after each step)."""
     tp = resolved.tp_size
@@ -625,8 +639,9 @@ def apply_plan(
         owner, _, attr = full.rpartition(".")
         if owner not in planned and not any(owner.startswith(n + ".") for n in planned):
             setattr(module.get_submodule(owner), attr, param)
-    for owner, attr, value in resolved.attributes:
-        setattr(module.get_submodule(owner), attr, value // tp)
+    divide_attributes(module, resolved.attributes, tp)
+    for name in resolved.full_width:
+        run_full_width(module.get_submodule(name), group)
     if gradient_hooks:
         install_gradient_sums(module, resolved, group)
     return list(entries.values())

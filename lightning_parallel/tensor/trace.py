@@ -25,7 +25,7 @@ from lightning_parallel.compat import TorchDispatchMode, tree_flatten, tree_map
 from lightning_parallel.memory.accounting import storage_id
 from lightning_parallel.tensor.fake import fake_step
 
-__all__ = ["LEAF_TYPES", "Node", "Ref", "Trace", "is_projection", "trace_dataflow"]
+__all__ = ["LEAF_TYPES", "Call", "Node", "Ref", "Trace", "is_projection", "trace_dataflow"]
 
 # a SyncBatchNorm is one step too: inside, it all-reduces its statistics (over the data-parallel group),
 # which the operator-level rules cannot follow; as a whole it is a per-feature layer
@@ -80,6 +80,18 @@ class Node:
         return [a for a in flat if isinstance(a, Ref)]
 
 
+@dataclass(frozen=True)
+class Call:
+    """One call of a module that is no leaf: its tensor arguments and outputs, and the recorded steps
+    ``nodes[start:end]`` it ran."""
+
+    module: str
+    inputs: tuple[Ref, ...]
+    outputs: tuple[Ref, ...]
+    start: int
+    end: int
+
+
 @dataclass
 class Trace:
     nodes: list[Node] = field(default_factory=list)
@@ -91,6 +103,7 @@ class Trace:
     buffers: dict[int, str] = field(default_factory=dict)
     # values that are a parameter or buffer itself (any version of it): key -> its name
     raw: dict[int, str] = field(default_factory=dict)
+    calls: list[Call] = field(default_factory=list)  # non-leaf module calls, in the order they ended
 
     def tensors(self) -> dict[int, str]:
         """Values that are a parameter or buffer, or computed from them alone: key -> the name."""
@@ -117,6 +130,7 @@ class _Recorder(TorchDispatchMode):
         self.keys: dict[tuple[int, int], int] = {}
         self.alive: list[Tensor] = []  # keeps ids from being reused during the trace
         self.stack: list[str] = [""]
+        self.entered: list[tuple[tuple[Ref, ...], int]] = []  # each running non-leaf call's inputs, start
         self.leaf_depth = 0
         self.param_names = {id(p): n for n, p in root.named_parameters()}
         self.buffer_names = {id(b): n for n, b in root.named_buffers()}
@@ -179,6 +193,9 @@ class _Recorder(TorchDispatchMode):
             if not self.leaf_depth:
                 self._leaf_inputs = self.refs((args, kwargs or {}))
             self.leaf_depth += 1
+        elif not self.leaf_depth:
+            flat, _ = tree_flatten(args)
+            self.entered.append((tuple(self.ref(t) for t in flat if isinstance(t, Tensor)), len(self.trace.nodes)))
 
     def post(self, module: nn.Module, args: tuple, output: Any) -> None:
         self.stack.pop()
@@ -191,6 +208,12 @@ class _Recorder(TorchDispatchMode):
                 self.trace.nodes.append(
                     Node(None, largs, lkwargs, outputs, self.stack[-1], layer=self.names.get(id(module), "?"))
                 )
+        elif not self.leaf_depth and self.entered:
+            inputs, start = self.entered.pop()
+            flat, _ = tree_flatten(output)
+            outs = tuple(self.ref(t) for t in flat if isinstance(t, Tensor))
+            name = self.names.get(id(module), "?")
+            self.trace.calls.append(Call(name, inputs, outs, start, len(self.trace.nodes)))
 
 
 @contextmanager

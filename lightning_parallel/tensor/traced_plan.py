@@ -20,6 +20,7 @@ from typing import Optional
 
 from torch import nn
 
+from lightning_parallel.tensor.attributes import holders
 from lightning_parallel.tensor.layers import ShardSpec
 from lightning_parallel.tensor.shard_flow import (
     Companion,
@@ -31,15 +32,15 @@ from lightning_parallel.tensor.shard_flow import (
     per_channel,
     propagate,
 )
-from lightning_parallel.tensor.trace import Node, Trace, is_conv1d, is_projection
+from lightning_parallel.tensor.trace import Call, Node, Trace, is_conv1d, is_projection
 
 __all__ = ["TracedPlan", "find_traced_plan", "out_features"]
 
 # attributes equal to a written size that are never the size to divide
 # attributes that may hold a written size: head counts, split sizes, widths; never per-head sizes,
 # rotary dimensions, positions or group counts (equal by chance)
-DIVIDED = re.compile(r"head|split|embd|embed|hidden")
-NOT_DIVIDED = re.compile(r"head_dim|head_size|layer_idx|groups|max_|position|vocab|rotary|rope|ndims")
+DIVIDED = re.compile(r"head|split|embd|embed|hidden|query_groups")
+NOT_DIVIDED = re.compile(r"head_dim|head_size|layer_idx|(?<!query_)groups|max_|position|vocab|rotary|rope|ndims")
 
 
 def out_features(m: nn.Module) -> int:
@@ -58,6 +59,7 @@ class TracedPlan:
     unread: list[str] = field(default_factory=list)  # tied aliases held by modules that never read them
     features: dict[str, ShardSpec] = field(default_factory=dict)  # per-feature tensor -> how it is cut
     feature_columns: dict[str, set[str]] = field(default_factory=dict)  # per-feature tensor -> its columns
+    full_width: dict[str, set[str]] = field(default_factory=dict)  # module run on all features -> columns
 
 
 @dataclass
@@ -68,6 +70,9 @@ class _Flow:
     parameter_uses: dict[str, tuple[set[str], list[bool]]] = field(default_factory=dict)
     demands: list[tuple[Demand, frozenset]] = field(default_factory=list)
     companions: list[tuple[Companion, frozenset]] = field(default_factory=list)
+    full_width: dict[str, set[str]] = field(default_factory=dict)  # module -> columns it gathers
+    widen: set[str] = field(default_factory=set)  # modules to run on all features, found in this run
+    whole_calls: set[str] = field(default_factory=set)  # modules of ``full_width`` also called on whole values
 
 
 def _chunks(trace: Trace, key: int, width: int) -> int:
@@ -106,14 +111,59 @@ def _sync_batchnorm(node: Node, module: nn.Module, layouts: dict) -> tuple[Layou
     return source, per_channel(source, operands, node.layer)
 
 
+def _gathers(call: Call, trace: Trace, layouts: dict) -> bool:
+    """``call`` can run on all the features: one tensor in, split on its last dimension in contiguous
+    blocks, one tensor out of the same shape, and no other split value read inside."""
+    if len(call.inputs) != 1 or len(call.outputs) != 1 or not call.module:
+        return False
+    x, y = call.inputs[0], call.outputs[0]
+    layout = layouts.get(x.key)
+    if layout is None or not layout.features_split() or trace.shapes[x.key] != trace.shapes[y.key]:
+        return False
+    inside = {o.key for n in trace.nodes[call.start : call.end] for o in n.outputs if o is not None}
+    return all(
+        r.key in inside or r.key == x.key or r.key not in layouts
+        for n in trace.nodes[call.start : call.end]
+        for r in n.inputs()
+    )
+
+
+def _widened(trace: Trace, at: int, layouts: dict, wide: set[str]) -> Optional[str]:
+    """The innermost module call around step ``at`` that could run on all the features instead."""
+    around = [c for c in trace.calls if c.start <= at < c.end and c.module not in wide]
+    around.sort(key=lambda c: c.end - c.start)
+    return next((c.module for c in around if _gathers(c, trace, layouts)), None)
+
+
 def _run_flow(
-    trace: Trace, columns: dict[str, int], tp: int, seeds: dict[str, tuple[Layout, frozenset]]
+    trace: Trace,
+    columns: dict[str, int],
+    tp: int,
+    seeds: dict[str, tuple[Layout, frozenset]],
+    wide: frozenset[str] = frozenset(),
 ) -> _Flow:
     flow = _Flow()
     layouts: dict[int, object] = {}
     owners: dict[int, frozenset] = {}
     tensors = trace.tensors()
-    for node in trace.nodes:
+    starts = {c.start: c for c in sorted(trace.calls, key=lambda c: c.start - c.end) if c.module in wide}
+    skip = 0
+    for at, node in enumerate(trace.nodes):
+        call = starts.get(at) if at >= skip else None
+        if call is not None:  # a module run on all the features: its input gathered, its output cut again
+            if _gathers(call, trace, layouts):
+                x, y = call.inputs[0], call.outputs[0]
+                layouts[y.key], owners[y.key] = layouts[x.key], owners[x.key]
+                flow.full_width.setdefault(call.module, set()).update(owners[x.key])
+                skip = call.end
+                for n in trace.nodes[call.start : call.end]:  # its parameters are used on whole values
+                    for r in n.inputs():
+                        if r.key in trace.parameters:
+                            flow.parameter_uses.setdefault(trace.parameters[r.key], (set(), [False]))[1][0] = True
+            else:
+                flow.whole_calls.add(call.module)
+        if at < skip:
+            continue
         _seed(trace, node, seeds, layouts, owners)
         labeled = [r for r in node.inputs() if r.key in layouts]
         sources = frozenset().union(*(owners[r.key] for r in labeled)) if labeled else frozenset()
@@ -154,6 +204,10 @@ def _run_flow(
         try:
             outs = propagate(node, trace.shapes, layouts, tp, demands, trace.parameters, tensors, companions)
         except Escape as escape:
+            widened = _widened(trace, at, layouts, wide | flow.widen)
+            if widened is not None:  # followed again with that module run on all the features
+                flow.widen.add(widened)
+                continue
             for s in sources:
                 flow.failed.setdefault(s, f"{escape} (in {node.owner or 'the root module'})")
             continue
@@ -205,8 +259,15 @@ def _flow_with_features(
 ) -> tuple[_Flow, dict[str, tuple[ShardSpec, frozenset]]]:
     """The flow with every per-feature tensor it finds sharded, followed again until none is new."""
     seeds: dict[str, tuple[Layout, frozenset]] = {}
+    wide: frozenset[str] = frozenset()
     while True:
-        flow = _run_flow(trace, columns, tp, seeds)
+        flow = _run_flow(trace, columns, tp, seeds, wide)
+        if flow.widen:
+            wide |= flow.widen
+            continue
+        for module in flow.whole_calls & set(flow.full_width):
+            for s in flow.full_width[module]:
+                flow.failed.setdefault(s, f"{module} reads all the features in one call, whole values in another")
         grown = dict(seeds)
         for found, sources in flow.companions:
             layout = _raw_layout(trace, found)
@@ -284,16 +345,23 @@ def _regions(rows: dict[str, set[str]], order: list[str]) -> list[set[str]]:
 
 
 def _divisible_attributes(module: nn.Module, value: int) -> list[str]:
-    return [
-        k
-        for k, v in vars(module).items()
-        if isinstance(v, int)
-        and not isinstance(v, bool)
-        and v == value
-        and not k.startswith("_")
-        and DIVIDED.search(k)
-        and not NOT_DIVIDED.search(k)
-    ]
+    """Integer attributes of ``module``, or of a plain object it holds (``config.n_head``), equal to a
+    written size ``value`` and named like a size that splits with the heads."""
+
+    def sizes(obj: object) -> list[str]:
+        return [
+            k
+            for k, v in vars(obj).items()
+            if isinstance(v, int)
+            and not isinstance(v, bool)
+            and v == value
+            and not k.startswith("_")
+            and DIVIDED.search(k)
+            and not NOT_DIVIDED.search(k)
+        ]
+
+    own = sizes(module)
+    return own or [f"{h}.{k}" for h, obj in holders(module).items() for k in sizes(obj)]
 
 
 def find_traced_plan(trace: Trace, tp: int) -> TracedPlan:
@@ -342,6 +410,7 @@ def find_traced_plan(trace: Trace, tp: int) -> TracedPlan:
     }
     plan.features = {n: spec for n, (spec, _) in features.items()}
     plan.feature_columns = {n: set(cols) for n, (_, cols) in features.items()}
+    plan.full_width = {m: set(cols) for m, cols in flow.full_width.items() if m not in flow.whole_calls}
     plan.unread = _unread_aliases(trace)
     for name in calls:
         plan.reasons.pop(name, None) if name in plan.columns or name in plan.rows else None

@@ -13,6 +13,9 @@ for Hugging Face, never a download): next-token prediction on ``tests.helpers.tp
     inline_mlp      a GPT whose block computes its MLP inline: down(silu(gate(x)) * up(x)), no submodule
     nanogpt         nanoGPT's GPT: head sizes computed from the input's width (C // n_head, view(B, T, C)),
                     so its attention cannot be split without changing the code; lm_head tied to wte
+    litgpt          litgpt's GPT (the Lightning ecosystem's model library): fused q|k|v split by sizes
+                    computed in forward from ``config.n_head``/``config.n_query_groups``, a config object
+                    shared by every layer
 """
 
 from __future__ import annotations
@@ -79,6 +82,22 @@ def _hf_bert(width: int, layers: int, heads: int) -> nn.Module:
         attention_probs_dropout_prob=0.0,
     )
     return BertForMaskedLM(config)
+
+
+def _litgpt(width: int, layers: int, heads: int) -> nn.Module:
+    from litgpt.config import Config
+    from litgpt.model import GPT
+
+    config = Config(
+        n_layer=layers,
+        n_embd=width,
+        n_head=heads,
+        block_size=BLOCK,
+        vocab_size=VOCAB,
+        padded_vocab_size=VOCAB,
+        rotary_percentage=1.0,
+    )
+    return GPT(config)
 
 
 class TorchEncoderLM(nn.Module):
@@ -209,7 +228,10 @@ ARCHITECTURES: dict[str, Callable[[int, int, int], nn.Module]] = {
     "lightning_demo": LightningDemo,
     "inline_mlp": InlineMLPGPT,
     "nanogpt": NanoGPT,
+    "litgpt": _litgpt,
 }
+# called as ``model(idx)`` though they hold a ``config``: not Hugging Face models
+PLAIN = frozenset({"litgpt"})
 
 
 def build(arch: str, width: int = 16, layers: int = 2, heads: int = 4) -> nn.Module:
@@ -248,7 +270,7 @@ class ZooLM(LightningModule):
         if arch in VISION:  # the 8 tokens as a 1-channel 4x4 image, the first target token as the class
             pixels = (idx.to(self.dtype) / VOCAB).view(idx.shape[0], 1, 2, 4).repeat_interleave(2, dim=2)
             return self.model(pixel_values=pixels).logits
-        if hasattr(self.model, "config"):  # a Hugging Face model, called the way users call it
+        if hasattr(self.model, "config") and arch not in PLAIN:  # a Hugging Face model, called the way users call it
             return self.model(input_ids=idx).logits
         return self.model(idx)
 
