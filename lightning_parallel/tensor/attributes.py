@@ -50,7 +50,9 @@ def attribute_targets(modules: dict[str, nn.Module], pattern: str) -> list[tuple
     if hits or "." not in owner:
         return hits
     owner, _, holder = owner.rpartition(".")
-    return [(n, f"{holder}.{attr}") for n in modules if match_pattern(owner, n) and holder in holders(modules[n])]
+    return [
+        (n, f"{holder}.{attr}") for n in modules if match_pattern(owner, n) and holder in holders(modules[n])
+    ]
 
 
 def read_attribute(module: nn.Module, path: str) -> Any:

@@ -382,7 +382,12 @@ def auto_plan(
         finder.features = {t: s for t, s in finder.features.items() if found.feature_columns[t] & kept}
         wide = sorted(m for m, cols in finder.full_width.items() if cols & kept)
         plan = Plan(
-            list(finder.layers.values()), finder.attributes, sums, sorted(unread), finder.features, full_width=wide
+            list(finder.layers.values()),
+            finder.attributes,
+            sums,
+            sorted(unread),
+            finder.features,
+            full_width=wide,
         )
         failure = dry_run(module, _checked(module, plan, tp_size, traced=True), run, fake)
         if failure is None:

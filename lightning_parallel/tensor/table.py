@@ -77,6 +77,12 @@ def _local(a, tp: int) -> tuple[str, int, str, str]:
     return "(full)", _numel(m), "-", "-"
 
 
+def _width(m: nn.Module) -> str:
+    """The features a ``full_width`` module reads: its weight's length (a norm), else "features"."""
+    vectors = [p.shape[0] for p in m.parameters() if p.dim() == 1]
+    return str(max(vectors)) if vectors else "features"
+
+
 def feature_tensors(resolved: ResolvedPlan, owner: str) -> list[str]:
     """The local names of ``owner``'s tensors that the plan cuts with the features."""
     return [n.rpartition(".")[2] for n in resolved.features if n.rpartition(".")[0] == owner]
@@ -161,6 +167,12 @@ def plan_rows(module: nn.Module, resolved: ResolvedPlan, sequence: bool = True) 
             n -= sum(p.numel() // tp for p in a.module.parameters() if id(p) in covered)
         rows.append(PlanRow(a.name, a.style, shape, n, fwd, bwd))
         covered.update(id(p) for p in a.module.parameters())
+    for name in resolved.full_width:  # run on all the features: whole parameters, gathered input
+        m = module.get_submodule(name)
+        rows.append(PlanRow(name, "full_width", "(full)", _numel(m), *(f"all-gather {_width(m)}/tok",) * 2))
+        covered.update(id(p) for p in m.parameters())
+    if resolved.full_width:
+        rows.sort(key=lambda r: order.get(r.name, len(order)))
     rest = sum(p.numel() for p in module.parameters() if id(p) not in covered)
     rows.append(PlanRow("(all other parameters)", "replicate", "(full)", rest, "-", "-"))
     return _sequence_rows(module, resolved, rows) if sequence and resolved.sequence is not None else rows

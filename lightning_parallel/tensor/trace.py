@@ -8,7 +8,8 @@ It runs the user's own code on the batch's fake copy, with the module's tensors 
 weights or activations.
 Projection layers and ``SyncBatchNorm`` (``LEAF_TYPES``) are recorded as one node each; what they
 compute inside is not recorded. Tensors are told apart by identity and version, so in-place operations
-start a new value.
+start a new value. Every other module's call is recorded as a ``Call``: its tensor arguments and
+outputs and the steps it ran.
 """
 
 from __future__ import annotations
@@ -195,7 +196,9 @@ class _Recorder(TorchDispatchMode):
             self.leaf_depth += 1
         elif not self.leaf_depth:
             flat, _ = tree_flatten(args)
-            self.entered.append((tuple(self.ref(t) for t in flat if isinstance(t, Tensor)), len(self.trace.nodes)))
+            self.entered.append(
+                (tuple(self.ref(t) for t in flat if isinstance(t, Tensor)), len(self.trace.nodes))
+            )
 
     def post(self, module: nn.Module, args: tuple, output: Any) -> None:
         self.stack.pop()

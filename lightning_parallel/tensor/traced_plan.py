@@ -10,6 +10,14 @@ A parameter or buffer that meets the sharded features with their full length (a 
 bias and running statistics; a per-feature scale) is cut with them (``TracedPlan.features``): the flow
 is followed again with it sharded from its first read, so every use of it, and every value computed
 from it, must work on its slice too.
+
+A module applied right to a column-parallel output whose steps cannot run on its slice (a norm taking
+statistics over the whole q or k projection) is run on all the features instead (``full_width``: its
+input all-gathered, its output cut again, ``tensor.full_width``), and the flow is followed again with its
+output split as its input was.
+
+Sizes to divide are found on the module whose ``forward`` wrote them, or on a plain object it holds
+(``config.n_head``; ``tensor.attributes``).
 """
 
 from __future__ import annotations
@@ -40,7 +48,9 @@ __all__ = ["TracedPlan", "find_traced_plan", "out_features"]
 # attributes that may hold a written size: head counts, split sizes, widths; never per-head sizes,
 # rotary dimensions, positions or group counts (equal by chance)
 DIVIDED = re.compile(r"head|split|embd|embed|hidden|query_groups")
-NOT_DIVIDED = re.compile(r"head_dim|head_size|layer_idx|(?<!query_)groups|max_|position|vocab|rotary|rope|ndims")
+NOT_DIVIDED = re.compile(
+    r"head_dim|head_size|layer_idx|(?<!query_)groups|max_|position|vocab|rotary|rope|ndims"
+)
 
 
 def out_features(m: nn.Module) -> int:
@@ -72,7 +82,8 @@ class _Flow:
     companions: list[tuple[Companion, frozenset]] = field(default_factory=list)
     full_width: dict[str, set[str]] = field(default_factory=dict)  # module -> columns it gathers
     widen: set[str] = field(default_factory=set)  # modules to run on all features, found in this run
-    whole_calls: set[str] = field(default_factory=set)  # modules of ``full_width`` also called on whole values
+    # modules of ``full_width`` also called on whole values
+    whole_calls: set[str] = field(default_factory=set)
 
 
 def _chunks(trace: Trace, key: int, width: int) -> int:
@@ -128,11 +139,34 @@ def _gathers(call: Call, trace: Trace, layouts: dict) -> bool:
     )
 
 
-def _widened(trace: Trace, at: int, layouts: dict, wide: set[str]) -> Optional[str]:
-    """The innermost module call around step ``at`` that could run on all the features instead."""
-    around = [c for c in trace.calls if c.start <= at < c.end and c.module not in wide]
+def _widened(
+    trace: Trace, at: int, layouts: dict, wide: frozenset[str], columns: dict[str, int]
+) -> Optional[str]:
+    """The innermost module call around step ``at`` that could run on all the features instead: one
+    applied right to a column-parallel layer's output (a norm over the whole q or k projection)."""
+    outputs = {n.outputs[0].key for n in trace.nodes if n.layer in columns and n.outputs and n.outputs[0]}
+    around = [
+        c
+        for c in trace.calls
+        if c.start <= at < c.end and c.module not in wide and c.inputs and c.inputs[0].key in outputs
+    ]
     around.sort(key=lambda c: c.end - c.start)
     return next((c.module for c in around if _gathers(c, trace, layouts)), None)
+
+
+def _full_width_call(call: Call, trace: Trace, layouts: dict, owners: dict, flow: _Flow) -> int:
+    """A call of a module run on all the features: its output split as its input, its parameters used on
+    whole values; returns where its steps end (0 when it is called on whole values: it cannot be)."""
+    if not _gathers(call, trace, layouts):
+        flow.whole_calls.add(call.module)
+        return 0
+    x, y = call.inputs[0], call.outputs[0]
+    layouts[y.key], owners[y.key] = layouts[x.key], owners[x.key]
+    flow.full_width.setdefault(call.module, set()).update(owners[x.key])
+    for r in (r for n in trace.nodes[call.start : call.end] for r in n.inputs()):
+        if r.key in trace.parameters:
+            flow.parameter_uses.setdefault(trace.parameters[r.key], (set(), [False]))[1][0] = True
+    return call.end
 
 
 def _run_flow(
@@ -150,18 +184,8 @@ def _run_flow(
     skip = 0
     for at, node in enumerate(trace.nodes):
         call = starts.get(at) if at >= skip else None
-        if call is not None:  # a module run on all the features: its input gathered, its output cut again
-            if _gathers(call, trace, layouts):
-                x, y = call.inputs[0], call.outputs[0]
-                layouts[y.key], owners[y.key] = layouts[x.key], owners[x.key]
-                flow.full_width.setdefault(call.module, set()).update(owners[x.key])
-                skip = call.end
-                for n in trace.nodes[call.start : call.end]:  # its parameters are used on whole values
-                    for r in n.inputs():
-                        if r.key in trace.parameters:
-                            flow.parameter_uses.setdefault(trace.parameters[r.key], (set(), [False]))[1][0] = True
-            else:
-                flow.whole_calls.add(call.module)
+        if call is not None:
+            skip = _full_width_call(call, trace, layouts, owners, flow) or skip
         if at < skip:
             continue
         _seed(trace, node, seeds, layouts, owners)
@@ -204,7 +228,7 @@ def _run_flow(
         try:
             outs = propagate(node, trace.shapes, layouts, tp, demands, trace.parameters, tensors, companions)
         except Escape as escape:
-            widened = _widened(trace, at, layouts, wide | flow.widen)
+            widened = _widened(trace, at, layouts, wide | flow.widen, columns)
             if widened is not None:  # followed again with that module run on all the features
                 flow.widen.add(widened)
                 continue
@@ -267,7 +291,9 @@ def _flow_with_features(
             continue
         for module in flow.whole_calls & set(flow.full_width):
             for s in flow.full_width[module]:
-                flow.failed.setdefault(s, f"{module} reads all the features in one call, whole values in another")
+                flow.failed.setdefault(
+                    s, f"{module} reads all the features in one call, whole values in another"
+                )
         grown = dict(seeds)
         for found, sources in flow.companions:
             layout = _raw_layout(trace, found)

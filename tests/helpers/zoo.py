@@ -270,7 +270,9 @@ class ZooLM(LightningModule):
         if arch in VISION:  # the 8 tokens as a 1-channel 4x4 image, the first target token as the class
             pixels = (idx.to(self.dtype) / VOCAB).view(idx.shape[0], 1, 2, 4).repeat_interleave(2, dim=2)
             return self.model(pixel_values=pixels).logits
-        if hasattr(self.model, "config") and arch not in PLAIN:  # a Hugging Face model, called the way users call it
+        if (
+            hasattr(self.model, "config") and arch not in PLAIN
+        ):  # a Hugging Face model, called the way users call it
             return self.model(input_ids=idx).logits
         return self.model(idx)
 
@@ -292,7 +294,9 @@ class ZooLM(LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.hparams.optimizer == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=self.hparams.get("momentum", 0.0))
+        return torch.optim.SGD(
+            self.parameters(), lr=self.hparams.lr, momentum=self.hparams.get("momentum", 0.0)
+        )
 
 
 class AsyncZooLM(AsyncRule, ZooLM):

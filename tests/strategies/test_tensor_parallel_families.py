@@ -1,4 +1,4 @@
-"""plan="auto" on further Hugging Face families (tests/helpers/zoo_more.py), 2 real processes: equal to
+"""plan="auto" on further families (Hugging Face's in tests/helpers/zoo_more.py, litgpt's), 2 real processes: equal to
 single-device training (float64, 5 SGD steps, 1e-10), and what each rank keeps. Shares above 55% have
 known causes, named with each bound."""
 
@@ -24,6 +24,8 @@ MAX_SHARE = {
     "stablelm": 0.52,
     "distilbert": 0.55,
     "qwen3": 0.51,  # q_norm/k_norm weights meet split heads: their gradients are summed over the ranks
+    "olmo2": 0.51,  # q_norm/k_norm over the whole projection run on all its features (tensor.full_width)
+    "litgpt": 0.52,  # n_head/n_query_groups read from the shared config: divided on each attention's copy
     "bart": 0.55,  # learned positional embeddings with a forward of their own stay whole
     "vit": 0.58,  # the classifier's output is read whole by the loss
     "bloom": 0.67,  # ALiBi adds a bias of every head to the scores: attention stays whole

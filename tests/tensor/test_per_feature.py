@@ -107,22 +107,29 @@ class Regularized(nn.Module):
         return self.down(self.up(x) * self.scale).sum() + self.scale.square().sum()
 
 
+def test_what_is_not_per_feature_keeps_the_pair_whole():
+    plan = traced(Regularized(), torch.randn(3, 8))
+    assert plan.styles() == {} and plan.features == {} and plan.full_width == []
+    assert any("sum over the sharded dimension" in reason for _, reason in plan.report), plan.report
+
+
 @pytest.mark.parametrize(
-    "module, x, why",
+    "module, x, norm",
     [
-        (Channels(), torch.randn(3, 4, 8), "normalizes over the sharded dimension"),
-        (Regularized(), torch.randn(3, 8), "sum over the sharded dimension"),
+        (Channels(), torch.randn(3, 4, 8), "bn"),
         (
             dense(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 8)),
             torch.randn(3, 8, dtype=torch.float64),
-            "native_layer_norm: the whole parameter '1.weight' meets sharded values",
+            "1",
         ),
     ],
 )
-def test_what_is_not_per_feature_keeps_the_pair_whole(module, x, why):
+def test_a_norm_right_on_a_column_output_runs_on_all_its_features(module, x, norm):
+    """Statistics over the split features (a LayerNorm, a BatchNorm over the positions): the norm runs on
+    all the features (tensor.full_width), its parameters whole, and the pair splits around it."""
     plan = traced(module, x)
-    assert plan.styles() == {} and plan.features == {}
-    assert any(why in reason for _, reason in plan.report), plan.report
+    assert sorted(plan.styles().values()) == ["colwise", "rowwise"] and plan.full_width == [norm]
+    assert plan.features == {} and plan.report == []
 
 
 def test_a_written_plan_infers_batchnorm_in_a_sequential_and_names_other_per_feature_layers():

@@ -4,13 +4,15 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from lightning_parallel.cli.plan_table import main
+from lightning_parallel.cli.plan_table import STRUCTURAL, main
 from lightning_parallel.tensor import apply_plan, resolve
 from lightning_parallel.tensor.table import collectives_per_step, format_table, params_per_rank, plan_rows
 from tests.helpers.harness import REPO
 from tests.helpers.models import MLP
-from tests.helpers.tp_models import EncoderRegressor, SmallGPT
+from tests.helpers.tp_models import EncoderRegressor, SmallGPT, TokenData
+from tests.helpers.zoo import ZooLM
 
 
 @pytest.mark.parametrize(
@@ -59,8 +61,41 @@ def test_cli_traces_the_first_batch_of_a_data_module(capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "model.transformer.h.1.attn.c_attn  colwise" in out and "split_size: 16 -> 8" in out
+    assert out.startswith("traced: training_step on the first batch of tests.helpers.tp_models:TokenData")
     assert main(args[:3]) == 0  # no batch, no example_input_array: the structural rules leave GPT-2 whole
-    assert "model.transformer.h.1.attn.c_attn  colwise" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "model.transformer.h.1.attn.c_attn  colwise" not in out and not out.startswith("traced:")
+    assert out.rstrip().endswith(STRUCTURAL)  # said, with how to trace, below the numbers it qualifies
+    assert "--data package.module:DataModule" in STRUCTURAL and "example_input_array" in STRUCTURAL
+
+
+class ExampleLM(ZooLM):
+    """GPT-2 with an ``example_input_array``."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.example_input_array = torch.randint(0, 32, (2, 8))
+
+
+class OwnLoaderLM(ZooLM):
+    """GPT-2 whose LightningModule has its own ``train_dataloader``."""
+
+    def train_dataloader(self):
+        return TokenData().train_dataloader()
+
+
+@pytest.mark.parametrize(
+    "target, traced",
+    [
+        ("ExampleLM", "traced: forward on the module's example_input_array"),
+        ("OwnLoaderLM", "traced: training_step on the first batch of the module's train_dataloader"),
+    ],
+)
+def test_cli_traces_without_data_when_the_module_has_a_sample(capsys, target, traced):
+    assert main([f"tests.tensor.test_table:{target}", "--kwargs", '{"arch": "hf_gpt2"}']) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(traced) and STRUCTURAL not in out
+    assert "model.transformer.h.1.attn.c_attn  colwise" in out
 
 
 def test_cli_reports_plan_errors(capsys):

@@ -10,6 +10,7 @@ from torch.nn import functional as F
 from lightning_parallel.tensor import PlanError, resolve
 from lightning_parallel.tensor.coverage import check_coverage, sharded_share
 from lightning_parallel.tensor.shard_flow import Escape, _regroup, entry_layout
+from lightning_parallel.tensor.table import format_table
 from lightning_parallel.tensor.trace import Node
 from tests.helpers.models import MLP
 from tests.helpers.zoo import ZooLM
@@ -139,3 +140,40 @@ def test_manual_optimization_traces_only_forward():
     assert forward_on(module, batch=(torch.zeros(2, 8, dtype=torch.long),) * 2) is None
     module.example_input_array = torch.zeros(2, 8, dtype=torch.long)
     assert forward_on(module, batch=None) is not None
+
+
+def test_olmo2_norms_over_the_whole_projection_run_on_all_its_features():
+    """OLMo-2's q_norm/k_norm take their statistics over the whole q/k projection: they run on all the
+    features (tensor.full_width), and the attention splits around them."""
+    module, plan = traced("olmo2")
+    attn = "model.model.layers.1.self_attn"
+    styles = plan.styles()
+    assert [styles[f"{attn}.{p}_proj"] for p in "qkvo"] == ["colwise"] * 3 + ["rowwise"]
+    assert f"{attn}.q_norm" in plan.full_width and f"{attn}.k_norm" in plan.full_width
+    assert f"{attn}.q_norm.weight" not in plan.features and plan.report == []
+    assert sharded_share(module, plan) > 0.9
+    table = format_table(module, plan)  # whole weight, an all-gather of its width each way
+    assert (
+        f"{attn}.k_norm  full_width  (full)        8            all-gather 8/tok   all-gather 8/tok" in table
+    )
+
+
+def test_litgpt_sizes_read_from_the_shared_config_are_divided_on_a_copy():
+    """litgpt's attention reads n_head and n_query_groups from a Config shared by the model and every
+    layer: each sharded attention gets its own copy, the user's object keeps the full values."""
+    from lightning_parallel.tensor import apply_plan
+
+    module, plan = traced("litgpt")
+    config = module.model.config
+    attn = "model.transformer.h.0.attn"
+    assert plan.styles()[f"{attn}.qkv"] == "colwise" and plan.styles()[f"{attn}.proj"] == "rowwise"
+    assert (attn, "config.n_head", 4) in plan.attributes and (
+        attn,
+        "config.n_query_groups",
+        4,
+    ) in plan.attributes
+    assert all(block.attn.config is config for block in module.model.transformer.h)  # the dry run undid it
+    apply_plan(module, plan, group=None, tp_rank=0, gradient_hooks=False)
+    copies = [block.attn.config for block in module.model.transformer.h]
+    assert (config.n_head, config.n_query_groups) == (4, 4) and module.model.config is config
+    assert all(c is not config and (c.n_head, c.n_query_groups, c.head_size) == (2, 2, 4) for c in copies)
