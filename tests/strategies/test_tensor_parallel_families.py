@@ -9,6 +9,7 @@ import torch
 
 from tests.helpers.harness import max_param_diff, run_distributed, run_single
 from tests.helpers.zoo import ZooLM
+from tests.strategies.test_parallel_3d import DDP, PARALLEL, layout
 
 TP = "lightning_parallel:TensorParallelStrategy"
 F64 = {"precision": "64-true", "max_steps": 5}
@@ -72,3 +73,41 @@ def test_family_auto_plan_equals_single_device(arch, runs):
     plan = results[arch][0]["probe"]
     share = plan["local_parameters"] / total
     assert share <= MAX_SHARE[arch], (share, plan["report"])
+
+
+# families whose attention splits through tensor.full_width (OLMo-2) and tensor.attributes (litgpt)
+COMPOSED = ("olmo2", "litgpt")
+
+
+def composed_case(arch: str, strategy: str, kwargs: dict, meta: bool) -> dict:
+    """``arch`` under ``strategy``, built on meta (``init_module(empty_init=True)``) or normally."""
+    c = {**case(arch), "name": f"{arch}-{strategy.rpartition(':')[2]}-{'meta' if meta else 'built'}"}
+    c.update(strategy={"class": strategy, "kwargs": kwargs}, probe=None)
+    return {**c, "empty_init": True} if meta else c
+
+
+@pytest.fixture(scope="module")
+def composed(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("families-3d")
+    tp2_pp2 = {**layout(1, 2, 2), "num_microbatches": 4}
+    results = {}
+    for world, strategy, kwargs in ((1, DDP, {}), (4, PARALLEL, tp2_pp2)):
+        cases = [composed_case(a, strategy, kwargs, meta) for a in COMPOSED for meta in (False, True)]
+        results.update(run_distributed(cases, world_size=world, tmp_path=tmp, timeout=500))
+    return tmp
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("meta", [False, True], ids=["built", "meta"])
+@pytest.mark.parametrize("arch", COMPOSED)
+def test_family_under_tp2_x_pp2_equals_one_process(arch, meta, composed):
+    """lp_parallel with tp=2 x pp=2 on 4 processes, plan="auto": the same parameters as one process after 5
+    float64 SGD steps, from the same initial weights (built alike: normally, or on meta and materialized)."""
+    built = "meta" if meta else "built"
+    full = torch.load(
+        composed / "dist4" / f"{arch}-ParallelStrategy-{built}" / "last.ckpt", weights_only=False
+    )
+    one = torch.load(composed / "dist1" / f"{arch}-DDPStrategy-{built}" / "last.ckpt", weights_only=False)
+    diff = max_param_diff(full["state_dict"], one["state_dict"])
+    assert set(full["state_dict"]) == set(one["state_dict"]) and diff < 1e-10, diff
