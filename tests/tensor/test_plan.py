@@ -246,3 +246,25 @@ def test_hydra_node_parses_like_the_file():
 
     node = OmegaConf.create({"plan": OmegaConf.load(GPT_PLAN)}).plan
     assert parse_plan(node) == parse_plan(GPT_PLAN)
+
+
+def test_a_written_plan_divides_sizes_held_in_a_config_object():
+    """litgpt's attention reads its head counts from ``self.config``, shared by every layer: a written plan
+    names them through it, and applying the plan gives each attention its own copy."""
+    from tests.helpers.zoo import ZooLM
+
+    module = ZooLM(arch="litgpt")
+    attn = "model.transformer.h.*.attn"
+    plan = {
+        f"{attn}.qkv": {"style": "colwise", "chunks": 3},
+        f"{attn}.proj": "rowwise",
+        f"{attn}.config.n_head": "divide",
+        f"{attn}.config.n_query_groups": "divide",
+    }
+    resolved = resolve_plan(module, plan, 2)
+    assert ("model.transformer.h.1.attn", "config.n_query_groups", 4) in resolved.attributes
+    config = module.model.config
+    apply_plan(module, resolved, group=None, tp_rank=1)
+    assert config.n_head == 4 and all(b.attn.config.n_head == 2 for b in module.model.transformer.h)
+    with pytest.raises(PlanError, match="config.n_heads.* is None; .divide. needs an integer attribute"):
+        resolve_plan(ZooLM(arch="litgpt"), {f"{attn}.config.n_heads": "divide"}, 2)
