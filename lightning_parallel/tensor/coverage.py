@@ -5,7 +5,7 @@ from __future__ import annotations
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_parallel.tensor.plan import PlanError, ResolvedPlan
+from lightning_parallel.tensor.plan import KEPT_STYLES, PlanError, ResolvedPlan
 from lightning_parallel.tensor.table import collectives_per_step, plan_rows
 
 __all__ = ["check_coverage", "sharded_share"]
@@ -17,7 +17,7 @@ def sharded_share(module: nn.Module, resolved: ResolvedPlan) -> float:
     split = {
         id(p): p.numel()
         for a in resolved.assignments
-        if a.style not in ("replicate", "per_feature")
+        if a.style not in KEPT_STYLES
         for p in a.module.parameters()
     }
     parameters = dict(module.named_parameters())

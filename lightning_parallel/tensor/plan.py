@@ -12,14 +12,19 @@ A plan maps module-name patterns to a style; ``*`` matches exactly one dotted se
 
 A flat mapping works too (a value ``divide`` marks an attribute). Styles: ``colwise``
 (``gather_output``), ``rowwise`` (``input_is_parallel``, default true), ``vocab``, ``attention`` (for
-``nn.MultiheadAttention``), ``per_feature`` and ``replicate``. Names are those of
-``module.named_modules()``.
+``nn.MultiheadAttention``), ``per_feature``, ``full_width`` and ``replicate``. Names are those of
+``module.named_modules()``; an attribute may be one of a plain object the module holds
+(``model.h.*.attn.config.n_head: divide``, ``tensor.attributes``).
 
 ``per_feature`` is for a layer between a colwise layer and its rowwise partner that computes each
 feature from that feature alone (a BatchNorm, a per-feature scale): its parameters and buffers, vectors
 as long as the features, are cut with them (a count such as ``num_batches_tracked`` stays whole). A
 BatchNorm between a colwise layer and its rowwise partner in an ``nn.Sequential`` is taken as
 ``per_feature`` without being named: it could not run on split features otherwise.
+
+``full_width`` is for a module fed a colwise layer's split output that needs all of its features (a norm
+over the whole q or k projection, as OLMo-2's): it runs on all of them, with its whole parameters, and
+each rank keeps its slice of the output (``tensor.full_width``).
 
 Everything is checked on the unsharded module before anything is changed, and each problem is reported
 with the offending name and what would work: ``resolve_plan`` never returns a plan ``apply_plan``
@@ -57,18 +62,22 @@ __all__ = [
     "apply_plan",
     "install_gradient_sums",
     "STYLES",
+    "KEPT_STYLES",
     "ELEMENTWISE",
     "PER_FEATURE",
     "named_plans",
 ]
 
-STYLES = ("colwise", "rowwise", "vocab", "attention", "per_feature", "replicate")
+STYLES = ("colwise", "rowwise", "vocab", "attention", "per_feature", "full_width", "replicate")
+# styles whose module stays the user's object (not replaced by a tensor-parallel layer)
+KEPT_STYLES = ("replicate", "per_feature", "full_width")
 OPTIONS: dict[str, dict[str, Any]] = {
     "colwise": {"gather_output": False, "chunks": 1},
     "rowwise": {"input_is_parallel": True},
     "vocab": {},
     "attention": {},
     "per_feature": {},
+    "full_width": {},
     "replicate": {},
 }
 SEQUENCE_KEYS = ("dim", "enter", "exit")  # a plan's ``sequence`` section (``tensor.sequence_plan``)
@@ -124,8 +133,8 @@ class Plan:
     features: dict[str, ShardSpec] = field(default_factory=dict)
     # the ``sequence`` section (where sequence parallelism cuts the sequence), read by tensor.sequence_plan
     sequence: dict[str, Any] = field(default_factory=dict)
-    # modules run on all the features of their split input (a norm over a whole q/k projection, found by
-    # ``plan="auto"``): input all-gathered, output cut again (``tensor.full_width``)
+    # modules run on all the features of their split input (a norm over a whole q/k projection), found by
+    # ``plan="auto"``: listed like a written ``full_width`` module
     full_width: list[str] = field(default_factory=list)
 
 
@@ -147,11 +156,15 @@ class ResolvedPlan:
     report: list[tuple[str, str]] = field(default_factory=list)  # (name, why it stays replicated), from auto
     gradient_sums: list[str] = field(default_factory=list)  # parameter names, see Plan
     features: dict[str, ShardSpec] = field(default_factory=dict)  # per-feature tensors, see Plan
-    full_width: list[str] = field(default_factory=list)  # module names, see Plan
     sequence: Any = None  # a tensor.sequence.SequencePlan when sequence parallelism is on
 
     def styles(self) -> dict[str, str]:
         return {a.name: a.style for a in self.assignments}
+
+    @property
+    def full_width(self) -> list[str]:
+        """The modules run on all the features of their split input (``tensor.full_width``)."""
+        return [a.name for a in self.assignments if a.style == "full_width"]
 
 
 # ---------------------------------------------------------------------------------------------- parse
@@ -334,6 +347,8 @@ def _check_layer(a: Assignment, tp: int) -> None:
         return
     if style == "per_feature":
         return _check_per_feature(a, tp)
+    if style == "full_width":
+        return
     if not isinstance(m, TP_LAYERS[style][1]):
         raise _type_error(a.name, m, style)
     if style == "colwise":
@@ -384,7 +399,7 @@ def _check_dataflow(assignments: list[Assignment], modules: dict[str, nn.Module]
         siblings = [f"{parent_name}.{c}" if parent_name else c for c in parent._modules]
         if isinstance(parent, nn.Sequential):
             i = siblings.index(a.name)
-            step = -1 if a.style in ("rowwise", "per_feature") else 1
+            step = -1 if a.style in ("rowwise", "per_feature", "full_width") else 1
             j = i + step
             while 0 <= j < len(siblings) and _passes_features(siblings[j], modules, style):
                 j += step
@@ -392,10 +407,10 @@ def _check_dataflow(assignments: list[Assignment], modules: dict[str, nn.Module]
             candidates = [neighbour] if neighbour is not None else []
         else:
             candidates = [style[s] for s in siblings if s in style and s != a.name]
-        if a.style == "per_feature":
+        if a.style in ("per_feature", "full_width"):
             if not any(sharded_producer(c) for c in candidates):
                 raise PlanError(
-                    f"per_feature module {a.name!r} is fed no split features: no colwise layer (without "
+                    f"{a.style} module {a.name!r} is fed no split features: no colwise layer (without "
                     f"gather_output) before it in {parent_name or 'the root module'!r}. Mark its producer "
                     "'colwise' and the consumer 'rowwise', or leave it out of the plan"
                 )
@@ -419,7 +434,7 @@ def _passes_features(name: str, modules: dict[str, nn.Module], style: dict[str, 
     """A split value goes through this module unchanged in layout (element-wise, or per feature)."""
     own = style.get(name)
     if own is not None:
-        return own.style == "per_feature"
+        return own.style in ("per_feature", "full_width")
     return isinstance(modules[name], ELEMENTWISE + PER_FEATURE)
 
 
@@ -553,6 +568,11 @@ def resolve_plan(module: nn.Module, plan: Any, tp_size: int, check_dataflow: boo
     for owner in dict.fromkeys(name.rpartition(".")[0] for name in plan.features):
         if owner not in named:  # found by the automatic plan: listed like a written per_feature module
             assignments.append(Assignment(owner, modules[owner], "per_feature", {}))
+    for name in plan.full_width:
+        if name not in modules:
+            raise _no_match(name, names)
+        if name not in named:
+            assignments.append(Assignment(name, modules[name], "full_width", {}))
     attributes: list[tuple[str, str, int]] = []
     for rule in plan.attributes:
         hits = attribute_targets(modules, rule.pattern)
@@ -584,16 +604,8 @@ def resolve_plan(module: nn.Module, plan: Any, tp_size: int, check_dataflow: boo
     for name in plan.gradient_sums:
         if name not in parameters:
             raise _no_match(name, list(parameters), "parameter")
-    for name in plan.full_width:
-        if name not in modules:
-            raise _no_match(name, names)
     return ResolvedPlan(
-        assignments,
-        attributes,
-        tp_size,
-        gradient_sums=list(plan.gradient_sums),
-        features=features,
-        full_width=list(plan.full_width),
+        assignments, attributes, tp_size, gradient_sums=list(plan.gradient_sums), features=features
     )
 
 
@@ -615,7 +627,7 @@ def apply_plan(
     tied = {n: names for names in tied_parameters(module).values() for n in names}
     shared: dict[str, nn.Parameter] = {}  # a tied full weight's name -> the sharded parameter made for it
     for a in resolved.assignments:
-        if a.style in ("replicate", "per_feature"):
+        if a.style in KEPT_STYLES:
             continue
         parent_name, child = _split_name(a.name)
         parent = module.get_submodule(parent_name)
@@ -634,7 +646,7 @@ def apply_plan(
                     shared[full] = getattr(new, local)
         setattr(parent, child, new)
     shard_features(module, resolved.features, tp, tp_rank)
-    planned = {a.name for a in resolved.assignments if a.style not in ("replicate", "per_feature")}
+    planned = {a.name for a in resolved.assignments if a.style not in KEPT_STYLES}
     for full, param in shared.items():  # holders that are not planned layers take the shard too
         owner, _, attr = full.rpartition(".")
         if owner not in planned and not any(owner.startswith(n + ".") for n in planned):

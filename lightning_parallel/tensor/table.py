@@ -157,6 +157,11 @@ def plan_rows(module: nn.Module, resolved: ResolvedPlan, sequence: bool = True) 
             rows.append(PlanRow(a.name or "(root)", a.style, shape, n, "-", "-"))
             covered.update(ids)
             continue
+        if a.style == "full_width":  # run on all the features: whole parameters, gathered input
+            gather = f"all-gather {_width(a.module)}/tok"
+            rows.append(PlanRow(a.name, a.style, "(full)", _numel(a.module), gather, gather))
+            covered.update(id(p) for p in a.module.parameters())
+            continue
         shape, n, fwd, bwd = _local(a, tp)
         if a.style == "colwise":  # one shared backward all-reduce per parent (q, k, v)
             parent = a.name.rpartition(".")[0]
@@ -167,12 +172,6 @@ def plan_rows(module: nn.Module, resolved: ResolvedPlan, sequence: bool = True) 
             n -= sum(p.numel() // tp for p in a.module.parameters() if id(p) in covered)
         rows.append(PlanRow(a.name, a.style, shape, n, fwd, bwd))
         covered.update(id(p) for p in a.module.parameters())
-    for name in resolved.full_width:  # run on all the features: whole parameters, gathered input
-        m = module.get_submodule(name)
-        rows.append(PlanRow(name, "full_width", "(full)", _numel(m), *(f"all-gather {_width(m)}/tok",) * 2))
-        covered.update(id(p) for p in m.parameters())
-    if resolved.full_width:
-        rows.sort(key=lambda r: order.get(r.name, len(order)))
     rest = sum(p.numel() for p in module.parameters() if id(p) not in covered)
     rows.append(PlanRow("(all other parameters)", "replicate", "(full)", rest, "-", "-"))
     return _sequence_rows(module, resolved, rows) if sequence and resolved.sequence is not None else rows

@@ -268,3 +268,22 @@ def test_a_written_plan_divides_sizes_held_in_a_config_object():
     assert config.n_head == 4 and all(b.attn.config.n_head == 2 for b in module.model.transformer.h)
     with pytest.raises(PlanError, match="config.n_heads.* is None; .divide. needs an integer attribute"):
         resolve_plan(ZooLM(arch="litgpt"), {f"{attn}.config.n_heads": "divide"}, 2)
+
+
+def test_a_written_plan_runs_a_norm_on_all_the_features():
+    """OLMo-2's q_norm/k_norm written as ``full_width`` beside their colwise projections; one fed no split
+    features is refused, naming it."""
+    from tests.helpers.zoo import ZooLM
+
+    attn = "model.model.layers.*.self_attn"
+    plan = {f"{attn}.{p}_proj": "colwise" for p in "qkv"}
+    plan.update({f"{attn}.o_proj": "rowwise", f"{attn}.q_norm": "full_width", f"{attn}.k_norm": "full_width"})
+    resolved = resolve_plan(ZooLM(arch="olmo2"), plan, 2)
+    assert sorted(resolved.full_width) == [
+        f"model.model.layers.{i}.self_attn.{n}_norm" for i in (0, 1) for n in "kq"
+    ]
+    lone = {"model.model.layers.0.post_attention_layernorm": "full_width"}
+    with pytest.raises(
+        PlanError, match="full_width module 'model.model.layers.0.post_attention_layernorm' is fed"
+    ):
+        resolve_plan(ZooLM(arch="olmo2"), lone, 2)
