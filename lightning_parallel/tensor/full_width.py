@@ -37,6 +37,11 @@ class _Hook:
         if not self.active:
             return None
         if self.gather:
+            if not args or not isinstance(args[0], Tensor):
+                raise TypeError(
+                    f"{type(module).__name__} runs on all the features (full_width), which gathers its first "
+                    "positional argument, but it was called without a tensor there; pass its input positionally"
+                )
             return (gather_from_group(args[0], self.group, -1), *args[1:])
         out = output[0]
         return split_to_group(out, self.group, -1) if isinstance(out, Tensor) else out
