@@ -128,7 +128,9 @@ def test_a_norm_right_on_a_column_output_runs_on_all_its_features(module, x, nor
     """Statistics over the split features (a LayerNorm, a BatchNorm over the positions): the norm runs on
     all the features (tensor.full_width), its parameters whole, and the pair splits around it."""
     plan = traced(module, x)
-    assert sorted(plan.styles().values()) == ["colwise", "rowwise"] and plan.full_width == [norm]
+    assert sorted(plan.styles().values()) == ["colwise", "full_width", "rowwise"] and plan.full_width == [
+        norm
+    ]
     assert plan.features == {} and plan.report == []
 
 
