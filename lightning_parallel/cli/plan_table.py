@@ -59,9 +59,8 @@ def _sample(module: Any, data: Optional[str], data_kwargs: str) -> tuple[Any, st
         datamodule.setup("fit")
         return _first_batch(datamodule), f"traced: training_step on the first batch of {data}"
     if isinstance(module, LightningModule) and is_overridden("train_dataloader", module, LightningModule):
-        return _first_batch(
-            module
-        ), "traced: training_step on the first batch of the module's train_dataloader"
+        batch = _first_batch(module)
+        return batch, "traced: training_step on the first batch of the module's train_dataloader"
     if getattr(module, "example_input_array", None) is not None:
         return None, "traced: forward on the module's example_input_array"
     return None, STRUCTURAL
