@@ -12,8 +12,9 @@ A plan maps module-name patterns to a style; ``*`` matches exactly one dotted se
 
 A flat mapping works too (a value ``divide`` marks an attribute). Styles: ``colwise``
 (``gather_output``), ``rowwise`` (``input_is_parallel``, default true), ``vocab``, ``attention`` (for
-``nn.MultiheadAttention``), ``per_feature`` and ``replicate``. Names are those of
-``module.named_modules()``.
+``nn.MultiheadAttention``), ``experts`` (a Hugging Face mixture-of-experts block's experts module: each
+expert's MLP split as a column/row pair, ``tensor.expert_layer``), ``per_feature`` and ``replicate``.
+Names are those of ``module.named_modules()``.
 
 ``per_feature`` is for a layer between a colwise layer and its rowwise partner that computes each
 feature from that feature alone (a BatchNorm, a per-feature scale): its parameters and buffers, vectors
@@ -39,6 +40,8 @@ from torch import nn
 from lightning_parallel.checkpointing.one_device import keep_skeleton
 from lightning_parallel.module_names import match_pattern
 from lightning_parallel.tensor.gradient_sums import GradientSums, gradient_sums_for
+from lightning_parallel.tensor.expert_layer import ParallelExperts
+from lightning_parallel.tensor.experts import ExpertsType, split_refusal
 from lightning_parallel.tensor.layers import TP_LAYERS, ShardSpec, SharedEntry, _linear_shape, shard_features
 
 __all__ = [
@@ -60,12 +63,13 @@ __all__ = [
     "named_plans",
 ]
 
-STYLES = ("colwise", "rowwise", "vocab", "attention", "per_feature", "replicate")
+STYLES = ("colwise", "rowwise", "vocab", "attention", "experts", "per_feature", "replicate")
 OPTIONS: dict[str, dict[str, Any]] = {
     "colwise": {"gather_output": False, "chunks": 1},
     "rowwise": {"input_is_parallel": True},
     "vocab": {},
     "attention": {},
+    "experts": {},
     "per_feature": {},
     "replicate": {},
 }
@@ -90,6 +94,8 @@ ELEMENTWISE: tuple[type, ...] = (
 # Modules whose statistics and parameters are per feature (channel): taken as ``per_feature`` between a
 # colwise layer and its rowwise partner in an ``nn.Sequential``.
 PER_FEATURE: tuple[type, ...] = (nn.modules.batchnorm._BatchNorm,)
+# plan style -> (layer class, the module types it replaces)
+LAYERS = {**TP_LAYERS, "experts": (ParallelExperts, (ExpertsType,))}
 
 
 class PlanError(ValueError):
@@ -280,12 +286,13 @@ def _no_match(pattern: str, names: list[str], what: str = "module") -> PlanError
 
 
 def _type_error(name: str, module: nn.Module, style: str) -> PlanError:
-    expected = " or ".join(t.__name__ for t in TP_LAYERS[style][1])
+    expected = " or ".join(t.__name__ for t in LAYERS[style][1])
     suggest = {
         nn.Embedding: "vocab",
         nn.MultiheadAttention: "attention",
         nn.Linear: "colwise or rowwise",
         TP_LAYERS["colwise"][1][1]: "colwise or rowwise",
+        ExpertsType: "experts",
     }
     alt = next((s for t, s in suggest.items() if isinstance(module, t)), "replicate")
     return PlanError(
@@ -328,7 +335,7 @@ def _check_layer(a: Assignment, tp: int) -> None:
         return
     if style == "per_feature":
         return _check_per_feature(a, tp)
-    if not isinstance(m, TP_LAYERS[style][1]):
+    if not isinstance(m, LAYERS[style][1]):
         raise _type_error(a.name, m, style)
     if style == "colwise":
         chunks = a.options.get("chunks", 1)
@@ -355,6 +362,8 @@ def _check_layer(a: Assignment, tp: int) -> None:
                 "add_zero_attn; replicate it"
             )
         _divisible(a.name, "num_heads", m.num_heads, tp, style)
+    elif style == "experts" and (why := split_refusal(m, tp)) is not None:
+        raise PlanError(f"{a.name!r} (experts): {why}; replicate it")
 
 
 def _split_name(name: str) -> tuple[str, str]:
@@ -605,7 +614,7 @@ def apply_plan(
             continue
         parent_name, child = _split_name(a.name)
         parent = module.get_submodule(parent_name)
-        cls = TP_LAYERS[a.style][0]
+        cls = LAYERS[a.style][0]
         kwargs = dict(a.options)
         if a.style in ("colwise", "attention"):
             kwargs["entry"] = entries.setdefault(parent_name, SharedEntry(group))
