@@ -237,12 +237,15 @@ class ZooLM(LightningModule):
         optimizer: str = "sgd",
         momentum: float = 0.0,
         router_aux: float = 0.0,
+        experts_implementation: str = "",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model = build(arch, width, layers, heads)  # as users hold a Hugging Face model: self.model
         if router_aux:  # a mixture of experts' load-balancing loss, weighted by router_aux, in the loss
             self.model.config.output_router_logits = True
+        if experts_implementation:  # how a mixture of experts runs its experts (batched_mm, grouped_mm)
+            self.model.set_experts_implementation(experts_implementation)
 
     def forward(self, idx: Tensor) -> Tensor:
         arch = self.hparams.arch
