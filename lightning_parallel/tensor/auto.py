@@ -7,13 +7,14 @@ on the meta device) and keeps every column-parallel choice whose sharded values 
 handles correctly up to a row-parallel partner (``tensor.shard_flow``): MLP pairs in a submodule or
 inline, gated products (SwiGLU), attention through ``scaled_dot_product_attention`` or matmul-softmax,
 fused q/k/v split per chunk, grouped-query attention, ``Conv1D``, the experts of a Hugging Face mixture
-of experts (each expert's MLP split as a pair: ``tensor.experts``, called with whole inputs); sizes written in ``forward`` (a head
-count, a split size) are divided through the attribute they are read from. A large layer whose output
-is needed whole (the output head) is column-parallel with a gathered output; tied weights are sharded
-alike or not at all. Per-feature layers inside a pair (a BatchNorm, a per-feature scale) have their
-parameters and buffers cut with the features. ``nn.MultiheadAttention`` and ``nn.Embedding`` are
-decided by type. The plan is tried on one simulated rank (``dry_run``), and where a model declares its
-own plan (Hugging Face's ``_tp_plan``) every disagreement with it is reported (``declared``).
+of experts (each expert's MLP split as a pair: ``tensor.experts``, called with whole inputs); sizes
+written in ``forward`` (a head count, a split size) are divided through the attribute they are read
+from. A large layer whose output is needed whole (the output head) is column-parallel with a gathered
+output; tied weights are sharded alike or not at all. Per-feature layers inside a pair (a BatchNorm, a
+per-feature scale) have their parameters and buffers cut with the features. ``nn.MultiheadAttention``
+and ``nn.Embedding`` are decided by type. The plan is tried on one simulated rank (``dry_run``), and
+where a model declares its own plan (Hugging Face's ``_tp_plan``) every disagreement with it is reported
+(``declared``).
 
 Without a forward, the structural rules below apply, and the evidence required is:
 - ``nn.MultiheadAttention`` (and so ``nn.TransformerEncoderLayer``/``DecoderLayer``): heads split;

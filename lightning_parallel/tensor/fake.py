@@ -84,7 +84,9 @@ def _fake_tensors(module: nn.Module, mode: FakeTensorMode, device: torch.device)
         if t is not None
     ]
     attributes = [(vars(m), dict(vars(m))) for m in module.modules()]
-    hooks = [(table, dict(table)) for state, _ in attributes for k, table in state.items() if _hook_table(k, table)]
+    hooks = [
+        (table, dict(table)) for state, _ in attributes for k, table in state.items() if _hook_table(k, table)
+    ]
     for table, name, t in held:
         if id(t) not in made:
             made[id(t)] = _fake_like(t, mode, device)

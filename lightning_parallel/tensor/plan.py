@@ -39,9 +39,9 @@ from torch import nn
 
 from lightning_parallel.checkpointing.one_device import keep_skeleton
 from lightning_parallel.module_names import match_pattern
-from lightning_parallel.tensor.gradient_sums import GradientSums, gradient_sums_for
 from lightning_parallel.tensor.expert_layer import ParallelExperts
 from lightning_parallel.tensor.experts import ExpertsType, split_refusal
+from lightning_parallel.tensor.gradient_sums import GradientSums, gradient_sums_for
 from lightning_parallel.tensor.layers import TP_LAYERS, ShardSpec, SharedEntry, _linear_shape, shard_features
 
 __all__ = [

@@ -86,16 +86,16 @@ def _experts_row(m: nn.Module, tp: int) -> tuple[str, int, str, str]:
     """Every expert's weights with their intermediate features cut; the partial outputs summed after the
     weighted combine, and backward the gradients of the hidden states and of the top-k routing weights
     summed in one all-reduce (per token: hidden + top-k elements)."""
-    lay = experts_layout(m)
+    lay, cut = experts_layout(m), experts_shards(m)
     local = {lay.up: lay.parts * lay.intermediate // tp, "down_proj": lay.intermediate // tp}
     shapes = []
-    for name, spec in experts_shards(m).items():
+    for name, spec in cut.items():
         shape = list(getattr(m, name).shape)
         shape[spec.dim] = local[name]
         shapes.append(str(shape))
     top_k = getattr(getattr(m, "config", None), "num_experts_per_tok", None)
     routing = f"+{top_k}" if isinstance(top_k, int) else "+top-k"
-    n = _numel(m) // tp
+    n = sum(p.numel() // tp if name in cut else p.numel() for name, p in m.named_parameters())
     return "+".join(shapes), n, f"all-reduce {lay.hidden}/tok", f"all-reduce {lay.hidden}{routing}/tok"
 
 

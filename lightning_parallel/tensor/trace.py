@@ -7,8 +7,8 @@ It runs the user's own code on the batch's fake copy, with the module's tensors 
 (``tensor.fake``): nothing is guessed from module names or structure, and no memory is spent on
 weights or activations.
 Projection layers, ``SyncBatchNorm`` (``LEAF_TYPES``) and a mixture of experts' experts module
-(``tensor.experts``) are recorded as one node each; what they compute inside is not recorded. Tensors are told apart by identity and version, so in-place operations
-start a new value.
+(``tensor.experts``) are recorded as one node each; what they compute inside is not recorded. Tensors
+are told apart by identity and version, so in-place operations start a new value.
 """
 
 from __future__ import annotations

@@ -214,7 +214,11 @@ MORE: dict[str, Callable[[int, int, int], nn.Module]] = {
         experts_implementation="eager",
     ),
     "olmoe": _llama_like(
-        "OlmoeForCausalLM", "OlmoeConfig", num_experts=4, num_experts_per_tok=2, experts_implementation="eager"
+        "OlmoeForCausalLM",
+        "OlmoeConfig",
+        num_experts=4,
+        num_experts_per_tok=2,
+        experts_implementation="eager",
     ),
     "cohere": _llama_like("CohereForCausalLM", "CohereConfig"),
     "starcoder2": _llama_like(
