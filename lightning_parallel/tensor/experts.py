@@ -21,7 +21,15 @@ from torch import Tensor, nn
 
 from lightning_parallel.tensor.layers import ShardSpec
 
-__all__ = ["ExpertsLayout", "ExpertsType", "experts_layout", "experts_shards", "is_experts", "split_refusal"]
+__all__ = [
+    "ExpertsLayout",
+    "ExpertsType",
+    "experts_layout",
+    "experts_shards",
+    "find_experts",
+    "is_experts",
+    "split_refusal",
+]
 
 # set on every instance by transformers' ``use_experts_implementation``
 FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
@@ -34,6 +42,11 @@ def is_experts(module: nn.Module) -> bool:
     up = "gate_up_proj" if module.has_gate else "up_proj"
     held = module._parameters
     return all(isinstance(held.get(n), Tensor) and held[n].dim() == 3 for n in (up, "down_proj"))
+
+
+def find_experts(module: nn.Module) -> dict[str, nn.Module]:
+    """Every experts module in ``module``, by name, in the order of ``named_modules``."""
+    return {name: m for name, m in module.named_modules() if is_experts(m)}
 
 
 class _ExpertsMeta(type):

@@ -82,3 +82,52 @@ def test_moe_experts_split_with_batched_kernels_float32(kernel, runs):
     diff = max_param_diff(full, reference)
     assert diff < 1e-5, f"{kernel}: parameters differ from single-device training by {diff:.3e}"
     assert "experts" in results[name][0]["probe"]["styles"].values()
+
+
+PARALLEL = "lightning_parallel:ParallelStrategy"
+DDP = "lightning_parallel:DDPStrategy"
+# (world size, strategy, its arguments): the model built on meta, each rank materializing its share
+COMPOSED = {
+    "tp2": (2, TP, {"plan": "auto"}),
+    "tp2xpp2": (
+        4,
+        PARALLEL,
+        {"tensor_parallel_size": 2, "pipeline_parallel_size": 2, "num_microbatches": 2, "plan": "auto"},
+    ),
+}
+
+
+def composed_case(arch: str, layout: str, aux: float) -> dict:
+    world, strategy, kwargs = COMPOSED[layout] if layout in COMPOSED else (1, DDP, {})
+    c = case(f"{arch}-{layout}-aux{aux}", arch)
+    c["model_kwargs"] = {"arch": arch, "router_aux": aux}
+    return {**c, "empty_init": True, "probe": None, "strategy": {"class": strategy, "kwargs": kwargs}}
+
+
+@pytest.fixture(scope="module")
+def composed(tmp_path_factory):
+    """Mixtral and Qwen2-MoE built on meta: one process (the reference), tp=2, and tp2 x pp2 under
+    lp_parallel (without the load-balancing loss: a pipeline stage captures only its own routers' logits)."""
+    tmp = tmp_path_factory.mktemp("moe-composed")
+    runs = [("mixtral", "tp2", AUX), ("mixtral", "tp2xpp2", 0.0), ("qwen2_moe", "tp2xpp2", 0.0)]
+    cases: dict[int, list[dict]] = {1: [], 2: [], 4: []}
+    for arch, layout, aux in runs:
+        cases[1].append(composed_case(arch, "ddp1", aux))
+        cases[COMPOSED[layout][0]].append(composed_case(arch, layout, aux))
+    for world, group in cases.items():
+        run_distributed(group, world_size=world, tmp_path=tmp, timeout=600)
+    return tmp, runs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_moe_on_meta_under_tp_and_tp_x_pp_equals_one_device(composed):
+    tmp, runs = composed
+    for arch, layout, aux in runs:
+        world = COMPOSED[layout][0]
+        full = torch.load(
+            tmp / f"dist{world}" / f"{arch}-{layout}-aux{aux}" / "last.ckpt", weights_only=False
+        )
+        reference = torch.load(tmp / "dist1" / f"{arch}-ddp1-aux{aux}" / "last.ckpt", weights_only=False)
+        diff = max_param_diff(full["state_dict"], reference["state_dict"])
+        assert diff < 1e-10, f"{arch} {layout}: parameters differ from one process by {diff:.3e}"

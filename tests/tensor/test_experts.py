@@ -5,6 +5,7 @@ implementation), shown in the plan table, and refused where its layout cannot sp
 from __future__ import annotations
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +14,13 @@ from torch import nn
 from lightning_parallel.distributed.collectives import SimulatedGroup
 from lightning_parallel.tensor import resolve
 from lightning_parallel.tensor.expert_layer import ParallelExperts
-from lightning_parallel.tensor.experts import experts_shards, is_experts, split_refusal
+from lightning_parallel.tensor.experts import (
+    experts_layout,
+    experts_shards,
+    find_experts,
+    is_experts,
+    split_refusal,
+)
 from lightning_parallel.tensor.layers import ShardSpec, full_tensor
 from lightning_parallel.tensor.plan import PlanError, resolve_plan
 from lightning_parallel.tensor.table import format_table, params_per_rank
@@ -22,22 +29,19 @@ from tests.helpers.zoo import build
 FAMILIES = ("mixtral", "qwen2_moe", "olmoe")
 
 
-def experts_of(model: nn.Module) -> dict[str, nn.Module]:
-    return {n: m for n, m in model.named_modules() if is_experts(m)}
-
-
 def routed(experts: nn.Module, tokens: int = 12, seed: int = 0) -> tuple[torch.Tensor, ...]:
     """Hidden states, the top-2 of the experts for each token and their weights (float32, as a router's)."""
     g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(tokens, experts.down_proj.shape[1], generator=g, dtype=experts.down_proj.dtype)
-    logits = torch.randn(tokens, experts.down_proj.shape[0], generator=g)
+    layout = experts_layout(experts)
+    hidden = torch.randn(tokens, layout.hidden, generator=g, dtype=experts.down_proj.dtype)
+    logits = torch.randn(tokens, layout.num_experts, generator=g)
     weights, index = logits.softmax(-1).topk(2, dim=-1)
     return hidden, index, weights
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_the_experts_of_each_family_are_recognised_and_cut_per_part(arch):
-    found = experts_of(build(arch))
+    found = find_experts(build(arch))
     assert list(found) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     experts = found["model.layers.0.mlp.experts"]
     assert split_refusal(experts, 2) is None
@@ -61,6 +65,39 @@ def test_the_partial_outputs_of_the_ranks_sum_to_the_experts_output(implementati
     for name, spec in ranks[0].SHARDS.items():
         assert torch.equal(full_tensor([getattr(r, name) for r in ranks], spec), getattr(experts, name))
     assert ranks[0].intermediate_dim == experts.intermediate_dim // 2 and ranks[0].act_fn is experts.act_fn
+
+
+def _synthetic(transposed: bool, gated: bool) -> nn.Module:
+    """An experts class as a model file writes one, in a layout the zoo's families do not use."""
+    from transformers.integrations.moe import use_experts_implementation
+
+    @use_experts_implementation(is_transposed=transposed, has_gate=gated)
+    class Experts(nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            self.num_experts, up = 4, 2 * 12 if gated else 12
+            shapes = ((4, 8, up), (4, 12, 8)) if transposed else ((4, up, 8), (4, 8, 12))
+            setattr(
+                self, "gate_up_proj" if gated else "up_proj", nn.Parameter(torch.randn(*shapes[0]).double())
+            )
+            self.down_proj = nn.Parameter(torch.randn(*shapes[1]).double())
+            self.act_fn = nn.SiLU()
+
+    return Experts(SimpleNamespace(_experts_implementation="batched_mm"))
+
+
+@pytest.mark.parametrize("transposed, gated", [(True, True), (False, False), (True, False)])
+def test_transposed_and_ungated_experts_split_too(transposed, gated):
+    experts = _synthetic(transposed, gated)
+    assert is_experts(experts) and split_refusal(experts, 2) is None
+    up = "gate_up_proj" if gated else "up_proj"
+    assert experts_shards(experts) == {
+        up: ShardSpec(2 if transposed else 1, 2 if gated else 1),
+        "down_proj": ShardSpec(1 if transposed else 2),
+    }
+    hidden, index, weights = routed(experts)
+    ranks = [ParallelExperts(experts, SimulatedGroup(2, r), 2, r) for r in range(2)]
+    torch.testing.assert_close(sum(r(hidden, index, weights) for r in ranks), experts(hidden, index, weights))
 
 
 def test_the_routing_weights_gradient_is_a_partial_sum_in_their_combined_dtype():
@@ -87,14 +124,14 @@ def test_auto_splits_every_layers_experts_and_keeps_about_half(arch):
     idx = torch.randint(0, 32, (2, 8))
     resolved = resolve(model, "auto", 2, lambda: model(input_ids=idx))
     styles = resolved.styles()
-    assert [n for n, s in styles.items() if s == "experts"] == list(experts_of(model))
+    assert [n for n, s in styles.items() if s == "experts"] == list(find_experts(model))
     share = params_per_rank(model, resolved) / sum(p.numel() for p in model.parameters())
     assert share <= 0.55, format_table(model, resolved)
     assert not any("own plan" in why for name, why in resolved.report if "experts" in name)
     row = next(line for line in format_table(model, resolved).splitlines() if ".mlp.experts" in line)
     assert "[4, 48, 16]+[4, 16, 24]" in row and "all-reduce 16/tok" in row and "all-reduce 16+2/tok" in row
     structural = resolve(model, "auto", 2).styles()
-    assert [n for n, s in structural.items() if s == "experts"] == list(experts_of(model))
+    assert [n for n, s in structural.items() if s == "experts"] == list(find_experts(model))
 
 
 def test_the_shared_expert_of_qwen2_moe_is_a_pair_beside_the_routed_experts():
