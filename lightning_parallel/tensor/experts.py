@@ -85,7 +85,8 @@ def experts_layout(module: nn.Module) -> ExpertsLayout:
 
 def _default_gate(module: nn.Module) -> bool:
     gate = getattr(type(module), "_apply_gate", None)
-    return getattr(gate, "__qualname__", "") == "_default_apply_gate"
+    where = (getattr(gate, "__module__", ""), getattr(gate, "__qualname__", ""))
+    return where == ("transformers.integrations.moe", "_default_apply_gate")
 
 
 def split_refusal(module: nn.Module, tp: int) -> Optional[str]:

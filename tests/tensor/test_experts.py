@@ -160,3 +160,19 @@ def test_experts_that_cannot_split_are_refused_or_left_whole():
     report = dict(resolve(model, "auto", 2).report)
     assert report["model.layers.0.mlp.experts"].startswith("experts stay whole: experts with biases")
     assert resolve(model, "auto", 2).styles()["model.layers.1.mlp.experts"] == "experts"
+
+
+def test_experts_whose_split_fails_on_a_rank_stay_whole_in_every_block(monkeypatch):
+    def fails(self, *args):
+        raise RuntimeError("reads the whole intermediate size")
+
+    monkeypatch.setattr(ParallelExperts, "forward", fails)
+    model = build("mixtral")
+    idx = torch.randint(0, 32, (2, 8))
+    resolved = resolve(model, "auto", 2, lambda: model(input_ids=idx))
+    assert "experts" not in resolved.styles().values()
+    report = dict(resolved.report)
+    for name in find_experts(model):
+        assert "fails on a rank in 'model.layers.0.mlp.experts'" in report[name], report[name]
+        assert "reads the whole intermediate size" in report[name]
+    assert resolved.styles()["model.layers.1.self_attn.o_proj"] == "rowwise"
