@@ -22,7 +22,7 @@ MAX_SHARE = {
 KERNELS = ("batched_mm", "grouped_mm")
 
 
-def case(name: str, arch: str, precision: str = "64-true", experts: str = "") -> dict:
+def case(name: str, arch: str, precision: str = "64-true", experts: str = "", verify: bool = False) -> dict:
     return {
         "name": name,
         "model": "tests.helpers.zoo:ZooLM",
@@ -33,11 +33,14 @@ def case(name: str, arch: str, precision: str = "64-true", experts: str = "") ->
         "trainer": {"precision": precision, "max_steps": 5},
         "save_checkpoint": True,
         "probe": "tests.helpers.probes:tensor_parallel_plan",
-        "strategy": {"class": TP, "kwargs": {"plan": "auto"}},
+        "strategy": {"class": TP, "kwargs": {"plan": "auto", "verify_plan": verify}},
     }
 
 
-CASES = [case(a, a) for a in MAX_SHARE] + [case(f"mixtral-{k}", "mixtral", "32-true", k) for k in KERNELS]
+# verify_plan: the first batch also runs the unsharded model beside the split one and compares
+CASES = [case(a, a, verify=a == "mixtral") for a in MAX_SHARE] + [
+    case(f"mixtral-{k}", "mixtral", "32-true", k) for k in KERNELS
+]
 
 
 @pytest.fixture(scope="module")
