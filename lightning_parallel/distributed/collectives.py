@@ -4,6 +4,7 @@ Each operator is one collective in one direction and its conjugate in the other,
 layer's backward is exactly the transpose of its forward:
 
     copy_to_group      identity forward,   all-reduce backward   (Megatron's "f": enters a sharded region)
+    copy_all_to_group  the same for several tensors, their gradients in one all-reduce
     reduce_from_group  all-reduce forward, identity backward     (Megatron's "g": leaves a sharded region)
     gather_from_group  all-gather forward, split backward        (gather a sharded last dimension)
     split_to_group     split forward,      all-gather backward   (shard a replicated last dimension)
@@ -18,9 +19,10 @@ collectives issued, by kind, so benchmarks can compare against the Megatron coun
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,6 +32,7 @@ from lightning_parallel.compat import foreach_mul_, foreach_norm, reduce_scatter
 
 __all__ = [
     "copy_to_group",
+    "copy_all_to_group",
     "reduce_from_group",
     "gather_from_group",
     "split_to_group",
@@ -196,6 +199,20 @@ class _CopyToGroup(torch.autograd.Function):
         return all_reduce_sum(grad.contiguous().clone(), ctx.group), None
 
 
+class _CopyAllToGroup(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, group: Optional[dist.ProcessGroup], *xs: Tensor) -> tuple[Tensor, ...]:
+        ctx.group = group
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Optional[Tensor], ...]:
+        dtype = functools.reduce(torch.promote_types, [g.dtype for g in grads])
+        flat = all_reduce_sum(torch.cat([g.reshape(-1).to(dtype) for g in grads]), ctx.group)
+        parts = flat.split([g.numel() for g in grads])
+        return (None, *(p.view(g.shape).to(g.dtype) for p, g in zip(parts, grads)))
+
+
 class _ReduceFromGroup(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
@@ -235,6 +252,12 @@ _ReduceScatterSequence = _conjugates(reduce_scatter_dim, all_gather_dim)
 def copy_to_group(x: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
     """Identity forward, all-reduce (sum) of the gradient backward."""
     return x if group_size(group) == 1 else _CopyToGroup.apply(x, group)
+
+
+def copy_all_to_group(xs: Sequence[Tensor], group: Optional[dist.ProcessGroup]) -> tuple[Tensor, ...]:
+    """Identity forward on each of ``xs``; backward, their gradients summed over the group in one
+    all-reduce (in their common dtype: a float32 gradient is rounded once, after the sum)."""
+    return tuple(xs) if group_size(group) == 1 else _CopyAllToGroup.apply(group, *xs)
 
 
 def reduce_from_group(x: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:

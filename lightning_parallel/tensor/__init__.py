@@ -1,5 +1,5 @@
-"""Tensor parallelism: sharded layers (``layers``), sharding plans (``plan``, ``auto``), the plan table
-(``table``) and full/sharded state conversion (``state``)."""
+"""Tensor parallelism: sharded layers (``layers``; a mixture of experts' ``expert_layer``), sharding
+plans (``plan``, ``auto``), the plan table (``table``) and full/sharded state conversion (``state``)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 from torch import nn
 
 from lightning_parallel.tensor.auto import auto_plan, resolve_auto
+from lightning_parallel.tensor.expert_layer import ParallelExperts
 from lightning_parallel.tensor.layers import (
     ColumnParallelLinear,
     ParallelMultiheadAttention,
@@ -21,6 +22,7 @@ __all__ = [
     "RowParallelLinear",
     "VocabParallelEmbedding",
     "ParallelMultiheadAttention",
+    "ParallelExperts",
     "Plan",
     "PlanError",
     "ResolvedPlan",

@@ -6,7 +6,8 @@ the plan table ``example_input_array``), ``traced_plan.find_traced_plan`` reads 
 on the meta device) and keeps every column-parallel choice whose sharded values the model's own code
 handles correctly up to a row-parallel partner (``tensor.shard_flow``): MLP pairs in a submodule or
 inline, gated products (SwiGLU), attention through ``scaled_dot_product_attention`` or matmul-softmax,
-fused q/k/v split per chunk, grouped-query attention, ``Conv1D``; sizes written in ``forward`` (a head
+fused q/k/v split per chunk, grouped-query attention, ``Conv1D``, the experts of a Hugging Face mixture
+of experts (each expert's MLP split as a pair: ``tensor.experts``, called with whole inputs); sizes written in ``forward`` (a head
 count, a split size) are divided through the attribute they are read from (the module's, or that of a
 config object it holds: each sharded module then holds its own copy). A large layer whose output
 is needed whole (the output head) is column-parallel with a gathered output; tied weights are sharded
@@ -27,7 +28,9 @@ Without a forward, the structural rules below apply, and the evidence required i
   in the feed-forward of ``nn.TransformerEncoderLayer``/``DecoderLayer`` (``linear1``/``linear2``); in
   any other small module from a ``torch.fx`` trace that shows the second Linear reads only the first one's
   output through element-wise operations;
-- ``nn.Embedding``: vocabulary-parallel.
+- ``nn.Embedding``: vocabulary-parallel;
+- a Hugging Face experts module (``tensor.experts``: the flags and 3-D weights its decorator gives it):
+  each expert's MLP split, unless its layout cannot be (``split_refusal`` says why).
 
 Everything else stays replicated, and the reason is reported.
 """
@@ -44,6 +47,7 @@ from torch.nn import functional as F
 
 from lightning_parallel.tensor.declared import disagreements
 from lightning_parallel.tensor.dry_run import DryRunFailure, dry_run
+from lightning_parallel.tensor.experts import is_experts, split_refusal
 from lightning_parallel.tensor.layers import ShardSpec
 from lightning_parallel.tensor.plan import (
     ELEMENTWISE,
@@ -123,6 +127,8 @@ class _Finder:
                 self.sequential(name, m)
             elif isinstance(m, nn.Embedding):
                 self.embedding(name, m)
+            elif is_experts(m):
+                self.experts(name, m)
             elif self.attention(name, m):
                 pass
             elif any(isinstance(c, nn.Linear) for c in m.children()):
@@ -160,6 +166,13 @@ class _Finder:
             self.report[name] = "embedding with max_norm, sparse or scale_grad_by_freq"
         else:
             self.take(name, "vocab")
+
+    def experts(self, name: str, m: nn.Module) -> None:
+        why = split_refusal(m, self.tp)
+        if why is None:
+            self.take(name, "experts")
+        else:
+            self.report[name] = f"experts stay whole: {why}"
 
     def attention(self, name: str, m: nn.Module) -> bool:
         heads = next((a for a in HEAD_ATTRS if isinstance(getattr(m, a, None), int)), None)
@@ -287,6 +300,8 @@ def _traced(
         finder.take(name, "rowwise")
     for name in found.gathered:
         finder.take(name, "colwise", gather_output=True)
+    for name in found.experts:
+        finder.experts(name, module.get_submodule(name))
     finder.features = dict(found.features)
     finder.full_width = {m: set(cols) for m, cols in found.full_width.items()}
     finder.attributes = [
@@ -308,6 +323,14 @@ def _drop_failing_region(finder: _Finder, found: TracedPlan, failure: DryRunFail
     """Replicate the first region in call order that the failing module holds or sits in, and the same
     region in every repeated block; False when no region is to blame."""
     where = failure.module
+    experts = [
+        n for n, r in finder.layers.items() if r.style == "experts" and (where + ".").startswith(n + ".")
+    ]
+    if experts:  # the same experts in every repeated block stay whole
+        for name in [n for n in finder.layers if _repeated(n) == _repeated(experts[0])]:
+            finder.layers.pop(name)
+            finder.report[name] = f"sharded, the forward fails on a rank in {where!r} ({failure})"
+        return True
     inside = [
         r
         for r in found.regions

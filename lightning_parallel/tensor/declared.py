@@ -19,6 +19,7 @@ STYLES = {
     "colwise_gather_output": "colwise",
     "embedding_rowwise": "vocab",
     "rowwise_split_input": "rowwise",
+    "moe_tp_experts": "experts",
     "local_colwise": None,
     "local_rowwise": None,
     "sequence_parallel": None,

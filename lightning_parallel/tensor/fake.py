@@ -71,8 +71,10 @@ def _fake_like(t: Tensor, mode: FakeTensorMode, device: torch.device) -> Tensor:
 @contextmanager
 def _fake_tensors(module: nn.Module, mode: FakeTensorMode, device: torch.device) -> Iterator[None]:
     """Every parameter and buffer of ``module`` a fake on ``device`` within; after, the originals, and
-    every module's attributes as they were (a step may cache what it computed, such as a positional
-    table made on first use: a fake kept there would reach the real steps)."""
+    every module's attributes and hooks as they were (a step may cache what it computed, such as a
+    positional table made on first use: a fake kept there would reach the real steps; or install hooks
+    once and mark it in an attribute, as Hugging Face's output capture does: the mark goes, so must the
+    hooks, or the next step installs them twice)."""
     made: dict[int, Tensor] = {}
     held = [
         (table, name, t)
@@ -82,6 +84,9 @@ def _fake_tensors(module: nn.Module, mode: FakeTensorMode, device: torch.device)
         if t is not None
     ]
     attributes = [(vars(m), dict(vars(m))) for m in module.modules()]
+    hooks = [
+        (table, dict(table)) for state, _ in attributes for k, table in state.items() if _hook_table(k, table)
+    ]
     for table, name, t in held:
         if id(t) not in made:
             made[id(t)] = _fake_like(t, mode, device)
@@ -95,6 +100,14 @@ def _fake_tensors(module: nn.Module, mode: FakeTensorMode, device: torch.device)
             for key in state.keys() - before.keys():
                 del state[key]
             state.update(before)
+        for table, before in hooks:
+            table.clear()
+            table.update(before)
+
+
+def _hook_table(name: str, value: Any) -> bool:
+    """A module's table of hooks (``_forward_hooks``, ...): a dict that the step may add to in place."""
+    return name.startswith("_") and name.endswith("hooks") and isinstance(value, dict)
 
 
 def _reads_whole(*args: Any, **kwargs: Any) -> None:

@@ -12,7 +12,9 @@ A plan maps module-name patterns to a style; ``*`` matches exactly one dotted se
 
 A flat mapping works too (a value ``divide`` marks an attribute). Styles: ``colwise``
 (``gather_output``), ``rowwise`` (``input_is_parallel``, default true), ``vocab``, ``attention`` (for
-``nn.MultiheadAttention``), ``per_feature``, ``full_width`` and ``replicate``. Names are those of
+``nn.MultiheadAttention``), ``experts`` (a Hugging Face mixture-of-experts block's experts module: each
+expert's MLP split as a column/row pair, ``tensor.expert_layer``), ``per_feature``, ``full_width`` and
+``replicate``. Names are those of
 ``module.named_modules()``; an attribute may be one of a plain object the module holds
 (``model.h.*.attn.config.n_head: divide``, ``tensor.attributes``).
 
@@ -45,6 +47,8 @@ from lightning_parallel.checkpointing.one_device import keep_skeleton
 from lightning_parallel.module_names import match_pattern
 from lightning_parallel.tensor.attributes import attribute_targets, divide_attributes, read_attribute
 from lightning_parallel.tensor.full_width import run_full_width
+from lightning_parallel.tensor.expert_layer import ParallelExperts
+from lightning_parallel.tensor.experts import ExpertsType, split_refusal
 from lightning_parallel.tensor.gradient_sums import GradientSums, gradient_sums_for
 from lightning_parallel.tensor.layers import TP_LAYERS, ShardSpec, SharedEntry, _linear_shape, shard_features
 
@@ -68,7 +72,7 @@ __all__ = [
     "named_plans",
 ]
 
-STYLES = ("colwise", "rowwise", "vocab", "attention", "per_feature", "full_width", "replicate")
+STYLES = ("colwise", "rowwise", "vocab", "attention", "experts", "per_feature", "full_width", "replicate")
 # styles whose module stays the user's object (not replaced by a tensor-parallel layer)
 KEPT_STYLES = ("replicate", "per_feature", "full_width")
 OPTIONS: dict[str, dict[str, Any]] = {
@@ -76,6 +80,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "rowwise": {"input_is_parallel": True},
     "vocab": {},
     "attention": {},
+    "experts": {},
     "per_feature": {},
     "full_width": {},
     "replicate": {},
@@ -101,6 +106,8 @@ ELEMENTWISE: tuple[type, ...] = (
 # Modules whose statistics and parameters are per feature (channel): taken as ``per_feature`` between a
 # colwise layer and its rowwise partner in an ``nn.Sequential``.
 PER_FEATURE: tuple[type, ...] = (nn.modules.batchnorm._BatchNorm,)
+# plan style -> (layer class, the module types it replaces)
+LAYERS = {**TP_LAYERS, "experts": (ParallelExperts, (ExpertsType,))}
 
 
 class PlanError(ValueError):
@@ -299,12 +306,13 @@ def _no_match(pattern: str, names: list[str], what: str = "module") -> PlanError
 
 
 def _type_error(name: str, module: nn.Module, style: str) -> PlanError:
-    expected = " or ".join(t.__name__ for t in TP_LAYERS[style][1])
+    expected = " or ".join(t.__name__ for t in LAYERS[style][1])
     suggest = {
         nn.Embedding: "vocab",
         nn.MultiheadAttention: "attention",
         nn.Linear: "colwise or rowwise",
         TP_LAYERS["colwise"][1][1]: "colwise or rowwise",
+        ExpertsType: "experts",
     }
     alt = next((s for t, s in suggest.items() if isinstance(module, t)), "replicate")
     return PlanError(
@@ -349,7 +357,7 @@ def _check_layer(a: Assignment, tp: int) -> None:
         return _check_per_feature(a, tp)
     if style == "full_width":
         return
-    if not isinstance(m, TP_LAYERS[style][1]):
+    if not isinstance(m, LAYERS[style][1]):
         raise _type_error(a.name, m, style)
     if style == "colwise":
         chunks = a.options.get("chunks", 1)
@@ -376,6 +384,8 @@ def _check_layer(a: Assignment, tp: int) -> None:
                 "add_zero_attn; replicate it"
             )
         _divisible(a.name, "num_heads", m.num_heads, tp, style)
+    elif style == "experts" and (why := split_refusal(m, tp)) is not None:
+        raise PlanError(f"{a.name!r} (experts): {why}; replicate it")
 
 
 def _split_name(name: str) -> tuple[str, str]:
@@ -631,7 +641,7 @@ def apply_plan(
             continue
         parent_name, child = _split_name(a.name)
         parent = module.get_submodule(parent_name)
-        cls = TP_LAYERS[a.style][0]
+        cls = LAYERS[a.style][0]
         kwargs = dict(a.options)
         if a.style in ("colwise", "attention"):
             kwargs["entry"] = entries.setdefault(parent_name, SharedEntry(group))

@@ -86,6 +86,12 @@ def sequence_plan(
             f"sequence parallel does not cover nn.MultiheadAttention layers ({', '.join(attention[:3])}); "
             "write their q/k/v and out projections as colwise/rowwise Linears, or set sequence_parallel=False"
         )
+    experts = [a.name for a in resolved.assignments if a.style == "experts"]
+    if experts:
+        raise PlanError(
+            f"sequence parallel does not cover the experts of a mixture of experts ({', '.join(experts[:3])}); "
+            "set sequence_parallel=False"
+        )
     rows = [a.name for a in resolved.assignments if a.style == "rowwise" and a.options["input_is_parallel"]]
     if not rows:
         raise PlanError("sequence parallel needs column -> row pairs, and the plan has no rowwise layer")

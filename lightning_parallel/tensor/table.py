@@ -6,6 +6,8 @@ Communication is per call of the module in one forward+backward, in elements per
 sequence sizes multiply it). Column-parallel layers that share a parent share one backward all-reduce of
 their input (q, k and v), as the layers do at run time. Attention is counted as self-attention: used
 for cross-attention it adds one backward all-reduce (for the gradient of the keys' and values' source).
+A mixture of experts' experts module adds one all-reduce forward (after the weighted combine) and one
+backward (the hidden states' and the routing weights' gradients together).
 With sequence parallelism (``resolved.sequence``) the rows say where the sequence is cut and gathered: each
 pair's module gathers its input (all-gather forward, reduce-scatter backward, and an all-gather of the part
 it saved for backward) in place of its column-parallel layers' all-reduce, and its row-parallel layer
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from lightning_parallel.tensor.experts import experts_layout, experts_shards
 from lightning_parallel.tensor.layers import _linear_shape
 from lightning_parallel.tensor.plan import ResolvedPlan
 
@@ -74,6 +77,8 @@ def _local(a, tp: int) -> tuple[str, int, str, str]:
             + m.out_proj.weight.numel()
         ) // tp + (m.out_proj.bias.numel() if m.out_proj.bias is not None else 0)
         return f"[{3 * e // tp}, {e}]+[{e}, {e // tp}]", n, f"all-reduce {e}/tok", f"all-reduce {e}/tok"
+    if style == "experts":
+        return _experts_row(m, tp)
     return "(full)", _numel(m), "-", "-"
 
 
@@ -81,6 +86,23 @@ def _width(m: nn.Module) -> str:
     """The features a ``full_width`` module reads: its weight's length (a norm), else "features"."""
     vectors = [p.shape[0] for p in m.parameters() if p.dim() == 1]
     return str(max(vectors)) if vectors else "features"
+
+
+def _experts_row(m: nn.Module, tp: int) -> tuple[str, int, str, str]:
+    """Every expert's weights with their intermediate features cut; the partial outputs summed after the
+    weighted combine, and backward the gradients of the hidden states and of the top-k routing weights
+    summed in one all-reduce (per token: hidden + top-k elements)."""
+    lay, cut = experts_layout(m), experts_shards(m)
+    local = {lay.up: lay.parts * lay.intermediate // tp, "down_proj": lay.intermediate // tp}
+    shapes = []
+    for name, spec in cut.items():
+        shape = list(getattr(m, name).shape)
+        shape[spec.dim] = local[name]
+        shapes.append(str(shape))
+    top_k = getattr(getattr(m, "config", None), "num_experts_per_tok", None)
+    routing = f"+{top_k}" if isinstance(top_k, int) else "+top-k"
+    n = sum(p.numel() // tp if name in cut else p.numel() for name, p in m.named_parameters())
+    return "+".join(shapes), n, f"all-reduce {lay.hidden}/tok", f"all-reduce {lay.hidden}{routing}/tok"
 
 
 def feature_tensors(resolved: ResolvedPlan, owner: str) -> list[str]:

@@ -6,10 +6,10 @@ them (an MLP inline in a block's ``forward``, fused q/k/v split in ``forward``, 
 It runs the user's own code on the batch's fake copy, with the module's tensors as fakes
 (``tensor.fake``): nothing is guessed from module names or structure, and no memory is spent on
 weights or activations.
-Projection layers and ``SyncBatchNorm`` (``LEAF_TYPES``) are recorded as one node each; what they
-compute inside is not recorded. Tensors are told apart by identity and version, so in-place operations
-start a new value. Every other module's call is recorded as a ``Call``: its tensor arguments and
-outputs and the steps it ran.
+Projection layers, ``SyncBatchNorm`` (``LEAF_TYPES``) and a mixture of experts' experts module
+(``tensor.experts``) are recorded as one node each; what they compute inside is not recorded. Tensors
+are told apart by identity and version, so in-place operations start a new value. Every other
+module's call is recorded as a ``Call``: its tensor arguments and outputs and the steps it ran.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from lightning_parallel.compat import TorchDispatchMode, tree_flatten, tree_map
 from lightning_parallel.memory.accounting import storage_id
+from lightning_parallel.tensor.experts import is_experts
 from lightning_parallel.tensor.fake import fake_step
 
 __all__ = ["LEAF_TYPES", "Call", "Node", "Ref", "Trace", "is_projection", "trace_dataflow"]
@@ -51,7 +52,7 @@ def is_projection(module: nn.Module) -> bool:
 
 
 def _is_leaf(module: nn.Module) -> bool:
-    return isinstance(module, LEAF_TYPES) or is_conv1d(module)
+    return isinstance(module, LEAF_TYPES) or is_conv1d(module) or is_experts(module)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,11 @@ trace (``shard_flow.propagate``); a candidate is dropped when one of its values 
 row-parallel partner, or when it is itself a partner. Repeat until nothing changes: what remains is
 correct by construction of the data flow, whatever the names or the nesting of the modules.
 
+A mixture of experts' experts module (``tensor.experts``) is one node of the trace: its input must be
+whole (a column-parallel value read by it fails like any value read whole), and its output is whole
+(``tensor.expert_layer`` sums the partial outputs), so each one called is listed (``TracedPlan.experts``)
+for the plan to split by its own layout.
+
 A parameter or buffer that meets the sharded features with their full length (a BatchNorm's weight,
 bias and running statistics; a per-feature scale) is cut with them (``TracedPlan.features``): the flow
 is followed again with it sharded from its first read, so every use of it, and every value computed
@@ -29,6 +34,7 @@ from typing import Optional
 from torch import nn
 
 from lightning_parallel.tensor.attributes import holders
+from lightning_parallel.tensor.experts import is_experts
 from lightning_parallel.tensor.layers import ShardSpec
 from lightning_parallel.tensor.shard_flow import (
     Companion,
@@ -70,6 +76,7 @@ class TracedPlan:
     features: dict[str, ShardSpec] = field(default_factory=dict)  # per-feature tensor -> how it is cut
     feature_columns: dict[str, set[str]] = field(default_factory=dict)  # per-feature tensor -> its columns
     full_width: dict[str, set[str]] = field(default_factory=dict)  # module run on all features -> columns
+    experts: list[str] = field(default_factory=list)  # experts modules called, in call order
 
 
 @dataclass
@@ -438,6 +445,8 @@ def find_traced_plan(trace: Trace, tp: int) -> TracedPlan:
     plan.feature_columns = {n: set(cols) for n, (_, cols) in features.items()}
     plan.full_width = {m: set(cols) for m, cols in flow.full_width.items() if m not in flow.whole_calls}
     plan.unread = _unread_aliases(trace)
+    called = (n.layer for n in trace.nodes if n.layer is not None)
+    plan.experts = list(dict.fromkeys(n for n in called if is_experts(trace.modules.get(n, nn.Module()))))
     for name in calls:
         plan.reasons.pop(name, None) if name in plan.columns or name in plan.rows else None
     embeddings = [m for m in trace.modules.values() if isinstance(m, nn.Embedding)]

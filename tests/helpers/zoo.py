@@ -258,10 +258,16 @@ class ZooLM(LightningModule):
         lr: float = 0.5,
         optimizer: str = "sgd",
         momentum: float = 0.0,
+        router_aux: float = 0.0,
+        experts_implementation: str = "",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model = build(arch, width, layers, heads)  # as users hold a Hugging Face model: self.model
+        if router_aux:  # a mixture of experts' load-balancing loss, weighted by router_aux, in the loss
+            self.model.config.output_router_logits = True
+        if experts_implementation:  # how a mixture of experts runs its experts (batched_mm, grouped_mm)
+            self.model.set_experts_implementation(experts_implementation)
 
     def forward(self, idx: Tensor) -> Tensor:
         arch = self.hparams.arch
@@ -278,6 +284,10 @@ class ZooLM(LightningModule):
 
     def loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
         x, y = batch
+        if self.hparams.get("router_aux"):
+            out = self.model(input_ids=x)
+            lm = F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+            return lm + self.hparams.router_aux * out.aux_loss
         logits = self(x)
         if self.hparams.arch in VISION:
             return F.cross_entropy(logits, y[:, 0])

@@ -5,6 +5,7 @@ model's order, and leaves a step that reads values computed from weights to the 
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import resource
@@ -83,6 +84,24 @@ def test_a_module_on_the_meta_device_gets_the_same_plan_and_stays_meta(arch):
     held = tensors(meta)
     assert auto_plan(meta, 2, forward_on(meta, batch())) == auto_plan(real, 2, forward_on(real, batch()))
     assert tensors(meta) == held and all(t.is_meta for t in held.values())
+
+
+def gradients(module: ZooLM) -> dict[str, Tensor]:
+    module.zero_grad()
+    seeded(lambda: module.loss(batch())).backward()
+    return {n: p.grad.clone() for n, p in module.named_parameters()}
+
+
+@pytest.mark.timeout(120)
+def test_hooks_a_step_installs_are_put_back():
+    """Hugging Face's output capture installs its hooks on the first forward and marks the model; the
+    mark is an attribute put back after the fake step, so the hooks go too (else the router logits of
+    the load-balancing loss were captured once more per traced forward)."""
+    module = ZooLM(arch="mixtral", router_aux=0.5)
+    untraced = copy.deepcopy(module)
+    auto_plan(module, 2, forward_on(module, batch()))
+    expected = gradients(untraced)
+    assert all(torch.equal(g, expected[n]) for n, g in gradients(module).items())
 
 
 class ScaledByItsPeak(LightningModule):

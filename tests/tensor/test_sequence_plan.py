@@ -14,6 +14,7 @@ from lightning_parallel.tensor.sample import forward_on
 from lightning_parallel.tensor.sequence_plan import auto_sequence_plan, resolve_sequence, sequence_plan
 from tests.helpers.harness import REPO
 from tests.helpers.tp_models import EncoderRegressor
+from tests.helpers.zoo import build
 
 IDS = torch.randint(0, 32, (4, 8), generator=torch.Generator().manual_seed(0))
 
@@ -225,3 +226,10 @@ def test_the_plan_table_shows_the_collectives_with_and_without_sequence_parallel
     # per block: 2 all-gathers + 2 reduce-scatters each way (+ 2 all-gathers of the saved parts) instead of
     # 2 all-reduces
     assert "collectives per step 11 forward + 14 backward, without it 6 + 5" in out
+
+
+def test_a_plan_with_split_experts_is_refused():
+    model = build("mixtral")
+    resolved = resolve(model, "auto", 2)
+    with pytest.raises(PlanError, match=r"does not cover the experts .*model\.layers\.0\.mlp\.experts"):
+        sequence_plan(model, resolved)
