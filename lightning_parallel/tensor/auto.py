@@ -7,10 +7,10 @@ on the meta device) and keeps every column-parallel choice whose sharded values 
 handles correctly up to a row-parallel partner (``tensor.shard_flow``): MLP pairs in a submodule or
 inline, gated products (SwiGLU), attention through ``scaled_dot_product_attention`` or matmul-softmax,
 fused q/k/v split per chunk, grouped-query attention, ``Conv1D``, the experts of a Hugging Face mixture
-of experts (each expert's MLP split as a pair: ``tensor.experts``, called with whole inputs); sizes written in ``forward`` (a head
-count, a split size) are divided through the attribute they are read from (the module's, or that of a
-config object it holds: each sharded module then holds its own copy). A large layer whose output
-is needed whole (the output head) is column-parallel with a gathered output; tied weights are sharded
+of experts (each expert's MLP split as a pair: ``tensor.experts``, called with whole inputs); sizes
+written in ``forward`` (a head count, a split size) are divided through the attribute they are read
+from (the module's, or that of a config object it holds: each sharded module then holds its own copy).
+A large layer whose output is needed whole (the output head) is column-parallel with a gathered output; tied weights are sharded
 alike or not at all. Per-feature layers inside a pair (a BatchNorm, a per-feature scale) have their
 parameters and buffers cut with the features; a norm right on a column-parallel output whose statistics
 span all its features (OLMo-2's q/k norms) runs on all of them (``tensor.full_width``).

@@ -46,9 +46,9 @@ from torch import nn
 from lightning_parallel.checkpointing.one_device import keep_skeleton
 from lightning_parallel.module_names import match_pattern
 from lightning_parallel.tensor.attributes import attribute_targets, divide_attributes, read_attribute
-from lightning_parallel.tensor.full_width import run_full_width
 from lightning_parallel.tensor.expert_layer import ParallelExperts
 from lightning_parallel.tensor.experts import ExpertsType, split_refusal
+from lightning_parallel.tensor.full_width import run_full_width
 from lightning_parallel.tensor.gradient_sums import GradientSums, gradient_sums_for
 from lightning_parallel.tensor.layers import TP_LAYERS, ShardSpec, SharedEntry, _linear_shape, shard_features
 
