@@ -1,19 +1,19 @@
 """``plan="auto"``: find a sharding plan, from the data flow when a forward can be run.
 
-With a sample forward (``run``: the strategy passes the user's ``training_step`` on the first batch,
-the plan table ``example_input_array``), ``traced_plan.find_traced_plan`` reads the operator-level trace
-(``tensor.trace``, run on fake tensors: no weights or activations are allocated, and the module may be
-on the meta device) and keeps every column-parallel choice whose sharded values the model's own code
-handles correctly up to a row-parallel partner (``tensor.shard_flow``): MLP pairs in a submodule or
-inline, gated products (SwiGLU), attention through ``scaled_dot_product_attention`` or matmul-softmax,
-fused q/k/v split per chunk, grouped-query attention, ``Conv1D``, the experts of a Hugging Face mixture
-of experts (each expert's MLP split as a pair: ``tensor.experts``, called with whole inputs); sizes
-written in ``forward`` (a head count, a split size) are divided through the attribute they are read
-from (the module's, or that of a config object it holds: each sharded module then holds its own copy).
-A large layer whose output is needed whole (the output head) is column-parallel with a gathered output; tied weights are sharded
-alike or not at all. Per-feature layers inside a pair (a BatchNorm, a per-feature scale) have their
-parameters and buffers cut with the features; a norm right on a column-parallel output whose statistics
-span all its features (OLMo-2's q/k norms) runs on all of them (``tensor.full_width``).
+With a sample forward (``run``: the strategy passes the user's ``training_step`` on the first batch, the
+plan table ``example_input_array``), ``traced_plan.find_traced_plan`` reads the operator-level trace
+(``tensor.trace``, run on fake tensors: no weights or activations are allocated, and the module may be on
+the meta device) and keeps every column-parallel choice whose sharded values the model's own code handles
+correctly up to a row-parallel partner (``tensor.shard_flow``): MLP pairs in a submodule or inline, gated
+products (SwiGLU), attention through ``scaled_dot_product_attention`` or matmul-softmax, fused q/k/v
+split per chunk, grouped-query attention, ``Conv1D``, the experts of a Hugging Face mixture of experts
+(each expert's MLP split as a pair: ``tensor.experts``, called with whole inputs); sizes written in
+``forward`` (a head count, a split size) are divided through the attribute they are read from (the
+module's, or that of a config object it holds: each sharded module then holds its own copy). A large
+layer whose output is needed whole (the output head) is column-parallel with a gathered output; tied
+weights are sharded alike or not at all. Per-feature layers inside a pair (a BatchNorm, a per-feature
+scale) have their parameters and buffers cut with the features; a norm right on a column-parallel output
+whose statistics span all its features (OLMo-2's q/k norms) runs on all of them (``tensor.full_width``).
 ``nn.MultiheadAttention`` and ``nn.Embedding`` are decided by type. The plan is tried on one simulated
 rank (``dry_run``), and where a model declares its own plan (Hugging Face's ``_tp_plan``) every
 disagreement with it is reported (``declared``).
