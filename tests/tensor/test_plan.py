@@ -10,6 +10,7 @@ from lightning_parallel.tensor.plan import PlanError, apply_plan, parse_plan, re
 from tests.helpers.harness import REPO
 from tests.helpers.models import MLP
 from tests.helpers.tp_models import EncoderRegressor, SmallGPT
+from tests.helpers.zoo import LITGPT
 
 GPT_PLAN = REPO / "conf/plan/char_gpt.yaml"
 
@@ -248,6 +249,7 @@ def test_hydra_node_parses_like_the_file():
     assert parse_plan(node) == parse_plan(GPT_PLAN)
 
 
+@pytest.mark.skipif(not LITGPT, reason="litgpt is not installed (the README's test command installs it)")
 def test_a_written_plan_divides_sizes_held_in_a_config_object():
     """litgpt's attention reads its head counts from ``self.config``, shared by every layer: a written plan
     names them through it, and applying the plan gives each attention its own copy."""

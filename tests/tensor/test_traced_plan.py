@@ -13,7 +13,7 @@ from lightning_parallel.tensor.shard_flow import Escape, _regroup, entry_layout
 from lightning_parallel.tensor.table import format_table
 from lightning_parallel.tensor.trace import Node
 from tests.helpers.models import MLP
-from tests.helpers.zoo import ZooLM
+from tests.helpers.zoo import LITGPT, ZooLM
 
 
 def traced(arch: str, tp: int = 2):
@@ -170,6 +170,7 @@ def test_olmo2_norms_over_the_whole_projection_run_on_all_its_features():
     )
 
 
+@pytest.mark.skipif(not LITGPT, reason="litgpt is not installed (the README's test command installs it)")
 def test_litgpt_sizes_read_from_the_shared_config_are_divided_on_a_copy():
     """litgpt's attention reads n_head and n_query_groups from a Config shared by the model and every
     layer: each sharded attention gets its own copy, the user's object keeps the full values."""
