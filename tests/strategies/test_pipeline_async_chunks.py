@@ -2,8 +2,8 @@
 follows its rule W(t+1) = W(t) - lr * grad f_t(W(t-1)) on 2 real gloo processes: float64, against the rule
 written out on one process, to 1e-10; at m = 2, v = 2 each step carries every backward of the batch before
 (the most two weight versions allow); with 3 chunks; across epochs with mid-epoch validation and
-checkpoints (drains and flushes); and in dp2 x pp2 on 4 processes. A layout that would need a third
-weight version is refused at set-up."""
+checkpoints (drains and flushes), and resumed from a mid-epoch checkpoint; and in dp2 x pp2 on 4
+processes. A layout that would need a third weight version is refused at set-up."""
 
 from __future__ import annotations
 
@@ -29,13 +29,33 @@ CASES = [
 ]
 
 
+def resumed(tmp) -> dict:
+    """The epochs case again, resumed from its step-6 checkpoint (mid-epoch, a drained gradient pending)."""
+    ckpt = tmp / "dist2" / "seq-async-v2-epochs" / "ckpts" / "epoch=1-step=6.ckpt"
+    return {**CASES[-1], "name": "seq-async-v2-resume", "callbacks": [], "ckpt_path": str(ckpt)}
+
+
 REPLICAS = case("seq-dp2-async-v2", "seq", dp=2, schedule="async", virtual_stages=2, model_kwargs=DEEP)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("async_chunks")
-    return tmp, run_distributed(CASES, world_size=2, tmp_path=tmp, timeout=600)
+    return tmp, run_distributed(CASES + [resumed(tmp)], world_size=2, tmp_path=tmp, timeout=600)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_async_with_looping_chunks_resumes_mid_epoch_on_its_rule(runs):
+    tmp, results = runs
+    c = resumed(tmp)
+    emulated = emulation(CASES[-1], tmp, callbacks=[])
+    full = torch.load(tmp / "dist2" / c["name"] / "last.ckpt", weights_only=False)["state_dict"]
+    assert_params_close(full, emulated["state_dict"], atol=1e-10)
+    losses = results[c["name"]][1]["losses"]  # steps 6..9 show batches 5..8
+    torch.testing.assert_close(
+        torch.tensor(losses), torch.tensor(emulated["losses"][5:9]), atol=1e-10, rtol=0
+    )
 
 
 @pytest.mark.slow
