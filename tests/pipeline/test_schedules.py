@@ -194,8 +194,9 @@ TWO_VERSIONS = [
 @pytest.mark.parametrize("p,m,v", TWO_VERSIONS)
 def test_async_steps_with_looping_chunks_join_into_interleaved_1f1b_with_two_versions(p, m, v):
     """Each async step runs only its own batch's forwards and the backwards of its batch and the one
-    before (two weight versions); the steps run against each other without deadlock, messages in order;
-    with m a multiple of p they are Megatron's interleaved 1F1B over all batches' micro-batches."""
+    before (two weight versions); the steps run against each other without deadlock, messages in order,
+    idle only in one fill and drain however many steps; with m a multiple of p they are Megatron's
+    interleaved 1F1B over all batches' micro-batches."""
     batches = 4
     assert schedule_problem("async", p, m, v) is None
     streams = chunk_stream(p, m, v, batches)
@@ -211,6 +212,12 @@ def test_async_steps_with_looping_chunks_join_into_interleaved_1f1b_with_two_ver
         assert schedule("async", p, m, r, v) == schedules.interleaved_1f1b(p, m, r, v)
         if m % p == 0:
             assert streams[r] == schedules.interleaved_1f1b(p, batches * m, r, v)
+
+    def idle(n: int) -> float:  # on the clock, unit actions: the end of the last rank less its work
+        times = run_timed("async", chunk_stream(p, m, v, n), v, lambda r, a: 1.0)
+        return max(t[-1][1] for t in times) - 2 * m * v * n
+
+    assert idle(batches) == idle(2 * batches) == 2 * (p - 1)  # one fill and drain, however many steps
 
 
 @pytest.mark.parametrize("p,m,v", [(3, 3, 2), (4, 4, 2), (4, 4, 3), (2, 1, 2), (3, 2, 2)])
