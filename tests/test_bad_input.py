@@ -255,6 +255,18 @@ CATALOGUE = [
         ["equal rounds", "got 9: use 8 or 10"],
     ),
     (
+        "pp-async-chunks-third-version",
+        lambda: require([schedule_problem("async", 4, 4, 2)]),
+        ValueError,
+        ["virtual_stages=2", "num_microbatches=4", "third weight version", "num_microbatches >= 6"],
+    ),
+    (
+        "pp-async-zero-chunks",
+        lambda: lp.PipelineParallelStrategy(schedule="async", virtual_stages=0),
+        ValueError,
+        ["virtual_stages=0", "schedule='async'", ">= 1"],
+    ),
+    (
         "pp-no-stack",
         lambda: find_block_stack(nn.Linear(2, 2)),
         ValueError,

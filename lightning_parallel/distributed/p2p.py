@@ -10,7 +10,7 @@ on a loaded CPU every message and every round trip counts.
 gloo writes data only into a posted receive of exactly the sent size; a receive posted after the send
 costs a round trip (the receiver says it is ready, then the data flows). To post receives early, both
 ends predict a message's size: the size of the previous message between the same two ranks on the
-same tag, which both know. Shapes rarely change, so the prediction is nearly always right. When it is
+same stream, which both know. Shapes rarely change, so the prediction is nearly always right. When it is
 wrong, the sender first sends a stand-in of the predicted size whose only content is ``follow`` = the
 real message's size, then the real message::
 
@@ -22,14 +22,21 @@ deadlock on a send. A send's handle and buffer are kept until it completes, whic
 without a flush (``async``) the receiver of the last gradients of a batch posts its receive in the next
 step. Tensors go through host memory when the backend is gloo (gloo cannot send CUDA tensors).
 
-Small Python objects (what the last stage logged) go on their own ``tag`` (``OBJECT_TAG``), so they never
-mix with the activation and gradient traffic between the same two ranks; a stage can read them a step later.
+A link's streams (a pipeline's: the activations or gradients crossing one boundary) are kept apart by
+process group, not by tag: NCCL ignores tags and matches the messages between two ranks in the order
+they were posted on one communicator. ``channels`` gives the group of each stream (others go on
+``group``), and every message of a link travels with the link's one ``tag``; two streams between the same
+two ranks, in the same direction, must not share a group (``pipeline/channels.py`` sees to that).
+
+Small Python objects (what the last stage logged) go on a link of their own, with tag ``OBJECT_TAG``: on
+gloo it shares the default group with a pipeline's channel 0 and is kept apart by that tag; on NCCL it is a
+gloo group of its own (pickled bytes stay on the CPU). A stage can read them a step later.
 """
 
 from __future__ import annotations
 
 import pickle
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -50,8 +57,7 @@ __all__ = [
 Activation = Union[Tensor, tuple[Optional[Tensor], ...]]  # what crosses a stage boundary
 MAX_DIMS = 8
 MAX_TENSORS = 8  # elements of a tuple crossing a stage boundary
-#: the channel for pickled objects, above every stage boundary's: a pipeline's activations and gradients
-#: use tags 2g and 2g + 1 of the boundary g they cross (``executor.ChunkLinks``)
+#: the tag of the link that carries pickled objects (a pipeline's links use tag 0)
 OBJECT_TAG = 1 << 20
 _DTYPES = [
     torch.float32,
@@ -160,59 +166,71 @@ def unpack(message: Tensor, device: torch.device, header: Optional[tuple] = None
 
 
 class PeerLink:
-    """Sends to / receives from fixed global ranks; keeps send handles alive until they complete."""
+    """Sends to / receives from fixed global ranks on numbered streams; keeps send handles alive until
+    they complete. ``channels``: the process group of each stream that does not go on ``group``; ``tag``:
+    the tag of every message (streams are never told apart by it)."""
 
-    def __init__(self, device: torch.device, group: Optional[dist.ProcessGroup] = None) -> None:
-        self.device = device
-        self.group = group
+    def __init__(
+        self,
+        device: torch.device,
+        group: Optional[dist.ProcessGroup] = None,
+        channels: Optional[Mapping[int, dist.ProcessGroup]] = None,
+        tag: int = 0,
+    ) -> None:
+        self.device, self.group, self.tag = device, group, tag
+        self.channels = dict(channels or {})
         self.via_host = device.type != "cpu" and dist.get_backend(group) == "gloo"
         self._wire = torch.device("cpu") if self.via_host else device
         self._pending: list[tuple[dist.Work, Tensor]] = []
         self._posted: dict[tuple[int, int], tuple[dist.Work, Tensor]] = {}  # receives posted early
         self._predicted: dict[
             tuple[str, int, int], int
-        ] = {}  # ("send"|"recv", peer, tag) -> next message size
+        ] = {}  # ("send"|"recv", peer, stream) -> next message size
 
-    def send(self, activation: Activation, dst: int, tag: int = 0) -> None:
+    def _group(self, stream: int) -> Optional[dist.ProcessGroup]:
+        return self.channels.get(stream, self.group)
+
+    def send(self, activation: Activation, dst: int, stream: int = 0) -> None:
         """Send a tensor or a tuple of tensors and None, as one message when its size is the predicted one."""
         is_tuple = isinstance(activation, (tuple, list))
         message = pack(list(activation) if is_tuple else [activation], is_tuple, self._wire)
-        key = ("send", dst, tag)
+        key = ("send", dst, stream)
         predicted = self._predicted.get(key, HEADER_BYTES)
         if message.numel() != predicted:
             stand_in = _message(encode_header([], False, follow=message.numel()), predicted, self._wire)
-            self._isend(stand_in, dst, tag)
+            self._isend(stand_in, dst, stream)
             self._predicted[key] = message.numel()
-        self._isend(message, dst, tag)
+        self._isend(message, dst, stream)
 
-    def _isend(self, message: Tensor, dst: int, tag: int) -> None:
-        self._pending.append((dist.isend(message, dst, group=self.group, tag=tag), message))
+    def _isend(self, message: Tensor, dst: int, stream: int) -> None:
+        work = dist.isend(message, dst, group=self._group(stream), tag=self.tag)
+        self._pending.append((work, message))
 
-    def post_recv(self, src: int, tag: int = 0) -> None:
-        """Post the receive of the next message from ``src`` now, at its predicted size, so the sender's
-        data can flow as soon as it is sent. Only where a transfer from ``src`` is sure to come: the
-        receive cannot be taken back."""
-        if (src, tag) not in self._posted:
-            message = torch.empty(
-                self._predicted.get(("recv", src, tag), HEADER_BYTES), dtype=torch.uint8, device=self._wire
-            )
-            self._posted[(src, tag)] = (dist.irecv(message, src, group=self.group, tag=tag), message)
+    def post_recv(self, src: int, stream: int = 0) -> None:
+        """Post the receive of the next message from ``src`` on ``stream`` now, at its predicted size, so
+        the sender's data can flow as soon as it is sent. Only where a transfer from ``src`` is sure to
+        come: the receive cannot be taken back."""
+        if (src, stream) not in self._posted:
+            size = self._predicted.get(("recv", src, stream), HEADER_BYTES)
+            message = torch.empty(size, dtype=torch.uint8, device=self._wire)
+            work = dist.irecv(message, src, group=self._group(stream), tag=self.tag)
+            self._posted[(src, stream)] = (work, message)
 
-    def recv(self, src: int, tag: int = 0) -> Activation:
-        self.post_recv(src, tag)
-        work, message = self._posted.pop((src, tag))
+    def recv(self, src: int, stream: int = 0) -> Activation:
+        self.post_recv(src, stream)
+        work, message = self._posted.pop((src, stream))
         work.wait()
         header = decode_header(_header_of(message))
         follow = header[2]
         if follow:
-            self._predicted[("recv", src, tag)] = follow
+            self._predicted[("recv", src, stream)] = follow
             message = torch.empty(follow, dtype=torch.uint8, device=self._wire)
-            dist.recv(message, src, group=self.group, tag=tag)
+            dist.recv(message, src, group=self._group(stream), tag=self.tag)
             header = decode_header(_header_of(message))
         return unpack(message, self.device, header)
 
     def send_object(self, obj: Any, dst: int) -> None:
-        """Send a picklable object on the object channel (non-blocking, like every send)."""
+        """Send a picklable object (non-blocking, like every send) on stream ``OBJECT_TAG``."""
         self.send(torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8), dst, OBJECT_TAG)
 
     def recv_object(self, src: int) -> Any:

@@ -9,8 +9,10 @@ stage's output with the gradient received from the next stage; then send the inp
 
 A rank may hold several chunks (virtual stages) of the model: each action names its chunk, each chunk
 has its own previous and next rank (``ChunkLinks``; the previous may be this rank itself, a hand-off with
-no communication), and each boundary between two virtual stages has its own message tags, so that one
-peer can send activations and gradients of different chunks at once.
+no communication), and the activations and the gradients crossing each boundary between two virtual
+stages are a stream of their own (on a process group of their own where they share a pair of ranks with
+another stream: ``channels.py``), so that one peer can send activations and gradients of different chunks
+at once, over gloo and NCCL alike.
 
 Without a flush (``async``) a micro-batch's forward and backward can fall in different steps, with an
 optimizer step between them that updates the parameters in place. Its autograd graph must still see
@@ -31,6 +33,7 @@ from torch import Tensor
 from lightning_parallel.distributed.p2p import PeerLink
 from lightning_parallel.memory.accounting import storage_key, storage_of
 from lightning_parallel.memory.saved import SavedHooks, Stored
+from lightning_parallel.pipeline.channels import stream_id
 from lightning_parallel.pipeline.partition import StageOutput, StagePartition
 from lightning_parallel.pipeline.schedules import Action
 from lightning_parallel.pipeline.split_backward import WeightGradients, backward_input
@@ -225,13 +228,13 @@ class ChunkLinks:
     previous: Optional[int]
     next: Optional[int]
 
-    def activation_tag(self, outgoing: bool) -> int:
-        """The tag of the activations crossing the boundary after (``outgoing``) or before this stage."""
-        return 2 * (self.virtual_stage if outgoing else self.virtual_stage - 1)
+    def activation_stream(self, outgoing: bool) -> int:
+        """The stream of the activations crossing the boundary after (``outgoing``) or before this stage."""
+        return stream_id(self.virtual_stage if outgoing else self.virtual_stage - 1, gradient=False)
 
-    def gradient_tag(self, outgoing: bool) -> int:
-        """The tag of the gradients crossing the boundary before (``outgoing``) or after this stage."""
-        return 2 * (self.virtual_stage - 1 if outgoing else self.virtual_stage) + 1
+    def gradient_stream(self, outgoing: bool) -> int:
+        """The stream of the gradients crossing the boundary before (``outgoing``) or after this stage."""
+        return stream_id(self.virtual_stage - 1 if outgoing else self.virtual_stage, gradient=True)
 
 
 Key = tuple[int, int]  # (micro-batch, chunk)
@@ -254,8 +257,8 @@ class StageExecutor:
         self.parameters = [p for p in parameters if p.requires_grad]  # what a split backward's W fills
         self.in_flight: dict[Key, tuple[Any, Any]] = {}  # previous batch: (output, input)
         self._weights_due: dict[Key, WeightGradients] = {}  # split backwards whose W is still to run
-        self._expected: Counter = Counter()  # transfers still to come in this run, per (peer, tag)
-        self._local: dict[int, list[Any]] = {}  # tag -> hand-offs between this rank's own chunks
+        self._expected: Counter = Counter()  # transfers still to come in this run, per (peer, stream)
+        self._local: dict[int, list[Any]] = {}  # stream -> hand-offs between this rank's own chunks
 
     @property
     def has_in_flight(self) -> bool:
@@ -264,35 +267,35 @@ class StageExecutor:
     def ends_model(self, chunk: int) -> bool:
         return self.links[chunk].next is None
 
-    def _send(self, value: Any, peer: int, tag: int) -> None:
+    def _send(self, value: Any, peer: int, stream: int) -> None:
         if peer == self.rank:
-            self._local.setdefault(tag, []).append(_handed_off(value))
+            self._local.setdefault(stream, []).append(_handed_off(value))
         else:
-            self.link.send(value, peer, tag)
+            self.link.send(value, peer, stream)
 
-    def _receive(self, peer: int, tag: int) -> Any:
-        """The next transfer from ``peer`` on ``tag``; then post the receive of the one after it, if this
-        run has one (it is known from the actions), so that transfer does not wait for a round trip."""
+    def _receive(self, peer: int, stream: int) -> Any:
+        """The next transfer from ``peer`` on ``stream``; then post the receive of the one after it, if
+        this run has one (it is known from the actions), so that transfer does not wait for a round trip."""
         if peer == self.rank:
-            return self._local[tag].pop(0)
-        value = self.link.recv(peer, tag)
-        self._expected[(peer, tag)] -= 1
-        if self._expected[(peer, tag)] > 0:
-            self.link.post_recv(peer, tag)
+            return self._local[stream].pop(0)
+        value = self.link.recv(peer, stream)
+        self._expected[(peer, stream)] -= 1
+        if self._expected[(peer, stream)] > 0:
+            self.link.post_recv(peer, stream)
         return value
 
     def _expect(self, actions: Sequence[Action], backward: bool) -> None:
-        """Count this run's transfers per peer and tag (activations from the previous stage, gradients
+        """Count this run's transfers per peer and stream (activations from the previous stage, gradients
         from the next) and post the first receive of each."""
         self._expected = Counter()
         for action in actions:
             links = self.links[action.chunk]
             if action.kind == "F" and links.previous not in (None, self.rank):
-                self._expected[(links.previous, links.activation_tag(outgoing=False))] += 1
+                self._expected[(links.previous, links.activation_stream(outgoing=False))] += 1
             elif action.kind in ("B", "I") and backward and links.next not in (None, self.rank):
-                self._expected[(links.next, links.gradient_tag(outgoing=False))] += 1
-        for peer, tag in self._expected:
-            self.link.post_recv(peer, tag)
+                self._expected[(links.next, links.gradient_stream(outgoing=False))] += 1
+        for peer, stream in self._expected:
+            self.link.post_recv(peer, stream)
 
     def forward(
         self, step_fn: Callable[[Any], Any], microbatch: Any, index: int, chunk: int = 0
@@ -301,7 +304,7 @@ class StageExecutor:
         links = self.links[chunk]
         if links.previous is not None:
             with self.timeline.record("wait", index, chunk=chunk):
-                self.io.pending = self._receive(links.previous, links.activation_tag(outgoing=False))
+                self.io.pending = self._receive(links.previous, links.activation_stream(outgoing=False))
         with self.part.running(chunk), self.timeline.record("F", index, chunk=chunk):
             try:
                 produced = step_fn(microbatch)
@@ -310,7 +313,7 @@ class StageExecutor:
         used, self.io.used = self.io.used, None
         if links.next is not None:
             _check_sendable(produced)
-            self._send(produced, links.next, links.activation_tag(outgoing=True))
+            self._send(produced, links.next, links.activation_stream(outgoing=True))
         return produced, used
 
     def run(
@@ -382,7 +385,7 @@ class StageExecutor:
             roots, grads = [output * weight], [None]
         else:
             with self.timeline.record("wait", index, previous, chunk):
-                grad = self._receive(links.next, links.gradient_tag(outgoing=False))
+                grad = self._receive(links.next, links.gradient_stream(outgoing=False))
             pairs = [
                 (o, g)
                 for o, g in zip(_as_tuple(output), _as_tuple(grad))
@@ -408,7 +411,7 @@ class StageExecutor:
                 "got no gradient"
             )
         message = grads_back if isinstance(used_input, tuple) else grads_back[0]
-        self._send(message, links.previous, links.gradient_tag(outgoing=True))
+        self._send(message, links.previous, links.gradient_stream(outgoing=True))
 
 
 def _handed_off(value: Any) -> Any:

@@ -102,33 +102,58 @@ def gpipe(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
     ]
 
 
-def warmup_depth(num_stages: int, num_microbatches: int, stage: int) -> int:
-    """How many micro-batches 1F1B keeps in flight on ``stage`` between its forwards and backwards."""
+def warmup_depth(num_stages: int, num_microbatches: int, stage: int, virtual_stages: int = 1) -> int:
+    """How many forwards (of chunks) ``stage`` runs ahead of its backwards in the (async) 1F1B stream:
+    1F1B's ``p - stage - 1`` with one chunk, interleaved 1F1B's warm-up (``interleaved_warmup``) with
+    ``virtual_stages`` chunks in the looping placement."""
+    if virtual_stages > 1:
+        return interleaved_warmup(num_stages, num_microbatches, stage, virtual_stages)
     return min(num_stages - stage - 1, num_microbatches)
 
 
-def async_step(num_stages: int, num_microbatches: int, stage: int, carried: int) -> list[Action]:
+def _stream_order(
+    num_stages: int, num_microbatches: int, virtual_stages: int, backward: bool
+) -> list[tuple[int, int]]:
+    """The (micro-batch, chunk) order of one batch's forwards or backwards in the 1F1B stream."""
+    if virtual_stages == 1:
+        return [(i, 0) for i in range(num_microbatches)]
+    return _looping_order(num_stages, num_microbatches, virtual_stages, backward)
+
+
+def async_step(
+    num_stages: int, num_microbatches: int, stage: int, carried: int, virtual_stages: int = 1
+) -> list[Action]:
     """One batch's piece of the no-flush 1F1B stream: each forward, then (once more than the warm-up
-    depth is in flight) the backward of the oldest micro-batch in flight. The first ``carried``
-    backwards are the previous batch's last micro-batches (0 after a flush, else the warm-up depth)."""
+    depth is in flight) the oldest backward in flight. The first ``carried`` backwards are the previous
+    batch's last (0 after a flush, else the warm-up depth). With ``virtual_stages`` chunks (looping) it
+    is interleaved 1F1B's stream: the forwards and backwards in its round order, one batch after another."""
     _check(num_stages, num_microbatches, stage)
-    depth = warmup_depth(num_stages, num_microbatches, stage)
+    if virtual_stages > 1:
+        problem = schedule_problem("async", num_stages, num_microbatches, virtual_stages)
+        if problem is not None:
+            raise ValueError(problem)
+    depth = warmup_depth(num_stages, num_microbatches, stage, virtual_stages)
     if not 0 <= carried <= depth:
         raise ValueError(f"stage {stage} can carry 0..{depth} micro-batches over, not {carried}")
-    in_flight = [Action("B", i, -1) for i in range(num_microbatches - carried, num_microbatches)]
+    forwards = _stream_order(num_stages, num_microbatches, virtual_stages, backward=False)
+    backwards = _stream_order(num_stages, num_microbatches, virtual_stages, backward=True)
+    in_flight = [Action("B", i, -1, c) for i, c in backwards[len(backwards) - carried :]]
     actions = []
-    for i in range(num_microbatches):
-        actions.append(Action("F", i))
-        in_flight.append(Action("B", i))
+    for (i, c), (j, d) in zip(forwards, backwards):
+        actions.append(Action("F", i, chunk=c))
+        in_flight.append(Action("B", j, chunk=d))
         if len(in_flight) > depth:
             actions.append(in_flight.pop(0))
     return actions
 
 
-def cooldown(num_stages: int, num_microbatches: int, stage: int, batch: int = 0) -> list[Action]:
+def cooldown(
+    num_stages: int, num_microbatches: int, stage: int, batch: int = 0, virtual_stages: int = 1
+) -> list[Action]:
     """The backwards an ``async_step`` leaves in flight, in order (``batch=-1``: run in a later step)."""
-    depth = warmup_depth(num_stages, num_microbatches, stage)
-    return [Action("B", i, batch) for i in range(num_microbatches - depth, num_microbatches)]
+    depth = warmup_depth(num_stages, num_microbatches, stage, virtual_stages)
+    backwards = _stream_order(num_stages, num_microbatches, virtual_stages, backward=True)
+    return [Action("B", i, batch, c) for i, c in backwards[len(backwards) - depth :]]
 
 
 def one_f_one_b(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
@@ -232,7 +257,11 @@ def schedule(
     check_virtual_stages(name, virtual_stages)
     if name == "gpipe":
         return gpipe(num_stages, num_microbatches, stage)
-    if name in ("1f1b", "async"):
+    if name == "async":  # one async step from an empty pipeline, then its cool-down
+        return async_step(num_stages, num_microbatches, stage, 0, virtual_stages) + cooldown(
+            num_stages, num_microbatches, stage, 0, virtual_stages
+        )
+    if name == "1f1b":
         return one_f_one_b(num_stages, num_microbatches, stage)
     if name == "interleaved_1f1b":
         return interleaved_1f1b(num_stages, num_microbatches, stage, virtual_stages)
@@ -243,9 +272,11 @@ def schedule(
 
 def chunks_per_rank(name: str, virtual_stages: Optional[int] = None) -> int:
     """How many chunks (virtual stages) each rank holds under the named schedule: ``virtual_stages``
-    (None: 2) for interleaved 1F1B, 2 for zbv, 1 for the others."""
+    (None: 2) for interleaved 1F1B, (None: 1) for async, 2 for zbv, 1 for the others."""
     if name == "interleaved_1f1b":
         return 2 if virtual_stages is None else virtual_stages
+    if name == "async":
+        return 1 if virtual_stages is None else virtual_stages
     return 2 if name == "zbv" else 1
 
 
@@ -259,6 +290,10 @@ def virtual_stages_problem(name: str, virtual_stages: Optional[int], prefix: str
         if isinstance(virtual_stages, int) and not isinstance(virtual_stages, bool) and virtual_stages >= 2:
             return None
         return f"{given}: it needs an integer >= 2 chunks per rank (with one chunk it is schedule='1f1b')."
+    if name == "async":
+        if isinstance(virtual_stages, int) and not isinstance(virtual_stages, bool) and virtual_stages >= 1:
+            return None
+        return f"{given}: it needs an integer >= 1 chunks per rank (>= 2: the looping placement)."
     if virtual_stages == chunks_per_rank(name):
         return None
     if name == "zbv":
@@ -275,8 +310,11 @@ def schedule_problem(
     """What keeps the named schedule from running ``num_microbatches`` on ``num_stages`` ranks with
     ``virtual_stages`` chunks each; None if nothing. ``schedule`` raises the same."""
     problem = _name_problem(name) or virtual_stages_problem(name, virtual_stages)
-    if problem is None and name == "interleaved_1f1b":
-        problem = _rounds_problem(num_stages, num_microbatches)
+    looping = name == "interleaved_1f1b" or (name == "async" and (virtual_stages or 1) > 1)
+    if problem is None and looping:
+        problem = _rounds_problem(num_stages, num_microbatches, name)
+    if problem is None and looping and name == "async":
+        problem = _third_version_problem(num_stages, num_microbatches, virtual_stages)
     return problem
 
 
@@ -326,7 +364,9 @@ def activation_bound(
     p, m, v = num_stages, num_microbatches, virtual_stages
     if name == "interleaved_1f1b":
         return min(interleaved_warmup(p, m, stage, v) + 1, m * v)
-    bound = {"gpipe": m, "1f1b": p - stage, "async": p - stage, "zb_h1": p, "zbv": 2 * p}[name]
+    if name == "async":  # its warm-up plus one, across batches too
+        return min(warmup_depth(p, m, stage, v) + 1, m * v)
+    bound = {"gpipe": m, "1f1b": p - stage, "zb_h1": p, "zbv": 2 * p}[name]
     return min(bound, m * v)
 
 
@@ -429,7 +469,31 @@ def _name_problem(name: str) -> Optional[str]:
     )
 
 
-def _rounds_problem(num_stages: int, num_microbatches: int) -> Optional[str]:
+def _third_version_problem(num_stages: int, num_microbatches: int, virtual_stages: int) -> Optional[str]:
+    """Why the async stream over ``virtual_stages`` looping chunks would need a third weight version (None:
+    two suffice): rank 0 runs ``interleaved_warmup`` forwards ahead of its backwards, and when that is more
+    than a batch's ``m * v`` the last backwards of batch t still wait when batch t + 2's first forward must
+    run on W(t + 1), a version that needs batch t's gradient (``pipeline_async.py``)."""
+    p, m, v = num_stages, num_microbatches, virtual_stages
+    ahead = (v - 1) * interleaved_round(p, m) + 2 * (p - 1)
+    if ahead <= m * v:
+        return None
+    works = next(
+        n
+        for n in range(m + 1, 4 * p + 1)
+        if _rounds_problem(p, n) is None and ((v - 1) * interleaved_round(p, n) + 2 * (p - 1) <= n * v)
+    )
+    return (
+        f"schedule='async' with virtual_stages={v} on {p} stages and num_microbatches={m}: rank 0 runs "
+        f"{ahead} chunk forwards ahead of its backwards ((v - 1) x a round of {interleaved_round(p, m)} + "
+        f"2 x (p - 1)), more than a batch's {m} x {v} = {m * v}, so batch t's last backwards would still be "
+        f"waiting when batch t + 2's forwards start: PipeDream-2BW's rule would need a third weight version "
+        f"(W(t - 1) for batch t, W(t) for batch t + 1, W(t + 1) for batch t + 2), and it keeps two. Use "
+        f"num_microbatches >= {works} (two versions suffice when m x v >= that warm-up), or virtual_stages=1."
+    )
+
+
+def _rounds_problem(num_stages: int, num_microbatches: int, name: str = "interleaved_1f1b") -> Optional[str]:
     rounds = max(1, num_microbatches // num_stages)
     if num_microbatches % rounds == 0:
         return None
@@ -437,7 +501,7 @@ def _rounds_problem(num_stages: int, num_microbatches: int) -> Optional[str]:
     works = [n for n in range(1, 2 * m) if n < 2 * p or n % (n // p) == 0]
     below, above = max(n for n in works if n < m), min(n for n in works if n > m)
     return (
-        f"schedule='interleaved_1f1b' runs the micro-batches in equal rounds of {p} to {2 * p - 1} "
+        f"schedule={name!r} runs the micro-batches in equal rounds of {p} to {2 * p - 1} "
         f"(num_microbatches // {p} rounds; a shorter last round would deadlock), so num_microbatches must be "
         f"below {2 * p} or a multiple of num_microbatches // {p}; got {m}: use {below} or {above} (any "
         f"multiple of {p} works)."

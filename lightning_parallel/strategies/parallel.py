@@ -102,7 +102,9 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
             two chunks per rank in a V), or ``"async"``
             (PipeDream-2BW's update rule; see ``pipeline_async.py``).
         virtual_stages: chunks of the block stack per rank under ``schedule="interleaved_1f1b"`` (at
-            least 2; None: 2), in Megatron's looping placement. Other schedules hold one chunk per rank.
+            least 2; None: 2) or ``schedule="async"`` (None: 1; 2 or more: interleaved 1F1B's stream
+            with no flush, where two weight versions suffice: ``pipeline_async.py``), in Megatron's
+            looping placement. Other schedules hold one chunk per rank (``zbv`` two, in a V).
         num_microbatches: micro-batches per batch; a batch that does not divide evenly is split into
             parts differing by one sample, each weighted by its size.
         split_points: where stages start: block names (``["model.blocks.2"]``) or block counts per

@@ -27,7 +27,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             ``"zb_h1"`` (zero bubble: 1F1B with the weight gradients deferred into its bubble), ``"zbv"``
             (zero bubble over two chunks per rank in a V; rank 0 runs the loss), or
             ``"async"`` (PipeDream-2BW's update rule).
-        virtual_stages: chunks per rank for ``"interleaved_1f1b"`` (None: 2).
+        virtual_stages: chunks per rank for ``"interleaved_1f1b"`` (None: 2) and ``"async"`` (None: 1).
         pipeline_parallel_size: number of stages; None = all processes / data_parallel_size.
         data_parallel_size: replicas of the whole pipeline, each with its own batches.
         num_microbatches, split_points, balance, block_stack, timeline_step: as for ``ParallelStrategy``.

@@ -21,6 +21,23 @@ every stage are summed over the stages by a reduction started when a batch's gra
 waited for when it is applied, a step later (``AsyncGradients``). A blocking all-reduce at the optimizer
 step would hold stage 0 there until the last stage finished, and the last stage would then wait for
 stage 0's first forward: a flush in all but name.
+
+With ``virtual_stages`` v >= 2 chunks per rank (the looping placement) the stream is interleaved 1F1B's
+with no flush: each step runs its batch's forwards in Megatron's round order and carries in the backwards
+the batch before left (``schedules.async_step``). Two weight versions still suffice where every rank
+
+1. runs all of batch t's forwards, on every chunk, before any of batch t+1's: its one optimizer step
+   updates all its chunks at once, so a forward on the wrong side of it would run on the other version.
+   The looping placement keeps a batch's rounds together, the last on the last chunk, so this holds;
+2. ends batch t's backwards before batch t+2's first forward, which needs W(t+1) and so batch t's whole
+   gradient; otherwise W(t-1) (batch t), W(t) (batch t+1) and W(t+1) would all be needed: a third version.
+   Rank r runs ``(v-1) R + 2 (p-1-r)`` chunk forwards ahead of its backwards (``warmup_depth``, R the
+   round), so this holds when rank 0's ``(v-1) R + 2 (p-1) <= m v``: every m >= 2p - 2 that the rounds
+   allow. Others are refused at set-up (``schedules.schedule_problem``), with the reason.
+
+The V placement (``zbv``'s) breaks 1 whatever m is: rank r's chunk-1 forward of a micro-batch comes
+2(p-1-r)+1 stage forwards after its chunk-0 forward, and a busy rank runs batch t+1's chunk-0 forwards in
+that gap; so async does not offer it (docs/pipeline.md, "Async with several chunks per rank").
 """
 
 from __future__ import annotations
@@ -51,13 +68,15 @@ class AsyncPipelineMixin:
 
     def _async_step(self, params: list, batch: Any, step_fn: Any, batch_idx: int) -> Optional[Tensor]:
         """One piece of the no-flush stream; the gradient it hands the optimizer is the previous batch's."""
-        pp, m, stage = self.mesh.shape.pp, self.num_microbatches, self.mesh.pp_rank
+        here = (self.mesh.shape.pp, self.num_microbatches, self.mesh.pp_rank)
+        v = self.virtual_stages
         self._place_checkpoint_gradient()
-        carried = warmup_depth(pp, m, stage) if self.executor.has_in_flight else 0
+        depth = warmup_depth(*here, v)
+        carried = depth if self.executor.has_in_flight else 0
         flush = self._last_step_before_a_pause()
-        actions = async_step(pp, m, stage, carried) + (cooldown(pp, m, stage) if flush else [])
+        actions = async_step(*here, carried, v) + (cooldown(*here, 0, v) if flush else [])
         self.async_grads.begin(params, carried)
-        keeps_graphs = not flush and warmup_depth(pp, m, stage) > 0
+        keeps_graphs = not flush and depth > 0
         with (
             weights_snapshot(params) if keeps_graphs else nullcontext()
         ):  # graphs left in flight keep this step's weights
@@ -108,7 +127,8 @@ class AsyncPipelineMixin:
         params = list(self.lightning_module.parameters())
         earlier = [p.grad for p in params]
         self.async_grads.drain(params)
-        actions = cooldown(self.mesh.shape.pp, self.num_microbatches, self.mesh.pp_rank, batch=-1)
+        here = (self.mesh.shape.pp, self.num_microbatches, self.mesh.pp_rank)
+        actions = cooldown(*here, batch=-1, virtual_stages=self.virtual_stages)
         self.executor.run(actions, [], None, [0.0] * self.num_microbatches)
         self.async_grads.drained(params)
         for p, g in zip(params, earlier):

@@ -53,10 +53,11 @@ from torch import Tensor
 
 from lightning_parallel.checkpointing.loss_check import check_finite_loss
 from lightning_parallel.distributed.collectives import start_gather_numbers
-from lightning_parallel.distributed.p2p import PeerLink
+from lightning_parallel.distributed.p2p import OBJECT_TAG, PeerLink
 from lightning_parallel.distributed.replicas import start_sum_at
 from lightning_parallel.materialize import has_meta_tensors
 from lightning_parallel.module_names import find_block_stack
+from lightning_parallel.pipeline.channels import new_channel_groups
 from lightning_parallel.pipeline.deferred_batchnorm import DeferredBatchNorm, batchnorm_warning
 from lightning_parallel.pipeline.executor import (
     ChunkLinks,
@@ -181,13 +182,6 @@ class PipelineStages:
         shape_problem = schedule_problem(self.schedule, pp, self.num_microbatches, self.virtual_stages)
         if shape_problem is not None:
             raise ValueError(f"{type(self).__name__}: {shape_problem}")
-        if self.virtual_stages > 1 and pp > 1 and dist.get_backend() != "gloo":
-            raise ValueError(
-                f"schedule={self.schedule!r} holds {self.virtual_stages} chunks per rank, so one pair of ranks "
-                "carries activations and gradients of several chunks in the same direction; their messages are "
-                f"kept apart by tags, which gloo honours and {dist.get_backend()} does not. Use the gloo backend "
-                "(process_group_backend='gloo'), or a schedule with one chunk per rank ('1f1b', 'zb_h1')."
-            )
         if self.schedule == "async" and self.lightning_module.trainer.accumulate_grad_batches > 1:
             raise ValueError(
                 f"schedule='async' does not support accumulate_grad_batches="
@@ -249,15 +243,19 @@ class PipelineStages:
             self.global_rank,
             self.partition,
             links,
-            PeerLink(self.root_device),
+            PeerLink(
+                self.root_device,
+                channels=new_channel_groups(self.schedule, self.mesh.shape, self.global_rank, v),
+            ),
             Timeline(self.global_rank),
             list(module.parameters()),
         )
-        # summaries go over gloo on CPU: gloo keeps tags apart (NCCL would mix them with activations)
+        # summaries go over gloo on CPU, on their own tag (on NCCL, on a gloo group of their own)
         objects = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         last = ranks[self.loss_stage]
         others = [r for r in ranks if r != last]
-        self.logs = LogMirror(PeerLink(torch.device("cpu"), objects), last, others, self.is_last_stage)
+        link = PeerLink(torch.device("cpu"), objects, tag=OBJECT_TAG)
+        self.logs = LogMirror(link, last, others, self.is_last_stage)
         owned = set(self.partition.owned)
         # positions in module.parameters() of the trainable parameters outside the stack, on every stage
         self._replicated = [

@@ -1,6 +1,7 @@
 """The transfers between pipeline stages: the header and the one-message packing keep every shape and
 dtype a stage may send (what cannot travel is named), and on 2 real gloo processes a stream of
-transfers whose shapes change, with receives posted early at the predicted size, arrives intact.
+transfers whose shapes change, with receives posted early at the predicted size, arrives intact, and
+streams on channels (groups) of their own are matched apart with every tag equal, as NCCL needs.
 (The pipeline's own use of them runs in tests/strategies/test_pipeline.py.)"""
 
 from __future__ import annotations
@@ -93,19 +94,22 @@ def transfers() -> list:
 
 
 def rank_program(out: Path) -> None:
-    from lightning_parallel.distributed.p2p import PeerLink
+    from lightning_parallel.distributed.p2p import OBJECT_TAG, PeerLink
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, link = dist.get_rank(), PeerLink(torch.device("cpu"))
+    objects = PeerLink(torch.device("cpu"), tag=OBJECT_TAG)  # as the pipeline's log mirror
+    channels_program(out, rank)
     expected = transfers()
     if rank == 0:
+        objects.send_object({"loss": 1.5}, 1)  # sent first, read last: kept apart by its tag
+        objects.send_object({"loss": 2.5, "acc": [1, 2, 3]}, 1)
         for x in expected:
             link.send(x, 1)
-        link.send_object({"loss": 1.5}, 1)
-        link.send_object({"loss": 2.5, "acc": [1, 2, 3]}, 1)
         assert torch.equal(link.recv(1), torch.tensor([42.0]))
         link.wait_sends()
+        objects.wait_sends()
     else:
         link.post_recv(0)  # posted before rank 0 sends anything, at the first prediction
         for i, want in enumerate(expected):
@@ -117,19 +121,53 @@ def rank_program(out: Path) -> None:
             ):
                 assert g.dtype == w.dtype and torch.equal(g, w), (i, g, w)
             assert isinstance(got, tuple) == isinstance(want, tuple)
-        assert link.recv_object(0) == {"loss": 1.5}
-        assert link.recv_object(0) == {"loss": 2.5, "acc": [1, 2, 3]}
+        assert objects.recv_object(0) == {"loss": 1.5}
+        assert objects.recv_object(0) == {"loss": 2.5, "acc": [1, 2, 3]}
         link.send(torch.tensor([42.0]), 0)
         link.wait_sends()
     (out / f"ok{rank}").write_text("ok")
     dist.destroy_process_group()
 
 
+def channels_program(out: Path, rank: int) -> None:
+    """Rank 0 sends on streams 1 then 2, rank 1 reads stream 2 first, every message with tag 0 and of one
+    size. On channels of their own (``channels``: a new group each) each read gets its own stream's
+    message; on one group (``one_group``, the control) the first read takes the first message sent, so the
+    values come swapped: tags do not keep them apart, as on NCCL."""
+    from lightning_parallel.distributed.p2p import PeerLink
+
+    groups = {1: dist.new_group([0, 1]), 2: dist.new_group([0, 1])}  # every rank, in one order
+    for name, channels in (("channels", groups), ("one_group", {})):
+        link = PeerLink(torch.device("cpu"), channels=channels)
+        if rank == 0:
+            link.send(torch.full((3,), 1.0), 1, stream=1)
+            link.send(torch.full((3,), 2.0), 1, stream=2)
+            link.wait_sends()
+        else:
+            second, first = link.recv(0, stream=2), link.recv(0, stream=1)
+            (out / f"{name}.txt").write_text(f"{second[0].item()} {first[0].item()}")
+        dist.barrier()
+
+
 @pytest.mark.timeout(120)
-def test_changing_shapes_arrive_intact_on_two_processes(tmp_path):
-    cmd = [sys.executable, "-m", "tests.distributed.test_p2p", str(tmp_path)]
-    run_processes([cmd, cmd], [worker_env(r, 2) for r in range(2)], timeout=90, cwd=tmp_path, rendezvous=True)
-    assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
+def test_changing_shapes_arrive_intact_on_two_processes(p2p_run):
+    assert (p2p_run / "ok0").exists() and (p2p_run / "ok1").exists()
+
+
+@pytest.mark.timeout(120)
+def test_streams_on_channels_of_their_own_are_matched_without_tags(p2p_run):
+    """Stream 2 read before stream 1 gets stream 2's message on channels of their own (2.0, then 1.0);
+    on one group, with one tag, it would get stream 1's (the control: 1.0, then 2.0)."""
+    assert (p2p_run / "channels.txt").read_text() == "2.0 1.0"
+    assert (p2p_run / "one_group.txt").read_text() == "1.0 2.0"
+
+
+@pytest.fixture(scope="module")
+def p2p_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("p2p")
+    cmd = [sys.executable, "-m", "tests.distributed.test_p2p", str(tmp)]
+    run_processes([cmd, cmd], [worker_env(r, 2) for r in range(2)], timeout=90, cwd=tmp, rendezvous=True)
+    return tmp
 
 
 if __name__ == "__main__":

@@ -162,6 +162,91 @@ def test_async_step_marks_the_previous_batch_and_checks_what_it_carries():
         async_step(2, 4, 0, carried=2)
 
 
+def chunk_stream(p: int, m: int, v: int, batches: int) -> list[list[Action]]:
+    """``async_stream`` with ``v`` looping chunks: each rank's async steps over ``batches`` batches and the
+    final cool-down, micro-batches numbered globally."""
+    streams = []
+    for r in range(p):
+        actions, carried = [], 0
+        for b in range(batches):
+            step = async_step(p, m, r, carried, v)
+            actions += [Action(a.kind, (b + a.batch) * m + a.microbatch, chunk=a.chunk) for a in step]
+            carried = warmup_depth(p, m, r, v)
+        last = (batches - 1) * m
+        actions += [Action(a.kind, last + a.microbatch, chunk=a.chunk) for a in cooldown(p, m, r, 0, v)]
+        streams.append(actions)
+    return streams
+
+
+TWO_VERSIONS = [
+    (2, 2, 2),
+    (2, 4, 2),
+    (2, 4, 3),
+    (2, 3, 2),
+    (3, 4, 2),
+    (3, 6, 2),
+    (4, 6, 2),
+    (4, 8, 2),
+    (4, 8, 3),
+]
+
+
+@pytest.mark.parametrize("p,m,v", TWO_VERSIONS)
+def test_async_steps_with_looping_chunks_join_into_interleaved_1f1b_with_two_versions(p, m, v):
+    """Each async step runs only its own batch's forwards and the backwards of its batch and the one
+    before (two weight versions); the steps run against each other without deadlock, messages in order,
+    idle only in one fill and drain however many steps; with m a multiple of p they are Megatron's
+    interleaved 1F1B over all batches' micro-batches."""
+    batches = 4
+    assert schedule_problem("async", p, m, v) is None
+    streams = chunk_stream(p, m, v, batches)
+    check_plans("async", streams, batches * m, v)
+    for r in range(p):
+        for carried in (0, warmup_depth(p, m, r, v)):
+            step = async_step(p, m, r, carried, v)
+            assert {a.batch for a in step if a.kind == "F"} == {0}
+            assert sorted((a.microbatch, a.chunk) for a in step if a.kind == "F") == [
+                (i, c) for i in range(m) for c in range(v)
+            ]
+            assert sum(a.batch == -1 for a in step) == carried  # everything the previous batch left
+        assert schedule("async", p, m, r, v) == schedules.interleaved_1f1b(p, m, r, v)
+        if m % p == 0:
+            assert streams[r] == schedules.interleaved_1f1b(p, batches * m, r, v)
+
+    def idle(n: int) -> float:  # on the clock, unit actions: the end of the last rank less its work
+        times = run_timed("async", chunk_stream(p, m, v, n), v, lambda r, a: 1.0)
+        return max(t[-1][1] for t in times) - 2 * m * v * n
+
+    assert idle(batches) == idle(2 * batches) == 2 * (p - 1)  # one fill and drain, however many steps
+
+
+@pytest.mark.parametrize("p,m,v", [(3, 3, 2), (4, 4, 2), (4, 4, 3), (2, 1, 2), (3, 2, 2)])
+def test_async_with_looping_chunks_needing_a_third_version_is_refused_with_the_reason(p, m, v):
+    problem = schedule_problem("async", p, m, v)
+    assert "third weight version" in problem and f"num_microbatches={m}" in problem
+    with pytest.raises(ValueError, match="third weight version"):
+        async_step(p, m, 0, 0, v)
+    if m % p == 0:  # the argument: in the no-flush interleaved stream (rounds of p, as Megatron's), rank 0
+        # runs a backward of batch t after its first forward of batch t + 2
+        actions = schedules.interleaved_1f1b(p, 4 * m, 0, v)
+        first = {}
+        for k, a in enumerate(actions):
+            if a.kind == "F":
+                first.setdefault(a.microbatch // m, k)
+        assert any(
+            a.kind == "B" and k > first[a.microbatch // m + 2] for k, a in enumerate(actions[: first[3]])
+        )
+
+
+def test_the_third_version_refusal_names_what_works():
+    problem = schedule_problem("async", 4, 4, 2)
+    assert "rank 0 runs 10 chunk forwards ahead" in problem and "4 x 2 = 8" in problem
+    assert "num_microbatches >= 6" in problem and "virtual_stages=1" in problem
+    assert schedule_problem("async", 4, 6, 2) is None and schedule_problem("async", 4, 5, 2) is not None
+    assert "schedule='async' runs the micro-batches in equal rounds" in schedule_problem("async", 4, 9, 2)
+    assert virtual_stages_problem("async", 3) is None and virtual_stages_problem("async", 0) is not None
+
+
 # ----------------------------------------------------------------- chunks and split backwards
 NEW = [("interleaved_1f1b", 2), ("zb_h1", 1), ("zbv", 2)]
 SHAPES = [(2, 4), (2, 8), (4, 4), (4, 8)]
@@ -290,7 +375,7 @@ def test_refused_combinations_name_what_works():
         schedule("interleaved_1f1b", 4, 9, 0, 2)
     with pytest.raises(ValueError, match=r"virtual_stages=3 with schedule='zbv': it places exactly 2 chunks"):
         schedule("zbv", 2, 4, 0, 3)
-    for name in ("gpipe", "1f1b", "async", "zb_h1"):
+    for name in ("gpipe", "1f1b", "zb_h1"):
         with pytest.raises(
             ValueError, match=rf"schedule='{name}', which runs one chunk per rank.*'interleaved_1f1b'"
         ):
@@ -300,6 +385,7 @@ def test_refused_combinations_name_what_works():
 
 
 def test_the_strategy_s_questions_about_chunks():
+    assert chunks_per_rank("async", 2) == 2
     assert [chunks_per_rank(n) for n in ("gpipe", "1f1b", "async", "interleaved_1f1b", "zb_h1", "zbv")] == [
         1,
         1,

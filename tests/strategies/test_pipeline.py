@@ -362,6 +362,12 @@ def test_async_with_two_replicas_follows_the_rule_on_the_global_batch(pp4):
     the emulated rule's on the global batch."""
     tmp, results = pp4
     c = next(c for c in CASES_4 if c["name"] == "seq-dp2-async-time")
+    check_rule_on_global_batch(tmp, results, c)
+
+
+def check_rule_on_global_batch(tmp, results, c) -> None:
+    """Case ``c`` (async, dp=2 x pp=2) ended where the rule's emulation on the global batch ends, and its
+    ranks showed that emulation's losses one step late (averaged over the replicas)."""
     emulated = emulation(c, tmp, dp_size=1)
     full = torch.load(tmp / "dist4" / c["name"] / "last.ckpt", weights_only=False)["state_dict"]
     assert_params_close(full, emulated["state_dict"], atol=1e-10)
