@@ -204,6 +204,16 @@ MORE: dict[str, Callable[[int, int, int], nn.Module]] = {
         sliding_window=None,
         experts_implementation="eager",
     ),
+    "qwen2_moe": _llama_like(
+        "Qwen2MoeForCausalLM",
+        "Qwen2MoeConfig",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=lambda w, h: 2 * w,
+        shared_expert_intermediate_size=lambda w, h: 2 * w,
+        sliding_window=None,
+        experts_implementation="eager",
+    ),
     "cohere": _llama_like("CohereForCausalLM", "CohereConfig"),
     "starcoder2": _llama_like(
         "Starcoder2ForCausalLM",
