@@ -48,7 +48,11 @@ class MeshShape:
         """The size of ``axis``: ``"dp"``, ``"pp"``, ``"tp"``, ``"ep"``, ``"model"`` (pp x tp: the ranks of
         one replica of the model, which together hold all of it), ``"edp"`` (dp / ep: the replicas of one
         expert) or ``"ep_model"`` (ep x pp x tp)."""
-        derived = {"model": self.pp * self.tp, "edp": self.dp // self.ep, "ep_model": self.ep * self.pp * self.tp}
+        derived = {
+            "model": self.pp * self.tp,
+            "edp": self.dp // self.ep,
+            "ep_model": self.ep * self.pp * self.tp,
+        }
         return derived[axis] if axis in derived else getattr(self, axis)
 
     def axis_ranks(self, axis: str, rank: int) -> list[int]:

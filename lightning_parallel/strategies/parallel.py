@@ -18,8 +18,9 @@ that knows no strategy class (``configure_parallelism`` reads as that order):
 
 Steps 1 to 3 run on the module built on meta (``set_up_share``): a rank allocates only its share.
 Checkpoints stack the gathers in the same order: over tp (full tensors), then over ep (every expert), then
-over pp (the stages' parts), so a checkpoint of any layout holds the single-device state under single-device names and loads
-into any other layout; clipping uses the norm of the whole model over tp and pp.
+over pp (the stages' parts), so a checkpoint of any layout holds the single-device state under
+single-device names and loads into any other layout; clipping uses the norm of the whole model over tp and
+pp (and ep: each expert counted by its rank).
 
 ``lp_tensor_parallel`` and ``lp_pipeline_*`` are this class with an axis fixed (``tensor_parallel.py``,
 ``pipeline.py``): their options are the ones they declare, their defaults and behaviour as before.
@@ -87,10 +88,11 @@ from lightning_parallel.tensor.shard import shard_module
 __all__ = ["ParallelStrategy", "BALANCES"]
 
 BALANCES = ("parameters", "time")
+#: the options expert parallelism does not compose with yet: name -> (its value that is off, what it is)
 EP_REFUSED = {
-    "pipeline_parallel_size": "pipeline stages",
-    "zero_stage": "ZeRO's sharded gradient path",
-    "save_distributed": "sharded checkpoints",
+    "pipeline_parallel_size": (1, "pipeline stages"),
+    "zero_stage": (0, "ZeRO's sharded gradient path"),
+    "save_distributed": (False, "sharded checkpoints"),
 }
 SP_WITH_PP = (
     "sequence parallelism is not composed with pipeline stages (a stage's activations would be sent cut "
@@ -252,12 +254,9 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
         size = positive_int(f"{prefix}expert_parallel_size", ep)
         if size or ep == 1:
             return [size]
-        pipelined = "pp" in cls.always_applied or values.get("pipeline_parallel_size") is None
-        refused = [
-            name
-            for name in EP_REFUSED
-            if values.get(name) not in (0, 1, False) and (values.get(name) is not None or pipelined)
-        ]
+        refused = [name for name, (off, _) in EP_REFUSED.items() if values.get(name, off) != off]
+        if "pp" in cls.always_applied and "pipeline_parallel_size" not in refused:
+            refused.append("pipeline_parallel_size")
         return [
             None
             if dp is None or dp % ep == 0
@@ -266,7 +265,8 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
             f"data_parallel_size={ep * max(1, dp // ep)}",
             *(
                 f"{prefix}expert_parallel_size={ep} with {prefix}{name}={values[name]!r}: expert parallelism is "
-                f"not composed with {EP_REFUSED[name]} yet; use expert_parallel_size=1 or the default {name}"
+                f"not composed with {EP_REFUSED[name][1]} yet; use expert_parallel_size=1 or {name}="
+                f"{EP_REFUSED[name][0]!r}"
                 for name in refused
             ),
         ]
@@ -417,7 +417,11 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
         sharded = {id(t) for t, _, _ in sharded_parameters(module).values()}
         experts = {id(t) for t, _, _ in expert_pieces(module).values()}
         owned = set(self.partition.owned) if self.pipelined else None
-        first_tp, first_stage, first_ep = self.mesh.tp_rank == 0, self.mesh.pp_rank == 0, self.mesh.ep_rank == 0
+        first_tp, first_stage, first_ep = (
+            self.mesh.tp_rank == 0,
+            self.mesh.pp_rank == 0,
+            self.mesh.ep_rank == 0,
+        )
         counted = {
             id(p)
             for n, p in module.named_parameters()
@@ -548,7 +552,10 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
 
 
 def _then_experts(
-    cut: Optional[Callable[[str, torch.Tensor], torch.Tensor]], pieces: Mapping[str, Any], name: str, full: torch.Tensor
+    cut: Optional[Callable[[str, torch.Tensor], torch.Tensor]],
+    pieces: Mapping[str, Any],
+    name: str,
+    full: torch.Tensor,
 ) -> torch.Tensor:
     """Set-up's cut of a full tensor: the tensor-parallel one (if any), then this rank's experts."""
     return cut_experts(name, full if cut is None else cut(name, full), pieces)

@@ -56,7 +56,12 @@ def is_experts_module(module: nn.Module) -> bool:
     top_k_weights)``."""
     n = getattr(module, "num_experts", None)
     own = list(module._parameters.values())
-    if not isinstance(n, int) or n < 1 or not own or any(p is None or p.dim() < 2 or p.shape[0] != n for p in own):
+    if (
+        not isinstance(n, int)
+        or n < 1
+        or not own
+        or any(p is None or p.dim() < 2 or p.shape[0] != n for p in own)
+    ):
         return False
     if any(True for child in module.children() for _ in child.parameters()):
         return False
@@ -109,7 +114,9 @@ class ExpertParallelExperts(nn.Module):
     """This rank's experts of a Hugging Face experts module, under the module's own parameter names; the
     tokens of every rank of ``group`` reach them by all-to-all (see the module docstring)."""
 
-    def __init__(self, experts: nn.Module, group: Optional[dist.ProcessGroup], ep_size: int, ep_rank: int) -> None:
+    def __init__(
+        self, experts: nn.Module, group: Optional[dist.ProcessGroup], ep_size: int, ep_rank: int
+    ) -> None:
         super().__init__()
         keep_skeleton(self, experts)
         self.num_experts, self.ep_size, self.ep_rank = experts.num_experts, ep_size, ep_rank
@@ -176,7 +183,11 @@ def expert_pieces(module: nn.Module) -> dict[str, tuple[Tensor, ShardSpec, Exper
     for prefix, m in module.named_modules():
         if isinstance(m, ExpertParallelExperts):
             for name, p in m._parameters.items():
-                out[f"{prefix}.{name}" if prefix else name] = (p, EXPERT_DIM, ExpertSlice(m.ep_size, m.ep_rank))
+                out[f"{prefix}.{name}" if prefix else name] = (
+                    p,
+                    EXPERT_DIM,
+                    ExpertSlice(m.ep_size, m.ep_rank),
+                )
     return out
 
 

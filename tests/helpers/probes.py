@@ -233,4 +233,5 @@ def expert_parallel(trainer) -> dict:
         if isinstance(m, ExpertParallelExperts)
     }
     reducer = strategy.expert_reducer
-    return {"held": held, "expert_reducer": None if reducer is None else sum(len(b.params) for b in reducer.buckets)}
+    held_by_reducer = None if reducer is None else sum(len(b.params) for b in reducer.buckets)
+    return {"held": held, "expert_reducer": held_by_reducer}

@@ -1,6 +1,8 @@
 """Expert parallelism (``expert_parallel_size`` of ``lp_parallel``) on Hugging Face mixture-of-experts models,
 real processes: equal to single-device training on the global batch (float64, 5 SGD steps, 1e-10), the
-checkpoint holding every expert under its single-device name, each rank holding num_experts / ep experts."""
+checkpoint holding every expert under its single-device name (momentum buffers included), each rank
+holding num_experts / ep experts. Alone (ep = dp), with 2 replicas of each expert (ep=2, dp=4), with
+clipping by the global norm, and under tensor parallelism (dp2 x tp2, ep=2)."""
 
 from __future__ import annotations
 
@@ -15,41 +17,74 @@ ARCHS = ("mixtral", "qwen2_moe")
 EXPERTS = 4  # both tiny configs (tests/helpers/zoo_more.py)
 
 
-def case(arch: str, ep: int, dp: int, momentum: float = 0.0) -> dict:
+def case(arch: str, ep: int, dp: int, tp: int = 1, momentum: float = 0.0, clip: float = 0.0) -> dict:
+    name = f"{arch}-ep{ep}-dp{dp}" + (f"-tp{tp}" if tp > 1 else "") + ("-momentum" if momentum else "")
     return {
-        "name": f"{arch}-ep{ep}-dp{dp}" + ("-momentum" if momentum else ""),
+        "name": name + ("-clip" if clip else ""),
         "model": "tests.helpers.zoo:ZooLM",
         "model_kwargs": {"arch": arch, "momentum": momentum},
         "data": "tests.helpers.tp_models:TokenData",
         "data_kwargs": {"global_batch_size": 16},
         "dp_size": dp,
-        "trainer": F64,
+        "trainer": {**F64, **({"gradient_clip_val": clip} if clip else {})},
         "save_checkpoint": True,
         "probe": "tests.helpers.probes:expert_parallel",
-        "strategy": {"class": PARALLEL, "kwargs": {"data_parallel_size": dp, "expert_parallel_size": ep}},
+        "strategy": {
+            "class": PARALLEL,
+            "kwargs": {
+                "data_parallel_size": dp,
+                "expert_parallel_size": ep,
+                "tensor_parallel_size": tp,
+                "require_sharded": 0.0,  # the router and the experts stay whole under tp
+            },
+        },
     }
 
 
-CASES_2 = [case(a, 2, 2) for a in ARCHS] + [case("mixtral", 2, 2, momentum=0.9)]
-CASES_4 = [case(a, ep, 4) for a in ARCHS for ep in (2, 4)]
+CASES_2 = [
+    *(case(a, 2, 2) for a in ARCHS),
+    case("mixtral", 2, 2, momentum=0.9),
+    case("qwen2_moe", 2, 2, clip=0.05),  # the gradients' norm is about 0.5 here
+]
+CASES_4 = [*(case(a, ep, 4) for a in ARCHS for ep in (2, 4)), case("mixtral", 2, 2, tp=2, clip=0.05)]
 
 
-def single(arch: str, tmp, momentum: float = 0.0) -> dict:
-    c = case(arch, 1, 1, momentum)
-    return run_single({**c, "name": f"single-{c['name']}", "strategy": "auto", "probe": None}, tmp)
+def single(c: dict, tmp) -> dict:
+    """The same run on one device (a model and trainer options shared by several cases run once)."""
+    name = single_name(c)
+    out = tmp / "single" / name / "result.pt"
+    if not out.exists():
+        result = run_single({**c, "name": name, "dp_size": 1, "strategy": "auto", "probe": None}, tmp)
+        torch.save(result, out)
+    return torch.load(out, weights_only=False)
 
 
-def check(tmp, world: int, c: dict, results: dict, reference: dict) -> None:
-    ep, dp = c["strategy"]["kwargs"]["expert_parallel_size"], c["dp_size"]
-    full = torch.load(tmp / f"dist{world}" / c["name"] / "last.ckpt", weights_only=False)["state_dict"]
-    diff = max_param_diff(full, reference["state_dict"])
+def check(tmp, world: int, c: dict, results: dict) -> None:
+    kwargs = c["strategy"]["kwargs"]
+    ep, dp = kwargs["expert_parallel_size"], c["dp_size"]
+    reference = single(c, tmp)
+    saved = torch.load(tmp / f"dist{world}" / c["name"] / "last.ckpt", weights_only=False)
+    diff = max_param_diff(saved["state_dict"], reference["state_dict"])
     assert diff < 1e-10, f"{c['name']}: parameters differ from single-device training by {diff:.3e}"
+    if c["model_kwargs"]["momentum"]:
+        one = torch.load(tmp / "single" / single_name(c) / "last.ckpt", weights_only=False)
+        mine, theirs = saved["optimizer_states"][0]["state"], one["optimizer_states"][0]["state"]
+        assert mine.keys() == theirs.keys() and len(mine) > 0
+        for index, entry in mine.items():
+            buffer = entry["momentum_buffer"]
+            assert buffer.shape == theirs[index]["momentum_buffer"].shape, index
+            assert (buffer - theirs[index]["momentum_buffer"]).abs().max() < 1e-10, index
     for rank, result in enumerate(results[c["name"]]):
         held = result["probe"]["held"]
         assert len(held) == 2, held  # one experts module per layer
-        first = (rank % ep) * (EXPERTS // ep)
+        first = (rank // kwargs["tensor_parallel_size"] % ep) * (EXPERTS // ep)
         assert {v[:2] for v in held.values()} == {(first, EXPERTS // ep)}, (rank, held)
         assert (result["probe"]["expert_reducer"] is None) == (dp == ep), result["probe"]
+
+
+def single_name(c: dict) -> str:
+    clip = c["trainer"].get("gradient_clip_val", 0)
+    return f"single-{c['model_kwargs']['arch']}-momentum{c['model_kwargs']['momentum']}-clip{clip}"
 
 
 @pytest.mark.slow
@@ -57,14 +92,12 @@ def check(tmp, world: int, c: dict, results: dict, reference: dict) -> None:
 def test_expert_parallel_2_processes(tmp_path):
     results = run_distributed(CASES_2, world_size=2, tmp_path=tmp_path, timeout=600)
     for c in CASES_2:
-        momentum = c["model_kwargs"]["momentum"]
-        check(tmp_path, 2, c, results, single(c["model_kwargs"]["arch"], tmp_path, momentum))
+        check(tmp_path, 2, c, results)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_expert_parallel_4_processes(tmp_path):
     results = run_distributed(CASES_4, world_size=4, tmp_path=tmp_path, timeout=800)
-    references = {a: single(a, tmp_path) for a in ARCHS}
     for c in CASES_4:
-        check(tmp_path, 4, c, results, references[c["model_kwargs"]["arch"]])
+        check(tmp_path, 4, c, results)
