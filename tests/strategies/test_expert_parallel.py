@@ -2,7 +2,8 @@
 real processes: equal to single-device training on the global batch (float64, 5 SGD steps, 1e-10), the
 checkpoint holding every expert under its single-device name (momentum buffers included), each rank
 holding num_experts / ep experts. Alone (ep = dp), with 2 replicas of each expert (ep=2, dp=4), with
-clipping by the global norm, and under tensor parallelism (dp2 x tp2, ep=2)."""
+clipping by the global norm, under tensor parallelism (dp2 x tp2, ep=2), built on meta under
+``init_module()``; an ep checkpoint resumes exactly under ep and on one device."""
 
 from __future__ import annotations
 
@@ -46,7 +47,30 @@ CASES_2 = [
     case("mixtral", 2, 2, momentum=0.9),
     case("qwen2_moe", 2, 2, clip=0.05),  # the gradients' norm is about 0.5 here
 ]
+# built on meta: each rank initializes its share from rank 0's random state, as lp_ddp on one process does
+META = {**case("qwen2_moe", 2, 2), "name": "qwen2_moe-ep2-dp2-meta", "empty_init": True}
+META_REFERENCE = {
+    **META,
+    "name": "qwen2_moe-meta-one-process",
+    "dp_size": 1,
+    "probe": None,
+    "strategy": {"class": "lightning_parallel:DDPStrategy", "kwargs": {}},
+}
 CASES_4 = [*(case(a, ep, 4) for a in ARCHS for ep in (2, 4)), case("mixtral", 2, 2, tp=2, clip=0.05)]
+
+
+def resumed(c: dict, dp: int, ep: int, steps: int, ckpt: str) -> dict:
+    """``c`` continued from the checkpoint ``ckpt`` to ``steps`` on ``dp`` processes at ``ep``."""
+    kwargs = {**c["strategy"]["kwargs"], "data_parallel_size": dp, "expert_parallel_size": ep}
+    return {
+        **c,
+        "name": f"resume-{c['name']}-dp{dp}",
+        "dp_size": dp,
+        "trainer": {**c["trainer"], "max_steps": steps},
+        "ckpt_path": ckpt,
+        "probe": None,
+        "strategy": {**c["strategy"], "kwargs": kwargs} if ep > 1 else "auto",
+    }
 
 
 def single(c: dict, tmp) -> dict:
@@ -83,16 +107,31 @@ def check(tmp, world: int, c: dict, results: dict) -> None:
 
 
 def single_name(c: dict) -> str:
-    clip = c["trainer"].get("gradient_clip_val", 0)
-    return f"single-{c['model_kwargs']['arch']}-momentum{c['model_kwargs']['momentum']}-clip{clip}"
+    clip, steps = c["trainer"].get("gradient_clip_val", 0), c["trainer"]["max_steps"]
+    return f"single-{c['model_kwargs']['arch']}-momentum{c['model_kwargs']['momentum']}-clip{clip}-{steps}"
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_expert_parallel_2_processes(tmp_path):
-    results = run_distributed(CASES_2, world_size=2, tmp_path=tmp_path, timeout=600)
+    results = run_distributed(CASES_2 + [META], world_size=2, tmp_path=tmp_path, timeout=600)
     for c in CASES_2:
         check(tmp_path, 2, c, results)
+    reference = run_distributed([META_REFERENCE], world_size=1, tmp_path=tmp_path, timeout=300)
+    meta = torch.load(tmp_path / "dist2" / META["name"] / "last.ckpt", weights_only=False)["state_dict"]
+    diff = max_param_diff(meta, reference[META_REFERENCE["name"]][0]["state_dict"])
+    assert diff < 1e-10, f"built on meta: {diff:.3e} from lp_ddp on one process"
+    momentum = CASES_2[2]
+    saved = str(tmp_path / "dist2" / momentum["name"] / "last.ckpt")
+    later = tmp_path / "later"
+    run_distributed([resumed(momentum, 2, 2, 8, saved)], world_size=2, tmp_path=later, timeout=400)
+    on_one = run_single(resumed(momentum, 1, 1, 8, saved), later)
+    reference = single({**momentum, "trainer": {**momentum["trainer"], "max_steps": 8}}, tmp_path)
+    full = torch.load(later / "dist2" / f"resume-{momentum['name']}-dp2" / "last.ckpt", weights_only=False)
+    assert full["global_step"] == 8
+    for name, state in (("ep2", full["state_dict"]), ("one device", on_one["state_dict"])):
+        diff = max_param_diff(state, reference["state_dict"])
+        assert diff < 1e-10, f"resumed {name}: {diff:.3e} from 8 steps on one device"
 
 
 @pytest.mark.slow
