@@ -15,8 +15,9 @@ float32, the experts' eager loop) under torchrun, one thread per process, on glo
 ``ep`` and ``dp`` see P batches per step, ``tp`` one (its ranks share the batch), so step times compare
 the cost of one step of each layout and samples/s the throughput. Communication is counted, not
 profiled: every ``torch.distributed`` collective a rank issues during a step is recorded with the bytes of
-the tensor it hands over (all-reduce and broadcast: the tensor; all-gather, all-to-all, reduce-scatter:
-the rank's input), summed per step and kind; the table shows the median step's total per rank,
+the tensor it hands over (all-reduce and broadcast: the tensor, of which a ring all-reduce sends
+2 (P - 1) / P; all-gather and reduce-scatter: the rank's input; all-to-all: the rows it sends to the other
+ranks, not those it keeps), summed per step and kind; the table shows the median step's total per rank,
 averaged over the ranks (their all-to-alls differ with the routing). Strategies are interleaved round by
 round; the table shows medians over rounds.
 """
@@ -69,10 +70,20 @@ def count_bytes() -> Counter:
         def call(*args, **kwargs):
             tensor = args[position] if len(args) > position else next(iter(kwargs.values()))
             if isinstance(tensor, torch.Tensor):
-                sent[name] += tensor.numel() * tensor.element_size()
+                sent[name] += tensor.numel() * tensor.element_size() - kept(name, tensor, args, kwargs)
             return original(*args, **kwargs)
 
         return call
+
+    def kept(name: str, tensor: torch.Tensor, args: tuple, kwargs: dict) -> int:
+        """The bytes of an all-to-all's input that stay on this rank."""
+        if name != "all_to_all_single":
+            return 0
+        group = kwargs.get("group", args[4] if len(args) > 4 else None)
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        splits = kwargs.get("input_split_sizes", args[3] if len(args) > 3 else None)
+        rows = splits[rank] if splits else tensor.shape[0] // size
+        return rows * tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
 
     for name, position in COUNTED.items():
         setattr(dist, name, counting(name, position))
