@@ -93,6 +93,10 @@ EP_REFUSED = {
     "pipeline_parallel_size": (1, "pipeline stages"),
     "zero_stage": (0, "ZeRO's sharded gradient path"),
     "save_distributed": (False, "sharded checkpoints"),
+    "sequence_parallel": (
+        False,
+        "sequence parallelism (each tp rank would route its own part of the sequence)",
+    ),
 }
 SP_WITH_PP = (
     "sequence parallelism is not composed with pipeline stages (a stage's activations would be sent cut "

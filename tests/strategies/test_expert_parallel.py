@@ -49,6 +49,14 @@ CASES_2 = [
 ]
 # built on meta: each rank initializes its share from rank 0's random state, as lp_ddp on one process does
 META = {**case("qwen2_moe", 2, 2), "name": "qwen2_moe-ep2-dp2-meta", "empty_init": True}
+# rank 1 holds experts 2 and 3, which no token reaches (tests/helpers/moe_models.py)
+IDLE = {
+    **case("mixtral", 2, 2),
+    "name": "first-experts-ep2",
+    "model": "tests.helpers.moe_models:FirstExpertsMoE",
+    "model_kwargs": {},
+    "probe": None,
+}
 META_REFERENCE = {
     **META,
     "name": "qwen2_moe-meta-one-process",
@@ -114,9 +122,12 @@ def single_name(c: dict) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_expert_parallel_2_processes(tmp_path):
-    results = run_distributed(CASES_2 + [META], world_size=2, tmp_path=tmp_path, timeout=600)
+    results = run_distributed(CASES_2 + [META, IDLE], world_size=2, tmp_path=tmp_path, timeout=600)
     for c in CASES_2:
         check(tmp_path, 2, c, results)
+    idle = torch.load(tmp_path / "dist2" / IDLE["name"] / "last.ckpt", weights_only=False)["state_dict"]
+    one = run_single({**IDLE, "name": "single-first-experts", "dp_size": 1, "strategy": "auto"}, tmp_path)
+    assert max_param_diff(idle, one["state_dict"]) < 1e-10
     reference = run_distributed([META_REFERENCE], world_size=1, tmp_path=tmp_path, timeout=300)
     meta = torch.load(tmp_path / "dist2" / META["name"] / "last.ckpt", weights_only=False)["state_dict"]
     diff = max_param_diff(meta, reference[META_REFERENCE["name"]][0]["state_dict"])
