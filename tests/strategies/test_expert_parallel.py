@@ -2,8 +2,9 @@
 real processes: equal to single-device training on the global batch (float64, 5 SGD steps, 1e-10), the
 checkpoint holding every expert under its single-device name (momentum buffers included), each rank
 holding num_experts / ep experts. Alone (ep = dp), with 2 replicas of each expert (ep=2, dp=4), with
-clipping by the global norm, under tensor parallelism (dp2 x tp2, ep=2), built on meta under
-``init_module()``; an ep checkpoint resumes exactly under ep and on one device."""
+clipping by the global norm, with whole blocks recomputed in backward, under tensor parallelism (dp2 x
+tp2, ep=2), built on meta under ``init_module()``, and with a rank whose experts get no token; an ep
+checkpoint resumes exactly under ep and on one device."""
 
 from __future__ import annotations
 
@@ -42,10 +43,17 @@ def case(arch: str, ep: int, dp: int, tp: int = 1, momentum: float = 0.0, clip: 
     }
 
 
+def with_options(c: dict, suffix: str, **options) -> dict:
+    """``c`` with more strategy options, under a name of its own."""
+    strategy = {**c["strategy"], "kwargs": {**c["strategy"]["kwargs"], **options}}
+    return {**c, "name": f"{c['name']}-{suffix}", "strategy": strategy}
+
+
 CASES_2 = [
     *(case(a, 2, 2) for a in ARCHS),
     case("mixtral", 2, 2, momentum=0.9),
     case("qwen2_moe", 2, 2, clip=0.05),  # the gradients' norm is about 0.5 here
+    with_options(case("mixtral", 2, 2), "recompute", activation_checkpointing=True),  # all-to-alls replayed
 ]
 # built on meta: each rank initializes its share from rank 0's random state, as lp_ddp on one process does
 META = {**case("qwen2_moe", 2, 2), "name": "qwen2_moe-ep2-dp2-meta", "empty_init": True}
