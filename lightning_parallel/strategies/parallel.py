@@ -36,6 +36,7 @@ from typing import Any, Callable, Generator, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_parallel.checkpointing import ShardLayout
@@ -63,6 +64,7 @@ from lightning_parallel.tensor.coverage import check_coverage
 from lightning_parallel.tensor.expert_parallel import (
     apply_expert_parallel,
     cut_experts,
+    describe_expert_parallel,
     expert_parallel_problem,
     expert_pieces,
     scale_expert_gradients,
@@ -382,7 +384,10 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
             if shards:
                 self._entries, cut = shard_module(module, self.resolved, self.tp_group, self.mesh.tp_rank)
             if self.expert_parallel_size > 1:
-                apply_expert_parallel(module, self.ep_group, self.expert_parallel_size, self.mesh.ep_rank)
+                placed = apply_expert_parallel(
+                    module, self.ep_group, self.expert_parallel_size, self.mesh.ep_rank
+                )
+                rank_zero_info(describe_expert_parallel(placed, self.mesh.shape.size("edp")))
                 cut = partial(_then_experts, cut, expert_pieces(module))
             if self.applies("pp"):
                 pp, stage, v = self.mesh.shape.pp, self.mesh.pp_rank, self.virtual_stages

@@ -39,6 +39,7 @@ __all__ = [
     "ExpertParallelExperts",
     "ExpertSlice",
     "apply_expert_parallel",
+    "describe_expert_parallel",
     "expert_parallel_problem",
     "expert_pieces",
     "find_experts",
@@ -47,13 +48,18 @@ __all__ = [
 ]
 
 EXPERT_DIM = ShardSpec(dim=0)
-ARGUMENTS = ["hidden_states", "top_k_index", "top_k_weights"]
+#: the experts' forward arguments (the tokens, their top-k expert indices and weights), as named by
+#: transformers' decorated experts classes and by GPT-OSS's
+ARGUMENTS = (
+    ["hidden_states", "top_k_index", "top_k_weights"],
+    ["hidden_states", "router_indices", "routing_weights"],
+)
 
 
 def is_experts_module(module: nn.Module) -> bool:
     """Whether ``module`` is a Hugging Face experts module: ``num_experts`` experts stacked along dim 0 of
     each of its own parameters (no parameters below it), called as ``forward(hidden_states, top_k_index,
-    top_k_weights)``."""
+    top_k_weights)`` (GPT-OSS: ``router_indices, routing_weights``)."""
     n = getattr(module, "num_experts", None)
     own = list(module._parameters.values())
     if (
@@ -69,7 +75,7 @@ def is_experts_module(module: nn.Module) -> bool:
         names = list(inspect.signature(module.forward).parameters)
     except (TypeError, ValueError):
         return False
-    return names[:3] == ARGUMENTS
+    return names[:3] in ARGUMENTS
 
 
 def find_experts(module: nn.Module) -> dict[str, nn.Module]:
@@ -88,7 +94,7 @@ def expert_parallel_problem(module: nn.Module, ep: int) -> Optional[str]:
         return (
             f"expert_parallel_size={ep}, but the model has no experts module (a module with num_experts "
             "experts stacked along dim 0 of its parameters, called with (hidden_states, top_k_index, "
-            "top_k_weights), as Hugging Face's Mixtral, Qwen2-MoE and OLMoE blocks have); use "
+            "top_k_weights), as Hugging Face's Mixtral, Qwen2-MoE, OLMoE and GPT-OSS blocks have); use "
             "expert_parallel_size=1"
         )
     for name, m in found.items():
@@ -174,6 +180,18 @@ def apply_expert_parallel(
         placed[name].train(experts.training)
         setattr(module.get_submodule(parent), child, placed[name])
     return placed
+
+
+def describe_expert_parallel(placed: dict[str, ExpertParallelExperts], replicas: int) -> str:
+    """What set-up did, for rank 0 to say: the modules, the experts per rank, the communication per step."""
+    first = next(iter(placed.values()))
+    names = ", ".join(list(placed)[:2]) + (", ..." if len(placed) > 2 else "")
+    return (
+        f"expert parallelism: {len(placed)} experts module(s) ({names}), {first.num_local} of "
+        f"{first.num_experts} experts per rank (ep={first.ep_size}); per micro-batch, each sends the routed "
+        "tokens to their experts' ranks and back: 1 all-to-all of the counts and 2 of the tokens forward, 2 "
+        f"backward; the experts' gradients are averaged over their {replicas} replica(s)"
+    )
 
 
 def expert_pieces(module: nn.Module) -> dict[str, tuple[Tensor, ShardSpec, ExpertSlice]]:

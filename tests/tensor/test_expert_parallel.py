@@ -14,6 +14,7 @@ from torch import nn
 from lightning_parallel.tensor.expert_parallel import (
     ExpertParallelExperts,
     apply_expert_parallel,
+    describe_expert_parallel,
     expert_pieces,
     find_experts,
     is_experts_module,
@@ -63,6 +64,48 @@ def test_one_rank_equals_the_hugging_face_block(implementation, dtype, tolerance
         torch.testing.assert_close(b.grad, a.grad, rtol=tolerance, atol=tolerance, msg=name)
 
 
+@pytest.mark.parametrize(
+    "family, config",
+    [
+        ("gpt_oss", {"num_local_experts": 4}),
+        ("olmoe", {"num_experts": 4}),
+        ("qwen3_moe", {"num_experts": 4}),
+        (
+            "deepseek_v3",
+            {"n_routed_experts": 4, "first_k_dense_replace": 0, "n_group": 1, "topk_group": 1}
+            | {
+                "kv_lora_rank": 8,
+                "q_lora_rank": 8,
+                "qk_rope_head_dim": 4,
+                "qk_nope_head_dim": 4,
+                "v_head_dim": 8,
+            },
+        ),
+    ],
+)
+def test_other_families_run_as_on_one_device(family, config):
+    """Each layer's experts module found and replaced; the model's forward and gradients unchanged."""
+    import transformers
+
+    names = {"gpt_oss": "GptOss", "olmoe": "Olmoe", "qwen3_moe": "Qwen3Moe", "deepseek_v3": "DeepseekV3"}
+    settings = dict(vocab_size=32, hidden_size=16, intermediate_size=32, moe_intermediate_size=16)
+    settings.update(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, num_experts_per_tok=2)
+    settings.update(eos_token_id=0, bos_token_id=0, pad_token_id=0, experts_implementation="eager", **config)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{names[family]}ForCausalLM")(
+        getattr(transformers, f"{names[family]}Config")(**settings)
+    ).double()
+    split = copy.deepcopy(model)
+    assert len(apply_expert_parallel(split, None, 1, 0)) == 2
+    tokens = torch.randint(0, 32, (2, 6))
+    outputs = [m(input_ids=tokens).logits for m in (model, split)]
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-12, atol=1e-12)
+    for out in outputs:
+        out.square().sum().backward()
+    for (name, a), b in zip(model.named_parameters(), split.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
 def test_hugging_face_experts_modules_are_recognised():
     moe = block("eager", torch.float64)
     assert is_experts_module(moe.experts)
@@ -81,3 +124,5 @@ def test_each_rank_keeps_its_experts_under_the_same_names():
         assert (spec.dim, part.tp_size, part.tp_rank) == (0, 2, 1)
         assert torch.equal(local, whole.state_dict()[key][2:4])
     assert "experts 2..3 of 4, ep=2" in repr(split.experts)
+    said = describe_expert_parallel({"experts": split.experts}, replicas=2)
+    assert "1 experts module(s) (experts), 2 of 4 experts per rank (ep=2)" in said and "2 replica(s)" in said
