@@ -28,15 +28,11 @@ pp (and ep: each expert counted by its rank).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from dataclasses import replace
-from functools import partial
 from pathlib import Path
-from typing import Any, Callable, Generator, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_parallel.checkpointing import ShardLayout
@@ -47,7 +43,6 @@ from lightning_parallel.checkpointing.by_name import (
     state_from_full,
 )
 from lightning_parallel.checkpointing.contract import check_keys, unwrapped
-from lightning_parallel.distributed.mesh import MeshShape
 from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.memory.saved import can_stack
 from lightning_parallel.pipeline.partition import partition
@@ -55,20 +50,14 @@ from lightning_parallel.pipeline.placement import global_stage
 from lightning_parallel.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, virtual_stages_problem
 from lightning_parallel.strategies.base import ParallelStrategyBase
 from lightning_parallel.strategies.checks import one_of, positive_int, require
+from lightning_parallel.strategies.expert_stages import ExpertParallel
 from lightning_parallel.strategies.options import level_problems
 from lightning_parallel.strategies.pipeline_async import AsyncPipelineMixin
 from lightning_parallel.strategies.pipeline_stages import PipelineStages
 from lightning_parallel.strategies.plan_verification import PlanVerification
 from lightning_parallel.tensor import Plan, ResolvedPlan, parse_plan, resolve
 from lightning_parallel.tensor.coverage import check_coverage
-from lightning_parallel.tensor.expert_parallel import (
-    apply_expert_parallel,
-    cut_experts,
-    describe_expert_parallel,
-    expert_parallel_problem,
-    expert_pieces,
-    scale_expert_gradients,
-)
+from lightning_parallel.tensor.expert_parallel import expert_pieces
 from lightning_parallel.tensor.full_state import (
     cut_shards,
     full_optimizer_state,
@@ -90,23 +79,15 @@ from lightning_parallel.tensor.shard import shard_module
 __all__ = ["ParallelStrategy", "BALANCES"]
 
 BALANCES = ("parameters", "time")
-#: the options expert parallelism does not compose with yet: name -> (its value that is off, what it is)
-EP_REFUSED = {
-    "pipeline_parallel_size": (1, "pipeline stages"),
-    "zero_stage": (0, "ZeRO's sharded gradient path"),
-    "save_distributed": (False, "sharded checkpoints"),
-    "sequence_parallel": (
-        False,
-        "sequence parallelism (each tp rank would route its own part of the sequence)",
-    ),
-}
 SP_WITH_PP = (
     "sequence parallelism is not composed with pipeline stages (a stage's activations would be sent cut "
     "along the sequence); use pipeline_parallel_size=1 or sequence_parallel=False"
 )
 
 
-class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, ParallelStrategyBase):
+class ParallelStrategy(
+    PipelineStages, AsyncPipelineMixin, PlanVerification, ExpertParallel, ParallelStrategyBase
+):
     """Data x tensor x pipeline parallelism (3-D) on ``torch.distributed``; see docs/parallel_3d.md.
 
     Args:
@@ -253,43 +234,6 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
             "one of them (split_points fix the stages, balance='time' measures and chooses them).",
         ]
 
-    @classmethod
-    def expert_problems(cls, values: Mapping[str, Any], prefix: str = "") -> list[Optional[str]]:
-        """The checks of ``expert_parallel_size`` against the other options."""
-        ep, dp = values["expert_parallel_size"], values["data_parallel_size"]
-        size = positive_int(f"{prefix}expert_parallel_size", ep)
-        if size or ep == 1:
-            return [size]
-        refused = [name for name, (off, _) in EP_REFUSED.items() if values.get(name, off) != off]
-        if "pp" in cls.always_applied and "pipeline_parallel_size" not in refused:
-            refused.append("pipeline_parallel_size")
-        return [
-            None
-            if dp is None or dp % ep == 0
-            else f"{prefix}expert_parallel_size={ep} does not divide {prefix}data_parallel_size={dp}: the ranks "
-            f"of an expert-parallel group are data-parallel ranks; use a divisor of {dp}, or "
-            f"data_parallel_size={ep * max(1, dp // ep)}",
-            *(
-                f"{prefix}expert_parallel_size={ep} with {prefix}{name}={values[name]!r}: expert parallelism is "
-                f"not composed with {EP_REFUSED[name][1]} yet; use expert_parallel_size=1 or {name}="
-                f"{EP_REFUSED[name][0]!r}"
-                for name in refused
-            ),
-        ]
-
-    def mesh_shape(self) -> MeshShape:
-        """The (dp, pp, tp) layout, with ``expert_parallel_size`` dividing dp (checked before any process
-        group exists)."""
-        shape = super().mesh_shape()
-        ep = self.expert_parallel_size
-        if shape.dp % ep:
-            raise ValueError(
-                f"{type(self).__name__}: expert_parallel_size={ep} does not divide the data-parallel size "
-                f"{shape.dp} of this run: the ranks of an expert-parallel group are data-parallel ranks; use "
-                f"a divisor of {shape.dp}, or {ep * max(1, shape.dp // ep) * shape.pp * shape.tp} processes"
-            )
-        return replace(shape, ep=ep)
-
     # ----------------------------------------------------------------- layout
     @property
     def tp_group(self) -> Optional[dist.ProcessGroup]:
@@ -304,13 +248,6 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
 
     def _is_sharded(self) -> bool:
         return self.lightning_module is not None and bool(sharded_parameters(self.lightning_module))
-
-    def _has_experts_split(self) -> bool:
-        return self.lightning_module is not None and bool(expert_pieces(self.lightning_module))
-
-    @property
-    def ep_group(self) -> Optional[dist.ProcessGroup]:
-        return self.mesh.group("ep") if self.mesh is not None else None
 
     # ----------------------------------------------------------------- set-up: the composition
     def configure_parallelism(self) -> None:
@@ -346,14 +283,8 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
         params = list(module.parameters())
         hooks = not self.pipelined or self.overlaps_reducer
         sums = installed_gradient_sums(module)
-        experts = {id(t) for t, _, _ in expert_pieces(module).values()}
-        scale_expert_gradients(module)
-        self.expert_reducer = None
-        if experts and self.mesh.shape.size("edp") > 1:
-            named = [(n, p) for n, p in module.named_parameters() if id(p) in experts]
-            self.expert_reducer = self.reducer_class(named, group=self.mesh.group("edp"))
         self.reducer = self.make_reducer(
-            [(n, p) for n, p in module.named_parameters() if id(p) not in experts],
+            self.split_expert_gradients(module),
             find_unused_parameters=self.pipelined,
             hooks=hooks,
             whole=[params[i] for i in self._replicated] if self.pipelined else (),
@@ -376,19 +307,13 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
             if self.verify_plan:
                 self.keep_reference(module, self.resolved, pipelined=self.applies("pp"))
         self._stage_costs = self.prepare_stages(module) if self.applies("pp") else None
-        if self.expert_parallel_size > 1:
-            require([expert_parallel_problem(module, self.expert_parallel_size)])
+        self.check_experts(module)
 
         def parallelize() -> Any:
             cut = None
             if shards:
                 self._entries, cut = shard_module(module, self.resolved, self.tp_group, self.mesh.tp_rank)
-            if self.expert_parallel_size > 1:
-                placed = apply_expert_parallel(
-                    module, self.ep_group, self.expert_parallel_size, self.mesh.ep_rank
-                )
-                rank_zero_info(describe_expert_parallel(placed, self.mesh.shape.size("edp")))
-                cut = partial(_then_experts, cut, expert_pieces(module))
+            cut = self.place_experts(module, cut)
             if self.applies("pp"):
                 pp, stage, v = self.mesh.shape.pp, self.mesh.pp_rank, self.virtual_stages
                 self.partition = partition(
@@ -441,33 +366,12 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
         return counted, self.mesh.group("ep_model" if experts else "model")
 
     # ----------------------------------------------------------------- per step
-    @contextmanager
-    def block_backward_sync(self) -> Generator:
-        """As the base's, for the experts' reducer too."""
-        reducer = self.expert_reducer
-        previous = reducer.sync_enabled if reducer is not None else None
-        if reducer is not None:
-            reducer.sync_enabled = False
-        try:
-            with super().block_backward_sync():
-                yield None
-        finally:
-            if reducer is not None:
-                reducer.sync_enabled = previous
-
-    def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        super().pre_backward(closure_loss)
-        if self.expert_reducer is not None:
-            self.expert_reducer.prepare_for_backward()
-
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         super().post_backward(closure_loss)
-        if self.expert_reducer is not None:
-            self.expert_reducer.finish_sync()
         for entry in self._entries:
             entry.clear()  # do not keep the step's activations alive
 
-    # ----------------------------------------------------------------- checkpoints: gathers over tp, then pp
+    # ----------------------------------------------------------------- checkpoints: gathers over tp, ep, then pp
     def full_state_keys(self) -> list[str]:
         return list(self._full_keys) if self.pipelined else super().full_state_keys()
 
@@ -551,20 +455,8 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
 
     def teardown(self) -> None:
         self._entries = []
-        if self.expert_reducer is not None:
-            self.expert_reducer.remove_hooks()
         sums = installed_gradient_sums(self.lightning_module) if self.lightning_module is not None else None
         if sums is not None:  # the split module keeps its sums; this fit's reducer hears no more
             sums.report_to(None)
         self.drop_reference()
         super().teardown()
-
-
-def _then_experts(
-    cut: Optional[Callable[[str, torch.Tensor], torch.Tensor]],
-    pieces: Mapping[str, Any],
-    name: str,
-    full: torch.Tensor,
-) -> torch.Tensor:
-    """Set-up's cut of a full tensor: the tensor-parallel one (if any), then this rank's experts."""
-    return cut_experts(name, full if cut is None else cut(name, full), pieces)

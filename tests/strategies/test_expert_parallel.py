@@ -65,6 +65,14 @@ IDLE = {
     "model_kwargs": {},
     "probe": None,
 }
+# validation during fit and after it runs on the split model (the ranks' all-to-alls in step)
+VALIDATED = {
+    **case("mixtral", 2, 2),
+    "name": "mixtral-ep2-validated",
+    "data": "tests.helpers.pp_models:TokenDataWithValidation",
+    "trainer": {**F64, "val_check_interval": 2, "limit_val_batches": 2},
+    "validate_after_fit": True,
+}
 META_REFERENCE = {
     **META,
     "name": "qwen2_moe-meta-one-process",
@@ -130,9 +138,10 @@ def single_name(c: dict) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_expert_parallel_2_processes(tmp_path):
-    results = run_distributed(CASES_2 + [META, IDLE], world_size=2, tmp_path=tmp_path, timeout=600)
-    for c in CASES_2:
+    results = run_distributed(CASES_2 + [META, IDLE, VALIDATED], world_size=2, tmp_path=tmp_path, timeout=600)
+    for c in CASES_2 + [VALIDATED]:
         check(tmp_path, 2, c, results)
+    assert all("val_loss" in r["metrics"] for r in results[VALIDATED["name"]])
     idle = torch.load(tmp_path / "dist2" / IDLE["name"] / "last.ckpt", weights_only=False)["state_dict"]
     one = run_single({**IDLE, "name": "single-first-experts", "dp_size": 1, "strategy": "auto"}, tmp_path)
     assert max_param_diff(idle, one["state_dict"]) < 1e-10
