@@ -80,7 +80,16 @@ META_REFERENCE = {
     "probe": None,
     "strategy": {"class": "lightning_parallel:DDPStrategy", "kwargs": {}},
 }
-CASES_4 = [*(case(a, ep, 4) for a in ARCHS for ep in (2, 4)), case("mixtral", 2, 2, tp=2, clip=0.05)]
+CASES_4 = [
+    *(case(a, ep, 4) for a in ARCHS for ep in (2, 4)),
+    case("mixtral", 2, 2, tp=2, clip=0.05),
+    # accumulation: both reducers hold their gradients until the last micro-step
+    {
+        **case("qwen2_moe", 2, 4),
+        "name": "qwen2_moe-ep2-dp4-accumulate",
+        "trainer": {**F64, "accumulate_grad_batches": 2},
+    },
+]
 
 
 def resumed(c: dict, dp: int, ep: int, steps: int, ckpt: str) -> dict:
@@ -131,8 +140,8 @@ def check(tmp, world: int, c: dict, results: dict) -> None:
 
 
 def single_name(c: dict) -> str:
-    clip, steps = c["trainer"].get("gradient_clip_val", 0), c["trainer"]["max_steps"]
-    return f"single-{c['model_kwargs']['arch']}-momentum{c['model_kwargs']['momentum']}-clip{clip}-{steps}"
+    training = "-".join(f"{k}{v}" for k, v in sorted(c["trainer"].items()) if k != "precision")
+    return f"single-{c['model_kwargs']['arch']}-momentum{c['model_kwargs']['momentum']}-{training}"
 
 
 @pytest.mark.slow
