@@ -1,6 +1,6 @@
-"""A mixture of experts whose router only ever picks experts 0 and 1 (of 4): under expert parallelism at
-ep=2 the rank holding experts 2 and 3 receives no token, yet takes part in every all-to-all, forward and
-backward."""
+"""Mixture-of-experts models for the expert-parallel tests: one whose router only ever picks experts 0 and 1
+(of 4): under expert parallelism at ep=2 the rank holding experts 2 and 3 receives no token, yet takes part
+in every all-to-all, forward and backward; and the zoo's families with another experts kernel."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 
-__all__ = ["FirstExpertsMoE"]
+from tests.helpers.zoo import ZooLM
+
+__all__ = ["FirstExpertsMoE", "ZooMoE"]
 
 
 class FirstExpertsMoE(LightningModule):
@@ -47,3 +49,14 @@ class FirstExpertsMoE(LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+
+class ZooMoE(ZooLM):
+    """``ZooLM`` on a mixture-of-experts family whose experts run by ``experts_implementation`` (Hugging
+    Face's eager loop, ``batched_mm`` or ``grouped_mm``)."""
+
+    def __init__(
+        self, arch: str = "mixtral", experts_implementation: str = "eager", **kwargs: object
+    ) -> None:
+        super().__init__(arch=arch, **kwargs)
+        self.model.config._experts_implementation = experts_implementation

@@ -73,6 +73,18 @@ VALIDATED = {
     "trainer": {**F64, "val_check_interval": 2, "limit_val_batches": 2},
     "validate_after_fit": True,
 }
+# float32, the experts by Hugging Face's batched and grouped kernels (no float64 kernel for grouped_mm)
+KERNELS = [
+    {
+        **case("qwen2_moe", 2, 2),
+        "name": f"qwen2_moe-ep2-{kernel}",
+        "model": "tests.helpers.moe_models:ZooMoE",
+        "model_kwargs": {"arch": "qwen2_moe", "experts_implementation": kernel, "momentum": 0.0},
+        "trainer": {"precision": "32-true", "max_steps": 5},
+        "probe": None,
+    }
+    for kernel in ("batched_mm", "grouped_mm")
+]
 META_REFERENCE = {
     **META,
     "name": "qwen2_moe-meta-one-process",
@@ -147,10 +159,16 @@ def single_name(c: dict) -> str:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_expert_parallel_2_processes(tmp_path):
-    results = run_distributed(CASES_2 + [META, IDLE, VALIDATED], world_size=2, tmp_path=tmp_path, timeout=600)
+    every = CASES_2 + [META, IDLE, VALIDATED, *KERNELS]
+    results = run_distributed(every, world_size=2, tmp_path=tmp_path, timeout=600)
     for c in CASES_2 + [VALIDATED]:
         check(tmp_path, 2, c, results)
     assert all("val_loss" in r["metrics"] for r in results[VALIDATED["name"]])
+    for c in KERNELS:
+        saved = torch.load(tmp_path / "dist2" / c["name"] / "last.ckpt", weights_only=False)["state_dict"]
+        one = run_single({**c, "name": f"single-{c['name']}", "dp_size": 1, "strategy": "auto"}, tmp_path)
+        diff = max_param_diff(saved, one["state_dict"])
+        assert diff < 1e-5, f"{c['name']}: {diff:.3e} from one device"
     idle = torch.load(tmp_path / "dist2" / IDLE["name"] / "last.ckpt", weights_only=False)["state_dict"]
     one = run_single({**IDLE, "name": "single-first-experts", "dp_size": 1, "strategy": "auto"}, tmp_path)
     assert max_param_diff(idle, one["state_dict"]) < 1e-10
