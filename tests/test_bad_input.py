@@ -15,6 +15,8 @@ from lightning_parallel.pipeline.partition import stage_bounds
 from lightning_parallel.pipeline.schedules import schedule_problem
 from lightning_parallel.strategies.checks import require
 from lightning_parallel.tensor import resolve
+from lightning_parallel.tensor.expert_parallel import expert_parallel_problem
+from tests.helpers.zoo import ZooLM
 
 
 def mlp() -> nn.Module:
@@ -289,6 +291,46 @@ CATALOGUE = [
         lambda: require([loader_problem(64, 2, True, 4)]),
         ValueError,
         ["batches hold 2 samples", "num_microbatches=4", "num_microbatches <= 2"],
+    ),
+    (
+        "ep-size",
+        lambda: lp.ParallelStrategy(expert_parallel_size=0),
+        ValueError,
+        ["expert_parallel_size must be a positive integer", "got 0"],
+    ),
+    (
+        "ep-not-dividing-dp",
+        lambda: lp.ParallelStrategy(data_parallel_size=4, expert_parallel_size=3),
+        ValueError,
+        ["expert_parallel_size=3 does not divide data_parallel_size=4", "use a divisor of 4"],
+    ),
+    (
+        "ep-with-pp",
+        lambda: lp.ParallelStrategy(data_parallel_size=2, pipeline_parallel_size=2, expert_parallel_size=2),
+        ValueError,
+        ["expert_parallel_size=2 with pipeline_parallel_size=2", "pipeline stages", "expert_parallel_size=1"],
+    ),
+    (
+        "ep-with-zero",
+        lambda: lp.ParallelStrategy(data_parallel_size=2, expert_parallel_size=2, zero_stage=1),
+        ValueError,
+        ["expert_parallel_size=2 with zero_stage=1", "ZeRO"],
+    ),
+    (
+        "ep-no-experts",
+        lambda: require([expert_parallel_problem(gpt(), 2)]),
+        ValueError,
+        ["expert_parallel_size=2", "no experts module", "use expert_parallel_size=1"],
+    ),
+    (
+        "ep-experts-not-divisible",
+        lambda: require([expert_parallel_problem(ZooLM(arch="mixtral"), 3)]),
+        ValueError,
+        [
+            "expert_parallel_size=3 does not divide the 4 experts",
+            "model.model.layers.0.mlp.experts",
+            "[1, 2, 4]",
+        ],
     ),
 ]
 

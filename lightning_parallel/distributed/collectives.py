@@ -10,6 +10,8 @@ layer's backward is exactly the transpose of its forward:
     split_to_group     split forward,      all-gather backward   (shard a replicated last dimension)
     gather_sequence          all-gather forward, reduce-scatter backward (sequence parallel: into a pair)
     reduce_scatter_sequence  reduce-scatter forward, all-gather backward (sequence parallel: out of a pair)
+    all_to_all_rows          all-to-all of rows forward, the reverse all-to-all backward (expert
+                             parallelism: tokens to their experts' ranks and back)
 
 Every function takes the ``group`` to talk over (None = the whole world). A group of size one makes every
 operator the identity and issues no collective. A ``SimulatedGroup`` stands for a group in a one-process dry
@@ -49,6 +51,8 @@ __all__ = [
     "start_gather_numbers",
     "COUNTS",
     "SimulatedGroup",
+    "all_to_all_rows",
+    "exchange_counts",
 ]
 
 COUNTS: Counter = Counter()
@@ -346,3 +350,45 @@ def share_found_inf(scaler: Any, group: Optional[dist.ProcessGroup] = None) -> N
                 dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
 
     scaler.unscale_ = unscale_
+
+
+def exchange_counts(send: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
+    """``send`` (group size x k integers: row r for rank r) exchanged: row r of the result is what rank r
+    sent this one (one all-to-all; no autograd)."""
+    if group_size(group) == 1:
+        return send
+    COUNTS["all_to_all"] += 1
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send.contiguous(), group=group)
+    return received
+
+
+def _all_to_all(x: Tensor, send: list[int], receive: list[int], group: Optional[dist.ProcessGroup]) -> Tensor:
+    COUNTS["all_to_all"] += 1
+    out = x.new_empty((sum(receive), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), receive, send, group=group)
+    return out
+
+
+class _AllToAllRows(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, send: list[int], receive: list[int], group: Optional[dist.ProcessGroup]
+    ) -> Tensor:
+        ctx.send, ctx.receive, ctx.group = send, receive, group
+        return _all_to_all(x, send, receive, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        return _all_to_all(grad, ctx.receive, ctx.send, ctx.group), None, None, None
+
+
+def all_to_all_rows(
+    x: Tensor, send: list[int], receive: list[int], group: Optional[dist.ProcessGroup]
+) -> Tensor:
+    """Rows of ``x`` to the ranks of ``group``: the first ``send[0]`` to rank 0, the next ``send[1]`` to
+    rank 1, ...; returns the rows received, ``receive[r]`` from rank r, in rank order. Backward sends each
+    row's gradient back the same way (the all-to-all with the split sizes swapped)."""
+    if group_size(group) == 1:
+        return x
+    return _AllToAllRows.apply(x, send, receive, group)

@@ -5,6 +5,12 @@
 Tensor-parallel peers are neighbours (same node when devices per node is a multiple of tp, so their
 frequent all-reduces stay on the fast links); pipeline stages come next; data-parallel replicas are
 farthest apart, since they talk once per step.
+
+Expert parallelism divides the data-parallel axis (as Megatron's and torchtitan's do): ``ep`` neighbouring
+dp indices form an expert-parallel group (``"ep"``, which exchanges tokens), and the dp indices holding
+the same experts form the expert-replica group (``"edp"``, ``dp / ep`` ranks, which average the experts'
+gradients). ``"ep_model"`` is an ep group's ranks with all their pp x tp ranks: together they hold one
+whole model once.
 """
 
 from __future__ import annotations
@@ -20,11 +26,12 @@ __all__ = ["destroy_process_groups_at_exit", "MeshShape", "Mesh", "build_mesh", 
 
 @dataclass(frozen=True)
 class MeshShape:
-    """Sizes of the three axes; their product is the world size."""
+    """Sizes of the three axes (their product is the world size), and ``ep``, which divides ``dp``."""
 
     dp: int = 1
     pp: int = 1
     tp: int = 1
+    ep: int = 1
 
     @property
     def world_size(self) -> int:
@@ -38,9 +45,15 @@ class MeshShape:
         return (dp * self.pp + pp) * self.tp + tp
 
     def size(self, axis: str) -> int:
-        """The size of ``axis``: ``"dp"``, ``"pp"``, ``"tp"``, or ``"model"`` (pp x tp: the ranks of one
-        replica of the model, which together hold all of it)."""
-        return self.pp * self.tp if axis == "model" else getattr(self, axis)
+        """The size of ``axis``: ``"dp"``, ``"pp"``, ``"tp"``, ``"ep"``, ``"model"`` (pp x tp: the ranks of
+        one replica of the model, which together hold all of it), ``"edp"`` (dp / ep: the replicas of one
+        expert) or ``"ep_model"`` (ep x pp x tp)."""
+        derived = {
+            "model": self.pp * self.tp,
+            "edp": self.dp // self.ep,
+            "ep_model": self.ep * self.pp * self.tp,
+        }
+        return derived[axis] if axis in derived else getattr(self, axis)
 
     def axis_ranks(self, axis: str, rank: int) -> list[int]:
         """The global ranks that share every coordinate of ``rank`` except ``axis`` (``"model"``: except
@@ -49,6 +62,12 @@ class MeshShape:
         size = self.size(axis)
         if axis == "model":
             return [self.rank(d, 0, 0) + i for i in range(size)]
+        if axis == "ep":
+            return [self.rank(d - d % self.ep + i, p, t) for i in range(size)]
+        if axis == "edp":
+            return [self.rank(d % self.ep + i * self.ep, p, t) for i in range(size)]
+        if axis == "ep_model":
+            return [self.rank(d - d % self.ep, 0, 0) + i for i in range(size)]
         if axis == "dp":
             return [self.rank(i, p, t) for i in range(size)]
         if axis == "pp":
@@ -85,6 +104,11 @@ class Mesh:
     def tp_rank(self) -> int:
         return self.shape.coordinates(self.rank)[2]
 
+    @property
+    def ep_rank(self) -> int:
+        """This rank's place in its expert-parallel group (which experts it holds)."""
+        return self.dp_rank % self.shape.ep
+
     def group(self, axis: str) -> Optional[dist.ProcessGroup]:
         return self.groups.get(axis)
 
@@ -96,7 +120,8 @@ def build_mesh(shape: MeshShape) -> Mesh:
     """Create the process groups of ``shape``; every rank must call this, in the same order.
 
     An axis that spans the whole world uses the default group (None) rather than a copy of it; a
-    size-1 axis still gets a real (single-rank) group, so None never silently means "everyone".
+    size-1 axis still gets a real (single-rank) group, so None never silently means "everyone". The
+    expert axes get groups only where ``shape.ep > 1``.
     """
     world = dist.get_world_size()
     if shape.world_size != world:
@@ -106,7 +131,7 @@ def build_mesh(shape: MeshShape) -> Mesh:
         )
     rank = dist.get_rank()
     mesh = Mesh(shape=shape, rank=rank)
-    for axis in ("dp", "pp", "tp", "model"):
+    for axis in ("dp", "pp", "tp", "model") + (("ep", "edp", "ep_model") if shape.ep > 1 else ()):
         mesh.groups[axis] = None if shape.size(axis) == world else new_axis_group(shape, axis, rank)
     return mesh
 

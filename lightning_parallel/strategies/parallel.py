@@ -6,17 +6,21 @@ that knows no strategy class (``configure_parallelism`` reads as that order):
 1. tensor parallel: the plan is resolved on the whole, unmodified module (``plan="auto"`` traces the
    user's ``training_step`` on fake tensors), then its layers are sharded over the tp group
    (``tensor.shard_module``);
-2. pipeline: the block stack of the sharded module is partitioned into stages over the pp group
+2. expert parallel: each experts module keeps this rank's experts, the tokens reach them by all-to-all
+   over the ep group, which divides the dp axis (``tensor.apply_expert_parallel``);
+3. pipeline: the block stack of the sharded module is partitioned into stages over the pp group
    (``pipeline.partition``); the stage's ranks of one tp group run the same blocks and pass the same
    activations on to the next stage's tp group;
-3. data parallel: the gradients of the parameters this rank holds are averaged over the dp group by the
+4. data parallel: the gradients of the parameters this rank holds are averaged over the dp group by the
    ``GradientReducer``, overlapped with backward (pipeline stages: with the stage's last backward of the
-   step; the ``async`` schedule's finished gradient is averaged at once, after the step).
+   step; the ``async`` schedule's finished gradient is averaged at once, after the step); the experts'
+   over their replicas (the ``edp`` group), after a division by ep.
 
-Steps 1 and 2 run on the module built on meta (``set_up_share``): a rank allocates only its share.
-Checkpoints stack the gathers in the same order: over tp (full tensors), then over pp (the stages'
-parts), so a checkpoint of any layout holds the single-device state under single-device names and loads
-into any other layout; clipping uses the norm of the whole model over tp and pp.
+Steps 1 to 3 run on the module built on meta (``set_up_share``): a rank allocates only its share.
+Checkpoints stack the gathers in the same order: over tp (full tensors), then over ep (every expert), then
+over pp (the stages' parts), so a checkpoint of any layout holds the single-device state under
+single-device names and loads into any other layout; clipping uses the norm of the whole model over tp and
+pp (and ep: each expert counted by its rank).
 
 ``lp_tensor_parallel`` and ``lp_pipeline_*`` are this class with an axis fixed (``tensor_parallel.py``,
 ``pipeline.py``): their options are the ones they declare, their defaults and behaviour as before.
@@ -39,18 +43,21 @@ from lightning_parallel.checkpointing.by_name import (
     state_from_full,
 )
 from lightning_parallel.checkpointing.contract import check_keys, unwrapped
+from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.memory.saved import can_stack
 from lightning_parallel.pipeline.partition import partition
 from lightning_parallel.pipeline.placement import global_stage
 from lightning_parallel.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, virtual_stages_problem
 from lightning_parallel.strategies.base import ParallelStrategyBase
 from lightning_parallel.strategies.checks import one_of, positive_int, require
+from lightning_parallel.strategies.expert_stages import ExpertParallel
 from lightning_parallel.strategies.options import level_problems
 from lightning_parallel.strategies.pipeline_async import AsyncPipelineMixin
 from lightning_parallel.strategies.pipeline_stages import PipelineStages
 from lightning_parallel.strategies.plan_verification import PlanVerification
 from lightning_parallel.tensor import Plan, ResolvedPlan, parse_plan, resolve
 from lightning_parallel.tensor.coverage import check_coverage
+from lightning_parallel.tensor.expert_parallel import expert_pieces
 from lightning_parallel.tensor.full_state import (
     cut_shards,
     full_optimizer_state,
@@ -78,7 +85,9 @@ SP_WITH_PP = (
 )
 
 
-class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, ParallelStrategyBase):
+class ParallelStrategy(
+    PipelineStages, AsyncPipelineMixin, PlanVerification, ExpertParallel, ParallelStrategyBase
+):
     """Data x tensor x pipeline parallelism (3-D) on ``torch.distributed``; see docs/parallel_3d.md.
 
     Args:
@@ -116,6 +125,10 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
             most parameters (of an ``nn.Transformer``, the decoder's layers). Other stacks run whole on
             every stage, like an embedding; rank 0 names both at start-up.
         timeline_step: the step whose pipeline timeline is written (Chrome trace + SVG) to the run's folder.
+        expert_parallel_size: ranks that share out each mixture-of-experts layer's experts (whole experts,
+            ``num_experts / ep`` per rank; tokens sent to their expert's rank by all-to-all). It divides the
+            data-parallel size: the ranks of an ep group see different batches, and the experts are
+            replicated ``dp / ep`` times. Needs Hugging Face experts modules (Mixtral, Qwen2-MoE, OLMoE, ...).
         **kwargs: process plumbing, as for Lightning's ``DDPStrategy``.
     """
 
@@ -130,6 +143,7 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
     nullable_sizes: tuple[str, ...] = tuple(size_options)
     evaluates_split = True
     #: the options of each axis; a preset that fixes an axis hides its options (``strategies.options``)
+    expert_options = ("expert_parallel_size",)
     tensor_options = ("tensor_parallel_size", "plan", "verify_plan", "require_sharded", "sequence_parallel")
     pipeline_options = (
         "pipeline_parallel_size",
@@ -158,6 +172,7 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
         balance: str = "parameters",
         block_stack: Optional[str] = None,
         timeline_step: Optional[int] = 2,
+        expert_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
         # the base's options (activation_checkpointing) arrive in kwargs; some checks here read them too
@@ -175,6 +190,8 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
         self.chunks_option = virtual_stages
         self.split_points, self.block_stack, self.timeline_step = split_points, block_stack, timeline_step
         self.balance = balance
+        self.expert_parallel_size = expert_parallel_size
+        self.expert_reducer: Optional[GradientReducer] = None  # the experts' gradients over their replicas
         self.resolved: Optional[ResolvedPlan] = None
         self._entries: list[SharedEntry] = []
         self._stage_costs: Optional[list[float]] = None  # balance='time': each block's measured seconds
@@ -188,6 +205,7 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
         share, balance, split_points = values["require_sharded"], values["balance"], values["split_points"]
         sequence, pp = values["sequence_parallel"], values["pipeline_parallel_size"]
         return [
+            *cls.expert_problems(values, prefix),
             None
             if isinstance(sequence, bool)
             else f"{prefix}sequence_parallel must be True or False, got {sequence!r}",
@@ -228,7 +246,7 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
         return self.mesh.shape.size(axis) > 1 or axis in self.always_applied
 
     def model_is_split(self) -> bool:
-        return self.pipelined or self._is_sharded()
+        return self.pipelined or self._is_sharded() or self._has_experts_split()
 
     def _is_sharded(self) -> bool:
         return self.lightning_module is not None and bool(sharded_parameters(self.lightning_module))
@@ -268,7 +286,7 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
         hooks = not self.pipelined or self.overlaps_reducer
         sums = installed_gradient_sums(module)
         self.reducer = self.make_reducer(
-            list(module.named_parameters()),
+            self.split_expert_gradients(module),
             find_unused_parameters=self.pipelined,
             hooks=hooks,
             whole=[params[i] for i in self._replicated] if self.pipelined else (),
@@ -291,11 +309,13 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
             if self.verify_plan:
                 self.keep_reference(module, self.resolved, pipelined=self.applies("pp"))
         self._stage_costs = self.prepare_stages(module) if self.applies("pp") else None
+        self.check_experts(module)
 
         def parallelize() -> Any:
             cut = None
             if shards:
                 self._entries, cut = shard_module(module, self.resolved, self.tp_group, self.mesh.tp_rank)
+            cut = self.place_experts(module, cut)
             if self.applies("pp"):
                 pp, stage, v = self.mesh.shape.pp, self.mesh.pp_rank, self.virtual_stages
                 self.partition = partition(
@@ -331,14 +351,21 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
         the block stack (on every stage) by stage 0."""
         module = self.lightning_module
         sharded = {id(t) for t, _, _ in sharded_parameters(module).values()}
+        experts = {id(t) for t, _, _ in expert_pieces(module).values()}
         owned = set(self.partition.owned) if self.pipelined else None
-        first_tp, first_stage = self.mesh.tp_rank == 0, self.mesh.pp_rank == 0
+        first_tp, first_stage, first_ep = (
+            self.mesh.tp_rank == 0,
+            self.mesh.pp_rank == 0,
+            self.mesh.ep_rank == 0,
+        )
         counted = {
             id(p)
             for n, p in module.named_parameters()
-            if (id(p) in sharded or first_tp) and (owned is None or n in owned or first_stage)
+            if (id(p) in sharded or first_tp)
+            and (owned is None or n in owned or first_stage)
+            and (id(p) in experts or first_ep)
         }
-        return counted, self.mesh.group("model")
+        return counted, self.mesh.group("ep_model" if experts else "model")
 
     # ----------------------------------------------------------------- per step
     def post_backward(self, closure_loss: torch.Tensor) -> None:
@@ -346,7 +373,7 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
         for entry in self._entries:
             entry.clear()  # do not keep the step's activations alive
 
-    # ----------------------------------------------------------------- checkpoints: gathers over tp, then pp
+    # ----------------------------------------------------------------- checkpoints: gathers over tp, ep, then pp
     def full_state_keys(self) -> list[str]:
         return list(self._full_keys) if self.pipelined else super().full_state_keys()
 
@@ -354,9 +381,11 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
         return list(self._full_param_names) if self.pipelined else super().full_parameter_names()
 
     def full_model_state(self) -> dict[str, Any]:
-        """The single-device state dict: the shards gathered over tp, then the stages' parts over pp."""
+        """The single-device state dict: the shards gathered over tp, the experts over ep, then the stages'
+        parts over pp."""
         module = self.lightning_module
         state = full_state_dict(module, self.tp_group) if self._is_sharded() else module.state_dict()
+        state = gather_shards(module, state, self.ep_group, expert_pieces)
         return gather_parts(state, self.pp_group, self._full_keys) if self.pipelined else state
 
     def load_full_model_state(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
@@ -373,6 +402,7 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
                     local_keys, set(state_dict), set(self._full_keys), f"pipeline stage {self.mesh.pp_rank}"
                 )
             state_dict, strict = {k: v for k, v in state_dict.items() if k in local_keys}, False
+        state_dict = cut_shards(module, state_dict, expert_pieces)
         if self._is_sharded():
             load_full_state_dict(module, state_dict, strict=strict)
         else:
@@ -380,7 +410,7 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
 
     def one_device_copy(self, tree: nn.Module, state: Mapping[str, Any]) -> nn.Module:
         """``tree`` as on one device: whole layers and blocks, per-feature tensors whole, no process group."""
-        if self._is_sharded():
+        if self._is_sharded() or self._has_experts_split():
             return unsharded_copy(tree, self.lightning_module, state)
         return super().one_device_copy(tree, state)
 
@@ -397,6 +427,7 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
             return super().full_optimizer_state(optimizer)
         optimizer, module = unwrapped(optimizer), self.lightning_module
         state = full_optimizer_state(optimizer, module, self.tp_group) if self._is_sharded() else None
+        state = full_optimizer_state(optimizer, module, self.ep_group, expert_pieces, state)
         if not self.pipelined:
             return state
         named = state_by_name(optimizer, module, state)
@@ -409,6 +440,7 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             if self.pipelined:
                 state = state_from_full(state, optimizer, module, self._full_param_names)
+            state = shard_optimizer_state(state, optimizer, module, expert_pieces)
             if self._is_sharded():
                 state = shard_optimizer_state(state, optimizer, module)
             optimizer.load_state_dict(state)

@@ -39,7 +39,7 @@ class PipelineParallelStrategy(ParallelStrategy):
     size_options = {"data_parallel_size": "dp", "pipeline_parallel_size": "pp"}
     nullable_sizes = ("pipeline_parallel_size",)
     always_applied = ("pp",)
-    hidden_options = ParallelStrategy.tensor_options
+    hidden_options = ParallelStrategy.tensor_options + ParallelStrategy.expert_options
 
     def __init__(
         self,

@@ -5,12 +5,14 @@ under the original names, so they load into the plain module on one
 device and into any tensor-parallel size. Saving gathers each sharded tensor over the tensor-parallel
 group (every rank must call, in the same order); loading slices locally and needs no communication.
 Optimizer state (e.g. Adam's moments) of a sharded parameter is treated the same way. A model held in
-the hyperparameters is saved as it would be on one device (``unsharded_copy``).
+the hyperparameters is saved as it would be on one device (``unsharded_copy``). The gathers and cuts take
+``found``, what lists the cut tensors: the tensor-parallel shards by default, or another axis's
+(``expert_parallel.expert_pieces``: the experts over ep), so each axis's gather is the same code.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -38,7 +40,7 @@ __all__ = [
 ]
 
 
-Owner = Union[_TPLayer, FeatureShards]  # says tp_size and tp_rank
+Owner = Union[_TPLayer, FeatureShards, Any]  # says tp_size and tp_rank (the parts and this rank's place)
 
 
 def sharded_parameters(module: nn.Module) -> dict[str, tuple[Tensor, ShardSpec, Owner]]:
@@ -67,6 +69,10 @@ def sharded_parameters(module: nn.Module) -> dict[str, tuple[Tensor, ShardSpec, 
     return out
 
 
+#: what lists a module's cut tensors: key -> (local tensor, how it was cut, its owner)
+Found = Callable[[nn.Module], Mapping[str, tuple[Tensor, ShardSpec, Owner]]]
+
+
 def _full_shape(local: Tensor, spec: ShardSpec, tp_size: int) -> tuple[int, ...]:
     shape = list(local.shape)
     shape[spec.dim] *= tp_size
@@ -74,22 +80,28 @@ def _full_shape(local: Tensor, spec: ShardSpec, tp_size: int) -> tuple[int, ...]
 
 
 def gather_shards(
-    module: nn.Module, tensors: Mapping[str, Tensor], group: Optional[dist.ProcessGroup]
+    module: nn.Module,
+    tensors: Mapping[str, Tensor],
+    group: Optional[dist.ProcessGroup],
+    found: Found = sharded_parameters,
 ) -> dict[str, Tensor]:
     """``tensors`` (by state-dict key, each shaped as ``module``'s own) with those of sharded tensors
     gathered to their full size over ``group`` (a collective: every rank holds the same keys)."""
     out = dict(tensors)
-    for key, (_, spec, _) in sharded_parameters(module).items():
+    for key, (_, spec, _) in found(module).items():
         if key in out:
             out[key] = full_tensor(all_gather_list(out[key].detach().contiguous(), group), spec)
     return out
 
 
-def cut_shards(module: nn.Module, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Full-size ``tensors`` (by state-dict key) with those of sharded tensors cut to this rank's slice."""
+def cut_shards(
+    module: nn.Module, tensors: Mapping[str, Tensor], found: Found = sharded_parameters
+) -> dict[str, Tensor]:
+    """Full-size ``tensors`` (by state-dict key) with those of sharded tensors cut to this rank's slice
+    (a tensor already of the local shape is kept)."""
     out = dict(tensors)
-    for key, (_, spec, layer) in sharded_parameters(module).items():
-        if key in out:
+    for key, (local, spec, layer) in found(module).items():
+        if key in out and tuple(out[key].shape) == _full_shape(local, spec, layer.tp_size):
             out[key] = shard_tensor(out[key], spec, layer.tp_size, layer.tp_rank)
     return out
 
@@ -121,11 +133,16 @@ def _param_index(optimizer_state: Mapping[str, Any], optimizer: Any) -> dict[int
 
 
 def full_optimizer_state(
-    optimizer: Any, module: nn.Module, group: Optional[dist.ProcessGroup]
+    optimizer: Any,
+    module: nn.Module,
+    group: Optional[dist.ProcessGroup],
+    found: Found = sharded_parameters,
+    state: Optional[Mapping[str, Any]] = None,
 ) -> dict[str, Any]:
-    """``optimizer.state_dict()`` with the per-parameter tensors of sharded parameters gathered."""
-    state = optimizer.state_dict()
-    specs = {id(t): (spec, layer) for t, spec, layer in sharded_parameters(module).values()}
+    """``state`` (default ``optimizer.state_dict()``) with the per-parameter tensors of sharded parameters
+    gathered."""
+    state = optimizer.state_dict() if state is None else {**state, "state": dict(state["state"])}
+    specs = {id(t): (spec, layer) for t, spec, layer in found(module).values()}
     for index, param in _param_index(state, optimizer).items():
         if id(param) not in specs or index not in state["state"]:
             continue
@@ -138,10 +155,12 @@ def full_optimizer_state(
     return state
 
 
-def shard_optimizer_state(state: Mapping[str, Any], optimizer: Any, module: nn.Module) -> dict[str, Any]:
+def shard_optimizer_state(
+    state: Mapping[str, Any], optimizer: Any, module: nn.Module, found: Found = sharded_parameters
+) -> dict[str, Any]:
     """The inverse of ``full_optimizer_state`` for this rank (no communication)."""
     state = {**state, "state": dict(state["state"])}
-    specs = {id(t): (spec, layer) for t, spec, layer in sharded_parameters(module).values()}
+    specs = {id(t): (spec, layer) for t, spec, layer in found(module).values()}
     for index, param in _param_index(state, optimizer).items():
         if id(param) not in specs or index not in state["state"]:
             continue

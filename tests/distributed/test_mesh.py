@@ -20,6 +20,19 @@ def test_tensor_parallel_peers_are_neighbours():
     assert shape.all_axis_groups("dp") == [[0, 2], [1, 3]]
 
 
+def test_expert_axes_divide_the_data_parallel_axis():
+    """ep neighbouring dp indices exchange tokens; the dp indices holding the same experts average them;
+    an ep group with its pp x tp ranks holds one model once."""
+    shape = MeshShape(dp=4, pp=1, tp=2, ep=2)  # ranks: dp index = rank // 2, tp index = rank % 2
+    assert shape.all_axis_groups("ep") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert shape.all_axis_groups("edp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert shape.all_axis_groups("ep_model") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [shape.size(a) for a in ("ep", "edp", "ep_model")] == [2, 2, 4]
+    for axis in ("ep", "edp", "ep_model"):
+        groups = shape.all_axis_groups(axis)
+        assert sorted(r for g in groups for r in g) == list(range(shape.world_size))
+
+
 def test_process_groups_are_destroyed_before_the_interpreter_exits(tmp_path):
     """A gloo group left to the C++ destructors at exit can abort a finished rank (SIGABRT): the strategy
     registers its destruction at exit. A handler registered earlier runs later and sees it gone."""

@@ -220,3 +220,18 @@ def gradient_peak(trainer) -> dict:
         "between_steps": report_of(trainer).tables["end_of_fit"][trainer.global_rank].gradients,
         "largest_bucket": max(b.params[0].element_size() * sum(p.numel() for p in b.params) for b in buckets),
     }
+
+
+def expert_parallel(trainer) -> dict:
+    """This rank's experts modules: which experts each holds, and the gradient groups' sizes."""
+    from lightning_parallel.tensor.expert_parallel import ExpertParallelExperts
+
+    strategy = trainer.strategy
+    held = {
+        name: (m.ep_rank * m.num_local, m.num_local, tuple(m.gate_up_proj.shape))
+        for name, m in trainer.lightning_module.named_modules()
+        if isinstance(m, ExpertParallelExperts)
+    }
+    reducer = strategy.expert_reducer
+    held_by_reducer = None if reducer is None else sum(len(b.params) for b in reducer.buckets)
+    return {"held": held, "expert_reducer": held_by_reducer}

@@ -211,6 +211,7 @@ MORE: dict[str, Callable[[int, int, int], nn.Module]] = {
         num_experts_per_tok=2,
         moe_intermediate_size=lambda w, h: 3 * w,
         shared_expert_intermediate_size=lambda w, h: 2 * w,
+        sliding_window=None,
         experts_implementation="eager",
     ),
     "olmoe": _llama_like(

@@ -1,0 +1,162 @@
+"""ExpertParallel (mixin of ParallelStrategy): what ``expert_parallel_size`` adds to the strategy.
+
+The checks of the option against the others, the ep axis of the mesh (it divides dp), the placement of
+this rank's experts inside ``set_up_share`` (``tensor.apply_expert_parallel``, composed with the
+tensor-parallel cut), the experts' gradients divided by ep and averaged over their replicas by a second
+reducer over the ``edp`` group (none where each expert has one replica), driven beside the dp reducer in
+every backward and under gradient accumulation.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import replace
+from functools import partial
+from typing import Any, Callable, Generator, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_parallel.distributed.mesh import MeshShape
+from lightning_parallel.distributed.reducer import GradientReducer
+from lightning_parallel.strategies.checks import positive_int, require
+from lightning_parallel.tensor.expert_parallel import (
+    apply_expert_parallel,
+    cut_experts,
+    describe_expert_parallel,
+    expert_parallel_problem,
+    expert_pieces,
+    scale_expert_gradients,
+)
+
+__all__ = ["ExpertParallel", "EP_REFUSED"]
+
+Cut = Callable[[str, torch.Tensor], torch.Tensor]
+
+#: the options expert parallelism does not compose with yet: name -> (its value that is off, what it is)
+EP_REFUSED = {
+    "pipeline_parallel_size": (1, "pipeline stages"),
+    "zero_stage": (0, "ZeRO's sharded gradient path"),
+    "save_distributed": (False, "sharded checkpoints"),
+    "sequence_parallel": (
+        False,
+        "sequence parallelism (each tp rank would route its own part of the sequence)",
+    ),
+}
+
+
+class ExpertParallel:
+    """Expert parallelism over the ``ep`` axis of the mesh; ``expert_parallel_size`` is declared by
+    ``ParallelStrategy``'s constructor."""
+
+    expert_parallel_size: int
+    expert_reducer: Optional[GradientReducer]
+
+    @classmethod
+    def expert_problems(cls, values: Mapping[str, Any], prefix: str = "") -> list[Optional[str]]:
+        """The checks of ``expert_parallel_size`` against the other options."""
+        ep, dp = values["expert_parallel_size"], values["data_parallel_size"]
+        size = positive_int(f"{prefix}expert_parallel_size", ep)
+        if size or ep == 1:
+            return [size]
+        refused = [name for name, (off, _) in EP_REFUSED.items() if values.get(name, off) != off]
+        if "pp" in getattr(cls, "always_applied", ()) and "pipeline_parallel_size" not in refused:
+            refused.append("pipeline_parallel_size")
+        return [
+            None
+            if dp is None or dp % ep == 0
+            else f"{prefix}expert_parallel_size={ep} does not divide {prefix}data_parallel_size={dp}: the ranks "
+            f"of an expert-parallel group are data-parallel ranks; use a divisor of {dp}, or "
+            f"data_parallel_size={ep * max(1, dp // ep)}",
+            *(
+                f"{prefix}expert_parallel_size={ep} with {prefix}{name}={values[name]!r}: expert parallelism is "
+                f"not composed with {EP_REFUSED[name][1]} yet; use expert_parallel_size=1 or {name}="
+                f"{EP_REFUSED[name][0]!r}"
+                for name in refused
+            ),
+        ]
+
+    def mesh_shape(self) -> MeshShape:
+        """The (dp, pp, tp) layout, with ``expert_parallel_size`` dividing dp (checked before any process
+        group exists)."""
+        shape = super().mesh_shape()
+        ep = self.expert_parallel_size
+        if shape.dp % ep:
+            raise ValueError(
+                f"{type(self).__name__}: expert_parallel_size={ep} does not divide the data-parallel size "
+                f"{shape.dp} of this run: the ranks of an expert-parallel group are data-parallel ranks; use "
+                f"a divisor of {shape.dp}, or {ep * max(1, shape.dp // ep) * shape.pp * shape.tp} processes"
+            )
+        return replace(shape, ep=ep)
+
+    @property
+    def ep_group(self) -> Optional[dist.ProcessGroup]:
+        return self.mesh.group("ep") if self.mesh is not None else None
+
+    def _has_experts_split(self) -> bool:
+        return self.lightning_module is not None and bool(expert_pieces(self.lightning_module))
+
+    # ----------------------------------------------------------------- set-up
+    def check_experts(self, module: nn.Module) -> None:
+        """Before the module is taken apart: refuse a model whose experts cannot be placed on ep ranks."""
+        if self.expert_parallel_size > 1:
+            require([expert_parallel_problem(module, self.expert_parallel_size)])
+
+    def place_experts(self, module: nn.Module, cut: Optional[Cut]) -> Optional[Cut]:
+        """Inside ``parallelize``: this rank's experts placed; returns set-up's cut (``cut``, then the
+        experts')."""
+        if self.expert_parallel_size == 1:
+            return cut
+        placed = apply_expert_parallel(module, self.ep_group, self.expert_parallel_size, self.mesh.ep_rank)
+        rank_zero_info(describe_expert_parallel(placed, self.mesh.shape.size("edp")))
+        return partial(_then_experts, cut, expert_pieces(module))
+
+    def split_expert_gradients(self, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        """On the final parameters: the experts' gradients divided by ep and, with replicas, averaged over
+        them by ``expert_reducer``; returns the other parameters, for the dp reducer."""
+        experts = {id(t) for t, _, _ in expert_pieces(module).values()}
+        scale_expert_gradients(module)
+        self.expert_reducer = None
+        if experts and self.mesh.shape.size("edp") > 1:
+            named = [(n, p) for n, p in module.named_parameters() if id(p) in experts]
+            self.expert_reducer = self.reducer_class(named, group=self.mesh.group("edp"))
+        return [(n, p) for n, p in module.named_parameters() if id(p) not in experts]
+
+    # ----------------------------------------------------------------- per step
+    @contextmanager
+    def block_backward_sync(self) -> Generator:
+        """As the base's, for the experts' reducer too."""
+        reducer = self.expert_reducer
+        previous = reducer.sync_enabled if reducer is not None else None
+        if reducer is not None:
+            reducer.sync_enabled = False
+        try:
+            with super().block_backward_sync():
+                yield None
+        finally:
+            if reducer is not None:
+                reducer.sync_enabled = previous
+
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        super().pre_backward(closure_loss)
+        if self.expert_reducer is not None:
+            self.expert_reducer.prepare_for_backward()
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        if self.expert_reducer is not None:
+            self.expert_reducer.finish_sync()
+
+    def teardown(self) -> None:
+        if self.expert_reducer is not None:
+            self.expert_reducer.remove_hooks()
+        super().teardown()
+
+
+def _then_experts(
+    cut: Optional[Cut], pieces: Mapping[str, Any], name: str, full: torch.Tensor
+) -> torch.Tensor:
+    """Set-up's cut of a full tensor: the tensor-parallel one (if any), then this rank's experts."""
+    return cut_experts(name, full if cut is None else cut(name, full), pieces)

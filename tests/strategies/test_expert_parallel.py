@@ -1,0 +1,197 @@
+"""Expert parallelism (``expert_parallel_size`` of ``lp_parallel``) on Hugging Face mixture-of-experts models,
+real processes: equal to single-device training on the global batch (float64, 5 SGD steps, 1e-10), the
+checkpoint holding every expert under its single-device name (momentum buffers included), each rank
+holding num_experts / ep experts. Alone (ep = dp), with 2 replicas of each expert (ep=2, dp=4), with
+clipping by the global norm, with whole blocks recomputed in backward, under tensor parallelism (dp2 x
+tp2, ep=2), built on meta under ``init_module()``, and with a rank whose experts get no token; an ep
+checkpoint resumes exactly under ep and on one device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.harness import max_param_diff, run_distributed, run_single
+
+PARALLEL = "lightning_parallel:ParallelStrategy"
+F64 = {"precision": "64-true", "max_steps": 5}
+ARCHS = ("mixtral", "qwen2_moe")
+EXPERTS = 4  # both tiny configs (tests/helpers/zoo_more.py)
+
+
+def case(arch: str, ep: int, dp: int, tp: int = 1, momentum: float = 0.0, clip: float = 0.0) -> dict:
+    name = f"{arch}-ep{ep}-dp{dp}" + (f"-tp{tp}" if tp > 1 else "") + ("-momentum" if momentum else "")
+    return {
+        "name": name + ("-clip" if clip else ""),
+        "model": "tests.helpers.zoo:ZooLM",
+        "model_kwargs": {"arch": arch, "momentum": momentum},
+        "data": "tests.helpers.tp_models:TokenData",
+        "data_kwargs": {"global_batch_size": 16},
+        "dp_size": dp,
+        "trainer": {**F64, **({"gradient_clip_val": clip} if clip else {})},
+        "save_checkpoint": True,
+        "probe": "tests.helpers.probes:expert_parallel",
+        "strategy": {
+            "class": PARALLEL,
+            "kwargs": {
+                "data_parallel_size": dp,
+                "expert_parallel_size": ep,
+                "tensor_parallel_size": tp,
+                "require_sharded": 0.0,  # the router and the experts stay whole under tp
+            },
+        },
+    }
+
+
+def with_options(c: dict, suffix: str, **options) -> dict:
+    """``c`` with more strategy options, under a name of its own."""
+    strategy = {**c["strategy"], "kwargs": {**c["strategy"]["kwargs"], **options}}
+    return {**c, "name": f"{c['name']}-{suffix}", "strategy": strategy}
+
+
+CASES_2 = [
+    *(case(a, 2, 2) for a in ARCHS),
+    case("mixtral", 2, 2, momentum=0.9),
+    case("qwen2_moe", 2, 2, clip=0.05),  # the gradients' norm is about 0.5 here
+    with_options(case("mixtral", 2, 2), "recompute", activation_checkpointing=True),  # all-to-alls replayed
+]
+# built on meta: each rank initializes its share from rank 0's random state, as lp_ddp on one process does
+META = {**case("qwen2_moe", 2, 2), "name": "qwen2_moe-ep2-dp2-meta", "empty_init": True}
+# rank 1 holds experts 2 and 3, which no token reaches (tests/helpers/moe_models.py)
+IDLE = {
+    **case("mixtral", 2, 2),
+    "name": "first-experts-ep2",
+    "model": "tests.helpers.moe_models:FirstExpertsMoE",
+    "model_kwargs": {},
+    "probe": None,
+}
+# validation during fit and after it runs on the split model (the ranks' all-to-alls in step)
+VALIDATED = {
+    **case("mixtral", 2, 2),
+    "name": "mixtral-ep2-validated",
+    "data": "tests.helpers.pp_models:TokenDataWithValidation",
+    "trainer": {**F64, "val_check_interval": 2, "limit_val_batches": 2},
+    "validate_after_fit": True,
+}
+# float32, the experts by Hugging Face's batched and grouped kernels (no float64 kernel for grouped_mm)
+KERNELS = [
+    {
+        **case("qwen2_moe", 2, 2),
+        "name": f"qwen2_moe-ep2-{kernel}",
+        "model": "tests.helpers.moe_models:ZooMoE",
+        "model_kwargs": {"arch": "qwen2_moe", "experts_implementation": kernel, "momentum": 0.0},
+        "trainer": {"precision": "32-true", "max_steps": 5},
+        "probe": None,
+    }
+    for kernel in ("batched_mm", "grouped_mm")
+]
+META_REFERENCE = {
+    **META,
+    "name": "qwen2_moe-meta-one-process",
+    "dp_size": 1,
+    "probe": None,
+    "strategy": {"class": "lightning_parallel:DDPStrategy", "kwargs": {}},
+}
+CASES_4 = [
+    *(case(a, ep, 4) for a in ARCHS for ep in (2, 4)),
+    case("mixtral", 2, 2, tp=2, clip=0.05),
+    # accumulation: both reducers hold their gradients until the last micro-step
+    {
+        **case("qwen2_moe", 2, 4),
+        "name": "qwen2_moe-ep2-dp4-accumulate",
+        "trainer": {**F64, "accumulate_grad_batches": 2},
+    },
+]
+
+
+def resumed(c: dict, dp: int, ep: int, steps: int, ckpt: str) -> dict:
+    """``c`` continued from the checkpoint ``ckpt`` to ``steps`` on ``dp`` processes at ``ep``."""
+    kwargs = {**c["strategy"]["kwargs"], "data_parallel_size": dp, "expert_parallel_size": ep}
+    return {
+        **c,
+        "name": f"resume-{c['name']}-dp{dp}",
+        "dp_size": dp,
+        "trainer": {**c["trainer"], "max_steps": steps},
+        "ckpt_path": ckpt,
+        "probe": None,
+        "strategy": {**c["strategy"], "kwargs": kwargs} if ep > 1 else "auto",
+    }
+
+
+def single(c: dict, tmp) -> dict:
+    """The same run on one device (a model and trainer options shared by several cases run once)."""
+    name = single_name(c)
+    out = tmp / "single" / name / "result.pt"
+    if not out.exists():
+        result = run_single({**c, "name": name, "dp_size": 1, "strategy": "auto", "probe": None}, tmp)
+        torch.save(result, out)
+    return torch.load(out, weights_only=False)
+
+
+def check(tmp, world: int, c: dict, results: dict) -> None:
+    kwargs = c["strategy"]["kwargs"]
+    ep, dp = kwargs["expert_parallel_size"], c["dp_size"]
+    reference = single(c, tmp)
+    saved = torch.load(tmp / f"dist{world}" / c["name"] / "last.ckpt", weights_only=False)
+    diff = max_param_diff(saved["state_dict"], reference["state_dict"])
+    assert diff < 1e-10, f"{c['name']}: parameters differ from single-device training by {diff:.3e}"
+    if c["model_kwargs"]["momentum"]:
+        one = torch.load(tmp / "single" / single_name(c) / "last.ckpt", weights_only=False)
+        mine, theirs = saved["optimizer_states"][0]["state"], one["optimizer_states"][0]["state"]
+        assert mine.keys() == theirs.keys() and len(mine) > 0
+        for index, entry in mine.items():
+            buffer = entry["momentum_buffer"]
+            assert buffer.shape == theirs[index]["momentum_buffer"].shape, index
+            assert (buffer - theirs[index]["momentum_buffer"]).abs().max() < 1e-10, index
+    for rank, result in enumerate(results[c["name"]]):
+        held = result["probe"]["held"]
+        assert len(held) == 2, held  # one experts module per layer
+        first = (rank // kwargs["tensor_parallel_size"] % ep) * (EXPERTS // ep)
+        assert {v[:2] for v in held.values()} == {(first, EXPERTS // ep)}, (rank, held)
+        assert (result["probe"]["expert_reducer"] is None) == (dp == ep), result["probe"]
+
+
+def single_name(c: dict) -> str:
+    training = "-".join(f"{k}{v}" for k, v in sorted(c["trainer"].items()) if k != "precision")
+    return f"single-{c['model_kwargs']['arch']}-momentum{c['model_kwargs']['momentum']}-{training}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_expert_parallel_2_processes(tmp_path):
+    every = CASES_2 + [META, IDLE, VALIDATED, *KERNELS]
+    results = run_distributed(every, world_size=2, tmp_path=tmp_path, timeout=600)
+    for c in CASES_2 + [VALIDATED]:
+        check(tmp_path, 2, c, results)
+    assert all("val_loss" in r["metrics"] for r in results[VALIDATED["name"]])
+    for c in KERNELS:
+        saved = torch.load(tmp_path / "dist2" / c["name"] / "last.ckpt", weights_only=False)["state_dict"]
+        one = run_single({**c, "name": f"single-{c['name']}", "dp_size": 1, "strategy": "auto"}, tmp_path)
+        diff = max_param_diff(saved, one["state_dict"])
+        assert diff < 1e-5, f"{c['name']}: {diff:.3e} from one device"
+    idle = torch.load(tmp_path / "dist2" / IDLE["name"] / "last.ckpt", weights_only=False)["state_dict"]
+    one = run_single({**IDLE, "name": "single-first-experts", "dp_size": 1, "strategy": "auto"}, tmp_path)
+    assert max_param_diff(idle, one["state_dict"]) < 1e-10
+    reference = run_distributed([META_REFERENCE], world_size=1, tmp_path=tmp_path, timeout=300)
+    meta = torch.load(tmp_path / "dist2" / META["name"] / "last.ckpt", weights_only=False)["state_dict"]
+    diff = max_param_diff(meta, reference[META_REFERENCE["name"]][0]["state_dict"])
+    assert diff < 1e-10, f"built on meta: {diff:.3e} from lp_ddp on one process"
+    momentum = CASES_2[2]
+    saved = str(tmp_path / "dist2" / momentum["name"] / "last.ckpt")
+    later = tmp_path / "later"
+    run_distributed([resumed(momentum, 2, 2, 8, saved)], world_size=2, tmp_path=later, timeout=400)
+    on_one = run_single(resumed(momentum, 1, 1, 8, saved), later)
+    reference = single({**momentum, "trainer": {**momentum["trainer"], "max_steps": 8}}, tmp_path)
+    full = torch.load(later / "dist2" / f"resume-{momentum['name']}-dp2" / "last.ckpt", weights_only=False)
+    assert full["global_step"] == 8
+    for name, state in (("ep2", full["state_dict"]), ("one device", on_one["state_dict"])):
+        diff = max_param_diff(state, reference["state_dict"])
+        assert diff < 1e-10, f"resumed {name}: {diff:.3e} from 8 steps on one device"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_expert_parallel_4_processes(tmp_path):
+    results = run_distributed(CASES_4, world_size=4, tmp_path=tmp_path, timeout=800)
+    for c in CASES_4:
+        check(tmp_path, 4, c, results)
