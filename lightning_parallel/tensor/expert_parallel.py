@@ -25,7 +25,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ __all__ = [
     "ExpertParallelExperts",
     "ExpertSlice",
     "apply_expert_parallel",
+    "experts_left_to_expert_parallel",
     "describe_expert_parallel",
     "expert_parallel_problem",
     "expert_pieces",
@@ -231,3 +232,14 @@ def scale_expert_gradients(module: nn.Module) -> None:
                 if p.requires_grad:
                     p.register_hook(partial(_scaled, 1.0 / m.ep_size))
             m._scaled = True
+
+
+def experts_left_to_expert_parallel(resolved: Any) -> None:
+    """With expert parallelism the experts are placed whole on ranks, so a tensor-parallel plan
+    (``tensor.plan.ResolvedPlan``) that splits them (style ``experts``) keeps them whole instead, saying why."""
+    for a in resolved.assignments:
+        if a.style == "experts":
+            a.style, a.options = "replicate", {}
+            resolved.report.append(
+                (a.name, "experts stay whole under tp: expert_parallel_size > 1 places them")
+            )
