@@ -325,10 +325,16 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
 
     def norm_share(self) -> tuple[set[int], Optional[dist.ProcessGroup]]:
         """The parameters whose squares this rank adds to the model's norm, summed over the model group
-        (pp x tp): a shard by its holder; a tensor whole on every tp rank by tp rank 0; a module outside
-        the block stack (on every stage) by stage 0."""
+        (pp x tp): a shard by its holder (a shard that ``copies`` ranks hold by the first of them; one
+        with blocks of both kinds, sharded and held by several, by every holder, which counts the latter
+        more than once); a tensor whole on every tp rank by tp rank 0; a module outside the block stack
+        (on every stage) by stage 0."""
         module = self.lightning_module
-        sharded = {id(t) for t, _, _ in sharded_parameters(module).values()}
+        sharded = {  # a slice held by `copies` ranks (key-value heads fewer than the ranks) by the first
+            id(t)
+            for t, spec, _ in sharded_parameters(module).values()
+            if self.mesh.tp_rank % min((c for _, c in spec.parts), default=1) == 0
+        }
         owned = set(self.partition.owned) if self.pipelined else None
         first_tp, first_stage = self.mesh.tp_rank == 0, self.mesh.pp_rank == 0
         counted = {
@@ -384,9 +390,16 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
 
     def shard_layouts(self) -> dict[str, ShardLayout]:
         """For ``save_distributed``: which slice of each full tensor this rank holds."""
+        shards = sharded_parameters(self.lightning_module)
+        parted = [key for key, (_, spec, _) in shards.items() if spec.parts]
+        if parted:
+            raise ValueError(
+                f"{parted[0]!r} is cut in blocks of unequal widths (parts), which a distributed checkpoint "
+                "cannot describe yet; save a full checkpoint (the default checkpoint format)"
+            )
         return {
             key: ShardLayout(spec.dim, spec.chunks, layer.tp_rank, layer.tp_size, self.tp_group)
-            for key, (_, spec, layer) in sharded_parameters(self.lightning_module).items()
+            for key, (_, spec, layer) in shards.items()
         }
 
     def full_optimizer_state(self, optimizer: Any) -> dict[str, Any]:

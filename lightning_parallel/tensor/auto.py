@@ -54,7 +54,7 @@ from lightning_parallel.tensor.plan import (
     tied_parameters,
 )
 from lightning_parallel.tensor.trace import is_projection, trace_dataflow
-from lightning_parallel.tensor.traced_plan import TracedPlan, find_traced_plan
+from lightning_parallel.tensor.traced_plan import TracedPlan, find_traced_plan, out_features
 
 __all__ = ["auto_plan", "resolve_auto"]
 
@@ -278,14 +278,23 @@ def _traced(
     trace = trace_dataflow(module, run, fake)
     found = find_traced_plan(trace, tp_size)
     for name, chunks in found.columns.items():
-        finder.take(name, "colwise", **({"chunks": chunks} if chunks > 1 else {}))
+        if name in found.parts:  # a fused q|k|v of unequal widths, cut per block
+            finder.take(name, "colwise", parts=found.parts[name])
+        elif name in found.copies:  # one block, each of its heads held by several ranks
+            finder.take(
+                name, "colwise", parts=((out_features(module.get_submodule(name)), found.copies[name]),)
+            )
+        else:
+            finder.take(name, "colwise", **({"chunks": chunks} if chunks > 1 else {}))
     for name in found.rows:
         finder.take(name, "rowwise")
     for name in found.gathered:
         finder.take(name, "colwise", gather_output=True)
     finder.features = dict(found.features)
     finder.attributes = [
-        AttributeRule(f"{owner}.{attr}" if owner else attr, "divide")
+        AttributeRule(
+            f"{owner}.{attr}" if owner else attr, "divide", found.attribute_copies.get((owner, attr), 1)
+        )
         for owner, attr in sorted(found.attributes)
     ]
     for name, m in module.named_modules():

@@ -69,7 +69,7 @@ def sharded_parameters(module: nn.Module) -> dict[str, tuple[Tensor, ShardSpec, 
 
 def _full_shape(local: Tensor, spec: ShardSpec, tp_size: int) -> tuple[int, ...]:
     shape = list(local.shape)
-    shape[spec.dim] *= tp_size
+    shape[spec.dim] = spec.full_size(shape[spec.dim], tp_size)
     return tuple(shape)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Union
 
 import torch
 
@@ -35,11 +36,33 @@ __all__ = [
     "propagate",
 ]
 
-Factor = tuple[int, bool]  # (size, is the sharded factor)
+# (size, copies): 0 (False) for a whole factor; else the sharded one, cut into tp // copies contiguous
+# blocks each held by ``copies`` ranks (1, True: split over all ranks; more: key-value heads fewer than
+# the ranks, each replicated over the ranks whose query heads read it). A fused q|k|v of unequal widths
+# has ``copies`` = its blocks ((width, copies), ...) until it is split into them.
+Factor = tuple[int, Union[int, tuple[tuple[int, int], ...]]]
 
 
 class Escape(Exception):
     """A sharded value reaches an operation that cannot run on a shard."""
+
+
+class Parts(Escape):
+    """A column's output is split into blocks of unequal ``widths`` (a fused q|k|v with fewer key-value
+    heads): the column may be cut per block."""
+
+    def __init__(self, message: str, widths: tuple[int, ...]) -> None:
+        super().__init__(message)
+        self.widths = widths
+
+
+class Replicate(Escape):
+    """The sharded factor has fewer parts (heads) than the ranks, and ``copies`` ranks could hold each:
+    the column-parallel layer it comes from may hold each of its heads on that many ranks."""
+
+    def __init__(self, message: str, copies: int) -> None:
+        super().__init__(message)
+        self.copies = copies
 
 
 @dataclass(frozen=True)
@@ -49,6 +72,7 @@ class Demand:
 
     owner: str
     value: int
+    copies: int = 1  # ranks holding each head of the value: the size is divided by tp // copies
 
 
 @dataclass(frozen=True)
@@ -79,15 +103,17 @@ class Layout:
         return tuple(out)
 
     def features_split(self) -> bool:
-        """Sharded only on the last dimension, as its outermost factor: a row-parallel input."""
+        """Sharded only on the last dimension, as its outermost factor, over all ranks: a row-parallel
+        input."""
         last = [f for f in self.dims[-1] if f[0] != 1]
-        return self.sharded_dim == len(self.dims) - 1 and bool(last) and last[0][1]
+        return self.sharded_dim == len(self.dims) - 1 and bool(last) and last[0][1] == 1
 
 
-def entry_layout(shape: Sequence[int], chunks: int = 1) -> Layout:
-    """The output of a column-parallel layer: its last dimension (``chunks`` packed blocks) sharded."""
+def entry_layout(shape: Sequence[int], chunks: int = 1, copies: Union[int, tuple] = 1) -> Layout:
+    """The output of a column-parallel layer: its last dimension (``chunks`` packed blocks) sharded, each
+    block held by ``copies`` ranks (or blocks of unequal widths: ``copies`` = ((width, copies), ...))."""
     n = shape[-1]
-    last: tuple[Factor, ...] = ((chunks, False), (n // chunks, True)) if chunks > 1 else ((n, True),)
+    last: tuple[Factor, ...] = ((chunks, 0), (n // chunks, copies)) if chunks > 1 else ((n, copies),)
     return Layout(tuple(((s, False),) for s in shape[:-1]) + (last,))
 
 
@@ -101,7 +127,7 @@ def _split_of(factors: tuple[Factor, ...]) -> tuple[Factor, ...]:
     inner = 1
     for size, _ in real[at:]:
         inner *= size
-    return (*real[:at], (inner, True))
+    return (*real[:at], (inner, real[at][1]))
 
 
 def _plain(shape: Sequence[int]) -> tuple[tuple[Factor, ...], ...]:
@@ -126,13 +152,15 @@ def _regroup(layout: Layout, out_shape: Sequence[int], node: Node) -> Layout:
                     f"{node.name}: cannot follow the sharded dimension into shape {tuple(out_shape)}"
                 )
             fsize, sharded = factors[i]
+            if isinstance(sharded, tuple) and fsize != need:
+                raise Escape(f"{node.name}: regroups a fused dimension of unequal blocks")
             if fsize <= need and need % fsize == 0:
                 group.append((fsize, sharded))
                 need //= fsize
                 i += 1
             elif fsize % need == 0:  # split this factor: the outer part goes here
                 if sharded:
-                    group.append((need, True))
+                    group.append((need, sharded))
                     factors[i] = [fsize // need, False]
                 else:
                     group.append((need, False))
@@ -146,9 +174,14 @@ def _regroup(layout: Layout, out_shape: Sequence[int], node: Node) -> Layout:
 
 def _check_split_factor(layout: Layout, tp: int, node: Node) -> None:
     for fs in layout.dims:
-        for size, sharded in fs:
-            if sharded and size % tp:
-                raise Escape(f"{node.name}: the sharded factor has {size} parts, not divisible by tp={tp}")
+        for size, copies in fs:
+            if isinstance(copies, tuple):
+                continue
+            if copies and size % (tp // copies):
+                why = f"{node.name}: the sharded factor has {size} parts, not divisible by tp={tp}"
+                if copies == 1 and tp % size == 0:
+                    raise Replicate(why, tp // size)
+                raise Escape(why)
 
 
 def _pointwise(
@@ -280,7 +313,7 @@ def propagate(
         # rank; one that merges sharded dimensions is taken to be computed from the input's shape
         size = a[1][out.sharded_dim]
         if name == "view" and size != -1 and size < src.shape()[src.sharded_dim]:
-            demands.append(Demand(node.owner, size))
+            demands.append(Demand(node.owner, size, _split_of(out.dims[out.sharded_dim])[-1][1]))
         return [out]
     if name == "expand" and src is not None:
         d = src.sharded_dim + len(out_shapes[0]) - len(src.dims)
@@ -307,7 +340,7 @@ def propagate(
     if name == "stack":
         return [_stack(node, layouts, out_shapes[0])]
     if "scaled_dot_product" in name:
-        return _attention(node, layouts, out_shapes, shapes)
+        return _attention(node, layouts, out_shapes, shapes, tp)
     if _is_pointwise(node):
         out = _pointwise(node, shapes, layouts, len(out_shapes[0]), tensors, companions)
         return [out if s is not None and len(s) == len(out.dims) else None for s in out_shapes]
@@ -373,6 +406,21 @@ def _split(node: Node, src: Layout, out_shapes: list, demands: list[Demand]) -> 
         return out
     factors = [f for f in src.dims[d] if f[0] != 1]
     sizes = {s[d] for s in out_shapes if s is not None}
+    widths = tuple(s[d] for s in out_shapes if s is not None)
+    if len(factors) == 1 and isinstance(factors[0][1], tuple):  # a fused dimension cut into its blocks
+        blocks = factors[0][1]
+        if widths != tuple(w for w, _ in blocks) or len(widths) != len(out_shapes):
+            raise Escape(f"{node.name} cuts a fused dimension of unequal blocks elsewhere than between them")
+        if node.name == "split_with_sizes":  # sizes as written: a block split over all ranks shrinks
+            demands.extend(Demand(node.owner, w) for w, copies in blocks if copies == 1)
+        return [Layout(src.dims[:d] + (((w, copies),),) + src.dims[d + 1 :]) for w, copies in blocks]
+    if (
+        factors == [(factors[0][0], 1)]
+        and node.name == "split_with_sizes"
+        and len(set(widths)) > 1
+        and len(widths) == len(out_shapes)
+    ):
+        raise Parts(f"{node.name} cuts the sharded dimension into unequal blocks {list(widths)}", widths)
     if len(factors) == 2 and not factors[0][1] and factors[1][1] and sizes == {factors[1][0]}:
         if node.name == "split":  # split(size): a written size of one chunk
             demands.append(Demand(node.owner, a[1]))
@@ -438,11 +486,26 @@ def _stack(node: Node, layouts: dict, out_shape: Sequence[int]) -> Layout:
     return Layout(tuple(dims))
 
 
-def _attention(node: Node, layouts: dict, out_shapes: list, shapes: list) -> list[Layout | None]:
+def _held_by_all(layout: Layout, tp: int) -> bool:
+    """Sharded into one block that every rank holds: whole on each rank, its gradient partial."""
+    return _split_of(layout.dims[layout.sharded_dim])[-1][1] == tp
+
+
+def _attention(node: Node, layouts: dict, out_shapes: list, shapes: list, tp: int) -> list[Layout | None]:
     q, k, v = node.args[:3]
     lays = [layouts.get(t.key) for t in (q, k, v)]
+    if all(lay is not None for lay in lays) and _held_by_all(lays[1], tp) and _held_by_all(lays[2], tp):
+        # one key-value head, held whole by every rank (multi-query): each rank's query heads read it
+        lays = lays[:1]
     if any(lay is None or lay.sharded_dim != 1 or not lay.dims[1][0][1] for lay in lays):
         raise Escape("attention over values not all sharded by heads")
+    if lays[0].dims[1][0][1] != 1:
+        raise Escape("attention with query heads fewer than the ranks")
+    # each rank's query heads read only its own key-value heads: as many, or a whole number of query heads
+    # per key-value head on each rank (grouped-query attention)
+    heads = [_split_of(lay.dims[1])[-1] for lay in lays]
+    if len(heads) == 3 and (heads[1] != heads[2] or heads[0][0] % (heads[1][0] * heads[1][1])):
+        raise Escape("attention over query and key-value heads cut differently")
     mask = node.kwargs.get(
         "attn_mask", node.args[3] if len(node.args) > 3 and hasattr(node.args[3], "key") else None
     )

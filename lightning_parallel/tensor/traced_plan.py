@@ -26,6 +26,8 @@ from lightning_parallel.tensor.shard_flow import (
     Demand,
     Escape,
     Layout,
+    Parts,
+    Replicate,
     _split_of,
     entry_layout,
     per_channel,
@@ -49,9 +51,12 @@ def out_features(m: nn.Module) -> int:
 @dataclass
 class TracedPlan:
     columns: dict[str, int] = field(default_factory=dict)  # name -> packed chunks (3 for a fused q|k|v)
+    copies: dict[str, int] = field(default_factory=dict)  # name -> ranks holding each head (kv < tp)
+    parts: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)  # fused, unequal blocks
     rows: set[str] = field(default_factory=set)
     gathered: set[str] = field(default_factory=set)  # column-parallel with a gathered output
     attributes: dict[tuple[str, str], set[str]] = field(default_factory=dict)  # (owner, attr) -> its columns
+    attribute_copies: dict[tuple[str, str], int] = field(default_factory=dict)  # heads held by several
     reasons: dict[str, str] = field(default_factory=dict)
     regions: list[set[str]] = field(default_factory=list)  # columns with their row partners, in call order
     gradient_sums: dict[str, set[str]] = field(default_factory=dict)  # whole parameter -> columns it meets
@@ -68,6 +73,8 @@ class _Flow:
     parameter_uses: dict[str, tuple[set[str], list[bool]]] = field(default_factory=dict)
     demands: list[tuple[Demand, frozenset]] = field(default_factory=list)
     companions: list[tuple[Companion, frozenset]] = field(default_factory=list)
+    copies: dict[str, int] = field(default_factory=dict)  # column -> ranks that could hold each head
+    parts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # column -> unequal block widths
 
 
 def _chunks(trace: Trace, key: int, width: int) -> int:
@@ -83,6 +90,26 @@ def _chunks(trace: Trace, key: int, width: int) -> int:
                 return len(sizes)
             return 1
     return 1
+
+
+def _blocks(
+    trace: Trace, node: Node, widths: tuple[int, ...], tp: int
+) -> Optional[tuple[tuple[int, int], ...]]:
+    """(width, copies) of each block of a fused q|k|v cut into ``widths``: its heads, of the size that the
+    next attention reads, split over the ranks, or each held by several ranks where there are fewer heads
+    than ranks; None where a block splits neither way."""
+    at = trace.nodes.index(node)
+    attention = next((n for n in trace.nodes[at:] if "scaled_dot_product" in n.name), None)
+    if attention is None:
+        return None
+    head = trace.shapes[attention.args[0].key][-1]
+    blocks = []
+    for width in widths:
+        heads = width // head
+        if width % head or not (heads % tp == 0 or tp % heads == 0):
+            return None
+        blocks.append((width, 1 if heads % tp == 0 else tp // heads))
+    return tuple(blocks)
 
 
 def _seed(
@@ -107,7 +134,11 @@ def _sync_batchnorm(node: Node, module: nn.Module, layouts: dict) -> tuple[Layou
 
 
 def _run_flow(
-    trace: Trace, columns: dict[str, int], tp: int, seeds: dict[str, tuple[Layout, frozenset]]
+    trace: Trace,
+    columns: dict[str, int],
+    tp: int,
+    seeds: dict[str, tuple[Layout, frozenset]],
+    copies: dict[str, object],
 ) -> _Flow:
     flow = _Flow()
     layouts: dict[int, object] = {}
@@ -143,7 +174,9 @@ def _run_flow(
                         flow.failed.setdefault(s, f"its sharded output is read whole by {node.layer}")
             if node.layer in columns and node.outputs and node.outputs[0] is not None:
                 out = node.outputs[0]
-                layouts[out.key] = entry_layout(trace.shapes[out.key], columns[node.layer])
+                layouts[out.key] = entry_layout(
+                    trace.shapes[out.key], columns[node.layer], copies.get(node.layer, 1)
+                )
                 owners[out.key] = frozenset([node.layer])
             continue
         _note_parameter_uses(node, trace, labeled, sources, flow, seeds)
@@ -154,6 +187,10 @@ def _run_flow(
         try:
             outs = propagate(node, trace.shapes, layouts, tp, demands, trace.parameters, tensors, companions)
         except Escape as escape:
+            if isinstance(escape, Replicate) and len(sources) == 1:
+                flow.copies.setdefault(next(iter(sources)), escape.copies)
+            if isinstance(escape, Parts) and len(sources) == 1:
+                flow.parts.setdefault(next(iter(sources)), escape.widths)
             for s in sources:
                 flow.failed.setdefault(s, f"{escape} (in {node.owner or 'the root module'})")
             continue
@@ -192,7 +229,7 @@ def _spec(layout: Layout, tp: int) -> Optional[ShardSpec]:
     """How a per-feature tensor of ``layout`` is cut: along its sharded dimension, per packed chunk."""
     dim = layout.sharded_dim
     factors = _split_of(layout.dims[dim])
-    if factors[-1][0] % tp:
+    if factors[-1][0] % tp or factors[-1][1] != 1:
         return None
     chunks = 1
     for size, _ in factors[:-1]:
@@ -201,12 +238,12 @@ def _spec(layout: Layout, tp: int) -> Optional[ShardSpec]:
 
 
 def _flow_with_features(
-    trace: Trace, columns: dict[str, int], tp: int
+    trace: Trace, columns: dict[str, int], tp: int, copies: dict[str, object]
 ) -> tuple[_Flow, dict[str, tuple[ShardSpec, frozenset]]]:
     """The flow with every per-feature tensor it finds sharded, followed again until none is new."""
     seeds: dict[str, tuple[Layout, frozenset]] = {}
     while True:
-        flow = _run_flow(trace, columns, tp, seeds)
+        flow = _run_flow(trace, columns, tp, seeds, copies)
         grown = dict(seeds)
         for found, sources in flow.companions:
             layout = _raw_layout(trace, found)
@@ -312,8 +349,22 @@ def find_traced_plan(trace: Trace, tp: int) -> TracedPlan:
             plan.reasons[name] = f"output width {width} is not divisible by tp={tp}" + (
                 f" x {k} chunks" if k > 1 else ""
             )
+    copies: dict[str, object] = {}  # column -> ranks holding each head, or its blocks (width, copies)
     while True:
-        flow, features = _flow_with_features(trace, candidates, tp)
+        flow, features = _flow_with_features(trace, candidates, tp, copies)
+        wanted: dict[str, object] = {c: n for c, n in flow.copies.items() if candidates.get(c) == 1}
+        for c, widths in flow.parts.items():
+            blocks = _blocks(trace, calls[c], widths, tp) if candidates.get(c) == 1 else None
+            if blocks is not None:
+                wanted[c] = blocks
+            else:
+                flow.failed.setdefault(
+                    c, f"its output is cut into blocks {list(widths)} that do not split over tp={tp}"
+                )
+        wanted = {c: n for c, n in wanted.items() if c not in copies}
+        if wanted:  # heads fewer than the ranks, or blocks of unequal widths: the flow followed again
+            copies.update(wanted)
+            continue
         bad = dict(flow.failed)
         partnered = set().union(*flow.rows.values()) if flow.rows else set()
         for name in candidates:
@@ -325,17 +376,24 @@ def find_traced_plan(trace: Trace, tp: int) -> TracedPlan:
         # a written size with no attribute to divide may be computed from a split tensor's shape: kept,
         # and the dry run (tensor.dry_run) drops the region if it was not
         attributes: dict[tuple[str, str], set[str]] = {}
+        attribute_copies: dict[tuple[str, str], int] = {}
         for demand, sources in flow.demands:
             for a in _divisible_attributes(trace.modules.get(demand.owner, nn.Module()), demand.value):
                 attributes.setdefault((demand.owner, a), set()).update(sources)
+                if attribute_copies.setdefault((demand.owner, a), demand.copies) != demand.copies:
+                    for s in sources:
+                        bad.setdefault(s, f"{demand.owner}.{a} is a size of heads cut two ways")
         if not bad:
             break
         for name, why in bad.items():
             candidates.pop(name, None)
             plan.reasons[name] = why
     plan.columns = candidates
+    plan.copies = {c: n for c, n in copies.items() if c in candidates and isinstance(n, int)}
+    plan.parts = {c: n for c, n in copies.items() if c in candidates and isinstance(n, tuple)}
     plan.rows = set(flow.rows)
     plan.attributes = attributes
+    plan.attribute_copies = {k: c for k, c in attribute_copies.items() if c > 1}
     plan.regions = _regions(flow.rows, list(calls))
     plan.gradient_sums = {
         n: set(cols) for n, (cols, _) in flow.parameter_uses.items() if cols and n not in features

@@ -1,0 +1,73 @@
+"""plan="auto" with fewer key-value heads than tensor-parallel ranks, 4 real processes: the Llama zoo model
+(4 query and 2 key-value heads) at tp=4 holds each key-value head on the 2 ranks whose query heads read it
+(their gradients summed over those ranks), splits the rest, and equals single-device training (float64,
+5 SGD steps, 1e-10), built normally and on meta under ``init_module()``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers.harness import max_param_diff, run_distributed, run_single
+from tests.helpers.zoo import ZooLM
+
+TP = "lightning_parallel:TensorParallelStrategy"
+DDP = "lightning_parallel:DDPStrategy"
+F64 = {"precision": "64-true", "max_steps": 5}
+
+
+def case(name: str, **extra) -> dict:
+    return {
+        "name": name,
+        "model": "tests.helpers.zoo:ZooLM",
+        "model_kwargs": {"arch": "hf_llama"},
+        "data": "tests.helpers.tp_models:TokenData",
+        "data_kwargs": {"global_batch_size": 16},
+        "dp_size": 1,
+        "trainer": F64,
+        "save_checkpoint": True,
+        "probe": "tests.helpers.probes:tensor_parallel_plan",
+        "strategy": {"class": TP, "kwargs": {"plan": "auto"}},
+        **extra,
+    }
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("kv-heads")
+    single = run_single({**case("single"), "strategy": "auto", "probe": None}, tmp)
+    meta = {"empty_init": True}
+    ddp1 = case("ddp1-meta", strategy={"class": DDP, "kwargs": {}}, probe=None, **meta)
+    results = run_distributed([ddp1], world_size=1, tmp_path=tmp, timeout=500)
+    results.update(
+        run_distributed([case("tp4"), case("tp4-meta", **meta)], world_size=4, tmp_path=tmp, timeout=500)
+    )
+    return tmp, single, results
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_llama_tp4_replicates_its_two_kv_heads_and_equals_one_device(runs):
+    tmp, single, results = runs
+    full = torch.load(tmp / "dist4" / "tp4" / "last.ckpt", weights_only=False)["state_dict"]
+    diff = max_param_diff(full, single["state_dict"])
+    assert diff < 1e-10, f"parameters differ from single-device training by {diff:.3e}"
+    total = sum(p.numel() for p in ZooLM(arch="hf_llama").parameters())
+    for rank in range(4):
+        plan = results["tp4"][rank]["probe"]
+        assert plan["local_parameters"] / total <= 0.30, (plan["local_parameters"] / total, plan["report"])
+    styles = results["tp4"][0]["probe"]["styles"]
+    attn = "model.model.layers.0.self_attn"
+    assert [styles[f"{attn}.{p}_proj"] for p in "qkvo"] == ["colwise"] * 3 + ["rowwise"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_llama_tp4_built_on_meta_equals_one_process_built_on_meta(runs):
+    """Built on meta, each rank materializes its share (its key-value heads included) as one process
+    materializes the whole model from the same seed (tests/strategies/test_deferred_init.py)."""
+    tmp, _, _ = runs
+    one = torch.load(tmp / "dist1" / "ddp1-meta" / "last.ckpt", weights_only=False)["state_dict"]
+    meta = torch.load(tmp / "dist4" / "tp4-meta" / "last.ckpt", weights_only=False)["state_dict"]
+    diff = max_param_diff(meta, one)
+    assert diff < 1e-10, f"tp=4 built on meta differs from one process built on meta by {diff:.3e}"
