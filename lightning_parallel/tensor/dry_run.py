@@ -41,6 +41,12 @@ def _as_rank_zero(module: nn.Module, resolved: ResolvedPlan) -> Iterator[None]:
         for name, p in module.named_parameters(remove_duplicate=False)
     ]
     buffers = [(name.rpartition(".")[0], name.rpartition(".")[2], b) for name, b in module.named_buffers()]
+    holders = [  # objects whose attributes are divided on a copy (a ``config``): the originals come back
+        (owner, holder, getattr(module.get_submodule(owner), holder))
+        for owner, attr, _ in resolved.attributes
+        for holder in [attr.rpartition(".")[0]]
+        if holder
+    ]
     apply_plan(module, resolved, SimulatedGroup(resolved.tp_size), 0, gradient_hooks=False)
     sequence = resolved.sequence and apply_sequence_parallel(
         module, resolved.sequence, SimulatedGroup(resolved.tp_size), gradient_hooks=False
@@ -55,7 +61,10 @@ def _as_rank_zero(module: nn.Module, resolved: ResolvedPlan) -> Iterator[None]:
                 parent, _, child = a.name.rpartition(".")
                 setattr(module.get_submodule(parent), child, a.module)
         for owner, attr, value in resolved.attributes:
-            setattr(module.get_submodule(owner), attr, value)
+            if "." not in attr:
+                setattr(module.get_submodule(owner), attr, value)
+        for owner, holder, original in holders:
+            setattr(module.get_submodule(owner), holder, original)
         for owner, attr, p in held:  # tied aliases held outside the planned layers, per-feature tensors
             setattr(module.get_submodule(owner), attr, p)
         for owner, attr, b in buffers:

@@ -28,8 +28,10 @@ cannot carry out.
 
 from __future__ import annotations
 
+import copy
 import difflib
 from dataclasses import dataclass, field
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
@@ -576,6 +578,10 @@ def resolve_plan(module: nn.Module, plan: Any, tp_size: int, check_dataflow: boo
     for rule in plan.attributes:
         owner_pattern, _, attr = rule.pattern.rpartition(".")
         hits = [n for n in modules if match_pattern(owner_pattern, n)] if owner_pattern else [""]
+        if not hits and owner_pattern:  # an attribute of an object a module holds (its ``config``)
+            owner_pattern, _, holder = owner_pattern.rpartition(".")
+            attr = f"{holder}.{attr}"
+            hits = [n for n in modules if match_pattern(owner_pattern, n) and held_object(modules[n], holder)]
         if not hits:
             raise _no_match(
                 rule.pattern,
@@ -588,7 +594,7 @@ def resolve_plan(module: nn.Module, plan: Any, tp_size: int, check_dataflow: boo
                 "attribute",
             )
         for n in hits:
-            value = getattr(modules[n], attr, None)
+            value = attrgetter(attr)(modules[n]) if held_object(modules[n], attr.partition(".")[0]) else None
             if not isinstance(value, int) or isinstance(value, bool):
                 raise PlanError(
                     f"attribute {attr!r} of {n or 'the root module'!r} is {value!r}; 'divide' needs an "
@@ -658,10 +664,27 @@ def apply_plan(
         if owner not in planned and not any(owner.startswith(n + ".") for n in planned):
             setattr(module.get_submodule(owner), attr, param)
     for owner, attr, value in resolved.attributes:
-        setattr(module.get_submodule(owner), attr, resolved.local_value(owner, attr, value))
+        set_attribute(module.get_submodule(owner), attr, resolved.local_value(owner, attr, value))
     if gradient_hooks:
         install_gradient_sums(module, resolved, group)
     return list(entries.values())
+
+
+def held_object(module: nn.Module, name: str) -> bool:
+    """``module`` holds ``name``, and it is no submodule (a plain attribute, or a ``config`` object)."""
+    return hasattr(module, name) and not isinstance(getattr(module, name), nn.Module)
+
+
+def set_attribute(module: nn.Module, attr: str, value: int) -> None:
+    """Set ``attr`` of ``module``; ``holder.attr`` (a shared ``config`` read in ``forward``) on a copy of
+    the holder of its own, so the user's object and the other modules that read it keep their value."""
+    holder, _, leaf = attr.rpartition(".")
+    if holder:
+        own = copy.copy(getattr(module, holder))
+        setattr(own, leaf, value)
+        setattr(module, holder, own)
+    else:
+        setattr(module, attr, value)
 
 
 def install_gradient_sums(

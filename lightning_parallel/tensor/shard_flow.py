@@ -49,11 +49,12 @@ class Escape(Exception):
 
 class Parts(Escape):
     """A column's output is split into blocks of unequal ``widths`` (a fused q|k|v with fewer key-value
-    heads): the column may be cut per block."""
+    heads): the column may be cut per block. Where one operation shows only one block (a ``slice``, an
+    index), ``cut`` = (value, dimension): the blocks are read from every operation on that value."""
 
-    def __init__(self, message: str, widths: tuple[int, ...]) -> None:
+    def __init__(self, message: str, widths: tuple[int, ...], cut: tuple[int, int] | None = None) -> None:
         super().__init__(message)
-        self.widths = widths
+        self.widths, self.cut = widths, cut
 
 
 class Replicate(Escape):
@@ -120,7 +121,7 @@ def entry_layout(shape: Sequence[int], chunks: int = 1, copies: Union[int, tuple
 def _split_of(factors: tuple[Factor, ...]) -> tuple[Factor, ...]:
     """What a rank holds of a dimension, whatever its factoring: the sharded factor and every factor inside
     it form one factor cut into contiguous blocks (4 heads, or 2 kv heads each repeated twice, alike)."""
-    real = [f for f in factors if f[0] != 1]
+    real = [f for f in factors if f[0] != 1 or f[1]]
     at = next((i for i, (_, sharded) in enumerate(real) if sharded), None)
     if at is None:
         return tuple(real)
@@ -139,21 +140,32 @@ def _dim(d: int, ndim: int) -> int:
 
 
 def _regroup(layout: Layout, out_shape: Sequence[int], node: Node) -> Layout:
-    """Re-split the flat list of factors into dimensions of ``out_shape`` (a view)."""
-    factors = [list(f) for fs in layout.dims for f in fs if f[0] != 1]
+    """Re-split the flat list of factors into dimensions of ``out_shape`` (a view). A sharded factor of
+    size 1 (one head, held by every rank) goes to the first dimension of size 1 at its place."""
+    factors = [list(f) for fs in layout.dims for f in fs if f[0] != 1 or f[1]]
     dims: list[tuple[Factor, ...]] = []
     i = 0
     for size in out_shape:
         group: list[Factor] = []
         need = size
+        if size == 1 and i < len(factors) and factors[i][0] == 1:
+            group.append(tuple(factors[i]))
+            i += 1
         while need > 1:
+            if i < len(factors) and factors[i][0] == 1:  # a one-head factor inside a larger dimension
+                raise Escape(
+                    f"{node.name}: merges a key-value head held by every rank into {tuple(out_shape)}"
+                )
             if i >= len(factors):
                 raise Escape(
                     f"{node.name}: cannot follow the sharded dimension into shape {tuple(out_shape)}"
                 )
             fsize, sharded = factors[i]
             if isinstance(sharded, tuple) and fsize != need:
-                raise Escape(f"{node.name}: regroups a fused dimension of unequal blocks")
+                group.append(_heads_of_blocks(fsize, sharded, need, node))
+                factors[i] = [fsize // need, False]
+                need = 1
+                continue
             if fsize <= need and need % fsize == 0:
                 group.append((fsize, sharded))
                 need //= fsize
@@ -172,10 +184,20 @@ def _regroup(layout: Layout, out_shape: Sequence[int], node: Node) -> Layout:
     return Layout(tuple(dims))
 
 
+def _heads_of_blocks(width: int, blocks: tuple, heads: int, node: Node) -> Factor:
+    """A fused dimension of unequal blocks viewed as ``heads`` heads: the blocks counted in heads."""
+    size = width // heads
+    if width % heads or any(w % size for w, _ in blocks):
+        raise Escape(f"{node.name}: cuts a fused dimension of unequal blocks inside a block")
+    return (heads, tuple((w // size, copies) for w, copies in blocks))
+
+
 def _check_split_factor(layout: Layout, tp: int, node: Node) -> None:
     for fs in layout.dims:
         for size, copies in fs:
             if isinstance(copies, tuple):
+                if any(w % (tp // c) for w, c in copies):
+                    raise Escape(f"{node.name}: a block of the fused dimension does not split over tp={tp}")
                 continue
             if copies and size % (tp // copies):
                 why = f"{node.name}: the sharded factor has {size} parts, not divisible by tp={tp}"
@@ -226,7 +248,7 @@ REDUCTIONS = {
     "norm",
     "linalg_vector_norm",
 }
-SOFTMAX = {"_softmax", "softmax", "_log_softmax", "log_softmax"}
+SOFTMAX = {"_softmax", "_safe_softmax", "softmax", "_log_softmax", "log_softmax"}
 # (input, weight, bias, running_mean, running_var, ...): statistics per channel (dimension 1)
 BATCH_NORMS = {
     "native_batch_norm",
@@ -312,14 +334,29 @@ def propagate(
         # sizes as written (-1 stays -1). A size that splits heads out of the features must shrink on each
         # rank; one that merges sharded dimensions is taken to be computed from the input's shape
         size = a[1][out.sharded_dim]
-        if name == "view" and size != -1 and size < src.shape()[src.sharded_dim]:
-            demands.append(Demand(node.owner, size, _split_of(out.dims[out.sharded_dim])[-1][1]))
+        copies = _split_of(out.dims[out.sharded_dim])[-1][1]
+        if isinstance(copies, tuple):  # a fused dimension in heads: each split block's head count shrinks
+            demands.extend(Demand(node.owner, w) for w, c in copies if c == 1 and size != -1)
+        elif name == "view" and size != -1 and size < src.shape()[src.sharded_dim]:
+            demands.append(Demand(node.owner, size, copies))
         return [out]
     if name == "expand" and src is not None:
         d = src.sharded_dim + len(out_shapes[0]) - len(src.dims)
         dims = list(_plain(out_shapes[0]))
         dims[d] = src.dims[src.sharded_dim]
+        if _held_by_all(src, tp) and src.shape()[src.sharded_dim] == 1 and out_shapes[0][d] > 1:
+            # one key-value head, every rank's, repeated for the query heads: as many as the rank's
+            dims[d] = ((out_shapes[0][d], 1),)
+            demands.append(Demand(node.owner, out_shapes[0][d]))
         return [Layout(tuple(dims))]
+    if name == "index" and src is not None:
+        return [_index(node, src, out_shapes[0], tp)]
+    if (
+        name == "slice"
+        and src is not None
+        and _blocks_at(src, _dim(a[1] if len(a) > 1 else 0, len(src.dims)))
+    ):
+        return [_slice_blocks(node, src, out_shapes[0], demands, tp)]
     if (
         name in ("transpose", "t", "permute", "unsqueeze", "squeeze", "select", "slice", "narrow")
         and src is not None
@@ -376,11 +413,82 @@ def _rearrange(node: Node, src: Layout, out_shape: Sequence[int]) -> Layout:
     else:  # select / slice / narrow: fine on any dimension but the sharded one
         d = _dim(a[1] if len(a) > 1 else 0, n)
         if d == src.sharded_dim:
+            _parts_of_dimension(node, src, d)
             raise Escape(f"{name} along the sharded dimension")
         if name == "select":
             dims.pop(d)
         else:
             dims[d] = ((out_shape[d], False),)
+    return Layout(tuple(dims))
+
+
+def _parts_of_dimension(node: Node, src: Layout, d: int) -> None:
+    """A part of a dimension split over all ranks read alone: it may be a block of a fused q|k|v."""
+    if [f for f in src.dims[d] if f[0] != 1] == [(src.shape()[d], 1)]:
+        raise Parts(f"{node.name} reads one part of the sharded dimension", (), (node.args[0].key, d))
+
+
+def _blocks_at(src: Layout, d: int) -> tuple:
+    """The blocks ((width, copies), ...) of a fused dimension ``d`` of unequal blocks, else ()."""
+    factors = [f for f in src.dims[d] if f[0] != 1]
+    return factors[0][1] if len(factors) == 1 and isinstance(factors[0][1], tuple) else ()
+
+
+def _slice_blocks(
+    node: Node, src: Layout, out_shape: Sequence[int], demands: list[Demand], tp: int
+) -> Layout:
+    """``slice`` of one whole block of a fused dimension (``qkv[..., :q_size]``). A bound written from the
+    start moves on each rank unless every block before it is split over all ranks (it is then divided);
+    one written from the end, unless every block after it is held whole by every rank."""
+    a, n = node.args, len(src.dims)
+    d = _dim(a[1], n)
+    blocks = _blocks_at(src, d)
+    full = sum(w for w, _ in blocks)
+    offsets = [sum(w for w, _ in blocks[:i]) for i in range(len(blocks))]
+    start = a[2] if len(a) > 2 and a[2] is not None else 0
+    first = start + full if start < 0 else start
+    hit = [i for i, (w, _) in enumerate(blocks) if offsets[i] == first and w == out_shape[d]]
+    if not hit:
+        raise Escape(f"{node.name} cuts a fused dimension of unequal blocks elsewhere than between them")
+    i = hit[0]
+    end = a[3] if len(a) > 3 and a[3] is not None else full
+    for bound, at in ((start, i), (end, i + 1)):
+        if 0 < bound < full:
+            if any(c != 1 for _, c in blocks[:at]):
+                raise Escape(f"{node.name}: a bound {bound} follows blocks held by several ranks")
+            demands.append(Demand(node.owner, bound))
+        elif bound < 0 and any(c != tp for _, c in blocks[at:]):
+            raise Escape(f"{node.name}: a bound {bound} from the end precedes blocks split over the ranks")
+    dims = list(src.dims)
+    dims[d] = (blocks[i],)
+    return Layout(tuple(dims))
+
+
+def _index(node: Node, src: Layout, out_shape: Sequence[int], tp: int) -> Layout:
+    """``x[..., [i], ...]``: one index tensor; along a whole dimension it keeps the layout, along a fused
+    dimension it may pick a block that every rank holds whole, at the end of it (``qkv[..., [-2], :]``:
+    the same place on every rank, counted from the end)."""
+    indices = node.args[1]
+    at = [j for j, t in enumerate(indices) if t is not None]
+    if len(at) != 1 or len(out_shape) != len(src.dims):
+        raise Escape(f"{node.name} reads the sharded features")
+    d = at[0]
+    dims = list(src.dims)
+    if d != src.sharded_dim:
+        dims[d] = ((out_shape[d], 0),)
+        return Layout(tuple(dims))
+    blocks = _blocks_at(src, d)
+    if not blocks:
+        _parts_of_dimension(node, src, d)
+    tail = [b for b in blocks[::-1]]
+    held = []
+    for w, c in tail:  # the blocks every rank holds whole, from the end
+        if c != tp:
+            break
+        held.append((w, c))
+    if not held or len({w for w, _ in held}) != 1 or held[0][0] != out_shape[d]:
+        raise Escape(f"{node.name} reads the sharded features")
+    dims[d] = (held[0],)
     return Layout(tuple(dims))
 
 

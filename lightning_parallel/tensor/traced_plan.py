@@ -41,7 +41,7 @@ __all__ = ["TracedPlan", "find_traced_plan", "out_features"]
 # attributes that may hold a written size: head counts, split sizes, widths; never per-head sizes,
 # rotary dimensions, positions or group counts (equal by chance)
 DIVIDED = re.compile(r"head|split|embd|embed|hidden")
-NOT_DIVIDED = re.compile(r"head_dim|head_size|layer_idx|groups|max_|position|vocab|rotary|rope|ndims")
+NOT_DIVIDED = re.compile(r"head_dim|head_size|layer_idx|layers|groups|max_|position|vocab|rotary|rope|ndims")
 
 
 def out_features(m: nn.Module) -> int:
@@ -74,7 +74,8 @@ class _Flow:
     demands: list[tuple[Demand, frozenset]] = field(default_factory=list)
     companions: list[tuple[Companion, frozenset]] = field(default_factory=list)
     copies: dict[str, int] = field(default_factory=dict)  # column -> ranks that could hold each head
-    parts: dict[str, tuple[int, ...]] = field(default_factory=dict)  # column -> unequal block widths
+    # column -> unequal block widths, and the head size where the cut shows it
+    parts: dict[str, tuple[tuple[int, ...], Optional[int]]] = field(default_factory=dict)
 
 
 def _chunks(trace: Trace, key: int, width: int) -> int:
@@ -92,24 +93,58 @@ def _chunks(trace: Trace, key: int, width: int) -> int:
     return 1
 
 
+def _widths_read(trace: Trace, key: int, dim: int, width: int) -> tuple[tuple[int, ...], Optional[int]]:
+    """The blocks of a column's output (``width`` features, viewed as ``key``) that the operations on
+    ``key`` read along ``dim``: slices by where they start, and one-block indexes (``qkv[..., [-2], :]``)
+    filling what the slices leave, in the order of the code; () where they do not cover it once. With
+    the head size where ``dim`` counts heads (the features of one step along it), else None."""
+    shape = trace.shapes[key]
+    unit = 1
+    for s in shape[dim + 1 :]:
+        unit *= s
+    if unit * shape[dim] != width:
+        return (), None
+    starts: dict[int, int] = {}
+    picks: list[int] = []
+    for node in trace.nodes:
+        if node.layer is not None or not node.args or getattr(node.args[0], "key", None) != key:
+            continue
+        out = trace.shapes[node.outputs[0].key] if node.outputs and node.outputs[0] else None
+        if node.name == "slice" and out is not None and node.args[1] % len(shape) == dim:
+            start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+            starts[start % shape[dim]] = out[dim]
+        elif node.name == "index" and out is not None and len(out) == len(shape):
+            picks.append(out[dim])
+    blocks, at = [], 0
+    while at < shape[dim]:
+        size = starts.pop(at, None) or (picks.pop(0) if picks else 0)
+        if not size:
+            return (), None
+        blocks.append(size * unit)
+        at += size
+    found = at == shape[dim] and not starts and not picks and len(blocks) > 1
+    return (tuple(blocks) if found else ()), (unit if unit > 1 else None)
+
+
 def _blocks(
-    trace: Trace, node: Node, widths: tuple[int, ...], tp: int
-) -> Optional[tuple[tuple[int, int], ...]]:
-    """(width, copies) of each block of a fused q|k|v cut into ``widths``: its heads, of the size that the
-    next attention reads, split over the ranks, or each held by several ranks where there are fewer heads
-    than ranks; None where a block splits neither way."""
-    at = trace.nodes.index(node)
-    attention = next((n for n in trace.nodes[at:] if "scaled_dot_product" in n.name), None)
-    if attention is None:
-        return None
-    head = trace.shapes[attention.args[0].key][-1]
+    trace: Trace, node: Node, widths: tuple[int, ...], tp: int, head: Optional[int]
+) -> Optional[tuple[tuple[tuple[int, int], ...], int]]:
+    """(width, copies) of each block of a fused q|k|v cut into ``widths``: its heads (of size ``head``, or
+    else the size that the next attention reads) split over the ranks, or each held by several ranks
+    where there are fewer heads than ranks; None where a block splits neither way."""
+    if head is None:
+        at = trace.nodes.index(node)
+        attention = next((n for n in trace.nodes[at:] if "scaled_dot_product" in n.name), None)
+        if attention is None:
+            return None
+        head = trace.shapes[attention.args[0].key][-1]
     blocks = []
     for width in widths:
         heads = width // head
         if width % head or not (heads % tp == 0 or tp % heads == 0):
             return None
         blocks.append((width, 1 if heads % tp == 0 else tp // heads))
-    return tuple(blocks)
+    return tuple(blocks), head
 
 
 def _seed(
@@ -190,7 +225,12 @@ def _run_flow(
             if isinstance(escape, Replicate) and len(sources) == 1:
                 flow.copies.setdefault(next(iter(sources)), escape.copies)
             if isinstance(escape, Parts) and len(sources) == 1:
-                flow.parts.setdefault(next(iter(sources)), escape.widths)
+                column = next(iter(sources))
+                found = (escape.widths, None)
+                if escape.cut is not None:
+                    found = _widths_read(trace, *escape.cut, out_features(trace.modules[column]))
+                if found[0]:
+                    flow.parts.setdefault(column, found)
             for s in sources:
                 flow.failed.setdefault(s, f"{escape} (in {node.owner or 'the root module'})")
             continue
@@ -320,7 +360,7 @@ def _regions(rows: dict[str, set[str]], order: list[str]) -> list[set[str]]:
     return sorted(regions, key=lambda r: min(first.get(n, len(first)) for n in r))
 
 
-def _divisible_attributes(module: nn.Module, value: int) -> list[str]:
+def _divisible_attributes(module: object, value: int) -> list[str]:
     return [
         k
         for k, v in vars(module).items()
@@ -331,6 +371,16 @@ def _divisible_attributes(module: nn.Module, value: int) -> list[str]:
         and DIVIDED.search(k)
         and not NOT_DIVIDED.search(k)
     ]
+
+
+def _head_count_attributes(module: nn.Module, heads: int) -> list[str]:
+    """The attributes of ``module`` that hold a head count ``heads``; else those of the configuration it
+    reads in ``forward`` (``self.config.num_attention_heads``), divided on a copy of its own."""
+    own = _divisible_attributes(module, heads)
+    config = getattr(module, "config", None)
+    if own or config is None or isinstance(config, nn.Module) or not hasattr(config, "__dict__"):
+        return own
+    return [f"config.{a}" for a in _divisible_attributes(config, heads)]
 
 
 def find_traced_plan(trace: Trace, tp: int) -> TracedPlan:
@@ -350,13 +400,14 @@ def find_traced_plan(trace: Trace, tp: int) -> TracedPlan:
                 f" x {k} chunks" if k > 1 else ""
             )
     copies: dict[str, object] = {}  # column -> ranks holding each head, or its blocks (width, copies)
+    head_sizes: dict[str, int] = {}  # a column cut in blocks -> the size of its heads
     while True:
         flow, features = _flow_with_features(trace, candidates, tp, copies)
         wanted: dict[str, object] = {c: n for c, n in flow.copies.items() if candidates.get(c) == 1}
-        for c, widths in flow.parts.items():
-            blocks = _blocks(trace, calls[c], widths, tp) if candidates.get(c) == 1 else None
+        for c, (widths, head) in flow.parts.items():
+            blocks = _blocks(trace, calls[c], widths, tp, head) if candidates.get(c) == 1 else None
             if blocks is not None:
-                wanted[c] = blocks
+                wanted[c], head_sizes[c] = blocks
             else:
                 flow.failed.setdefault(
                     c, f"its output is cut into blocks {list(widths)} that do not split over tp={tp}"
@@ -383,6 +434,11 @@ def find_traced_plan(trace: Trace, tp: int) -> TracedPlan:
                 if attribute_copies.setdefault((demand.owner, a), demand.copies) != demand.copies:
                     for s in sources:
                         bad.setdefault(s, f"{demand.owner}.{a} is a size of heads cut two ways")
+        for column, size in head_sizes.items():  # the head count of each block split over the ranks
+            owner = column.rpartition(".")[0]
+            for width, _ in (b for b in copies[column] if b[1] == 1):
+                for a in _head_count_attributes(trace.modules[owner], width // size):
+                    attributes.setdefault((owner, a), set()).add(column)
         if not bad:
             break
         for name, why in bad.items():

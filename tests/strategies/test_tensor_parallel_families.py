@@ -24,6 +24,9 @@ MAX_SHARE = {
     "stablelm": 0.52,
     "distilbert": 0.55,
     "qwen3": 0.51,  # q_norm/k_norm weights meet split heads: their gradients are summed over the ranks
+    "phi3": 0.55,  # fused qkv_proj (GQA) cut per block; config.num_attention_heads divided on a copy
+    "falcon": 0.55,  # multi-query: the one key-value head held by both ranks, its gradient summed
+    "gpt_bigcode": 0.55,  # multi-query c_attn split with sizes: q split, k and v held by both ranks
     "bart": 0.55,  # learned positional embeddings with a forward of their own stay whole
     "vit": 0.58,  # the classifier's output is read whole by the loss
     "bloom": 0.67,  # ALiBi adds a bias of every head to the scores: attention stays whole
