@@ -63,7 +63,8 @@ from lightning_parallel.tensor.full_state import (
 )
 from lightning_parallel.tensor.gradient_sums import installed_gradient_sums
 from lightning_parallel.tensor.layers import SharedEntry, _TPLayer
-from lightning_parallel.tensor.plan import install_gradient_sums
+from lightning_parallel.tensor.plan import install_gradient_sums, replicated_blocks
+from lightning_parallel.tensor.replicated_blocks import norm_weight
 from lightning_parallel.tensor.sample import sample_forward
 from lightning_parallel.tensor.sequence import SequenceParallel, apply_sequence_parallel
 from lightning_parallel.tensor.sequence_plan import resolve_sequence
@@ -326,9 +327,9 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
     def norm_share(self) -> tuple[set[int], Optional[dist.ProcessGroup]]:
         """The parameters whose squares this rank adds to the model's norm, summed over the model group
         (pp x tp): a shard by its holder (a shard that ``copies`` ranks hold by the first of them; one
-        with blocks of both kinds, sharded and held by several, by every holder, which counts the latter
-        more than once); a tensor whole on every tp rank by tp rank 0; a module outside the block stack
-        (on every stage) by stage 0."""
+        with blocks of both kinds, split and held by several, by every holder, weighed: ``norm_weights``);
+        a tensor whole on every tp rank by tp rank 0; a module outside the block stack (on every stage) by
+        stage 0."""
         module = self.lightning_module
         sharded = {  # a slice held by `copies` ranks (key-value heads fewer than the ranks) by the first
             id(t)
@@ -343,6 +344,15 @@ class ParallelStrategy(PipelineStages, AsyncPipelineMixin, PlanVerification, Par
             if (id(p) in sharded or first_tp) and (owned is None or n in owned or first_stage)
         }
         return counted, self.mesh.group("model")
+
+    def norm_weights(self) -> dict[int, torch.Tensor]:
+        """A shard with blocks of both kinds (split, and held by several ranks: a fused q|k|v with fewer
+        key-value heads than ranks), counted on every holder, weighs each row by 1 / sqrt(its copies)."""
+        return {
+            id(p): norm_weight(p, how)
+            for p, how in replicated_blocks(self.lightning_module).items()
+            if min(c for _, c in how.spec.parts) == 1
+        }
 
     # ----------------------------------------------------------------- per step
     def post_backward(self, closure_loss: torch.Tensor) -> None:

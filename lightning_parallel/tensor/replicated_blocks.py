@@ -15,7 +15,7 @@ from torch import Tensor
 
 from lightning_parallel.tensor.layers import ShardSpec
 
-__all__ = ["Replicated", "placed", "taken_back"]
+__all__ = ["Replicated", "norm_weight", "placed", "taken_back"]
 
 
 class Replicated:
@@ -29,6 +29,23 @@ class Replicated:
         full = self.spec.full_size(local.shape[dim], self.size)
         blocks = self.spec.blocks(full, self.size)
         return list(local.split([w * c // self.size for w, c in blocks], dim=dim)), blocks
+
+
+def norm_weight(local: Tensor, how: Replicated) -> Tensor:
+    """Scales for ``local``'s gradient in the model's norm, summed over the group: 1 on the rows of a split
+    block, 1 / sqrt(copies) on those of a block ``copies`` ranks hold, so each row's square counts once.
+    Shaped to broadcast over ``local``."""
+    pieces, blocks = how._pieces(local)
+    dim = how.spec.dim
+    scale = torch.cat(
+        [
+            torch.full((p.shape[dim],), c**-0.5, dtype=local.dtype, device=local.device)
+            for p, (_, c) in zip(pieces, blocks)
+        ]
+    )
+    shape = [1] * local.dim()
+    shape[dim] = -1
+    return scale.view(shape)
 
 
 def placed(local: Tensor, how: Replicated) -> Tensor:

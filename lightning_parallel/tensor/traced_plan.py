@@ -434,11 +434,15 @@ def find_traced_plan(trace: Trace, tp: int) -> TracedPlan:
                 if attribute_copies.setdefault((demand.owner, a), demand.copies) != demand.copies:
                     for s in sources:
                         bad.setdefault(s, f"{demand.owner}.{a} is a size of heads cut two ways")
-        for column, size in head_sizes.items():  # the head count of each block split over the ranks
+        for column, size in head_sizes.items():  # the head count of each block that shrinks on a rank
+            if column not in candidates:
+                continue
             owner = column.rpartition(".")[0]
-            for width, _ in (b for b in copies[column] if b[1] == 1):
+            for width, held in (b for b in copies[column] if b[1] < tp):
                 for a in _head_count_attributes(trace.modules[owner], width // size):
                     attributes.setdefault((owner, a), set()).add(column)
+                    if attribute_copies.setdefault((owner, a), held) != held:
+                        bad.setdefault(column, f"{owner}.{a} is a size of heads cut two ways")
         if not bad:
             break
         for name, why in bad.items():

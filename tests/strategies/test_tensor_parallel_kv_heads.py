@@ -1,7 +1,9 @@
-"""plan="auto" with fewer key-value heads than tensor-parallel ranks, 4 real processes: the Llama zoo model
+"""plan="auto" with fewer key-value heads than tensor-parallel ranks, on real processes: the Llama zoo model
 (4 query and 2 key-value heads) at tp=4 holds each key-value head on the 2 ranks whose query heads read it
 (their gradients summed over those ranks), splits the rest, and equals single-device training (float64,
-5 SGD steps, 1e-10), built normally and on meta under ``init_module()``."""
+5 SGD steps, 1e-10), built normally and on meta under ``init_module()``; clipping by norm counts a block
+held by several ranks once (the Llama at tp=4, and Falcon's fused q|k|v with its one key-value head held
+by both ranks at tp=2)."""
 
 from __future__ import annotations
 
@@ -16,11 +18,14 @@ DDP = "lightning_parallel:DDPStrategy"
 F64 = {"precision": "64-true", "max_steps": 5}
 
 
-def case(name: str, **extra) -> dict:
+CLIP = {**F64, "gradient_clip_val": 0.05}
+
+
+def case(name: str, arch: str = "hf_llama", **extra) -> dict:
     return {
         "name": name,
         "model": "tests.helpers.zoo:ZooLM",
-        "model_kwargs": {"arch": "hf_llama"},
+        "model_kwargs": {"arch": arch},
         "data": "tests.helpers.tp_models:TokenData",
         "data_kwargs": {"global_batch_size": 16},
         "dp_size": 1,
@@ -35,13 +40,19 @@ def case(name: str, **extra) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("kv-heads")
-    single = run_single({**case("single"), "strategy": "auto", "probe": None}, tmp)
+    alone = {"strategy": "auto", "probe": None}
+    single = {
+        "single": run_single({**case("single"), **alone}, tmp),
+        "llama-clip": run_single({**case("single-llama-clip", trainer=CLIP), **alone}, tmp),
+        "falcon-clip": run_single({**case("single-falcon-clip", "falcon", trainer=CLIP), **alone}, tmp),
+    }
     meta = {"empty_init": True}
     ddp1 = case("ddp1-meta", strategy={"class": DDP, "kwargs": {}}, probe=None, **meta)
     results = run_distributed([ddp1], world_size=1, tmp_path=tmp, timeout=500)
-    results.update(
-        run_distributed([case("tp4"), case("tp4-meta", **meta)], world_size=4, tmp_path=tmp, timeout=500)
-    )
+    four = [case("tp4"), case("tp4-meta", **meta), case("llama-clip", trainer=CLIP)]
+    results.update(run_distributed(four, world_size=4, tmp_path=tmp, timeout=500))
+    two = [case("falcon-clip", "falcon", trainer=CLIP)]
+    results.update(run_distributed(two, world_size=2, tmp_path=tmp, timeout=500))
     return tmp, single, results
 
 
@@ -50,7 +61,7 @@ def runs(tmp_path_factory):
 def test_llama_tp4_replicates_its_two_kv_heads_and_equals_one_device(runs):
     tmp, single, results = runs
     full = torch.load(tmp / "dist4" / "tp4" / "last.ckpt", weights_only=False)["state_dict"]
-    diff = max_param_diff(full, single["state_dict"])
+    diff = max_param_diff(full, single["single"]["state_dict"])
     assert diff < 1e-10, f"parameters differ from single-device training by {diff:.3e}"
     total = sum(p.numel() for p in ZooLM(arch="hf_llama").parameters())
     for rank in range(4):
@@ -71,3 +82,13 @@ def test_llama_tp4_built_on_meta_equals_one_process_built_on_meta(runs):
     meta = torch.load(tmp / "dist4" / "tp4-meta" / "last.ckpt", weights_only=False)["state_dict"]
     diff = max_param_diff(meta, one)
     assert diff < 1e-10, f"tp=4 built on meta differs from one process built on meta by {diff:.3e}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name, world", [("llama-clip", 4), ("falcon-clip", 2)])
+def test_clipping_by_norm_counts_each_key_value_block_once(runs, name, world):
+    tmp, single, _ = runs
+    full = torch.load(tmp / f"dist{world}" / name / "last.ckpt", weights_only=False)["state_dict"]
+    diff = max_param_diff(full, single[name]["state_dict"])
+    assert diff < 1e-10, f"{name}: parameters differ from single-device training by {diff:.3e}"
