@@ -12,8 +12,8 @@ import torch
 
 from tests.helpers.harness import max_param_diff, run_distributed, run_single
 from tests.helpers.zoo import ZooLM
+from tests.strategies.test_tensor_parallel_families import case as family_case
 
-TP = "lightning_parallel:TensorParallelStrategy"
 DDP = "lightning_parallel:DDPStrategy"
 F64 = {"precision": "64-true", "max_steps": 5}
 
@@ -22,19 +22,7 @@ CLIP = {**F64, "gradient_clip_val": 0.05}
 
 
 def case(name: str, arch: str = "hf_llama", **extra) -> dict:
-    return {
-        "name": name,
-        "model": "tests.helpers.zoo:ZooLM",
-        "model_kwargs": {"arch": arch},
-        "data": "tests.helpers.tp_models:TokenData",
-        "data_kwargs": {"global_batch_size": 16},
-        "dp_size": 1,
-        "trainer": F64,
-        "save_checkpoint": True,
-        "probe": "tests.helpers.probes:tensor_parallel_plan",
-        "strategy": {"class": TP, "kwargs": {"plan": "auto"}},
-        **extra,
-    }
+    return {**family_case(arch), "name": name, **extra}
 
 
 @pytest.fixture(scope="module")
