@@ -480,9 +480,8 @@ def _index(node: Node, src: Layout, out_shape: Sequence[int], tp: int) -> Layout
     blocks = _blocks_at(src, d)
     if not blocks:
         _parts_of_dimension(node, src, d)
-    tail = [b for b in blocks[::-1]]
     held = []
-    for w, c in tail:  # the blocks every rank holds whole, from the end
+    for w, c in reversed(blocks):  # the blocks every rank holds whole, from the end
         if c != tp:
             break
         held.append((w, c))

@@ -1,7 +1,8 @@
 """plan="auto" with fewer key-value heads than tensor-parallel ranks, on real processes: the Llama zoo model
 (4 query and 2 key-value heads) at tp=4 holds each key-value head on the 2 ranks whose query heads read it
 (their gradients summed over those ranks), splits the rest, and equals single-device training (float64,
-5 SGD steps, 1e-10), built normally and on meta under ``init_module()``; clipping by norm counts a block
+5 SGD steps, 1e-10), built normally and on meta under ``init_module()`` (as are Phi-3, Falcon and
+GPT-BigCode at tp=2, whose fused q|k|v is cut per block); clipping by norm counts a block
 held by several ranks once (the Llama at tp=4, and Falcon's fused q|k|v with its one key-value head held
 by both ranks at tp=2)."""
 
@@ -19,6 +20,7 @@ F64 = {"precision": "64-true", "max_steps": 5}
 
 
 CLIP = {**F64, "gradient_clip_val": 0.05}
+ON_META = [("hf_llama", 4), ("phi3", 2), ("falcon", 2), ("gpt_bigcode", 2)]  # (family, tp) built on meta
 
 
 def case(name: str, arch: str = "hf_llama", **extra) -> dict:
@@ -35,11 +37,13 @@ def runs(tmp_path_factory):
         "falcon-clip": run_single({**case("single-falcon-clip", "falcon", trainer=CLIP), **alone}, tmp),
     }
     meta = {"empty_init": True}
-    ddp1 = case("ddp1-meta", strategy={"class": DDP, "kwargs": {}}, probe=None, **meta)
-    results = run_distributed([ddp1], world_size=1, tmp_path=tmp, timeout=500)
-    four = [case("tp4"), case("tp4-meta", **meta), case("llama-clip", trainer=CLIP)]
+    ddp = {"strategy": {"class": DDP, "kwargs": {}}, "probe": None, **meta}
+    one = [case(f"ddp1-meta-{arch}", arch, **ddp) for arch, _ in ON_META]
+    results = run_distributed(one, world_size=1, tmp_path=tmp, timeout=500)
+    four = [case("tp4"), case("hf_llama-meta", **meta), case("llama-clip", trainer=CLIP)]
     results.update(run_distributed(four, world_size=4, tmp_path=tmp, timeout=500))
     two = [case("falcon-clip", "falcon", trainer=CLIP)]
+    two += [case(f"{arch}-meta", arch, **meta) for arch, world in ON_META if world == 2]
     results.update(run_distributed(two, world_size=2, tmp_path=tmp, timeout=500))
     return tmp, single, results
 
@@ -62,14 +66,15 @@ def test_llama_tp4_replicates_its_two_kv_heads_and_equals_one_device(runs):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_llama_tp4_built_on_meta_equals_one_process_built_on_meta(runs):
-    """Built on meta, each rank materializes its share (its key-value heads included) as one process
-    materializes the whole model from the same seed (tests/strategies/test_deferred_init.py)."""
+@pytest.mark.parametrize("arch, world", ON_META)
+def test_built_on_meta_equals_one_process_built_on_meta(runs, arch, world):
+    """Built on meta, each rank materializes its share (its key-value heads and blocks included) as one
+    process materializes the whole model from the same seed (tests/strategies/test_deferred_init.py)."""
     tmp, _, _ = runs
-    one = torch.load(tmp / "dist1" / "ddp1-meta" / "last.ckpt", weights_only=False)["state_dict"]
-    meta = torch.load(tmp / "dist4" / "tp4-meta" / "last.ckpt", weights_only=False)["state_dict"]
+    one = torch.load(tmp / "dist1" / f"ddp1-meta-{arch}" / "last.ckpt", weights_only=False)["state_dict"]
+    meta = torch.load(tmp / f"dist{world}" / f"{arch}-meta" / "last.ckpt", weights_only=False)["state_dict"]
     diff = max_param_diff(meta, one)
-    assert diff < 1e-10, f"tp=4 built on meta differs from one process built on meta by {diff:.3e}"
+    assert diff < 1e-10, f"{arch} at tp={world} built on meta differs from one process by {diff:.3e}"
 
 
 @pytest.mark.slow
