@@ -330,7 +330,13 @@ def propagate(
     out_shapes = [shapes[o.key] if o is not None else None for o in node.outputs]
     if name in VIEWS and src is not None:
         out = _regroup(src, out_shapes[0], node)
-        _check_split_factor(out, tp, node)
+        try:
+            _check_split_factor(out, tp, node)
+        except Replicate:
+            raise
+        except Escape as escape:  # more heads than ranks, not a multiple: perhaps unequal blocks of heads
+            _parts_of_dimension(node, out, out.sharded_dim, node.outputs[0].key, str(escape))
+            raise
         # sizes as written (-1 stays -1). A size that splits heads out of the features must shrink on each
         # rank; one that merges sharded dimensions is taken to be computed from the input's shape
         size = a[1][out.sharded_dim]
@@ -422,10 +428,12 @@ def _rearrange(node: Node, src: Layout, out_shape: Sequence[int]) -> Layout:
     return Layout(tuple(dims))
 
 
-def _parts_of_dimension(node: Node, src: Layout, d: int) -> None:
-    """A part of a dimension split over all ranks read alone: it may be a block of a fused q|k|v."""
+def _parts_of_dimension(node: Node, src: Layout, d: int, key: int | None = None, why: str = "") -> None:
+    """A part of a dimension split over all ranks read alone (or, ``why``, a dimension that does not
+    split, value ``key``): it may be a block of a fused q|k|v, read from the operations on the value."""
     if [f for f in src.dims[d] if f[0] != 1] == [(src.shape()[d], 1)]:
-        raise Parts(f"{node.name} reads one part of the sharded dimension", (), (node.args[0].key, d))
+        why = why or f"{node.name} reads one part of the sharded dimension"
+        raise Parts(why, (), (node.args[0].key if key is None else key, d))
 
 
 def _blocks_at(src: Layout, d: int) -> tuple:

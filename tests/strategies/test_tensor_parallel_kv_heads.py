@@ -4,7 +4,7 @@
 5 SGD steps, 1e-10), built normally and on meta under ``init_module()`` (as are Phi-3, Falcon and
 GPT-BigCode at tp=2, whose fused q|k|v is cut per block); clipping by norm counts a block
 held by several ranks once (the Llama at tp=4, and Falcon's fused q|k|v with its one key-value head held
-by both ranks at tp=2)."""
+by both ranks at tp=2). Multi-query Falcon at tp=4 holds its one key-value head on every rank."""
 
 from __future__ import annotations
 
@@ -35,12 +35,18 @@ def runs(tmp_path_factory):
         "single": run_single({**case("single"), **alone}, tmp),
         "llama-clip": run_single({**case("single-llama-clip", trainer=CLIP), **alone}, tmp),
         "falcon-clip": run_single({**case("single-falcon-clip", "falcon", trainer=CLIP), **alone}, tmp),
+        "falcon": run_single({**case("single-falcon", "falcon"), **alone}, tmp),
     }
     meta = {"empty_init": True}
     ddp = {"strategy": {"class": DDP, "kwargs": {}}, "probe": None, **meta}
     one = [case(f"ddp1-meta-{arch}", arch, **ddp) for arch, _ in ON_META]
     results = run_distributed(one, world_size=1, tmp_path=tmp, timeout=500)
-    four = [case("tp4"), case("hf_llama-meta", **meta), case("llama-clip", trainer=CLIP)]
+    four = [
+        case("tp4"),
+        case("hf_llama-meta", **meta),
+        case("llama-clip", trainer=CLIP),
+        case("falcon-tp4", "falcon"),
+    ]
     results.update(run_distributed(four, world_size=4, tmp_path=tmp, timeout=500))
     two = [case("falcon-clip", "falcon", trainer=CLIP)]
     two += [case(f"{arch}-meta", arch, **meta) for arch, world in ON_META if world == 2]
@@ -85,3 +91,15 @@ def test_clipping_by_norm_counts_each_key_value_block_once(runs, name, world):
     full = torch.load(tmp / f"dist{world}" / name / "last.ckpt", weights_only=False)["state_dict"]
     diff = max_param_diff(full, single[name]["state_dict"])
     assert diff < 1e-10, f"{name}: parameters differ from single-device training by {diff:.3e}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_falcon_tp4_holds_its_one_key_value_head_on_every_rank_and_equals_one_device(runs):
+    """Multi-query Falcon at tp=4: each rank keeps one query head and the whole k and v."""
+    tmp, single, results = runs
+    full = torch.load(tmp / "dist4" / "falcon-tp4" / "last.ckpt", weights_only=False)["state_dict"]
+    diff = max_param_diff(full, single["falcon"]["state_dict"])
+    assert diff < 1e-10, f"parameters differ from single-device training by {diff:.3e}"
+    total = sum(p.numel() for p in ZooLM(arch="falcon").parameters())
+    assert results["falcon-tp4"][0]["probe"]["local_parameters"] / total <= 0.30
