@@ -6,7 +6,8 @@ the plan table ``example_input_array``), ``traced_plan.find_traced_plan`` reads 
 on the meta device) and keeps every column-parallel choice whose sharded values the model's own code
 handles correctly up to a row-parallel partner (``tensor.shard_flow``): MLP pairs in a submodule or
 inline, gated products (SwiGLU), attention through ``scaled_dot_product_attention`` or matmul-softmax,
-fused q/k/v split per chunk, grouped-query attention, ``Conv1D``; sizes written in ``forward`` (a head
+fused q/k/v split per chunk or per block of unequal widths (multi-query and grouped-query layouts), key-value
+heads fewer than the ranks held by the ranks that read them, ``Conv1D``; sizes written in ``forward`` (a head
 count, a split size) are divided through the attribute they are read from. A large layer whose output
 is needed whole (the output head) is column-parallel with a gathered output; tied weights are sharded
 alike or not at all. Per-feature layers inside a pair (a BatchNorm, a per-feature scale) have their

@@ -2,7 +2,9 @@
 
 A whole parameter used on split values (a per-head norm's weight on split heads: the plan's
 ``gradient_sums``; a norm's weight or a row-parallel bias on sequence shards: ``tensor.sequence``) gets a
-partial gradient on each rank of the group, and one device's gradient is their sum. In a backward:
+partial gradient on each rank of the group, and one device's gradient is their sum; so do the blocks of a
+sharded parameter that several ranks hold whole (``add_blocks``: key-value heads fewer than the ranks,
+``tensor.replicated_blocks``), summed in the same collective. In a backward:
 
     tensor hook      a parameter summed in this backward keeps its fresh gradient aside and passes zero on
                      to ``.grad``, which so holds what earlier backwards left

@@ -6,7 +6,9 @@ the same parameter names as the layer it replaces, so a module's ``state_dict`` 
 ``shard_tensor`` turn one into the other (checkpoints store full tensors).
 
     ColumnParallelLinear      weight [out/tp, in]: output features split (per packed chunk for a fused
-                              q|k|v); output sharded or gathered. Also for Conv1D (weight [in, out/tp])
+                              q|k|v, or per block of unequal widths: ``parts``, where a block of fewer
+                              heads than ranks is held whole by the ranks that read it); output sharded or
+                              gathered. Also for Conv1D (weight [in, out/tp])
     RowParallelLinear         weight [out, in/tp]: input features split, partial outputs all-reduced
     VocabParallelEmbedding    weight [V/tp, D]: rows split by token id, other ids masked, all-reduced
     ParallelMultiheadAttention  ``nn.MultiheadAttention`` with heads split: q/k/v column-, out row-parallel

@@ -6,7 +6,10 @@ sharded one, is split into ``tp`` contiguous blocks. ``view`` and ``reshape`` re
 split out of the feature dimension, and merged back), ``split`` along a dimension made of chunks
 (fused q|k|v) cuts it per chunk, element-wise operations keep the layout when every other operand
 broadcasts over the sharded dimension, attention and batched matmuls keep a sharded batch or head
-dimension. Any other use of a sharded value is an ``Escape``: the rank would compute on part of the
+dimension. A sharded factor with fewer parts (heads) than the ranks may be held by several ranks each
+(``Replicate``: key-value heads), and a dimension of unequal blocks (a fused q|k|v with fewer key-value
+heads) is cut per block by ``split_with_sizes``, slices and one-head indexes (``Parts``). Any other use
+of a sharded value is an ``Escape``: the rank would compute on part of the
 features something that needs all of them. A projection layer fed a value sharded on its input
 features, and only there, is a row-parallel partner.
 
@@ -18,11 +21,30 @@ split by channels) is a ``Companion``: it can be cut with the features, so each 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Union
 
 import torch
 
+from lightning_parallel.tensor.fused_blocks import (
+    _blocks_at,
+    _heads_of_blocks,
+    _held_by_all,
+    _index,
+    _parts_of_dimension,
+    _slice_blocks,
+)
+from lightning_parallel.tensor.layout import (
+    Companion,
+    Demand,
+    Escape,
+    Factor,
+    Layout,
+    Parts,
+    Replicate,
+    _dim,
+    _plain,
+    _split_of,
+    entry_layout,
+)
 from lightning_parallel.tensor.trace import Node
 
 __all__ = [
@@ -30,113 +52,13 @@ __all__ = [
     "Companion",
     "Demand",
     "Escape",
+    "Parts",
+    "Replicate",
     "Layout",
     "entry_layout",
     "per_channel",
     "propagate",
 ]
-
-# (size, copies): 0 (False) for a whole factor; else the sharded one, cut into tp // copies contiguous
-# blocks each held by ``copies`` ranks (1, True: split over all ranks; more: key-value heads fewer than
-# the ranks, each replicated over the ranks whose query heads read it). A fused q|k|v of unequal widths
-# has ``copies`` = its blocks ((width, copies), ...) until it is split into them.
-Factor = tuple[int, Union[int, tuple[tuple[int, int], ...]]]
-
-
-class Escape(Exception):
-    """A sharded value reaches an operation that cannot run on a shard."""
-
-
-class Parts(Escape):
-    """A column's output is split into blocks of unequal ``widths`` (a fused q|k|v with fewer key-value
-    heads): the column may be cut per block. Where one operation shows only one block (a ``slice``, an
-    index), ``cut`` = (value, dimension): the blocks are read from every operation on that value."""
-
-    def __init__(self, message: str, widths: tuple[int, ...], cut: tuple[int, int] | None = None) -> None:
-        super().__init__(message)
-        self.widths, self.cut = widths, cut
-
-
-class Replicate(Escape):
-    """The sharded factor has fewer parts (heads) than the ranks, and ``copies`` ranks could hold each:
-    the column-parallel layer it comes from may hold each of its heads on that many ranks."""
-
-    def __init__(self, message: str, copies: int) -> None:
-        super().__init__(message)
-        self.copies = copies
-
-
-@dataclass(frozen=True)
-class Demand:
-    """A size written into the model's code (``view(B, T, self.n_head, -1)``, ``split(self.split_size)``)
-    that must be divided by tp on each rank; found on the module whose ``forward`` issued it."""
-
-    owner: str
-    value: int
-    copies: int = 1  # ranks holding each head of the value: the size is divided by tp // copies
-
-
-@dataclass(frozen=True)
-class Companion:
-    """A parameter or buffer (``name``; or a value computed from it alone, of shape ``shape``) that meets
-    sharded values element-wise along the features: sharded as ``layout`` says, it lets them stay split."""
-
-    name: str
-    shape: tuple[int, ...]
-    layout: "Layout"
-
-
-@dataclass(frozen=True)
-class Layout:
-    dims: tuple[tuple[Factor, ...], ...]
-
-    @property
-    def sharded_dim(self) -> int:
-        return next(i for i, fs in enumerate(self.dims) if any(s for _, s in fs))
-
-    def shape(self) -> tuple[int, ...]:
-        out = []
-        for fs in self.dims:
-            n = 1
-            for size, _ in fs:
-                n *= size
-            out.append(n)
-        return tuple(out)
-
-    def features_split(self) -> bool:
-        """Sharded only on the last dimension, as its outermost factor, over all ranks: a row-parallel
-        input."""
-        last = [f for f in self.dims[-1] if f[0] != 1]
-        return self.sharded_dim == len(self.dims) - 1 and bool(last) and last[0][1] == 1
-
-
-def entry_layout(shape: Sequence[int], chunks: int = 1, copies: Union[int, tuple] = 1) -> Layout:
-    """The output of a column-parallel layer: its last dimension (``chunks`` packed blocks) sharded, each
-    block held by ``copies`` ranks (or blocks of unequal widths: ``copies`` = ((width, copies), ...))."""
-    n = shape[-1]
-    last: tuple[Factor, ...] = ((chunks, 0), (n // chunks, copies)) if chunks > 1 else ((n, copies),)
-    return Layout(tuple(((s, False),) for s in shape[:-1]) + (last,))
-
-
-def _split_of(factors: tuple[Factor, ...]) -> tuple[Factor, ...]:
-    """What a rank holds of a dimension, whatever its factoring: the sharded factor and every factor inside
-    it form one factor cut into contiguous blocks (4 heads, or 2 kv heads each repeated twice, alike)."""
-    real = [f for f in factors if f[0] != 1 or f[1]]
-    at = next((i for i, (_, sharded) in enumerate(real) if sharded), None)
-    if at is None:
-        return tuple(real)
-    inner = 1
-    for size, _ in real[at:]:
-        inner *= size
-    return (*real[:at], (inner, real[at][1]))
-
-
-def _plain(shape: Sequence[int]) -> tuple[tuple[Factor, ...], ...]:
-    return tuple(((s, False),) for s in shape)
-
-
-def _dim(d: int, ndim: int) -> int:
-    return d + ndim if d < 0 else d
 
 
 def _regroup(layout: Layout, out_shape: Sequence[int], node: Node) -> Layout:
@@ -182,14 +104,6 @@ def _regroup(layout: Layout, out_shape: Sequence[int], node: Node) -> Layout:
                 raise Escape(f"{node.name}: shape {tuple(out_shape)} cuts across the sharded dimension")
         dims.append(tuple(group) or ((1, False),))
     return Layout(tuple(dims))
-
-
-def _heads_of_blocks(width: int, blocks: tuple, heads: int, node: Node) -> Factor:
-    """A fused dimension of unequal blocks viewed as ``heads`` heads: the blocks counted in heads."""
-    size = width // heads
-    if width % heads or any(w % size for w, _ in blocks):
-        raise Escape(f"{node.name}: cuts a fused dimension of unequal blocks inside a block")
-    return (heads, tuple((w // size, copies) for w, copies in blocks))
 
 
 def _check_split_factor(layout: Layout, tp: int, node: Node) -> None:
@@ -428,77 +342,6 @@ def _rearrange(node: Node, src: Layout, out_shape: Sequence[int]) -> Layout:
     return Layout(tuple(dims))
 
 
-def _parts_of_dimension(node: Node, src: Layout, d: int, key: int | None = None, why: str = "") -> None:
-    """A part of a dimension split over all ranks read alone (or, ``why``, a dimension that does not
-    split, value ``key``): it may be a block of a fused q|k|v, read from the operations on the value."""
-    if [f for f in src.dims[d] if f[0] != 1] == [(src.shape()[d], 1)]:
-        why = why or f"{node.name} reads one part of the sharded dimension"
-        raise Parts(why, (), (node.args[0].key if key is None else key, d))
-
-
-def _blocks_at(src: Layout, d: int) -> tuple:
-    """The blocks ((width, copies), ...) of a fused dimension ``d`` of unequal blocks, else ()."""
-    factors = [f for f in src.dims[d] if f[0] != 1]
-    return factors[0][1] if len(factors) == 1 and isinstance(factors[0][1], tuple) else ()
-
-
-def _slice_blocks(
-    node: Node, src: Layout, out_shape: Sequence[int], demands: list[Demand], tp: int
-) -> Layout:
-    """``slice`` of one whole block of a fused dimension (``qkv[..., :q_size]``). A bound written from the
-    start moves on each rank unless every block before it is split over all ranks (it is then divided);
-    one written from the end, unless every block after it is held whole by every rank."""
-    a, n = node.args, len(src.dims)
-    d = _dim(a[1], n)
-    blocks = _blocks_at(src, d)
-    full = sum(w for w, _ in blocks)
-    offsets = [sum(w for w, _ in blocks[:i]) for i in range(len(blocks))]
-    start = a[2] if len(a) > 2 and a[2] is not None else 0
-    first = start + full if start < 0 else start
-    hit = [i for i, (w, _) in enumerate(blocks) if offsets[i] == first and w == out_shape[d]]
-    if not hit:
-        raise Escape(f"{node.name} cuts a fused dimension of unequal blocks elsewhere than between them")
-    i = hit[0]
-    end = a[3] if len(a) > 3 and a[3] is not None else full
-    for bound, at in ((start, i), (end, i + 1)):
-        if 0 < bound < full:
-            if any(c != 1 for _, c in blocks[:at]):
-                raise Escape(f"{node.name}: a bound {bound} follows blocks held by several ranks")
-            demands.append(Demand(node.owner, bound))
-        elif bound < 0 and any(c != tp for _, c in blocks[at:]):
-            raise Escape(f"{node.name}: a bound {bound} from the end precedes blocks split over the ranks")
-    dims = list(src.dims)
-    dims[d] = (blocks[i],)
-    return Layout(tuple(dims))
-
-
-def _index(node: Node, src: Layout, out_shape: Sequence[int], tp: int) -> Layout:
-    """``x[..., [i], ...]``: one index tensor; along a whole dimension it keeps the layout, along a fused
-    dimension it may pick a block that every rank holds whole, at the end of it (``qkv[..., [-2], :]``:
-    the same place on every rank, counted from the end)."""
-    indices = node.args[1]
-    at = [j for j, t in enumerate(indices) if t is not None]
-    if len(at) != 1 or len(out_shape) != len(src.dims):
-        raise Escape(f"{node.name} reads the sharded features")
-    d = at[0]
-    dims = list(src.dims)
-    if d != src.sharded_dim:
-        dims[d] = ((out_shape[d], 0),)
-        return Layout(tuple(dims))
-    blocks = _blocks_at(src, d)
-    if not blocks:
-        _parts_of_dimension(node, src, d)
-    held = []
-    for w, c in reversed(blocks):  # the blocks every rank holds whole, from the end
-        if c != tp:
-            break
-        held.append((w, c))
-    if not held or len({w for w, _ in held}) != 1 or held[0][0] != out_shape[d]:
-        raise Escape(f"{node.name} reads the sharded features")
-    dims[d] = (held[0],)
-    return Layout(tuple(dims))
-
-
 def _split(node: Node, src: Layout, out_shapes: list, demands: list[Demand]) -> list[Layout | None]:
     a, n = node.args, len(src.dims)
     d = (
@@ -599,11 +442,6 @@ def _stack(node: Node, layouts: dict, out_shape: Sequence[int]) -> Layout:
     dims = list(lays[0].dims)
     dims.insert(d, ((out_shape[d], False),))
     return Layout(tuple(dims))
-
-
-def _held_by_all(layout: Layout, tp: int) -> bool:
-    """Sharded into one block that every rank holds: whole on each rank, its gradient partial."""
-    return _split_of(layout.dims[layout.sharded_dim])[-1][1] == tp
 
 
 def _attention(node: Node, layouts: dict, out_shapes: list, shapes: list, tp: int) -> list[Layout | None]:

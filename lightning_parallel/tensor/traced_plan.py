@@ -6,6 +6,10 @@ trace (``shard_flow.propagate``); a candidate is dropped when one of its values 
 row-parallel partner, or when it is itself a partner. Repeat until nothing changes: what remains is
 correct by construction of the data flow, whatever the names or the nesting of the modules.
 
+A column's output cut into blocks of unequal widths (a fused q|k|v with fewer key-value heads) is cut per
+block, the blocks read from the operations on it (``shard_flow.Parts``); heads fewer than the ranks are
+held by several ranks each (``shard_flow.Replicate``), and the flow is followed again with them.
+
 A parameter or buffer that meets the sharded features with their full length (a BatchNorm's weight,
 bias and running statistics; a per-feature scale) is cut with them (``TracedPlan.features``): the flow
 is followed again with it sharded from its first read, so every use of it, and every value computed

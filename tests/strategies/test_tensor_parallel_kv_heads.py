@@ -20,6 +20,10 @@ F64 = {"precision": "64-true", "max_steps": 5}
 
 
 CLIP = {**F64, "gradient_clip_val": 0.05}
+TP4 = {  # family at tp=4 -> a projection of its key-value heads, held by several ranks
+    "hf_llama": "model.model.layers.0.self_attn.k_proj",
+    "falcon": "model.transformer.h.0.self_attention.query_key_value",
+}
 ON_META = [("hf_llama", 4), ("phi3", 2), ("falcon", 2), ("gpt_bigcode", 2)]  # (family, tp) built on meta
 
 
@@ -32,7 +36,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("kv-heads")
     alone = {"strategy": "auto", "probe": None}
     single = {
-        "single": run_single({**case("single"), **alone}, tmp),
+        "hf_llama": run_single({**case("single"), **alone}, tmp),
         "llama-clip": run_single({**case("single-llama-clip", trainer=CLIP), **alone}, tmp),
         "falcon-clip": run_single({**case("single-falcon-clip", "falcon", trainer=CLIP), **alone}, tmp),
         "falcon": run_single({**case("single-falcon", "falcon"), **alone}, tmp),
@@ -41,12 +45,8 @@ def runs(tmp_path_factory):
     ddp = {"strategy": {"class": DDP, "kwargs": {}}, "probe": None, **meta}
     one = [case(f"ddp1-meta-{arch}", arch, **ddp) for arch, _ in ON_META]
     results = run_distributed(one, world_size=1, tmp_path=tmp, timeout=500)
-    four = [
-        case("tp4"),
-        case("hf_llama-meta", **meta),
-        case("llama-clip", trainer=CLIP),
-        case("falcon-tp4", "falcon"),
-    ]
+    four = [case(f"{arch}-tp4", arch) for arch in TP4]
+    four += [case("hf_llama-meta", **meta), case("llama-clip", trainer=CLIP)]
     results.update(run_distributed(four, world_size=4, tmp_path=tmp, timeout=500))
     two = [case("falcon-clip", "falcon", trainer=CLIP)]
     two += [case(f"{arch}-meta", arch, **meta) for arch, world in ON_META if world == 2]
@@ -56,18 +56,18 @@ def runs(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_llama_tp4_replicates_its_two_kv_heads_and_equals_one_device(runs):
+@pytest.mark.parametrize("arch, key_value", TP4.items())
+def test_tp4_holds_each_key_value_head_on_the_ranks_that_read_it_and_equals_one_device(runs, arch, key_value):
+    """The Llama's 2 key-value heads each on 2 ranks; multi-query Falcon's one on all 4."""
     tmp, single, results = runs
-    full = torch.load(tmp / "dist4" / "tp4" / "last.ckpt", weights_only=False)["state_dict"]
-    diff = max_param_diff(full, single["single"]["state_dict"])
-    assert diff < 1e-10, f"parameters differ from single-device training by {diff:.3e}"
-    total = sum(p.numel() for p in ZooLM(arch="hf_llama").parameters())
+    full = torch.load(tmp / "dist4" / f"{arch}-tp4" / "last.ckpt", weights_only=False)["state_dict"]
+    diff = max_param_diff(full, single[arch]["state_dict"])
+    assert diff < 1e-10, f"{arch}: parameters differ from single-device training by {diff:.3e}"
+    total = sum(p.numel() for p in ZooLM(arch=arch).parameters())
     for rank in range(4):
-        plan = results["tp4"][rank]["probe"]
+        plan = results[f"{arch}-tp4"][rank]["probe"]
         assert plan["local_parameters"] / total <= 0.30, (plan["local_parameters"] / total, plan["report"])
-    styles = results["tp4"][0]["probe"]["styles"]
-    attn = "model.model.layers.0.self_attn"
-    assert [styles[f"{attn}.{p}_proj"] for p in "qkvo"] == ["colwise"] * 3 + ["rowwise"]
+        assert plan["styles"][key_value] == "colwise"
 
 
 @pytest.mark.slow
@@ -91,15 +91,3 @@ def test_clipping_by_norm_counts_each_key_value_block_once(runs, name, world):
     full = torch.load(tmp / f"dist{world}" / name / "last.ckpt", weights_only=False)["state_dict"]
     diff = max_param_diff(full, single[name]["state_dict"])
     assert diff < 1e-10, f"{name}: parameters differ from single-device training by {diff:.3e}"
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_falcon_tp4_holds_its_one_key_value_head_on_every_rank_and_equals_one_device(runs):
-    """Multi-query Falcon at tp=4: each rank keeps one query head and the whole k and v."""
-    tmp, single, results = runs
-    full = torch.load(tmp / "dist4" / "falcon-tp4" / "last.ckpt", weights_only=False)["state_dict"]
-    diff = max_param_diff(full, single["falcon"]["state_dict"])
-    assert diff < 1e-10, f"parameters differ from single-device training by {diff:.3e}"
-    total = sum(p.numel() for p in ZooLM(arch="falcon").parameters())
-    assert results["falcon-tp4"][0]["probe"]["local_parameters"] / total <= 0.30
