@@ -182,6 +182,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--microbatches", type=int, default=2, help="of the one-stage 1F1B pipeline")
+    parser.add_argument(
+        "--results", help="JSON-lines file the runs append to (default: a fresh temporary file)"
+    )
     args = parser.parse_args()
     if args.worker:
         return worker(args)
@@ -192,10 +195,16 @@ def main() -> None:
         parser.error(
             f"--variants {unknown or args.variants}: choose from {', '.join(VARIANTS)}, 'single' included"
         )
-    args.out = Path(tempfile.mkdtemp()) / "results.jsonl"
-    for round_, variant in interleaved(args.rounds, variants):
+    args.out = Path(args.results or Path(tempfile.mkdtemp()) / "results.jsonl")
+    order = list(interleaved(args.rounds, variants))
+    for i, (round_, variant) in enumerate(order):
         run_variant(args, variant, round_)
         print(f"round {round_ + 1}/{args.rounds}: {variant} done", file=sys.stderr)
+        if round_ < args.rounds - 1 and (i + 1 == len(order) or order[i + 1][0] != round_):
+            print(
+                f"after round {round_ + 1}:", file=sys.stderr
+            )  # a table so far, in case the run is cut short
+            print_table(read_records(args.out), variants, cpu=args.device == "cpu")
     print(
         f"\nLlamaForCausalLM (hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}), sequence "
         f"{args.seq}, batch {args.batch}, {args.precision}, AdamW, one {args.device} process"

@@ -152,6 +152,25 @@ class SharedEntry:
         self._y: Optional[Tensor] = None
         self._grad_mode = False
 
+    def __reduce__(self) -> Any:
+        """Pickled without its process group, as the layers are (``_TPLayer.__reduce_ex__``): the forward
+        hook that releases it is pickled with the network it is registered on."""
+        return (SharedEntry, (None,))
+
+    def __deepcopy__(self, memo: dict) -> "SharedEntry":
+        """A copy sharing the process group (as a deep-copied layer does), with nothing remembered."""
+        new = SharedEntry(self.group)
+        new.sequence_dim, new.gathered = self.sequence_dim, self.gathered
+        memo[id(self)] = new
+        return new
+
+    def release(self, *hook_args: Any) -> None:
+        """A forward hook on the module whose children share this entry (``apply_plan``): once its forward
+        has returned, no consumer of this input is left, so the entry lets it go instead of keeping it
+        alive through backward (under mixed precision the consumers save their low-precision casts, not
+        this full-precision input: one input per shared region held for nothing)."""
+        self.clear()
+
 
 def check_parts(parts: tuple[tuple[int, int], ...], out_features: int, tp_size: int) -> None:
     """Blocks (full width, copies) that cover ``out_features`` and each cut into ``tp_size // copies``."""

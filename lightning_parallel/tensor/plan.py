@@ -657,6 +657,8 @@ def apply_plan(
                 else:
                     shared[full] = getattr(new, local)
         setattr(parent, child, new)
+    for parent_name, entry in entries.items():
+        module.get_submodule(parent_name).register_forward_hook(entry.release)
     shard_features(module, resolved.features, tp, tp_rank)
     planned = {a.name for a in resolved.assignments if a.style not in ("replicate", "per_feature")}
     for full, param in shared.items():  # holders that are not planned layers take the shard too

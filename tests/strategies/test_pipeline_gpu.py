@@ -1,7 +1,8 @@
 """Pipeline stages on a CUDA device (skipped without one; CI has none).
 
 - 2 stages on one GPU, over gloo: every activation and gradient crosses the stages as a CUDA tensor
-  through host memory (gloo cannot send CUDA tensors). float64 gpipe and 1f1b against the
+  through host memory (gloo cannot send CUDA tensors). float64 gpipe, 1f1b, interleaved_1f1b, zb_h1
+  and zbv (the split backward on CUDA tensors) against the
   single-device CPU reference, async against the CPU emulation of its rule, bf16-mixed close to the
   float32 reference.
 - 1 stage over NCCL: the strategy with a pipeline of one, on the GPU's own backend, equals the
@@ -22,6 +23,7 @@ from tests.helpers.harness import (
     worker_env,
 )
 from tests.strategies.test_pipeline import SGD, case, reference
+from tests.strategies.test_pipeline_schedules import NEW, blocks
 
 pytestmark = pytest.mark.gpu
 
@@ -52,6 +54,10 @@ def _checkpoint(out, name):
 @pytest.mark.timeout(600)
 def test_two_stages_on_one_gpu_over_gloo_match_the_cpu_reference(cuda_required, tmp_path):
     f64 = [_on_one_gpu(f"gpt-cuda-{s}", "gpt", schedule=s, num_microbatches=4) for s in ("gpipe", "1f1b")]
+    f64 += [
+        _on_one_gpu(f"gpt-cuda-{s}", "gpt", schedule=s, num_microbatches=4, model_kwargs=blocks(s, 2))
+        for s in NEW
+    ]
     bf16 = _on_one_gpu(
         "seq-cuda-bf16",
         "seq",

@@ -131,14 +131,26 @@ def test_a_step_that_cannot_be_traced_falls_back_to_the_structural_rules():
     assert plan.styles()["model.model.embed_tokens"] == "vocab"  # the structural rules still ran
 
 
-def test_manual_optimization_traces_only_forward():
-    from lightning_parallel.tensor.sample import forward_on
+def test_manual_optimization_traces_the_training_step_with_its_optimization_made_inert():
+    from lightning.pytorch import Trainer
 
-    module = ZooLM(arch="hf_llama").double()
-    module.automatic_optimization = False
-    assert forward_on(module, batch=(torch.zeros(2, 8, dtype=torch.long),) * 2) is None
-    module.example_input_array = torch.zeros(2, 8, dtype=torch.long)
-    assert forward_on(module, batch=None) is not None
+    from lightning_parallel.tensor.sample import forward_on
+    from tests.helpers.manual_zoo import ManualZooLM
+
+    module = ManualZooLM(arch="hf_llama").double()
+    module.trainer = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    before = {name: p.detach().clone() for name, p in module.named_parameters()}
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    step = forward_on(module, batch=(ids, ids))
+    assert step is not None and step.is_batch
+    plan = resolve(module, "auto", 2, run=step)
+    assert "(whole model)" not in dict(plan.report), plan.report  # traced, not the structural fallback
+    assert plan.styles()["model.model.layers.0.self_attn.q_proj"] == "colwise"
+    assert plan.styles()["model.model.layers.0.mlp.down_proj"] == "rowwise"
+    step()  # run for real: manual_backward and the optimizer step do nothing while traced
+    assert all(torch.equal(p, before[name]) for name, p in module.named_parameters())
+    assert all(p.grad is None for p in module.parameters())
+    assert "manual_backward" not in module.__dict__ and "optimizers" not in module.__dict__  # restored
 
 
 @pytest.mark.parametrize(
