@@ -292,7 +292,11 @@ def reduce_scatter_sequence(x: Tensor, group: Optional[dist.ProcessGroup], dim: 
 
 
 def clip_grad_norm_counted(
-    parameters: Iterable[Tensor], max_norm: float, counted: set[int], group: Optional[dist.ProcessGroup]
+    parameters: Iterable[Tensor],
+    max_norm: float,
+    counted: set[int],
+    group: Optional[dist.ProcessGroup],
+    weights: Optional[dict[int, Tensor]] = None,
 ) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` over a model spread across ``group``: the squared norms of the
     gradients whose parameter's ``id`` is in ``counted`` are summed over the group, where every part of
@@ -300,10 +304,16 @@ def clip_grad_norm_counted(
     Every rank joins the sum, a rank without gradients (a pipeline stage that got none this step) with
     0, so no rank waits for one that skipped it. Every rank gets the same norm and scales all of its
     gradients alike, as one device holding the whole model would. A few foreach kernels per device and
-    dtype, no host sync. Returns the total norm."""
+    dtype, no host sync. Returns the total norm. A counted parameter with ``weights`` (id -> a tensor that
+    broadcasts over it) adds the squares of its gradient times the weight (a shard part of which other
+    ranks hold too: ``tensor.replicated_blocks.norm_weight``)."""
     params = list(parameters)
+    weights = weights or {}
     grads = [p.grad for p in params if p.grad is not None]
-    mine = [p.grad for p in params if p.grad is not None and id(p) in counted]
+    mine = [p.grad for p in params if p.grad is not None and id(p) in counted and id(p) not in weights]
+    scaled = [p for p in params if p.grad is not None and id(p) in counted and id(p) in weights]
+    if scaled:
+        mine += torch._foreach_mul([p.grad for p in scaled], [weights[id(p)] for p in scaled])
     dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
     device = params[0].device if params else _collective_device(group)
     with torch.no_grad():

@@ -500,6 +500,11 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         rank holds the whole model (split models say, ``strategies/parallel.py``)."""
         return None
 
+    def norm_weights(self) -> dict[int, torch.Tensor]:
+        """Counted parameters (by id) only part of which this rank alone holds, with the weights of their
+        squares in the norm (``clip_grad_norm_counted``); none where no part is held by several ranks."""
+        return {}
+
     def clipping_rule(self) -> Optional[tuple[set[int], Optional[torch.distributed.ProcessGroup]]]:
         """Which tensors' gradients count in the model's norm on this rank (by id), and over which group
         their squares are summed; None where Lightning's local norm is the whole model's. With
@@ -526,6 +531,8 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         if rule is None:
             return
         counted, group = rule
+        weights = self.norm_weights()
+        zero = isinstance(self.reducer, ShardedGradientReducer)
         main_params = type(plugin).main_params
 
         def held_params(plugin: Any, optimizer: Any) -> Any:
@@ -533,7 +540,16 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             return shards.held_parameters if shards is not None else main_params(plugin, optimizer)
 
         def clip_grad_by_norm(plugin: Any, optimizer: Any, clip_val: Union[int, float]) -> None:
-            clip_grad_norm_counted(list(plugin.main_params(optimizer)), float(clip_val), counted, group)
+            if zero and weights:
+                raise ValueError(
+                    f"clipping by norm with zero_stage={self.zero_stage} cannot weigh the key-value blocks "
+                    "that several tensor-parallel ranks hold (a fused q|k|v with fewer key-value heads than "
+                    "ranks); clip by value, use zero_stage=0, or a tensor-parallel size that splits the "
+                    "key-value heads"
+                )
+            clip_grad_norm_counted(
+                list(plugin.main_params(optimizer)), float(clip_val), counted, group, weights
+            )
 
         plugin.main_params = types.MethodType(held_params, plugin)
         plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, plugin)

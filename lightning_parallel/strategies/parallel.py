@@ -70,7 +70,8 @@ from lightning_parallel.tensor.full_state import (
 )
 from lightning_parallel.tensor.gradient_sums import installed_gradient_sums
 from lightning_parallel.tensor.layers import SharedEntry, _TPLayer
-from lightning_parallel.tensor.plan import install_gradient_sums
+from lightning_parallel.tensor.plan import install_gradient_sums, replicated_blocks
+from lightning_parallel.tensor.replicated_blocks import norm_weight
 from lightning_parallel.tensor.sample import sample_forward
 from lightning_parallel.tensor.sequence import SequenceParallel, apply_sequence_parallel
 from lightning_parallel.tensor.sequence_plan import resolve_sequence
@@ -349,10 +350,17 @@ class ParallelStrategy(
 
     def norm_share(self) -> tuple[set[int], Optional[dist.ProcessGroup]]:
         """The parameters whose squares this rank adds to the model's norm, summed over the model group
-        (pp x tp): a shard by its holder; a tensor whole on every tp rank by tp rank 0; a module outside
-        the block stack (on every stage) by stage 0."""
+        (pp x tp): a shard by its holder (a shard that ``copies`` ranks hold by the first of them; one
+        with blocks of both kinds, split and held by several, by every holder, weighed: ``norm_weights``);
+        a tensor whole on every tp rank by tp rank 0; a module outside the block stack (on every stage) by
+        stage 0; with expert parallelism, an expert placed on this rank by its holder, anything else by ep
+        rank 0, summed over ep x pp x tp (``ep_model``)."""
         module = self.lightning_module
-        sharded = {id(t) for t, _, _ in sharded_parameters(module).values()}
+        sharded = {  # a slice held by `copies` ranks (key-value heads fewer than the ranks) by the first
+            id(t)
+            for t, spec, _ in sharded_parameters(module).values()
+            if self.mesh.tp_rank % min((c for _, c in spec.parts), default=1) == 0
+        }
         experts = {id(t) for t, _, _ in expert_pieces(module).values()}
         owned = set(self.partition.owned) if self.pipelined else None
         first_tp, first_stage, first_ep = (
@@ -368,6 +376,15 @@ class ParallelStrategy(
             and (id(p) in experts or first_ep)
         }
         return counted, self.mesh.group("ep_model" if experts else "model")
+
+    def norm_weights(self) -> dict[int, torch.Tensor]:
+        """A shard with blocks of both kinds (split, and held by several ranks: a fused q|k|v with fewer
+        key-value heads than ranks), counted on every holder, weighs each row by 1 / sqrt(its copies)."""
+        return {
+            id(p): norm_weight(p, how)
+            for p, how in replicated_blocks(self.lightning_module).items()
+            if min(c for _, c in how.spec.parts) == 1
+        }
 
     # ----------------------------------------------------------------- per step
     def post_backward(self, closure_loss: torch.Tensor) -> None:
@@ -418,9 +435,16 @@ class ParallelStrategy(
 
     def shard_layouts(self) -> dict[str, ShardLayout]:
         """For ``save_distributed``: which slice of each full tensor this rank holds."""
+        shards = sharded_parameters(self.lightning_module)
+        parted = [key for key, (_, spec, _) in shards.items() if spec.parts]
+        if parted:
+            raise ValueError(
+                f"{parted[0]!r} is cut in blocks of unequal widths (parts), which a distributed checkpoint "
+                "cannot describe yet; save a full checkpoint (the default checkpoint format)"
+            )
         return {
             key: ShardLayout(spec.dim, spec.chunks, layer.tp_rank, layer.tp_size, self.tp_group)
-            for key, (_, spec, layer) in sharded_parameters(self.lightning_module).items()
+            for key, (_, spec, layer) in shards.items()
         }
 
     def full_optimizer_state(self, optimizer: Any) -> dict[str, Any]:

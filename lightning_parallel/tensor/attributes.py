@@ -4,13 +4,16 @@ attribute of the module (``attn.n_head``), or of a plain object the module holds
 
 A held object is never changed: each module whose attribute is divided gets its own shallow copy of
 it, with the divided values, so the model, the other layers and the user's object keep the full ones.
+
+A count of heads each held by several ranks (key-value heads fewer than the ranks: ``copies`` ranks
+share each) is divided by ``tp // copies`` only (``local_value``).
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Mapping
+from typing import Any, Optional
 
 from torch import Tensor, nn
 
@@ -21,6 +24,7 @@ __all__ = [
     "divide_attributes",
     "held_objects",
     "holders",
+    "local_value",
     "read_attribute",
     "restore_attributes",
 ]
@@ -60,16 +64,30 @@ def read_attribute(module: nn.Module, path: str) -> Any:
     return getattr(getattr(module, holder) if holder else module, attr, None)
 
 
-def divide_attributes(module: nn.Module, attributes: Iterable[Divided], tp: int) -> None:
-    """Set each attribute to its value divided by ``tp``; a held object is first copied for its module."""
+def local_value(value: int, tp: int, copies: int = 1) -> int:
+    """What a divided size holds on each of ``tp`` ranks, each of its heads held by ``copies`` ranks."""
+    return value * copies // tp
+
+
+def divide_attributes(
+    module: nn.Module,
+    attributes: Iterable[Divided],
+    tp: int,
+    copies: Optional[Mapping[tuple[str, str], int]] = None,
+) -> None:
+    """Set each attribute to its value on one of ``tp`` ranks (``local_value``, with ``copies`` keyed by
+    (owner, attribute path)); a held object is first copied for its module."""
     copied: set[tuple[str, str]] = set()
+    copies = copies or {}
     for owner, path, value in attributes:
         m = module.get_submodule(owner)
         holder, _, attr = path.rpartition(".")
         if holder and (owner, holder) not in copied:
             setattr(m, holder, copy.copy(getattr(m, holder)))
             copied.add((owner, holder))
-        setattr(getattr(m, holder) if holder else m, attr, value // tp)
+        setattr(
+            getattr(m, holder) if holder else m, attr, local_value(value, tp, copies.get((owner, path), 1))
+        )
 
 
 def held_objects(module: nn.Module, attributes: Iterable[Divided]) -> dict[tuple[str, str], object]:

@@ -6,17 +6,19 @@ plan table ``example_input_array``), ``traced_plan.find_traced_plan`` reads the 
 the meta device) and keeps every column-parallel choice whose sharded values the model's own code handles
 correctly up to a row-parallel partner (``tensor.shard_flow``): MLP pairs in a submodule or inline, gated
 products (SwiGLU), attention through ``scaled_dot_product_attention`` or matmul-softmax, fused q/k/v
-split per chunk, grouped-query attention, ``Conv1D``, the experts of a Hugging Face mixture of experts
-(each expert's MLP split as a pair: ``tensor.experts``, called with whole inputs); sizes written in
-``forward`` (a head count, a split size) are divided through the attribute they are read from (the
-module's, or that of a config object it holds: each sharded module then holds its own copy). A large
-layer whose output is needed whole (the output head) is column-parallel with a gathered output; tied
-weights are sharded alike or not at all. Per-feature layers inside a pair (a BatchNorm, a per-feature
-scale) have their parameters and buffers cut with the features; a norm right on a column-parallel output
-whose statistics span all its features (OLMo-2's q/k norms) runs on all of them (``tensor.full_width``).
-``nn.MultiheadAttention`` and ``nn.Embedding`` are decided by type. The plan is tried on one simulated
-rank (``dry_run``), and where a model declares its own plan (Hugging Face's ``_tp_plan``) every
-disagreement with it is reported (``declared``).
+split per chunk or per block of unequal widths (multi-query and grouped-query layouts), key-value heads
+fewer than the ranks held by the ranks that read them, grouped-query attention, ``Conv1D``, the experts
+of a Hugging Face mixture of experts (each expert's MLP split as a pair: ``tensor.experts``, called with
+whole inputs); sizes written in ``forward`` (a head count, a split size) are divided through the
+attribute they are read from (the module's, or that of a config object it holds: each sharded module
+then holds its own copy, ``tensor.attributes``). A large layer whose output is needed whole (the output
+head) is column-parallel with a gathered output; tied weights are sharded alike or not at all.
+Per-feature layers inside a pair (a BatchNorm, a per-feature scale) have their parameters and buffers
+cut with the features; a norm right on a column-parallel output whose statistics span all its features
+(OLMo-2's q/k norms) runs on all of them (``tensor.full_width``). ``nn.MultiheadAttention`` and
+``nn.Embedding`` are decided by type. The plan is tried on one simulated rank (``dry_run``), and where a
+model declares its own plan (Hugging Face's ``_tp_plan``) every disagreement with it is reported
+(``declared``).
 
 Without a forward, the structural rules below apply, and the evidence required is:
 - ``nn.MultiheadAttention`` (and so ``nn.TransformerEncoderLayer``/``DecoderLayer``): heads split;
@@ -61,7 +63,7 @@ from lightning_parallel.tensor.plan import (
     tied_parameters,
 )
 from lightning_parallel.tensor.trace import is_projection, trace_dataflow
-from lightning_parallel.tensor.traced_plan import TracedPlan, find_traced_plan
+from lightning_parallel.tensor.traced_plan import TracedPlan, find_traced_plan, out_features
 
 __all__ = ["auto_plan", "resolve_auto"]
 
@@ -295,7 +297,14 @@ def _traced(
     trace = trace_dataflow(module, run, fake)
     found = find_traced_plan(trace, tp_size)
     for name, chunks in found.columns.items():
-        finder.take(name, "colwise", **({"chunks": chunks} if chunks > 1 else {}))
+        if name in found.parts:  # a fused q|k|v of unequal widths, cut per block
+            finder.take(name, "colwise", parts=found.parts[name])
+        elif name in found.copies:  # one block, each of its heads held by several ranks
+            finder.take(
+                name, "colwise", parts=((out_features(module.get_submodule(name)), found.copies[name]),)
+            )
+        else:
+            finder.take(name, "colwise", **({"chunks": chunks} if chunks > 1 else {}))
     for name in found.rows:
         finder.take(name, "rowwise")
     for name in found.gathered:
@@ -305,7 +314,9 @@ def _traced(
     finder.features = dict(found.features)
     finder.full_width = {m: set(cols) for m, cols in found.full_width.items()}
     finder.attributes = [
-        AttributeRule(f"{owner}.{attr}" if owner else attr, "divide")
+        AttributeRule(
+            f"{owner}.{attr}" if owner else attr, "divide", found.attribute_copies.get((owner, attr), 1)
+        )
         for owner, attr in sorted(found.attributes)
     ]
     for name, m in module.named_modules():

@@ -75,7 +75,7 @@ Found = Callable[[nn.Module], Mapping[str, tuple[Tensor, ShardSpec, Owner]]]
 
 def _full_shape(local: Tensor, spec: ShardSpec, tp_size: int) -> tuple[int, ...]:
     shape = list(local.shape)
-    shape[spec.dim] *= tp_size
+    shape[spec.dim] = spec.full_size(shape[spec.dim], tp_size)
     return tuple(shape)
 
 

@@ -2,7 +2,9 @@
 
 A whole parameter used on split values (a per-head norm's weight on split heads: the plan's
 ``gradient_sums``; a norm's weight or a row-parallel bias on sequence shards: ``tensor.sequence``) gets a
-partial gradient on each rank of the group, and one device's gradient is their sum. In a backward:
+partial gradient on each rank of the group, and one device's gradient is their sum; so do the blocks of a
+sharded parameter that several ranks hold whole (``add_blocks``: key-value heads fewer than the ranks,
+``tensor.replicated_blocks``), summed in the same collective. In a backward:
 
     tensor hook      a parameter summed in this backward keeps its fresh gradient aside and passes zero on
                      to ``.grad``, which so holds what earlier backwards left
@@ -37,6 +39,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_parallel.compat import accumulates_grad, graph_task_id, queue_end_of_backward
 from lightning_parallel.distributed.collectives import all_reduce_sum, group_size
+from lightning_parallel.tensor.replicated_blocks import Replicated, placed, taken_back
 
 __all__ = ["GradientSums", "gradient_sums_for", "installed_gradient_sums"]
 
@@ -57,6 +60,7 @@ class GradientSums:
         self._accumulators: dict[nn.Parameter, object] = {}  # each parameter's AccumulateGrad node
         self._ready_hooks: list[RemovableHandle] = []
         self._fresh: dict[nn.Parameter, Tensor] = {}  # this backward's gradients, not yet summed
+        self._blocks: dict[nn.Parameter, Replicated] = {}  # only these blocks summed (replicated_blocks)
         self._queued_for: Optional[int] = None  # the backward whose end sums them
         self.ready: Optional[Ready] = None
 
@@ -64,6 +68,12 @@ class GradientSums:
     def params(self) -> list[nn.Parameter]:
         """Every parameter whose gradient may be summed (a reducer must hold them: ``report_to``)."""
         return list(self._when)
+
+    def add_blocks(self, blocks: dict[nn.Parameter, Replicated]) -> "_Added":
+        """Sum, in every backward, the gradients of the blocks of each parameter that several ranks hold
+        whole (``tensor.replicated_blocks``); its other blocks keep their own gradient."""
+        self._blocks.update({p: how for p, how in blocks.items() if p.requires_grad})
+        return self.add(blocks)
 
     def add(self, params: Iterable[nn.Parameter], when: When = None) -> "_Added":
         """Sum the gradients of ``params`` in every backward, or in those where ``when()`` is true. A
@@ -87,6 +97,7 @@ class GradientSums:
     def discard(self, params: Iterable[nn.Parameter]) -> None:
         for p in params:
             self._when.pop(p, None)
+            self._blocks.pop(p, None)
             self._accumulators.pop(p, None)
             handle = self._hooks.pop(p, None)
             if handle is not None:
@@ -133,8 +144,12 @@ class GradientSums:
         for p in order:
             kinds[(fresh[p].dtype, fresh[p].device)].append(p)
         for same in kinds.values():
-            flat = all_reduce_sum(torch.cat([fresh[p].reshape(-1) for p in same]), self.group)
-            for p, total in zip(same, flat.split([p.numel() for p in same])):
+            sent = [placed(fresh[p], self._blocks[p]) if p in self._blocks else fresh[p] for p in same]
+            flat = all_reduce_sum(torch.cat([t.reshape(-1) for t in sent]), self.group)
+            for p, t, total in zip(same, sent, flat.split([t.numel() for t in sent])):
+                total = total.view(t.shape)
+                if p in self._blocks:
+                    total = taken_back(fresh[p], total, self._blocks[p])
                 if p.grad is None:
                     p.grad = total.view(p.shape).clone()
                 else:

@@ -6,7 +6,9 @@ the same parameter names as the layer it replaces, so a module's ``state_dict`` 
 ``shard_tensor`` turn one into the other (checkpoints store full tensors).
 
     ColumnParallelLinear      weight [out/tp, in]: output features split (per packed chunk for a fused
-                              q|k|v); output sharded or gathered. Also for Conv1D (weight [in, out/tp])
+                              q|k|v, or per block of unequal widths: ``parts``, where a block of fewer
+                              heads than ranks is held whole by the ranks that read it); output sharded or
+                              gathered. Also for Conv1D (weight [in, out/tp])
     RowParallelLinear         weight [out, in/tp]: input features split, partial outputs all-reduced
     VocabParallelEmbedding    weight [V/tp, D]: rows split by token id, other ids masked, all-reduced
     ParallelMultiheadAttention  ``nn.MultiheadAttention`` with heads split: q/k/v column-, out row-parallel
@@ -44,6 +46,7 @@ from lightning_parallel.distributed.collectives import (
 __all__ = [
     "ShardSpec",
     "SharedEntry",
+    "check_parts",
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
@@ -62,29 +65,57 @@ __all__ = [
 @dataclass(frozen=True)
 class ShardSpec:
     """A local tensor is slice ``rank`` of ``dim`` of the full one; with ``chunks`` > 1 the full tensor is
-    ``chunks`` packed blocks along ``dim`` (q, k, v of ``in_proj_weight``) and each block is sliced."""
+    ``chunks`` packed blocks along ``dim`` (q, k, v of ``in_proj_weight``) and each block is sliced.
+
+    ``parts`` (full width, copies) describes packed blocks of unequal widths instead (a fused q|k|v with
+    fewer key-value heads than query heads): each block is cut into ``tp // copies`` slices and rank r
+    holds slice ``r // copies``, so a block with fewer heads than ranks (``copies`` > 1) is replicated
+    over the ranks whose query heads read it, as Megatron does with key-value heads."""
 
     dim: int
     chunks: int = 1
+    parts: tuple[tuple[int, int], ...] = ()
+
+    def blocks(self, full: int, tp_size: int) -> list[tuple[int, int]]:
+        """(full width, copies) of each packed block of a dimension ``full`` long."""
+        return list(self.parts) if self.parts else [(full // self.chunks, 1)] * self.chunks
+
+    def replicated(self) -> bool:
+        """Some block is held whole by more than one rank (its gradient is summed over them)."""
+        return any(copies > 1 for _, copies in self.parts)
+
+    def full_size(self, local: int, tp_size: int) -> int:
+        return sum(w for w, _ in self.parts) if self.parts else local * tp_size
+
+
+def _local_widths(spec: ShardSpec, full: int, tp_size: int) -> list[int]:
+    return [w * copies // tp_size for w, copies in spec.blocks(full, tp_size)]
 
 
 def shard_slice(full: Tensor, spec: ShardSpec, tp_size: int, tp_rank: int) -> Tensor:
     """This rank's slice of ``full``: a view of it when the tensor is one block, else a new tensor."""
-    blocks = full.chunk(spec.chunks, dim=spec.dim)
-    parts = [b.chunk(tp_size, dim=spec.dim)[tp_rank] for b in blocks]
+    blocks = full.split([w for w, _ in spec.blocks(full.shape[spec.dim], tp_size)], dim=spec.dim)
+    copies = [c for _, c in spec.blocks(full.shape[spec.dim], tp_size)]
+    parts = [b.chunk(tp_size // c, dim=spec.dim)[tp_rank // c] for b, c in zip(blocks, copies)]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=spec.dim)
 
 
 def shard_tensor(full: Tensor, spec: ShardSpec, tp_size: int, tp_rank: int) -> Tensor:
     """This rank's slice of ``full``, in memory of its own."""
     part = shard_slice(full, spec, tp_size, tp_rank)
-    return part.clone() if spec.chunks == 1 else part
+    return part.clone() if spec.chunks == 1 and len(spec.parts) <= 1 else part
 
 
 def full_tensor(parts: list[Tensor], spec: ShardSpec) -> Tensor:
-    """Reassemble the full tensor from every rank's slice (in rank order)."""
-    per_rank = [p.chunk(spec.chunks, dim=spec.dim) for p in parts]
-    return torch.cat([per_rank[r][c] for c in range(spec.chunks) for r in range(len(parts))], dim=spec.dim)
+    """Reassemble the full tensor from every rank's slice (in rank order); a block held by several ranks
+    is taken from the first of them."""
+    tp = len(parts)
+    blocks = spec.blocks(spec.full_size(parts[0].shape[spec.dim], tp), tp)
+    widths = _local_widths(spec, spec.full_size(parts[0].shape[spec.dim], tp), tp)
+    per_rank = [p.split(widths, dim=spec.dim) for p in parts]
+    return torch.cat(
+        [per_rank[r][b] for b, (_, copies) in enumerate(blocks) for r in range(0, tp, copies)], dim=spec.dim
+    )
 
 
 class SharedEntry:
@@ -141,6 +172,18 @@ class SharedEntry:
         self.clear()
 
 
+def check_parts(parts: tuple[tuple[int, int], ...], out_features: int, tp_size: int) -> None:
+    """Blocks (full width, copies) that cover ``out_features`` and each cut into ``tp_size // copies``."""
+    if sum(w for w, _ in parts) != out_features:
+        raise ValueError(f"parts {list(parts)} cover {sum(w for w, _ in parts)} features, not {out_features}")
+    for w, copies in parts:
+        if copies < 1 or tp_size % copies or w % (tp_size // copies):
+            raise ValueError(
+                f"part of width {w} held by {copies} ranks each does not split over tensor-parallel size "
+                f"{tp_size}: copies must divide {tp_size} and the width be divisible by {tp_size} // copies"
+            )
+
+
 def _check_divisible(what: str, size: int, tp_size: int) -> None:
     if size % tp_size:
         raise ValueError(f"{what}={size} is not divisible by the tensor-parallel size {tp_size}")
@@ -185,6 +228,10 @@ def _linear_shape(layer: nn.Module) -> tuple[int, int, bool]:
     return in_features, out_features, True
 
 
+def out_width(weight: Tensor, transposed: bool) -> int:
+    return weight.shape[1 if transposed else 0]
+
+
 def _project(x: Tensor, weight: Tensor, bias: Optional[Tensor], transposed: bool) -> Tensor:
     return F.linear(x, weight.t() if transposed else weight, bias)
 
@@ -192,7 +239,8 @@ def _project(x: Tensor, weight: Tensor, bias: Optional[Tensor], transposed: bool
 class ColumnParallelLinear(_TPLayer):
     """``nn.Linear`` (or ``Conv1D``) with its output features split over the group. With ``chunks`` > 1
     the output is that many packed blocks (a fused q|k|v) and each block is split, so every rank holds
-    its share of q, of k and of v."""
+    its share of q, of k and of v; ``parts`` gives blocks of unequal widths, each with the number of
+    ranks that hold each of its slices (``ShardSpec``: key-value heads fewer than the ranks)."""
 
     def __init__(
         self,
@@ -203,17 +251,25 @@ class ColumnParallelLinear(_TPLayer):
         gather_output: bool = False,
         chunks: int = 1,
         entry: Optional[SharedEntry] = None,
+        parts: tuple[tuple[int, int], ...] = (),
     ) -> None:
         super().__init__()
         self.in_features, self.out_features, self.transposed = _linear_shape(linear)
-        _check_divisible("out_features", self.out_features, tp_size * chunks)
+        parts = tuple((int(w), int(c)) for w, c in parts)
+        if parts:
+            check_parts(parts, self.out_features, tp_size)
+        else:
+            _check_divisible("out_features", self.out_features, tp_size * chunks)
         self._init_tp(group, tp_size, tp_rank)
-        self.gather_output, self.chunks = gather_output, chunks
-        if gather_output and chunks > 1:
+        self.gather_output, self.chunks, self.parts = gather_output, chunks, parts
+        if gather_output and (chunks > 1 or parts):
             raise ValueError(
-                "gather_output=True needs chunks=1 (packed blocks would be gathered out of order)"
+                "gather_output=True needs chunks=1 and no parts (packed blocks would be gathered out of order)"
             )
-        self.SHARDS = {"weight": ShardSpec(1 if self.transposed else 0, chunks), "bias": ShardSpec(0, chunks)}
+        self.SHARDS = {
+            "weight": ShardSpec(1 if self.transposed else 0, chunks, parts),
+            "bias": ShardSpec(0, chunks, parts),
+        }
         self.entry = entry or SharedEntry(group)
         self.weight = _new_param(linear.weight, self.SHARDS["weight"], tp_size, tp_rank)
         self.bias = (
@@ -227,7 +283,8 @@ class ColumnParallelLinear(_TPLayer):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features} "
-            f"(local {self.out_features // self.tp_size}), gather_output={self.gather_output}, chunks={self.chunks}"
+            f"(local {out_width(self.weight, self.transposed)}), gather_output={self.gather_output}, "
+            f"chunks={self.chunks}" + (f", parts={list(self.parts)}" if self.parts else "")
         )
 
 

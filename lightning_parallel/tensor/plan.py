@@ -45,12 +45,26 @@ from torch import nn
 
 from lightning_parallel.checkpointing.one_device import keep_skeleton
 from lightning_parallel.module_names import match_pattern
-from lightning_parallel.tensor.attributes import attribute_targets, divide_attributes, read_attribute
+from lightning_parallel.tensor.attributes import (
+    attribute_targets,
+    divide_attributes,
+    local_value,
+    read_attribute,
+)
 from lightning_parallel.tensor.expert_layer import ParallelExperts
 from lightning_parallel.tensor.experts import ExpertsType, split_refusal
 from lightning_parallel.tensor.full_width import run_full_width
 from lightning_parallel.tensor.gradient_sums import GradientSums, gradient_sums_for
-from lightning_parallel.tensor.layers import TP_LAYERS, ShardSpec, SharedEntry, _linear_shape, shard_features
+from lightning_parallel.tensor.layers import (
+    TP_LAYERS,
+    ShardSpec,
+    SharedEntry,
+    _linear_shape,
+    _TPLayer,
+    check_parts,
+    shard_features,
+)
+from lightning_parallel.tensor.replicated_blocks import Replicated
 
 __all__ = [
     "PlanError",
@@ -76,7 +90,7 @@ STYLES = ("colwise", "rowwise", "vocab", "attention", "experts", "per_feature", 
 # styles whose module stays the user's object (not replaced by a tensor-parallel layer)
 KEPT_STYLES = ("replicate", "per_feature", "full_width")
 OPTIONS: dict[str, dict[str, Any]] = {
-    "colwise": {"gather_output": False, "chunks": 1},
+    "colwise": {"gather_output": False, "chunks": 1, "parts": ()},
     "rowwise": {"input_is_parallel": True},
     "vocab": {},
     "attention": {},
@@ -125,6 +139,7 @@ class LayerRule:
 class AttributeRule:
     pattern: str  # "owner.pattern.attribute"
     action: str = "divide"
+    copies: int = 1  # a count of heads each held by this many ranks: divided by tp // copies
 
 
 @dataclass
@@ -164,6 +179,7 @@ class ResolvedPlan:
     gradient_sums: list[str] = field(default_factory=list)  # parameter names, see Plan
     features: dict[str, ShardSpec] = field(default_factory=dict)  # per-feature tensors, see Plan
     sequence: Any = None  # a tensor.sequence.SequencePlan when sequence parallelism is on
+    copies: dict[tuple[str, str], int] = field(default_factory=dict)  # attributes of heads held by several
 
     def styles(self) -> dict[str, str]:
         return {a.name: a.style for a in self.assignments}
@@ -172,6 +188,10 @@ class ResolvedPlan:
     def full_width(self) -> list[str]:
         """The modules run on all the features of their split input (``tensor.full_width``)."""
         return [a.name for a in self.assignments if a.style == "full_width"]
+
+    def local_value(self, owner: str, attr: str, value: int) -> int:
+        """What a divided attribute holds on each rank (``tensor.attributes.local_value``)."""
+        return local_value(value, self.tp_size, self.copies.get((owner, attr), 1))
 
 
 # ---------------------------------------------------------------------------------------------- parse
@@ -365,9 +385,18 @@ def _check_layer(a: Assignment, tp: int) -> None:
             raise PlanError(
                 f"{a.name!r} (colwise): chunks={chunks!r} must be a positive integer (3 for a fused q|k|v)"
             )
-        if chunks > 1 and a.options.get("gather_output"):
-            raise PlanError(f"{a.name!r} (colwise): gather_output needs chunks=1")
-        _divisible(a.name, "out_features", _linear_shape(m)[1], tp * chunks, style)
+        parts = a.options.get("parts", ())
+        if (chunks > 1 or parts) and a.options.get("gather_output"):
+            raise PlanError(f"{a.name!r} (colwise): gather_output needs chunks=1 and no parts")
+        if parts:
+            try:
+                check_parts(tuple(tuple(p) for p in parts), _linear_shape(m)[1], tp)
+            except (TypeError, ValueError) as err:
+                raise PlanError(
+                    f"{a.name!r} (colwise): parts={parts!r} must be [width, copies] pairs: {err}"
+                ) from err
+        else:
+            _divisible(a.name, "out_features", _linear_shape(m)[1], tp * chunks, style)
     elif style == "rowwise":
         _divisible(a.name, "in_features", _linear_shape(m)[0], tp, style)
     elif style == "vocab":
@@ -584,6 +613,7 @@ def resolve_plan(module: nn.Module, plan: Any, tp_size: int, check_dataflow: boo
         if name not in named:
             assignments.append(Assignment(name, modules[name], "full_width", {}))
     attributes: list[tuple[str, str, int]] = []
+    copies: dict[tuple[str, str], int] = {}
     for rule in plan.attributes:
         hits = attribute_targets(modules, rule.pattern)
         if not hits:
@@ -604,18 +634,25 @@ def resolve_plan(module: nn.Module, plan: Any, tp_size: int, check_dataflow: boo
                     f"attribute {attr!r} of {n or 'the root module'!r} is {value!r}; 'divide' needs an "
                     "integer attribute such as a head count"
                 )
-            if value % tp_size:
+            if value % (tp_size // rule.copies) or tp_size % rule.copies:
                 raise PlanError(
                     f"head count {n + '.' if n else ''}{attr}={value} is not divisible by the "
                     f"tensor-parallel size {tp_size}; use a tensor-parallel size that divides {value}"
                 )
             attributes.append((n, attr, value))
+            if rule.copies > 1:
+                copies[(n, attr)] = rule.copies
     parameters = dict(module.named_parameters())
     for name in plan.gradient_sums:
         if name not in parameters:
             raise _no_match(name, list(parameters), "parameter")
     return ResolvedPlan(
-        assignments, attributes, tp_size, gradient_sums=list(plan.gradient_sums), features=features
+        assignments,
+        attributes,
+        tp_size,
+        gradient_sums=list(plan.gradient_sums),
+        features=features,
+        copies=copies,
     )
 
 
@@ -663,7 +700,7 @@ def apply_plan(
         owner, _, attr = full.rpartition(".")
         if owner not in planned and not any(owner.startswith(n + ".") for n in planned):
             setattr(module.get_submodule(owner), attr, param)
-    divide_attributes(module, resolved.attributes, tp)
+    divide_attributes(module, resolved.attributes, tp, resolved.copies)
     for name in resolved.full_width:
         run_full_width(module.get_submodule(name), group)
     if gradient_hooks:
@@ -681,4 +718,17 @@ def install_gradient_sums(
     if sums is not None:
         held = dict(module.named_parameters(remove_duplicate=False))
         sums.add(held[name] for name in resolved.gradient_sums if name in held)
+        sums.add_blocks(replicated_blocks(module))
     return sums
+
+
+def replicated_blocks(module: nn.Module) -> dict[nn.Parameter, Replicated]:
+    """The sharded parameters of ``module`` with blocks held whole by several ranks (key-value heads
+    fewer than the ranks), and how each was cut."""
+    return {
+        getattr(layer, name): Replicated(spec, layer.tp_size, layer.tp_rank)
+        for layer in module.modules()
+        if isinstance(layer, _TPLayer)
+        for name, spec in layer.SHARDS.items()
+        if spec.replicated() and name in layer._parameters and getattr(layer, name) is not None
+    }

@@ -6,7 +6,10 @@ sharded one, is split into ``tp`` contiguous blocks. ``view`` and ``reshape`` re
 split out of the feature dimension, and merged back), ``split`` along a dimension made of chunks
 (fused q|k|v) cuts it per chunk, element-wise operations keep the layout when every other operand
 broadcasts over the sharded dimension, attention and batched matmuls keep a sharded batch or head
-dimension. Any other use of a sharded value is an ``Escape``: the rank would compute on part of the
+dimension. A sharded factor with fewer parts (heads) than the ranks may be held by several ranks each
+(``Replicate``: key-value heads), and a dimension of unequal blocks (a fused q|k|v with fewer key-value
+heads) is cut per block by ``split_with_sizes``, slices and one-head indexes (``Parts``). Any other use
+of a sharded value is an ``Escape``: the rank would compute on part of the
 features something that needs all of them. A projection layer fed a value sharded on its input
 features, and only there, is a row-parallel partner.
 
@@ -18,10 +21,30 @@ split by channels) is a ``Companion``: it can be cut with the features, so each 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
+from lightning_parallel.tensor.fused_blocks import (
+    _blocks_at,
+    _heads_of_blocks,
+    _held_by_all,
+    _index,
+    _parts_of_dimension,
+    _slice_blocks,
+)
+from lightning_parallel.tensor.layout import (
+    Companion,
+    Demand,
+    Escape,
+    Factor,
+    Layout,
+    Parts,
+    Replicate,
+    _dim,
+    _plain,
+    _split_of,
+    entry_layout,
+)
 from lightning_parallel.tensor.trace import Node
 
 __all__ = [
@@ -29,110 +52,49 @@ __all__ = [
     "Companion",
     "Demand",
     "Escape",
+    "Parts",
+    "Replicate",
     "Layout",
     "entry_layout",
     "per_channel",
     "propagate",
 ]
 
-Factor = tuple[int, bool]  # (size, is the sharded factor)
-
-
-class Escape(Exception):
-    """A sharded value reaches an operation that cannot run on a shard."""
-
-
-@dataclass(frozen=True)
-class Demand:
-    """A size written into the model's code (``view(B, T, self.n_head, -1)``, ``split(self.split_size)``)
-    that must be divided by tp on each rank; found on the module whose ``forward`` issued it."""
-
-    owner: str
-    value: int
-
-
-@dataclass(frozen=True)
-class Companion:
-    """A parameter or buffer (``name``; or a value computed from it alone, of shape ``shape``) that meets
-    sharded values element-wise along the features: sharded as ``layout`` says, it lets them stay split."""
-
-    name: str
-    shape: tuple[int, ...]
-    layout: "Layout"
-
-
-@dataclass(frozen=True)
-class Layout:
-    dims: tuple[tuple[Factor, ...], ...]
-
-    @property
-    def sharded_dim(self) -> int:
-        return next(i for i, fs in enumerate(self.dims) if any(s for _, s in fs))
-
-    def shape(self) -> tuple[int, ...]:
-        out = []
-        for fs in self.dims:
-            n = 1
-            for size, _ in fs:
-                n *= size
-            out.append(n)
-        return tuple(out)
-
-    def features_split(self) -> bool:
-        """Sharded only on the last dimension, as its outermost factor: a row-parallel input."""
-        last = [f for f in self.dims[-1] if f[0] != 1]
-        return self.sharded_dim == len(self.dims) - 1 and bool(last) and last[0][1]
-
-
-def entry_layout(shape: Sequence[int], chunks: int = 1) -> Layout:
-    """The output of a column-parallel layer: its last dimension (``chunks`` packed blocks) sharded."""
-    n = shape[-1]
-    last: tuple[Factor, ...] = ((chunks, False), (n // chunks, True)) if chunks > 1 else ((n, True),)
-    return Layout(tuple(((s, False),) for s in shape[:-1]) + (last,))
-
-
-def _split_of(factors: tuple[Factor, ...]) -> tuple[Factor, ...]:
-    """What a rank holds of a dimension, whatever its factoring: the sharded factor and every factor inside
-    it form one factor cut into contiguous blocks (4 heads, or 2 kv heads each repeated twice, alike)."""
-    real = [f for f in factors if f[0] != 1]
-    at = next((i for i, (_, sharded) in enumerate(real) if sharded), None)
-    if at is None:
-        return tuple(real)
-    inner = 1
-    for size, _ in real[at:]:
-        inner *= size
-    return (*real[:at], (inner, True))
-
-
-def _plain(shape: Sequence[int]) -> tuple[tuple[Factor, ...], ...]:
-    return tuple(((s, False),) for s in shape)
-
-
-def _dim(d: int, ndim: int) -> int:
-    return d + ndim if d < 0 else d
-
 
 def _regroup(layout: Layout, out_shape: Sequence[int], node: Node) -> Layout:
-    """Re-split the flat list of factors into dimensions of ``out_shape`` (a view)."""
-    factors = [list(f) for fs in layout.dims for f in fs if f[0] != 1]
+    """Re-split the flat list of factors into dimensions of ``out_shape`` (a view). A sharded factor of
+    size 1 (one head, held by every rank) goes to the first dimension of size 1 at its place."""
+    factors = [list(f) for fs in layout.dims for f in fs if f[0] != 1 or f[1]]
     dims: list[tuple[Factor, ...]] = []
     i = 0
     for size in out_shape:
         group: list[Factor] = []
         need = size
+        if size == 1 and i < len(factors) and factors[i][0] == 1:
+            group.append(tuple(factors[i]))
+            i += 1
         while need > 1:
+            if i < len(factors) and factors[i][0] == 1:  # a one-head factor inside a larger dimension
+                raise Escape(
+                    f"{node.name}: merges a key-value head held by every rank into {tuple(out_shape)}"
+                )
             if i >= len(factors):
                 raise Escape(
                     f"{node.name}: cannot follow the sharded dimension into shape {tuple(out_shape)}"
                 )
             fsize, sharded = factors[i]
+            if isinstance(sharded, tuple) and fsize != need:
+                group.append(_heads_of_blocks(fsize, sharded, need, node))
+                factors[i] = [fsize // need, False]
+                need = 1
+                continue
             if fsize <= need and need % fsize == 0:
                 group.append((fsize, sharded))
                 need //= fsize
                 i += 1
             elif fsize % need == 0:  # split this factor: the outer part goes here
                 if sharded:
-                    group.append((need, True))
+                    group.append((need, sharded))
                     factors[i] = [fsize // need, False]
                 else:
                     group.append((need, False))
@@ -146,9 +108,16 @@ def _regroup(layout: Layout, out_shape: Sequence[int], node: Node) -> Layout:
 
 def _check_split_factor(layout: Layout, tp: int, node: Node) -> None:
     for fs in layout.dims:
-        for size, sharded in fs:
-            if sharded and size % tp:
-                raise Escape(f"{node.name}: the sharded factor has {size} parts, not divisible by tp={tp}")
+        for size, copies in fs:
+            if isinstance(copies, tuple):
+                if any(w % (tp // c) for w, c in copies):
+                    raise Escape(f"{node.name}: a block of the fused dimension does not split over tp={tp}")
+                continue
+            if copies and size % (tp // copies):
+                why = f"{node.name}: the sharded factor has {size} parts, not divisible by tp={tp}"
+                if copies == 1 and tp % size == 0:
+                    raise Replicate(why, tp // size)
+                raise Escape(why)
 
 
 def _pointwise(
@@ -193,7 +162,7 @@ REDUCTIONS = {
     "norm",
     "linalg_vector_norm",
 }
-SOFTMAX = {"_softmax", "softmax", "_log_softmax", "log_softmax"}
+SOFTMAX = {"_softmax", "_safe_softmax", "softmax", "_log_softmax", "log_softmax"}
 # (input, weight, bias, running_mean, running_var, ...): statistics per channel (dimension 1)
 BATCH_NORMS = {
     "native_batch_norm",
@@ -275,18 +244,39 @@ def propagate(
     out_shapes = [shapes[o.key] if o is not None else None for o in node.outputs]
     if name in VIEWS and src is not None:
         out = _regroup(src, out_shapes[0], node)
-        _check_split_factor(out, tp, node)
+        try:
+            _check_split_factor(out, tp, node)
+        except Replicate:
+            raise
+        except Escape as escape:  # more heads than ranks, not a multiple: perhaps unequal blocks of heads
+            _parts_of_dimension(node, out, out.sharded_dim, node.outputs[0].key, str(escape))
+            raise
         # sizes as written (-1 stays -1). A size that splits heads out of the features must shrink on each
         # rank; one that merges sharded dimensions is taken to be computed from the input's shape
         size = a[1][out.sharded_dim]
-        if name == "view" and size != -1 and size < src.shape()[src.sharded_dim]:
-            demands.append(Demand(node.owner, size))
+        copies = _split_of(out.dims[out.sharded_dim])[-1][1]
+        if isinstance(copies, tuple):  # a fused dimension in heads: each split block's head count shrinks
+            demands.extend(Demand(node.owner, w) for w, c in copies if c == 1 and size != -1)
+        elif name == "view" and size != -1 and size < src.shape()[src.sharded_dim]:
+            demands.append(Demand(node.owner, size, copies))
         return [out]
     if name == "expand" and src is not None:
         d = src.sharded_dim + len(out_shapes[0]) - len(src.dims)
         dims = list(_plain(out_shapes[0]))
         dims[d] = src.dims[src.sharded_dim]
+        if _held_by_all(src, tp) and src.shape()[src.sharded_dim] == 1 and out_shapes[0][d] > 1:
+            # one key-value head, every rank's, repeated for the query heads: as many as the rank's
+            dims[d] = ((out_shapes[0][d], 1),)
+            demands.append(Demand(node.owner, out_shapes[0][d]))
         return [Layout(tuple(dims))]
+    if name == "index" and src is not None:
+        return [_index(node, src, out_shapes[0], tp)]
+    if (
+        name == "slice"
+        and src is not None
+        and _blocks_at(src, _dim(a[1] if len(a) > 1 else 0, len(src.dims)))
+    ):
+        return [_slice_blocks(node, src, out_shapes[0], demands, tp)]
     if (
         name in ("transpose", "t", "permute", "unsqueeze", "squeeze", "select", "slice", "narrow")
         and src is not None
@@ -307,7 +297,7 @@ def propagate(
     if name == "stack":
         return [_stack(node, layouts, out_shapes[0])]
     if "scaled_dot_product" in name:
-        return _attention(node, layouts, out_shapes, shapes)
+        return _attention(node, layouts, out_shapes, shapes, tp)
     if _is_pointwise(node):
         out = _pointwise(node, shapes, layouts, len(out_shapes[0]), tensors, companions)
         return [out if s is not None and len(s) == len(out.dims) else None for s in out_shapes]
@@ -343,6 +333,7 @@ def _rearrange(node: Node, src: Layout, out_shape: Sequence[int]) -> Layout:
     else:  # select / slice / narrow: fine on any dimension but the sharded one
         d = _dim(a[1] if len(a) > 1 else 0, n)
         if d == src.sharded_dim:
+            _parts_of_dimension(node, src, d)
             raise Escape(f"{name} along the sharded dimension")
         if name == "select":
             dims.pop(d)
@@ -373,6 +364,21 @@ def _split(node: Node, src: Layout, out_shapes: list, demands: list[Demand]) -> 
         return out
     factors = [f for f in src.dims[d] if f[0] != 1]
     sizes = {s[d] for s in out_shapes if s is not None}
+    widths = tuple(s[d] for s in out_shapes if s is not None)
+    if len(factors) == 1 and isinstance(factors[0][1], tuple):  # a fused dimension cut into its blocks
+        blocks = factors[0][1]
+        if widths != tuple(w for w, _ in blocks) or len(widths) != len(out_shapes):
+            raise Escape(f"{node.name} cuts a fused dimension of unequal blocks elsewhere than between them")
+        if node.name == "split_with_sizes":  # sizes as written: a block split over all ranks shrinks
+            demands.extend(Demand(node.owner, w) for w, copies in blocks if copies == 1)
+        return [Layout(src.dims[:d] + (((w, copies),),) + src.dims[d + 1 :]) for w, copies in blocks]
+    if (
+        factors == [(factors[0][0], 1)]
+        and node.name == "split_with_sizes"
+        and len(set(widths)) > 1
+        and len(widths) == len(out_shapes)
+    ):
+        raise Parts(f"{node.name} cuts the sharded dimension into unequal blocks {list(widths)}", widths)
     if len(factors) == 2 and not factors[0][1] and factors[1][1] and sizes == {factors[1][0]}:
         if node.name == "split":  # split(size): a written size of one chunk
             demands.append(Demand(node.owner, a[1]))
@@ -438,11 +444,21 @@ def _stack(node: Node, layouts: dict, out_shape: Sequence[int]) -> Layout:
     return Layout(tuple(dims))
 
 
-def _attention(node: Node, layouts: dict, out_shapes: list, shapes: list) -> list[Layout | None]:
+def _attention(node: Node, layouts: dict, out_shapes: list, shapes: list, tp: int) -> list[Layout | None]:
     q, k, v = node.args[:3]
     lays = [layouts.get(t.key) for t in (q, k, v)]
+    if all(lay is not None for lay in lays) and _held_by_all(lays[1], tp) and _held_by_all(lays[2], tp):
+        # one key-value head, held whole by every rank (multi-query): each rank's query heads read it
+        lays = lays[:1]
     if any(lay is None or lay.sharded_dim != 1 or not lay.dims[1][0][1] for lay in lays):
         raise Escape("attention over values not all sharded by heads")
+    if lays[0].dims[1][0][1] != 1:
+        raise Escape("attention with query heads fewer than the ranks")
+    # each rank's query heads read only its own key-value heads: as many, or a whole number of query heads
+    # per key-value head on each rank (grouped-query attention)
+    heads = [_split_of(lay.dims[1])[-1] for lay in lays]
+    if len(heads) == 3 and (heads[1] != heads[2] or heads[0][0] % (heads[1][0] * heads[1][1])):
+        raise Escape("attention over query and key-value heads cut differently")
     mask = node.kwargs.get(
         "attn_mask", node.args[3] if len(node.args) > 3 and hasattr(node.args[3], "key") else None
     )

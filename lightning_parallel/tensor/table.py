@@ -52,12 +52,14 @@ def _local(a, tp: int) -> tuple[str, int, str, str]:
     m, style, opts = a.module, a.style, a.options
     if style in ("colwise", "rowwise"):
         n_in, n_out, transposed = _linear_shape(m)
-        local = [n_out // tp, n_in] if style == "colwise" else [n_out, n_in // tp]
+        # a column's blocks held by several ranks each (parts) keep more than 1/tp of its outputs
+        cols = sum(w * c // tp for w, c in opts.get("parts", ())) or n_out // tp
+        local = [cols, n_in] if style == "colwise" else [n_out, n_in // tp]
         shape = str(local[::-1] if transposed else local)
     if style == "colwise":
-        bias = 0 if m.bias is None else n_out // tp
+        bias = 0 if m.bias is None else cols
         fwd = f"all-gather {n_out}/tok" if opts.get("gather_output") else "-"
-        return shape, m.weight.numel() // tp + bias, fwd, f"all-reduce {n_in}/tok"
+        return shape, cols * n_in + bias, fwd, f"all-reduce {n_in}/tok"
     if style == "rowwise":
         bias = 0 if m.bias is None else n_out
         bwd = "-" if opts.get("input_is_parallel", True) else f"all-gather {n_in}/tok"
@@ -230,7 +232,9 @@ def format_table(module: nn.Module, resolved: ResolvedPlan) -> str:
         f"parameters: {total:,} in the model, {per_rank:,} per rank ({per_rank / max(total, 1):.0%})"
     )
     for owner, attr, value in resolved.attributes:
-        lines.append(f"attribute {owner}.{attr}: {value} -> {value // resolved.tp_size} per rank")
+        lines.append(
+            f"attribute {owner}.{attr}: {value} -> {resolved.local_value(owner, attr, value)} per rank"
+        )
     for name, why in resolved.report:
         lines.append(f"replicated {name}: {why}")
     if resolved.sequence is not None:

@@ -11,6 +11,10 @@ whole (a column-parallel value read by it fails like any value read whole), and 
 (``tensor.expert_layer`` sums the partial outputs), so each one called is listed (``TracedPlan.experts``)
 for the plan to split by its own layout.
 
+A column's output cut into blocks of unequal widths (a fused q|k|v with fewer key-value heads) is cut per
+block, the blocks read from the operations on it (``shard_flow.Parts``); heads fewer than the ranks are
+held by several ranks each (``shard_flow.Replicate``), and the flow is followed again with them.
+
 A parameter or buffer that meets the sharded features with their full length (a BatchNorm's weight,
 bias and running statistics; a per-feature scale) is cut with them (``TracedPlan.features``): the flow
 is followed again with it sharded from its first read, so every use of it, and every value computed
@@ -41,6 +45,8 @@ from lightning_parallel.tensor.shard_flow import (
     Demand,
     Escape,
     Layout,
+    Parts,
+    Replicate,
     _split_of,
     entry_layout,
     per_channel,
@@ -55,7 +61,7 @@ __all__ = ["TracedPlan", "find_traced_plan", "out_features"]
 # rotary dimensions, positions or group counts (equal by chance)
 DIVIDED = re.compile(r"head|split|embd|embed|hidden|query_groups")
 NOT_DIVIDED = re.compile(
-    r"head_dim|head_size|layer_idx|(?<!query_)groups|max_|position|vocab|rotary|rope|ndims"
+    r"head_dim|head_size|layer_idx|layers|(?<!query_)groups|max_|position|vocab|rotary|rope|ndims"
 )
 
 
@@ -66,9 +72,12 @@ def out_features(m: nn.Module) -> int:
 @dataclass
 class TracedPlan:
     columns: dict[str, int] = field(default_factory=dict)  # name -> packed chunks (3 for a fused q|k|v)
+    copies: dict[str, int] = field(default_factory=dict)  # name -> ranks holding each head (kv < tp)
+    parts: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)  # fused, unequal blocks
     rows: set[str] = field(default_factory=set)
     gathered: set[str] = field(default_factory=set)  # column-parallel with a gathered output
     attributes: dict[tuple[str, str], set[str]] = field(default_factory=dict)  # (owner, attr) -> its columns
+    attribute_copies: dict[tuple[str, str], int] = field(default_factory=dict)  # heads held by several
     reasons: dict[str, str] = field(default_factory=dict)
     regions: list[set[str]] = field(default_factory=list)  # columns with their row partners, in call order
     gradient_sums: dict[str, set[str]] = field(default_factory=dict)  # whole parameter -> columns it meets
@@ -91,6 +100,9 @@ class _Flow:
     widen: set[str] = field(default_factory=set)  # modules to run on all features, found in this run
     # modules of ``full_width`` also called on whole values
     whole_calls: set[str] = field(default_factory=set)
+    copies: dict[str, int] = field(default_factory=dict)  # column -> ranks that could hold each head
+    # column -> unequal block widths, and the head size where the cut shows it
+    parts: dict[str, tuple[tuple[int, ...], Optional[int]]] = field(default_factory=dict)
 
 
 def _chunks(trace: Trace, key: int, width: int) -> int:
@@ -106,6 +118,60 @@ def _chunks(trace: Trace, key: int, width: int) -> int:
                 return len(sizes)
             return 1
     return 1
+
+
+def _widths_read(trace: Trace, key: int, dim: int, width: int) -> tuple[tuple[int, ...], Optional[int]]:
+    """The blocks of a column's output (``width`` features, viewed as ``key``) that the operations on
+    ``key`` read along ``dim``: slices by where they start, and one-block indexes (``qkv[..., [-2], :]``)
+    filling what the slices leave, in the order of the code; () where they do not cover it once. With
+    the head size where ``dim`` counts heads (the features of one step along it), else None."""
+    shape = trace.shapes[key]
+    unit = 1
+    for s in shape[dim + 1 :]:
+        unit *= s
+    if unit * shape[dim] != width:
+        return (), None
+    starts: dict[int, int] = {}
+    picks: list[int] = []
+    for node in trace.nodes:
+        if node.layer is not None or not node.args or getattr(node.args[0], "key", None) != key:
+            continue
+        out = trace.shapes[node.outputs[0].key] if node.outputs and node.outputs[0] else None
+        if node.name == "slice" and out is not None and node.args[1] % len(shape) == dim:
+            start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+            starts[start % shape[dim]] = out[dim]
+        elif node.name == "index" and out is not None and len(out) == len(shape):
+            picks.append(out[dim])
+    blocks, at = [], 0
+    while at < shape[dim]:
+        size = starts.pop(at, None) or (picks.pop(0) if picks else 0)
+        if not size:
+            return (), None
+        blocks.append(size * unit)
+        at += size
+    found = at == shape[dim] and not starts and not picks and len(blocks) > 1
+    return (tuple(blocks) if found else ()), (unit if unit > 1 else None)
+
+
+def _blocks(
+    trace: Trace, node: Node, widths: tuple[int, ...], tp: int, head: Optional[int]
+) -> Optional[tuple[tuple[tuple[int, int], ...], int]]:
+    """(width, copies) of each block of a fused q|k|v cut into ``widths``: its heads (of size ``head``, or
+    else the size that the next attention reads) split over the ranks, or each held by several ranks
+    where there are fewer heads than ranks; None where a block splits neither way."""
+    if head is None:
+        at = trace.nodes.index(node)
+        attention = next((n for n in trace.nodes[at:] if "scaled_dot_product" in n.name), None)
+        if attention is None:
+            return None
+        head = trace.shapes[attention.args[0].key][-1]
+    blocks = []
+    for width in widths:
+        heads = width // head
+        if width % head or not (heads % tp == 0 or tp % heads == 0):
+            return None
+        blocks.append((width, 1 if heads % tp == 0 else tp // heads))
+    return tuple(blocks), head
 
 
 def _seed(
@@ -176,11 +242,25 @@ def _full_width_call(call: Call, trace: Trace, layouts: dict, owners: dict, flow
     return call.end
 
 
+def _note_blocks(escape: Replicate | Parts, column: str, trace: Trace, flow: _Flow) -> None:
+    """Record what a column's escape shows of its heads: held by several ranks each (``Replicate``), or
+    cut into blocks of unequal widths (``Parts``, the blocks read from the operations on the cut)."""
+    if isinstance(escape, Replicate):
+        flow.copies.setdefault(column, escape.copies)
+        return
+    found = (escape.widths, None)
+    if escape.cut is not None:
+        found = _widths_read(trace, *escape.cut, out_features(trace.modules[column]))
+    if found[0]:
+        flow.parts.setdefault(column, found)
+
+
 def _run_flow(
     trace: Trace,
     columns: dict[str, int],
     tp: int,
     seeds: dict[str, tuple[Layout, frozenset]],
+    copies: dict[str, object],
     wide: frozenset[str] = frozenset(),
 ) -> _Flow:
     flow = _Flow()
@@ -224,7 +304,9 @@ def _run_flow(
                         flow.failed.setdefault(s, f"its sharded output is read whole by {node.layer}")
             if node.layer in columns and node.outputs and node.outputs[0] is not None:
                 out = node.outputs[0]
-                layouts[out.key] = entry_layout(trace.shapes[out.key], columns[node.layer])
+                layouts[out.key] = entry_layout(
+                    trace.shapes[out.key], columns[node.layer], copies.get(node.layer, 1)
+                )
                 owners[out.key] = frozenset([node.layer])
             continue
         _note_parameter_uses(node, trace, labeled, sources, flow, seeds)
@@ -235,10 +317,13 @@ def _run_flow(
         try:
             outs = propagate(node, trace.shapes, layouts, tp, demands, trace.parameters, tensors, companions)
         except Escape as escape:
-            widened = _widened(trace, at, layouts, wide | flow.widen, columns)
-            if widened is not None:  # followed again with that module run on all the features
-                flow.widen.add(widened)
-                continue
+            if isinstance(escape, (Replicate, Parts)) and len(sources) == 1:
+                _note_blocks(escape, next(iter(sources)), trace, flow)
+            else:
+                widened = _widened(trace, at, layouts, wide | flow.widen, columns)
+                if widened is not None:  # followed again with that module run on all the features
+                    flow.widen.add(widened)
+                    continue
             for s in sources:
                 flow.failed.setdefault(s, f"{escape} (in {node.owner or 'the root module'})")
             continue
@@ -277,7 +362,7 @@ def _spec(layout: Layout, tp: int) -> Optional[ShardSpec]:
     """How a per-feature tensor of ``layout`` is cut: along its sharded dimension, per packed chunk."""
     dim = layout.sharded_dim
     factors = _split_of(layout.dims[dim])
-    if factors[-1][0] % tp:
+    if factors[-1][0] % tp or factors[-1][1] != 1:
         return None
     chunks = 1
     for size, _ in factors[:-1]:
@@ -286,13 +371,13 @@ def _spec(layout: Layout, tp: int) -> Optional[ShardSpec]:
 
 
 def _flow_with_features(
-    trace: Trace, columns: dict[str, int], tp: int
+    trace: Trace, columns: dict[str, int], tp: int, copies: dict[str, object]
 ) -> tuple[_Flow, dict[str, tuple[ShardSpec, frozenset]]]:
     """The flow with every per-feature tensor it finds sharded, followed again until none is new."""
     seeds: dict[str, tuple[Layout, frozenset]] = {}
     wide: frozenset[str] = frozenset()
     while True:
-        flow = _run_flow(trace, columns, tp, seeds, wide)
+        flow = _run_flow(trace, columns, tp, seeds, copies, wide)
         if flow.widen:
             wide |= flow.widen
             continue
@@ -413,8 +498,23 @@ def find_traced_plan(trace: Trace, tp: int) -> TracedPlan:
             plan.reasons[name] = f"output width {width} is not divisible by tp={tp}" + (
                 f" x {k} chunks" if k > 1 else ""
             )
+    copies: dict[str, object] = {}  # column -> ranks holding each head, or its blocks (width, copies)
+    head_sizes: dict[str, int] = {}  # a column cut in blocks -> the size of its heads
     while True:
-        flow, features = _flow_with_features(trace, candidates, tp)
+        flow, features = _flow_with_features(trace, candidates, tp, copies)
+        wanted: dict[str, object] = {c: n for c, n in flow.copies.items() if candidates.get(c) == 1}
+        for c, (widths, head) in flow.parts.items():
+            blocks = _blocks(trace, calls[c], widths, tp, head) if candidates.get(c) == 1 else None
+            if blocks is not None:
+                wanted[c], head_sizes[c] = blocks
+            else:
+                flow.failed.setdefault(
+                    c, f"its output is cut into blocks {list(widths)} that do not split over tp={tp}"
+                )
+        wanted = {c: n for c, n in wanted.items() if c not in copies}
+        if wanted:  # heads fewer than the ranks, or blocks of unequal widths: the flow followed again
+            copies.update(wanted)
+            continue
         bad = dict(flow.failed)
         partnered = set().union(*flow.rows.values()) if flow.rows else set()
         for name in candidates:
@@ -426,17 +526,33 @@ def find_traced_plan(trace: Trace, tp: int) -> TracedPlan:
         # a written size with no attribute to divide may be computed from a split tensor's shape: kept,
         # and the dry run (tensor.dry_run) drops the region if it was not
         attributes: dict[tuple[str, str], set[str]] = {}
+        attribute_copies: dict[tuple[str, str], int] = {}
         for demand, sources in flow.demands:
             for a in _divisible_attributes(trace.modules.get(demand.owner, nn.Module()), demand.value):
                 attributes.setdefault((demand.owner, a), set()).update(sources)
+                if attribute_copies.setdefault((demand.owner, a), demand.copies) != demand.copies:
+                    for s in sources:
+                        bad.setdefault(s, f"{demand.owner}.{a} is a size of heads cut two ways")
+        for column, size in head_sizes.items():  # the head count of each block that shrinks on a rank
+            if column not in candidates:
+                continue
+            owner = column.rpartition(".")[0]
+            for width, held in (b for b in copies[column] if b[1] < tp):
+                for a in _divisible_attributes(trace.modules[owner], width // size):
+                    attributes.setdefault((owner, a), set()).add(column)
+                    if attribute_copies.setdefault((owner, a), held) != held:
+                        bad.setdefault(column, f"{owner}.{a} is a size of heads cut two ways")
         if not bad:
             break
         for name, why in bad.items():
             candidates.pop(name, None)
             plan.reasons[name] = why
     plan.columns = candidates
+    plan.copies = {c: n for c, n in copies.items() if c in candidates and isinstance(n, int)}
+    plan.parts = {c: n for c, n in copies.items() if c in candidates and isinstance(n, tuple)}
     plan.rows = set(flow.rows)
     plan.attributes = attributes
+    plan.attribute_copies = {k: c for k, c in attribute_copies.items() if c > 1}
     plan.regions = _regions(flow.rows, list(calls))
     plan.gradient_sums = {
         n: set(cols) for n, (cols, _) in flow.parameter_uses.items() if cols and n not in features

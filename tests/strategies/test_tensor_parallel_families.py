@@ -27,6 +27,9 @@ MAX_SHARE = {
     "qwen3": 0.51,  # q_norm/k_norm weights meet split heads: their gradients are summed over the ranks
     "olmo2": 0.51,  # q_norm/k_norm over the whole projection run on all its features (tensor.full_width)
     "litgpt": 0.52,  # n_head/n_query_groups read from the shared config: divided on each attention's copy
+    "phi3": 0.55,  # fused qkv_proj (GQA) cut per block; config.num_attention_heads divided on a copy
+    "falcon": 0.55,  # multi-query: the one key-value head held by both ranks, its gradient summed
+    "gpt_bigcode": 0.55,  # multi-query c_attn split with sizes: q split, k and v held by both ranks
     "bart": 0.55,  # learned positional embeddings with a forward of their own stay whole
     "vit": 0.58,  # the classifier's output is read whole by the loss
     "bloom": 0.67,  # ALiBi adds a bias of every head to the scores: attention stays whole

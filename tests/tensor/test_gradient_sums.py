@@ -87,3 +87,23 @@ def test_autograd_grad_gets_the_sum_and_leaves_grad_alone(monkeypatch):
     (got,) = torch.autograd.grad(model(x).sum(), [model[1].weight])
     torch.testing.assert_close(got, 2 * expected, rtol=0, atol=1e-12)
     assert calls == [4] and model[1].weight.grad is None
+
+
+def test_only_the_blocks_held_by_several_ranks_are_summed(monkeypatch):
+    """A parameter cut in blocks (a split query block, a key-value block held by both ranks): the
+    replicated block is placed at its slice of a zero tensor as wide as the block, summed, and taken back;
+    the split block keeps its own gradient."""
+    from lightning_parallel.tensor.layers import ShardSpec
+    from lightning_parallel.tensor.replicated_blocks import Replicated
+
+    calls: list = []
+    monkeypatch.setattr(gradient_sums, "all_reduce_sum", _doubling(calls))
+    weight = nn.Parameter(torch.randn(6, 3, dtype=torch.float64))  # local: 4 query rows, 2 kv rows
+    sums = GradientSums(group=None)
+    sums.add_blocks({weight: Replicated(ShardSpec(0, parts=((8, 1), (2, 2))), 2, 1)})
+    x = torch.randn(5, 3, dtype=torch.float64)
+    (x @ weight.t()).square().sum().backward()
+    plain = 2 * (x @ weight.detach().t()).t() @ x
+    assert calls == [6]  # the kv block only, as wide as the full block
+    torch.testing.assert_close(weight.grad[:4], plain[:4], rtol=0, atol=1e-12)
+    torch.testing.assert_close(weight.grad[4:], 2 * plain[4:], rtol=0, atol=1e-12)

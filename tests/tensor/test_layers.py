@@ -154,3 +154,21 @@ def test_an_entry_inside_a_sequence_parallel_region_keeps_no_input_alive() -> No
     del gathered
     gc.collect()
     assert seen() is None
+
+
+def test_blocks_of_unequal_widths_are_cut_per_block_and_held_by_their_copies():
+    """A fused q|k|v of 4 query heads and one key-value head (head size 2) at tp=4: each rank holds one
+    query head and the whole k and v, which the full tensor takes from the first of their holders."""
+    full = torch.randn(12, 3)
+    spec = ShardSpec(0, parts=((8, 1), (2, 4), (2, 4)))
+    parts = [shard_tensor(full, spec, 4, r) for r in range(4)]
+    for r, part in enumerate(parts):
+        assert torch.equal(part, torch.cat([full[2 * r : 2 * r + 2], full[8:12]]))
+    assert torch.equal(full_tensor(parts, spec), full)
+    two_kv = ShardSpec(0, parts=((8, 2),))  # 2 key-value heads of 4 at tp=4: ranks 0, 1 hold the first
+    assert [
+        torch.equal(shard_tensor(full[:8], two_kv, 4, r), full[4 * (r // 2) : 4 * (r // 2) + 4])
+        for r in range(4)
+    ] == [True] * 4
+    with pytest.raises(ValueError, match="copies must divide 4"):
+        ColumnParallelLinear(nn.Linear(3, 12), None, 4, 0, parts=((8, 1), (2, 3), (2, 4)))

@@ -190,3 +190,35 @@ def test_litgpt_sizes_read_from_the_shared_config_are_divided_on_a_copy():
     copies = [block.attn.config for block in module.model.transformer.h]
     assert (config.n_head, config.n_query_groups) == (4, 4) and module.model.config is config
     assert all(c is not config and (c.n_head, c.n_query_groups, c.head_size) == (2, 2, 4) for c in copies)
+
+
+@pytest.mark.parametrize(
+    "arch, layer, parts",
+    [
+        ("phi3", "model.model.layers.0.self_attn.qkv_proj", ((16, 1), (8, 1), (8, 1))),
+        ("falcon", "model.transformer.h.0.self_attention.query_key_value", ((16, 1), (4, 2), (4, 2))),
+        ("gpt_bigcode", "model.transformer.h.0.attn.c_attn", ((16, 1), (4, 2), (4, 2))),
+    ],
+)
+def test_a_fused_qkv_of_unequal_widths_is_cut_per_block(arch, layer, parts):
+    """Phi-3 slices q|k|v (GQA), Falcon views it as heads and indexes its one k and v head, GPT-BigCode
+    splits it with sizes: each block's heads split over the ranks, a single key-value head held by both."""
+    module, plan = traced(arch)
+    found = next(a for a in plan.assignments if a.name == layer)
+    assert found.style == "colwise" and found.options["parts"] == parts
+    assert not any(".0." in name for name, _ in plan.report)
+
+
+def test_phi3_head_count_read_from_the_config_is_divided_on_a_copy_of_its_own():
+    module, plan = traced("phi3")
+    attn = "model.model.layers.0.self_attn"
+    assert (attn, "config.num_attention_heads", 4) in plan.attributes
+    assert module.get_submodule(attn).config is module.model.config  # the plan changed nothing yet
+
+
+def test_kv_heads_fewer_than_the_ranks_are_held_by_the_ranks_that_read_them():
+    _, plan = traced("hf_llama", tp=4)
+    options = {a.name: a.options for a in plan.assignments}
+    attn = "model.model.layers.0.self_attn"
+    assert options[f"{attn}.k_proj"]["parts"] == ((8, 2),) and options[f"{attn}.v_proj"]["parts"] == ((8, 2),)
+    assert not options[f"{attn}.q_proj"].get("parts") and plan.report == []
