@@ -69,6 +69,7 @@ __all__ = [
     "accumulates_grad",
     "queue_end_of_backward",
     "foreach_copy_",
+    "foreach_mul",
     "foreach_mul_",
     "foreach_norm",
     "is_fake",
@@ -108,6 +109,7 @@ def selective_op_outputs(ctx: Any) -> tuple:
 
 #: torch >= 2.1: the multi-tensor kernels (one launch per device and dtype), public in all but name
 foreach_norm = torch._foreach_norm
+foreach_mul = torch._foreach_mul
 foreach_mul_ = torch._foreach_mul_
 foreach_copy_ = torch._foreach_copy_
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_parallel.compat import foreach_mul_, foreach_norm, reduce_scatter_single
+from lightning_parallel.compat import foreach_mul, foreach_mul_, foreach_norm, reduce_scatter_single
 
 __all__ = [
     "copy_to_group",
@@ -313,7 +313,7 @@ def clip_grad_norm_counted(
     mine = [p.grad for p in params if p.grad is not None and id(p) in counted and id(p) not in weights]
     scaled = [p for p in params if p.grad is not None and id(p) in counted and id(p) in weights]
     if scaled:
-        mine += torch._foreach_mul([p.grad for p in scaled], [weights[id(p)] for p in scaled])
+        mine += foreach_mul([p.grad for p in scaled], [weights[id(p)] for p in scaled])
     dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
     device = params[0].device if params else _collective_device(group)
     with torch.no_grad():
