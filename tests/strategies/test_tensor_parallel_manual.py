@@ -10,23 +10,17 @@ import torch
 
 from tests.helpers.harness import max_param_diff, run_distributed, run_single
 from tests.helpers.manual_zoo import ManualZooLM
-from tests.strategies.test_tensor_parallel_families import F64, TP
+from tests.strategies.test_tensor_parallel_families import F64
+from tests.strategies.test_tensor_parallel_families import case as family_case
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_manual_optimization_auto_plan_splits_and_equals_one_device(tmp_path):
     case = {
+        **family_case("hf_llama"),
         "name": "manual-llama",
         "model": "tests.helpers.manual_zoo:ManualZooLM",
-        "model_kwargs": {"arch": "hf_llama"},
-        "data": "tests.helpers.tp_models:TokenData",
-        "data_kwargs": {"global_batch_size": 16},
-        "dp_size": 1,
-        "trainer": F64,
-        "save_checkpoint": True,
-        "probe": "tests.helpers.probes:tensor_parallel_plan",
-        "strategy": {"class": TP, "kwargs": {"plan": "auto"}},
     }
     single = run_single({**case, "name": "single-manual", "strategy": "auto", "probe": None}, tmp_path)
     results = run_distributed([case], world_size=2, tmp_path=tmp_path, timeout=400)
