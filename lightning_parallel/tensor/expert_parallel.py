@@ -1,7 +1,7 @@
 """Expert parallelism as a transform of a module: whole experts placed on the ranks of an ep group, tokens
 sent to their expert's rank and back by all-to-all.
 
-Each Hugging Face experts module (``is_experts_module``: Mixtral's, Qwen2-MoE's, OLMoE's, ...: the
+Each Hugging Face experts module (``tensor.experts.is_experts``: Mixtral's, Qwen2-MoE's, OLMoE's, ...: the
 experts' weights stacked along dim 0, called with the tokens, their top-k expert indices and weights) is
 replaced by an ``ExpertParallelExperts`` holding only this rank's ``num_experts / ep`` experts, under the
 same state-dict names. Its forward, per call:
@@ -22,7 +22,6 @@ replicas of the expert (the ``edp`` group) average it, which together is the dat
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Optional
@@ -33,6 +32,7 @@ from torch import Tensor, nn
 
 from lightning_parallel.checkpointing.one_device import keep_skeleton
 from lightning_parallel.distributed.collectives import all_to_all_rows, exchange_counts
+from lightning_parallel.tensor.experts import is_experts
 from lightning_parallel.tensor.layers import ShardSpec, shard_tensor
 
 __all__ = [
@@ -44,47 +44,16 @@ __all__ = [
     "expert_parallel_problem",
     "expert_pieces",
     "find_experts",
-    "is_experts_module",
     "scale_expert_gradients",
 ]
 
 EXPERT_DIM = ShardSpec(dim=0)
-#: the experts' forward arguments (the tokens, their top-k expert indices and weights), as named by
-#: transformers' decorated experts classes and by GPT-OSS's
-ARGUMENTS = (
-    ["hidden_states", "top_k_index", "top_k_weights"],
-    ["hidden_states", "router_indices", "routing_weights"],
-)
-
-
-def is_experts_module(module: nn.Module) -> bool:
-    """Whether ``module`` is a Hugging Face experts module: ``num_experts`` experts stacked along dim 0 of
-    each of its own parameters (no parameters below it), called as ``forward(hidden_states, top_k_index,
-    top_k_weights)`` (GPT-OSS: ``router_indices, routing_weights``)."""
-    n = getattr(module, "num_experts", None)
-    own = list(module._parameters.values())
-    if (
-        not isinstance(n, int)
-        or n < 1
-        or not own
-        or any(p is None or p.dim() < 2 or p.shape[0] != n for p in own)
-    ):
-        return False
-    if any(True for child in module.children() for _ in child.parameters()):
-        return False
-    try:
-        names = list(inspect.signature(module.forward).parameters)
-    except (TypeError, ValueError):
-        return False
-    return names[:3] in ARGUMENTS
 
 
 def find_experts(module: nn.Module) -> dict[str, nn.Module]:
     """Every experts module of ``module`` by name (already parallel ones included)."""
     return {
-        name: m
-        for name, m in module.named_modules()
-        if isinstance(m, ExpertParallelExperts) or is_experts_module(m)
+        name: m for name, m in module.named_modules() if isinstance(m, ExpertParallelExperts) or is_experts(m)
     }
 
 

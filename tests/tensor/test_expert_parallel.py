@@ -17,8 +17,8 @@ from lightning_parallel.tensor.expert_parallel import (
     describe_expert_parallel,
     expert_pieces,
     find_experts,
-    is_experts_module,
 )
+from lightning_parallel.tensor.experts import is_experts
 
 
 def block(implementation: str, dtype: torch.dtype) -> nn.Module:
@@ -108,9 +108,9 @@ def test_other_families_run_as_on_one_device(family, config):
 
 def test_hugging_face_experts_modules_are_recognised():
     moe = block("eager", torch.float64)
-    assert is_experts_module(moe.experts)
-    assert not is_experts_module(moe.gate) and not is_experts_module(moe)
-    assert not is_experts_module(nn.Linear(4, 4))
+    assert is_experts(moe.experts)
+    assert not is_experts(moe.gate) and not is_experts(moe)
+    assert not is_experts(nn.Linear(4, 4))
     assert list(find_experts(moe)) == ["experts"]
 
 
