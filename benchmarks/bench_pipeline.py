@@ -64,7 +64,7 @@ from common import (  # noqa: E402
 from lightning_parallel.pipeline.schedules import SCHEDULES, expected_bubbles  # noqa: E402
 from lightning_parallel.pipeline.timeline import bubble  # noqa: E402
 
-RANKS = 2  # pipeline ranks (p), one CPU process each
+RANKS = 2  # pipeline ranks (p), one CPU process each; set by --stages in the launcher and in each worker
 
 #: torch's implementation of each of our schedules (a class of ``torch.distributed.pipelining``), None: none
 TORCH_COUNTERPART = {
@@ -396,10 +396,11 @@ def main() -> None:
         default=schedules,
         help="our schedules to run, each with torch's counterpart (default: all)",
     )
+    parser.add_argument("--stages", type=int, default=2, help="pipeline ranks p, one CPU process each")
     parser.add_argument("--m", type=int, nargs="+", default=[4, 8], help="numbers of micro-batches to run")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument(
-        "--layers", type=int, default=4, help="blocks; must divide by 2 x the chunks per rank"
+        "--layers", type=int, default=4, help="blocks; must divide by --stages x the chunks per rank"
     )
     parser.add_argument(
         "--width",
@@ -415,6 +416,8 @@ def main() -> None:
         "--timeline-dir", default="", help="write our schedules' step-10 timelines (SVG + trace) here"
     )
     args = parser.parse_args()
+    global RANKS
+    RANKS = args.stages
     if args.worker:
         return ours(args) if args.impl == "ours" else torch_pipelining(args)
     for schedule in args.schedules:
@@ -427,7 +430,7 @@ def main() -> None:
 
     out = Path(tempfile.mkdtemp()) / "results.jsonl"
     args.out = str(out)
-    common = worker_args(args, ("batch_size", "layers", "width", "virtual_stages"))
+    common = worker_args(args, ("batch_size", "layers", "width", "virtual_stages", "stages"))
     if args.timeline_dir:
         common += ["--timeline-dir", str(Path(args.timeline_dir).resolve())]
     runs = [
@@ -474,10 +477,10 @@ def report(args: argparse.Namespace, records: list[dict]) -> None:
             f"torch: {counterpart or 'none'}"
         )
     print(
-        "\n| m | schedule | ours ms | torch ms | torch/ours | bubble measured, ours (stage 0, 1) "
-        "| torch (stage 0, 1) | theory, equal stages (B = 2F, W = B/2) "
-        "| theory for the measured stage costs (stage 0, 1) "
-        "| activations held at peak, stage 0 / 1 ((micro-batch, chunk)s x MiB) |"
+        "\n| m | schedule | ours ms | torch ms | torch/ours | bubble measured, ours (stage 0..p-1) "
+        "| torch (stage 0..p-1) | theory, equal stages (B = 2F, W = B/2) "
+        "| theory for the measured stage costs (stage 0..p-1) "
+        "| activations held at peak, stage 0 / ... / p-1 ((micro-batch, chunk)s x MiB) |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for m in args.m:
