@@ -23,7 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("step_effects", "module_names", "memory", "materialize", "models", "data"),
     ("distributed",),
     ("checkpointing", "processes"),
-    ("tensor", "pipeline"),
+    ("tensor", "pipeline", "load_balancing"),
     ("recompute",),
     ("strategies",),
     ("registry",),

@@ -54,7 +54,7 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import DDPStrategy as _LightningDDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import extract_batch_size
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from lightning_parallel.checkpointing import AtomicCheckpointIO, Checkpointer
@@ -73,6 +73,7 @@ from lightning_parallel.distributed.replicas import broadcast_module_states
 from lightning_parallel.distributed.sync_batchnorm import SyncBatchNormPlugin
 from lightning_parallel.distributed.watchdog import FailureWatchdog
 from lightning_parallel.distributed.zero import ZERO_STAGES, ShardedGradientReducer
+from lightning_parallel.load_balancing import install as install_global_load_balancing
 from lightning_parallel.materialize import (
     Cut,
     WeightSource,
@@ -232,6 +233,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self.zero_stage = zero_stage
         self._optimizer_shards: dict[int, ShardedOptimizer] = {}  # id(optimizer) -> its sharding
         self._release_raw_clipping: Callable[[], None] = _nothing  # refuse_raw_clipping's, under ZeRO
+        self._release_load_balancing: Callable[[], None] = _nothing  # load_balancing.install's undo
         self._checkpointed: list[str] = []  # the submodules whose forward set-up checkpointed
         self.memory = MemoryReport(defer_to_callback=True) if memory_report else None  # baseline: now
 
@@ -422,6 +424,10 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self.configure_parallelism()
         self._bind_metrics_to_dp_group()
         self.install_clipping()
+        self._release_load_balancing()  # a mixture of experts' load-balancing loss on the global batch
+        self._release_load_balancing = install_global_load_balancing(
+            self.lightning_module, self.dp_group, rank_zero_warn
+        )
         if self.zero_stage and self.mesh is not None and self.mesh.shape.dp == 1:
             rank_zero_info(
                 f"zero_stage={self.zero_stage}: the data-parallel group has one process, so nothing is sharded "
@@ -671,6 +677,8 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
     def teardown(self) -> None:
         self._release_raw_clipping()
         self._release_raw_clipping = _nothing
+        self._release_load_balancing()
+        self._release_load_balancing = _nothing
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None

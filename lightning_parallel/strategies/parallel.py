@@ -44,6 +44,7 @@ from lightning_parallel.checkpointing.by_name import (
 )
 from lightning_parallel.checkpointing.contract import check_keys, unwrapped
 from lightning_parallel.distributed.reducer import GradientReducer
+from lightning_parallel.load_balancing import refusal as load_balancing_refusal
 from lightning_parallel.memory.saved import can_stack
 from lightning_parallel.pipeline.partition import partition
 from lightning_parallel.pipeline.placement import global_stage
@@ -262,6 +263,9 @@ class ParallelStrategy(
                 raise ValueError(
                     f"sequence_parallel=True with pipeline_parallel_size={shape.pp}: {SP_WITH_PP}"
                 )
+        why = load_balancing_refusal(module, shape.pp, self.sequence_parallel)
+        if why is not None:
+            raise ValueError(why)
         recompute = self.activation_checkpointing
         if self.sequence_parallel and recompute not in (False, "selective") and not can_stack():
             raise ValueError(
