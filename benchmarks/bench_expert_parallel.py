@@ -14,7 +14,7 @@ float32, the experts' eager loop) under torchrun, one thread per process, on glo
 
 ``ep`` and ``dp`` see P batches per step, ``tp`` one (its ranks share the batch), so step times compare
 the cost of one step of each layout and samples/s the throughput. Communication is counted, not
-profiled, by ``lightning_parallel.distributed.traffic.StepTraffic``: every ``torch.distributed``
+profiled, by ``lightning_parallel.step_traffic.StepTraffic``: every ``torch.distributed``
 collective a rank issues during a step, with the bytes of the tensor it hands over (all-reduce and
 broadcast: the tensor, of which a ring all-reduce sends 2 (P - 1) / P; all-gather and reduce-scatter: the
 rank's input; all-to-all: the rows it sends to the other ranks, not those it keeps), summed per step and
@@ -84,7 +84,7 @@ def worker(args: argparse.Namespace) -> None:
     from lightning.pytorch import LightningModule, Trainer, seed_everything
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_parallel.distributed.traffic import StepTraffic
+    from lightning_parallel.step_traffic import StepTraffic
 
     torch.set_num_threads(1)
     seed_everything(0)

@@ -6,7 +6,7 @@ counted functions of ``torch.distributed`` (every caller reaches them as ``dist.
 call, the bytes of the tensor a rank hands over: all-reduce and broadcast the tensor (of which a ring
 all-reduce sends 2 (P - 1) / P), all-gather and reduce-scatter the rank's input, all-to-all its input,
 split into the rows that go to the other ranks (``sent``) and those that stay on this rank (``kept``).
-``StepTraffic`` is the Lightning callback that keeps one such count per training step.
+``lightning_parallel.step_traffic.StepTraffic`` keeps one such count per training step.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch import Callback
 
-__all__ = ["COUNTED", "StepTraffic", "Traffic", "count_collective_bytes"]
+__all__ = ["COUNTED", "Traffic", "count_collective_bytes"]
 
 #: torch.distributed calls counted, and which positional argument is the tensor a rank hands over
 COUNTED = {
@@ -86,29 +85,3 @@ def count_collective_bytes() -> Iterator[Traffic]:
     finally:
         for name, original in originals.items():
             setattr(dist, name, original)
-
-
-class StepTraffic(Callback):
-    """The bytes of each training step (``steps``: one ``Traffic`` per batch, in order), counted from
-    ``setup`` to ``teardown`` of fit."""
-
-    def __init__(self) -> None:
-        self.steps: list[Traffic] = []
-        self._counting: Any = None
-        self._traffic = Traffic()
-
-    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if stage == "fit" and self._counting is None:
-            self._counting = count_collective_bytes()
-            self._traffic = self._counting.__enter__()
-
-    def on_train_batch_start(self, *args: Any) -> None:
-        self._traffic.clear()
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        self.steps.append(Traffic(Counter(self._traffic.sent), Counter(self._traffic.kept)))
-
-    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        if stage == "fit" and self._counting is not None:
-            self._counting.__exit__(None, None, None)
-            self._counting = None

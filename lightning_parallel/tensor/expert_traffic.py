@@ -54,30 +54,31 @@ class ExpertCall:
 
 def traced_expert_calls(module: nn.Module, run: Any) -> dict[str, list[ExpertCall]]:
     """The calls of every experts module of ``module`` in the step ``run`` (a ``SampleStep``), on fake
-    tensors; empty lists where ``run`` is None."""
+    tensors; empty lists where ``run`` is None or the step cannot run on fake tensors (as ``plan="auto"``
+    then decides without a trace)."""
     experts = find_experts(module)
     calls: dict[str, list[ExpertCall]] = {name: [] for name in experts}
     if run is None or not experts:
         return calls
 
     def record(name: str, _: nn.Module, args: tuple, kwargs: dict) -> None:
-        given = list(args) + [kwargs[k] for k in ("hidden_states", "top_k_index") if k in kwargs]
+        given = [*args, *kwargs.values()]  # (hidden states, top-k indices, weights), by position or name
         hidden, index = given[0], given[1]
         calls[name].append(
             ExpertCall(hidden.shape[0], index.shape[-1], hidden.shape[-1], hidden.element_size())
         )
 
-    with fake_step(module, run) as step:
-        hooks = [
-            m.register_forward_pre_hook(partial(record, name), with_kwargs=True)
-            for name, m in experts.items()
-        ]
-        try:
-            with torch.no_grad():
-                step()
-        finally:
-            for hook in hooks:
-                hook.remove()
+    hooks = [
+        m.register_forward_pre_hook(partial(record, name), with_kwargs=True) for name, m in experts.items()
+    ]
+    try:
+        with fake_step(module, run) as step, torch.no_grad():
+            step()
+    except Exception:  # noqa: BLE001  (a step that cannot run on fakes: the table says it was not traced)
+        return {name: [] for name in experts}
+    finally:
+        for hook in hooks:
+            hook.remove()
     return calls
 
 
@@ -139,8 +140,9 @@ class ExpertPlacement:
         traced = {n: c for n, c in self.calls.items() if c}
         if not traced:
             return lines + [
-                "all-to-all per step: not traced (no sample batch): per call, forward "
-                f"{total} counts and 2 x tokens x top-k x hidden elements, backward 2 x the same"
+                "all-to-all per step: not traced (no sample batch, or a step that does not run on fake "
+                f"tensors): per call, forward {total} counts and 2 x tokens x top-k x hidden elements, "
+                "backward 2 x the same"
             ]
         volume = self.step_bytes(experts)
         call = next(iter(traced.values()))[0]

@@ -249,7 +249,7 @@ def expert_parallel(trainer) -> dict:
 def step_traffic(trainer) -> list[dict]:
     """Per step, the bytes this rank handed to each kind of collective (``StepTraffic``'s count), split
     into ``sent`` to other ranks and ``kept`` (an all-to-all's own rows)."""
-    from lightning_parallel.distributed.traffic import StepTraffic
+    from lightning_parallel.step_traffic import StepTraffic
 
     (found,) = [c for c in trainer.callbacks if isinstance(c, StepTraffic)]
     return [{"sent": dict(step.sent), "kept": dict(step.kept)} for step in found.steps]

@@ -207,7 +207,7 @@ COUNTED = {
     **case("mixtral", 2, 2),
     "name": "mixtral-ep2-traffic",
     "trainer": {"precision": "32-true", "max_steps": 2},
-    "callbacks": [{"class": "lightning_parallel.distributed.traffic:StepTraffic"}],
+    "callbacks": [{"class": "lightning_parallel.step_traffic:StepTraffic"}],
     "probe": "tests.helpers.probes:step_traffic",
     "save_checkpoint": False,
 }
