@@ -14,12 +14,14 @@ float32, the experts' eager loop) under torchrun, one thread per process, on glo
 
 ``ep`` and ``dp`` see P batches per step, ``tp`` one (its ranks share the batch), so step times compare
 the cost of one step of each layout and samples/s the throughput. Communication is counted, not
-profiled: every ``torch.distributed`` collective a rank issues during a step is recorded with the bytes of
-the tensor it hands over (all-reduce and broadcast: the tensor, of which a ring all-reduce sends
-2 (P - 1) / P; all-gather and reduce-scatter: the rank's input; all-to-all: the rows it sends to the other
-ranks, not those it keeps), summed per step and kind; the table shows the median step's total per rank,
-averaged over the ranks (their all-to-alls differ with the routing). Strategies are interleaved round by
-round; the table shows medians over rounds.
+profiled, by ``lightning_parallel.step_traffic.StepTraffic``: every ``torch.distributed``
+collective a rank issues during a step, with the bytes of the tensor it hands over (all-reduce and
+broadcast: the tensor, of which a ring all-reduce sends 2 (P - 1) / P; all-gather and reduce-scatter: the
+rank's input; all-to-all: the rows it sends to the other ranks, not those it keeps), summed per step and
+kind; the table shows the median step's total per rank, averaged over the ranks (their all-to-alls
+differ with the routing). ``python -m lightning_parallel.cli.plan_table ... --ep P`` predicts the
+all-to-all part from the traced batch. Strategies are interleaved round by round; the table shows
+medians over rounds.
 """
 
 from __future__ import annotations
@@ -44,50 +46,7 @@ from common import (  # noqa: E402
 )
 
 CONFIGS = ("ep", "tp", "dp")
-#: torch.distributed calls counted, and which argument is the tensor a rank hands over
-COUNTED = {
-    "all_reduce": 0,
-    "broadcast": 0,
-    "all_gather": 1,
-    "all_gather_into_tensor": 1,
-    "reduce_scatter_tensor": 1,
-    "all_to_all_single": 1,
-}
 MODEL_OPTIONS = ("width", "layers", "experts", "top_k", "batch_size", "seq")
-
-
-def count_bytes() -> Counter:
-    """Wrap the counted ``torch.distributed`` collectives so that each adds the bytes it hands over to
-    the returned counter (by kind), in this process."""
-    import torch
-    import torch.distributed as dist
-
-    sent: Counter = Counter()
-
-    def counting(name: str, position: int):
-        original = getattr(dist, name)
-
-        def call(*args, **kwargs):
-            tensor = args[position] if len(args) > position else next(iter(kwargs.values()))
-            if isinstance(tensor, torch.Tensor):
-                sent[name] += tensor.numel() * tensor.element_size() - kept(name, tensor, args, kwargs)
-            return original(*args, **kwargs)
-
-        return call
-
-    def kept(name: str, tensor: torch.Tensor, args: tuple, kwargs: dict) -> int:
-        """The bytes of an all-to-all's input that stay on this rank."""
-        if name != "all_to_all_single":
-            return 0
-        group = kwargs.get("group", args[4] if len(args) > 4 else None)
-        size, rank = dist.get_world_size(group), dist.get_rank(group)
-        splits = kwargs.get("input_split_sizes", args[3] if len(args) > 3 else None)
-        rows = splits[rank] if splits else tensor.shape[0] // size
-        return rows * tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
-
-    for name, position in COUNTED.items():
-        setattr(dist, name, counting(name, position))
-    return sent
 
 
 def mixtral(args: argparse.Namespace):
@@ -122,12 +81,13 @@ def strategy(config: str, world: int):
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.nn.functional as F
-    from lightning.pytorch import Callback, LightningModule, Trainer, seed_everything
+    from lightning.pytorch import LightningModule, Trainer, seed_everything
     from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_parallel.step_traffic import StepTraffic
 
     torch.set_num_threads(1)
     seed_everything(0)
-    sent = count_bytes()
 
     class MoELM(LightningModule):
         def __init__(self) -> None:
@@ -141,23 +101,13 @@ def worker(args: argparse.Namespace) -> None:
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
-    class StepBytes(Callback):
-        def __init__(self) -> None:
-            self.steps: list[dict] = []
-
-        def on_train_batch_start(self, *a: object) -> None:
-            sent.clear()
-
-        def on_train_batch_end(self, *a: object) -> None:
-            self.steps.append(dict(sent))
-
     tokens = torch.randint(
         0, 256, (args.batch_size * 64, args.seq + 1), generator=torch.Generator().manual_seed(1)
     )
     loader = DataLoader(
         TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=args.batch_size, drop_last=True
     )
-    timer, counted = step_timer(), StepBytes()
+    timer, counted = step_timer(), StepTraffic()
     trainer = Trainer(
         accelerator="cpu",
         devices=args.world_size,
@@ -169,7 +119,7 @@ def worker(args: argparse.Namespace) -> None:
     model = MoELM()
     trainer.fit(model, train_dataloaders=loader)
     held = sum(p.numel() for p in model.parameters())
-    measured = counted.steps[args.warmup :]
+    measured = [dict(step.sent) for step in counted.steps[args.warmup :]]
     totals = [sum(s.values()) for s in measured]
     middle = measured[totals.index(statistics.median_low(totals))]
     append_record(

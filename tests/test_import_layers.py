@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("compat", "recompute_state"),
     ("step_effects", "module_names", "memory", "materialize", "models", "data"),
     ("distributed",),
-    ("checkpointing", "processes"),
+    ("checkpointing", "processes", "step_traffic"),
     ("tensor", "pipeline", "load_balancing"),
     ("recompute",),
     ("strategies",),

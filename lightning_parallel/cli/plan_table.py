@@ -1,5 +1,5 @@
 """``python -m lightning_parallel.cli.plan_table <module target> --tp 2 [--plan auto|NAME|FILE.yaml] [--kwargs JSON]
-[--data package.module:DataModule [--data-kwargs JSON]] [--sequence-parallel]``
+[--data package.module:DataModule [--data-kwargs JSON]] [--sequence-parallel] [--ep N [--dp M]]``
 
 Prints the sharding plan of a module as a table (style, local weight shape, parameters per rank and
 communication per layer, with totals) without starting any process. The target is ``package.module:Class``
@@ -11,6 +11,10 @@ alone, which leaves attention and MLPs written in ``forward`` replicated: the ou
 how to trace.
 ``--sequence-parallel`` adds where sequence parallelism cuts and gathers the sequence, and the collectives
 per step with and without it.
+``--ep`` (``expert_parallel_size``) places each mixture-of-experts layer's experts whole on that many ranks:
+the table then gives the experts and parameters each rank holds and the all-to-all bytes per step, per
+layer and in total, from the traced batch (``tensor.expert_traffic``). ``--dp`` (``data_parallel_size``)
+is checked against it as the strategy checks it.
 """
 
 from __future__ import annotations
@@ -24,7 +28,11 @@ from typing import Any, Optional
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from lightning_parallel.strategies.options import option_problems
+from lightning_parallel.strategies.parallel import ParallelStrategy
 from lightning_parallel.tensor import PlanError, parse_plan, resolve
+from lightning_parallel.tensor.expert_parallel import expert_parallel_problem, experts_left_to_expert_parallel
+from lightning_parallel.tensor.expert_traffic import placement
 from lightning_parallel.tensor.sample import forward_on
 from lightning_parallel.tensor.sequence_plan import resolve_sequence
 from lightning_parallel.tensor.table import format_table
@@ -85,14 +93,45 @@ def main(argv: Optional[list[str]] = None) -> int:
         action="store_true",
         help="as with sequence_parallel=True (docs/tensor_parallel.md)",
     )
+    parser.add_argument(
+        "--ep",
+        "--expert-parallel-size",
+        dest="ep",
+        type=int,
+        default=1,
+        help="expert_parallel_size: ranks that share out each mixture-of-experts layer's experts",
+    )
+    parser.add_argument(
+        "--dp",
+        "--data-parallel-size",
+        dest="dp",
+        type=int,
+        default=None,
+        help="data_parallel_size, checked against --ep (default: left to the world size)",
+    )
     args = parser.parse_args(argv)
     if args.tp < 1:
         parser.error(f"--tp must be a positive integer, got {args.tp}")
+    layout = {
+        "tensor_parallel_size": args.tp,
+        "data_parallel_size": args.dp,
+        "expert_parallel_size": args.ep,
+        "sequence_parallel": args.sequence_parallel,
+    }
+    problems = option_problems(ParallelStrategy, layout)
+    if problems:
+        parser.error("; ".join(problems))
     module = _load(args.target)(**json.loads(args.kwargs))
+    if args.ep > 1 and (problem := expert_parallel_problem(module, args.ep)):
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     batch, traced = _sample(module, args.data, args.data_kwargs)
     run = forward_on(module, batch)
     try:
         resolved = resolve(module, args.plan, args.tp, run=run)
+        if args.ep > 1:
+            experts_left_to_expert_parallel(resolved)
+            resolved.experts = placement(module, args.ep, run)
         if args.sequence_parallel:
             resolved.sequence = resolve_sequence(module, resolved, parse_plan_unless_auto(args.plan), run)
     except PlanError as err:

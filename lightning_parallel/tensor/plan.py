@@ -179,6 +179,7 @@ class ResolvedPlan:
     gradient_sums: list[str] = field(default_factory=list)  # parameter names, see Plan
     features: dict[str, ShardSpec] = field(default_factory=dict)  # per-feature tensors, see Plan
     sequence: Any = None  # a tensor.sequence.SequencePlan when sequence parallelism is on
+    experts: Any = None  # a tensor.expert_traffic.ExpertPlacement when the table shows expert parallelism
     copies: dict[tuple[str, str], int] = field(default_factory=dict)  # attributes of heads held by several
 
     def styles(self) -> dict[str, str]:

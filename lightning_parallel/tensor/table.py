@@ -12,6 +12,10 @@ With sequence parallelism (``resolved.sequence``) the rows say where the sequenc
 pair's module gathers its input (all-gather forward, reduce-scatter backward, and an all-gather of the part
 it saved for backward) in place of its column-parallel layers' all-reduce, and its row-parallel layer
 reduce-scatters; the totals then count those.
+With expert parallelism (``resolved.experts``, a ``tensor.expert_traffic.ExpertPlacement``) each experts
+module's row holds its ``num_experts / ep`` whole experts and its all-to-alls (the counts, the dispatch and
+the combine forward, the two row exchanges backward), and the lines below the table give their bytes per
+step from the traced batch.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_parallel.tensor.experts import experts_layout, experts_shards
+from lightning_parallel.tensor.experts import experts_layout, experts_shards, find_experts
 from lightning_parallel.tensor.layers import _linear_shape
 from lightning_parallel.tensor.plan import ResolvedPlan
 
@@ -175,7 +179,15 @@ def plan_rows(module: nn.Module, resolved: ResolvedPlan, sequence: bool = True) 
     tp = resolved.tp_size
     rows, seen_entry, covered = [], set(), set()
     order = {name: i for i, (name, _) in enumerate(module.named_modules())}
+    placed = find_experts(module) if resolved.experts is not None else {}
+    for name, m in placed.items():  # whole experts on the ep ranks, reached by all-to-all
+        fwd, bwd = resolved.experts.comm(m, name)
+        shape, n = resolved.experts.local_shape(m), resolved.experts.params_per_rank(m)
+        rows.append(PlanRow(name, f"experts ep={resolved.experts.ep}", shape, n, fwd, bwd))
+        covered.update(id(p) for p in m.parameters())
     for a in sorted(resolved.assignments, key=lambda a: order.get(a.name, len(order))):
+        if a.name in placed:
+            continue
         if a.style == "per_feature":  # cut with the features of its pair: no communication
             shape, n, ids = _per_feature(a, resolved)
             rows.append(PlanRow(a.name or "(root)", a.style, shape, n, "-", "-"))
@@ -196,6 +208,8 @@ def plan_rows(module: nn.Module, resolved: ResolvedPlan, sequence: bool = True) 
             n -= sum(p.numel() // tp for p in a.module.parameters() if id(p) in covered)
         rows.append(PlanRow(a.name, a.style, shape, n, fwd, bwd))
         covered.update(id(p) for p in a.module.parameters())
+    if placed:
+        rows.sort(key=lambda r: order.get(r.name, len(order)))
     rest = sum(p.numel() for p in module.parameters() if id(p) not in covered)
     rows.append(PlanRow("(all other parameters)", "replicate", "(full)", rest, "-", "-"))
     return _sequence_rows(module, resolved, rows) if sequence and resolved.sequence is not None else rows
@@ -221,9 +235,8 @@ def format_table(module: nn.Module, resolved: ResolvedPlan) -> str:
     ]
     per_rank = sum(r.params_per_rank for r in rows)
     fwd, bwd = collectives_per_step(rows)
-    table.append(
-        ("TOTAL", f"tp={resolved.tp_size}", "", f"{per_rank:,}", f"{fwd} collectives", f"{bwd} collectives")
-    )
+    layout = f"tp={resolved.tp_size}" + (f" ep={resolved.experts.ep}" if resolved.experts is not None else "")
+    table.append(("TOTAL", layout, "", f"{per_rank:,}", f"{fwd} collectives", f"{bwd} collectives"))
     widths = [max(len(str(row[i])) for row in table) for i in range(len(header))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
     lines.insert(1, "  ".join("-" * w for w in widths))
@@ -237,6 +250,8 @@ def format_table(module: nn.Module, resolved: ResolvedPlan) -> str:
         )
     for name, why in resolved.report:
         lines.append(f"replicated {name}: {why}")
+    if resolved.experts is not None:
+        lines += resolved.experts.summary(module)
     if resolved.sequence is not None:
         seq = resolved.sequence
         plain = collectives_per_step(plan_rows(module, resolved, sequence=False))

@@ -138,7 +138,16 @@ class CollectiveCounter:
     (from the start of a batch to its end), by wrapping them for that time: the collectives still run."""
 
     NAMES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor")
-    NAMES += ("reduce", "all_gather_object", "broadcast_object_list", "barrier", "send", "recv", "isend", "irecv")
+    NAMES += (
+        "reduce",
+        "all_gather_object",
+        "broadcast_object_list",
+        "barrier",
+        "send",
+        "recv",
+        "isend",
+        "irecv",
+    )
 
     def __new__(cls, *args, **kwargs):
         from lightning.pytorch import Callback
@@ -235,3 +244,12 @@ def expert_parallel(trainer) -> dict:
     reducer = strategy.expert_reducer
     held_by_reducer = None if reducer is None else sum(len(b.params) for b in reducer.buckets)
     return {"held": held, "expert_reducer": held_by_reducer}
+
+
+def step_traffic(trainer) -> list[dict]:
+    """Per step, the bytes this rank handed to each kind of collective (``StepTraffic``'s count), split
+    into ``sent`` to other ranks and ``kept`` (an all-to-all's own rows)."""
+    from lightning_parallel.step_traffic import StepTraffic
+
+    (found,) = [c for c in trainer.callbacks if isinstance(c, StepTraffic)]
+    return [{"sent": dict(step.sent), "kept": dict(step.kept)} for step in found.steps]

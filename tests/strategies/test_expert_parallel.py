@@ -4,14 +4,19 @@ checkpoint holding every expert under its single-device name (momentum buffers i
 holding num_experts / ep experts. Alone (ep = dp), with 2 replicas of each expert (ep=2, dp=4), with
 clipping by the global norm, with whole blocks recomputed in backward, under tensor parallelism (dp2 x
 tp2, ep=2), built on meta under ``init_module()``, and with a rank whose experts get no token; an ep
-checkpoint resumes exactly under ep and on one device."""
+checkpoint resumes exactly under ep and on one device. The plan table's all-to-all bytes per step equal
+what a real ep=2 run hands to its all-to-alls."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from lightning_parallel.tensor.expert_traffic import placement
+from lightning_parallel.tensor.sample import forward_on
 from tests.helpers.harness import max_param_diff, run_distributed, run_single
+from tests.helpers.tp_models import TokenData
+from tests.helpers.zoo import ZooLM
 
 PARALLEL = "lightning_parallel:ParallelStrategy"
 F64 = {"precision": "64-true", "max_steps": 5}
@@ -195,3 +200,30 @@ def test_expert_parallel_4_processes(tmp_path):
     results = run_distributed(CASES_4, world_size=4, tmp_path=tmp_path, timeout=800)
     for c in CASES_4:
         check(tmp_path, 4, c, results)
+
+
+# the plan table's all-to-all figure against the bytes a real run hands over (float32, as the table traces)
+COUNTED = {
+    **case("mixtral", 2, 2),
+    "name": "mixtral-ep2-traffic",
+    "trainer": {"precision": "32-true", "max_steps": 2},
+    "callbacks": [{"class": "lightning_parallel.step_traffic:StepTraffic"}],
+    "probe": "tests.helpers.probes:step_traffic",
+    "save_checkpoint": False,
+}
+
+
+@pytest.mark.timeout(300)
+def test_plan_table_all_to_all_bytes_equal_a_real_run(tmp_path):
+    results = run_distributed([COUNTED], world_size=2, tmp_path=tmp_path, timeout=240)
+    module = ZooLM(arch="mixtral")
+    batch = next(iter(TokenData(batch_size=8).train_dataloader()))  # each rank's batch: 16 / dp
+    predicted = placement(module, 2, forward_on(module, batch)).total_bytes(module)
+    steps = [r["probe"] for r in results[COUNTED["name"]]]
+    assert [len(s) for s in steps] == [2, 2]
+    for step in range(2):
+        sent = [s[step]["sent"]["all_to_all_single"] for s in steps]
+        kept = [s[step]["kept"]["all_to_all_single"] for s in steps]
+        # per rank, the combine and the dispatch's backward carry what the routing sent it: the group's sum
+        assert sum(sent) + sum(kept) == 2 * predicted, (step, sent, kept, predicted)
+        assert all(k > 0 for k in kept) and all(s > 0 for s in sent)  # rows stay, and rows leave
