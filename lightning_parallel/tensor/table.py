@@ -185,7 +185,8 @@ def plan_rows(module: nn.Module, resolved: ResolvedPlan, sequence: bool = True) 
         shape, n = resolved.experts.local_shape(m), resolved.experts.params_per_rank(m)
         rows.append(PlanRow(name, f"experts ep={resolved.experts.ep}", shape, n, fwd, bwd))
         covered.update(id(p) for p in m.parameters())
-    for a in sorted(resolved.assignments, key=lambda a: order.get(a.name, len(order))):
+    split = resolved.assignments if tp > 1 else []  # at tp=1 the strategies split nothing
+    for a in sorted(split, key=lambda a: order.get(a.name, len(order))):
         if a.name in placed:
             continue
         if a.style == "per_feature":  # cut with the features of its pair: no communication

@@ -39,6 +39,8 @@ def test_params_per_rank_equal_what_each_rank_holds(tp, ep):
             assert rows[name].style == f"experts ep={ep}"
             assert rows[name].params_per_rank == sum(p.numel() for p in m.parameters())
             assert rows[name].local_shape.startswith(f"[{4 // ep}, ")
+    if tp == 1:  # nothing tensor-parallel: the experts' rows and the rest, whole, without all-reduces
+        assert {r.style for r in rows.values()} == {f"experts ep={ep}", "replicate"}
 
 
 def test_all_to_all_bytes_follow_the_traced_batch():
