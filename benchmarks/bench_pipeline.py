@@ -413,6 +413,9 @@ def main() -> None:
         "--virtual-stages", type=int, default=2, help="chunks per rank of interleaved_1f1b (ours and torch's)"
     )
     parser.add_argument(
+        "--results", help="JSON-lines file the runs append to, kept (default: a fresh temporary file)"
+    )
+    parser.add_argument(
         "--timeline-dir", default="", help="write our schedules' step-10 timelines (SVG + trace) here"
     )
     args = parser.parse_args()
@@ -428,7 +431,7 @@ def main() -> None:
                 f"({RANKS} ranks x {pieces // RANKS} chunks); use a multiple of {pieces}"
             )
 
-    out = Path(tempfile.mkdtemp()) / "results.jsonl"
+    out = Path(args.results or Path(tempfile.mkdtemp()) / "results.jsonl")
     args.out = str(out)
     common = worker_args(args, ("batch_size", "layers", "width", "virtual_stages", "stages"))
     if args.timeline_dir:
