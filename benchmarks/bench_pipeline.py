@@ -149,6 +149,7 @@ def ours(args: argparse.Namespace) -> None:
         "bubble": statistics.median(strategy.bubbles[args.warmup :]),
         "held": max(strategy.peak_held[args.warmup :]),
         "step_ms": statistics.median(timer.times[args.warmup :]) * 1e3,
+        "busy_ms": statistics.median(costs.busy[args.warmup :]) * 1e3,
     }
     for (kind, chunk), per_step in costs.per_step.items():
         record[cost_key(kind, chunk)] = statistics.median(per_step[args.warmup :]) * 1e3
@@ -158,6 +159,14 @@ def ours(args: argparse.Namespace) -> None:
 def cost_key(kind: str, chunk: int) -> str:
     """The record key of a rank's mean ``kind`` time per micro-batch in its local ``chunk`` (ms)."""
     return f"{kind}_ms{chunk}"
+
+
+def busy_seconds(events) -> float:
+    """The time a rank spent in compute actions (F, B, I, W; torch's loss counted as F) in one step: with the
+    step time, what separates a slower step's compute from its waits."""
+    from lightning_parallel.pipeline.timeline import COMPUTE
+
+    return sum(e.end - e.start for e in events if e.kind in COMPUTE)
 
 
 def chunk_costs():
@@ -171,8 +180,10 @@ def chunk_costs():
     class ChunkCosts(Callback):
         def __init__(self) -> None:
             self.per_step: dict[tuple[str, int], list[float]] = {}
+            self.busy: list[float] = []
 
         def on_train_batch_end(self, trainer, *args) -> None:
+            self.busy.append(busy_seconds(trainer.strategy.last_timeline))
             spans: dict[tuple[str, int], list[float]] = {}
             for e in trainer.strategy.last_timeline:
                 if e.kind in COMPUTE:
@@ -243,7 +254,7 @@ def torch_pipelining(args: argparse.Namespace) -> None:
     optimizer = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=0.1)
     loader = iter(CharCorpusData(batch_size=args.batch_size, block_size=64).train_dataloader())
     starts, ends = 0 in held, len(bounds) - 1 in held
-    times, bubbles = [], []
+    times, bubbles, busy = [], [], []
     for _ in range(args.steps):
         x, y = next(loader)
         timeline.clear()
@@ -253,6 +264,7 @@ def torch_pipelining(args: argparse.Namespace) -> None:
         optimizer.step()
         times.append(time.perf_counter() - start)
         bubbles.append(bubble(timeline.events))
+        busy.append(busy_seconds(timeline.events))
     append_record(
         args.out,
         {
@@ -263,6 +275,7 @@ def torch_pipelining(args: argparse.Namespace) -> None:
             "rank": rank,
             "step_ms": statistics.median(times[args.warmup :]) * 1e3,
             "bubble": statistics.median(bubbles[args.warmup :]),
+            "busy_ms": statistics.median(busy[args.warmup :]) * 1e3,
         },
     )
     dist.destroy_process_group()
