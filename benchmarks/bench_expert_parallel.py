@@ -47,6 +47,7 @@ from common import (  # noqa: E402
 
 CONFIGS = ("ep", "tp", "dp")
 MODEL_OPTIONS = ("width", "layers", "experts", "top_k", "batch_size", "seq")
+MEMORY = ("parameters", "gradients", "optimizer_state", "peak_rss")  # the memory report's, bytes per rank
 
 
 def mixtral(args: argparse.Namespace):
@@ -84,6 +85,7 @@ def worker(args: argparse.Namespace) -> None:
     from lightning.pytorch import LightningModule, Trainer, seed_everything
     from torch.utils.data import DataLoader, TensorDataset
 
+    from lightning_parallel.memory import MemoryReport
     from lightning_parallel.step_traffic import StepTraffic
 
     torch.set_num_threads(1)
@@ -107,13 +109,13 @@ def worker(args: argparse.Namespace) -> None:
     loader = DataLoader(
         TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=args.batch_size, drop_last=True
     )
-    timer, counted = step_timer(), StepTraffic()
+    timer, counted, memory = step_timer(), StepTraffic(), MemoryReport()
     trainer = Trainer(
         accelerator="cpu",
         devices=args.world_size,
         strategy=strategy(args.config, args.world_size),
         max_steps=args.steps,
-        callbacks=[timer, counted],
+        callbacks=[timer, counted, memory],
         **QUIET_TRAINER,
     )
     model = MoELM()
@@ -133,6 +135,7 @@ def worker(args: argparse.Namespace) -> None:
             "bytes_by_kind": middle,
             "parameters_held": held,
             "batches_per_step": args.world_size if args.config != "tp" else 1,
+            **{name: memory.summary()["end_of_fit"][trainer.global_rank][name] for name in MEMORY},
         },
     )
 
@@ -174,9 +177,10 @@ def report(records: list[dict], args: argparse.Namespace) -> None:
         f"({args.warmup} warm-up), median of {args.rounds} rounds, CPU, gloo\n"
     )
     print(
-        "| layout | step ms (rank 0) | samples/s | bytes per step per rank | by kind | parameters per rank |"
+        "| layout | step ms (rank 0) | samples/s | bytes per step per rank | by kind | parameters per rank "
+        "| MiB per rank: parameters + gradients + optimizer state (largest rank) | peak RSS MiB (largest rank) |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for config in args.configs:
         mine = [r for r in records if r["config"] == config]
         if not mine:
@@ -190,9 +194,11 @@ def report(records: list[dict], args: argparse.Namespace) -> None:
             kinds.update({k: v / len(mine) for k, v in r["bytes_by_kind"].items()})
         by_kind = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sorted(kinds.items()))
         held = statistics.mean(r["parameters_held"] for r in mine)
+        states = max(sum(r[name] for name in MEMORY[:3]) for r in mine) / 2**20
+        rss = max(r["peak_rss"] for r in mine) / 2**20
         print(
             f"| {config} | {step:.1f} | {samples:.1f} | {per_rank / 2**20:.2f} MiB | {by_kind} | "
-            f"{held / 1e6:.3f} M |"
+            f"{held / 1e6:.3f} M | {states:.2f} | {rss:.0f} |"
         )
 
 
