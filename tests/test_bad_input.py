@@ -311,10 +311,14 @@ CATALOGUE = [
         ["expert_parallel_size=2 with pipeline_parallel_size=2", "pipeline stages", "expert_parallel_size=1"],
     ),
     (
-        "ep-with-zero",
-        lambda: lp.ParallelStrategy(data_parallel_size=2, expert_parallel_size=2, zero_stage=1),
+        "ep-with-save-distributed",
+        lambda: lp.ParallelStrategy(data_parallel_size=2, expert_parallel_size=2, save_distributed=True),
         ValueError,
-        ["expert_parallel_size=2 with zero_stage=1", "ZeRO"],
+        [
+            "expert_parallel_size=2 with save_distributed=True",
+            "sharded checkpoints",
+            "save_distributed=False",
+        ],
     ),
     (
         "ep-no-experts",

@@ -92,10 +92,17 @@ class ShardedOptimizer:
     """``optimizer`` updating only ``pieces`` (this rank's; see the module docstring) over ``group``."""
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, pieces: list[Piece], bucketed: set, group: Optional[Any]
+        self,
+        optimizer: torch.optim.Optimizer,
+        pieces: list[Piece],
+        bucketed: set,
+        group: Optional[Any],
+        own: frozenset = frozenset(),
     ) -> None:
         """``bucketed``: every parameter the reducer shards (a rank holds pieces of some of them); the
-        optimizer's other parameters are held whole by every rank."""
+        optimizer's other parameters are held whole by every rank. ``own``: ids of those held whole that
+        differ across the group (the experts placed on this rank under expert parallelism): their state is
+        this rank's own, kept by ``state_dict`` on every rank rather than taken from rank 0."""
         self.optimizer, self.group = optimizer, group
         piece_of = {piece.param: piece for piece in pieces}
         self.model_groups = [list(g["params"]) for g in optimizer.param_groups]
@@ -115,6 +122,7 @@ class ShardedOptimizer:
             self.shard_groups.append(held)
         #: what the optimizer steps on this rank, in and out of a step: what clipping measures and scales
         self.held_parameters: list[nn.Parameter] = [p for held in self.shard_groups for p in held]
+        self.own_indices = {j for j, p in enumerate(p for g in self.model_groups for p in g) if id(p) in own}
         earlier = type(optimizer).state_dict(optimizer) if optimizer.state else None
         optimizer.state_dict = self.state_dict  # type: ignore[method-assign]
         optimizer.load_state_dict = self.load_state_dict  # type: ignore[method-assign]
@@ -139,20 +147,24 @@ class ShardedOptimizer:
         """The optimizer state as an unsharded optimizer of this rank would hold it, on the group's rank 0
         (the rank that writes a checkpoint; the ranks whose tensor-parallel and pipeline gathers reach
         Lightning's writer, global rank 0, are each their group's rank 0). A collective: every rank of the
-        group must call it. The other ranks send their pieces and get the parameter groups with an empty
-        ``state``."""
+        group must call it. The other ranks send their pieces and get the parameter groups with only the
+        ``own`` parameters' state (every rank's own, not gathered: a later gather over ep joins them)."""
         with self.sharded():
             local = type(self.optimizer).state_dict(self.optimizer)
-        mine = []
+        mine, own = [], {}
         for i, entry in local["state"].items():
             j, piece = self.index[int(i)]
+            if j in self.own_indices:
+                own[j] = entry
+                continue
             span = (piece.start, piece.stop) if piece is not None else None
             mine.append(
                 (j, span, {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in entry.items()})
             )
         parts = _gather_to_first(mine, self.group)
+        joined = self._joined(parts) if parts is not None else {}
         return {
-            "state": self._joined(parts) if parts is not None else {},
+            "state": dict(sorted((joined | own).items())),
             "param_groups": _numbered(local["param_groups"], self.model_groups),
         }
 

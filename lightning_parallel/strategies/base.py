@@ -455,8 +455,14 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         require(refused)
         bucketed = {p for b in reducer.buckets for p in b.params}
         self._optimizer_shards = {
-            id(o): ShardedOptimizer(o, reducer.pieces(), bucketed, self.dp_group) for o in self.optimizers
+            id(o): ShardedOptimizer(o, reducer.pieces(), bucketed, self.dp_group, self.own_parameters())
+            for o in self.optimizers
         }
+
+    def own_parameters(self) -> frozenset:
+        """Ids of the parameters held whole that differ across the data-parallel ranks (kept out of ZeRO,
+        their optimizer state this rank's own); none here (expert parallelism has some)."""
+        return frozenset()
 
     def local_optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """This rank's optimizer state by name (a sharded checkpoint's); with ``zero_stage``, only its pieces."""

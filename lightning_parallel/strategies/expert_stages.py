@@ -38,7 +38,6 @@ Cut = Callable[[str, torch.Tensor], torch.Tensor]
 #: the options expert parallelism does not compose with yet: name -> (its value that is off, what it is)
 EP_REFUSED = {
     "pipeline_parallel_size": (1, "pipeline stages"),
-    "zero_stage": (0, "ZeRO's sharded gradient path"),
     "save_distributed": (False, "sharded checkpoints"),
     "sequence_parallel": (
         False,
@@ -123,6 +122,16 @@ class ExpertParallel:
             named = [(n, p) for n, p in module.named_parameters() if id(p) in experts]
             self.expert_reducer = self.reducer_class(named, group=self.mesh.group("edp"))
         return [(n, p) for n, p in module.named_parameters() if id(p) not in experts]
+
+    def own_parameters(self) -> frozenset:
+        """The experts placed on this rank: under ZeRO they stay out of the dp reducer's shards (their
+        gradients take the edp path), each rank's optimizer holding their whole state."""
+        module = self.lightning_module
+        return (
+            frozenset(id(t) for t, _, _ in expert_pieces(module).values())
+            if module is not None
+            else frozenset()
+        )
 
     # ----------------------------------------------------------------- per step
     @contextmanager

@@ -44,6 +44,7 @@ from lightning_parallel.checkpointing.by_name import (
 )
 from lightning_parallel.checkpointing.contract import check_keys, unwrapped
 from lightning_parallel.distributed.reducer import GradientReducer
+from lightning_parallel.distributed.zero import ShardedGradientReducer
 from lightning_parallel.load_balancing import refusal as load_balancing_refusal
 from lightning_parallel.memory.saved import can_stack
 from lightning_parallel.pipeline.partition import partition
@@ -359,27 +360,39 @@ class ParallelStrategy(
         a tensor whole on every tp rank by tp rank 0; a module outside the block stack (on every stage) by
         stage 0; with expert parallelism, an expert placed on this rank by its holder, anything else by ep
         rank 0, summed over ep x pp x tp (``ep_model``)."""
+        experts = self.own_parameters()
+        counted = self._counted(others=self.mesh.ep_rank == 0, experts=True)
+        return counted, self.mesh.group("ep_model" if experts else "model")
+
+    def clipping_rule(self) -> Optional[tuple[set[int], Optional[dist.ProcessGroup]]]:
+        """As the base's; with ZeRO and expert parallelism, summed over the world: the other parameters'
+        pieces by their holders (disjoint over dp, ep included) on ``norm_share``'s tp and pp terms, and the
+        experts (held whole, out of ZeRO) by the first of their replicas (edp rank 0) on the same terms."""
+        if not isinstance(self.reducer, ShardedGradientReducer) or not self.own_parameters():
+            return super().clipping_rule()
+        others = self._counted(others=True, experts=False)
+        experts = self._counted(others=False, experts=self.mesh.dp_rank // self.expert_parallel_size == 0)
+        return {id(x.shard) for x in self.reducer.pieces() if id(x.param) in others} | experts, None
+
+    def _counted(self, others: bool, experts: bool) -> set[int]:
+        """The parameters (by id) this rank counts on ``norm_share``'s tp and pp terms: the experts placed
+        on it if ``experts``, the others if ``others``."""
         module = self.lightning_module
         sharded = {  # a slice held by `copies` ranks (key-value heads fewer than the ranks) by the first
             id(t)
             for t, spec, _ in sharded_parameters(module).values()
             if self.mesh.tp_rank % min((c for _, c in spec.parts), default=1) == 0
         }
-        experts = {id(t) for t, _, _ in expert_pieces(module).values()}
+        placed = self.own_parameters()
         owned = set(self.partition.owned) if self.pipelined else None
-        first_tp, first_stage, first_ep = (
-            self.mesh.tp_rank == 0,
-            self.mesh.pp_rank == 0,
-            self.mesh.ep_rank == 0,
-        )
-        counted = {
+        first_tp, first_stage = self.mesh.tp_rank == 0, self.mesh.pp_rank == 0
+        return {
             id(p)
             for n, p in module.named_parameters()
             if (id(p) in sharded or first_tp)
             and (owned is None or n in owned or first_stage)
-            and (id(p) in experts or first_ep)
+            and (experts if id(p) in placed else others)
         }
-        return counted, self.mesh.group("ep_model" if experts else "model")
 
     def norm_weights(self) -> dict[int, torch.Tensor]:
         """A shard with blocks of both kinds (split, and held by several ranks: a fused q|k|v with fewer

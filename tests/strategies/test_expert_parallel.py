@@ -4,8 +4,9 @@ checkpoint holding every expert under its single-device name (momentum buffers i
 holding num_experts / ep experts. Alone (ep = dp), with 2 replicas of each expert (ep=2, dp=4), with
 clipping by the global norm, with whole blocks recomputed in backward, under tensor parallelism (dp2 x
 tp2, ep=2), built on meta under ``init_module()``, and with a rank whose experts get no token; an ep
-checkpoint resumes exactly under ep and on one device. The plan table's all-to-all bytes per step equal
-what a real ep=2 run hands to its all-to-alls."""
+checkpoint resumes exactly under ep and on one device. With ZeRO (stages 1 and 2; dp2 and dp4 x ep2, SGD
+momentum and AdamW, clipping) the same, the checkpoint's optimizer state equal to one device's, and resumed.
+The plan table's all-to-all bytes per step equal what a real ep=2 run hands to its all-to-alls."""
 
 from __future__ import annotations
 
@@ -48,6 +49,11 @@ def case(arch: str, ep: int, dp: int, tp: int = 1, momentum: float = 0.0, clip: 
     }
 
 
+def adamw(c: dict) -> dict:
+    """``c`` trained by AdamW (its two moments and step in the checkpoint)."""
+    return {**c, "name": f"{c['name']}-adamw", "model_kwargs": {**c["model_kwargs"], "optimizer": "adamw"}}
+
+
 def with_options(c: dict, suffix: str, **options) -> dict:
     """``c`` with more strategy options, under a name of its own."""
     strategy = {**c["strategy"], "kwargs": {**c["strategy"]["kwargs"], **options}}
@@ -59,6 +65,9 @@ CASES_2 = [
     case("mixtral", 2, 2, momentum=0.9),
     case("qwen2_moe", 2, 2, clip=0.05),  # the gradients' norm is about 0.5 here
     with_options(case("mixtral", 2, 2), "recompute", activation_checkpointing=True),  # all-to-alls replayed
+    # ZeRO shards the replicated parameters over dp; each rank's optimizer holds its experts whole
+    with_options(case("mixtral", 2, 2, momentum=0.9), "zero1", zero_stage=1),
+    with_options(adamw(case("mixtral", 2, 2)), "zero2", zero_stage=2),
 ]
 # built on meta: each rank initializes its share from rank 0's random state, as lp_ddp on one process does
 META = {**case("qwen2_moe", 2, 2), "name": "qwen2_moe-ep2-dp2-meta", "empty_init": True}
@@ -100,6 +109,9 @@ META_REFERENCE = {
 CASES_4 = [
     *(case(a, ep, 4) for a in ARCHS for ep in (2, 4)),
     case("mixtral", 2, 2, tp=2, clip=0.05),
+    # ZeRO with 2 replicas of each expert: the experts' state whole per rank, clipping by the global norm
+    with_options(case("mixtral", 2, 4, momentum=0.9, clip=0.05), "zero1", zero_stage=1),
+    with_options(adamw(case("mixtral", 2, 4)), "zero1", zero_stage=1),
     # accumulation: both reducers hold their gradients until the last micro-step
     {
         **case("qwen2_moe", 2, 4),
@@ -140,14 +152,18 @@ def check(tmp, world: int, c: dict, results: dict) -> None:
     saved = torch.load(tmp / f"dist{world}" / c["name"] / "last.ckpt", weights_only=False)
     diff = max_param_diff(saved["state_dict"], reference["state_dict"])
     assert diff < 1e-10, f"{c['name']}: parameters differ from single-device training by {diff:.3e}"
-    if c["model_kwargs"]["momentum"]:
+    if (
+        c["model_kwargs"]["momentum"] or "optimizer" in c["model_kwargs"]
+    ):  # the state under one device's names
         one = torch.load(tmp / "single" / single_name(c) / "last.ckpt", weights_only=False)
         mine, theirs = saved["optimizer_states"][0]["state"], one["optimizer_states"][0]["state"]
         assert mine.keys() == theirs.keys() and len(mine) > 0
         for index, entry in mine.items():
-            buffer = entry["momentum_buffer"]
-            assert buffer.shape == theirs[index]["momentum_buffer"].shape, index
-            assert (buffer - theirs[index]["momentum_buffer"]).abs().max() < 1e-10, index
+            assert entry.keys() == theirs[index].keys(), index
+            for key, value in entry.items():
+                value, their = torch.as_tensor(value), torch.as_tensor(theirs[index][key])
+                assert value.shape == their.shape, (index, key)
+                assert (value - their).abs().max() < 1e-10, (index, key)
     for rank, result in enumerate(results[c["name"]]):
         held = result["probe"]["held"]
         assert len(held) == 2, held  # one experts module per layer
@@ -158,7 +174,10 @@ def check(tmp, world: int, c: dict, results: dict) -> None:
 
 def single_name(c: dict) -> str:
     training = "-".join(f"{k}{v}" for k, v in sorted(c["trainer"].items()) if k != "precision")
-    return f"single-{c['model_kwargs']['arch']}-momentum{c['model_kwargs']['momentum']}-{training}"
+    optimizer = c["model_kwargs"].get("optimizer", "sgd")
+    return (
+        f"single-{c['model_kwargs']['arch']}-{optimizer}-momentum{c['model_kwargs']['momentum']}-{training}"
+    )
 
 
 @pytest.mark.slow
@@ -181,17 +200,24 @@ def test_expert_parallel_2_processes(tmp_path):
     meta = torch.load(tmp_path / "dist2" / META["name"] / "last.ckpt", weights_only=False)["state_dict"]
     diff = max_param_diff(meta, reference[META_REFERENCE["name"]][0]["state_dict"])
     assert diff < 1e-10, f"built on meta: {diff:.3e} from lp_ddp on one process"
-    momentum = CASES_2[2]
-    saved = str(tmp_path / "dist2" / momentum["name"] / "last.ckpt")
+    momentum, zero = CASES_2[2], CASES_2[5]  # the second under ZeRO: its pieces take their state back
+    assert zero["strategy"]["kwargs"].get("zero_stage") == 1 and zero["model_kwargs"]["momentum"]
     later = tmp_path / "later"
-    run_distributed([resumed(momentum, 2, 2, 8, saved)], world_size=2, tmp_path=later, timeout=400)
-    on_one = run_single(resumed(momentum, 1, 1, 8, saved), later)
+    saved = {c["name"]: str(tmp_path / "dist2" / c["name"] / "last.ckpt") for c in (momentum, zero)}
+    run_distributed(
+        [resumed(c, 2, 2, 8, saved[c["name"]]) for c in (momentum, zero)],
+        world_size=2,
+        tmp_path=later,
+        timeout=400,
+    )
     reference = single({**momentum, "trainer": {**momentum["trainer"], "max_steps": 8}}, tmp_path)
-    full = torch.load(later / "dist2" / f"resume-{momentum['name']}-dp2" / "last.ckpt", weights_only=False)
-    assert full["global_step"] == 8
-    for name, state in (("ep2", full["state_dict"]), ("one device", on_one["state_dict"])):
-        diff = max_param_diff(state, reference["state_dict"])
-        assert diff < 1e-10, f"resumed {name}: {diff:.3e} from 8 steps on one device"
+    for c in (momentum, zero):
+        on_one = run_single(resumed(c, 1, 1, 8, saved[c["name"]]), later)
+        full = torch.load(later / "dist2" / f"resume-{c['name']}-dp2" / "last.ckpt", weights_only=False)
+        assert full["global_step"] == 8
+        for name, state in (("ep2", full["state_dict"]), ("one device", on_one["state_dict"])):
+            diff = max_param_diff(state, reference["state_dict"])
+            assert diff < 1e-10, f"{c['name']} resumed {name}: {diff:.3e} from 8 steps on one device"
 
 
 @pytest.mark.slow
