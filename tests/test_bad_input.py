@@ -305,10 +305,18 @@ CATALOGUE = [
         ["expert_parallel_size=3 does not divide data_parallel_size=4", "use a divisor of 4"],
     ),
     (
-        "ep-with-pp",
-        lambda: lp.ParallelStrategy(data_parallel_size=2, pipeline_parallel_size=2, expert_parallel_size=2),
+        "ep-with-async-pipeline",
+        lambda: lp.ParallelStrategy(
+            data_parallel_size=2, pipeline_parallel_size=2, expert_parallel_size=2, schedule="async"
+        ),
         ValueError,
-        ["expert_parallel_size=2 with pipeline_parallel_size=2", "pipeline stages", "expert_parallel_size=1"],
+        ["expert_parallel_size=2 with schedule='async'", "'1f1b'", "expert_parallel_size=1"],
+    ),
+    (
+        "ep-on-pipeline-preset",
+        lambda: lp.PipelineParallelStrategy(data_parallel_size=2, expert_parallel_size=2),
+        ValueError,
+        ["expert_parallel_size=2", "pipeline presets", "lp_parallel"],
     ),
     (
         "ep-with-save-distributed",

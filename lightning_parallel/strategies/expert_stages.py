@@ -4,7 +4,10 @@ The checks of the option against the others, the ep axis of the mesh (it divides
 this rank's experts inside ``set_up_share`` (``tensor.apply_expert_parallel``, composed with the
 tensor-parallel cut), the experts' gradients divided by ep and averaged over their replicas by a second
 reducer over the ``edp`` group (none where each expert has one replica), driven beside the dp reducer in
-every backward and under gradient accumulation.
+every backward and under gradient accumulation. Under pipeline stages the ep and edp groups are those of
+the rank's (pp, tp) coordinate: the ep ranks of a stage run the same schedule, so their all-to-alls pair
+up micro-batch by micro-batch, and the experts' reducer averages once after the schedule (no hooks), as the
+dp reducer does for the schedules that do not overlap it.
 """
 
 from __future__ import annotations
@@ -37,7 +40,6 @@ Cut = Callable[[str, torch.Tensor], torch.Tensor]
 
 #: the options expert parallelism does not compose with yet: name -> (its value that is off, what it is)
 EP_REFUSED = {
-    "pipeline_parallel_size": (1, "pipeline stages"),
     "save_distributed": (False, "sharded checkpoints"),
     "sequence_parallel": (
         False,
@@ -61,8 +63,7 @@ class ExpertParallel:
         if size or ep == 1:
             return [size]
         refused = [name for name, (off, _) in EP_REFUSED.items() if values.get(name, off) != off]
-        if "pp" in getattr(cls, "always_applied", ()) and "pipeline_parallel_size" not in refused:
-            refused.append("pipeline_parallel_size")
+        pp = values.get("pipeline_parallel_size", 1)
         return [
             None
             if dp is None or dp % ep == 0
@@ -75,6 +76,15 @@ class ExpertParallel:
                 f"{EP_REFUSED[name][0]!r}"
                 for name in refused
             ),
+            None
+            if "pp" not in getattr(cls, "always_applied", ())
+            else f"{prefix}expert_parallel_size={ep}: the pipeline presets do not declare expert parallelism; use "
+            f"lp_parallel (ParallelStrategy) with pipeline_parallel_size and expert_parallel_size={ep}",
+            None
+            if values.get("schedule") != "async" or pp == 1
+            else f"{prefix}expert_parallel_size={ep} with {prefix}schedule='async': the async pipeline's resume "
+            "state (a gradient finished a step earlier) is not gathered over the experts' ranks; use another "
+            "schedule ('1f1b', 'gpipe', 'interleaved_1f1b', 'zb_h1', 'zbv') or expert_parallel_size=1",
         ]
 
     def mesh_shape(self) -> MeshShape:
@@ -120,7 +130,8 @@ class ExpertParallel:
         self.expert_reducer = None
         if experts and self.mesh.shape.size("edp") > 1:
             named = [(n, p) for n, p in module.named_parameters() if id(p) in experts]
-            self.expert_reducer = self.reducer_class(named, group=self.mesh.group("edp"))
+            group, hooks = self.mesh.group("edp"), not self.pipelined
+            self.expert_reducer = self.reducer_class(named, group=group, hooks=hooks)
         return [(n, p) for n, p in module.named_parameters() if id(p) not in experts]
 
     def own_parameters(self) -> frozenset:
@@ -150,13 +161,19 @@ class ExpertParallel:
 
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
         super().pre_backward(closure_loss)
-        if self.expert_reducer is not None:
+        if self.expert_reducer is not None and not self.pipelined:
             self.expert_reducer.prepare_for_backward()
 
     def post_backward(self, closure_loss: torch.Tensor) -> None:
+        """After the dp reducer's: the experts' average over their replicas (pipeline stages: of the
+        gradients the schedule left in ``.grad``, once per optimizer step)."""
         super().post_backward(closure_loss)
-        if self.expert_reducer is not None:
+        if self.expert_reducer is None:
+            return
+        if not self.pipelined:
             self.expert_reducer.finish_sync()
+        elif self._sync_grads:
+            self.expert_reducer.average_now()
 
     def teardown(self) -> None:
         if self.expert_reducer is not None:

@@ -89,7 +89,7 @@ SP_WITH_PP = (
 
 
 class ParallelStrategy(
-    PipelineStages, AsyncPipelineMixin, PlanVerification, ExpertParallel, ParallelStrategyBase
+    ExpertParallel, PipelineStages, AsyncPipelineMixin, PlanVerification, ParallelStrategyBase
 ):
     """Data x tensor x pipeline parallelism (3-D) on ``torch.distributed``; see docs/parallel_3d.md.
 

@@ -232,14 +232,15 @@ def gradient_peak(trainer) -> dict:
 
 
 def expert_parallel(trainer) -> dict:
-    """This rank's experts modules: which experts each holds, and the gradient groups' sizes."""
+    """This rank's experts modules (of its pipeline stage: another stage's are left on meta): which experts
+    each holds, and the gradient groups' sizes."""
     from lightning_parallel.tensor.expert_parallel import ExpertParallelExperts
 
     strategy = trainer.strategy
     held = {
         name: (m.ep_rank * m.num_local, m.num_local, tuple(m.gate_up_proj.shape))
         for name, m in trainer.lightning_module.named_modules()
-        if isinstance(m, ExpertParallelExperts)
+        if isinstance(m, ExpertParallelExperts) and not m.gate_up_proj.is_meta
     }
     reducer = strategy.expert_reducer
     held_by_reducer = None if reducer is None else sum(len(b.params) for b in reducer.buckets)

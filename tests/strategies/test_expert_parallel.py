@@ -3,10 +3,12 @@ real processes: equal to single-device training on the global batch (float64, 5 
 checkpoint holding every expert under its single-device name (momentum buffers included), each rank
 holding num_experts / ep experts. Alone (ep = dp), with 2 replicas of each expert (ep=2, dp=4), with
 clipping by the global norm, with whole blocks recomputed in backward, under tensor parallelism (dp2 x
-tp2, ep=2), built on meta under ``init_module()``, and with a rank whose experts get no token; an ep
-checkpoint resumes exactly under ep and on one device. With ZeRO (stages 1 and 2; dp2 and dp4 x ep2, SGD
-momentum and AdamW, clipping) the same, the checkpoint's optimizer state equal to one device's, and resumed.
-The plan table's all-to-all bytes per step equal what a real ep=2 run hands to its all-to-alls."""
+tp2, ep=2), under pipeline stages (dp2 x pp2, ep=2, 1F1B and zero bubble's split backward; dp4 x pp2 with
+replicas of each expert, accumulation and momentum), built on meta under ``init_module()``, and with a rank
+whose experts get no token; an ep checkpoint resumes exactly under ep and on one device. With ZeRO (stages
+1 and 2; dp2 and dp4 x ep2, dp2 x pp2 x ep2, SGD momentum and AdamW, clipping) the same, the checkpoint's
+optimizer state equal to one device's, and resumed. The plan table's all-to-all bytes per step equal what a
+real ep=2 run hands to its all-to-alls."""
 
 from __future__ import annotations
 
@@ -58,6 +60,12 @@ def with_options(c: dict, suffix: str, **options) -> dict:
     """``c`` with more strategy options, under a name of its own."""
     strategy = {**c["strategy"], "kwargs": {**c["strategy"]["kwargs"], **options}}
     return {**c, "name": f"{c['name']}-{suffix}", "strategy": strategy}
+
+
+def pipelined(c: dict, schedule: str) -> dict:
+    """``c`` over 2 pipeline stages (one layer each) with 2 micro-batches, the experts of each stage shared out
+    over its ep ranks."""
+    return with_options(c, f"pp2-{schedule}", pipeline_parallel_size=2, schedule=schedule, num_microbatches=2)
 
 
 CASES_2 = [
@@ -118,7 +126,17 @@ CASES_4 = [
         "name": "qwen2_moe-ep2-dp4-accumulate",
         "trainer": {**F64, "accumulate_grad_batches": 2},
     },
+    # pipeline stages: each stage's ep ranks run the same schedule, their all-to-alls paired per micro-batch
+    pipelined(case("mixtral", 2, 2), "1f1b"),
+    pipelined(case("qwen2_moe", 2, 2), "zb_h1"),
+    # and ZeRO: each stage's replicated parameters sharded over dp, clipping summed over the world
+    with_options(pipelined(case("mixtral", 2, 2, momentum=0.9, clip=0.05), "1f1b"), "zero1", zero_stage=1),
 ]
+# 2 replicas of each expert under pipeline stages: their average over edp after the schedule, under accumulation
+CASE_8 = {
+    **pipelined(case("mixtral", 2, 4, momentum=0.9), "1f1b"),
+    "trainer": {**F64, "accumulate_grad_batches": 2},
+}
 
 
 def resumed(c: dict, dp: int, ep: int, steps: int, ckpt: str) -> dict:
@@ -152,9 +170,7 @@ def check(tmp, world: int, c: dict, results: dict) -> None:
     saved = torch.load(tmp / f"dist{world}" / c["name"] / "last.ckpt", weights_only=False)
     diff = max_param_diff(saved["state_dict"], reference["state_dict"])
     assert diff < 1e-10, f"{c['name']}: parameters differ from single-device training by {diff:.3e}"
-    if (
-        c["model_kwargs"]["momentum"] or "optimizer" in c["model_kwargs"]
-    ):  # the state under one device's names
+    if c["model_kwargs"]["momentum"] or "optimizer" in c["model_kwargs"]:  # the state, by one device's names
         one = torch.load(tmp / "single" / single_name(c) / "last.ckpt", weights_only=False)
         mine, theirs = saved["optimizer_states"][0]["state"], one["optimizer_states"][0]["state"]
         assert mine.keys() == theirs.keys() and len(mine) > 0
@@ -164,10 +180,11 @@ def check(tmp, world: int, c: dict, results: dict) -> None:
                 value, their = torch.as_tensor(value), torch.as_tensor(theirs[index][key])
                 assert value.shape == their.shape, (index, key)
                 assert (value - their).abs().max() < 1e-10, (index, key)
+    pp = kwargs.get("pipeline_parallel_size", 1)
     for rank, result in enumerate(results[c["name"]]):
         held = result["probe"]["held"]
-        assert len(held) == 2, held  # one experts module per layer
-        first = (rank // kwargs["tensor_parallel_size"] % ep) * (EXPERTS // ep)
+        assert len(held) == 2 // pp, held  # one experts module per layer (of this stage)
+        first = (rank // (kwargs["tensor_parallel_size"] * pp) % ep) * (EXPERTS // ep)
         assert {v[:2] for v in held.values()} == {(first, EXPERTS // ep)}, (rank, held)
         assert (result["probe"]["expert_reducer"] is None) == (dp == ep), result["probe"]
 
@@ -226,6 +243,13 @@ def test_expert_parallel_4_processes(tmp_path):
     results = run_distributed(CASES_4, world_size=4, tmp_path=tmp_path, timeout=800)
     for c in CASES_4:
         check(tmp_path, 4, c, results)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_expert_replicas_under_pipeline_stages_8_processes(tmp_path):
+    results = run_distributed([CASE_8], world_size=8, tmp_path=tmp_path, timeout=500)
+    check(tmp_path, 8, CASE_8, results)
 
 
 # the plan table's all-to-all figure against the bytes a real run hands over (float32, as the table traces)
