@@ -70,7 +70,7 @@ def test_cli_refuses_bad_expert_parallel_sizes_as_the_strategy_does(capsys):
     assert main(MIXTRAL + ["--ep", "3"]) == 2
     assert capsys.readouterr().err.strip() == f"error: {expert_parallel_problem(ZooLM(arch='mixtral'), 3)}"
     values = {"expert_parallel_size": 2, "data_parallel_size": 3}
-    (expected,) = ParallelStrategy.expert_problems(values)
+    (expected,) = [p for p in ParallelStrategy.expert_problems(values) if p]  # None: a check that passes
     with pytest.raises(SystemExit):
         main(MIXTRAL + ["--ep", "2", "--dp", "3"])
     assert expected in capsys.readouterr().err
