@@ -31,6 +31,7 @@ from lightning_parallel.distributed.collectives import group_size
 __all__ = ["install", "refusal", "routes_with_aux_loss"]
 
 FUNCTION = "load_balancing_loss_func"  # the name every Hugging Face MoE modeling module gives it
+ORIGINAL = "_lightning_parallel_original"  # on our function: the module's own, which it replaced
 
 
 def routes_with_aux_loss(module: nn.Module) -> list[str]:
@@ -75,9 +76,8 @@ def install(
         return _nothing
     swapped: list[tuple[ModuleType, Callable]] = []
     for source in _modeling_modules(module):
-        original = getattr(source, FUNCTION)
-        if getattr(original, "over_group", None) is not None:  # ours already (another fit in this process)
-            original = original.original
+        # ours already, left by a fit that did not tear down: start again from the module's own
+        original = getattr(getattr(source, FUNCTION), ORIGINAL, getattr(source, FUNCTION))
         if not _agrees(original):
             if routes_with_aux_loss(module):
                 warn(
@@ -114,8 +114,7 @@ def _over_group(original: Callable, group: Optional[dist.ProcessGroup]) -> Calla
     def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):
         return global_batch_loss(gate_logits, num_experts, top_k, attention_mask, summed)
 
-    load_balancing_loss_func.over_group = group
-    load_balancing_loss_func.original = original
+    setattr(load_balancing_loss_func, ORIGINAL, original)
     return load_balancing_loss_func
 
 
