@@ -132,17 +132,20 @@ def global_batch_loss(
     if gate_logits is None or not isinstance(gate_logits, tuple):
         return 0
     device = gate_logits[0].device
-    logits = torch.cat([g.to(device) for g in gate_logits])  # (layers x rows, experts)
-    weights = torch.softmax(logits, dim=-1)
-    chosen = torch.topk(weights, top_k, dim=-1)[1]
     if attention_mask is None:
-        mask = torch.ones(logits.shape[0], dtype=torch.float32, device=device)
+        mask = torch.ones(gate_logits[0].shape[0], dtype=torch.float32, device=device)
     else:
-        mask = attention_mask.reshape(-1).to(device=device, dtype=torch.float32).repeat(len(gate_logits))
+        mask = attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
     counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
-    counts.scatter_add_(0, chosen.reshape(-1), mask.repeat_interleave(top_k))
-    probability_sum = (weights.float() * mask.unsqueeze(-1)).sum(dim=0)
-    totals = torch.cat([counts, mask.sum().reshape(1)])
+    probability_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    for layer in gate_logits:  # layer by layer, as Hugging Face's: one layer's probabilities at a time
+        weights = torch.softmax(layer.to(device), dim=-1)
+        counts.scatter_add_(
+            0, torch.topk(weights, top_k, dim=-1)[1].reshape(-1), mask.repeat_interleave(top_k)
+        )
+        probability_sum = probability_sum + (weights.float() * mask.unsqueeze(-1)).sum(dim=0)
+    rows = mask.sum() * len(gate_logits)
+    totals = torch.cat([counts, rows.reshape(1)])
     ranks = summed(totals)
     counts, rows = totals[:-1], totals[-1]
     return torch.sum((counts / rows) * (probability_sum / rows * ranks)) * num_experts
