@@ -23,16 +23,18 @@ hand written loop over the same cut, made by hand into p*v chunk modules (the em
 and the head in the last), and a ``loss_fn``, which is what that API needs. ``--layers`` must divide by p*v
 for every schedule run (the default 4 does for v=2, so every row trains the same model).
 
-Reported per (schedule, m): median step time, the ratio torch/ours (> 1: ours is faster; like async's
-ratio to gpipe, the median of the rounds' own ratios, since each round runs every side back to back, in
-reverse order every other round), the bubble measured by our timeline on both sides (torch's per-micro-batch
-forward, loss, backward, input and weight gradients wrapped in the same recorder), next to the theory for
-equal stages and for the costs measured per virtual stage in our run (the last stage also runs the head and
-the loss; ``schedules.expected_bubbles``, "n/a" where the installed one cannot time the schedule), and the
-activations each rank holds at its peak (the most (micro-batch, chunk) activations it held at once in a step,
-as the executor counted them, x the bytes autograd saves for one micro-batch in one chunk, parameters left
-out, counted by the memory report's ``SavedTensorCounter``; with several chunks per rank, the bytes of its
-largest chunk: a bound).
+Reported per (schedule, m): median step time, the ratio torch/ours (> 1: ours is faster; like async's ratio to
+gpipe, the median of the rounds' own ratios, since each round runs every side back to back, in reverse order
+every other round), the same ratio of the time stage 0 spent computing (its forwards, backwards, I and W,
+summed per step: where the step ratio strays from it, the difference is waits and overhead; where both stray
+together, the machine ran one side slower), the bubble measured by our timeline on both sides (torch's
+per-micro-batch forward, loss, backward, input and weight gradients wrapped in the same recorder), next to the
+theory for equal stages and for the costs measured per virtual stage in our run (the last stage also runs the
+head and the loss; ``schedules.expected_bubbles``, "n/a" where the installed one cannot time the schedule),
+and the activations each rank holds at its peak (the most (micro-batch, chunk) activations it held at once in
+a step, as the executor counted them, x the bytes autograd saves for one micro-batch in one chunk, parameters
+left out, counted by the memory report's ``SavedTensorCounter``; with several chunks per rank, the bytes of
+its largest chunk: a bound).
 
 Width: the default (4 layers x 128) keeps the table comparable with the earlier runs in docs/benchmarks.md;
 at that size the fixed per-transfer cost weighs on the bubble. Measure the schedules' goals with
@@ -175,8 +177,6 @@ def chunk_costs():
     unequal stages needs."""
     from lightning.pytorch import Callback
 
-    from lightning_parallel.pipeline.timeline import COMPUTE
-
     class ChunkCosts(Callback):
         def __init__(self) -> None:
             self.per_step: dict[tuple[str, int], list[float]] = {}
@@ -184,14 +184,22 @@ def chunk_costs():
 
         def on_train_batch_end(self, trainer, *args) -> None:
             self.busy.append(busy_seconds(trainer.strategy.last_timeline))
-            spans: dict[tuple[str, int], list[float]] = {}
-            for e in trainer.strategy.last_timeline:
-                if e.kind in COMPUTE:
-                    spans.setdefault((e.kind, e.chunk), []).append(e.end - e.start)
-            for key, times in spans.items():
-                self.per_step.setdefault(key, []).append(sum(times) / len(times))
+            for key, mean in mean_costs(trainer.strategy.last_timeline).items():
+                self.per_step.setdefault(key, []).append(mean)
 
     return ChunkCosts()
+
+
+def mean_costs(events) -> dict[tuple[str, int], float]:
+    """A step's mean time per micro-batch of each (kind of compute action, local chunk), from its timeline
+    ``events``: recorded alike for ours and torch's, so the two sides' forwards and backwards compare."""
+    from lightning_parallel.pipeline.timeline import COMPUTE
+
+    spans: dict[tuple[str, int], list[float]] = {}
+    for e in events:
+        if e.kind in COMPUTE:
+            spans.setdefault((e.kind, e.chunk), []).append(e.end - e.start)
+    return {key: sum(times) / len(times) for key, times in spans.items()}
 
 
 def chunk_module(gpt, bounds: list[tuple[int, int]], stage: int):
@@ -255,6 +263,7 @@ def torch_pipelining(args: argparse.Namespace) -> None:
     loader = iter(CharCorpusData(batch_size=args.batch_size, block_size=64).train_dataloader())
     starts, ends = 0 in held, len(bounds) - 1 in held
     times, bubbles, busy = [], [], []
+    per_step: dict[tuple[str, int], list[float]] = {}
     for _ in range(args.steps):
         x, y = next(loader)
         timeline.clear()
@@ -265,19 +274,21 @@ def torch_pipelining(args: argparse.Namespace) -> None:
         times.append(time.perf_counter() - start)
         bubbles.append(bubble(timeline.events))
         busy.append(busy_seconds(timeline.events))
-    append_record(
-        args.out,
-        {
-            "impl": "torch",
-            "schedule": args.schedule,
-            "m": args.microbatches,
-            "round": args.round,
-            "rank": rank,
-            "step_ms": statistics.median(times[args.warmup :]) * 1e3,
-            "bubble": statistics.median(bubbles[args.warmup :]),
-            "busy_ms": statistics.median(busy[args.warmup :]) * 1e3,
-        },
-    )
+        for key, mean in mean_costs(timeline.events).items():
+            per_step.setdefault(key, []).append(mean)
+    record = {
+        "impl": "torch",
+        "schedule": args.schedule,
+        "m": args.microbatches,
+        "round": args.round,
+        "rank": rank,
+        "step_ms": statistics.median(times[args.warmup :]) * 1e3,
+        "bubble": statistics.median(bubbles[args.warmup :]),
+        "busy_ms": statistics.median(busy[args.warmup :]) * 1e3,
+    }
+    for (kind, chunk), values in per_step.items():
+        record[cost_key(kind, chunk)] = statistics.median(values[args.warmup :]) * 1e3
+    append_record(args.out, record)
     dist.destroy_process_group()
 
 
@@ -493,12 +504,13 @@ def report(args: argparse.Namespace, records: list[dict]) -> None:
             f"torch: {counterpart or 'none'}"
         )
     print(
-        "\n| m | schedule | ours ms | torch ms | torch/ours | bubble measured, ours (stage 0..p-1) "
+        "\n| m | schedule | ours ms | torch ms | torch/ours | compute, torch/ours "
+        "| bubble measured, ours (stage 0..p-1) "
         "| torch (stage 0..p-1) | theory, equal stages (B = 2F, W = B/2) "
         "| theory for the measured stage costs (stage 0..p-1) "
         "| activations held at peak, stage 0 / ... / p-1 ((micro-batch, chunk)s x MiB) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for m in args.m:
         args.microbatches = m
         pieces_run = {RANKS * chunks_per_rank(s, args) for s in args.schedules}
@@ -530,11 +542,13 @@ def report(args: argparse.Namespace, records: list[dict]) -> None:
                 for r in range(RANKS)
             )
             ratio = median_ratio(records, "step_ms", {**mine, "impl": "torch"}, mine)
+            compute = median_ratio(records, "busy_ms", {**mine, "impl": "torch"}, mine)
             faster = median_ratio(records, "step_ms", {**mine, "schedule": "gpipe"}, mine)
             note = f" ({faster:.2f}x gpipe)" if schedule == "async" and faster == faster else ""
             expected = "-" if schedule == "async" else percents(unequal) if unequal else "n/a"
             print(
                 f"| {m} | {schedule}{note} | {ours_ms:.1f} | {number(theirs, '.1f')} | {number(ratio, '.2f')} | "
+                f"{number(compute, '.2f')} | "
                 f"{percents(bubbles['ours'])} | {percents(bubbles['torch'])} | "
                 f"{f'{equal[0]:.0%}' if equal else 'n/a'} | {expected} | {held} |"
             )
