@@ -1,7 +1,8 @@
 """A mixture of experts' load-balancing loss under data parallelism (``lightning_parallel.load_balancing``),
-real processes: with the router's loss in the loss, lp_ddp on Mixtral and expert parallelism (ep=2 = dp) on
-Qwen2-MoE equal single-device training on the global batch (float64, 5 SGD steps, 1e-10), where each rank's
-own loss (Hugging Face's, on its half of the batch) trains another objective. The layouts where it cannot
+real processes: with the router's loss in the loss, lp_ddp on Mixtral (also with full and selective recompute,
+and with ZeRO-2) and expert parallelism (ep=2 = dp) on Qwen2-MoE (also with recompute) equal single-device
+training on the global batch (float64, 5 SGD steps, 1e-10), where each rank's own loss (Hugging Face's, on its
+half of the batch) trains another objective. The layouts where it cannot
 be one device's are refused before training."""
 
 from __future__ import annotations
@@ -32,9 +33,16 @@ def case(name: str, arch: str, strategy: str, **kwargs) -> dict:
     }
 
 
+EP2 = {"data_parallel_size": 2, "expert_parallel_size": 2}
 CASES = [
     case("mixtral-ddp", "mixtral", DDP),
-    case("qwen2_moe-ep2", "qwen2_moe", PARALLEL, data_parallel_size=2, expert_parallel_size=2),
+    case(
+        "mixtral-ddp-recompute", "mixtral", DDP, activation_checkpointing=True
+    ),  # the router's forward rerun
+    case("mixtral-ddp-selective", "mixtral", DDP, activation_checkpointing="selective"),
+    case("mixtral-ddp-zero2", "mixtral", DDP, zero_stage=2),
+    case("qwen2_moe-ep2", "qwen2_moe", PARALLEL, **EP2),
+    case("qwen2_moe-ep2-recompute", "qwen2_moe", PARALLEL, **EP2, activation_checkpointing=True),
 ]
 
 
