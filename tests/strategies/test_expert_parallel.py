@@ -1,14 +1,14 @@
 """Expert parallelism (``expert_parallel_size`` of ``lp_parallel``) on Hugging Face mixture-of-experts models,
 real processes: equal to single-device training on the global batch (float64, 5 SGD steps, 1e-10), the
-checkpoint holding every expert under its single-device name (momentum buffers included), each rank
-holding num_experts / ep experts. Alone (ep = dp), with 2 replicas of each expert (ep=2, dp=4), with
-clipping by the global norm, with whole blocks recomputed in backward, under tensor parallelism (dp2 x
-tp2, ep=2), under pipeline stages (dp2 x pp2, ep=2, 1F1B and zero bubble's split backward; dp4 x pp2 with
-replicas of each expert, accumulation and momentum), built on meta under ``init_module()``, and with a rank
-whose experts get no token; an ep checkpoint resumes exactly under ep and on one device. With ZeRO (stages
-1 and 2; dp2 and dp4 x ep2, dp2 x pp2 x ep2, SGD momentum and AdamW, clipping) the same, the checkpoint's
-optimizer state equal to one device's, and resumed. The plan table's all-to-all bytes per step equal what a
-real ep=2 run hands to its all-to-alls."""
+checkpoint holding every expert under its single-device name (momentum buffers included), each rank holding
+num_experts / ep experts. Alone (ep = dp), with 2 replicas of each expert (ep=2, dp=4), with clipping by the
+global norm, with whole blocks recomputed in backward, under tensor parallelism (dp2 x tp2, ep=2), under
+pipeline stages (dp2 x pp2, ep=2, 1F1B and zero bubble's split backward; dp4 x pp2 with replicas of each
+expert, accumulation and momentum), built on meta under ``init_module()``, and with a rank whose experts get
+no token; an ep checkpoint resumes exactly under ep and on one device. With ZeRO (stages 1 and 2; dp2 and dp4
+x ep2, dp2 x pp2 x ep2, dp2 x tp2 x ep2, with recompute, SGD momentum and AdamW, clipping) the same, the
+checkpoint's optimizer state equal to one device's, and resumed. The plan table's all-to-all bytes per step
+equal what a real ep=2 run hands to its all-to-alls."""
 
 from __future__ import annotations
 
@@ -76,6 +76,9 @@ CASES_2 = [
     # ZeRO shards the replicated parameters over dp; each rank's optimizer holds its experts whole
     with_options(case("mixtral", 2, 2, momentum=0.9), "zero1", zero_stage=1),
     with_options(adamw(case("mixtral", 2, 2)), "zero2", zero_stage=2),
+    with_options(
+        case("mixtral", 2, 2, momentum=0.9), "zero1-recompute", zero_stage=1, activation_checkpointing=True
+    ),
 ]
 # built on meta: each rank initializes its share from rank 0's random state, as lp_ddp on one process does
 META = {**case("qwen2_moe", 2, 2), "name": "qwen2_moe-ep2-dp2-meta", "empty_init": True}
@@ -117,6 +120,7 @@ META_REFERENCE = {
 CASES_4 = [
     *(case(a, ep, 4) for a in ARCHS for ep in (2, 4)),
     case("mixtral", 2, 2, tp=2, clip=0.05),
+    with_options(case("mixtral", 2, 2, tp=2, momentum=0.9, clip=0.05), "zero1", zero_stage=1),
     # ZeRO with 2 replicas of each expert: the experts' state whole per rank, clipping by the global norm
     with_options(case("mixtral", 2, 4, momentum=0.9, clip=0.05), "zero1", zero_stage=1),
     with_options(adamw(case("mixtral", 2, 4)), "zero1", zero_stage=1),
