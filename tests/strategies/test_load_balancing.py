@@ -1,9 +1,9 @@
-"""A mixture of experts' load-balancing loss under data parallelism (``lightning_parallel.load_balancing``),
-real processes: with the router's loss in the loss, lp_ddp on Mixtral (also with full and selective recompute,
-and with ZeRO-2) and expert parallelism (ep=2 = dp) on Qwen2-MoE (also with recompute) equal single-device
-training on the global batch (float64, 5 SGD steps, 1e-10), where each rank's own loss (Hugging Face's, on its
-half of the batch) trains another objective. The layouts where it cannot
-be one device's are refused before training."""
+"""A mixture of experts' load-balancing loss under data parallelism (``lightning_parallel.load_balancing``), real
+processes: with the router's loss in the loss, lp_ddp on Mixtral (also with full and selective recompute, with
+ZeRO-2 and under manual optimization) and expert parallelism (ep=2 = dp) on Qwen2-MoE (also with recompute and
+manual optimization) equal single-device training on the global batch (float64, 5 SGD steps, 1e-10), where
+each rank's own loss (Hugging Face's, on its half of the batch) trains another objective. The layouts where it
+cannot be one device's are refused before training."""
 
 from __future__ import annotations
 
@@ -34,6 +34,13 @@ def case(name: str, arch: str, strategy: str, **kwargs) -> dict:
 
 
 EP2 = {"data_parallel_size": 2, "expert_parallel_size": 2}
+
+
+def manual(c: dict) -> dict:
+    """``c`` trained by manual optimization (the user's ``manual_backward`` and optimizer step)."""
+    return {**c, "name": f"{c['name']}-manual", "model": "tests.helpers.manual_zoo:ManualZooLM"}
+
+
 CASES = [
     case("mixtral-ddp", "mixtral", DDP),
     case(
@@ -43,6 +50,8 @@ CASES = [
     case("mixtral-ddp-zero2", "mixtral", DDP, zero_stage=2),
     case("qwen2_moe-ep2", "qwen2_moe", PARALLEL, **EP2),
     case("qwen2_moe-ep2-recompute", "qwen2_moe", PARALLEL, **EP2, activation_checkpointing=True),
+    manual(case("mixtral-ddp", "mixtral", DDP)),
+    manual(case("qwen2_moe-ep2", "qwen2_moe", PARALLEL, **EP2)),
 ]
 
 
