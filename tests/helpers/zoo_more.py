@@ -17,13 +17,26 @@ __all__ = ["MORE", "SEQ2SEQ", "VISION", "build_more"]
 VOCAB, BLOCK = 32, 8
 
 
+class PerLayers:
+    """A config value computed from the number of layers (the other callables take width and heads)."""
+
+    def __init__(self, value: Callable[[int], object]) -> None:
+        self.value = value
+
+
+LAYERS = PerLayers(lambda layers: layers)
+
+
 def _causal(cls_name: str, config_name: str, **extra) -> Callable[[int, int, int], nn.Module]:
     def make(width: int, layers: int, heads: int) -> nn.Module:
         import transformers
 
-        config = getattr(transformers, config_name)(
-            **{k: (v(width, heads) if callable(v) else v) for k, v in extra.items()}
-        )
+        def value(v: object) -> object:
+            if isinstance(v, PerLayers):
+                return v.value(layers)
+            return v(width, heads) if callable(v) else v
+
+        config = getattr(transformers, config_name)(**{k: value(v) for k, v in extra.items()})
         return getattr(transformers, cls_name)(config)
 
     return make
@@ -34,7 +47,7 @@ def _llama_like(cls: str, cfg: str, **over) -> Callable[[int, int, int], nn.Modu
         vocab_size=VOCAB,
         hidden_size=lambda w, h: w,
         intermediate_size=lambda w, h: 3 * w,
-        num_hidden_layers=2,
+        num_hidden_layers=LAYERS,
         num_attention_heads=lambda w, h: h,
         num_key_value_heads=lambda w, h: h // 2,
         max_position_embeddings=BLOCK,
@@ -64,7 +77,7 @@ MORE: dict[str, Callable[[int, int, int], nn.Module]] = {
         vocab_size=VOCAB,
         hidden_size=lambda w, h: w,
         intermediate_size=lambda w, h: 3 * w,
-        num_hidden_layers=2,
+        num_hidden_layers=LAYERS,
         num_attention_heads=lambda w, h: h,
         max_position_embeddings=BLOCK,
         resid_pdrop=0.0,
@@ -88,7 +101,7 @@ MORE: dict[str, Callable[[int, int, int], nn.Module]] = {
         vocab_size=VOCAB,
         hidden_size=lambda w, h: w,
         intermediate_size=lambda w, h: 3 * w,
-        num_hidden_layers=2,
+        num_hidden_layers=LAYERS,
         num_attention_heads=lambda w, h: h,
         max_position_embeddings=BLOCK,
         rotary_pct=0.5,
@@ -103,7 +116,7 @@ MORE: dict[str, Callable[[int, int, int], nn.Module]] = {
         vocab_size=VOCAB,
         n_embd=lambda w, h: w,
         n_inner=lambda w, h: 3 * w,
-        n_layer=2,
+        n_layer=LAYERS,
         n_head=lambda w, h: h,
         n_positions=BLOCK,
         rotary_dim=4,
@@ -119,7 +132,7 @@ MORE: dict[str, Callable[[int, int, int], nn.Module]] = {
         vocab_size=VOCAB,
         hidden_size=lambda w, h: w,
         ffn_dim=lambda w, h: 3 * w,
-        num_hidden_layers=2,
+        num_hidden_layers=LAYERS,
         num_attention_heads=lambda w, h: h,
         word_embed_proj_dim=lambda w, h: w,
         max_position_embeddings=BLOCK,
@@ -136,7 +149,7 @@ MORE: dict[str, Callable[[int, int, int], nn.Module]] = {
         "FalconConfig",
         vocab_size=VOCAB,
         hidden_size=lambda w, h: w,
-        num_hidden_layers=2,
+        num_hidden_layers=LAYERS,
         num_attention_heads=lambda w, h: h,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -149,7 +162,7 @@ MORE: dict[str, Callable[[int, int, int], nn.Module]] = {
         "FalconConfig",
         vocab_size=VOCAB,
         hidden_size=lambda w, h: w,
-        num_hidden_layers=2,
+        num_hidden_layers=LAYERS,
         num_attention_heads=lambda w, h: h,
         num_kv_heads=lambda w, h: h // 2,
         new_decoder_architecture=True,
@@ -164,7 +177,7 @@ MORE: dict[str, Callable[[int, int, int], nn.Module]] = {
         "BloomConfig",
         vocab_size=VOCAB,
         hidden_size=lambda w, h: w,
-        n_layer=2,
+        n_layer=LAYERS,
         n_head=lambda w, h: h,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -177,7 +190,7 @@ MORE: dict[str, Callable[[int, int, int], nn.Module]] = {
         vocab_size=VOCAB,
         n_embd=lambda w, h: w,
         n_inner=lambda w, h: 3 * w,
-        n_layer=2,
+        n_layer=LAYERS,
         n_head=lambda w, h: h,
         n_positions=BLOCK,
         multi_query=True,
@@ -235,8 +248,8 @@ MORE: dict[str, Callable[[int, int, int], nn.Module]] = {
         "GPTNeoConfig",
         vocab_size=VOCAB,
         hidden_size=lambda w, h: w,
-        num_layers=2,
-        attention_types=[[["global", "local"], 1]],
+        num_layers=LAYERS,
+        attention_types=PerLayers(lambda layers: [[["global", "local"], layers // 2]]),
         num_heads=lambda w, h: h,
         intermediate_size=lambda w, h: 3 * w,
         max_position_embeddings=BLOCK,
@@ -253,7 +266,7 @@ MORE: dict[str, Callable[[int, int, int], nn.Module]] = {
         vocab_size=VOCAB,
         n_embd=lambda w, h: w,
         n_inner=lambda w, h: 3 * w,
-        n_layer=2,
+        n_layer=LAYERS,
         n_head=lambda w, h: h,
         n_positions=BLOCK,
         n_ctx=BLOCK,
@@ -269,7 +282,7 @@ MORE: dict[str, Callable[[int, int, int], nn.Module]] = {
         "MptConfig",
         vocab_size=VOCAB,
         d_model=lambda w, h: w,
-        n_layers=2,
+        n_layers=LAYERS,
         n_heads=lambda w, h: h,
         expansion_ratio=3,
         max_seq_len=BLOCK,
@@ -281,7 +294,7 @@ MORE: dict[str, Callable[[int, int, int], nn.Module]] = {
         "RobertaConfig",
         vocab_size=VOCAB,
         hidden_size=lambda w, h: w,
-        num_hidden_layers=2,
+        num_hidden_layers=LAYERS,
         num_attention_heads=lambda w, h: h,
         intermediate_size=lambda w, h: 3 * w,
         max_position_embeddings=BLOCK + 2,
@@ -296,7 +309,7 @@ MORE: dict[str, Callable[[int, int, int], nn.Module]] = {
         "DistilBertConfig",
         vocab_size=VOCAB,
         dim=lambda w, h: w,
-        n_layers=2,
+        n_layers=LAYERS,
         n_heads=lambda w, h: h,
         hidden_dim=lambda w, h: 3 * w,
         max_position_embeddings=BLOCK,
@@ -310,7 +323,7 @@ MORE: dict[str, Callable[[int, int, int], nn.Module]] = {
         vocab_size=VOCAB,
         embedding_size=lambda w, h: w,
         hidden_size=lambda w, h: w,
-        num_hidden_layers=2,
+        num_hidden_layers=LAYERS,
         num_attention_heads=lambda w, h: h,
         intermediate_size=lambda w, h: 3 * w,
         max_position_embeddings=BLOCK,
@@ -328,7 +341,7 @@ MORE: dict[str, Callable[[int, int, int], nn.Module]] = {
         d_model=lambda w, h: w,
         d_kv=lambda w, h: w // h,
         d_ff=lambda w, h: 3 * w,
-        num_layers=2,
+        num_layers=LAYERS,
         num_heads=lambda w, h: h,
         dropout_rate=0.0,
         relative_attention_num_buckets=8,
@@ -343,7 +356,7 @@ MORE: dict[str, Callable[[int, int, int], nn.Module]] = {
         d_model=lambda w, h: w,
         d_kv=lambda w, h: w // h,
         d_ff=lambda w, h: 3 * w,
-        num_layers=2,
+        num_layers=LAYERS,
         num_heads=lambda w, h: h,
         dropout_rate=0.0,
         relative_attention_num_buckets=8,
@@ -357,8 +370,8 @@ MORE: dict[str, Callable[[int, int, int], nn.Module]] = {
         "BartConfig",
         vocab_size=VOCAB,
         d_model=lambda w, h: w,
-        encoder_layers=2,
-        decoder_layers=2,
+        encoder_layers=LAYERS,
+        decoder_layers=LAYERS,
         encoder_attention_heads=lambda w, h: h,
         decoder_attention_heads=lambda w, h: h,
         encoder_ffn_dim=lambda w, h: 3 * w,
@@ -377,7 +390,7 @@ MORE: dict[str, Callable[[int, int, int], nn.Module]] = {
         "ViTForImageClassification",
         "ViTConfig",
         hidden_size=lambda w, h: w,
-        num_hidden_layers=2,
+        num_hidden_layers=LAYERS,
         num_attention_heads=lambda w, h: h,
         intermediate_size=lambda w, h: 3 * w,
         image_size=4,
