@@ -2,8 +2,9 @@
 
 Run without ``site`` and with nothing but the standard library's small modules, it starts in milliseconds.
 It sends the server its environment, working directory and standard streams, waits for the rank, and
-exits as the rank did (the same code, or killed by the same signal). If this process is killed, the server
-kills the rank: the caller's time limits and ``killpg`` work on it as on a rank started directly.
+exits as the rank did (the same code, or killed by the same signal). Signals sent to it are the rank's (a
+SIGTERM test signals the process it started); if it is killed, the server kills the rank: the caller's time
+limits and ``killpg`` work on it as on a rank started directly.
 """
 
 import json
@@ -11,6 +12,15 @@ import os
 import signal
 import socket
 import sys
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def forward(pid: int) -> None:
+    """A signal sent to this process (SIGKILL excepted: that one ends it, and the server then kills the
+    rank) is the rank's."""
+    for sig in FORWARDED:
+        signal.signal(sig, lambda signum, frame: os.kill(pid, signum))
 
 
 def main() -> None:
@@ -23,6 +33,9 @@ def main() -> None:
         reply = b""
         while chunk := conn.recv(64):
             reply += chunk
+            if reply.startswith(b"pid ") and b"\n" in reply:  # the rank is running: signals go to it
+                head, reply = reply.split(b"\n", 1)
+                forward(int(head.split()[1]))
     if not reply:
         sys.stderr.write(f"fork_client: the fork server at {path} closed without the rank's status\n")
         os._exit(70)

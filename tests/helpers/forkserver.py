@@ -140,6 +140,10 @@ def serve(path: str) -> None:
                     _run_child(request, fds, base_path)
                 for fd in fds:
                     os.close(fd)
+                try:
+                    conn.sendall(f"pid {pid}\n".encode())
+                except OSError:
+                    pass  # the client is gone: the selector sees it and the rank is killed
                 children[pid] = conn
                 selector.register(conn, selectors.EVENT_READ, pid)
             else:  # the client sends nothing: readable means it is gone, so its rank goes too
