@@ -27,6 +27,7 @@ __all__ = [
     "start_processes",
     "distributed_command",
     "forked_commands",
+    "run_program",
     "run_processes",
     "max_param_diff",
     "assert_params_close",
@@ -75,6 +76,13 @@ def forked_commands(command: list[str], world_size: int) -> list[list[str]]:
         if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
     }
     return rank_commands(command, world_size, server_env)
+
+
+def run_program(command: list[str], cwd: Path, timeout: float, world_size: int = 2) -> list[str]:
+    """A hand-written rank program (``python -m module args``) on ``world_size`` forked ranks; raises unless
+    every rank exits with 0."""
+    envs = [worker_env(r, world_size) for r in range(world_size)]
+    return run_processes(forked_commands(command, world_size), envs, timeout, cwd, rendezvous=True)
 
 
 def distributed_command(
