@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers.harness import REPO, run_processes, worker_env
+from tests.helpers.harness import REPO, run_processes, run_program, worker_env
 
 
 def rank_program(out: Path) -> None:
@@ -180,7 +180,7 @@ def check_gradient_reductions(rank: int) -> None:
 @pytest.mark.timeout(120)
 def test_conjugate_collectives_on_two_processes(tmp_path):
     cmd = [sys.executable, "-m", "tests.distributed.test_collectives", str(tmp_path)]
-    run_processes([cmd, cmd], [worker_env(r, 2) for r in range(2)], timeout=90, cwd=tmp_path, rendezvous=True)
+    run_program(cmd, tmp_path, timeout=90)
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
 
 
@@ -193,7 +193,7 @@ def test_clipping_returns_on_every_rank_when_one_has_no_gradients(tmp_path):
         str(tmp_path),
         "clip_without_gradients",
     ]
-    run_processes([cmd, cmd], [worker_env(r, 2) for r in range(2)], timeout=30, cwd=tmp_path, rendezvous=True)
+    run_program(cmd, tmp_path, timeout=30)
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
 
 
@@ -238,7 +238,7 @@ def reducer_program(out: Path) -> None:
 @pytest.mark.timeout(60)
 def test_reducer_averages_now_and_buckets_unused_parameters_apart(tmp_path):
     cmd = [sys.executable, "-m", "tests.distributed.test_collectives", str(tmp_path), "reducer"]
-    run_processes([cmd, cmd], [worker_env(r, 2) for r in range(2)], timeout=30, cwd=tmp_path, rendezvous=True)
+    run_program(cmd, tmp_path, timeout=30)
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.helpers.harness import REPO, run_processes, worker_env
+from tests.helpers.harness import REPO, run_program
 
 
 def _model() -> torch.nn.Module:
@@ -72,7 +72,7 @@ def state_dict_program(out: Path) -> None:
 @pytest.mark.timeout(60)
 def test_state_dict_gathers_to_the_groups_first_rank_only(tmp_path):
     cmd = [sys.executable, "-m", "tests.distributed.test_optimizer_shards", str(tmp_path)]
-    run_processes([cmd, cmd], [worker_env(r, 2) for r in range(2)], timeout=40, cwd=tmp_path, rendezvous=True)
+    run_program(cmd, tmp_path, timeout=40)
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
 
 

@@ -22,7 +22,7 @@ from lightning_parallel.distributed.p2p import (
     pack,
     unpack,
 )
-from tests.helpers.harness import REPO, run_processes, worker_env
+from tests.helpers.harness import REPO, run_program
 
 SHAPES = [
     ([torch.zeros(4, 64, 128)], False),
@@ -166,7 +166,7 @@ def test_streams_on_channels_of_their_own_are_matched_without_tags(p2p_run):
 def p2p_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("p2p")
     cmd = [sys.executable, "-m", "tests.distributed.test_p2p", str(tmp)]
-    run_processes([cmd, cmd], [worker_env(r, 2) for r in range(2)], timeout=90, cwd=tmp, rendezvous=True)
+    run_program(cmd, tmp, timeout=90)
     return tmp
 
 

@@ -17,6 +17,7 @@ from typing import Iterable, Mapping
 import torch
 
 from lightning_parallel.processes import run_processes, start_processes
+from tests.helpers.forkserver import rank_commands
 from tests.helpers.worker import run_case
 
 __all__ = [
@@ -25,6 +26,8 @@ __all__ = [
     "run_distributed",
     "start_processes",
     "distributed_command",
+    "forked_commands",
+    "run_program",
     "run_processes",
     "max_param_diff",
     "assert_params_close",
@@ -63,6 +66,25 @@ def worker_env(rank: int, world_size: int, local_world_size: int | None = None) 
     return env
 
 
+def forked_commands(command: list[str], world_size: int) -> list[list[str]]:
+    """``world_size`` ranks running ``command`` (``python -m ...``) as forks of a process that has already
+    imported torch and Lightning (``tests/helpers/forkserver.py``): real processes, without a start-up
+    of several seconds each."""
+    server_env = {
+        k: v
+        for k, v in worker_env(0, 1).items()
+        if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
+    }
+    return rank_commands(command, world_size, server_env)
+
+
+def run_program(command: list[str], cwd: Path, timeout: float, world_size: int = 2) -> list[str]:
+    """A hand-written rank program (``python -m module args``) on ``world_size`` forked ranks; raises unless
+    every rank exits with 0."""
+    envs = [worker_env(r, world_size) for r in range(world_size)]
+    return run_processes(forked_commands(command, world_size), envs, timeout, cwd, rendezvous=True)
+
+
 def distributed_command(
     cases: Iterable[dict], world_size: int, tmp_path: Path
 ) -> tuple[list[list[str]], list[dict], Path]:
@@ -73,7 +95,7 @@ def distributed_command(
     spec = out / "spec.json"
     spec.write_text(json.dumps({"cases": cases, "out": str(out)}))
     cmd = [sys.executable, "-m", "tests.helpers.worker", str(spec)]
-    return [cmd] * world_size, [worker_env(r, world_size) for r in range(world_size)], out
+    return forked_commands(cmd, world_size), [worker_env(r, world_size) for r in range(world_size)], out
 
 
 def run_distributed(

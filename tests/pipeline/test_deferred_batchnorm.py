@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_parallel.pipeline.deferred_batchnorm import DeferredBatchNorm, batchnorm_warning
-from tests.helpers.harness import REPO, run_processes, worker_env
+from tests.helpers.harness import REPO, run_program
 
 ATOL = 1e-12
 
@@ -235,7 +235,7 @@ def rank_program(out: Path) -> None:
 @pytest.mark.timeout(120)
 def test_sync_batchnorm_statistics_cover_every_rank_of_its_group(tmp_path):
     command = [sys.executable, "-m", "tests.pipeline.test_deferred_batchnorm", str(tmp_path)]
-    run_processes([command] * 2, [worker_env(r, 2) for r in range(2)], 100, tmp_path, rendezvous=True)
+    run_program(command, tmp_path, timeout=100)
     assert (tmp_path / "ok0").exists() and (tmp_path / "ok1").exists()
 
 

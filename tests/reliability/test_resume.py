@@ -51,7 +51,7 @@ import pytest
 import torch
 
 from lightning_parallel.processes import start_processes
-from tests.helpers.harness import max_param_diff, run_processes, worker_env
+from tests.helpers.harness import forked_commands, max_param_diff, run_processes, worker_env
 
 STEPS = 14
 # the 2 ranks form one replica: 8 samples per batch on both, and the same losses on both
@@ -274,7 +274,7 @@ def launch(
         env = {k: v for k, v in envs[0].items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NODE_RANK")}
         cmd, envs = [cmd], [env]
     else:
-        cmd = [cmd] * 2
+        cmd = forked_commands(cmd, 2)
     if kill is None or kill[2] == "SIGTERM":  # SIGTERM: saves, stops and exits cleanly
         run_processes(cmd, envs, timeout=240, cwd=cwd, grace=2.0, rendezvous=True)
         return
