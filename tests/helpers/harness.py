@@ -69,7 +69,10 @@ def worker_env(rank: int, world_size: int, local_world_size: int | None = None) 
 def forked_commands(command: list[str], world_size: int) -> list[list[str]]:
     """``world_size`` ranks running ``command`` (``python -m ...``) as forks of a process that has already
     imported torch and Lightning (``tests/helpers/forkserver.py``): real processes, without a start-up
-    of several seconds each."""
+    of several seconds each. Where a GPU is present each rank starts its own interpreter instead: CUDA
+    does not survive a fork once a parent has touched the driver, and the GPU tests are few."""
+    if torch.cuda.is_available():
+        return [command] * world_size
     server_env = {
         k: v
         for k, v in worker_env(0, 1).items()
