@@ -27,6 +27,7 @@ import sys
 import tempfile
 import threading
 import traceback
+import warnings
 from pathlib import Path
 
 __all__ = ["PRELOADED", "serve", "rank_commands"]
@@ -60,7 +61,18 @@ def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(body), fds
 
 
-def _run_child(request: dict, fds: list[int], base_path: list[str]) -> None:
+def _apply_warning_options(env: dict, library_filters: list, default_filters: list) -> None:
+    """The warning filters a fresh interpreter would have under ``env``: its ``PYTHONWARNINGS`` options
+    (applied at start-up, after the defaults) under the filters the preloaded libraries added on import."""
+    options = [o for o in env.get("PYTHONWARNINGS", "").split(",") if o]
+    sys.warnoptions[:] = options
+    warnings.filters[:] = default_filters
+    warnings._processoptions(options)  # type: ignore[attr-defined]  # what the interpreter runs at start-up
+    warnings.filters[:0] = library_filters
+    warnings._filters_mutated()  # type: ignore[attr-defined]
+
+
+def _run_child(request: dict, fds: list[int], base_path: list[str], filters: tuple[list, list]) -> None:
     """In the forked child: become the requested ``python -m module args`` and exit with its status."""
     code = 0
     try:
@@ -72,6 +84,7 @@ def _run_child(request: dict, fds: list[int], base_path: list[str]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(env)
+        _apply_warning_options(env, *filters)
         unbuffered = bool(env.get("PYTHONUNBUFFERED"))
         sys.stdout = sys.__stdout__ = open(1, "w", buffering=1 if unbuffered else -1, closefd=False)
         sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
@@ -107,8 +120,10 @@ def _kill(pid: int) -> None:
 
 def serve(path: str) -> None:
     """Accept requests on the Unix socket ``path`` until the parent (the test session) is gone."""
+    default_filters = list(warnings.filters)
     for name in PRELOADED:
         __import__(name)
+    library_filters = [f for f in warnings.filters if f not in default_filters]
     if threading.active_count() != 1:
         raise RuntimeError(f"the imports started threads, forking would be unsafe: {threading.enumerate()}")
     parent = os.getppid()
@@ -137,7 +152,7 @@ def serve(path: str) -> None:
                     listener.close()
                     for other in [conn, *children.values()]:
                         other.close()
-                    _run_child(request, fds, base_path)
+                    _run_child(request, fds, base_path, (library_filters, default_filters))
                 for fd in fds:
                     os.close(fd)
                 try:
