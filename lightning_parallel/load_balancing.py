@@ -138,11 +138,10 @@ def global_batch_loss(
         mask = attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
     counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
     probability_sum = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    per_choice = mask.repeat_interleave(top_k)  # each row's weight, once per expert it chose
     for layer in gate_logits:  # layer by layer, as Hugging Face's: one layer's probabilities at a time
         weights = torch.softmax(layer.to(device), dim=-1)
-        counts.scatter_add_(
-            0, torch.topk(weights, top_k, dim=-1)[1].reshape(-1), mask.repeat_interleave(top_k)
-        )
+        counts.scatter_add_(0, torch.topk(weights, top_k, dim=-1)[1].reshape(-1), per_choice)
         probability_sum = probability_sum + (weights.float() * mask.unsqueeze(-1)).sum(dim=0)
     rows = mask.sum() * len(gate_logits)
     totals = torch.cat([counts, rows.reshape(1)])
