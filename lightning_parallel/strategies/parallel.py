@@ -45,6 +45,7 @@ from lightning_parallel.checkpointing.by_name import (
 from lightning_parallel.checkpointing.contract import check_keys, unwrapped
 from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.zero import ShardedGradientReducer
+from lightning_parallel.every_rank import training_step_scope
 from lightning_parallel.load_balancing import refusal as load_balancing_refusal
 from lightning_parallel.memory.saved import can_stack
 from lightning_parallel.pipeline.partition import partition
@@ -253,6 +254,12 @@ class ParallelStrategy(
 
     def _is_sharded(self) -> bool:
         return self.lightning_module is not None and bool(sharded_parameters(self.lightning_module))
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Marked as a step every rank runs around the mixins' steps (a pipeline's schedule, with its
+        backwards, does not reach the base's): ``every_rank.py``."""
+        with training_step_scope():
+            return super().training_step(*args, **kwargs)
 
     # ----------------------------------------------------------------- set-up: the composition
     def configure_parallelism(self) -> None:
