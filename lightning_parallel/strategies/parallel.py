@@ -61,6 +61,7 @@ from lightning_parallel.strategies.plan_verification import PlanVerification
 from lightning_parallel.tensor import Plan, ResolvedPlan, parse_plan, resolve
 from lightning_parallel.tensor.coverage import check_coverage
 from lightning_parallel.tensor.expert_parallel import expert_pieces, experts_left_to_expert_parallel
+from lightning_parallel.tensor.expert_traffic import ExpertPlacement
 from lightning_parallel.tensor.full_state import (
     cut_shards,
     full_optimizer_state,
@@ -317,7 +318,7 @@ class ParallelStrategy(
             run = sample_forward(module, self.batch_to_device)
             self.resolved = resolve(module, self._plan, tp, run=run)
             if self.expert_parallel_size > 1:
-                experts_left_to_expert_parallel(self.resolved)
+                experts_left_to_expert_parallel(self.resolved, ExpertPlacement(self.expert_parallel_size))
             if self.sequence_parallel:
                 self.resolved.sequence = resolve_sequence(module, self.resolved, self._plan, run)
             check_coverage(module, self.resolved, self.require_sharded)

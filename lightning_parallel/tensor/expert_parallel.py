@@ -203,9 +203,12 @@ def scale_expert_gradients(module: nn.Module) -> None:
             m._scaled = True
 
 
-def experts_left_to_expert_parallel(resolved: Any) -> None:
+def experts_left_to_expert_parallel(resolved: Any, placement: Any) -> None:
     """With expert parallelism the experts are placed whole on ranks, so a tensor-parallel plan
-    (``tensor.plan.ResolvedPlan``) that splits them (style ``experts``) keeps them whole instead, saying why."""
+    (``tensor.plan.ResolvedPlan``) that splits them (style ``experts``) keeps them whole instead, saying why;
+    the plan then holds ``placement`` (a ``tensor.expert_traffic.ExpertPlacement``), which its table and
+    coverage read for what each rank holds of the experts."""
+    resolved.experts = placement
     for a in resolved.assignments:
         if a.style == "experts":
             a.style, a.options = "replicate", {}
