@@ -6,7 +6,7 @@ from __future__ import annotations
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_parallel.tensor.experts import find_experts
+from lightning_parallel.tensor.experts import find_hf_experts
 from lightning_parallel.tensor.plan import KEPT_STYLES, PlanError, ResolvedPlan
 from lightning_parallel.tensor.table import collectives_per_step, plan_rows
 
@@ -25,7 +25,7 @@ def sharded_share(module: nn.Module, resolved: ResolvedPlan) -> float:
         for p in a.module.parameters()
     }
     if resolved.experts is not None:
-        split.update({id(p): p.numel() for m in find_experts(module).values() for p in m.parameters()})
+        split.update({id(p): p.numel() for m in find_hf_experts(module).values() for p in m.parameters()})
     parameters = dict(module.named_parameters())
     split.update({id(parameters[n]): parameters[n].numel() for n in resolved.features if n in parameters})
     return sum(split.values()) / max(total, 1)

@@ -43,15 +43,16 @@ __all__ = [
     "describe_expert_parallel",
     "expert_parallel_problem",
     "expert_pieces",
-    "find_experts",
+    "find_experts_whole_or_placed",
     "scale_expert_gradients",
 ]
 
 EXPERT_DIM = ShardSpec(dim=0)
 
 
-def find_experts(module: nn.Module) -> dict[str, nn.Module]:
-    """Every experts module of ``module`` by name (already parallel ones included)."""
+def find_experts_whole_or_placed(module: nn.Module) -> dict[str, nn.Module]:
+    """Every experts module of ``module`` by name: the Hugging Face ones expert parallelism would place and
+    those it has already replaced by this rank's experts (``ExpertParallelExperts``)."""
     return {
         name: m for name, m in module.named_modules() if isinstance(m, ExpertParallelExperts) or is_experts(m)
     }
@@ -59,7 +60,7 @@ def find_experts(module: nn.Module) -> dict[str, nn.Module]:
 
 def expert_parallel_problem(module: nn.Module, ep: int) -> Optional[str]:
     """Why ``module`` cannot place its experts on ``ep`` ranks, naming what would work; None if it can."""
-    found = find_experts(module)
+    found = find_experts_whole_or_placed(module)
     if not found:
         return (
             f"expert_parallel_size={ep}, but the model has no experts module (a module with num_experts "
@@ -142,7 +143,7 @@ def apply_expert_parallel(
     if problem:
         raise ValueError(problem)
     placed = {}
-    for name, experts in find_experts(module).items():
+    for name, experts in find_experts_whole_or_placed(module).items():
         if isinstance(experts, ExpertParallelExperts):
             continue
         parent, _, child = name.rpartition(".")

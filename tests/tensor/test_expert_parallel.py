@@ -16,7 +16,7 @@ from lightning_parallel.tensor.expert_parallel import (
     apply_expert_parallel,
     describe_expert_parallel,
     expert_pieces,
-    find_experts,
+    find_experts_whole_or_placed,
 )
 from lightning_parallel.tensor.experts import is_experts
 
@@ -111,7 +111,7 @@ def test_hugging_face_experts_modules_are_recognised():
     assert is_experts(moe.experts)
     assert not is_experts(moe.gate) and not is_experts(moe)
     assert not is_experts(nn.Linear(4, 4))
-    assert list(find_experts(moe)) == ["experts"]
+    assert list(find_experts_whole_or_placed(moe)) == ["experts"]
 
 
 def test_each_rank_keeps_its_experts_under_the_same_names():
