@@ -80,11 +80,11 @@ def expert_parallel_problem(module: nn.Module, ep: int) -> Optional[str]:
 
 @dataclass(frozen=True)
 class ExpertSlice:
-    """Which slice of the experts a rank holds, in the form the full-state gathers read (a part's count
-    and place along the cut dimension, named as a tensor-parallel layer's)."""
+    """Which slice of the experts a rank holds: its place ``ep_rank`` among the ``ep_size`` ranks the experts
+    are shared out over, along the experts dimension (``tensor.full_state.cut_of`` reads it)."""
 
-    tp_size: int
-    tp_rank: int
+    ep_size: int
+    ep_rank: int
 
 
 class ExpertParallelExperts(nn.Module):
@@ -185,7 +185,7 @@ def cut_experts(name: str, full: Tensor, pieces: dict[str, tuple[Tensor, ShardSp
     if name not in pieces:
         return full
     _, spec, part = pieces[name]
-    return shard_tensor(full, spec, part.tp_size, part.tp_rank)
+    return shard_tensor(full, spec, part.ep_size, part.ep_rank)
 
 
 def _scaled(factor: float, grad: Tensor) -> Tensor:

@@ -121,7 +121,7 @@ def test_each_rank_keeps_its_experts_under_the_same_names():
     pieces = expert_pieces(split)
     assert set(pieces) == {"experts.gate_up_proj", "experts.down_proj"}
     for key, (local, spec, part) in pieces.items():
-        assert (spec.dim, part.tp_size, part.tp_rank) == (0, 2, 1)
+        assert (spec.dim, part.ep_size, part.ep_rank) == (0, 2, 1)
         assert torch.equal(local, whole.state_dict()[key][2:4])
     assert "experts 2..3 of 4, ep=2" in repr(split.experts)
     said = describe_expert_parallel({"experts": split.experts}, replicas=2)
