@@ -262,6 +262,12 @@ class ParallelStrategy(
         with training_step_scope():
             return super().training_step(*args, **kwargs)
 
+    def drain(self) -> None:
+        """The async pipeline's backwards still in flight (a recompute among them) belong to the training
+        step: every rank runs them (``every_rank.py``)."""
+        with training_step_scope():
+            super().drain()
+
     # ----------------------------------------------------------------- set-up: the composition
     def configure_parallelism(self) -> None:
         module = self.lightning_module
