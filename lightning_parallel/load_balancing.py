@@ -9,6 +9,12 @@ taken over the data-parallel group (one all-reduce of ``E + 1`` numbers, no host
 probability sum scaled so that the ranks' mean is the global ``P``, the mean of the ranks' losses is one
 device's loss and the gradients averaged over the group are one device's gradients.
 
+The sum is a collective inside the user's forward, so it runs only in the forwards every rank joins: the
+strategy's training step and backward, while autograd records (``every_rank.every_rank_forward``). Elsewhere
+(a sample generated on rank 0 in a hook or callback, ``generate``, any forward under ``torch.no_grad``,
+validation, test, predict) the function is the modeling module's own: each rank's loss on its own batch, as
+under Lightning's ``ddp``.
+
 ``install`` swaps the function of each Hugging Face modeling module that the model uses for that version,
 after checking on a sample that, on one process, the two agree (a family whose function computes another
 formula keeps its own, with a warning that its loss is per rank); ``refusal`` names the layouts where the
@@ -27,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_parallel.distributed.collectives import group_size
+from lightning_parallel.every_rank import every_rank_forward
 
 __all__ = ["install", "refusal", "routes_with_aux_loss"]
 
@@ -112,6 +119,8 @@ def _over_group(original: Callable, group: Optional[dist.ProcessGroup]) -> Calla
         return group_size(group)
 
     def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+        if not every_rank_forward():  # a forward some ranks may run alone: this rank's own loss
+            return original(gate_logits, num_experts, top_k, attention_mask)
         return global_batch_loss(gate_logits, num_experts, top_k, attention_mask, summed)
 
     setattr(load_balancing_loss_func, ORIGINAL, original)

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # Lowest first. A part is a subpackage or a module (``__init__``: the package's own public API file). A
 # part may import the parts of lower layers, never those of its own layer or of a higher one.
 LAYERS: list[tuple[str, ...]] = [
-    ("compat", "recompute_state"),
+    ("compat", "recompute_state", "every_rank"),
     ("step_effects", "module_names", "memory", "materialize", "models", "data"),
     ("distributed",),
     ("checkpointing", "processes", "step_traffic"),

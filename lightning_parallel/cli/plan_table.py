@@ -130,8 +130,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         resolved = resolve(module, args.plan, args.tp, run=run)
         if args.ep > 1:
-            experts_left_to_expert_parallel(resolved)
-            resolved.experts = placement(module, args.ep, run)
+            experts_left_to_expert_parallel(resolved, placement(module, args.ep, run))
         if args.sequence_parallel:
             resolved.sequence = resolve_sequence(module, resolved, parse_plan_unless_auto(args.plan), run)
     except PlanError as err:

@@ -5,7 +5,10 @@ deviations (in float32, or the input's dtype when wider) are gathered over the d
 combined without cancellation, so normalisation uses the statistics of the global batch; in backward
 the two per-channel sums of the input's gradient are all-reduced: the same result as BatchNorm on one
 device with the whole batch. Counts stay tensors (no host sync). On CUDA, torch's own fused
-implementation is used.
+implementation is used. The gathering is a collective inside the user's forward, so it runs only in the
+forwards every rank joins (the strategy's training step and backward, while autograd records:
+``every_rank.every_rank_forward``); a forward in training mode elsewhere (a hook or callback on rank 0
+alone) normalizes with its own input's statistics, as a BatchNorm on one device does with that input.
 
 Conversion is in place: each ``BatchNorm*d`` object changes class and keeps its identity, tensors,
 hooks and attributes, so whatever holds it (a pipeline stage's hooks, the module pickled into a
@@ -28,6 +31,7 @@ from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from lightning_parallel.compat import is_fake
+from lightning_parallel.every_rank import every_rank_forward
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm", "revert_sync_batchnorm", "SyncBatchNormPlugin"]
 
@@ -44,6 +48,8 @@ class SyncBatchNorm(nn.SyncBatchNorm):
 
     def forward(self, input: Tensor) -> Tensor:
         if is_fake(input):  # plan="auto" reading the step's data flow: no values to share, shapes as local
+            return self._local(input)
+        if self.training and not every_rank_forward():  # a forward some ranks may run alone (every_rank.py)
             return self._local(input)
         if input.device.type != "cpu":
             return super().forward(input)

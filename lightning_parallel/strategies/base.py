@@ -73,6 +73,7 @@ from lightning_parallel.distributed.replicas import broadcast_module_states
 from lightning_parallel.distributed.sync_batchnorm import SyncBatchNormPlugin
 from lightning_parallel.distributed.watchdog import FailureWatchdog
 from lightning_parallel.distributed.zero import ZERO_STAGES, ShardedGradientReducer
+from lightning_parallel.every_rank import training_step_scope
 from lightning_parallel.load_balancing import install as install_global_load_balancing
 from lightning_parallel.materialize import (
     Cut,
@@ -579,7 +580,8 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
                 module.process_group = self.dp_group
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().training_step(*args, **kwargs)
+        with training_step_scope():  # every rank runs it: the package's in-forward collectives may run
+            output = super().training_step(*args, **kwargs)
         if self.check_finite_loss:
             batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
             step = self.lightning_module.trainer.global_step
@@ -651,6 +653,12 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             self._sync_grads = previous[0]
             if self.reducer is not None:
                 self.reducer.sync_enabled = previous[1]
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's, marked as a step every rank runs: a recompute inside it reruns the forward's
+        collectives (``every_rank.py``)."""
+        with training_step_scope():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def pre_backward(self, closure_loss: Tensor) -> None:
         if self.reducer is not None:

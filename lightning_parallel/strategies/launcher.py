@@ -27,9 +27,10 @@ process, i.e. the whole sweep. This launcher differs in these ways:
 - between runs the launching process holds what Lightning's ``ddp`` holds, no more: the variables that
   send a later ``Trainer`` of the same script to the same children (``LOCAL_RANK``, ``MASTER_PORT``, ...),
   the process group, and a daemon thread that watches the children until they exit (``stop()`` joins
-  it). ``TORCHELASTIC_USE_AGENT_STORE``, which makes this process a client of its own hosted store, is
-  set only while a run is in progress; a launch that starts children again (its variables were removed,
-  as a test suite does between tests) first ends the previous one (``finish_job``).
+  it). ``TORCHELASTIC_USE_AGENT_STORE``, which makes this process a client of its own hosted store, and
+  ``TORCHELASTIC_RESTART_COUNT`` beside it are set only while a run is in progress; a launch that starts
+  children again (its variables were removed, as a test suite does between tests) first ends the previous
+  one (``finish_job``).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from lightning.fabric.strategies.launchers.subprocess_script import _basic_subpr
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 
-from lightning_parallel.compat import RESTART_COUNT_ENV
+from lightning_parallel.compat import RESTART_COUNT_ENV, agent_store_env
 from lightning_parallel.distributed.rendezvous import AGENT_STORE_ENV, HostedStore
 
 __all__ = [
@@ -248,17 +249,19 @@ def _restore(key: str, value: Optional[str]) -> None:
 @contextmanager
 def _client_of_hosted_store(state: Optional[_JobState]) -> Iterator[None]:
     """While a run is in progress in the process that hosts its job's store, a (re)made process group
-    joins that store as a client (torch's ``TORCHELASTIC_USE_AGENT_STORE``); afterwards the variable is
-    as it was."""
+    joins that store as a client (torch's ``TORCHELASTIC_USE_AGENT_STORE``, and the restart count that torch
+    <= 2.5 reads with it); afterwards the variables are as they were."""
     if state is None or state.store is None:
         yield
         return
-    before = os.environ.get(AGENT_STORE_ENV)
-    os.environ[AGENT_STORE_ENV] = "True"
+    switch = agent_store_env(AGENT_STORE_ENV)
+    before = {key: os.environ.get(key) for key in switch}
+    os.environ.update(switch)
     try:
         yield
     finally:
-        _restore(AGENT_STORE_ENV, before)
+        for key, value in before.items():
+            _restore(key, value)
 
 
 def _end_failed_launch() -> None:
@@ -448,7 +451,8 @@ class HydraSafeSubprocessLauncher(_SubprocessScriptLauncher):
             state.ranks.append(global_rank)
             state.logs.append(log_path)
         if state.store is not None:  # set again only while a run of this job is in progress
-            _restore(AGENT_STORE_ENV, state.env_before[AGENT_STORE_ENV])
+            for key in agent_store_env(AGENT_STORE_ENV):
+                _restore(key, state.env_before[key])
         self.procs = state.procs
         state.observer = _Observer(state)
         state.observer.start()

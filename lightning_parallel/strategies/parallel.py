@@ -45,6 +45,7 @@ from lightning_parallel.checkpointing.by_name import (
 from lightning_parallel.checkpointing.contract import check_keys, unwrapped
 from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.zero import ShardedGradientReducer
+from lightning_parallel.every_rank import training_step_scope
 from lightning_parallel.load_balancing import refusal as load_balancing_refusal
 from lightning_parallel.memory.saved import can_stack
 from lightning_parallel.pipeline.partition import partition
@@ -60,6 +61,7 @@ from lightning_parallel.strategies.plan_verification import PlanVerification
 from lightning_parallel.tensor import Plan, ResolvedPlan, parse_plan, resolve
 from lightning_parallel.tensor.coverage import check_coverage
 from lightning_parallel.tensor.expert_parallel import expert_pieces, experts_left_to_expert_parallel
+from lightning_parallel.tensor.expert_traffic import ExpertPlacement
 from lightning_parallel.tensor.full_state import (
     cut_shards,
     full_optimizer_state,
@@ -254,6 +256,18 @@ class ParallelStrategy(
     def _is_sharded(self) -> bool:
         return self.lightning_module is not None and bool(sharded_parameters(self.lightning_module))
 
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Marked as a step every rank runs around the mixins' steps (a pipeline's schedule, with its
+        backwards, does not reach the base's): ``every_rank.py``."""
+        with training_step_scope():
+            return super().training_step(*args, **kwargs)
+
+    def drain(self) -> None:
+        """The async pipeline's backwards still in flight (a recompute among them) belong to the training
+        step: every rank runs them (``every_rank.py``)."""
+        with training_step_scope():
+            super().drain()
+
     # ----------------------------------------------------------------- set-up: the composition
     def configure_parallelism(self) -> None:
         module = self.lightning_module
@@ -310,7 +324,7 @@ class ParallelStrategy(
             run = sample_forward(module, self.batch_to_device)
             self.resolved = resolve(module, self._plan, tp, run=run)
             if self.expert_parallel_size > 1:
-                experts_left_to_expert_parallel(self.resolved)
+                experts_left_to_expert_parallel(self.resolved, ExpertPlacement(self.expert_parallel_size))
             if self.sequence_parallel:
                 self.resolved.sequence = resolve_sequence(module, self.resolved, self._plan, run)
             check_coverage(module, self.resolved, self.require_sharded)

@@ -1,10 +1,12 @@
-"""What a plan covers, said at start-up, and refused when it splits (almost) nothing."""
+"""What a plan covers, said at start-up, and refused when it splits (almost) nothing: what each rank holds,
+the experts that expert parallelism places counted as split."""
 
 from __future__ import annotations
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_parallel.tensor.experts import find_hf_experts
 from lightning_parallel.tensor.plan import KEPT_STYLES, PlanError, ResolvedPlan
 from lightning_parallel.tensor.table import collectives_per_step, plan_rows
 
@@ -12,7 +14,9 @@ __all__ = ["check_coverage", "sharded_share"]
 
 
 def sharded_share(module: nn.Module, resolved: ResolvedPlan) -> float:
-    """The share of the model's parameters that the plan splits over the ranks."""
+    """The share of the model's parameters that no rank holds whole: those the plan splits over tp, and with
+    expert parallelism (``resolved.experts``) the experts placed on the ep ranks (each holds ``1/ep`` of
+    them)."""
     total = sum(p.numel() for p in module.parameters())
     split = {
         id(p): p.numel()
@@ -20,6 +24,8 @@ def sharded_share(module: nn.Module, resolved: ResolvedPlan) -> float:
         if a.style not in KEPT_STYLES
         for p in a.module.parameters()
     }
+    if resolved.experts is not None:
+        split.update({id(p): p.numel() for m in find_hf_experts(module).values() for p in m.parameters()})
     parameters = dict(module.named_parameters())
     split.update({id(parameters[n]): parameters[n].numel() for n in resolved.features if n in parameters})
     return sum(split.values()) / max(total, 1)
@@ -33,8 +39,9 @@ def check_coverage(module: nn.Module, resolved: ResolvedPlan, required: float) -
     forward, backward = collectives_per_step(rows)
     share = sharded_share(module, resolved)
     per_feature = [a.name or "(root)" for a in resolved.assignments if a.style == "per_feature"]
+    ep = f" x ep={resolved.experts.ep}" if resolved.experts is not None else ""
     rank_zero_info(
-        f"lp_tensor_parallel: tp={resolved.tp_size} splits {share:.0%} of the parameters; each rank holds "
+        f"lp_tensor_parallel: tp={resolved.tp_size}{ep} splits {share:.0%} of the parameters; each rank holds "
         f"{per_rank:,} of {total:,} ({per_rank / max(total, 1):.0%}); {forward} collectives forward and "
         f"{backward} backward per step"
         + (f"; per-feature layers split with their pair: {', '.join(per_feature)}" if per_feature else "")

@@ -43,15 +43,16 @@ __all__ = [
     "describe_expert_parallel",
     "expert_parallel_problem",
     "expert_pieces",
-    "find_experts",
+    "find_experts_whole_or_placed",
     "scale_expert_gradients",
 ]
 
 EXPERT_DIM = ShardSpec(dim=0)
 
 
-def find_experts(module: nn.Module) -> dict[str, nn.Module]:
-    """Every experts module of ``module`` by name (already parallel ones included)."""
+def find_experts_whole_or_placed(module: nn.Module) -> dict[str, nn.Module]:
+    """Every experts module of ``module`` by name: the Hugging Face ones expert parallelism would place and
+    those it has already replaced by this rank's experts (``ExpertParallelExperts``)."""
     return {
         name: m for name, m in module.named_modules() if isinstance(m, ExpertParallelExperts) or is_experts(m)
     }
@@ -59,7 +60,7 @@ def find_experts(module: nn.Module) -> dict[str, nn.Module]:
 
 def expert_parallel_problem(module: nn.Module, ep: int) -> Optional[str]:
     """Why ``module`` cannot place its experts on ``ep`` ranks, naming what would work; None if it can."""
-    found = find_experts(module)
+    found = find_experts_whole_or_placed(module)
     if not found:
         return (
             f"expert_parallel_size={ep}, but the model has no experts module (a module with num_experts "
@@ -79,11 +80,11 @@ def expert_parallel_problem(module: nn.Module, ep: int) -> Optional[str]:
 
 @dataclass(frozen=True)
 class ExpertSlice:
-    """Which slice of the experts a rank holds, in the form the full-state gathers read (a part's count
-    and place along the cut dimension, named as a tensor-parallel layer's)."""
+    """Which slice of the experts a rank holds: its place ``ep_rank`` among the ``ep_size`` ranks the experts
+    are shared out over, along the experts dimension (``tensor.full_state.cut_of`` reads it)."""
 
-    tp_size: int
-    tp_rank: int
+    ep_size: int
+    ep_rank: int
 
 
 class ExpertParallelExperts(nn.Module):
@@ -142,7 +143,7 @@ def apply_expert_parallel(
     if problem:
         raise ValueError(problem)
     placed = {}
-    for name, experts in find_experts(module).items():
+    for name, experts in find_experts_whole_or_placed(module).items():
         if isinstance(experts, ExpertParallelExperts):
             continue
         parent, _, child = name.rpartition(".")
@@ -184,7 +185,7 @@ def cut_experts(name: str, full: Tensor, pieces: dict[str, tuple[Tensor, ShardSp
     if name not in pieces:
         return full
     _, spec, part = pieces[name]
-    return shard_tensor(full, spec, part.tp_size, part.tp_rank)
+    return shard_tensor(full, spec, part.ep_size, part.ep_rank)
 
 
 def _scaled(factor: float, grad: Tensor) -> Tensor:
@@ -203,9 +204,12 @@ def scale_expert_gradients(module: nn.Module) -> None:
             m._scaled = True
 
 
-def experts_left_to_expert_parallel(resolved: Any) -> None:
+def experts_left_to_expert_parallel(resolved: Any, placement: Any) -> None:
     """With expert parallelism the experts are placed whole on ranks, so a tensor-parallel plan
-    (``tensor.plan.ResolvedPlan``) that splits them (style ``experts``) keeps them whole instead, saying why."""
+    (``tensor.plan.ResolvedPlan``) that splits them (style ``experts``) keeps them whole instead, saying why;
+    the plan then holds ``placement`` (a ``tensor.expert_traffic.ExpertPlacement``), which its table and
+    coverage read for what each rank holds of the experts."""
+    resolved.experts = placement
     for a in resolved.assignments:
         if a.style == "experts":
             a.style, a.options = "replicate", {}

@@ -1,6 +1,6 @@
 """Expert parallelism in the plan table: the experts each rank holds, and the all-to-all volume of a step.
 
-With ``expert_parallel_size=ep`` every experts module (``tensor.expert_parallel.find_experts``) keeps
+With ``expert_parallel_size=ep`` every experts module (``tensor.experts.find_hf_experts``) keeps
 ``num_experts / ep`` whole experts per rank (``ExpertParallelExperts``). Per call, it hands to
 ``torch.distributed.all_to_all_single``:
 
@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from lightning_parallel.tensor.experts import experts_layout, find_experts
+from lightning_parallel.tensor.experts import experts_layout, find_hf_experts
 from lightning_parallel.tensor.fake import fake_step
 
 __all__ = ["COUNT_BYTES", "ExpertCall", "ExpertPlacement", "placement", "traced_expert_calls"]
@@ -56,7 +56,7 @@ def traced_expert_calls(module: nn.Module, run: Any) -> dict[str, list[ExpertCal
     """The calls of every experts module of ``module`` in the step ``run`` (a ``SampleStep``), on fake
     tensors; empty lists where ``run`` is None or the step cannot run on fake tensors (as ``plan="auto"``
     then decides without a trace)."""
-    experts = find_experts(module)
+    experts = find_hf_experts(module)
     calls: dict[str, list[ExpertCall]] = {name: [] for name in experts}
     if run is None or not experts:
         return calls
@@ -124,7 +124,7 @@ class ExpertPlacement:
 
     def summary(self, module: nn.Module) -> list[str]:
         """The lines below the table: experts per rank, then the all-to-all volume per step."""
-        experts = find_experts(module)
+        experts = find_hf_experts(module)
         if not experts:
             return []
         first = next(iter(experts.values()))
@@ -168,7 +168,7 @@ class ExpertPlacement:
 
     def total_bytes(self, module: nn.Module) -> int:
         """Bytes handed to all-to-alls per rank in one step, all experts modules together."""
-        return sum(f + b for f, b in self.step_bytes(find_experts(module)).values())
+        return sum(f + b for f, b in self.step_bytes(find_hf_experts(module)).values())
 
 
 def placement(module: nn.Module, ep: int, run: Optional[Any]) -> ExpertPlacement:

@@ -26,7 +26,7 @@ __all__ = [
     "ExpertsType",
     "experts_layout",
     "experts_shards",
-    "find_experts",
+    "find_hf_experts",
     "is_experts",
     "split_refusal",
 ]
@@ -44,8 +44,9 @@ def is_experts(module: nn.Module) -> bool:
     return all(isinstance(held.get(n), Tensor) and held[n].dim() == 3 for n in (up, "down_proj"))
 
 
-def find_experts(module: nn.Module) -> dict[str, nn.Module]:
-    """Every experts module in ``module``, by name, in the order of ``named_modules``."""
+def find_hf_experts(module: nn.Module) -> dict[str, nn.Module]:
+    """Every Hugging Face experts module in ``module`` (``is_experts``; not those expert parallelism has
+    already replaced), by name, in the order of ``named_modules``."""
     return {name: m for name, m in module.named_modules() if is_experts(m)}
 
 

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from lightning_parallel.checkpointing.one_device import SKELETON, one_device_copy
 from lightning_parallel.distributed.collectives import all_gather_list
+from lightning_parallel.tensor.expert_parallel import ExpertSlice
 from lightning_parallel.tensor.layers import (
     FEATURE_SHARDS,
     FeatureShards,
@@ -29,6 +30,7 @@ from lightning_parallel.tensor.layers import (
 )
 
 __all__ = [
+    "cut_of",
     "sharded_parameters",
     "gather_shards",
     "cut_shards",
@@ -40,7 +42,15 @@ __all__ = [
 ]
 
 
-Owner = Union[_TPLayer, FeatureShards, Any]  # says tp_size and tp_rank (the parts and this rank's place)
+Owner = Union[_TPLayer, FeatureShards, ExpertSlice]  # how a tensor is cut: cut_of reads it
+
+
+def cut_of(owner: Owner) -> tuple[int, int]:
+    """(the parts a tensor is cut into, this rank's part): an expert slice's ep size and rank, a
+    tensor-parallel layer's or per-feature record's tp size and rank."""
+    if isinstance(owner, ExpertSlice):
+        return owner.ep_size, owner.ep_rank
+    return owner.tp_size, owner.tp_rank
 
 
 def sharded_parameters(module: nn.Module) -> dict[str, tuple[Tensor, ShardSpec, Owner]]:
@@ -101,8 +111,9 @@ def cut_shards(
     (a tensor already of the local shape is kept)."""
     out = dict(tensors)
     for key, (local, spec, layer) in found(module).items():
-        if key in out and tuple(out[key].shape) == _full_shape(local, spec, layer.tp_size):
-            out[key] = shard_tensor(out[key], spec, layer.tp_size, layer.tp_rank)
+        parts, part = cut_of(layer)
+        if key in out and tuple(out[key].shape) == _full_shape(local, spec, parts):
+            out[key] = shard_tensor(out[key], spec, parts, part)
     return out
 
 
@@ -165,11 +176,10 @@ def shard_optimizer_state(
         if id(param) not in specs or index not in state["state"]:
             continue
         spec, layer = specs[id(param)]
-        full = _full_shape(param, spec, layer.tp_size)
+        parts, part = cut_of(layer)
+        full = _full_shape(param, spec, parts)
         state["state"][index] = {
-            k: shard_tensor(v, spec, layer.tp_size, layer.tp_rank)
-            if isinstance(v, Tensor) and tuple(v.shape) == full
-            else v
+            k: shard_tensor(v, spec, parts, part) if isinstance(v, Tensor) and tuple(v.shape) == full else v
             for k, v in state["state"][index].items()
         }
     return state

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lightning_parallel.tensor.experts import experts_layout, experts_shards, find_experts
+from lightning_parallel.tensor.experts import experts_layout, experts_shards, find_hf_experts
 from lightning_parallel.tensor.layers import _linear_shape
 from lightning_parallel.tensor.plan import ResolvedPlan
 
@@ -179,7 +179,7 @@ def plan_rows(module: nn.Module, resolved: ResolvedPlan, sequence: bool = True) 
     tp = resolved.tp_size
     rows, seen_entry, covered = [], set(), set()
     order = {name: i for i, (name, _) in enumerate(module.named_modules())}
-    placed = find_experts(module) if resolved.experts is not None else {}
+    placed = find_hf_experts(module) if resolved.experts is not None else {}
     for name, m in placed.items():  # whole experts on the ep ranks, reached by all-to-all
         fwd, bwd = resolved.experts.comm(m, name)
         shape, n = resolved.experts.local_shape(m), resolved.experts.params_per_rank(m)

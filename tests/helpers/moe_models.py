@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from lightning.pytorch import LightningModule
+from lightning.pytorch import Callback, LightningModule
 from torch import Tensor, nn
 
 from tests.helpers.zoo import ZooLM
 
-__all__ = ["FirstExpertsMoE", "ZooMoE"]
+__all__ = ["FirstExpertsMoE", "RankZeroSample", "ZooMoE"]
 
 
 class FirstExpertsMoE(LightningModule):
@@ -60,3 +60,27 @@ class ZooMoE(ZooLM):
     ) -> None:
         super().__init__(arch=arch, **kwargs)
         self.model.config._experts_implementation = experts_implementation
+
+
+class RankZeroSample(Callback):
+    """What users run on rank 0 alone beside training a mixture of experts: a forward with gradients on in
+    ``on_train_batch_end`` and a greedy ``generate`` in ``on_train_epoch_end`` (``if global_rank == 0``);
+    the parameters stay as they were."""
+
+    def __init__(self) -> None:
+        self.samples: list[list[int]] = []
+
+    @staticmethod
+    def _prompt(pl_module: LightningModule) -> Tensor:
+        return torch.arange(4, device=pl_module.device).view(1, 4)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank == 0:
+            pl_module.model(input_ids=self._prompt(pl_module))  # the router's loss included
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.global_rank == 0:
+            out = pl_module.model.generate(
+                self._prompt(pl_module), max_new_tokens=2, do_sample=False, pad_token_id=0
+            )
+            self.samples.append(out[0].tolist())

@@ -214,6 +214,7 @@ def test_warning_names_the_layers_and_what_would_be_exact():
 # ----------------------------------------------------------------------------- SyncBatchNorm, 2 ranks
 def rank_program(out: Path) -> None:
     from lightning_parallel.distributed.sync_batchnorm import SyncBatchNorm
+    from lightning_parallel.every_rank import training_step_scope
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -222,7 +223,7 @@ def rank_program(out: Path) -> None:
     whole = nn.BatchNorm1d(5, momentum=0.1).double()
     deferred = DeferredBatchNorm(layer)
     for x in batches((16, 5), 3, seed=1):  # the global batch; each rank holds half, in 4 micro-batches
-        with deferred.mini_batch(4):
+        with deferred.mini_batch(4), training_step_scope():  # as inside a strategy's step: it syncs
             for part in x.chunk(2)[rank].chunk(4):
                 layer(part)
         whole(x)

@@ -192,6 +192,25 @@ def test_sync_batchnorm_fit_checkpoint_then_test(sync_runs, one_device, name):
                 assert abs(probe["test"][0][key] - one_device["probe"]["test"][0][key]) <= 1e-10
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sync_batchnorm_forward_on_rank_zero_alone_between_steps(tmp_path):
+    """A forward in training mode on rank 0 alone after each step (``tests/helpers/rank_zero.py``) gathers no
+    statistics (no collective that rank 1 never joins): it normalizes with its input's own, updating rank 0's
+    running statistics as one device does, and lp_ddp's buffers from rank 0 carry them on; parameters and
+    buffers equal one device's with the same callback."""
+    probe = {"class": "tests.helpers.rank_zero:RankZeroForward", "kwargs": {"shape": [4, 16]}}
+    c = case(
+        "sync-lp_ddp-rank0-forward",
+        "lp_ddp",
+        trainer={**SYNC, "max_epochs": 1, "limit_val_batches": 0, "num_sanity_val_steps": 0},
+        callbacks=[probe],
+    )
+    results = run_distributed([c], world_size=2, tmp_path=tmp_path, timeout=300)
+    single = run_single({**c, "strategy": "auto", "name": "single-rank0-forward"}, tmp_path)
+    assert_params_close(results[c["name"]][0]["state_dict"], single["state_dict"], atol=1e-10)
+
+
 def _best(result):
     return result["callback_state"]["ModelCheckpoint"]["best_model_path"].rsplit("/", 1)[-1]
 

@@ -44,8 +44,7 @@ def case(arch: str, ep: int, dp: int, tp: int = 1, momentum: float = 0.0, clip: 
             "kwargs": {
                 "data_parallel_size": dp,
                 "expert_parallel_size": ep,
-                "tensor_parallel_size": tp,
-                "require_sharded": 0.0,  # the router and the experts stay whole under tp
+                "tensor_parallel_size": tp,  # with the default require_sharded: the experts ep places count
             },
         },
     }

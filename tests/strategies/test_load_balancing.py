@@ -2,7 +2,8 @@
 processes: with the router's loss in the loss, lp_ddp on Mixtral (also with full and selective recompute, with
 ZeRO-2 and under manual optimization) and expert parallelism (ep=2 = dp) on Qwen2-MoE (also with recompute and
 manual optimization) equal single-device training on the global batch (float64, 5 SGD steps, 1e-10), where
-each rank's own loss (Hugging Face's, on its half of the batch) trains another objective. The layouts where it
+each rank's own loss (Hugging Face's, on its half of the batch) trains another objective; a forward and a
+``generate`` on rank 0 alone in callbacks between the steps finish and change nothing. The layouts where it
 cannot be one device's are refused before training."""
 
 from __future__ import annotations
@@ -41,8 +42,20 @@ def manual(c: dict) -> dict:
     return {**c, "name": f"{c['name']}-manual", "model": "tests.helpers.manual_zoo:ManualZooLM"}
 
 
+def rank_zero_sample(c: dict) -> dict:
+    """``c`` with epochs of 2 steps and a forward on rank 0 alone after each step and a ``generate`` after each
+    epoch (``moe_models.RankZeroSample``): the router's loss there is rank 0's own, with no collective."""
+    return {
+        **c,
+        "name": f"{c['name']}-rank0-sample",
+        "trainer": {**c["trainer"], "limit_train_batches": 2},
+        "callbacks": [{"class": "tests.helpers.moe_models:RankZeroSample"}],
+    }
+
+
 CASES = [
     case("mixtral-ddp", "mixtral", DDP),
+    rank_zero_sample(case("mixtral-ddp", "mixtral", DDP)),
     case(
         "mixtral-ddp-recompute", "mixtral", DDP, activation_checkpointing=True
     ),  # the router's forward rerun

@@ -16,7 +16,7 @@ from lightning_parallel.tensor.expert_parallel import (
     apply_expert_parallel,
     describe_expert_parallel,
     expert_pieces,
-    find_experts,
+    find_experts_whole_or_placed,
 )
 from lightning_parallel.tensor.experts import is_experts
 
@@ -111,7 +111,7 @@ def test_hugging_face_experts_modules_are_recognised():
     assert is_experts(moe.experts)
     assert not is_experts(moe.gate) and not is_experts(moe)
     assert not is_experts(nn.Linear(4, 4))
-    assert list(find_experts(moe)) == ["experts"]
+    assert list(find_experts_whole_or_placed(moe)) == ["experts"]
 
 
 def test_each_rank_keeps_its_experts_under_the_same_names():
@@ -121,8 +121,37 @@ def test_each_rank_keeps_its_experts_under_the_same_names():
     pieces = expert_pieces(split)
     assert set(pieces) == {"experts.gate_up_proj", "experts.down_proj"}
     for key, (local, spec, part) in pieces.items():
-        assert (spec.dim, part.tp_size, part.tp_rank) == (0, 2, 1)
+        assert (spec.dim, part.ep_size, part.ep_rank) == (0, 2, 1)
         assert torch.equal(local, whole.state_dict()[key][2:4])
     assert "experts 2..3 of 4, ep=2" in repr(split.experts)
     said = describe_expert_parallel({"experts": split.experts}, replicas=2)
     assert "1 experts module(s) (experts), 2 of 4 experts per rank (ep=2)" in said and "2 replica(s)" in said
+
+
+def test_coverage_counts_the_experts_expert_parallelism_places():
+    """Under tp x ep the experts stay whole under tp but each rank holds ``1/ep`` of them: the start-up
+    coverage counts them as split (Mixtral: the attention split over tp and the experts placed, 99%, where
+    the experts counted whole left 12%, under require_sharded=0.2); a plan that still splits almost nothing
+    (a model whose experts are 8% of it, only its router split over tp) is still refused."""
+    from lightning_parallel.tensor import PlanError, resolve
+    from lightning_parallel.tensor.coverage import check_coverage, sharded_share
+    from lightning_parallel.tensor.expert_parallel import experts_left_to_expert_parallel
+    from lightning_parallel.tensor.expert_traffic import ExpertPlacement
+    from lightning_parallel.tensor.sample import forward_on
+    from tests.helpers.moe_models import FirstExpertsMoE
+    from tests.helpers.zoo import ZooLM
+
+    mixtral = ZooLM(arch="mixtral").double()
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    resolved = resolve(mixtral, "auto", 2, run=forward_on(mixtral, batch=(ids, ids)))
+    experts_left_to_expert_parallel(resolved, ExpertPlacement(2))
+    assert [n for n, why in resolved.report if "expert_parallel_size > 1 places them" in why]
+    assert sharded_share(mixtral, resolved) > 0.9
+    check_coverage(mixtral, resolved, 0.2)
+
+    small = FirstExpertsMoE(vocab=2048).double()
+    resolved = resolve(small, {"layers": {"router": {"style": "colwise", "gather_output": True}}}, 2)
+    experts_left_to_expert_parallel(resolved, ExpertPlacement(2))
+    assert 0.05 < sharded_share(small, resolved) < 0.1
+    with pytest.raises(PlanError, match=r"splits only 8% .*require_sharded=0.2"):
+        check_coverage(small, resolved, 0.2)

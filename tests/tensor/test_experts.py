@@ -17,7 +17,7 @@ from lightning_parallel.tensor.expert_layer import ParallelExperts
 from lightning_parallel.tensor.experts import (
     experts_layout,
     experts_shards,
-    find_experts,
+    find_hf_experts,
     is_experts,
     split_refusal,
 )
@@ -41,7 +41,7 @@ def routed(experts: nn.Module, tokens: int = 12, seed: int = 0) -> tuple[torch.T
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_the_experts_of_each_family_are_recognised_and_cut_per_part(arch):
-    found = find_experts(build(arch))
+    found = find_hf_experts(build(arch))
     assert list(found) == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     experts = found["model.layers.0.mlp.experts"]
     assert split_refusal(experts, 2) is None
@@ -124,14 +124,14 @@ def test_auto_splits_every_layers_experts_and_keeps_about_half(arch):
     idx = torch.randint(0, 32, (2, 8))
     resolved = resolve(model, "auto", 2, lambda: model(input_ids=idx))
     styles = resolved.styles()
-    assert [n for n, s in styles.items() if s == "experts"] == list(find_experts(model))
+    assert [n for n, s in styles.items() if s == "experts"] == list(find_hf_experts(model))
     share = params_per_rank(model, resolved) / sum(p.numel() for p in model.parameters())
     assert share <= 0.55, format_table(model, resolved)
     assert not any("own plan" in why for name, why in resolved.report if "experts" in name)
     row = next(line for line in format_table(model, resolved).splitlines() if ".mlp.experts" in line)
     assert "[4, 48, 16]+[4, 16, 24]" in row and "all-reduce 16/tok" in row and "all-reduce 16+2/tok" in row
     structural = resolve(model, "auto", 2).styles()
-    assert [n for n, s in structural.items() if s == "experts"] == list(find_experts(model))
+    assert [n for n, s in structural.items() if s == "experts"] == list(find_hf_experts(model))
 
 
 def test_the_shared_expert_of_qwen2_moe_is_a_pair_beside_the_routed_experts():
@@ -172,7 +172,7 @@ def test_experts_whose_split_fails_on_a_rank_stay_whole_in_every_block(monkeypat
     resolved = resolve(model, "auto", 2, lambda: model(input_ids=idx))
     assert "experts" not in resolved.styles().values()
     report = dict(resolved.report)
-    for name in find_experts(model):
+    for name in find_hf_experts(model):
         assert "fails on a rank in 'model.layers.0.mlp.experts'" in report[name], report[name]
         assert "reads the whole intermediate size" in report[name]
     assert resolved.styles()["model.layers.1.self_attn.o_proj"] == "rowwise"

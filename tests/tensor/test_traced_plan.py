@@ -154,6 +154,26 @@ def test_manual_optimization_traces_the_training_step_with_its_optimization_made
     assert "manual_backward" not in module.__dict__ and "optimizers" not in module.__dict__  # restored
 
 
+@pytest.mark.parametrize("arch", ["hf_gpt2", "hf_bert", "mixtral"])
+def test_manual_optimization_traces_the_same_model_as_automatic(arch):
+    """The plan of a Hugging Face family's training step under manual optimization is the automatic one's:
+    the same styles for every module and the same share split (the trace sees the same model)."""
+    from lightning.pytorch import Trainer
+
+    from lightning_parallel.tensor.sample import forward_on
+    from tests.helpers.manual_zoo import ManualZooLM
+
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))
+    plans = []
+    for cls in (ZooLM, ManualZooLM):
+        module = cls(arch=arch).double()
+        module.trainer = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+        plan = resolve(module, "auto", 2, run=forward_on(module, batch=(ids, ids)))
+        plans.append((plan.styles(), round(sharded_share(module, plan), 6)))
+    assert plans[1] == plans[0]
+    assert plans[0][1] > 0.5  # traced, not the structural fallback
+
+
 def test_olmo2_norms_over_the_whole_projection_run_on_all_its_features():
     """OLMo-2's q_norm/k_norm take their statistics over the whole q/k projection: they run on all the
     features (tensor.full_width), and the attention splits around them."""
