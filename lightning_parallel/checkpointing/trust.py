@@ -33,12 +33,13 @@ from typing import Any, Optional
 import torch
 from lightning.fabric.utilities.cloud_io import _load as lightning_load
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.plugins.io import TorchCheckpointIO
+from lightning.pytorch import Trainer
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader, load
 
 from lightning_parallel.compat import torch_load_weights_only
 
 __all__ = [
+    "FIT_TAKES_WEIGHTS_ONLY",
     "METADATA_FILE",
     "MetadataReader",
     "ObjectPlanner",
@@ -51,16 +52,14 @@ __all__ = [
 ]
 
 METADATA_FILE = ".metadata"  # DCP's index of a directory: which file holds which slice of which tensor
-#: Lightning >= 2.6 passes ``fit(weights_only=...)`` on to ``torch.load``; older Lightning loads a local
-#: file with ``weights_only=False`` (``cloud_io._load``'s default) and its fit has no such argument
-_LIGHTNING_PASSES_WEIGHTS_ONLY = (
-    "weights_only" in inspect.signature(TorchCheckpointIO.load_checkpoint).parameters
-)
+#: Lightning >= 2.6: ``fit/validate/test(weights_only=...)``, passed on to ``torch.load``; older Lightning has
+#: no such argument and loads a local file with ``weights_only=False`` (``cloud_io._load``'s default)
+FIT_TAKES_WEIGHTS_ONLY = "weights_only" in inspect.signature(Trainer.fit).parameters
 
 
 def lightning_weights_only(weights_only: Optional[bool]) -> Optional[bool]:
     """What Lightning hands ``torch.load`` for a single local file when the caller says ``weights_only``."""
-    if weights_only is None and not _LIGHTNING_PASSES_WEIGHTS_ONLY:
+    if weights_only is None and not FIT_TAKES_WEIGHTS_ONLY:
         return False
     return weights_only
 
