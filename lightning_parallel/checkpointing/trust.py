@@ -105,11 +105,8 @@ def read_with(checkpoint_io: Any, path: _PATH, weights_only: Optional[bool]) -> 
 
 
 # ---------------------------------------------------------------------------------------------- DCP
-_DCP_METADATA_MODULES = (
-    "torch.distributed.checkpoint.metadata",
-    "torch.distributed.checkpoint.filesystem",
-    "torch.distributed._shard.sharded_tensor.metadata",  # TensorProperties' home before DCP's own
-)
+#: where the classes of DCP's index live (a ShardedTensor's properties are written as DCP's own)
+_DCP_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 
 
 def _allowed(module: str, name: str) -> Any:
