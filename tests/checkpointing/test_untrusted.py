@@ -17,16 +17,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch.distributed.checkpoint import FileSystemReader, load, save
 
-from lightning_parallel.checkpointing import META_FILE, RESUME_KEY
-from lightning_parallel.checkpointing.trust import FIT_TAKES_WEIGHTS_ONLY, METADATA_FILE
+from lightning_parallel import compat
+from lightning_parallel.checkpointing import META_FILE, RESUME_KEY, AtomicCheckpointIO
+from lightning_parallel.checkpointing.trust import (
+    FIT_TAKES_WEIGHTS_ONLY,
+    METADATA_FILE,
+    lightning_weights_only,
+    resolved,
+)
 from lightning_parallel.cli.checkpoint import main as checkpoint_cli
 from tests.helpers.harness import run_distributed
-
-pytestmark = pytest.mark.skipif(
-    not FIT_TAKES_WEIGHTS_ONLY, reason="Lightning < 2.6: fit takes no weights_only"
-)
 
 DDP = {"class": "lightning_parallel:DDPStrategy", "kwargs": {}}
 LAYOUTS = {
@@ -96,8 +99,42 @@ def planted(clean: Path, where: str, marker: Path, out: Path) -> Path:
     return out
 
 
+class Harmless:
+    """A class that no weights-only load allows: whether a load refuses it says what it trusts."""
+
+
+@pytest.mark.smoke
+@pytest.mark.parametrize(
+    "forced", [None, "TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"]
+)
+def test_unset_weights_only_is_decided_as_lightning_decides_for_one_file(tmp_path, monkeypatch, forced):
+    """``weights_only=None`` at the installed torch and Lightning: the package's decision (``resolved``, used
+    for DCP's index and objects) is what Lightning's own single-file load does, and what torch does with the
+    value Lightning hands it."""
+    for name in ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"):
+        monkeypatch.delenv(name, raising=False)
+    if forced:
+        monkeypatch.setenv(forced, "1")
+    path = tmp_path / "harmless.ckpt"
+    torch.save({"state_dict": {}, "object": Harmless()}, path)
+
+    def refuses(load) -> bool:
+        try:
+            load()
+        except pickle.UnpicklingError:
+            return True
+        return False
+
+    lightning = refuses(lambda: TorchCheckpointIO().load_checkpoint(path))
+    assert resolved(None) == lightning
+    assert refuses(lambda: torch.load(path, weights_only=lightning_weights_only(None))) == lightning
+    assert compat.torch_load_weights_only(None) == refuses(lambda: torch.load(path))
+    assert resolved(True) and refuses(lambda: AtomicCheckpointIO().load_checkpoint(path, weights_only=True))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@pytest.mark.skipif(not FIT_TAKES_WEIGHTS_ONLY, reason="Lightning < 2.6: fit takes no weights_only")
 def test_untrusted_checkpoints_run_no_code_on_any_load_path(tmp_path):
     run_distributed(
         [case("save-file", "lp_ddp"), case("save-dir", "lp_ddp", sharded=True)],
