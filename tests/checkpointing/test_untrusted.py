@@ -4,8 +4,8 @@ every load path, and fails before training with torch's weights-only error namin
 file, a sharded directory's ``meta.pt`` (at the top, and in the resume state), its DCP index (``.metadata``)
 and among its DCP objects (the optimizer's state, read by ZeRO's pieces too); every marker must stay absent.
 With ``weights_only=None`` the package decides as Lightning's own single-file load does. Real processes: one
-saves the checkpoints, one runs every load (the refused fits and the clean ones, one after another); the
-consolidate command runs here."""
+saves the checkpoints, one runs every load (the refused fits and the clean ones, one after another), 2 ranks
+refuse a stored object together; the consolidate command runs here."""
 
 from __future__ import annotations
 
@@ -199,6 +199,18 @@ def test_untrusted_checkpoints_run_no_code_on_any_load_path(tmp_path):
             assert "Weights only load failed" in results[name][0]["error"], name
     for name in ("clean-file", "clean-dir", "clean-dir-zero1"):
         assert len(results[name][0]["losses"]) == 2, name  # steps 4 and 5: it resumed
+
+    # 2 ranks: both refuse DCP's stored object (the failure DCP gathers is raised as the refusal) and stop
+    two_ranks = planted(clean["dir"], "object", markers / "object-2-ranks", bad / "object-2-ranks")
+    with pytest.raises(RuntimeError, match="Weights only load failed") as refusal:
+        run_distributed(
+            [{**case("object-2-ranks", "lp_ddp", 5, two_ranks, True), "dp_size": 2}],
+            world_size=2,
+            tmp_path=tmp_path / "two",
+            timeout=120,
+        )
+    assert str(two_ranks) in str(refusal.value)
+    assert not (markers / "object-2-ranks").exists(), "2 ranks: the checkpoint ran code"
 
     for name in ("meta", "index", "object"):  # the consolidate command
         with pytest.raises(pickle.UnpicklingError, match="Weights only load failed") as refusal:
