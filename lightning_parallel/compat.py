@@ -77,6 +77,7 @@ __all__ = [
     "top_saved_tensors_hooks",
     "tree_flatten",
     "tree_map",
+    "torch_load_weights_only",
     "unset_fake_temporarily",
     "without_layer_caches",
 ]
@@ -190,6 +191,23 @@ def all_gather_single() -> Callable[..., object]:
     (``input`` may be this rank's part of ``output``: in place). torch 2.13 added ``dist.all_gather_single``;
     before it the same call is ``dist.all_gather_into_tensor`` (torch >= 1.13)."""
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def torch_load_weights_only(weights_only: Optional[bool]) -> bool:
+    """What ``torch.load(..., weights_only=weights_only)`` decides, for a reader that unpickles without it
+    (``torch.distributed.checkpoint``'s ``.metadata``). ``None``: torch's default, True from torch 2.6
+    (``torch.serialization._default_to_weights_only``), False before. ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``
+    makes it True on every version; torch >= 2.6 also reads ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``, which turns
+    an unset value into False."""
+    true_values = ("1", "y", "yes", "true")
+    if os.getenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in true_values:
+        return True
+    if weights_only is not None:
+        return weights_only
+    default = getattr(torch.serialization, "_default_to_weights_only", None)
+    if default is None:  # torch < 2.6
+        return False
+    return default(None) and os.getenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() not in true_values
 
 
 _BACKWARD_TAKES_EDGES = torch.__version__ >= "2.7"

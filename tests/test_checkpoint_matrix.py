@@ -6,7 +6,7 @@ single-device checkpoint (Adam: the optimizer state must survive the change of l
 import pytest
 import torch
 
-from tests.helpers.harness import assert_params_close, run_distributed, run_single
+from tests.helpers.harness import UNTRUSTED, assert_params_close, run_distributed, run_single
 from tests.helpers.models import MLP
 
 LAYOUTS = {
@@ -29,6 +29,7 @@ def case(name, layout, steps, ckpt_path=None):
         "trainer": {"precision": "64-true", "max_steps": steps},
         "save_checkpoint": True,
         "ckpt_path": ckpt_path,
+        **(UNTRUSTED if ckpt_path else {}),
     }
 
 

@@ -12,7 +12,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from lightning_parallel.checkpointing import META_FILE, is_sharded_checkpoint
 from lightning_parallel.strategies import SingleDeviceReferenceStrategy
-from tests.helpers.harness import REPO, assert_params_close, run_distributed, run_single
+from tests.helpers.harness import REPO, UNTRUSTED, assert_params_close, run_distributed, run_single
 from tests.helpers.models import MLP
 
 LAYOUTS = {
@@ -48,6 +48,7 @@ def case(name, layout, steps, model="mlp", ckpt_path=None, sharded=True):
         "trainer": {"precision": "64-true", "max_steps": steps},
         "save_checkpoint": True,
         "ckpt_path": ckpt_path,
+        **(UNTRUSTED if ckpt_path else {}),
         "probe": "tests.helpers.probes:local_shards",
     }
 

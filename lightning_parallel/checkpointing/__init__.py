@@ -6,6 +6,7 @@
                        (``ShardLayout``), optimizer state included, and extra resume state
 - ``atomic.py``        files written to a temporary name, fsynced and renamed (``AtomicCheckpointIO``)
 - ``sharded.py``       DCP directories, one shard per rank, loaded in any layout; ``consolidate``
+- ``trust.py``         every read with the caller's ``weights_only`` (files, DCP's index and stored objects)
 - ``resume_state.py``  the resumable sampler, every rank's RNG, what a loaded checkpoint still has to restore
 - ``loop_state.py``    repairs of Lightning's loop state on load (epoch-end saves, the resumed step)
 - ``preemption.py``    SIGTERM -> a resumable ``last.ckpt`` and a clean stop

@@ -18,6 +18,8 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from lightning_parallel.checkpointing.trust import lightning_weights_only, load_file, naming
+
 __all__ = ["AtomicCheckpointIO", "atomic_torch_save"]
 
 
@@ -57,14 +59,22 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(
         self, path: _PATH, map_location: Any = lambda storage, loc: storage, weights_only: bool | None = None
     ) -> dict[str, Any]:
+        """``weights_only`` as Lightning means it for a single file (``trust.lightning_weights_only``); a
+        refusal names the file."""
         if "://" in str(path) or not Path(path).is_file():
-            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            return load_file(path, weights_only, map_location=map_location)
         try:
-            return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=True)
+            with naming(path):
+                return torch.load(
+                    path,
+                    map_location=map_location,
+                    weights_only=lightning_weights_only(weights_only),
+                    mmap=True,
+                )
         except RuntimeError as error:  # a legacy (non-zip) file cannot be mapped
             if "mmap" not in str(error):
                 raise
-            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+            return load_file(path, weights_only, map_location=map_location)
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None

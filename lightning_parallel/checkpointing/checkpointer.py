@@ -13,9 +13,10 @@
 
 **Load** (``fit(ckpt_path=...)``):
 
-1. ``load_checkpoint``: the storage reads the checkpoint (a directory: ``meta.pt`` only, its tensors stay
-   on disk); Lightning's loop state of an ``on_train_epoch_end`` save is rewritten (``loop_state``); the
-   resume state becomes a ``PendingResume``;
+1. ``load_checkpoint``: the storage reads the checkpoint (a directory: ``meta.pt`` and DCP's index only,
+   its tensors stay on disk), with the caller's ``weights_only`` (``trust.py``: a file that would run code
+   is refused here, before set-up); Lightning's loop state of an ``on_train_epoch_end`` save is rewritten
+   (``loop_state``); the resume state becomes a ``PendingResume``;
 2. ``load_model_state_dict`` / ``load_optimizer_state_dict``: a file's full state through
    ``load_full_model_state`` / ``load_full_optimizer_state``; a directory's tensors are read at
    ``restore_after_setup``, once the module has this strategy's layout and the optimizers exist;
@@ -53,6 +54,7 @@ from lightning_parallel.checkpointing.sharded import (
     read_sharded_meta,
     write_sharded,
 )
+from lightning_parallel.checkpointing.trust import read_with
 
 __all__ = ["Checkpointer"]
 
@@ -146,13 +148,14 @@ class Checkpointer(CheckpointContract):
         return checkpoint
 
     def _read(self, checkpoint_path: _PATH, weights_only: bool | None) -> dict[str, Any]:
-        """The checkpoint from a file, or a sharded directory's ``meta.pt`` (its tensors read after setup)."""
+        """The checkpoint from a file, or a sharded directory's ``meta.pt`` (its tensors read after setup),
+        every read with the caller's ``weights_only`` (``trust.py``)."""
         self._sharded_source = None
         path = None if _is_remote(checkpoint_path) else Path(self.broadcast(str(checkpoint_path)))
         if path is None or not path.is_dir():
-            return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
-        meta = read_sharded_meta(path)
-        self._sharded_source = (path, meta, True)
+            return read_with(self.checkpoint_io, checkpoint_path, weights_only)
+        meta = read_sharded_meta(path, weights_only)
+        self._sharded_source = (path, meta, True, weights_only)
         return meta
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -161,8 +164,8 @@ class Checkpointer(CheckpointContract):
         if self.lightning_module is not None and self.precision_plugin is not None:
             self.precision_plugin.convert_module(self.lightning_module)
         if SHARDED_KEY in checkpoint:  # read at restore_after_setup, in this strategy's layout
-            path, meta, _ = self._sharded_source
-            self._sharded_source = (path, meta, strict)
+            path, meta, _, weights_only = self._sharded_source
+            self._sharded_source = (path, meta, strict, weights_only)
             return
         self.load_full_model_state(checkpoint["state_dict"], strict=strict)
 

@@ -35,7 +35,7 @@ import shutil
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,7 @@ from lightning_parallel.checkpointing.atomic import atomic_torch_save
 from lightning_parallel.checkpointing.by_name import names_in_optimizer
 from lightning_parallel.checkpointing.contract import ShardLayout
 from lightning_parallel.checkpointing.resume_state import all_gather_objects
+from lightning_parallel.checkpointing.trust import MetadataReader, load_dcp, load_file
 from lightning_parallel.distributed.optimizer_shards import StatePieces
 
 __all__ = [
@@ -218,20 +219,20 @@ def _destination(
     raise ValueError(f"checkpoint tensor {name!r} has shape {saved}; this model's is {tuple(like.shape)}")
 
 
-def _read_metadata(path: Path) -> dict[str, Any]:
-    from torch.distributed.checkpoint import FileSystemReader
-
-    return FileSystemReader(str(path)).read_metadata().state_dict_metadata
+def _read_metadata(path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
+    return MetadataReader(path, weights_only).read_metadata().state_dict_metadata
 
 
-def read_sharded_meta(path: Path) -> dict[str, Any]:
-    """The checkpoint without its tensors (``meta.pt``); the tensors are read later by ``load_sharded``."""
+def read_sharded_meta(path: Path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+    """The checkpoint without its tensors (``meta.pt``), and DCP's index checked to load under
+    ``weights_only``; the tensors are read later by ``load_sharded``."""
     if not is_sharded_checkpoint(path):
         raise FileNotFoundError(
             f"{path} is a directory but not a complete sharded checkpoint (no {META_FILE} or .metadata): "
             "its save was interrupted, or it is not a checkpoint. Point ckpt_path at a finished one."
         )
-    return torch.load(path / META_FILE, map_location="cpu", weights_only=False)  # Lightning's state: objects
+    _read_metadata(path, weights_only)  # refused here, before set-up, if it would run code
+    return load_file(path / META_FILE, weights_only)
 
 
 def write_sharded(strategy: Any, checkpoint: dict[str, Any], path: Path) -> None:
@@ -317,11 +318,11 @@ def _merged_groups(
     return {"param_groups": out}
 
 
-def load_sharded(strategy: Any, path: Path, meta: Mapping[str, Any], strict: bool) -> None:
+def load_sharded(
+    strategy: Any, path: Path, meta: Mapping[str, Any], strict: bool, weights_only: Optional[bool] = None
+) -> None:
     """Read the directory into the strategy's module (and optimizers, when there are) as laid out now."""
-    from torch.distributed.checkpoint import load
-
-    md = _read_metadata(path)
+    md = _read_metadata(path, weights_only)
     module = strategy.lightning_module
     layouts, meshes = strategy.shard_layouts(), {}
     dest: dict[str, Any] = {}
@@ -336,7 +337,7 @@ def load_sharded(strategy: Any, path: Path, meta: Mapping[str, Any], strict: boo
         (optimizer, saved_states[i], _optimizer_targets(strategy, md, i, dest, meshes))
         for i, optimizer in enumerate((strategy.optimizers or [])[: len(saved_states)])
     ]
-    load(dest, checkpoint_id=str(path))
+    load_dcp(dest, path, weights_only)
     strategy.load_full_model_state(local, strict=strict)
     for optimizer, saved, targets in optim_targets:
         optimizer.load_state_dict(_local_optimizer_state(optimizer, module, saved, targets, dest))
@@ -397,22 +398,21 @@ def _local_optimizer_state(
 
 
 # ---------------------------------------------------------------------------------------------- consolidate
-def consolidate(directory: _PATH, output: _PATH) -> None:
-    """Write a sharded checkpoint directory as one single-device ``.ckpt`` (one process, no process group)."""
-    from torch.distributed.checkpoint import load
-
+def consolidate(directory: _PATH, output: _PATH, weights_only: Optional[bool] = None) -> None:
+    """Write a sharded checkpoint directory as one single-device ``.ckpt`` (one process, no process group);
+    ``weights_only`` as in ``fit``."""
     directory = Path(directory)
     if not is_sharded_checkpoint(directory):
         raise FileNotFoundError(
             f"{directory} is not a complete sharded checkpoint (needs {META_FILE} and .metadata)"
         )
-    md = _read_metadata(directory)
+    md = _read_metadata(directory, weights_only)
     values: dict[str, Any] = {
         k: torch.empty(m.size, dtype=m.properties.dtype) if hasattr(m, "size") else None
         for k, m in md.items()
     }
-    load(values, checkpoint_id=str(directory), no_dist=True)
-    meta = torch.load(directory / META_FILE, map_location="cpu", weights_only=False)
+    load_dcp(values, directory, weights_only, no_dist=True)
+    meta = load_file(directory / META_FILE, weights_only)
     info = meta.pop(SHARDED_KEY)
     packed = {n: torch.Size(s) for n, s in info["packed"].items()}
 

@@ -1,5 +1,7 @@
-"""``python -m lightning_parallel.cli.checkpoint consolidate DIR OUT.ckpt``: a sharded checkpoint directory
-(``save_distributed=True``) as one single-device ``.ckpt`` for ``load_from_checkpoint``."""
+"""``python -m lightning_parallel.cli.checkpoint consolidate [--weights-only | --no-weights-only] DIR OUT.ckpt``:
+a sharded checkpoint directory (``save_distributed=True``) as one single-device ``.ckpt`` for
+``load_from_checkpoint``. ``--weights-only`` as ``fit(weights_only=True)``: a directory that would run code
+is refused; neither flag: what Lightning does with a single file (``checkpointing/trust.py``)."""
 
 from __future__ import annotations
 
@@ -19,10 +21,17 @@ def main(argv: list[str] | None = None) -> None:
     c = sub.add_parser(
         "consolidate", help="DIR OUT.ckpt: a single-device checkpoint for load_from_checkpoint"
     )
+    c.add_argument(
+        "--weights-only",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="refuse anything but tensors and plain types (for a directory you did not write); "
+        "--no-weights-only trusts it; default: as Lightning loads a single file",
+    )
     c.add_argument("directory")
     c.add_argument("output")
     args = parser.parse_args(argv)
-    consolidate(args.directory, args.output)
+    consolidate(args.directory, args.output, weights_only=args.weights_only)
     print(f"wrote {args.output}")
 
 

@@ -200,6 +200,22 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     return summary
 
 
+def _weights_only(cfg: DictConfig) -> dict[str, Any]:
+    """``fit``'s ``weights_only`` when the config sets one; refused before anything is built where Lightning's
+    fit has no such argument."""
+    from lightning_parallel.checkpointing.trust import FIT_TAKES_WEIGHTS_ONLY
+
+    weights_only = cfg.get("weights_only")
+    if weights_only is None:
+        return {}
+    if not FIT_TAKES_WEIGHTS_ONLY:
+        raise ValueError(
+            f"weights_only={weights_only}: this Lightning's Trainer.fit takes no weights_only (it arrived in "
+            "Lightning 2.6); remove it, or install lightning>=2.6"
+        )
+    return {"weights_only": weights_only}
+
+
 def _fit(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     from hydra.utils import instantiate
     from lightning.pytorch import Trainer, seed_everything
@@ -212,6 +228,7 @@ def _fit(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     from lightning_parallel.memory.accounting import reset_peak_rss
     from lightning_parallel.strategies.launcher import install
 
+    untrusted = _weights_only(cfg)
     reset_peak_rss()  # a sweep runs its jobs one after another in this process: each job's peak is its own
     seed_everything(cfg.seed, workers=True, verbose=False)
     model = instantiate_user(cfg.model, "model")
@@ -239,7 +256,7 @@ def _fit(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     )
     install(trainer.strategy)  # Lightning's built-in ddp gets the sweep-safe launcher too
     try:
-        trainer.fit(model, datamodule=data, ckpt_path=cfg.ckpt_path)
+        trainer.fit(model, datamodule=data, ckpt_path=cfg.ckpt_path, **untrusted)
     except Exception as err:
         err._lp_trainer = trainer  # type: ignore[attr-defined]
         err._lp_results = recorder.results(trainer)  # type: ignore[attr-defined]

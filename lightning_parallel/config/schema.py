@@ -151,5 +151,7 @@ class LPTrainConf:
     seed: int = 1234
     checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
     ckpt_path: Optional[str] = None  # resume from this checkpoint
+    # fit(weights_only=...) for ckpt_path (Lightning >= 2.6): true for a checkpoint you did not write
+    weights_only: Optional[bool] = None
     progress_every_n_steps: int = 25
     summary_file: str = "summary.json"

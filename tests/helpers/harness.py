@@ -16,6 +16,7 @@ from typing import Iterable, Mapping
 
 import torch
 
+from lightning_parallel.checkpointing.trust import FIT_TAKES_WEIGHTS_ONLY
 from lightning_parallel.processes import run_processes, start_processes
 from tests.helpers.forkserver import rank_commands
 from tests.helpers.worker import run_case
@@ -33,9 +34,13 @@ __all__ = [
     "assert_params_close",
     "saved_checkpoint",
     "REPO",
+    "UNTRUSTED",
 ]
 
 REPO = Path(__file__).resolve().parents[2]
+#: what a resume case adds to load its checkpoint as an untrusted one (``fit(weights_only=True)``, Lightning
+#: >= 2.6): every checkpoint the package writes loads that way
+UNTRUSTED = {"weights_only": True} if FIT_TAKES_WEIGHTS_ONLY else {}
 
 
 def free_port() -> int:

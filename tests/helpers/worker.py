@@ -136,7 +136,14 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
     if deferred:
         with trainer.init_module(empty_init=case["empty_init"]):
             model = load_object(case["model"])(**case.get("model_kwargs", {}))
-    trainer.fit(model, datamodule=data, ckpt_path=case.get("ckpt_path"))
+    fit_kwargs = {"weights_only": case["weights_only"]} if "weights_only" in case else {}
+    if case.get("expect_error"):  # the fit must fail: its error and what trained before it are the result
+        try:
+            trainer.fit(model, datamodule=data, ckpt_path=case.get("ckpt_path"), **fit_kwargs)
+        except Exception as error:
+            return {"error": f"{type(error).__name__}: {error}", "losses": recorder.losses}
+        return {"error": None, "losses": recorder.losses}
+    trainer.fit(model, datamodule=data, ckpt_path=case.get("ckpt_path"), **fit_kwargs)
     if case.get("validate_after_fit"):
         trainer.validate(model, datamodule=data, verbose=False)
     result = {

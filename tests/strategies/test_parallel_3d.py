@@ -9,7 +9,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.harness import assert_params_close, max_param_diff, run_distributed, saved_checkpoint
+from tests.helpers.harness import (
+    UNTRUSTED,
+    assert_params_close,
+    max_param_diff,
+    run_distributed,
+    saved_checkpoint,
+)
 from tests.helpers.tp_models import SmallGPT
 from tests.strategies.test_deferred_init import MODELS
 from tests.strategies.test_deferred_init import case as deferred_case
@@ -31,7 +37,8 @@ def layout(dp: int, tp: int, pp: int, schedule: str = "1f1b") -> dict:
 
 def case(name: str, model: str, strategy: str, kwargs: dict, dp: int, steps: int = 5, **more) -> dict:
     """``model`` under ``strategy``, built on meta, float64, ``steps`` steps, a checkpoint at the end."""
-    return {**deferred_case(model, "", strategy, kwargs, dp, steps), "name": name, **more}
+    untrusted = UNTRUSTED if more.get("ckpt_path") else {}
+    return {**deferred_case(model, "", strategy, kwargs, dp, steps), "name": name, **untrusted, **more}
 
 
 def async_case(name: str, strategy: str, kwargs: dict, dp: int, model: str, steps: int = 5, **more) -> dict:

@@ -11,7 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers.harness import assert_params_close, max_param_diff, run_distributed, saved_checkpoint
+from tests.helpers.harness import (
+    UNTRUSTED,
+    assert_params_close,
+    max_param_diff,
+    run_distributed,
+    saved_checkpoint,
+)
 from tests.strategies.test_deferred_init import MODELS
 from tests.strategies.test_parallel_3d import layout as layout_3d
 
@@ -43,6 +49,7 @@ def case(name: str, model: str, optimizer: str, strategy: str, kwargs: dict, dp:
         "trainer": trainer,
         "strategy": {"class": strategy, "kwargs": kwargs},
         "save_checkpoint": True,
+        **(UNTRUSTED if more.get("ckpt_path") else {}),
         **more,
     }
 
