@@ -250,11 +250,9 @@ class StageExecutor:
         links: Sequence[ChunkLinks],
         link: PeerLink,
         timeline: Timeline,
-        parameters: Sequence[Tensor] = (),
     ) -> None:
         self.rank, self.part, self.links = rank, part, list(links)
         self.link, self.io, self.timeline = link, part.io, timeline
-        self.parameters = [p for p in parameters if p.requires_grad]  # what a split backward's W fills
         self.in_flight: dict[Key, tuple[Any, Any]] = {}  # previous batch: (output, input)
         self._weights_due: dict[Key, WeightGradients] = {}  # split backwards whose W is still to run
         self._expected: Counter = Counter()  # transfers still to come in this run, per (peer, stream)
@@ -395,7 +393,7 @@ class StageExecutor:
         with self.timeline.record(action.kind, index, previous, chunk):
             if action.kind == "I":
                 leaves = [t for t in _as_tuple(used_input) if isinstance(t, Tensor) and t.requires_grad]
-                self._weights_due[(index, chunk)] = backward_input(roots, grads, leaves, self.parameters)
+                self._weights_due[(index, chunk)] = backward_input(roots, grads, leaves)
             else:
                 torch.autograd.backward(roots, grads)
         if links.previous is None:

@@ -47,6 +47,7 @@ from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.zero import ShardedGradientReducer
 from lightning_parallel.load_balancing import refusal as load_balancing_refusal
 from lightning_parallel.memory.saved import can_stack
+from lightning_parallel.parameter_set import ParameterChange
 from lightning_parallel.pipeline.partition import partition
 from lightning_parallel.pipeline.placement import global_stage
 from lightning_parallel.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, virtual_stages_problem
@@ -300,6 +301,38 @@ class ParallelStrategy(
         )
         if sums is not None:
             sums.report_to(self.reducer.grad_ready if self.reducer is not None and hooks else None)
+
+    def follow_parameter_change(self, change: ParameterChange) -> None:
+        """As the base's, for a split model: pipeline stages read again which parameters outside the
+        block stack train (their gradients are summed over the stages; the split backward's weight part
+        reads what trains from each graph). Refused, naming what changed: freezing or unfreezing under
+        tensor parallelism's gradient sums, the experts' own reducer, or the async schedule (each fixed
+        at set-up)."""
+        fixed = None if change.structural else self._fixed_trainable_set()
+        if fixed is not None:
+            raise ValueError(
+                f"{type(self).__name__}: parameters were frozen or unfrozen after set-up ({change.describe()}), "
+                f"and {fixed}. Set requires_grad before fit (a callback's setup hook runs before set-up)."
+            )
+        if self.pipelined and not change.structural:
+            self._replicated = self.replicated_positions()
+        super().follow_parameter_change(change)
+
+    def _fixed_trainable_set(self) -> Optional[str]:
+        """Why this run cannot follow a change of which parameters train (None: it can)."""
+        if installed_gradient_sums(self.lightning_module) is not None:
+            return (
+                "tensor parallelism sums over its ranks the gradients of the parameters that trained at set-up "
+                "(tensor_parallel_size > 1 or sequence_parallel=True)"
+            )
+        if self.expert_reducer is not None:
+            return "the experts' gradients are averaged over their replicas by a reducer built at set-up"
+        if self.pipelined and self.schedule == "async":
+            return (
+                "schedule='async' applies each batch's gradient a step later, from a graph built before the "
+                "change"
+            )
+        return None
 
     def _split(self, module: nn.Module) -> None:
         """Tensor parallel, then pipeline stages, applied to the meta module inside ``set_up_share``: the

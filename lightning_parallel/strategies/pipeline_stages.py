@@ -248,7 +248,6 @@ class PipelineStages:
                 channels=new_channel_groups(self.schedule, self.mesh.shape, self.global_rank, v),
             ),
             Timeline(self.global_rank),
-            list(module.parameters()),
         )
         # summaries go over gloo on CPU, on their own tag (on NCCL, on a gloo group of their own)
         objects = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
@@ -256,13 +255,17 @@ class PipelineStages:
         others = [r for r in ranks if r != last]
         link = PeerLink(torch.device("cpu"), objects, tag=OBJECT_TAG)
         self.logs = LogMirror(link, last, others, self.is_last_stage)
-        owned = set(self.partition.owned)
-        # positions in module.parameters() of the trainable parameters outside the stack, on every stage
-        self._replicated = [
-            i for i, (n, p) in enumerate(module.named_parameters()) if n not in owned and p.requires_grad
-        ]
+        self._replicated = self.replicated_positions()
         if self.schedule == "async" and pp > 1:
             self.async_grads.reduce = self._replicated_gradient_reduce(module, self._replicated)
+
+    def replicated_positions(self) -> list[int]:
+        """Positions in ``module.parameters()`` of the trainable parameters outside the stack (every stage
+        holds them, and their gradients are summed over the stages): read at set-up, and again when the
+        user's code freezes or unfreezes parameters (``follow_parameter_change``)."""
+        owned = set(self.partition.owned)
+        named = self.lightning_module.named_parameters()
+        return [i for i, (n, p) in enumerate(named) if n not in owned and p.requires_grad]
 
     def _measure_block_times(self, module: Any) -> Optional[list[float]]:
         """balance='time': each block's forward + backward seconds on the first training micro-batch."""
