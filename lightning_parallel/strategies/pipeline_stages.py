@@ -54,7 +54,7 @@ from torch import Tensor
 from lightning_parallel.checkpointing.loss_check import check_finite_loss
 from lightning_parallel.distributed.collectives import start_gather_numbers
 from lightning_parallel.distributed.p2p import OBJECT_TAG, PeerLink
-from lightning_parallel.distributed.replicas import start_sum_at
+from lightning_parallel.distributed.replicas import broadcast_tensors, start_sum_at
 from lightning_parallel.materialize import has_meta_tensors
 from lightning_parallel.module_names import find_block_stack
 from lightning_parallel.pipeline.channels import new_channel_groups
@@ -267,6 +267,18 @@ class PipelineStages:
         named = self.lightning_module.named_parameters()
         return [i for i, (n, p) in enumerate(named) if n not in owned and p.requires_grad]
 
+    def prepare_checkpoint(self) -> None:
+        """Before a checkpoint's state is read (after the async pipeline's drain): every stage's buffers of
+        the modules outside the block stack become the loss stage's. Those after the stack (a final
+        BatchNorm) run only there, and a checkpoint, full or sharded, takes a tensor that several ranks
+        hold from any one of them."""
+        super().prepare_checkpoint()
+        if not self.pipelined or self.mesh.shape.pp == 1:
+            return
+        buffers = [b for m in self.partition.outside for b in m._buffers.values() if b is not None]
+        if buffers:
+            broadcast_tensors(buffers, src=self.loss_stage, group=self.pp_group)
+
     def _measure_block_times(self, module: Any) -> Optional[list[float]]:
         """balance='time': each block's forward + backward seconds on the first training micro-batch."""
         trainer = module.trainer
@@ -427,7 +439,7 @@ class PipelineStages:
         # only the last stage runs the user's step, so only it calls metrics
         tracked = self.whole_batch.track(self.lightning_module) if self.is_last_stage else nullcontext()
         deferred = (
-            self._deferred_bn.mini_batch(self.num_microbatches)
+            self._deferred_bn.mini_batch(self.num_microbatches, lambda: self.partition.io.repeating)
             if backward and self._deferred_bn is not None
             else nullcontext()
         )
