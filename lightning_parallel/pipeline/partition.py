@@ -53,6 +53,7 @@ __all__ = [
     "hold_elsewhere",
     "keep_block_skeletons",
     "partition",
+    "refuse_tensors_shared_across_stages",
     "stage_bounds",
 ]
 
@@ -253,6 +254,7 @@ def partition(
     into; ``chunks`` are those this rank holds, by local chunk index (default: ``[stage]``)."""
     name, stack = find_block_stack(module, stack_name)
     bounds = stage_bounds(name, stack, num_stages, split_points, costs)
+    refuse_tensors_shared_across_stages(name, stack, bounds)
     held = list(chunks) if chunks is not None else [stage]
     part = StagePartition(
         stack_name=name,
@@ -271,6 +273,33 @@ def partition(
     for i in range(max(bounds[c][1] for c in held)):  # later blocks are never reached on this rank
         stack[i].register_forward_hook(_at_boundary(part, i))
     return part
+
+
+def refuse_tensors_shared_across_stages(
+    stack_name: str, stack: nn.Module, bounds: Sequence[tuple[int, int]]
+) -> None:
+    """Refuse a parameter or buffer that blocks of two different (virtual) stages hold as one tensor
+    (``blocks[3].fc.weight = blocks[0].fc.weight``). Each stage would keep its own copy of it, update
+    it with only its own blocks' part of the gradient, and save it under its own name, so the copies
+    drift apart. The same rule on every rank (it reads the bounds, not this rank's share)."""
+    stage_of = {i: s for s, (a, b) in enumerate(bounds) for i in range(a, b)}
+    prefix = f"{stack_name}." if stack_name else ""
+    first: dict[int, tuple[int, str]] = {}
+    for i, block in enumerate(stack):
+        named = [
+            *block.named_parameters(remove_duplicate=False),
+            *block.named_buffers(remove_duplicate=False),
+        ]
+        for name, tensor in named:
+            j, other = first.setdefault(id(tensor), (i, name))
+            if stage_of[j] != stage_of[i]:
+                raise ValueError(
+                    f"{prefix}{i}.{name} is the same tensor as {prefix}{j}.{other}, and blocks {j} and {i} "
+                    f"fall in different pipeline stages ({stage_of[j]} and {stage_of[i]} of {len(bounds)}): each "
+                    "stage would hold its own copy and train it with only its own blocks' part of the gradient. "
+                    "Give each block its own tensor, tie it outside the block stack (a module every stage "
+                    "runs, as tied embeddings are), or keep both blocks in one stage with split_points."
+                )
 
 
 def keep_block_skeletons(module: nn.Module, stack_name: Optional[str] = None) -> None:
