@@ -1,9 +1,11 @@
 """User code that changes a model after the strategy set it up, or that runs modules outside the block
 stack: a callback that freezes a block and unfreezes it later (what ``BackboneFinetuning`` does), a GPT
-with a tensor tied across blocks, a network with BatchNorm before and after its block stack."""
+with a tensor tied across blocks, a GPT with a `backbone` for Lightning's BackboneFinetuning, a network
+with BatchNorm before and after its block stack."""
 
 from __future__ import annotations
 
+import torch
 from lightning.pytorch import Callback
 from torch import nn
 
@@ -71,3 +73,17 @@ class InputBatchNormNet(MLP):
 
 class MicroBatchInputNormNet(MicroBatchNorm, InputBatchNormNet):
     """``InputBatchNormNet`` trained as a pipeline with micro-batches trains it, on one process."""
+
+
+class BackboneGPT(SmallGPT):
+    """``SmallGPT`` whose first half of blocks is the ``backbone`` Lightning's ``BackboneFinetuning`` freezes
+    and unfreezes; the optimizer takes the parameters that train when it is made (Lightning's example)."""
+
+    @property
+    def backbone(self) -> nn.Module:
+        blocks = self.model.blocks
+        return blocks[: len(blocks) // 2]
+
+    def configure_optimizers(self):
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.SGD(trainable, lr=self.hparams.lr)

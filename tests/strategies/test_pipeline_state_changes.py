@@ -4,7 +4,8 @@ schedule on 2 real gloo processes (2 stages, float64), against one process:
 - a block frozen and unfrozen later (a callback, as ``BackboneFinetuning`` does: frozen before set-up or
   after it, trainable again from step 2) trains as on one device under 1f1b and the split backwards of
   zb_h1 and zbv, and under lp_ddp (the gradient buckets rebuilt); under ZeRO it is refused, naming the
-  parameters;
+  parameters; Lightning's ``BackboneFinetuning`` trains and saves as on one device (its param group added
+  on the stage that holds the backbone only);
 - a BatchNorm before the block stack (run by every chunk's forward) and one after it update their
   running statistics as on one device under interleaved_1f1b and zbv (several chunks per rank), at m=1
   (exact: everything equals one device) and m=4 (each micro-batch normalised with its own statistics, as
@@ -61,6 +62,26 @@ FREEZE += [
     }
     for at in ("setup", "fit_start")
 ]
+# Lightning's BackboneFinetuning: blocks 0-1 frozen at its setup hook, unfrozen at epoch 1 with a param
+# group of their own, which only the stage holding them adds
+BACKBONE = [
+    case(
+        f"backbone-{s}",
+        "tests.helpers.state_changes:BackboneGPT",
+        TOKENS,
+        s,
+        4,
+        {"n_layer": 4, "optimizer": "sgd", "lr": 0.5},
+        [
+            {
+                "class": "lightning.pytorch.callbacks:BackboneFinetuning",
+                "kwargs": {"unfreeze_backbone_at_epoch": 1},
+            }
+        ],
+        trainer={"max_steps": -1, "max_epochs": 2, "limit_train_batches": 3},
+    )
+    for s in ("1f1b", "zbv")
+]
 BATCHNORM = [
     case(
         f"bn-{s}-m{m}",
@@ -87,7 +108,7 @@ for c in BATCHNORM:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("state_changes")
-    return tmp, run_distributed(FREEZE + BATCHNORM, world_size=2, tmp_path=tmp, timeout=600)
+    return tmp, run_distributed(FREEZE + BACKBONE + BATCHNORM, world_size=2, tmp_path=tmp, timeout=600)
 
 
 def reference(c, tmp, model=None, **model_kwargs):
@@ -115,6 +136,21 @@ def test_a_block_unfrozen_after_set_up_trains_as_on_one_device(runs, c):
     )
     block = {k: v for k, v in full.items() if k.startswith("model.blocks.0.")}
     assert max_param_diff(block, {k: initial["state_dict"][k] for k in block}) > 1e-4  # it trained
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("c", BACKBONE, ids=[c["name"] for c in BACKBONE])
+def test_backbone_finetuning_trains_and_saves_as_on_one_device(runs, c):
+    """The checkpoint holds one device's two param groups: the head's and the backbone's (added on stage 0
+    only), each with every parameter of the model once."""
+    tmp, _ = runs
+    saved = torch.load(tmp / "dist2" / c["name"] / "last.ckpt", weights_only=False)
+    assert_params_close(saved["state_dict"], reference(c, tmp)["state_dict"], atol=1e-10)
+    groups = saved["optimizer_states"][0]["param_groups"]
+    indices = [i for g in groups for i in g["params"]]
+    assert len(groups) == 2 and sorted(indices) == list(range(len(indices)))
+    assert len(indices) == len(saved["state_dict"])  # the GPT has no buffers
 
 
 @pytest.mark.slow
