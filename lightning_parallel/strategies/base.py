@@ -428,6 +428,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self._bind_metrics_to_dp_group()
         self.install_clipping()
         self._parameter_set = ParameterSet(self.lightning_module)
+        self._refuse_finetuning_callbacks()
         self._release_load_balancing()  # a mixture of experts' load-balancing loss on the global batch
         self._release_load_balancing = install_global_load_balancing(
             self.lightning_module, self.dp_group, rank_zero_warn
@@ -608,12 +609,36 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self._memory_hook("on_train_batch_start", batch, batch_idx)
         super().on_train_batch_start(batch, batch_idx)
 
+    def trainable_set_fixed(self) -> Optional[str]:
+        """Why this run cannot follow a change of which parameters train after set-up (None: it can)."""
+        if isinstance(self.reducer, ShardedGradientReducer):
+            return (
+                f"zero_stage={self.zero_stage} cut the trainable parameters into this rank's pieces and the "
+                "optimizer's state once, at set-up (zero_stage=0 follows such a change)"
+            )
+        return None
+
+    def _refuse_finetuning_callbacks(self) -> None:
+        """A Lightning finetuning callback (``BackboneFinetuning``, any ``BaseFinetuning``) unfreezes
+        parameters during fit: refused at set-up where the run cannot follow that."""
+        from lightning.pytorch.callbacks import BaseFinetuning
+
+        trainer = self.lightning_module.trainer
+        names = [type(c).__name__ for c in trainer.callbacks if isinstance(c, BaseFinetuning)]
+        fixed = self.trainable_set_fixed() if names else None
+        if fixed is not None:
+            raise ValueError(
+                f"{type(self).__name__}: the {names[0]} callback freezes and unfreezes parameters during fit, "
+                f"and {fixed}. Remove the callback, or use a layout that follows the change "
+                "(docs/changing_state.md)."
+            )
+
     def follow_parameter_change(self, change: ParameterChange) -> None:
         """Make what set-up decided from the parameters follow a change the user's code made since (seen
         at the start of a training batch, after the callbacks' and the module's own hooks): the
         data-parallel buckets are rebuilt for the parameters that train now. What cannot follow is refused,
-        naming the parameters: parameters added, removed or replaced after set-up, and any change under
-        ZeRO (its shards and the optimizer's pieces are cut once). Split models add their own parts."""
+        naming the parameters: parameters added, removed or replaced after set-up, and a change of which
+        train where ``trainable_set_fixed`` says why not. Split models add their own parts."""
         if change.structural:
             raise ValueError(
                 f"{type(self).__name__}: the model's parameters changed after the strategy set it up "
@@ -622,12 +647,11 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
                 "run before set-up), frozen if they should train later: freezing and unfreezing during fit "
                 "is supported."
             )
-        if isinstance(self.reducer, ShardedGradientReducer):
+        fixed = self.trainable_set_fixed()
+        if fixed is not None:
             raise ValueError(
-                f"{type(self).__name__}(zero_stage={self.zero_stage}): parameters were frozen or unfrozen after "
-                f"set-up ({change.describe()}), and ZeRO cut the trainable parameters into this rank's pieces "
-                "and the optimizer's state once, at set-up. Set requires_grad before fit (a callback's setup "
-                "hook runs before set-up), or use zero_stage=0."
+                f"{type(self).__name__}: parameters were frozen or unfrozen after set-up ({change.describe()}), "
+                f"and {fixed}. Set requires_grad before fit (a callback's setup hook runs before set-up)."
             )
         if self.reducer is not None and self._reducer_arguments is not None:
             self.reducer.remove_hooks()

@@ -305,21 +305,14 @@ class ParallelStrategy(
     def follow_parameter_change(self, change: ParameterChange) -> None:
         """As the base's, for a split model: pipeline stages read again which parameters outside the
         block stack train (their gradients are summed over the stages; the split backward's weight part
-        reads what trains from each graph). Refused, naming what changed: freezing or unfreezing under
-        tensor parallelism's gradient sums, the experts' own reducer, or the async schedule (each fixed
-        at set-up)."""
-        fixed = None if change.structural else self._fixed_trainable_set()
-        if fixed is not None:
-            raise ValueError(
-                f"{type(self).__name__}: parameters were frozen or unfrozen after set-up ({change.describe()}), "
-                f"and {fixed}. Set requires_grad before fit (a callback's setup hook runs before set-up)."
-            )
+        reads what trains from each graph)."""
         if self.pipelined and not change.structural:
             self._replicated = self.replicated_positions()
         super().follow_parameter_change(change)
 
-    def _fixed_trainable_set(self) -> Optional[str]:
-        """Why this run cannot follow a change of which parameters train (None: it can)."""
+    def trainable_set_fixed(self) -> Optional[str]:
+        """As the base's; also tensor parallelism's gradient sums, the experts' reducer and the async
+        schedule's batch in flight, each fixed at set-up."""
         if installed_gradient_sums(self.lightning_module) is not None:
             return (
                 "tensor parallelism sums over its ranks the gradients of the parameters that trained at set-up "
@@ -332,7 +325,7 @@ class ParallelStrategy(
                 "schedule='async' applies each batch's gradient a step later, from a graph built before the "
                 "change"
             )
-        return None
+        return super().trainable_set_fixed()
 
     def _split(self, module: nn.Module) -> None:
         """Tensor parallel, then pipeline stages, applied to the meta module inside ``set_up_share``: the

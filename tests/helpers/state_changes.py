@@ -41,12 +41,13 @@ class FreezeThenUnfreeze(Callback):
 
 
 class TiedAcrossBlocksGPT(SmallGPT):
-    """``SmallGPT`` whose last block's first MLP weight is the first block's (one tensor in two blocks)."""
+    """``SmallGPT`` whose block ``tied``'s first MLP weight is the first block's (one tensor in two blocks;
+    by default the last block)."""
 
-    def __init__(self, **kwargs) -> None:
+    def __init__(self, tied: int = -1, **kwargs) -> None:
         super().__init__(**kwargs)
         blocks = self.model.blocks
-        blocks[-1].mlp.fc.weight = blocks[0].mlp.fc.weight
+        blocks[tied].mlp.fc.weight = blocks[0].mlp.fc.weight
 
 
 class InputBatchNormNet(MLP):
