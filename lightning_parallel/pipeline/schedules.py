@@ -96,7 +96,7 @@ SPLIT_BACKWARD = ("zb_h1", "zbv")
 
 def gpipe(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
     """All forwards, then all backwards (in the same micro-batch order)."""
-    _check(num_stages, num_microbatches, stage)
+    _check_shape(num_stages, num_microbatches, stage)
     return [Action("F", i) for i in range(num_microbatches)] + [
         Action("B", i) for i in range(num_microbatches)
     ]
@@ -127,7 +127,7 @@ def async_step(
     depth is in flight) the oldest backward in flight. The first ``carried`` backwards are the previous
     batch's last (0 after a flush, else the warm-up depth). With ``virtual_stages`` chunks (looping) it
     is interleaved 1F1B's stream: the forwards and backwards in its round order, one batch after another."""
-    _check(num_stages, num_microbatches, stage)
+    _check_shape(num_stages, num_microbatches, stage)
     if virtual_stages > 1:
         problem = schedule_problem("async", num_stages, num_microbatches, virtual_stages)
         if problem is not None:
@@ -189,7 +189,7 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, stage: int, virtual
     The micro-batches go in rounds (``interleaved_round``); a round runs through chunk 0, then chunk 1,
     ... (its backwards through the last chunk first). Warm-up forwards (``interleaved_warmup``), then
     one forward and one backward, then the remaining backwards."""
-    _check(num_stages, num_microbatches, stage)
+    _check_shape(num_stages, num_microbatches, stage)
     check_virtual_stages("interleaved_1f1b", virtual_stages)
     forwards = _looping_order(num_stages, num_microbatches, virtual_stages, backward=False)
     backwards = _looping_order(num_stages, num_microbatches, virtual_stages, backward=True)
@@ -230,7 +230,7 @@ def zbv(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
     The pattern fills the V with 2p - 1 micro-batches; with fewer, it is the pattern for 2p - 1 without
     the missing micro-batches' actions. A rank holds at most 2p chunks' activations: p stages' worth.
     """
-    _check(num_stages, num_microbatches, stage)
+    _check_shape(num_stages, num_microbatches, stage)
     p, r = num_stages, stage
     n = max(num_microbatches, 2 * p - 1)
     steps = (
@@ -331,7 +331,7 @@ def forward_only(
     """The forwards of an evaluation step: every micro-batch through chunk 0, then chunk 1, ... Each
     rank's chunks lie in model order in both placements, so no rank waits on a later one of its own."""
     check_virtual_stages(name, virtual_stages)
-    _check(num_stages, num_microbatches, stage)
+    _check_shape(num_stages, num_microbatches, stage)
     return [Action("F", i, chunk=c) for c in range(virtual_stages) for i in range(num_microbatches)]
 
 
@@ -508,7 +508,8 @@ def _rounds_problem(num_stages: int, num_microbatches: int, name: str = "interle
     )
 
 
-def _check(num_stages: int, num_microbatches: int, stage: int) -> None:
+def _check_shape(num_stages: int, num_microbatches: int, stage: int) -> None:
+    """Refuse a pipeline without stages or micro-batches, or a stage outside it (a caller's bug)."""
     if num_stages < 1 or num_microbatches < 1 or not 0 <= stage < num_stages:
         raise ValueError(
             f"bad schedule shape: stages={num_stages}, microbatches={num_microbatches}, stage={stage}"
