@@ -149,8 +149,9 @@ class PipelineStages:
         return self.stage_of[-1]
 
     @property
-    def is_last_stage(self) -> bool:
-        """Whether this rank runs the end of the model: the head, the loss and the user's step."""
+    def runs_loss(self) -> bool:
+        """Whether this rank runs the end of the model: the head, the loss and the user's step (the loss
+        stage, the last rank but rank 0 in the V placement)."""
         return self.mesh is not None and self.mesh.pp_rank == self.loss_stage
 
     @property
@@ -254,7 +255,7 @@ class PipelineStages:
         last = ranks[self.loss_stage]
         others = [r for r in ranks if r != last]
         link = PeerLink(torch.device("cpu"), objects, tag=OBJECT_TAG)
-        self.logs = LogMirror(link, last, others, self.is_last_stage)
+        self.logs = LogMirror(link, last, others, self.runs_loss)
         self._replicated = self.replicated_positions()
         if self.schedule == "async" and pp > 1:
             self.async_grads.reduce = self._replicated_gradient_reduce(module, self._replicated)
@@ -412,7 +413,7 @@ class PipelineStages:
             result = self._run(actions, batch, step_fn, backward=False, flushed=False)
         summary = self.logs.take("eval")
         self._show(summary)
-        if self.is_last_stage:
+        if self.runs_loss:
             return result.output
         return move_data_to_device(summary["outputs"], self.root_device)
 
@@ -437,7 +438,7 @@ class PipelineStages:
         if backward and self.scaler() is not None:
             scale *= self.scaler().get_scale()
         # only the last stage runs the user's step, so only it calls metrics
-        tracked = self.whole_batch.track(self.lightning_module) if self.is_last_stage else nullcontext()
+        tracked = self.whole_batch.track(self.lightning_module) if self.runs_loss else nullcontext()
         deferred = (
             self._deferred_bn.mini_batch(self.num_microbatches, lambda: self.partition.io.repeating)
             if backward and self._deferred_bn is not None
@@ -455,7 +456,7 @@ class PipelineStages:
             )
         if backward:
             self.peak_held.append(result.peak_held)
-        if self.is_last_stage:
+        if self.runs_loss:
             kind = "train" if backward else "eval"
             number = (
                 self.lightning_module.trainer.global_step if self.schedule == "async" and backward else None
