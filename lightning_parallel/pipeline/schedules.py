@@ -71,7 +71,6 @@ __all__ = [
     "chunks_per_rank",
     "virtual_stages_problem",
     "schedule_problem",
-    "check_virtual_stages",
     "forward_only",
     "verify_schedule",
     "ScheduleError",
@@ -190,7 +189,7 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, stage: int, virtual
     ... (its backwards through the last chunk first). Warm-up forwards (``interleaved_warmup``), then
     one forward and one backward, then the remaining backwards."""
     _check_shape(num_stages, num_microbatches, stage)
-    check_virtual_stages("interleaved_1f1b", virtual_stages)
+    _require_placeable("interleaved_1f1b", virtual_stages)
     forwards = _looping_order(num_stages, num_microbatches, virtual_stages, backward=False)
     backwards = _looping_order(num_stages, num_microbatches, virtual_stages, backward=True)
     warmup = interleaved_warmup(num_stages, num_microbatches, stage, virtual_stages)
@@ -254,7 +253,7 @@ def schedule(
 ) -> list[Action]:
     """The actions of ``stage`` (a rank) for one flushed step of the named schedule (``async`` flushes
     like 1F1B; its no-flush steps are ``async_step``)."""
-    check_virtual_stages(name, virtual_stages)
+    _require_placeable(name, virtual_stages)
     if name == "gpipe":
         return gpipe(num_stages, num_microbatches, stage)
     if name == "async":  # one async step from an empty pipeline, then its cool-down
@@ -308,8 +307,15 @@ def schedule_problem(
     name: str, num_stages: int, num_microbatches: int, virtual_stages: Optional[int] = None
 ) -> Optional[str]:
     """What keeps the named schedule from running ``num_microbatches`` on ``num_stages`` ranks with
-    ``virtual_stages`` chunks each; None if nothing. ``schedule`` raises the same."""
+    ``virtual_stages`` chunks each; None if nothing. The one check of a schedule's shape: the pipeline
+    strategies call it at set-up (``virtual_stages_problem``, its part that needs no sizes, also at
+    construction); the schedule builders raise its name and chunk parts."""
     problem = _name_problem(name) or virtual_stages_problem(name, virtual_stages)
+    if problem is None and name == "1f1b" and num_microbatches < num_stages:
+        problem = (
+            f"schedule='1f1b' needs num_microbatches >= the number of stages ({num_stages}), got "
+            f"{num_microbatches} (with fewer it is gpipe); raise num_microbatches or use schedule='gpipe'."
+        )
     looping = name == "interleaved_1f1b" or (name == "async" and (virtual_stages or 1) > 1)
     if problem is None and looping:
         problem = _rounds_problem(num_stages, num_microbatches, name)
@@ -318,8 +324,9 @@ def schedule_problem(
     return problem
 
 
-def check_virtual_stages(name: str, virtual_stages: int) -> None:
-    """Refuse an unknown schedule, or a number of chunks per rank that it cannot place."""
+def _require_placeable(name: str, virtual_stages: int) -> None:
+    """Refuse an unknown schedule, or a number of chunks per rank that it cannot place (the part of
+    ``schedule_problem`` that the schedule builders check)."""
     problem = _name_problem(name) or virtual_stages_problem(name, virtual_stages)
     if problem is not None:
         raise ValueError(problem)
@@ -330,7 +337,7 @@ def forward_only(
 ) -> list[Action]:
     """The forwards of an evaluation step: every micro-batch through chunk 0, then chunk 1, ... Each
     rank's chunks lie in model order in both placements, so no rank waits on a later one of its own."""
-    check_virtual_stages(name, virtual_stages)
+    _require_placeable(name, virtual_stages)
     _check_shape(num_stages, num_microbatches, stage)
     return [Action("F", i, chunk=c) for c in range(virtual_stages) for i in range(num_microbatches)]
 
@@ -360,7 +367,7 @@ def activation_bound(
     ``p - stage``; interleaved its warm-up plus one (stage 0: ``p * v + p - 1`` chunks, Megatron's
     ``p * (1 + (p - 1) / (p * v))`` stages); ZB-H1 ``p`` on every stage and ZBV ``2p`` chunks, both
     1F1B's peak of ``p`` stages. Never more than all ``m * v``."""
-    check_virtual_stages(name, virtual_stages)
+    _require_placeable(name, virtual_stages)
     p, m, v = num_stages, num_microbatches, virtual_stages
     if name == "interleaved_1f1b":
         return min(interleaved_warmup(p, m, stage, v) + 1, m * v)

@@ -175,11 +175,6 @@ class PipelineStages:
                 "and optimizer.step() inside training_step have no place. Use automatic optimization, or "
                 "lp_ddp / lp_tensor_parallel, which support manual optimization."
             )
-        if self.schedule == "1f1b" and self.num_microbatches < pp:
-            raise ValueError(
-                f"schedule='1f1b' needs num_microbatches >= the number of stages ({pp}), got "
-                f"{self.num_microbatches}; raise num_microbatches or use schedule='gpipe'."
-            )
         shape_problem = schedule_problem(self.schedule, pp, self.num_microbatches, self.virtual_stages)
         if shape_problem is not None:
             raise ValueError(f"{type(self).__name__}: {shape_problem}")
