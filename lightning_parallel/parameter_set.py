@@ -5,8 +5,10 @@ are summed over the pipeline stages, which ZeRO shards. A callback may change th
 ``BackboneFinetuning`` freezes a backbone when fit starts and unfreezes it at an epoch, and an adapter
 may be added in ``on_train_start``. ``ParameterSet.change`` says what changed since the last look: the
 parameters that now train or no longer do, and those added, removed or replaced (a module swapped).
-It is read once per training batch: two C-level passes over the parameters (their ids and their
-``requires_grad``), the names only when something changed.
+It is read once per training batch at the cost of one C-level pass over the parameters kept from the
+last look (their ``requires_grad``): a parameter or module registered anywhere since (torch's global
+registration hooks set a flag) makes it walk the module again, and the names are read only when
+something changed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ from operator import attrgetter
 from typing import Optional
 
 from torch import nn
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 
 __all__ = ["ParameterChange", "ParameterSet"]
 
@@ -57,9 +63,24 @@ class ParameterSet:
         self.module = module
         self._names: dict[int, str] = {}
         self._trains: dict[int, bool] = {}
+        self._registered = False  # a parameter or module was registered somewhere since the last look
+        self._handles = [
+            register_module_parameter_registration_hook(self._on_registration),
+            register_module_module_registration_hook(self._on_registration),
+        ]
         self._look()
 
+    def _on_registration(self, *args: object) -> None:
+        self._registered = True
+
+    def close(self) -> None:
+        """Remove the registration hooks (process-wide)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
     def _look(self) -> None:
+        self._registered = False
         named = list(self.module.named_parameters())
         # the parameters are kept, so an id seen here cannot be reused by a new object
         self._params = [p for _, p in named]
@@ -70,11 +91,12 @@ class ParameterSet:
 
     def change(self) -> Optional[ParameterChange]:
         """What changed since set-up or the last call that found a change (None: nothing)."""
-        params = list(self.module.parameters())
-        if list(map(id, params)) == self._ids and list(map(_TRAINS, params)) == self._flags:
+        if not self._registered and list(map(_TRAINS, self._params)) == self._flags:
             return None
         before_names, before_trains = self._names, self._trains
         self._look()
+        if self._ids == list(before_names) and self._flags == list(before_trains.values()):
+            return None  # something was registered elsewhere (or the same parameter again)
         now = self._names
         return ParameterChange(
             trainable=[

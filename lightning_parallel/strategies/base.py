@@ -427,6 +427,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self.configure_parallelism()
         self._bind_metrics_to_dp_group()
         self.install_clipping()
+        self._forget_parameter_set()
         self._parameter_set = ParameterSet(self.lightning_module)
         self._refuse_finetuning_callbacks()
         self._release_load_balancing()  # a mixture of experts' load-balancing loss on the global batch
@@ -609,6 +610,11 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self._memory_hook("on_train_batch_start", batch, batch_idx)
         super().on_train_batch_start(batch, batch_idx)
 
+    def _forget_parameter_set(self) -> None:
+        if self._parameter_set is not None:
+            self._parameter_set.close()
+            self._parameter_set = None
+
     def trainable_set_fixed(self) -> Optional[str]:
         """Why this run cannot follow a change of which parameters train after set-up (None: it can)."""
         if isinstance(self.reducer, ShardedGradientReducer):
@@ -748,6 +754,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             self._watchdog = None
         if self.reducer is not None:  # kept (without hooks) so its stats can be read after fit
             self.reducer.remove_hooks()
+        self._forget_parameter_set()
         module = self.lightning_module
         if module is not None and self._checkpointed and not self.model_is_split():
             # a whole model leaves fit as the user's; a split one keeps its set-up until the next fit
