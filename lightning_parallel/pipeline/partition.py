@@ -202,9 +202,9 @@ class StagePartition:
         self.io.chunk = chunk
         for block in earlier:
             block.forward = _passed_over
-        if chunk > 0:
-            self._begin_repeat()
         try:
+            if chunk > 0:
+                self._begin_repeat()
             yield
         finally:
             self.end_repeat()
