@@ -88,3 +88,12 @@ class BackboneGPT(SmallGPT):
     def configure_optimizers(self):
         trainable = [p for p in self.parameters() if p.requires_grad]
         return torch.optim.SGD(trainable, lr=self.hparams.lr)
+
+
+class AddAdapter(Callback):
+    """A LoRA-style adapter (a small Linear) added to the first block's MLP in ``on_train_start``, after
+    the strategy's set-up."""
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        width = pl_module.model.blocks[0].mlp.fc.in_features
+        pl_module.model.blocks[0].mlp.adapter = nn.Linear(width, width, bias=False)
