@@ -46,7 +46,6 @@ def main() -> None:
     stage = torch.nn.Sequential(block)
     if args.checkpoint:
         apply_activation_checkpointing(stage, ["0"])
-    parameters = list(block.parameters())
     x = torch.randn(args.batch, args.tokens, args.width, requires_grad=True)
     grad = torch.randn_like(x)
 
@@ -61,7 +60,7 @@ def main() -> None:
             torch.autograd.backward(y, grad)
             lap = {"full": time.perf_counter() - start}
         else:
-            weights = backward_input([y], [grad], [x], parameters)
+            weights = backward_input([y], [grad], [x])
             middle = time.perf_counter()
             weights.run()
             lap = {"I": middle - start, "W": time.perf_counter() - middle}

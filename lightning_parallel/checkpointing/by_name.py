@@ -47,12 +47,18 @@ def state_by_name(
 
 
 def merge_states(stages: Sequence[Mapping[str, Any]], full_names: Sequence[str]) -> dict[str, Any]:
-    """The single-device ``optimizer.state_dict()`` made from every part's named state."""
+    """The single-device ``optimizer.state_dict()`` made from every part's named state.
+
+    A part may hold fewer parameter groups than another: a group added during fit with only some stages'
+    parameters (``BackboneFinetuning`` unfreezing blocks that one stage holds) is added on those stages
+    only, after the groups every stage has. Groups are matched by their place, and a part lacks the last
+    ones; a group's hyperparameters are those of the first part that has it."""
     position = {n: i for i, n in enumerate(full_names)}
     groups = []
-    for g, first in enumerate(stages[0]["groups"]):
-        names = sorted({n for s in stages for n in s["groups"][g]["names"]}, key=position.__getitem__)
-        groups.append((first, names))
+    for g in range(max(len(s["groups"]) for s in stages)):
+        having = [s["groups"][g] for s in stages if g < len(s["groups"])]
+        names = sorted({n for group in having for n in group["names"]}, key=position.__getitem__)
+        groups.append((having[0], names))
     index, param_groups, state = 0, [], {}
     for hyper, names in groups:
         ids = list(range(index, index + len(names)))

@@ -17,7 +17,8 @@ from lightning_parallel.pipeline.placement import next_stage, previous_stage
 
 __all__ = ["ScheduleError", "run_clock", "check_plans"]
 
-Key = tuple[str, int, int, int]  # (F or B, rank, chunk, micro-batch): a forward output or input gradient
+#: what an action made, a forward output or an input gradient: (F or B, rank, chunk, micro-batch)
+Product = tuple[str, int, int, int]
 
 
 class ScheduleError(ValueError):
@@ -33,7 +34,7 @@ def run_clock(
     """The (start, end) of each rank's actions when rank ``r``'s action ``a`` takes ``cost(r, a)``.
     Raises ``ScheduleError`` naming what each stuck rank waits for if the ranks deadlock."""
     p = len(plans)
-    done: dict[Key, float] = {}
+    done: dict[Product, float] = {}
     times: list[list[tuple[float, float]]] = [[] for _ in plans]
     free = [0.0] * p
     while any(len(times[r]) < len(plans[r]) for r in range(p)):
@@ -83,7 +84,7 @@ def check_plans(
     _check_order(name, plans, virtual_stages)
 
 
-def _needs(name: str, p: int, v: int, rank: int, action: Action) -> list[Key]:
+def _needs(name: str, p: int, v: int, rank: int, action: Action) -> list[Product]:
     """What ``action`` waits for (its inputs), as keys of finished work."""
     chunk, i = action.chunk, action.microbatch
     if action.kind == "W":

@@ -21,7 +21,7 @@ untouched.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -92,12 +92,18 @@ class DeferredBatchNorm:
         self.module = module
         self._records: dict[_BatchNorm, list[Record]] = {}
         self._own: dict[_BatchNorm, tuple[dict, Optional[float]]] = {}  # set aside during a call
+        self._repeating: Callable[[], bool] = lambda: False
 
     @contextmanager
-    def mini_batch(self, num_microbatches: int) -> Iterator[None]:
+    def mini_batch(
+        self, num_microbatches: int, repeating: Callable[[], bool] = lambda: False
+    ) -> Iterator[None]:
         """Within the block, each training-mode call of a layer records its statistics and leaves the
         running statistics as they were; on leaving it without an error, one update per layer (per call
-        site, for a layer called k times per micro-batch)."""
+        site, for a layer called k times per micro-batch). A call made while ``repeating()`` records
+        nothing: it repeats one already recorded (a later chunk's forward running the modules before
+        the stack again, ``StagePartition.running``)."""
+        self._repeating = repeating
         layers = _tracked(self.module)
         handles: list[RemovableHandle] = []
         for layer in layers:
@@ -118,8 +124,9 @@ class DeferredBatchNorm:
 
     def _before(self, layer: _BatchNorm, args: tuple) -> None:
         """The call updates zeroed scratch buffers with momentum 1: they end up holding its statistics.
-        A recompute of the forward (activation checkpointing) records nothing: its call was recorded."""
-        if not layer.training or is_recomputing():
+        A recompute of the forward (activation checkpointing) or a repeat records nothing: its call was
+        recorded."""
+        if not layer.training or is_recomputing() or self._repeating():
             return
         own = {name: layer._buffers[name] for name in _BUFFERS}
         self._own[layer] = own, layer.momentum

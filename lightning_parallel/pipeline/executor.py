@@ -237,7 +237,7 @@ class ChunkLinks:
         return stream_id(self.virtual_stage - 1 if outgoing else self.virtual_stage, gradient=True)
 
 
-Key = tuple[int, int]  # (micro-batch, chunk)
+MicroChunk = tuple[int, int]  # (micro-batch, chunk): one micro-batch through one local chunk
 
 
 class StageExecutor:
@@ -250,13 +250,11 @@ class StageExecutor:
         links: Sequence[ChunkLinks],
         link: PeerLink,
         timeline: Timeline,
-        parameters: Sequence[Tensor] = (),
     ) -> None:
         self.rank, self.part, self.links = rank, part, list(links)
         self.link, self.io, self.timeline = link, part.io, timeline
-        self.parameters = [p for p in parameters if p.requires_grad]  # what a split backward's W fills
-        self.in_flight: dict[Key, tuple[Any, Any]] = {}  # previous batch: (output, input)
-        self._weights_due: dict[Key, WeightGradients] = {}  # split backwards whose W is still to run
+        self.in_flight: dict[MicroChunk, tuple[Any, Any]] = {}  # previous batch: (output, input)
+        self._weights_due: dict[MicroChunk, WeightGradients] = {}  # split backwards whose W is still to run
         self._expected: Counter = Counter()  # transfers still to come in this run, per (peer, stream)
         self._local: dict[int, list[Any]] = {}  # stream -> hand-offs between this rank's own chunks
 
@@ -332,8 +330,8 @@ class StageExecutor:
         sends; otherwise a peer may receive them only in its next call, after collectives of its own."""
         result = StepResult()
         self._expect(actions, backward)
-        produced: dict[Key, Any] = {}
-        inputs: dict[Key, Any] = {}
+        produced: dict[MicroChunk, Any] = {}
+        inputs: dict[MicroChunk, Any] = {}
         for action in actions:
             key = (action.microbatch, action.chunk)
             if action.kind == "F":
@@ -395,7 +393,7 @@ class StageExecutor:
         with self.timeline.record(action.kind, index, previous, chunk):
             if action.kind == "I":
                 leaves = [t for t in _as_tuple(used_input) if isinstance(t, Tensor) and t.requires_grad]
-                self._weights_due[(index, chunk)] = backward_input(roots, grads, leaves, self.parameters)
+                self._weights_due[(index, chunk)] = backward_input(roots, grads, leaves)
             else:
                 torch.autograd.backward(roots, grads)
         if links.previous is None:

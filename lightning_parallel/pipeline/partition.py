@@ -53,6 +53,7 @@ __all__ = [
     "hold_elsewhere",
     "keep_block_skeletons",
     "partition",
+    "refuse_tensors_shared_across_stages",
     "stage_bounds",
 ]
 
@@ -73,6 +74,7 @@ class StageInput:
     pending: Optional[Any] = None  # a tensor, or a tuple of tensors and None
     used: Optional[Any] = None
     chunk: int = 0  # the local chunk whose forward runs (several chunks per rank: interleaved, V)
+    repeating: bool = False  # the forward runs again what this rank's first chunk ran (``running``)
 
 
 def block_parameters(stack: nn.Module) -> list[int]:
@@ -163,6 +165,8 @@ class StagePartition:
     owned: list[str] = field(default_factory=list)  # names of this stage's parameters that live nowhere else
     unpipelined: list[str] = field(default_factory=list)  # other candidate stacks, run whole on every stage
     stack: Optional[nn.Module] = None
+    outside: list[nn.Module] = field(default_factory=list)  # modules outside the stack, run on every stage
+    _aside: list[tuple[nn.Module, str, Tensor]] = field(default_factory=list)  # their buffers in a repeat
 
     @property
     def num_stages(self) -> int:
@@ -179,7 +183,14 @@ class StagePartition:
     @contextmanager
     def running(self, chunk: int) -> Iterator[None]:
         """Run ``chunk``'s forward: the hooks take its bounds, and the blocks of this rank's earlier chunks
-        pass their input through (their output is replaced by what was received anyway)."""
+        pass their input through (their output is replaced by what was received anyway).
+
+        The user's ``forward`` runs from its start for every chunk, so the modules outside the stack that
+        come before the chunk's first block (an input BatchNorm, an embedding) run once per chunk, each
+        micro-batch. Their values there are replaced by the received input; only the rank's first chunk
+        keeps their side effects: while a later chunk repeats them (``io.repeating``, until the block
+        before its range), the buffers of the modules outside the stack are scratch copies, dropped
+        after, so running statistics and call counters move once per micro-batch, as on one device."""
         start = self.chunk_bounds(chunk)[0]
         earlier = [
             self.stack[i]
@@ -192,13 +203,30 @@ class StagePartition:
         for block in earlier:
             block.forward = _passed_over
         try:
+            if chunk > 0:
+                self._begin_repeat()
             yield
         finally:
+            self.end_repeat()
             for block, forward in zip(earlier, saved):
                 if forward is None:
                     del block.forward
                 else:
                     block.forward = forward
+
+    def _begin_repeat(self) -> None:
+        """The buffers of the modules outside the stack become scratch copies (``running``)."""
+        self.io.repeating = True
+        self._aside = [(m, n, b) for m in self.outside for n, b in m._buffers.items() if b is not None]
+        for module, name, buffer in self._aside:
+            module._buffers[name] = buffer.clone()
+
+    def end_repeat(self) -> None:
+        """The chunk's own part of the forward starts: the buffers set aside are the modules' again."""
+        for module, name, buffer in self._aside:
+            module._buffers[name] = buffer
+        self._aside = []
+        self.io.repeating = False
 
     def describe_stack(self) -> str:
         """Which stack is pipelined, and which other candidates run whole on every stage."""
@@ -226,6 +254,7 @@ def partition(
     into; ``chunks`` are those this rank holds, by local chunk index (default: ``[stage]``)."""
     name, stack = find_block_stack(module, stack_name)
     bounds = stage_bounds(name, stack, num_stages, split_points, costs)
+    refuse_tensors_shared_across_stages(name, stack, bounds)
     held = list(chunks) if chunks is not None else [stage]
     part = StagePartition(
         stack_name=name,
@@ -238,10 +267,39 @@ def partition(
     mine = [i for c in held for i in range(*bounds[c])]
     prefix = f"{name}." if name else ""
     part.owned = [f"{prefix}{i}.{n}" for i in mine for n, _ in stack[i].named_parameters()]
+    in_stack = {id(m) for m in stack.modules()}
+    part.outside = [m for m in module.modules() if id(m) not in in_stack]
     hold_elsewhere(module, stack, [i for i in range(len(stack)) if i not in mine])
     for i in range(max(bounds[c][1] for c in held)):  # later blocks are never reached on this rank
         stack[i].register_forward_hook(_at_boundary(part, i))
     return part
+
+
+def refuse_tensors_shared_across_stages(
+    stack_name: str, stack: nn.Module, bounds: Sequence[tuple[int, int]]
+) -> None:
+    """Refuse a parameter or buffer that blocks of two different (virtual) stages hold as one tensor
+    (``blocks[3].fc.weight = blocks[0].fc.weight``). Each stage would keep its own copy of it, update
+    it with only its own blocks' part of the gradient, and save it under its own name, so the copies
+    drift apart. The same rule on every rank (it reads the bounds, not this rank's share)."""
+    stage_of = {i: s for s, (a, b) in enumerate(bounds) for i in range(a, b)}
+    prefix = f"{stack_name}." if stack_name else ""
+    first: dict[int, tuple[int, str]] = {}
+    for i, block in enumerate(stack):
+        named = [
+            *block.named_parameters(remove_duplicate=False),
+            *block.named_buffers(remove_duplicate=False),
+        ]
+        for name, tensor in named:
+            j, other = first.setdefault(id(tensor), (i, name))
+            if stage_of[j] != stage_of[i]:
+                raise ValueError(
+                    f"{prefix}{i}.{name} is the same tensor as {prefix}{j}.{other}, and blocks {j} and {i} "
+                    f"fall in different pipeline stages ({stage_of[j]} and {stage_of[i]} of {len(bounds)}): each "
+                    "stage would hold its own copy and train it with only its own blocks' part of the gradient. "
+                    "Give each block its own tensor, tie it outside the block stack (a module every stage "
+                    "runs, as tied embeddings are), or keep both blocks in one stage with split_points."
+                )
 
 
 def keep_block_skeletons(module: nn.Module, stack_name: Optional[str] = None) -> None:
@@ -332,6 +390,7 @@ def _at_boundary(part: StagePartition, index: int):
                     t.requires_grad_(True)
             if index == start - 1:
                 io.pending, io.used = None, received
+                part.end_repeat()
             return received
         if index == end - 1 and not part.ends_model(io.chunk):
             raise StageOutput(without_layer_caches(output))

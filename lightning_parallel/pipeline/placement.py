@@ -26,7 +26,7 @@ V_SHAPED = ("zbv",)  # the schedules in the V placement; all others loop
 
 def global_stage(name: str, num_stages: int, rank: int, chunk: int, virtual_stages: int = 1) -> int:
     """The virtual stage (0..p*v-1, in model order) that ``rank``'s local ``chunk`` holds."""
-    _check(num_stages, virtual_stages, rank, chunk)
+    _check_place(num_stages, virtual_stages, rank, chunk)
     if name in V_SHAPED and chunk % 2 == 1:
         return (chunk + 1) * num_stages - 1 - rank
     return chunk * num_stages + rank
@@ -69,7 +69,8 @@ def next_stage(
     return rank_and_chunk(name, num_stages, stage + 1, virtual_stages) if stage < last else None
 
 
-def _check(num_stages: int, virtual_stages: int, rank: int, chunk: int) -> None:
+def _check_place(num_stages: int, virtual_stages: int, rank: int, chunk: int) -> None:
+    """Refuse a rank or chunk outside the pipeline (a caller's bug, not a user's option)."""
     if num_stages < 1 or virtual_stages < 1 or not 0 <= rank < num_stages or not 0 <= chunk < virtual_stages:
         raise ValueError(
             f"bad placement: stages={num_stages}, virtual_stages={virtual_stages}, rank={rank}, chunk={chunk}"

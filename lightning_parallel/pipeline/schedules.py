@@ -71,7 +71,6 @@ __all__ = [
     "chunks_per_rank",
     "virtual_stages_problem",
     "schedule_problem",
-    "check_virtual_stages",
     "forward_only",
     "verify_schedule",
     "ScheduleError",
@@ -96,7 +95,7 @@ SPLIT_BACKWARD = ("zb_h1", "zbv")
 
 def gpipe(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
     """All forwards, then all backwards (in the same micro-batch order)."""
-    _check(num_stages, num_microbatches, stage)
+    _check_shape(num_stages, num_microbatches, stage)
     return [Action("F", i) for i in range(num_microbatches)] + [
         Action("B", i) for i in range(num_microbatches)
     ]
@@ -127,7 +126,7 @@ def async_step(
     depth is in flight) the oldest backward in flight. The first ``carried`` backwards are the previous
     batch's last (0 after a flush, else the warm-up depth). With ``virtual_stages`` chunks (looping) it
     is interleaved 1F1B's stream: the forwards and backwards in its round order, one batch after another."""
-    _check(num_stages, num_microbatches, stage)
+    _check_shape(num_stages, num_microbatches, stage)
     if virtual_stages > 1:
         problem = schedule_problem("async", num_stages, num_microbatches, virtual_stages)
         if problem is not None:
@@ -189,8 +188,8 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, stage: int, virtual
     The micro-batches go in rounds (``interleaved_round``); a round runs through chunk 0, then chunk 1,
     ... (its backwards through the last chunk first). Warm-up forwards (``interleaved_warmup``), then
     one forward and one backward, then the remaining backwards."""
-    _check(num_stages, num_microbatches, stage)
-    check_virtual_stages("interleaved_1f1b", virtual_stages)
+    _check_shape(num_stages, num_microbatches, stage)
+    _require_placeable("interleaved_1f1b", virtual_stages)
     forwards = _looping_order(num_stages, num_microbatches, virtual_stages, backward=False)
     backwards = _looping_order(num_stages, num_microbatches, virtual_stages, backward=True)
     warmup = interleaved_warmup(num_stages, num_microbatches, stage, virtual_stages)
@@ -230,7 +229,7 @@ def zbv(num_stages: int, num_microbatches: int, stage: int) -> list[Action]:
     The pattern fills the V with 2p - 1 micro-batches; with fewer, it is the pattern for 2p - 1 without
     the missing micro-batches' actions. A rank holds at most 2p chunks' activations: p stages' worth.
     """
-    _check(num_stages, num_microbatches, stage)
+    _check_shape(num_stages, num_microbatches, stage)
     p, r = num_stages, stage
     n = max(num_microbatches, 2 * p - 1)
     steps = (
@@ -254,7 +253,7 @@ def schedule(
 ) -> list[Action]:
     """The actions of ``stage`` (a rank) for one flushed step of the named schedule (``async`` flushes
     like 1F1B; its no-flush steps are ``async_step``)."""
-    check_virtual_stages(name, virtual_stages)
+    _require_placeable(name, virtual_stages)
     if name == "gpipe":
         return gpipe(num_stages, num_microbatches, stage)
     if name == "async":  # one async step from an empty pipeline, then its cool-down
@@ -308,8 +307,15 @@ def schedule_problem(
     name: str, num_stages: int, num_microbatches: int, virtual_stages: Optional[int] = None
 ) -> Optional[str]:
     """What keeps the named schedule from running ``num_microbatches`` on ``num_stages`` ranks with
-    ``virtual_stages`` chunks each; None if nothing. ``schedule`` raises the same."""
+    ``virtual_stages`` chunks each; None if nothing. The one check of a schedule's shape: the pipeline
+    strategies call it at set-up (``virtual_stages_problem``, its part that needs no sizes, also at
+    construction); the schedule builders raise its name and chunk parts."""
     problem = _name_problem(name) or virtual_stages_problem(name, virtual_stages)
+    if problem is None and name == "1f1b" and num_microbatches < num_stages:
+        problem = (
+            f"schedule='1f1b' needs num_microbatches >= the number of stages ({num_stages}), got "
+            f"{num_microbatches} (with fewer it is gpipe); raise num_microbatches or use schedule='gpipe'."
+        )
     looping = name == "interleaved_1f1b" or (name == "async" and (virtual_stages or 1) > 1)
     if problem is None and looping:
         problem = _rounds_problem(num_stages, num_microbatches, name)
@@ -318,8 +324,9 @@ def schedule_problem(
     return problem
 
 
-def check_virtual_stages(name: str, virtual_stages: int) -> None:
-    """Refuse an unknown schedule, or a number of chunks per rank that it cannot place."""
+def _require_placeable(name: str, virtual_stages: int) -> None:
+    """Refuse an unknown schedule, or a number of chunks per rank that it cannot place (the part of
+    ``schedule_problem`` that the schedule builders check)."""
     problem = _name_problem(name) or virtual_stages_problem(name, virtual_stages)
     if problem is not None:
         raise ValueError(problem)
@@ -330,8 +337,8 @@ def forward_only(
 ) -> list[Action]:
     """The forwards of an evaluation step: every micro-batch through chunk 0, then chunk 1, ... Each
     rank's chunks lie in model order in both placements, so no rank waits on a later one of its own."""
-    check_virtual_stages(name, virtual_stages)
-    _check(num_stages, num_microbatches, stage)
+    _require_placeable(name, virtual_stages)
+    _check_shape(num_stages, num_microbatches, stage)
     return [Action("F", i, chunk=c) for c in range(virtual_stages) for i in range(num_microbatches)]
 
 
@@ -360,7 +367,7 @@ def activation_bound(
     ``p - stage``; interleaved its warm-up plus one (stage 0: ``p * v + p - 1`` chunks, Megatron's
     ``p * (1 + (p - 1) / (p * v))`` stages); ZB-H1 ``p`` on every stage and ZBV ``2p`` chunks, both
     1F1B's peak of ``p`` stages. Never more than all ``m * v``."""
-    check_virtual_stages(name, virtual_stages)
+    _require_placeable(name, virtual_stages)
     p, m, v = num_stages, num_microbatches, virtual_stages
     if name == "interleaved_1f1b":
         return min(interleaved_warmup(p, m, stage, v) + 1, m * v)
@@ -508,7 +515,8 @@ def _rounds_problem(num_stages: int, num_microbatches: int, name: str = "interle
     )
 
 
-def _check(num_stages: int, num_microbatches: int, stage: int) -> None:
+def _check_shape(num_stages: int, num_microbatches: int, stage: int) -> None:
+    """Refuse a pipeline without stages or micro-batches, or a stage outside it (a caller's bug)."""
     if num_stages < 1 or num_microbatches < 1 or not 0 <= stage < num_stages:
         raise ValueError(
             f"bad schedule shape: stages={num_stages}, microbatches={num_microbatches}, stage={stage}"

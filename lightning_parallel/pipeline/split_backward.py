@@ -61,7 +61,9 @@ Costs and limits:
   anything runs; a selective checkpoint (torch recomputes it once only), raised by ``backward_input``
   after I; a node whose backward cannot run twice (a custom Function that frees its own state), raised
   by ``run()``.
-- Only the given parameters get gradients in W (other leaves reached only from the weight side do not).
+- W fills every leaf that the stage's graph reaches and that is not a stage input: the parameters that
+  required grad when the forward ran, read from the graph itself (its ``AccumulateGrad`` nodes), so a
+  parameter unfrozen or frozen after set-up trains as under a full backward.
 """
 
 from __future__ import annotations
@@ -161,19 +163,20 @@ def backward_input(
     outputs: Sequence[Optional[Tensor]],
     grad_outputs: Sequence[Optional[Tensor]],
     inputs: Sequence[Optional[Tensor]],
-    parameters: Sequence[Tensor],
 ) -> WeightGradients:
     """Runs the input-gradient part of ``torch.autograd.backward(outputs, grad_outputs)`` now: afterwards
     each input that requires grad (a leaf) has its ``.grad``, as a full backward gives it. Returns the
-    weight part for ``parameters``, to ``run()`` later.
+    weight part, to ``run()`` later: the gradients of every other leaf the graph reaches (the parameters
+    that required grad in the forward), whatever required grad when the stage was set up.
 
     Outputs that are None or do not require grad are skipped; a None gradient means ones for a scalar
     output, as in ``torch.autograd.backward``."""
     pairs = _differentiable_pairs(outputs, grad_outputs)
     leaves = _input_leaves(inputs)
-    parameter_of = {get_gradient_edge(p).node: p for p in parameters if p.requires_grad}
     children = _graph([get_gradient_edge(output).node for output, _ in pairs])
-    input_path = _leading_to(children, {get_gradient_edge(t).node for t in leaves})
+    input_nodes = {get_gradient_edge(t).node for t in leaves}
+    parameter_of = _weight_leaves(children, input_nodes)
+    input_path = _leading_to(children, input_nodes)
     weight_side = _leading_to(children, set(parameter_of)) - input_path
     _check_splittable(input_path)
     boundary = [
@@ -262,6 +265,16 @@ def _graph(roots: list[Node]) -> dict[Node, list[Node]]:
                 seen.add(todo)
                 stack.append((todo, _children(todo)))
     return children
+
+
+def _weight_leaves(children: dict[Node, list[Node]], input_nodes: set[Node]) -> dict[Node, Tensor]:
+    """The leaves the graph accumulates into, other than the stage inputs: each ``AccumulateGrad`` node
+    with its tensor (``variable``)."""
+    return {
+        node: node.variable
+        for node in children
+        if node not in input_nodes and not children[node] and hasattr(node, "variable")
+    }
 
 
 def _children(node: Node) -> list[Node]:

@@ -87,6 +87,7 @@ from lightning_parallel.materialize import (
     shared_rng_state,
 )
 from lightning_parallel.memory import MemoryReport
+from lightning_parallel.parameter_set import ParameterChange, ParameterSet
 from lightning_parallel.recompute import (
     Spec,
     apply_activation_checkpointing,
@@ -219,6 +220,8 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         )
         self.mesh: Optional[Mesh] = None
         self.reducer: Optional[GradientReducer] = None
+        self._reducer_arguments: Optional[tuple[list, dict]] = None  # make_reducer's, to rebuild it
+        self._parameter_set: Optional[ParameterSet] = None  # the parameters as set-up left them
         self._sync_grads = True  # False on accumulating micro-steps (block_backward_sync)
         self.failure_timeout = float(failure_timeout)
         self.save_distributed = save_distributed
@@ -425,6 +428,9 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self.configure_parallelism()
         self._bind_metrics_to_dp_group()
         self.install_clipping()
+        self._forget_parameter_set()
+        self._parameter_set = ParameterSet(self.lightning_module)
+        self._refuse_finetuning_callbacks()
         self._release_load_balancing()  # a mixture of experts' load-balancing loss on the global batch
         self._release_load_balancing = install_global_load_balancing(
             self.lightning_module, self.dp_group, rank_zero_warn
@@ -439,6 +445,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         """The data-parallel gradient path over ``dp_group``: ``reducer_class``, or with ``zero_stage`` the
         sharded one (``kwargs["whole"]``: parameters all-reduced, as ``ShardedGradientReducer`` says).
         None where the group has one process: nothing is averaged, so no bucket, hook or collective runs."""
+        self._reducer_arguments = (list(named_params), dict(kwargs))
         if group_size(self.dp_group) == 1:
             return None
         whole = kwargs.pop("whole", ())
@@ -599,8 +606,65 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             name = getattr(self, "strategy_name", type(self).__name__)
             trainer = self.lightning_module.trainer
             rank_zero_info(describe_global_batch(name, shape, size, trainer.accumulate_grad_batches))
+        change = self._parameter_set.change() if self._parameter_set is not None else None
+        if change is not None:
+            self.follow_parameter_change(change)
         self._memory_hook("on_train_batch_start", batch, batch_idx)
         super().on_train_batch_start(batch, batch_idx)
+
+    def _forget_parameter_set(self) -> None:
+        if self._parameter_set is not None:
+            self._parameter_set.close()
+            self._parameter_set = None
+
+    def trainable_set_fixed(self) -> Optional[str]:
+        """Why this run cannot follow a change of which parameters train after set-up (None: it can)."""
+        if isinstance(self.reducer, ShardedGradientReducer):
+            return (
+                f"zero_stage={self.zero_stage} cut the trainable parameters into this rank's pieces and the "
+                "optimizer's state once, at set-up (zero_stage=0 follows such a change)"
+            )
+        return None
+
+    def _refuse_finetuning_callbacks(self) -> None:
+        """A Lightning finetuning callback (``BackboneFinetuning``, any ``BaseFinetuning``) unfreezes
+        parameters during fit: refused at set-up where the run cannot follow that."""
+        from lightning.pytorch.callbacks import BaseFinetuning
+
+        trainer = self.lightning_module.trainer
+        names = [type(c).__name__ for c in trainer.callbacks if isinstance(c, BaseFinetuning)]
+        fixed = self.trainable_set_fixed() if names else None
+        if fixed is not None:
+            raise ValueError(
+                f"{type(self).__name__}: the {names[0]} callback freezes and unfreezes parameters during fit, "
+                f"and {fixed}. Remove the callback, or use a layout that follows the change "
+                "(docs/changing_state.md)."
+            )
+
+    def follow_parameter_change(self, change: ParameterChange) -> None:
+        """Make what set-up decided from the parameters follow a change the user's code made since (seen
+        at the start of a training batch, after the callbacks' and the module's own hooks): the
+        data-parallel buckets are rebuilt for the parameters that train now. What cannot follow is refused,
+        naming the parameters: parameters added, removed or replaced after set-up, and a change of which
+        train where ``trainable_set_fixed`` says why not. Split models add their own parts."""
+        if change.structural:
+            raise ValueError(
+                f"{type(self).__name__}: the model's parameters changed after the strategy set it up "
+                f"({change.describe()}). The strategy placed, split and bucketed the parameters it found at "
+                "set-up. Add or replace modules in __init__, configure_model or a callback's setup hook (all "
+                "run before set-up), frozen if they should train later: freezing and unfreezing during fit "
+                "is supported."
+            )
+        fixed = self.trainable_set_fixed()
+        if fixed is not None:
+            raise ValueError(
+                f"{type(self).__name__}: parameters were frozen or unfrozen after set-up ({change.describe()}), "
+                f"and {fixed}. Set requires_grad before fit (a callback's setup hook runs before set-up)."
+            )
+        if self.reducer is not None and self._reducer_arguments is not None:
+            self.reducer.remove_hooks()
+            named, kwargs = self._reducer_arguments
+            self.reducer = self.make_reducer(named, **kwargs)
 
     def on_train_end(self) -> None:
         """The losses of the last steps whose copies have not been read yet (on a GPU) are read now."""
@@ -698,6 +762,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             self._watchdog = None
         if self.reducer is not None:  # kept (without hooks) so its stats can be read after fit
             self.reducer.remove_hooks()
+        self._forget_parameter_set()
         module = self.lightning_module
         if module is not None and self._checkpointed and not self.model_is_split():
             # a whole model leaves fit as the user's; a split one keeps its set-up until the next fit

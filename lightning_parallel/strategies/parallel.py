@@ -48,6 +48,7 @@ from lightning_parallel.distributed.zero import ShardedGradientReducer
 from lightning_parallel.every_rank import training_step_scope
 from lightning_parallel.load_balancing import refusal as load_balancing_refusal
 from lightning_parallel.memory.saved import can_stack
+from lightning_parallel.parameter_set import ParameterChange
 from lightning_parallel.pipeline.partition import partition
 from lightning_parallel.pipeline.placement import global_stage
 from lightning_parallel.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, virtual_stages_problem
@@ -314,6 +315,31 @@ class ParallelStrategy(
         )
         if sums is not None:
             sums.report_to(self.reducer.grad_ready if self.reducer is not None and hooks else None)
+
+    def follow_parameter_change(self, change: ParameterChange) -> None:
+        """As the base's, for a split model: pipeline stages read again which parameters outside the
+        block stack train (their gradients are summed over the stages; the split backward's weight part
+        reads what trains from each graph)."""
+        if self.pipelined and not change.structural:
+            self._replicated = self.replicated_positions()
+        super().follow_parameter_change(change)
+
+    def trainable_set_fixed(self) -> Optional[str]:
+        """As the base's; also tensor parallelism's gradient sums, the experts' reducer and the async
+        schedule's batch in flight, each fixed at set-up."""
+        if installed_gradient_sums(self.lightning_module) is not None:
+            return (
+                "tensor parallelism sums over its ranks the gradients of the parameters that trained at set-up "
+                "(tensor_parallel_size > 1 or sequence_parallel=True)"
+            )
+        if self.expert_reducer is not None:
+            return "the experts' gradients are averaged over their replicas by a reducer built at set-up"
+        if self.pipelined and self.schedule == "async":
+            return (
+                "schedule='async' applies each batch's gradient a step later, from a graph built before the "
+                "change"
+            )
+        return super().trainable_set_fixed()
 
     def _split(self, module: nn.Module) -> None:
         """Tensor parallel, then pipeline stages, applied to the meta module inside ``set_up_share``: the

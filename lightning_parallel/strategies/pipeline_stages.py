@@ -54,7 +54,7 @@ from torch import Tensor
 from lightning_parallel.checkpointing.loss_check import check_finite_loss
 from lightning_parallel.distributed.collectives import start_gather_numbers
 from lightning_parallel.distributed.p2p import OBJECT_TAG, PeerLink
-from lightning_parallel.distributed.replicas import start_sum_at
+from lightning_parallel.distributed.replicas import broadcast_tensors, start_sum_at
 from lightning_parallel.materialize import has_meta_tensors
 from lightning_parallel.module_names import find_block_stack
 from lightning_parallel.pipeline.channels import new_channel_groups
@@ -149,8 +149,9 @@ class PipelineStages:
         return self.stage_of[-1]
 
     @property
-    def is_last_stage(self) -> bool:
-        """Whether this rank runs the end of the model: the head, the loss and the user's step."""
+    def runs_loss(self) -> bool:
+        """Whether this rank runs the end of the model: the head, the loss and the user's step (the loss
+        stage, the last rank but rank 0 in the V placement)."""
         return self.mesh is not None and self.mesh.pp_rank == self.loss_stage
 
     @property
@@ -173,11 +174,6 @@ class PipelineStages:
                 "per micro-batch, split across the stages, and makes the backward itself, so manual_backward "
                 "and optimizer.step() inside training_step have no place. Use automatic optimization, or "
                 "lp_ddp / lp_tensor_parallel, which support manual optimization."
-            )
-        if self.schedule == "1f1b" and self.num_microbatches < pp:
-            raise ValueError(
-                f"schedule='1f1b' needs num_microbatches >= the number of stages ({pp}), got "
-                f"{self.num_microbatches}; raise num_microbatches or use schedule='gpipe'."
             )
         shape_problem = schedule_problem(self.schedule, pp, self.num_microbatches, self.virtual_stages)
         if shape_problem is not None:
@@ -248,21 +244,36 @@ class PipelineStages:
                 channels=new_channel_groups(self.schedule, self.mesh.shape, self.global_rank, v),
             ),
             Timeline(self.global_rank),
-            list(module.parameters()),
         )
         # summaries go over gloo on CPU, on their own tag (on NCCL, on a gloo group of their own)
         objects = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         last = ranks[self.loss_stage]
         others = [r for r in ranks if r != last]
         link = PeerLink(torch.device("cpu"), objects, tag=OBJECT_TAG)
-        self.logs = LogMirror(link, last, others, self.is_last_stage)
-        owned = set(self.partition.owned)
-        # positions in module.parameters() of the trainable parameters outside the stack, on every stage
-        self._replicated = [
-            i for i, (n, p) in enumerate(module.named_parameters()) if n not in owned and p.requires_grad
-        ]
+        self.logs = LogMirror(link, last, others, self.runs_loss)
+        self._replicated = self.replicated_positions()
         if self.schedule == "async" and pp > 1:
             self.async_grads.reduce = self._replicated_gradient_reduce(module, self._replicated)
+
+    def replicated_positions(self) -> list[int]:
+        """Positions in ``module.parameters()`` of the trainable parameters outside the stack (every stage
+        holds them, and their gradients are summed over the stages): read at set-up, and again when the
+        user's code freezes or unfreezes parameters (``follow_parameter_change``)."""
+        owned = set(self.partition.owned)
+        named = self.lightning_module.named_parameters()
+        return [i for i, (n, p) in enumerate(named) if n not in owned and p.requires_grad]
+
+    def prepare_checkpoint(self) -> None:
+        """Before a checkpoint's state is read (after the async pipeline's drain): every stage's buffers of
+        the modules outside the block stack become the loss stage's. Those after the stack (a final
+        BatchNorm) run only there, and a checkpoint, full or sharded, takes a tensor that several ranks
+        hold from any one of them."""
+        super().prepare_checkpoint()
+        if not self.pipelined or self.mesh.shape.pp == 1:
+            return
+        buffers = [b for m in self.partition.outside for b in m._buffers.values() if b is not None]
+        if buffers:
+            broadcast_tensors(buffers, src=self.loss_stage, group=self.pp_group)
 
     def _measure_block_times(self, module: Any) -> Optional[list[float]]:
         """balance='time': each block's forward + backward seconds on the first training micro-batch."""
@@ -397,7 +408,7 @@ class PipelineStages:
             result = self._run(actions, batch, step_fn, backward=False, flushed=False)
         summary = self.logs.take("eval")
         self._show(summary)
-        if self.is_last_stage:
+        if self.runs_loss:
             return result.output
         return move_data_to_device(summary["outputs"], self.root_device)
 
@@ -422,9 +433,9 @@ class PipelineStages:
         if backward and self.scaler() is not None:
             scale *= self.scaler().get_scale()
         # only the last stage runs the user's step, so only it calls metrics
-        tracked = self.whole_batch.track(self.lightning_module) if self.is_last_stage else nullcontext()
+        tracked = self.whole_batch.track(self.lightning_module) if self.runs_loss else nullcontext()
         deferred = (
-            self._deferred_bn.mini_batch(self.num_microbatches)
+            self._deferred_bn.mini_batch(self.num_microbatches, lambda: self.partition.io.repeating)
             if backward and self._deferred_bn is not None
             else nullcontext()
         )
@@ -440,7 +451,7 @@ class PipelineStages:
             )
         if backward:
             self.peak_held.append(result.peak_held)
-        if self.is_last_stage:
+        if self.runs_loss:
             kind = "train" if backward else "eval"
             number = (
                 self.lightning_module.trainer.global_step if self.schedule == "async" and backward else None

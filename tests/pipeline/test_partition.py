@@ -129,3 +129,15 @@ def test_split_microbatches_is_even_when_it_can_be_and_refuses_too_small_batches
     assert torch.equal(torch.cat([p[1]["y"] for p in parts]), batch[1]["y"]) and parts[0][2] == "meta"
     with pytest.raises(ValueError, match="a batch of 10 samples cannot be split into num_microbatches=16"):
         split_microbatches(batch, 16)
+
+
+def test_a_tensor_shared_by_blocks_of_two_stages_is_refused_and_one_stage_may_share():
+    stack = nn.ModuleList([nn.Linear(2, 2) for _ in range(4)])
+    stack[3].weight = stack[0].weight
+    same = r"blocks\.3\.weight is the same tensor as blocks\.0\.weight, and blocks 0 and 3 fall"
+    with pytest.raises(ValueError, match=same):
+        partition(nn.ModuleDict({"blocks": stack}), num_stages=2, stage=1)
+    stack[3].weight = nn.Parameter(torch.randn(2, 2))
+    stack[1].weight = stack[0].weight  # blocks 0 and 1: both in stage 0
+    part = partition(nn.ModuleDict({"blocks": stack}), num_stages=2, stage=0)
+    assert "blocks.0.weight" in part.owned

@@ -432,3 +432,10 @@ def test_the_check_catches_broken_schedules():
     swapped = [Action("F", 1), Action("F", 0), Action("B", 0), Action("B", 1)]
     with pytest.raises(ScheduleError, match=r"rank 1 chunk 0 takes its F inputs in the order \[1, 0\]"):
         check_plans("gpipe", [gpipe(2, 2, 0), swapped], 2, 1)
+
+
+def test_schedule_problem_is_the_one_shape_check():
+    """Every refusal of a schedule's shape comes from ``schedule_problem``, 1F1B's micro-batch count too."""
+    assert "needs num_microbatches >= the number of stages (4), got 2" in schedule_problem("1f1b", 4, 2)
+    assert schedule_problem("1f1b", 4, 4) is None and schedule_problem("gpipe", 4, 2) is None
+    assert "virtual_stages=3 with schedule='zbv'" in schedule_problem("zbv", 2, 4, 3)

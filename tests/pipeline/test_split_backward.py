@@ -66,7 +66,7 @@ def assert_split_is_full(
 
     torch.manual_seed(seed)
     outputs = _as_tuple(forward())
-    weights = backward_input(outputs, grads, inputs, list(module.parameters()))
+    weights = backward_input(outputs, grads, inputs)
     assert all(p.grad is None for p in module.parameters()), "the input part computed weight gradients"
     del outputs
     weights.run()
@@ -173,7 +173,7 @@ def test_parameters_used_twice():
         p.register_post_accumulate_grad_hook(calls.append)
     x = _leaf(3, WIDTH)
     y = module(x)
-    backward_input([y], [torch.ones_like(y)], [x], list(module.parameters())).run()
+    backward_input([y], [torch.ones_like(y)], [x]).run()
     assert sorted(map(id, calls)) == sorted(map(id, module.parameters()))
 
 
@@ -216,7 +216,7 @@ def test_input_without_gradient_and_tuple_outputs_with_none():
     # a scalar output's None gradient means ones, as in torch.autograd.backward
     outputs = module(x, mask)
     _reset(module, [x])
-    backward_input([outputs[3]], [None], [x, mask], list(module.parameters())).run()
+    backward_input([outputs[3]], [None], [x, mask]).run()
     expected = torch.autograd.grad(module(x, mask)[3], [x, module.linear.weight])
     torch.testing.assert_close([x.grad, module.linear.weight.grad], list(expected), rtol=0, atol=1e-12)
 
@@ -252,7 +252,7 @@ def test_non_reentrant_activation_checkpointing(recompute):
         assert apply_activation_checkpointing(stage, ["blocks.*"]) == ["blocks.0", "blocks.1"]
         assert_split_is_full(stage, [x])
         y = stage(x)
-        weights = backward_input([y], [torch.ones_like(y)], [x], list(stage.parameters()))
+        weights = backward_input([y], [torch.ones_like(y)], [x])
         assert weights.recomputed and len(weights.groups) > 1
         before = recomputes_started()
         weights.run()
@@ -269,7 +269,7 @@ def test_selective_checkpoint_is_refused_in_the_input_part():
     x = _leaf(2, TOKENS, WIDTH)
     y = stage(x)
     with pytest.raises(ValueError, match="selective activation checkpointing"):
-        backward_input([y], [torch.ones_like(y)], [x], list(stage.parameters()))
+        backward_input([y], [torch.ones_like(y)], [x])
 
 
 def test_reentrant_checkpoint_is_refused_by_name():
@@ -277,7 +277,7 @@ def test_reentrant_checkpoint_is_refused_by_name():
     block, x = NanoBlock(WIDTH, HEADS).double(), _leaf(2, TOKENS, WIDTH)
     y = checkpoint(block, x, use_reentrant=True)
     with pytest.raises(ValueError, match="CheckpointFunctionBackward.*use_reentrant=False"):
-        backward_input([y], [torch.ones_like(y)], [x], list(block.parameters()))
+        backward_input([y], [torch.ones_like(y)], [x])
 
 
 class _CountingIdentity(torch.autograd.Function):
@@ -301,7 +301,7 @@ def test_weight_part_does_not_rerun_the_input_path():
     x = _leaf(3, WIDTH)
     y = second(_CountingIdentity.apply(torch.tanh(first(x))))
     _CountingIdentity.calls = 0
-    weights = backward_input([y], [torch.ones_like(y)], [x], [*first.parameters(), *second.parameters()])
+    weights = backward_input([y], [torch.ones_like(y)], [x])
     assert _CountingIdentity.calls == 1
     weights.run()
     assert _CountingIdentity.calls == 1
@@ -331,8 +331,8 @@ def test_hooks_and_accumulation_as_in_a_full_backward():
     full, full_seen = [p.grad.clone() for p in block.parameters()], list(seen)
 
     start()
-    first = backward_input([block(xs[0])], [grads[0]], [xs[0]], list(block.parameters()))
-    second = backward_input([block(xs[1])], [grads[1]], [xs[1]], list(block.parameters()))
+    first = backward_input([block(xs[0])], [grads[0]], [xs[0]])
+    second = backward_input([block(xs[1])], [grads[1]], [xs[1]])
     assert not seen, "the input part ran parameter hooks"
     first.run()
     second.run()
@@ -356,7 +356,7 @@ def test_what_is_held_and_freed():
     top = second(activated)
     y = torch.sin(top)  # saved by sin, above every boundary node: freed with the output
     saved = [weakref.ref(t) for t in (hidden, activated, top)]
-    weights = backward_input([y], [torch.ones_like(y)], [x], [*first.parameters(), *second.parameters()])
+    weights = backward_input([y], [torch.ones_like(y)], [x])
     del hidden, activated, top, y
     gc.collect()
     assert [ref() is not None for ref in saved] == [False, True, False]
@@ -385,6 +385,21 @@ class _FreesItsState(torch.autograd.Function):
 def test_a_backward_that_cannot_run_twice_is_named():
     weight, x = nn.Parameter(torch.randn(WIDTH)), torch.randn(WIDTH, requires_grad=True)
     y = _FreesItsState.apply(x, weight)
-    weights = backward_input([y], [torch.ones_like(y)], [x], [weight])
+    weights = backward_input([y], [torch.ones_like(y)], [x])
     with pytest.raises(RuntimeError, match="_FreesItsStateBackward"):
         weights.run()
+
+
+def test_the_weight_part_fills_what_required_grad_in_the_forward():
+    """The weight part reads the parameters from the graph, not from a list made earlier: a layer frozen
+    gets no gradient, and unfrozen again it gets its full backward's."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH)).double()
+    x = torch.randn(TOKENS, WIDTH, dtype=torch.float64, requires_grad=True)
+    module[0].requires_grad_(False)
+    assert_split_is_full(module, [x])
+    assert module[0].weight.grad is None and module[2].weight.grad is not None
+    _reset(module, [x])
+    module[0].requires_grad_(True)
+    assert_split_is_full(module, [x])
+    assert module[0].weight.grad is not None

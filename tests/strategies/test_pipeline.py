@@ -159,6 +159,19 @@ CASES_4 = [
         trainer={"max_steps": 6, "limit_val_batches": 2},
     ),
     case("seq-dp2-async-time", "seq", dp=2, schedule="async", balance="time", model_kwargs=SGD),
+    # block 0 frozen before set-up and unfrozen at step 2: the stage's gradient buckets are rebuilt
+    case(
+        "gpt-dp2-1f1b-unfreeze",
+        "gpt",
+        dp=2,
+        schedule="1f1b",
+        callbacks=[
+            {
+                "class": "tests.helpers.state_changes:FreezeThenUnfreeze",
+                "kwargs": {"module": "model.blocks.0", "freeze_at": "setup", "unfreeze_at": 2},
+            }
+        ],
+    ),
 ]
 CASES_4[0]["probe"] = "tests.helpers.probes:reducer_stats"
 CASES_4_SYNC = [c for c in CASES_4 if "async" not in c["name"]]
