@@ -4,8 +4,9 @@ schedule on 2 real gloo processes (2 stages, float64), against one process:
 - a block frozen and unfrozen later (a callback, as ``BackboneFinetuning`` does: frozen before set-up or
   after it, trainable again from step 2) trains as on one device under 1f1b and the split backwards of
   zb_h1 and zbv, and under lp_ddp (the gradient buckets rebuilt); under ZeRO it is refused, naming the
-  parameters, under tensor parallelism refused at set-up, and an adapter added after set-up is refused; Lightning's ``BackboneFinetuning`` trains and saves as on one device (its param group added
-  on the stage that holds the backbone only);
+  parameters, under tensor parallelism refused at set-up, and an adapter added after set-up is refused;
+  Lightning's ``BackboneFinetuning`` trains and saves as on one device (its param group added on the stage
+  that holds the backbone only);
 - a BatchNorm before the block stack (run by every chunk's forward) and one after it update their
   running statistics as on one device under interleaved_1f1b and zbv (several chunks per rank), at m=1
   (exact: everything equals one device) and m=4 (each micro-batch normalised with its own statistics, as
