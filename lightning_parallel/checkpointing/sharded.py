@@ -21,8 +21,10 @@ shape (a ``ShardedTensor``: a flat range of an n-dimensional tensor is at most 2
 writes only its own pieces and every layout reads them back as it reads a slice.
 
 The rest of the checkpoint (loops, callbacks, schedulers, resume state, optimizer hyperparameters) goes into
-``meta.pt``, which rank 0 writes last into a hidden temporary directory before renaming it into place: a
-directory without ``meta.pt`` and DCP's ``.metadata`` is never taken for a checkpoint. Tensors are read at the
+``meta.pt``, which rank 0 writes last into a hidden temporary directory before renaming it into place
+(``interrupted_saves.py``: the hidden names, the two renames, and what a kill leaves): a directory without
+``meta.pt`` and DCP's ``.metadata`` is never taken for a checkpoint. A strict load refuses model keys that
+differ from the module's, with ``load_state_dict``'s message, before any tensor is read. Tensors are read at the
 end of the strategy's set-up, once the module has its layout and the optimizers exist. ``consolidate`` turns a
 directory into one single-device ``.ckpt``.
 """

@@ -14,6 +14,7 @@ resumed run (its owner is dead).
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -79,14 +80,22 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("faults")
     results = run_resume_cases(CASES, tmp, after_kill=after_kill)
     remaining = {n: sorted(p.name for p in (tmp / f"kill_{n}" / "ckpt").iterdir()) for n in CASES}
-    return results, left, remaining
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {
+        str(p.relative_to(tmp)): p.stat().st_mode & 0o777
+        for n in CASES
+        for p in (tmp / f"kill_{n}" / "ckpt").rglob("*")
+        if p.is_file() and not p.is_symlink()
+    }
+    return results, left, remaining, (umask, modes)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # the first case also runs the module fixture: every launch
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_fault_at_each_point_of_a_save_resumes_exactly(runs, case):
-    results, left, remaining = runs
+    results, left, remaining, _ = runs
     if case in LEFT:
         assert left[case] == LEFT[case], f"{case}: after the fault (step of last.ckpt, hidden): {left[case]}"
     base, resumed, _ = results[case]
@@ -94,3 +103,14 @@ def test_a_fault_at_each_point_of_a_save_resumes_exactly(runs, case):
     check_resumed(CASES[case], base, resumed, CASES[case]["ckpt_step"])
     hidden = [name for name in remaining[case] if name.startswith(".last.ckpt.")]
     assert not hidden, f"{case}: left after the resumed run: {hidden}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_checkpoint_files_honour_the_umask(runs):
+    """Every file of the file and sharded checkpoints (``meta.pt`` included) has the permissions a plain
+    ``open()`` gives under the processes' umask, as Lightning's own checkpoints, not tempfile's 0600."""
+    umask, modes = runs[3]
+    assert any(name.endswith("meta.pt") for name in modes) and any(name.endswith(".distcp") for name in modes)
+    wrong = {name: oct(mode) for name, mode in modes.items() if mode != 0o666 & ~umask}
+    assert not wrong, f"not {oct(0o666 & ~umask)} under umask {oct(umask)}: {wrong}"
