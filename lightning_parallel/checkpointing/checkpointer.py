@@ -55,6 +55,7 @@ from lightning_parallel.checkpointing.resume_state import (
 )
 from lightning_parallel.checkpointing.sharded import (
     SHARDED_KEY,
+    is_sharded_checkpoint,
     load_sharded,
     read_sharded_meta,
     write_sharded,
@@ -153,7 +154,7 @@ class Checkpointer(CheckpointContract):
                 if folder is not None and not _is_remote(folder):
                     folders.add(Path(folder))
         for folder in sorted(folders):
-            for message in recover(folder):  # by whichever process of the run did it
+            for message in recover(folder, is_sharded_checkpoint):  # by whichever process of the run did it
                 warnings.warn(message, stacklevel=2)
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:

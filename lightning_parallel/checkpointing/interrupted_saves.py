@@ -34,7 +34,7 @@ import socket
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 __all__ = ["InterruptedSaveError", "hidden_path", "move_into_place", "new_token", "recover"]
 
@@ -122,15 +122,13 @@ def _mtime(path: Path) -> float:
         return 0.0
 
 
-def _restore(target: Path, entries: list[_Entry]) -> Optional[str]:
+def _restore(target: Path, entries: list[_Entry], finished: Callable[[Path], bool]) -> Optional[str]:
     """Put the newest complete hidden checkpoint back at ``target``; says what it did."""
-    from lightning_parallel.checkpointing.sharded import META_FILE, is_sharded_checkpoint
-
-    finished = [e for e in entries if e.kind == "tmp" and is_sharded_checkpoint(e.path)]
-    candidates = finished or [e for e in entries if e.kind == "old"]
+    done = [e for e in entries if e.kind == "tmp" and finished(e.path)]
+    candidates = done or [e for e in entries if e.kind == "old"]
     if not candidates:
         return None
-    source = max(candidates, key=lambda e: _mtime(e.path / META_FILE if e.kind == "tmp" else e.path))
+    source = max(candidates, key=lambda e: _mtime(e.path))  # a directory's: when its last file came
     try:
         os.replace(source.path, target)
     except FileNotFoundError:  # another process of this run put it back first
@@ -146,15 +144,16 @@ def _restore(target: Path, entries: list[_Entry]) -> Optional[str]:
     return f"{target}: put back from {source.path.name} ({which}; a save was killed between its renames)"
 
 
-def recover(folder: Path, only: Optional[str] = None) -> list[str]:
-    """Undo what interrupted sharded saves left in ``folder`` (of the checkpoint ``only``, or of all):
-    a missing checkpoint put back from its hidden complete copy, stale hidden entries removed.
-    Returns what it put back (for the log); raises ``InterruptedSaveError`` when it cannot."""
+def recover(folder: Path, finished: Callable[[Path], bool], only: Optional[str] = None) -> list[str]:
+    """Undo what interrupted saves left in ``folder`` (of the checkpoint ``only``, or of all): a missing
+    checkpoint put back from its hidden complete copy (a ``.tmp`` for which ``finished`` is true, or the
+    ``.old``), stale hidden entries removed. Returns what it put back (for the log); raises
+    ``InterruptedSaveError`` when it cannot."""
     done = []
     for name, entries in _entries(Path(folder), only).items():
         target = Path(folder) / name
         if not (target.exists() or target.is_symlink()):
-            message = _restore(target, entries)
+            message = _restore(target, entries, finished)
             if message:
                 done.append(message)
         for entry in entries:

@@ -239,7 +239,7 @@ def write_sharded(strategy: Any, checkpoint: dict[str, Any], path: Path) -> None
     token = strategy.broadcast(new_token())  # rank 0's: it makes and renames the directory
     tmp = hidden_path(path, "tmp", token)
     if strategy.global_rank == 0:
-        recover(path.parent, only=path.name)  # what earlier saves of this name left
+        recover(path.parent, is_sharded_checkpoint, only=path.name)  # what earlier saves of this name left
         tmp.mkdir(parents=True)
     strategy.barrier("sharded_checkpoint_mkdir")
     try:

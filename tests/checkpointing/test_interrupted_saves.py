@@ -14,7 +14,7 @@ import torch
 
 from lightning_parallel.checkpointing.atomic import atomic_torch_save
 from lightning_parallel.checkpointing.interrupted_saves import hidden_path, move_into_place, recover
-from lightning_parallel.checkpointing.sharded import META_FILE
+from lightning_parallel.checkpointing.sharded import META_FILE, is_sharded_checkpoint
 
 
 def dead_token() -> str:
@@ -42,7 +42,7 @@ def test_killed_between_the_renames_the_new_checkpoint_is_put_back(tmp_path):
     last, token = tmp_path / "last.ckpt", dead_token()
     checkpoint_dir(hidden_path(last, "old", token), 4)
     checkpoint_dir(hidden_path(last, "tmp", token), 8)
-    done = recover(tmp_path)
+    done = recover(tmp_path, is_sharded_checkpoint)
     assert step_of(last) == 8 and len(done) == 1 and "put back" in done[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
@@ -51,7 +51,7 @@ def test_without_a_finished_new_one_the_previous_is_put_back(tmp_path):
     last, token = tmp_path / "last.ckpt", dead_token()
     checkpoint_dir(hidden_path(last, "old", token), 4)
     checkpoint_dir(hidden_path(last, "tmp", token), 8, finished=False)
-    recover(tmp_path)
+    recover(tmp_path, is_sharded_checkpoint)
     assert step_of(last) == 4
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
@@ -62,7 +62,7 @@ def test_with_last_present_stale_leftovers_go_and_it_stays(tmp_path):
     checkpoint_dir(hidden_path(last, "old", token), 4)  # killed before the old one was removed
     checkpoint_dir(hidden_path(last, "tmp", dead_token()), 12, finished=False)  # killed mid-save
     hidden_path(last, "tmp", dead_token()).write_bytes(b"half a file")  # a file save killed mid-write
-    assert recover(tmp_path) == []
+    assert recover(tmp_path, is_sharded_checkpoint) == []
     assert step_of(last) == 8
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
@@ -75,7 +75,7 @@ def test_a_live_or_unknown_owners_entries_are_left_alone(tmp_path):
     )
     elsewhere = checkpoint_dir(hidden_path(last, "tmp", "0123456789ab-1@another-host"), 8, finished=False)
     legacy = checkpoint_dir(tmp_path / ".last.ckpt.tmp-0123456789ab", 8, finished=False)
-    recover(tmp_path)
+    recover(tmp_path, is_sharded_checkpoint)
     assert live.is_dir() and elsewhere.is_dir() and legacy.is_dir() and step_of(last) == 4
 
 
@@ -84,7 +84,7 @@ def test_the_next_save_of_a_name_removes_its_stale_leftovers(tmp_path):
     checkpoint_dir(last, 4)
     stale = checkpoint_dir(hidden_path(last, "tmp", dead_token()), 8, finished=False)
     other = checkpoint_dir(tmp_path / ".epoch=0.ckpt.tmp-abcdef012345-1@x", 8, finished=False)
-    recover(tmp_path, only="last.ckpt")
+    recover(tmp_path, is_sharded_checkpoint, only="last.ckpt")
     assert not stale.exists() and other.exists()
 
 
