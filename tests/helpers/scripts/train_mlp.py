@@ -4,11 +4,14 @@
 
 Started directly (Lightning's launcher makes the other ranks), or by torchrun / srun. With
 ``LP_TEST_CHILD_EXIT_BEFORE_RENDEZVOUS=<code>``, a rank started by our launcher exits with that code after
-its "ready" mark, where it would join the process group (a failing device set-up).
+its "ready" mark, where it would join the process group (a failing device set-up), and writes when it
+did into ``child_exit_time`` in its working folder.
 """
 
 import os
 import sys
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -28,8 +31,12 @@ def exit_before_rendezvous(code: int) -> None:
     from lightning_parallel.strategies import base
     from lightning_parallel.strategies.launcher import is_launched_rank
 
+    def exit_now(*args, **kwargs) -> None:
+        Path("child_exit_time").write_text(str(time.time()))
+        os._exit(code)
+
     if is_launched_rank():
-        base._init_dist_connection = lambda *args, **kwargs: os._exit(code)
+        base._init_dist_connection = exit_now
 
 
 def main(strategy: str, devices: int, num_nodes: int, out: str) -> None:
