@@ -4,6 +4,7 @@
 global step ``step``; every other save runs untouched. The points, in the order a save reaches them:
 
 - ``file_write``: a file checkpoint (or a sharded directory's ``meta.pt``) half written, then SIGKILL;
+- ``file_disk_full``: the same half write, then ENOSPC (an ``OSError``, not a kill);
 - ``shard_written``: this rank has written its shard file (DCP's ``write_data``), then SIGKILL;
 - ``disk_full``: this rank's shard write fails with ENOSPC (an ``OSError``, not a kill);
 - ``renamed_aside``: the previous ``last.ckpt`` renamed to ``.last.ckpt.old-*``, then SIGKILL (between
@@ -29,7 +30,7 @@ from lightning_parallel.checkpointing import atomic
 
 __all__ = ["install", "POINTS"]
 
-POINTS = ("file_write", "shard_written", "disk_full", "renamed_aside", "renamed")
+POINTS = ("file_write", "file_disk_full", "shard_written", "disk_full", "renamed_aside", "renamed")
 
 
 class _Torch:
@@ -67,7 +68,7 @@ def install(trainer: Any, step: int, rank: int, point: str, out: Path) -> None:
         (out / f"killed_rank{rank}.json").write_text(json.dumps({"global_step": step, "point": point}))
         os.kill(os.getpid(), signal.SIGKILL)
 
-    if point == "file_write":
+    if point in ("file_write", "file_disk_full"):
         real_save = torch.save
 
         def half_written(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
@@ -77,6 +78,8 @@ def install(trainer: Any, step: int, rank: int, point: str, out: Path) -> None:
             real_save(obj, buf)
             f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
             f.flush()
+            if point == "file_disk_full":
+                raise OSError(28, "No space left on device (injected)")
             die()
 
         atomic.torch = _Torch(half_written)  # the process ends with this run

@@ -281,7 +281,10 @@ def launch(
         return
     result = start_processes(cmd, envs, timeout=240, cwd=cwd, grace=2.0, rendezvous=True)
     rank = kill[1]
-    if cases[-1].get("die_in_save") == "disk_full":  # an error, not a kill: every rank fails on its own
+    if cases[-1].get("die_in_save") in (
+        "disk_full",
+        "file_disk_full",
+    ):  # an error, not a kill: every rank fails
         assert result.codes == [1, 1], f"{name}: every rank must fail cleanly: {result.codes}"
         assert "No space left on device (injected)" in result.outputs[rank], result.outputs[rank][-2000:]
         return

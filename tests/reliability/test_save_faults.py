@@ -6,7 +6,8 @@ sleeps), and ``fit(ckpt_path="last")`` then resumes exactly (losses and paramete
 the new one was not finished, the new one (step 8) where it was, also when the kill struck between the two
 renames of a sharded save and ``last.ckpt`` was missing.
 
-Also: a full disk during a sharded save fails every rank cleanly and leaves no temporary directory;
+Also: a full disk during a file or sharded save fails every rank cleanly and leaves no temporary file or
+directory; every checkpoint file has the permissions ``open()`` gives under the umask;
 SIGTERM with sharded saves and ``ModelCheckpoint(save_last="link")`` (``last.ckpt`` a link to a
 step's checkpoint) saves, stops and resumes exactly; and whatever a killed save hid is gone after the
 resumed run (its owner is dead).
@@ -37,6 +38,8 @@ def fault(point: str, rank: int, ckpt_step: int, sharded: bool = True) -> dict:
 CASES = {
     # a file: the half-written temporary file is never last.ckpt
     "file_killed_mid_write": fault("file_write", 0, 4, sharded=False),
+    # not a kill: the file write fails (ENOSPC) on rank 0, the only writer; every rank fails
+    "file_disk_full": fault("file_disk_full", 0, 4, sharded=False),
     # sharded: rank 1 killed once its shard is written (no .metadata, no meta.pt)
     "sharded_killed_after_a_shard": fault("shard_written", 1, 4),
     # sharded: meta.pt half written (every shard and .metadata are there)
@@ -61,6 +64,7 @@ HIDDEN = re.compile(r"^\.last\.ckpt\.(tmp|old)-")
 # what each fault leaves: (the step of last.ckpt or None, the kinds of hidden entries of last.ckpt)
 LEFT = {
     "file_killed_mid_write": (4, {"tmp"}),
+    "file_disk_full": (4, set()),
     "sharded_killed_mid_meta": (4, {"tmp"}),
     "sharded_killed_between_renames": (None, {"tmp", "old"}),
     "sharded_killed_before_old_removed": (8, {"old"}),
