@@ -384,10 +384,12 @@ class HydraSafeSubprocessLauncher(_SubprocessScriptLauncher):
             with _client_of_hosted_store(state):
                 return function(*args, **kwargs)
         except BaseException as err:
-            failed = list(state.failed) if state is not None else []
+            # the rendezvous ended by _abort_rendezvous: the cause is the child that died, not the store
+            lost = state is not None and state.failed and not torch.distributed.is_initialized()
+            failed = list(state.failed) if lost else []
             if job is None and _ACTIVE is not None:
                 _end_failed_launch()
-            if failed and not isinstance(err, RankFailedError):  # the cause: a child that died
+            if failed and not isinstance(err, RankFailedError):
                 raise RankFailedError("\n".join(failed)) from err
             raise
 
