@@ -38,7 +38,10 @@ from typing import Callable, Optional
 
 __all__ = ["InterruptedSaveError", "hidden_path", "move_into_place", "new_token", "recover"]
 
-_ENTRY = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-[0-9a-f]+(?:-(?P<pid>\d+)@(?P<host>.+))?$")
+# ours: <12 hex>-<pid>@<host>; without an owner, as older versions named them: 12 hex (tmp), 8 hex (old)
+_ENTRY = re.compile(
+    r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-(?:[0-9a-f]{12}-(?P<pid>\d+)@(?P<host>.+)|[0-9a-f]{12}|[0-9a-f]{8})$"
+)
 
 
 class InterruptedSaveError(RuntimeError):

@@ -106,3 +106,12 @@ def test_atomic_files_honour_the_umask(tmp_path):
     finally:
         os.umask(before)
     assert (tmp_path / "x.ckpt").stat().st_mode & 0o777 == 0o640
+
+
+def test_files_that_only_look_hidden_are_not_touched(tmp_path):
+    """A folder may be the working directory (Lightning's default_root_dir): only our exact names count."""
+    mine = [tmp_path / ".notes.old-1", tmp_path / ".notes.tmp-abc", tmp_path / ".x.tmp-0123456789ab-12"]
+    for path in mine:
+        path.write_text("a user's file")
+    assert recover(tmp_path, is_sharded_checkpoint) == []
+    assert sorted(tmp_path.iterdir()) == sorted(mine)
