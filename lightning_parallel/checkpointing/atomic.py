@@ -19,7 +19,7 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from lightning_parallel.checkpointing.interrupted_saves import hidden_path, new_token
+from lightning_parallel.checkpointing.interrupted_saves import hidden_path, new_token, sync_folder
 
 __all__ = ["AtomicCheckpointIO", "atomic_torch_save"]
 
@@ -42,16 +42,7 @@ def atomic_torch_save(obj: Any, path: _PATH) -> None:
         except FileNotFoundError:
             pass
         raise
-    try:  # make the rename itself durable
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)
+    sync_folder(path.parent)  # make the rename itself durable
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

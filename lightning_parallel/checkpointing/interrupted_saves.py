@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-__all__ = ["InterruptedSaveError", "hidden_path", "move_into_place", "new_token", "recover"]
+__all__ = ["InterruptedSaveError", "hidden_path", "move_into_place", "new_token", "recover", "sync_folder"]
 
 # ours: <12 hex>-<pid>@<host>; without an owner, as older versions named them: 12 hex (tmp), 8 hex (old)
 _ENTRY = re.compile(
@@ -75,6 +75,20 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
+def sync_folder(folder: Path) -> None:
+    """Write the folder's entries (the renames in it) to disk, where the file system allows it."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def move_into_place(tmp: Path, path: Path, token: str) -> None:
     """Rename the finished directory ``tmp`` over ``path`` (a previous checkpoint file, directory or link)."""
     old = None
@@ -82,6 +96,7 @@ def move_into_place(tmp: Path, path: Path, token: str) -> None:
         old = hidden_path(path, "old", token)
         os.replace(path, old)
     os.replace(tmp, path)
+    sync_folder(path.parent)
     if old is not None:
         _remove(old)
 
