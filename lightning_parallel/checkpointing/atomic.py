@@ -4,13 +4,14 @@ Lightning's ``TorchCheckpointIO`` serialises into memory and then writes straigh
 path, so a process killed (or a disk that fills up) during the write leaves a truncated ``last.ckpt``
 and the run cannot resume. ``AtomicCheckpointIO`` writes to a temporary file in the same folder,
 flushes it to disk, and renames it over the target: a rename inside one file system is atomic, so the
-target is always either the previous complete checkpoint or the new complete one.
+target is always either the previous complete checkpoint or the new complete one. The file gets the
+permissions a plain ``open()`` gives (0666 less the umask, as Lightning's own checkpoints), not
+``tempfile``'s private 0600.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
+from lightning_parallel.checkpointing.interrupted_saves import hidden_path, new_token, sync_folder
 from lightning_parallel.checkpointing.trust import lightning_weights_only, load_file, naming
 
 __all__ = ["AtomicCheckpointIO", "atomic_torch_save"]
@@ -27,7 +29,8 @@ def atomic_torch_save(obj: Any, path: _PATH) -> None:
     """``torch.save`` to ``path`` via a temporary file in the same folder and ``os.replace``."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = hidden_path(path, "tmp", new_token())  # a kill leaves it, and the next start removes it
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as in open()
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
@@ -40,16 +43,7 @@ def atomic_torch_save(obj: Any, path: _PATH) -> None:
         except FileNotFoundError:
             pass
         raise
-    try:  # make the rename itself durable
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass
-    finally:
-        os.close(dir_fd)
+    sync_folder(path.parent)  # make the rename itself durable
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

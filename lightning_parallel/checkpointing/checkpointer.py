@@ -13,6 +13,9 @@
 
 **Load** (``fit(ckpt_path=...)``):
 
+0. ``recover_interrupted_saves`` (every process, from the launcher, before Lightning looks for
+   ``ckpt_path="last"``): a checkpoint that a kill between a sharded save's two renames left under a hidden
+   name is put back (``interrupted_saves``);
 1. ``load_checkpoint``: the storage reads the checkpoint (a directory: ``meta.pt`` and DCP's index only,
    its tensors stay on disk), with the caller's ``weights_only`` (``trust.py``: a file that would run code
    is refused here, before set-up); Lightning's loop state of an ``on_train_epoch_end`` save is rewritten
@@ -30,15 +33,18 @@ A strategy takes part through ``CheckpointContract`` only; its ``setup`` calls `
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_parallel.checkpointing.contract import CheckpointContract
+from lightning_parallel.checkpointing.interrupted_saves import recover
 from lightning_parallel.checkpointing.loop_state import mark_step_saved, normalize_epoch_end
 from lightning_parallel.checkpointing.preemption import PreemptionCheckpoint
 from lightning_parallel.checkpointing.resume_state import (
@@ -50,6 +56,7 @@ from lightning_parallel.checkpointing.resume_state import (
 )
 from lightning_parallel.checkpointing.sharded import (
     SHARDED_KEY,
+    is_sharded_checkpoint,
     load_sharded,
     read_sharded_meta,
     write_sharded,
@@ -138,6 +145,20 @@ class Checkpointer(CheckpointContract):
             )
 
     # ------------------------------------------------------------------ load
+    def recover_interrupted_saves(self, trainer: Any) -> None:
+        """Put back, in the checkpoint folders of ``trainer``, what interrupted sharded saves hid, and remove
+        their stale leftovers; in every process, before ``ckpt_path="last"`` is looked for."""
+        folders = {Path(trainer.default_root_dir)}
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint):
+                resolve = getattr(callback, "_ModelCheckpoint__resolve_ckpt_dir", None)
+                folder = callback.dirpath or (resolve(trainer) if resolve is not None else None)
+                if folder is not None and not _is_remote(folder):
+                    folders.add(Path(folder))
+        for folder in sorted(folders):
+            for message in recover(folder, is_sharded_checkpoint):  # by whichever process of the run did it
+                warnings.warn(message, stacklevel=2)
+
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         checkpoint = self._read(checkpoint_path, weights_only)
         epoch_end = normalize_epoch_end(checkpoint)  # before Lightning restores its loops from it

@@ -21,8 +21,10 @@ shape (a ``ShardedTensor``: a flat range of an n-dimensional tensor is at most 2
 writes only its own pieces and every layout reads them back as it reads a slice.
 
 The rest of the checkpoint (loops, callbacks, schedulers, resume state, optimizer hyperparameters) goes into
-``meta.pt``, which rank 0 writes last into a hidden temporary directory before renaming it into place: a
-directory without ``meta.pt`` and DCP's ``.metadata`` is never taken for a checkpoint. Tensors are read at the
+``meta.pt``, which rank 0 writes last into a hidden temporary directory before renaming it into place
+(``interrupted_saves.py``: the hidden names, the two renames, and what a kill leaves): a directory without
+``meta.pt`` and DCP's ``.metadata`` is never taken for a checkpoint. A strict load refuses model keys that
+differ from the module's, with ``load_state_dict``'s message, before any tensor is read. Tensors are read at the
 end of the strategy's set-up, once the module has its layout and the optimizers exist. ``consolidate`` turns a
 directory into one single-device ``.ckpt``.
 """
@@ -30,9 +32,7 @@ directory into one single-device ``.ckpt``.
 from __future__ import annotations
 
 import math
-import os
 import shutil
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Optional
@@ -45,6 +45,12 @@ from torch import Tensor, nn
 from lightning_parallel.checkpointing.atomic import atomic_torch_save
 from lightning_parallel.checkpointing.by_name import names_in_optimizer
 from lightning_parallel.checkpointing.contract import ShardLayout
+from lightning_parallel.checkpointing.interrupted_saves import (
+    hidden_path,
+    move_into_place,
+    new_token,
+    recover,
+)
 from lightning_parallel.checkpointing.resume_state import all_gather_objects
 from lightning_parallel.checkpointing.trust import MetadataReader, load_dcp, load_file
 from lightning_parallel.distributed.optimizer_shards import StatePieces
@@ -189,17 +195,6 @@ def _as_pieces(pieces: StatePieces, layout: ShardLayout | None) -> Any:
     return ShardedTensorBase._init_from_local_shards_and_global_metadata(local, metadata, spec)
 
 
-def _move_into_place(tmp: Path, path: Path) -> None:
-    """Rename the finished temporary directory over ``path`` (a previous checkpoint file or directory)."""
-    old = None
-    if path.exists() or path.is_symlink():
-        old = path.parent / f".{path.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(path, old)
-    os.replace(tmp, path)
-    if old is not None:
-        shutil.rmtree(old) if old.is_dir() else old.unlink()
-
-
 # ---------------------------------------------------------------------------------------------- load
 def _destination(
     like: Tensor, md: Any, layout: ShardLayout | None, name: str, meshes: dict
@@ -242,15 +237,21 @@ def write_sharded(strategy: Any, checkpoint: dict[str, Any], path: Path) -> None
 
     state, groups = _dcp_state(strategy, checkpoint)
     everyone = all_gather_objects(_local_summary(strategy, groups))
-    token = strategy.broadcast(uuid.uuid4().hex[:12])
-    tmp = path.parent / f".{path.name}.tmp-{token}"
+    token = strategy.broadcast(new_token())  # rank 0's: it makes and renames the directory
+    tmp = hidden_path(path, "tmp", token)
     if strategy.global_rank == 0:
+        recover(path.parent, is_sharded_checkpoint, only=path.name)  # what earlier saves of this name left
         tmp.mkdir(parents=True)
     strategy.barrier("sharded_checkpoint_mkdir")
-    save(state, checkpoint_id=str(tmp))  # every rank writes its own file; .metadata once all are done
-    if strategy.global_rank == 0:
-        atomic_torch_save(_meta(strategy, checkpoint, groups, everyone), tmp / META_FILE)  # written last
-        _move_into_place(tmp, path)
+    try:
+        save(state, checkpoint_id=str(tmp))  # every rank writes its own file; .metadata once all are done
+        if strategy.global_rank == 0:
+            atomic_torch_save(_meta(strategy, checkpoint, groups, everyone), tmp / META_FILE)  # written last
+            move_into_place(tmp, path, token)
+    except BaseException:
+        if strategy.global_rank == 0 and not is_sharded_checkpoint(tmp):  # a finished one is kept to recover
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _dcp_state(strategy: Any, checkpoint: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
@@ -332,6 +333,8 @@ def load_sharded(
             dest[_MODEL + key], local[key] = _destination(
                 tensor, md[_MODEL + key], layouts.get(key), key, meshes
             )
+    if strict:
+        _refuse_other_keys(module, md, strategy.full_state_keys())
     saved_states = meta.get("optimizer_states", [])
     optim_targets = [
         (optimizer, saved_states[i], _optimizer_targets(strategy, md, i, dest, meshes))
@@ -341,6 +344,26 @@ def load_sharded(
     strategy.load_full_model_state(local, strict=strict)
     for optimizer, saved, targets in optim_targets:
         optimizer.load_state_dict(_local_optimizer_state(optimizer, module, saved, targets, dest))
+
+
+def _refuse_other_keys(module: nn.Module, md: Mapping[str, Any], expected: list[str]) -> None:
+    """A strict load of model keys that differ from the whole module's fails as ``load_state_dict`` does
+    for a file (the same message), before any tensor is read."""
+    saved = [k[len(_MODEL) :] for k in md if k.startswith(_MODEL)]
+    saved_set, expected_set = set(saved), set(expected)
+    found = (
+        ("Missing", [k for k in expected if k not in saved_set]),
+        ("Unexpected", [k for k in saved if k not in expected_set]),
+    )
+    errors = [f"{what} key(s) in state_dict: {_quoted(keys)}. " for what, keys in found if keys]
+    if errors:
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(module).__name__}:\n\t" + "\n\t".join(errors)
+        )
+
+
+def _quoted(keys: list[str]) -> str:
+    return ", ".join(f'"{k}"' for k in keys)
 
 
 def _optimizer_targets(

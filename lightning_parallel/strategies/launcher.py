@@ -18,7 +18,11 @@ process, i.e. the whole sweep. This launcher differs in these ways:
 - children mark (in a temporary folder) that they are about to join the process group, and the
   launching process waits for that, interruptibly: a child that dies before the rendezvous (import
   error, failing ``__init__``) fails the job at once instead of blocking rank 0 in the rendezvous
-  until the process-group timeout (30 minutes);
+  until the process-group timeout (30 minutes); one that dies after that mark, before the process group
+  is formed (a failing device set-up), makes the observer close the store this process hosts, which
+  ends rank 0's rendezvous at once: the run raises ``RankFailedError`` naming the rank and its exit code;
+- before the run looks for ``ckpt_path="last"``, the strategy's ``recover_interrupted_saves`` puts back a
+  checkpoint that a killed sharded save left under a hidden name (``checkpointing/interrupted_saves.py``);
 - on one node with children to start, unless ``MASTER_PORT`` is set, the launching process binds the
   rendezvous store *before* it starts the children (``distributed/rendezvous.py``), instead of picking
   a free port and leaving it unbound while the children import: in CI another process took such a
@@ -170,9 +174,20 @@ class _Observer(threading.Thread):
                     self.state.failed.append(message)
                     log.error(message)
                     _kill(self.state.procs)
+                    _abort_rendezvous(self.state)
                     return
             if all(p.poll() == 0 for p in self.state.procs):
                 return
+
+
+def _abort_rendezvous(state: _JobState) -> None:
+    """A child died before the process group was formed: this process, waiting for it in the rendezvous
+    (in C++, for the process-group timeout), is freed by closing the store it hosts; its
+    ``init_process_group`` then raises at once. A store that this process does not host (``MASTER_PORT``
+    given, several nodes) cannot be closed from here: there the process-group timeout applies."""
+    if state.store is not None and not torch.distributed.is_initialized():
+        log.error("a rank exited before the process group was formed: ending this job's rendezvous")
+        state.store.close()
 
 
 def _kill(procs: Sequence[subprocess.Popen], grace: float = 0.0) -> None:
@@ -364,12 +379,21 @@ class HydraSafeSubprocessLauncher(_SubprocessScriptLauncher):
             # a child of ours, about to join the process group: tell the launching process
             Path(os.environ[READY_ENV], os.environ.get("LOCAL_RANK", "0")).touch()
         _set_num_threads_if_needed(num_processes=self.num_processes)
+        state = _ACTIVE
         try:
-            with _client_of_hosted_store(_ACTIVE):
+            recover = getattr(getattr(trainer, "strategy", None), "recover_interrupted_saves", None)
+            if recover is not None:  # before Lightning looks for ckpt_path="last"
+                recover(trainer)
+            with _client_of_hosted_store(state):
                 return function(*args, **kwargs)
-        except BaseException:
+        except BaseException as err:
+            # the rendezvous ended by _abort_rendezvous: the cause is the child that died, not the store
+            lost = state is not None and state.failed and not torch.distributed.is_initialized()
+            failed = list(state.failed) if lost else []
             if job is None and _ACTIVE is not None:
                 _end_failed_launch()
+            if failed and not isinstance(err, RankFailedError):
+                raise RankFailedError("\n".join(failed)) from err
             raise
 
     def _wait_until_children_ready(self) -> None:

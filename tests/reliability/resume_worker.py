@@ -5,9 +5,11 @@ Each case fits ``DropoutMLP`` with a checkpoint every ``every`` steps; optionall
 that step, or resumes with ``ckpt_path="last"``. A case may name a registered strategy with extra init
 arguments (``strategy_kwargs``), ``sharded`` (``save_distributed=True``), ``model_kwargs``, the per-replica
 ``batch_size``, ``every: "epoch"`` (checkpoints in ``on_train_epoch_end``) or ``"validation"`` (in
-``on_validation_end``), ``epochs`` (``max_epochs``
-instead of ``max_steps``), ``val_batches``, ``save_at_batch`` (a ``trainer.save_checkpoint`` after that
-batch, its warnings recorded) and ``full_state`` (the gathered single-device state at the end of training).
+``on_validation_end``), ``epochs`` (``max_epochs`` instead of ``max_steps``), ``val_batches``,
+``save_at_batch`` (a ``trainer.save_checkpoint`` after that batch, its warnings recorded), ``full_state``
+(the gathered single-device state at the end of training), ``save_last`` (``ModelCheckpoint``'s, default
+True) and ``die_in_save`` (a point of ``save_faults``: the ``kill`` rank fails there, inside the ``kill``
+step's save of ``last.ckpt``, instead of after the step).
 Writes {global step: loss of its last micro-batch}, the trace of every batch [(global step after it, loss)],
 and the final parameters (this rank's shard or stage).
 """
@@ -29,13 +31,20 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_parallel  # noqa: F401
 from lightning_parallel.checkpointing.trust import FIT_TAKES_WEIGHTS_ONLY
+from tests.reliability import save_faults
 from tests.reliability.models import DropoutMLP, ShuffledData
 
 
 class Recorder(Callback):
     def __init__(
-        self, kill=None, out: Path | None = None, save_at_batch: int | None = None, full_state: bool = False
+        self,
+        kill=None,
+        out: Path | None = None,
+        save_at_batch: int | None = None,
+        full_state: bool = False,
+        fault: str | None = None,
     ):
+        self.fault = fault  # a point of tests.reliability.save_faults: the kill happens inside that save
         self.out = out
         self.save_at_batch = save_at_batch
         self.warned: list[str] = []
@@ -55,12 +64,16 @@ class Recorder(Callback):
                 trainer.save_checkpoint(self.out / "ckpt" / "at_batch.ckpt")
             self.warned = [str(w.message) for w in caught]
         when = self.batches if self.kill and self.kill[3:] == ["batch"] else trainer.global_step
-        if self.kill and when == self.kill[0] and trainer.global_rank == self.kill[1]:
+        if self.kill and not self.fault and when == self.kill[0] and trainer.global_rank == self.kill[1]:
             # evidence for the test that the kill came from here, at this point
             (self.out / f"killed_rank{trainer.global_rank}.json").write_text(
                 json.dumps({"global_step": trainer.global_step, "batches": self.batches})
             )
             os.kill(os.getpid(), getattr(signal, self.kill[2]))
+
+    def on_train_start(self, trainer, pl_module):
+        if self.fault:
+            save_faults.install(trainer, self.kill[0], self.kill[1], self.fault, self.out)
 
     def on_train_end(self, trainer, pl_module):
         if self.full_state is not None:  # every rank takes part (the gather is a collective)
@@ -69,12 +82,20 @@ class Recorder(Callback):
 
 def run_case(case: dict, out: Path, world_size: int) -> None:
     seed_everything(0, workers=True)
-    recorder = Recorder(case.get("kill"), out, case.get("save_at_batch"), case.get("full_state", False))
+    recorder = Recorder(
+        case.get("kill"),
+        out,
+        case.get("save_at_batch"),
+        case.get("full_state", False),
+        case.get("die_in_save"),
+    )
     every = {
         "epoch": {"every_n_epochs": 1},
         "validation": {"every_n_epochs": 1, "save_on_train_epoch_end": False},
     }.get(case["every"], {"every_n_train_steps": case["every"]})
-    checkpoint = ModelCheckpoint(dirpath=out / "ckpt", save_last=True, save_top_k=-1, **every)
+    checkpoint = ModelCheckpoint(
+        dirpath=out / "ckpt", save_last=case.get("save_last", True), save_top_k=-1, **every
+    )
     strategy = case["strategy"]
     kwargs = {
         **case.get("strategy_kwargs", {}),

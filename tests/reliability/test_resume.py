@@ -46,6 +46,7 @@ import math
 import signal
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -280,6 +281,13 @@ def launch(
         return
     result = start_processes(cmd, envs, timeout=240, cwd=cwd, grace=2.0, rendezvous=True)
     rank = kill[1]
+    if cases[-1].get("die_in_save") in (
+        "disk_full",
+        "file_disk_full",
+    ):  # an error, not a kill: every rank fails
+        assert result.codes == [1, 1], f"{name}: every rank must fail cleanly: {result.codes}"
+        assert "No space left on device (injected)" in result.outputs[rank], result.outputs[rank][-2000:]
+        return
     assert result.codes[rank] == -signal.SIGKILL, f"{name}: rank {rank} was to be SIGKILLed: {result.codes}"
     marker = Path(cases[-1]["dir"]) / f"killed_rank{rank}.json"  # the killed run ends its launch
     tail = result.outputs[rank][-2000:]
@@ -297,11 +305,16 @@ def saved_step(path: Path) -> int:
 
 
 def run_resume_cases(
-    cases: dict[str, dict], tmp: Path, once: dict[str, dict] | None = None
+    cases: dict[str, dict],
+    tmp: Path,
+    once: dict[str, dict] | None = None,
+    after_kill: Callable[[str, Path], None] | None = None,
 ) -> dict[str, tuple]:
     """Launches (start-up dominates): the uninterrupted runs together with the SIGTERM runs, which stop
     cleanly, and the ``once`` cases (run as given, results under their name); one launch per SIGKILL, which
-    ends its launch; then the resumed runs together (a case's ``resume_as`` changes their training)."""
+    ends its launch (``after_kill(name, its checkpoint folder)`` looks at what it left); then the resumed
+    runs together (a case's ``resume_as`` changes their training). The step of a case's ``last.ckpt`` after
+    the kill is None where none is there (a save killed between its renames hides it)."""
     once = once or {}
 
     def run(name: str, resume: bool = False, **extra) -> dict:
@@ -313,6 +326,7 @@ def run_resume_cases(
             "every": c["every"],
             "dir": str(tmp / f"kill_{name}"),
             "sharded": c.get("sharded", False),
+            "save_last": c.get("save_last", True),
             "resume": resume,
             **extra,
         }
@@ -342,13 +356,16 @@ def run_resume_cases(
     for name, c in cases.items():
         if name in sigterm:
             continue
+        fault = {"die_in_save": c["die_in_save"]} if "die_in_save" in c else {}
         launch(
-            [run(name, kill=c["kill"])],
+            [run(name, kill=c["kill"], **fault)],
             tmp,
             f"killed_{name}",
             kill=c["kill"],
             lightning_launcher=c.get("lightning_launcher", False),
         )
+        if after_kill is not None:
+            after_kill(name, tmp / f"kill_{name}" / "ckpt")
         if "kill_again" in c:  # killed again after resuming
             launch(
                 [run(name, kill=c["kill_again"], resume=True)],
@@ -356,7 +373,8 @@ def run_resume_cases(
                 f"killed_again_{name}",
                 kill=c["kill_again"],
             )
-    killed_at = {n: saved_step(tmp / f"kill_{n}" / "ckpt" / "last.ckpt") for n in cases}
+    last = {n: tmp / f"kill_{n}" / "ckpt" / "last.ckpt" for n in cases}
+    killed_at = {n: saved_step(p) if p.exists() else None for n, p in last.items()}
     for own_launcher in (False, True):
         group = [
             run(n, resume=True) for n, c in cases.items() if bool(c.get("lightning_launcher")) == own_launcher

@@ -2,11 +2,14 @@
 one node, and two "nodes" of one process each (num_nodes=2). Each run must equal single-device training."""
 
 import os
+import re
 import sys
+import time
 
 import pytest
 import torch
 
+from lightning_parallel.processes import start_processes
 from tests.helpers.harness import REPO, assert_params_close, free_port, run_processes, run_single
 
 SCRIPT = str(REPO / "tests" / "helpers" / "scripts" / "train_mlp.py")
@@ -116,3 +119,19 @@ def test_slurm_srun_environment(tmp_path, reference):
     cmd = [sys.executable, SCRIPT, "lp_ddp", "2", "1", str(out)]
     run_processes([cmd, cmd], envs, timeout=150, cwd=tmp_path, rendezvous=True)  # sets MASTER_ADDR/PORT
     check(out, reference, world_size=2)
+
+
+@pytest.mark.timeout(180)
+def test_a_child_lost_before_the_rendezvous_fails_the_job_at_once(tmp_path):
+    """Rank 1 (a child of Lightning's launcher) exits with code 3 after its ready mark, before it joins the
+    process group: rank 0, waiting in the rendezvous, must fail within seconds (not the process-group
+    timeout), naming the rank and its exit code."""
+    e = {**env(), "LP_TEST_CHILD_EXIT_BEFORE_RENDEZVOUS": "3"}
+    cmd = [sys.executable, SCRIPT, "lp_ddp", "2", "1", str(tmp_path / "out.pt")]
+    result = start_processes([cmd], [e], timeout=240, cwd=tmp_path)
+    ended = time.time()
+    output = result.outputs[0]
+    assert result.codes == [1], f"exit {result.codes} after {result.seconds:.0f} s:\n{output[-3000:]}"
+    assert re.search(r"RankFailedError: rank 1 \(pid \d+\) exited with code 3", output), output[-3000:]
+    after = ended - float((tmp_path / "child_exit_time").read_text())
+    assert after < 20, f"the job ended {after:.0f} s after the child exited"  # the observer polls every 0.5 s

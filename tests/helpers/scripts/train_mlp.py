@@ -2,10 +2,16 @@
 
     python train_mlp.py STRATEGY DEVICES NUM_NODES OUT.pt
 
-Started directly (Lightning's launcher makes the other ranks), or by torchrun / srun.
+Started directly (Lightning's launcher makes the other ranks), or by torchrun / srun. With
+``LP_TEST_CHILD_EXIT_BEFORE_RENDEZVOUS=<code>``, a rank started by our launcher exits with that code after
+its "ready" mark, where it would join the process group (a failing device set-up), and writes when it
+did into ``child_exit_time`` in its working folder.
 """
 
+import os
 import sys
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,6 +24,19 @@ from tests.helpers.models import MLP, RegressionData
 class RecordWorld(Callback):
     def on_train_start(self, trainer, pl_module):
         pl_module.world_seen = dist.get_world_size()
+
+
+def exit_before_rendezvous(code: int) -> None:
+    """Make this process, if it is a rank our launcher started, exit where it would join the process group."""
+    from lightning_parallel.strategies import base
+    from lightning_parallel.strategies.launcher import is_launched_rank
+
+    def exit_now(*args, **kwargs) -> None:
+        Path("child_exit_time").write_text(str(time.time()))
+        os._exit(code)
+
+    if is_launched_rank():
+        base._init_dist_connection = exit_now
 
 
 def main(strategy: str, devices: int, num_nodes: int, out: str) -> None:
@@ -46,4 +65,6 @@ def main(strategy: str, devices: int, num_nodes: int, out: str) -> None:
 
 
 if __name__ == "__main__":
+    if os.environ.get("LP_TEST_CHILD_EXIT_BEFORE_RENDEZVOUS"):
+        exit_before_rendezvous(int(os.environ["LP_TEST_CHILD_EXIT_BEFORE_RENDEZVOUS"]))
     main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
