@@ -130,13 +130,23 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
         from lightning.pytorch.plugins.precision import MixedPrecision
 
         trainer_kwargs["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
+    if case.get("csv_logger"):  # for callbacks that need a logger (LearningRateMonitor)
+        from lightning.pytorch.loggers import CSVLogger
+
+        trainer_kwargs["logger"] = CSVLogger(out_dir, name="csv")
     memory = SetupMemory(rss_before)
     trainer_kwargs["callbacks"].append(memory)
     trainer = Trainer(strategy=build_strategy(case.get("strategy", "auto"), world_size), **trainer_kwargs)
     if deferred:
         with trainer.init_module(empty_init=case["empty_init"]):
             model = load_object(case["model"])(**case.get("model_kwargs", {}))
-    trainer.fit(model, datamodule=data, ckpt_path=case.get("ckpt_path"))
+    try:
+        trainer.fit(model, datamodule=data, ckpt_path=case.get("ckpt_path"))
+    except Exception as refused:
+        if not case.get("may_refuse"):
+            raise
+        # every rank refused before training (an error on some ranks only would have hung): the result
+        return {"refused": f"{type(refused).__name__}: {refused}", "global_step": trainer.global_step}
     if case.get("validate_after_fit"):
         trainer.validate(model, datamodule=data, verbose=False)
     result = {
