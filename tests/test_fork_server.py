@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers.harness import forked_commands, run_processes, worker_env
 
 WORLD = 4
@@ -57,6 +59,7 @@ def summary(ranks: list[dict]) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_forked_ranks_observe_what_fresh_interpreters_do(tmp_path):
     fresh, forked = ranks_observed(tmp_path, forked=False), ranks_observed(tmp_path, forked=True)
     expected = summary(fresh)
