@@ -94,6 +94,7 @@ from lightning_parallel.recompute import (
     remove_activation_checkpointing,
     spec_problem,
 )
+from lightning_parallel.strategies.callback_support import split_model_refusal
 from lightning_parallel.strategies.checks import layout, layout_sizes, one_of, positive_number, require
 from lightning_parallel.strategies.global_batch import describe_global_batch
 from lightning_parallel.strategies.launcher import HydraSafeSubprocessLauncher, failure_exit_fn
@@ -314,6 +315,9 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         reset_seed()
         self.set_world_ranks()
         shape = self.mesh_shape()  # a layout that cannot fit fails before any process group exists
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:  # so does a callback it cannot run
+            require([split_model_refusal(trainer.callbacks, type(self).__name__, shape)])
         self._process_group_backend = self._get_process_group_backend()
         assert self.cluster_environment is not None
         bind = self.root_device.type != "cpu" and self._process_group_backend != "gloo"

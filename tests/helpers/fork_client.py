@@ -4,7 +4,9 @@ Run without ``site`` and with nothing but the standard library's small modules, 
 It sends the server its environment, working directory and standard streams, waits for the rank, and
 exits as the rank did (the same code, or killed by the same signal). Signals sent to it are the rank's (a
 SIGTERM test signals the process it started); if it is killed, the server kills the rank: the caller's time
-limits and ``killpg`` work on it as on a rank started directly.
+limits and ``killpg`` work on it as on a rank started directly. Where the server answers that a fork cannot
+be the process this environment asks for (``tests/helpers/fresh_state.py``), the client becomes the rank
+itself: it execs ``python -m MODULE ARGS``, a fresh interpreter in the same process.
 """
 
 import json
@@ -36,6 +38,8 @@ def main() -> None:
             if reply.startswith(b"pid ") and b"\n" in reply:  # the rank is running: signals go to it
                 head, reply = reply.split(b"\n", 1)
                 forward(int(head.split()[1]))
+    if reply.startswith(b"fresh "):
+        os.execv(sys.executable, [sys.executable, "-m", *argv])
     if not reply:
         sys.stderr.write(f"fork_client: the fork server at {path} closed without the rank's status\n")
         os._exit(70)

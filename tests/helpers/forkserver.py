@@ -8,9 +8,15 @@ streams and ``PYTHONPATH``. The requester is ``tests/helpers/fork_client.py``, a
 that stands in for the rank as the process that ``start_processes`` waits on and kills: the rank's exit code
 or signal becomes the client's, and a client that dies (killed by a time limit) takes its rank with it.
 
+A forked rank is the process a fresh interpreter would be: what the imports derived from the server's
+environment is derived again from the rank's (``tests/helpers/fresh_state.py``), and a rank whose environment
+asks for what only an interpreter's start can give (``PYTHONHASHSEED``, ...) is told so, and its client
+becomes that fresh interpreter (``exec``, the same process). Every child of one server shares its hash seed,
+so rank ``r`` of a run is forked by server ``r``: the ranks of a run differ, as separate interpreters do
+(servers are started as a run first needs them, once per test session).
+
 The server imports nothing that starts a thread (forking a threaded process is unsafe); it refuses to start
-otherwise. Every child of one server shares its hash seed, so ``tests/helpers/harness.py`` starts two
-servers and gives neighbouring ranks different ones, as separate interpreters would have.
+otherwise.
 """
 
 from __future__ import annotations
@@ -27,14 +33,15 @@ import sys
 import tempfile
 import threading
 import traceback
-import warnings
 from pathlib import Path
+
+from tests.helpers.fresh_state import Preloaded
 
 __all__ = ["PRELOADED", "serve", "rank_commands"]
 
 CLIENT = Path(__file__).with_name("fork_client.py")
-SERVERS = 2  # rank r is forked by server r % 2: neighbouring ranks differ in hash seed
-_sockets: list[str] = []
+_sockets: list[str] = []  # server r's socket: it forks rank r of every run
+_server_env: dict[str, str] = {}  # the environment the servers start with
 
 #: what every rank imports before its first line of work (the worker's own modules are left to the rank:
 #: ``runpy`` warns about a ``-m`` module that is already imported)
@@ -61,18 +68,7 @@ def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(body), fds
 
 
-def _apply_warning_options(env: dict, library_filters: list, default_filters: list) -> None:
-    """The warning filters a fresh interpreter would have under ``env``: its ``PYTHONWARNINGS`` options
-    (applied at start-up, after the defaults) under the filters the preloaded libraries added on import."""
-    options = [o for o in env.get("PYTHONWARNINGS", "").split(",") if o]
-    sys.warnoptions[:] = options
-    warnings.filters[:] = default_filters
-    warnings._processoptions(options)  # type: ignore[attr-defined]  # what the interpreter runs at start-up
-    warnings.filters[:0] = library_filters
-    warnings._filters_mutated()  # type: ignore[attr-defined]
-
-
-def _run_child(request: dict, fds: list[int], base_path: list[str], filters: tuple[list, list]) -> None:
+def _run_child(request: dict, fds: list[int], base_path: list[str], preloaded: Preloaded) -> None:
     """In the forked child: become the requested ``python -m module args`` and exit with its status."""
     code = 0
     try:
@@ -82,9 +78,7 @@ def _run_child(request: dict, fds: list[int], base_path: list[str], filters: tup
             os.close(fd)
         env = request["env"]
         os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(env)
-        _apply_warning_options(env, *filters)
+        preloaded.become(env)
         unbuffered = bool(env.get("PYTHONUNBUFFERED"))
         sys.stdout = sys.__stdout__ = open(1, "w", buffering=1 if unbuffered else -1, closefd=False)
         sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)
@@ -120,10 +114,7 @@ def _kill(pid: int) -> None:
 
 def serve(path: str) -> None:
     """Accept requests on the Unix socket ``path`` until the parent (the test session) is gone."""
-    default_filters = list(warnings.filters)
-    for name in PRELOADED:
-        __import__(name)
-    library_filters = [f for f in warnings.filters if f not in default_filters]
+    preloaded = Preloaded.load(PRELOADED)
     if threading.active_count() != 1:
         raise RuntimeError(f"the imports started threads, forking would be unsafe: {threading.enumerate()}")
     parent = os.getppid()
@@ -145,6 +136,16 @@ def serve(path: str) -> None:
                 except (ConnectionError, OSError, ValueError):
                     conn.close()
                     continue
+                reason = preloaded.fresh_start_reason(request["env"])
+                if reason is not None:  # the client execs a fresh interpreter
+                    for fd in fds:
+                        os.close(fd)
+                    try:
+                        conn.sendall(f"fresh {reason}\n".encode())
+                    except OSError:
+                        pass
+                    conn.close()
+                    continue
                 sys.stdout.flush()
                 pid = os.fork()
                 if pid == 0:
@@ -152,7 +153,7 @@ def serve(path: str) -> None:
                     listener.close()
                     for other in [conn, *children.values()]:
                         other.close()
-                    _run_child(request, fds, base_path, (library_filters, default_filters))
+                    _run_child(request, fds, base_path, preloaded)
                 for fd in fds:
                     os.close(fd)
                 try:
@@ -187,10 +188,10 @@ def serve(path: str) -> None:
         _kill(pid)
 
 
-def _start_servers(env: dict) -> list[str]:
-    """Two servers for this test session, stopped when it ends (and stopping by themselves if it dies)."""
+def _start_servers(count: int, env: dict) -> list[str]:
+    """``count`` servers, stopped when this test session ends (and stopping by themselves if it dies)."""
     folder = Path(tempfile.mkdtemp(prefix="lp-fork-"))
-    paths = [str(folder / f"{i}.sock") for i in range(SERVERS)]
+    paths = [str(folder / f"{i}.sock") for i in range(count)]
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", __name__, path], env=env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL
@@ -214,14 +215,17 @@ def _start_servers(env: dict) -> list[str]:
 
 
 def rank_commands(command: list[str], world_size: int, env: dict) -> list[list[str]]:
-    """``world_size`` commands that run ``command`` (``[python, "-m", module, *args]``) as forks of a server
-    started (once per test session) with ``env``."""
+    """``world_size`` commands that run ``command`` (``[python, "-m", module, *args]``), rank ``r`` as a fork
+    of server ``r``; the servers this session lacks are started with ``env`` (the first call's: a rank whose
+    own environment differs where a fork cannot follow starts fresh)."""
     python, flag, *rest = command
     if flag != "-m":
         raise ValueError(f"a fork server runs modules (python -m ...), not {command}")
-    if not _sockets:
-        _sockets.extend(_start_servers(env))
-    return [[python, "-S", str(CLIENT), _sockets[r % SERVERS], *rest] for r in range(world_size)]
+    if not _server_env:
+        _server_env.update(env)
+    if len(_sockets) < world_size:
+        _sockets.extend(_start_servers(world_size - len(_sockets), _server_env))
+    return [[python, "-S", str(CLIENT), _sockets[r], *rest] for r in range(world_size)]
 
 
 if __name__ == "__main__":

@@ -130,6 +130,10 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
         from lightning.pytorch.plugins.precision import MixedPrecision
 
         trainer_kwargs["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
+    if case.get("csv_logger"):  # for callbacks that need a logger (LearningRateMonitor)
+        from lightning.pytorch.loggers import CSVLogger
+
+        trainer_kwargs["logger"] = CSVLogger(out_dir, name="csv")
     memory = SetupMemory(rss_before)
     trainer_kwargs["callbacks"].append(memory)
     trainer = Trainer(strategy=build_strategy(case.get("strategy", "auto"), world_size), **trainer_kwargs)
@@ -137,13 +141,17 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
         with trainer.init_module(empty_init=case["empty_init"]):
             model = load_object(case["model"])(**case.get("model_kwargs", {}))
     fit_kwargs = {"weights_only": case["weights_only"]} if "weights_only" in case else {}
-    if case.get("expect_error"):  # the fit must fail: its error and what trained before it are the result
-        try:
-            trainer.fit(model, datamodule=data, ckpt_path=case.get("ckpt_path"), **fit_kwargs)
-        except Exception as error:
+    try:
+        trainer.fit(model, datamodule=data, ckpt_path=case.get("ckpt_path"), **fit_kwargs)
+    except Exception as error:
+        if case.get("expect_error"):  # the fit must fail: its error and what trained before it are the result
             return {"error": f"{type(error).__name__}: {error}", "losses": recorder.losses}
+        if not case.get("may_refuse"):
+            raise
+        # every rank refused before training (an error on some ranks only would have hung): the result
+        return {"refused": f"{type(error).__name__}: {error}", "global_step": trainer.global_step}
+    if case.get("expect_error"):
         return {"error": None, "losses": recorder.losses}
-    trainer.fit(model, datamodule=data, ckpt_path=case.get("ckpt_path"), **fit_kwargs)
     if case.get("validate_after_fit"):
         trainer.validate(model, datamodule=data, verbose=False)
     result = {

@@ -1,0 +1,39 @@
+"""Lightning callbacks that cannot run on a split model (tensor-parallel shards, pipeline stages, experts
+placed over ranks), named before training with the reason.
+
+``StochasticWeightAveraging`` copies the whole LightningModule in its ``setup`` hook, before the strategy
+splits it, then averages that copy's parameters with the module's by position (``zip``) and copies them
+back at the end. On a split model this rank holds part of the parameters, in other shapes: the pairs are
+different tensors, and the average is wrong where it does not fail.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+from lightning_parallel.distributed.mesh import MeshShape
+
+__all__ = ["split_model_refusal"]
+
+SPLITTING_AXES = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size", "ep": "expert_parallel_size"}
+
+
+def split_model_refusal(callbacks: Iterable[object], strategy: str, shape: MeshShape) -> Optional[str]:
+    """Why ``strategy``, on a mesh of ``shape``, refuses one of the trainer's ``callbacks``; None when it
+    refuses none (also whenever no axis of ``shape`` splits the model)."""
+    split = ", ".join(
+        f"{name}={shape.size(axis)}" for axis, name in SPLITTING_AXES.items() if shape.size(axis) > 1
+    )
+    if not split:
+        return None
+    for callback in callbacks:
+        if isinstance(callback, StochasticWeightAveraging):
+            return (
+                f"{strategy} does not support the StochasticWeightAveraging callback with a split model "
+                f"({split}): the callback copies the whole module before the split and averages its parameters "
+                "by position with this rank's part of the model, which pairs different tensors. Use lp_ddp "
+                "(the whole model on every rank), or remove the callback."
+            )
+    return None

@@ -1,0 +1,229 @@
+"""Lightning's own callbacks under every strategy, on real gloo processes, against one device in float64.
+
+Three fits per strategy, each with callbacks that do not interfere: ``EarlyStopping`` (stops after epoch 1),
+``ModelCheckpoint(every_n_train_steps=3)``, ``LearningRateMonitor`` and ``GradientAccumulationScheduler`` (2
+batches per step from epoch 1) in one, with a rank-zero-only sample under lp_ddp (on a split model a forward
+on rank 0 alone is a collective the other ranks never join); ``StochasticWeightAveraging`` (from epoch 1) in
+the second; ``BackboneFinetuning`` (the first block frozen, unfrozen at epoch 1) in the third. Each equals one
+device (the gathered parameters, the step checkpoints, the stop, the learning rates, the samples) or is
+refused before training with its reason. lp_ddp, lp_tensor_parallel and the synchronous pipeline schedules
+run on 2 processes (one launch); lp_parallel at 2x2x2 on 8 (one launch). What does not hold yet is marked
+``xfail(strict=True)`` with the cause.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.harness import assert_params_close, run_distributed, run_single
+
+MODEL = "tests.helpers.callback_models:CallbackGPT"
+STRATEGIES_2 = {
+    "ddp": ("lightning_parallel:DDPStrategy", {}),
+    "tp": ("lightning_parallel:TensorParallelStrategy", {"tensor_parallel_size": 2, "plan": "auto"}),
+    **{
+        schedule: (
+            "lightning_parallel:PipelineParallelStrategy",
+            {"schedule": schedule, "num_microbatches": 2},
+        )
+        for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+    },
+}
+STRATEGIES_8 = {
+    "2x2x2": (
+        "lightning_parallel:ParallelStrategy",
+        {
+            "data_parallel_size": 2,
+            "tensor_parallel_size": 2,
+            "pipeline_parallel_size": 2,
+            "schedule": "1f1b",
+            "num_microbatches": 2,
+            "plan": "auto",
+        },
+    )
+}
+DP = {"ddp": 2, "2x2x2": 2}  # data-parallel size of each (the others: 1)
+
+
+def callback(name: str, **kwargs) -> dict:
+    return {"class": f"lightning.pytorch.callbacks:{name}", "kwargs": kwargs}
+
+
+KINDS = {  # callbacks of one fit, its epochs
+    "monitors": (
+        [
+            callback("EarlyStopping", monitor="val_loss", patience=0, min_delta=10.0),
+            callback(
+                "ModelCheckpoint", dirpath="steps", every_n_train_steps=3, save_top_k=-1, filename="{step}"
+            ),
+            callback("LearningRateMonitor", logging_interval="step"),
+            {"class": "tests.helpers.callback_models:accumulate_from_epoch_1"},
+        ],
+        3,
+    ),
+    "swa": ([callback("StochasticWeightAveraging", swa_lrs=1e-2, swa_epoch_start=1)], 3),
+    "backbone": (
+        [callback("BackboneFinetuning", unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.5)],
+        3,
+    ),
+}
+
+
+SAMPLE = {"class": "tests.helpers.callback_models:RankZeroSample"}
+WHOLE_MODEL = (None, "ddp")  # where a forward on rank 0 alone is the model's forward (no collective inside)
+
+
+def case(kind: str, strategy: str | None, dp: int = 1, may_refuse: bool = False) -> dict:
+    callbacks, epochs = KINDS[kind]
+    if kind == "monitors" and strategy in WHOLE_MODEL:
+        callbacks = [*callbacks, SAMPLE]
+    c = {
+        "name": f"{kind}-{strategy or 'one-device'}",
+        "model": MODEL,
+        "model_kwargs": {"n_layer": 4},
+        "data": "tests.helpers.callback_models:ValidatedTokens",
+        "data_kwargs": {"global_batch_size": 16, "n": 64},
+        "dp_size": dp,
+        "trainer": {"precision": "64-true", "max_epochs": epochs, "limit_val_batches": 2},
+        "callbacks": callbacks,
+        "csv_logger": True,
+        "probe": "tests.helpers.callback_models:callback_report",
+        "save_checkpoint": True,
+        "may_refuse": may_refuse,
+    }
+    if strategy is not None:
+        target, kwargs = {**STRATEGIES_2, **STRATEGIES_8}[strategy]
+        c["strategy"] = {"class": target, "kwargs": kwargs}
+    return c
+
+
+PIPELINES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+SPLIT = ("tp", *PIPELINES, "2x2x2")  # the strategies whose model is split: SWA refused
+# BackboneFinetuning adds a param group on the stages that hold the backbone only: saving the optimizer fails
+# (checkpointing/by_name.merge_states reads the same groups on every stage); its own case below
+SAVE_FAILS = {("backbone", s) for s in (*PIPELINES, "2x2x2")}
+H_PIPE = (
+    "zb_h1/zbv compute weight gradients for the parameters that required grad at set-up (issue 43 item 1)"
+)
+SET_UP_GRADIENTS = (
+    "the gradient paths keep the parameters that required grad at set-up (distributed/reducer.py: GradientReducer "
+    "buckets only those; tensor/gradient_sums.py: add() and add_blocks() skip frozen ones), so the backbone "
+    "unfrozen at epoch 1 is never averaged over dp nor summed over tp (issue 43 item 1's class)"
+)
+FROZEN_AT_SET_UP = {"zb_h1": H_PIPE, "zbv": H_PIPE, "ddp": SET_UP_GRADIENTS, "tp": SET_UP_GRADIENTS}
+FROZEN_AT_SET_UP["2x2x2"] = SET_UP_GRADIENTS
+
+
+def distributed_cases(strategies) -> list[dict]:
+    return [
+        {
+            **case(kind, s, DP.get(s, 1), may_refuse=kind == "swa" and s in SPLIT),
+            "save_checkpoint": (kind, s) not in SAVE_FAILS and not (kind == "swa" and s in SPLIT),
+        }
+        for kind in KINDS
+        for s in strategies
+    ]
+
+
+@pytest.fixture(scope="module")
+def one_device(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("callbacks1")
+    return tmp, {kind: run_single(case(kind, None), tmp) for kind in KINDS}
+
+
+@pytest.fixture(scope="module")
+def runs2(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("callbacks2")
+    return tmp, run_distributed(distributed_cases(STRATEGIES_2), 2, tmp, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def runs8(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("callbacks8")
+    return tmp, run_distributed(distributed_cases(STRATEGIES_8), 8, tmp, timeout=900)
+
+
+def step_checkpoints(folder: Path) -> dict[str, dict]:
+    return {f.name: torch.load(f, weights_only=False)["state_dict"] for f in sorted(folder.glob("*.ckpt"))}
+
+
+def check_equal(kind: str, strategy: str, ranks: list[dict], reference: dict) -> None:
+    """The fit under ``strategy`` did what one device did."""
+    ref = reference["probe"]
+    assert_params_close(ranks[0]["probe"]["full_state"], ref["full_state"], atol=1e-10)
+    for rank in ranks:
+        assert rank["probe"]["global_step"] == ref["global_step"]
+        assert rank["probe"]["epoch"] == ref["epoch"]
+    if kind == "monitors":
+        assert reference["callback_state"]["EarlyStopping"]["stopped_epoch"] == 1
+        assert [r["callback_state"]["EarlyStopping"]["stopped_epoch"] for r in ranks] == [1] * len(ranks)
+        assert all(r["probe"]["lrs"] == ref["lrs"] for r in ranks)
+
+
+def check_step_checkpoints(tmp: Path, world: int, strategy: str, one: Path) -> None:
+    """``ModelCheckpoint(every_n_train_steps=3)`` saved the same steps with the same weights."""
+    saved = step_checkpoints(tmp / f"dist{world}" / f"monitors-{strategy}" / "steps")
+    expected = step_checkpoints(one / "single" / "monitors-one-device" / "steps")
+    assert list(saved) == list(expected) and len(expected) >= 2
+    for name in expected:
+        assert_params_close(saved[name], expected[name], atol=1e-10)
+
+
+def param(strategy: str, kind: str):
+    marks = []
+    if kind == "backbone" and strategy in FROZEN_AT_SET_UP:
+        marks.append(pytest.mark.xfail(strict=True, reason=FROZEN_AT_SET_UP[strategy]))
+    return pytest.param(strategy, kind, marks=marks, id=f"{kind}-{strategy}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, kind", [param(s, k) for k in KINDS for s in STRATEGIES_2])
+def test_callbacks_equal_one_device_or_are_refused(runs2, one_device, strategy, kind):
+    (tmp, results), (one, references) = runs2, one_device
+    ranks = results[f"{kind}-{strategy}"]
+    if kind == "swa" and strategy in SPLIT:
+        for rank in ranks:  # refused as Lightning set up the strategy: not one step taken
+            assert rank["global_step"] == 0
+            assert (
+                "does not support the StochasticWeightAveraging callback with a split model"
+                in rank["refused"]
+            )
+        return
+    check_equal(kind, strategy, ranks, references[kind])
+    if kind == "monitors":
+        check_step_checkpoints(tmp, 2, strategy, one)
+    if kind == "monitors" and strategy in WHOLE_MODEL:  # the sample on rank 0 only, as on one device
+        assert ranks[0]["probe"]["samples"] == references[kind]["probe"]["samples"]
+        assert ranks[1]["probe"]["samples"] == [[]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy, kind", [param(s, k) for k in KINDS for s in STRATEGIES_8])
+def test_callbacks_at_2x2x2_equal_one_device_or_are_refused(runs8, one_device, strategy, kind):
+    (tmp, results), (one, references) = runs8, one_device
+    ranks = results[f"{kind}-{strategy}"]
+    if kind == "swa":
+        for rank in ranks:
+            assert rank["global_step"] == 0
+            assert (
+                "StochasticWeightAveraging" in rank["refused"] and "tensor_parallel_size=2" in rank["refused"]
+            )
+        return
+    check_equal(kind, strategy, ranks, references[kind])
+    if kind == "monitors":
+        check_step_checkpoints(tmp, 8, strategy, one)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="checkpointing/by_name.merge_states reads param group g on every stage, but BackboneFinetuning adds "
+    "its group only on the stages that hold the backbone: IndexError when the optimizer state is gathered",
+)
+def test_a_checkpoint_after_backbone_finetuning_under_a_pipeline_saves(tmp_path, one_device):
+    one, references = one_device
+    run_distributed([{**case("backbone", "1f1b"), "save_checkpoint": True}], 2, tmp_path)
+    saved = torch.load(tmp_path / "dist2" / "backbone-1f1b" / "last.ckpt", weights_only=False)
+    assert_params_close(saved["state_dict"], references["backbone"]["probe"]["full_state"], atol=1e-10)
