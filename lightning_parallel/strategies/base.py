@@ -317,7 +317,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         shape = self.mesh_shape()  # a layout that cannot fit fails before any process group exists
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:  # so does a callback it cannot run
-            require([split_model_refusal(trainer.callbacks, type(self).__name__, shape)])
+            require([split_model_refusal(trainer.callbacks, type(self).__name__, shape), self._finetuning_refusal()])
         self._process_group_backend = self._get_process_group_backend()
         assert self.cluster_environment is not None
         bind = self.root_device.type != "cpu" and self._process_group_backend != "gloo"
@@ -434,7 +434,6 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self.install_clipping()
         self._forget_parameter_set()
         self._parameter_set = ParameterSet(self.lightning_module)
-        self._refuse_finetuning_callbacks()
         self._release_load_balancing()  # a mixture of experts' load-balancing loss on the global batch
         self._release_load_balancing = install_global_load_balancing(
             self.lightning_module, self.dp_group, rank_zero_warn
@@ -622,28 +621,31 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             self._parameter_set = None
 
     def trainable_set_fixed(self) -> Optional[str]:
-        """Why this run cannot follow a change of which parameters train after set-up (None: it can)."""
-        if isinstance(self.reducer, ShardedGradientReducer):
+        """Why this run cannot follow a change of which parameters train after set-up (None: it can); read
+        from the options alone, so that it is known before any process group exists."""
+        if self.zero_stage and self.mesh_shape().dp > 1:
             return (
                 f"zero_stage={self.zero_stage} cut the trainable parameters into this rank's pieces and the "
                 "optimizer's state once, at set-up (zero_stage=0 follows such a change)"
             )
         return None
 
-    def _refuse_finetuning_callbacks(self) -> None:
-        """A Lightning finetuning callback (``BackboneFinetuning``, any ``BaseFinetuning``) unfreezes
-        parameters during fit: refused at set-up where the run cannot follow that."""
+    def _finetuning_refusal(self) -> Optional[str]:
+        """Why a Lightning finetuning callback (``BackboneFinetuning``, any ``BaseFinetuning``), which
+        unfreezes parameters during fit, is refused in this layout (None: it is not); checked with the other
+        callbacks before any process group exists, so every rank refuses alike."""
         from lightning.pytorch.callbacks import BaseFinetuning
 
         trainer = self.lightning_module.trainer
         names = [type(c).__name__ for c in trainer.callbacks if isinstance(c, BaseFinetuning)]
         fixed = self.trainable_set_fixed() if names else None
-        if fixed is not None:
-            raise ValueError(
-                f"{type(self).__name__}: the {names[0]} callback freezes and unfreezes parameters during fit, "
-                f"and {fixed}. Remove the callback, or use a layout that follows the change "
-                "(docs/changing_state.md)."
-            )
+        if fixed is None:
+            return None
+        return (
+            f"{type(self).__name__}: the {names[0]} callback freezes and unfreezes parameters during fit, "
+            f"and {fixed}. Remove the callback, or use a layout that follows the change "
+            "(docs/changing_state.md)."
+        )
 
     def follow_parameter_change(self, change: ParameterChange) -> None:
         """Make what set-up decided from the parameters follow a change the user's code made since (seen

@@ -327,14 +327,15 @@ class ParallelStrategy(
     def trainable_set_fixed(self) -> Optional[str]:
         """As the base's; also tensor parallelism's gradient sums, the experts' reducer and the async
         schedule's batch in flight, each fixed at set-up."""
-        if installed_gradient_sums(self.lightning_module) is not None:
+        shape = self.mesh_shape()
+        if shape.tp > 1 or self.sequence_parallel:
             return (
                 "tensor parallelism sums over its ranks the gradients of the parameters that trained at set-up "
                 "(tensor_parallel_size > 1 or sequence_parallel=True)"
             )
-        if self.expert_reducer is not None:
+        if shape.ep > 1 and shape.size("edp") > 1:
             return "the experts' gradients are averaged over their replicas by a reducer built at set-up"
-        if self.pipelined and self.schedule == "async":
+        if shape.pp > 1 and self.schedule == "async":
             return (
                 "schedule='async' applies each batch's gradient a step later, from a graph built before the "
                 "change"

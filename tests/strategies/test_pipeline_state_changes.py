@@ -230,7 +230,7 @@ REFUSED = [
                 "kwargs": {"tensor_parallel_size": 2},
             },
         },
-        ["BackboneFinetuning callback freezes and unfreezes", "tensor parallelism sums", "configure_ddp"],
+        ["BackboneFinetuning callback freezes and unfreezes", "tensor parallelism sums", "setup_distributed"],
     ),
     (  # an adapter added after set-up
         {
