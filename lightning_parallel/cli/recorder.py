@@ -19,9 +19,18 @@ from typing import Any, Optional
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from lightning_parallel.checkpointing import PreemptionCheckpoint
+from lightning_parallel.cli.json_file import write_json
 from lightning_parallel.memory import headline, report_of
 
-__all__ = ["RunRecorder", "ProgressPrinter", "batch_size_of", "memory_summary", "pick_metric"]
+__all__ = [
+    "RunRecorder",
+    "ProgressPrinter",
+    "batch_size_of",
+    "memory_summary",
+    "pick_metric",
+    "preemption_checkpoint",
+]
 
 log = logging.getLogger("lp-train")
 
@@ -121,7 +130,7 @@ class RunRecorder(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._pause()
         if self.results_file is not None and trainer.is_global_zero:
-            self.results_file.write_text(json.dumps(self.results(trainer), default=str))
+            write_json(self.results_file, self.results(trainer), indent=None)
 
     def load_results(self) -> Optional[dict[str, Any]]:
         """What rank 0 wrote at the end of training, if this process did not train itself (spawn)."""
@@ -142,8 +151,9 @@ class RunRecorder(Callback):
             for k, v in trainer.callback_metrics.items()
             if isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.numel() == 1)
         }
-        checkpoint = None
-        if trainer.checkpoint_callback is not None:
+        preempted = preemption_checkpoint(trainer)
+        checkpoint = preempted
+        if checkpoint is None and trainer.checkpoint_callback is not None:
             checkpoint = (
                 trainer.checkpoint_callback.last_model_path or trainer.checkpoint_callback.best_model_path
             )
@@ -160,11 +170,20 @@ class RunRecorder(Callback):
             if trainer.global_step
             else None,
             "checkpoint": checkpoint or None,
+            "preempted_at": preempted,
             "metrics": metrics,
             "val_history": self.val_history,
             "train_history": self.train_history,
             **memory_summary(trainer),
         }
+
+
+def preemption_checkpoint(trainer: Trainer) -> Optional[str]:
+    """Where this fit saved before stopping because of a SIGTERM (a scheduler's preemption), or None."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, PreemptionCheckpoint) and callback.saved_path:
+            return str(callback.saved_path)
+    return None
 
 
 def memory_summary(trainer: Trainer) -> dict[str, Any]:

@@ -8,6 +8,10 @@
 Each run writes ``summary.json`` into its Hydra output folder (see ``RunRecorder``). Under ``-m`` a
 failing job is recorded there with status "failed" and the sweep goes on; the sweep summary
 (``cli/sweep.py``) lists it and the sweep exits non-zero.
+
+A run's exit status: 0 completed, 1 failed, 2 an invalid configuration (nothing started), 75
+(``EXIT_PREEMPTED``) stopped by SIGTERM after saving a checkpoint it resumes from (docs/lp_train.md says
+why 75).
 """
 
 from __future__ import annotations
@@ -24,18 +28,39 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_parallel.cli.run_dir import register_run_id
 from lightning_parallel.config.store import quiet_schema_matching_warning
 
-__all__ = ["main", "train", "instantiate_user", "SUMMARY_KEYS", "CONF_DIR"]
+__all__ = [
+    "main",
+    "train",
+    "instantiate_user",
+    "SUMMARY_KEYS",
+    "CONF_DIR",
+    "EXIT_FAILED",
+    "EXIT_INVALID_CONFIG",
+    "EXIT_PREEMPTED",
+]
 
 log = logging.getLogger("lp-train")
 
 # also in joblib workers, which import this module (the task function) before composing their job
 quiet_schema_matching_warning()
+register_run_id()
 
 # conf/ ships inside the package (lightning_parallel/conf links to the repo's conf/ and is copied as package
 # data on install). An absolute path, because Hydra's pkg:// provider needs an __init__.py there.
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+EXIT_FAILED = 1
+EXIT_INVALID_CONFIG = 2
+# sysexits.h's EX_TEMPFAIL ("a temporary failure: the user is invited to retry"): non-zero, so that torchrun
+# and Kubernetes restart the job, distinct from a failure and from 128 + a signal (killed without a save)
+EXIT_PREEMPTED = 75
+
+# a job of this process was preempted: a sweep starts none of its remaining jobs (the scheduler's SIGKILL
+# follows the SIGTERM within its grace period)
+_PREEMPTED_IN_THIS_PROCESS = False
 
 # what every summary.json holds (tests and the sweep summary rely on these)
 SUMMARY_KEYS = (
@@ -49,6 +74,7 @@ SUMMARY_KEYS = (
     "val_loss",
     "samples_per_second",
     "checkpoint",
+    "resumable",
     "overrides",
     "output_dir",
 )
@@ -128,8 +154,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from lightning_parallel.cli.json_file import write_json
     from lightning_parallel.config import ConfigError, validate
-    from lightning_parallel.strategies.launcher import RankFailedError, finish_job
+    from lightning_parallel.strategies.launcher import RankFailedError, finish_job, is_launched_rank
 
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
@@ -150,14 +177,32 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "val_loss": None,
         "samples_per_second": None,
         "checkpoint": None,
+        "resumable": False,
     }
     trainer = None
     started = time.perf_counter()
+    global _PREEMPTED_IN_THIS_PROCESS
     try:
+        if _PREEMPTED_IN_THIS_PROCESS:
+            summary.update(
+                status="preempted", error="not started: an earlier job of this sweep was preempted"
+            )
+            raise _NotStarted
         validate(cfg)
         summary.update(_fit(cfg, out_dir))
         trainer = summary.pop("_trainer")
         summary["status"] = "completed"
+        if summary.get("preempted_at"):
+            _PREEMPTED_IN_THIS_PROCESS = True
+            summary.update(status="preempted", resumable=True, resume=_resume_command(hydra_cfg, summary))
+            log.warning(
+                "preempted (SIGTERM): saved %s at step %s; resume with\n  %s",
+                summary["preempted_at"],
+                summary["global_step"],
+                summary["resume"],
+            )
+    except _NotStarted:
+        pass
     except ConfigError as err:
         summary.update(status="failed", error=str(err))
         log.error("%s", err)
@@ -182,7 +227,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             log.error("%s", err)
     summary["wall_seconds"] = round(time.perf_counter() - started, 3)
     if _global_rank(trainer) == 0:
-        (out_dir / cfg.summary_file).write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        write_json(out_dir / cfg.summary_file, summary)
         if summary["status"] == "completed":
             log.info(
                 "done: %s",
@@ -195,9 +240,31 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         from lightning_parallel.strategies.launcher import _destroy_process_group
 
         _destroy_process_group()
-    if summary["status"] != "completed" and not multirun:
-        sys.exit(2 if summary.get("error", "").startswith("invalid lp-train configuration") else 1)
+    code = exit_status(summary)
+    if code and not multirun and not (summary["status"] == "preempted" and is_launched_rank()):
+        sys.exit(code)  # (a rank our launcher started exits 0 when preempted: its launching rank reports)
     return summary
+
+
+class _NotStarted(Exception):
+    """This job is not run (its summary says why)."""
+
+
+def exit_status(summary: dict[str, Any]) -> int:
+    """The exit status of a run with this summary (``EXIT_*``; 0 when it completed)."""
+    if summary["status"] == "completed":
+        return 0
+    if summary["status"] == "preempted":
+        return EXIT_PREEMPTED
+    return EXIT_INVALID_CONFIG if summary.get("error", "").startswith("invalid lp-train configuration") else 1
+
+
+def _resume_command(hydra_cfg: Any, summary: dict[str, Any]) -> str:
+    """The command that continues a preempted run from its checkpoint, in the same folder."""
+    kept = [o for o in hydra_cfg.overrides.task if not str(o).startswith(("ckpt_path=", "hydra.run.dir="))]
+    return " ".join(
+        ["lp-train", *kept, f"ckpt_path={summary['preempted_at']}", f"hydra.run.dir={summary['output_dir']}"]
+    )
 
 
 def _fit(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
