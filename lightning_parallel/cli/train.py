@@ -108,9 +108,13 @@ def instantiate_user(node: DictConfig, section: str) -> Any:
 
     ``model._target_=my.Module`` keeps the other keys of the default group file (``n_layer`` ...). Those
     the class does not accept are left out (and logged); keys set on the command line are always passed,
-    so a misspelt one fails with the class's own error.
+    so a misspelt one fails with the class's own error. A ``ValueError`` or ``TypeError`` of the class's
+    constructor (arguments it refuses) is a ``ConfigError``: the run has not started.
     """
+    from hydra.errors import InstantiationException
     from hydra.utils import get_class, instantiate
+
+    from lightning_parallel.config import ConfigError
 
     target = node._target_
     cls = get_class(target)
@@ -131,7 +135,13 @@ def instantiate_user(node: DictConfig, section: str) -> Any:
     config = OmegaConf.create({"_target_": target})
     for key, value in kwargs.items():
         config[key] = node[key]
-    return instantiate(config, _convert_="all")
+    try:
+        return instantiate(config, _convert_="all")
+    except InstantiationException as err:
+        cause = err.__cause__
+        if not isinstance(cause, (ValueError, TypeError)):
+            raise
+        raise ConfigError.of([f"{section}: {target} refused its arguments: {cause}"]) from err
 
 
 def _trainer_kwargs(cfg: DictConfig) -> dict[str, Any]:
