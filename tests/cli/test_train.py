@@ -69,9 +69,10 @@ def test_user_module_runs_unmodified_via_target(tmp_path) -> None:
 
 @pytest.mark.timeout(200)
 def test_spawn_start_method(tmp_path) -> None:
-    """With start_method=spawn training runs in spawned processes and rank 0 still reports its figures.
+    """With start_method=spawn training runs in spawned processes and rank 0 still reports its figures; the
+    preset's Python name (``lp_ddp_spawn``) is lp-train's too.
     (Lightning's own ddp on 1 and 2 devices, and one process at devices=1: tests/cli/test_sweep.py.)"""
-    for name, devices, extra in (("lp_ddp", 2, ["strategy.start_method=spawn"]),):
+    for name, devices, extra in (("lp_ddp_spawn", 2, []),):
         run_dir = tmp_path / f"{name}_{len(extra)}"
         proc = run(
             [f"strategy={name}", f"trainer.devices={devices}", *extra, *QUICK, f"hydra.run.dir={run_dir}"],
