@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_parallel.cli.choices import register_choices
 from lightning_parallel.cli.run_dir import register_run_id
 from lightning_parallel.config.store import quiet_schema_matching_warning
 
@@ -51,6 +52,7 @@ register_run_id()
 # conf/ ships inside the package (lightning_parallel/conf links to the repo's conf/ and is copied as package
 # data on install). An absolute path, because Hydra's pkg:// provider needs an __init__.py there.
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+register_choices(CONF_DIR)  # lp-train --help lists them
 
 EXIT_FAILED = 1
 EXIT_INVALID_CONFIG = 2
