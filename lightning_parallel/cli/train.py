@@ -29,6 +29,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_parallel.cli.choices import register_choices
+from lightning_parallel.cli.quiet import quiet_third_party
 from lightning_parallel.cli.run_dir import register_run_id
 from lightning_parallel.config.store import quiet_schema_matching_warning
 
@@ -47,6 +48,7 @@ log = logging.getLogger("lp-train")
 
 # also in joblib workers, which import this module (the task function) before composing their job
 quiet_schema_matching_warning()
+quiet_third_party()
 register_run_id()
 
 # conf/ ships inside the package (lightning_parallel/conf links to the repo's conf/ and is copied as package
