@@ -113,7 +113,13 @@ class RunRecorder(Callback):
         if trainer.is_global_zero:
             loss = pick_metric(trainer.callback_metrics, TRAIN_LOSS_KEYS, "train")
             if loss is not None and trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
-                self.train_history.append({"step": trainer.global_step, "train_loss": loss})
+                self.train_history.append(
+                    {
+                        "step": trainer.global_step,
+                        "train_loss": loss,
+                        "samples_per_second": self.samples_per_second,
+                    }
+                )
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._pause()

@@ -169,6 +169,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from hydra.types import RunMode
 
     from lightning_parallel.cli.json_file import write_json
+    from lightning_parallel.cli.run_report import PLOT_FILE, run_table, svg_curves
     from lightning_parallel.config import ConfigError, validate
     from lightning_parallel.strategies.launcher import RankFailedError, finish_job, is_launched_rank
 
@@ -242,11 +243,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     summary["wall_seconds"] = round(time.perf_counter() - started, 3)
     if _global_rank(trainer) == 0:
         write_json(out_dir / cfg.summary_file, summary)
-        if summary["status"] == "completed":
-            log.info(
-                "done: %s",
-                json.dumps({k: summary.get(k) for k in SUMMARY_KEYS if k not in ("overrides",)}, default=str),
-            )
+        plot = out_dir / PLOT_FILE if summary.get("global_step") else None
+        if plot is not None:
+            plot.write_text(svg_curves(summary))
+        log.info("%s\n%s", summary["status"], run_table(summary, out_dir / cfg.summary_file, plot))
     if _global_rank(trainer) != 0:
         # a rank > 0 closes its process group while the interpreter is whole (the launching rank's job end does
         # it for its own); ``main`` then ends a rank that our launcher started without the interpreter's

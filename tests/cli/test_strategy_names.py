@@ -47,5 +47,7 @@ def test_every_way_to_name_a_strategy() -> None:
     assert out["name after import"] == "lightning_parallel.strategies.ddp.DDPStrategy", out
     # a misspelt name: Lightning's error, then which of ours was meant and all of them
     assert out["misspelt"].startswith("ValueError: You selected an invalid strategy name"), out
-    assert "Did you mean 'lp_tensor_parallel'? lightning_parallel's strategies: lp_ddp, " in out["misspelt"], out
+    assert (
+        "Did you mean 'lp_tensor_parallel'? lightning_parallel's strategies: lp_ddp, " in out["misspelt"]
+    ), out
     assert "Did you mean" not in out["unknown"] and "lp_pipeline_1f1b" in out["unknown"], out
