@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import TQDMProgressBar
 
 from lightning_parallel.checkpointing import PreemptionCheckpoint
 from lightning_parallel.cli.json_file import write_json
@@ -26,6 +27,7 @@ from lightning_parallel.memory import headline, report_of
 __all__ = [
     "RunRecorder",
     "ProgressPrinter",
+    "SamplesProgressBar",
     "batch_size_of",
     "memory_summary",
     "pick_metric",
@@ -201,11 +203,27 @@ def memory_summary(trainer: Trainer) -> dict[str, Any]:
     return {"memory": report.summary(), **headline(last)}
 
 
-class ProgressPrinter(Callback):
-    """One line every ``every_n_steps`` steps and one per validation, on rank 0, through ``logging``.
+class SamplesProgressBar(TQDMProgressBar):
+    """Lightning's progress bar with the training loss and samples/s: ``lp-train``'s progress on a terminal."""
 
-    Plain lines rather than a progress bar, so that they read well in Hydra's log files and CI.
-    """
+    def __init__(self, recorder: RunRecorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
+        items = super().get_metrics(trainer, pl_module)
+        if not any("loss" in str(key) for key in items):  # the module logged no loss to the bar
+            loss = pick_metric(trainer.callback_metrics, TRAIN_LOSS_KEYS, "train")
+            if loss is not None:
+                items["loss"] = f"{loss:.4g}"
+        if self.recorder.samples_per_second is not None:
+            items["samples/s"] = f"{self.recorder.samples_per_second:.0f}"
+        return items
+
+
+class ProgressPrinter(Callback):
+    """One line every ``every_n_steps`` steps and one per validation, on rank 0, through ``logging``:
+    ``lp-train``'s progress where the output is not a terminal (Hydra's log files, CI)."""
 
     def __init__(self, recorder: RunRecorder, every_n_steps: int = 25) -> None:
         self.recorder = recorder

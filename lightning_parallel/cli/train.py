@@ -288,7 +288,7 @@ def _fit(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     from lightning.pytorch.loggers import CSVLogger
 
     import lightning_parallel  # noqa: F401  (registers the strategy names)
-    from lightning_parallel.cli.recorder import ProgressPrinter, RunRecorder
+    from lightning_parallel.cli.recorder import ProgressPrinter, RunRecorder, SamplesProgressBar
     from lightning_parallel.memory import MemoryReport
     from lightning_parallel.memory.accounting import reset_peak_rss
     from lightning_parallel.strategies.launcher import install
@@ -299,7 +299,10 @@ def _fit(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     data = instantiate_user(cfg.data, "data")
     strategy = instantiate(cfg.strategy, _convert_="all") if "_target_" in cfg.strategy else cfg.strategy
     recorder = RunRecorder(results_file=out_dir / ".run_results.json")
-    callbacks: list[Any] = [recorder, ProgressPrinter(recorder, cfg.progress_every_n_steps)]
+    bar = cfg.trainer.enable_progress_bar
+    bar = sys.stderr.isatty() if bar is None else bar
+    progress = SamplesProgressBar(recorder) if bar else ProgressPrinter(recorder, cfg.progress_every_n_steps)
+    callbacks: list[Any] = [recorder, progress]
     if getattr(strategy, "memory_report", True):  # before the recorder, which reads it at the end of fit
         callbacks.insert(0, MemoryReport())
     if cfg.checkpoint.enabled:
@@ -316,7 +319,7 @@ def _fit(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         default_root_dir=str(out_dir),
         logger=CSVLogger(str(out_dir), name="csv"),
         enable_checkpointing=cfg.checkpoint.enabled,
-        **_trainer_kwargs(cfg),
+        **{**_trainer_kwargs(cfg), "enable_progress_bar": bool(bar)},
     )
     install(trainer.strategy)  # Lightning's built-in ddp gets the sweep-safe launcher too
     try:
