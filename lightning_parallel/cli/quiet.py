@@ -1,6 +1,6 @@
 """Third-party messages that ``lp-train`` users did not ask for, silenced by their exact text only.
 
-- torch's ``FutureWarning`` that Lightning's ``_pytree.py`` still builds a ``LeafSpec``;
+- torch's ``FutureWarning`` that Lightning's ``lightning.pytorch.utilities._pytree`` still builds a ``LeafSpec``;
 - Lightning's "Tip" lines advertising its cloud products (``rank_zero_info``, once per fit).
 
 Nothing else is filtered: a warning of lightning_parallel, or any other of Lightning's or torch's, shows as
