@@ -21,6 +21,7 @@ SOURCES = [
 ]
 # a command runs up to the end of its line, a comment, a code span's end or a table cell's end
 COMMAND = re.compile(r"\blp-train((?:[ \t]+[^\s`#|]+)*)")
+OVERRIDE = re.compile(r"[+~]{0,2}[\w./@-]+=")
 FLAGS = {"-m", "--multirun", "--help", "--cfg", "job", "hydra", "--resolve"}
 PLACEHOLDERS = ("my_pkg.", "no CUDA device is visible")
 
@@ -40,7 +41,7 @@ def quoted_commands() -> list[tuple[str, tuple[str, ...]]]:
                     continue
                 args = []
                 for arg in shlex.split(text):  # overrides and flags, up to the first word of prose or "..."
-                    if arg not in FLAGS and "=" not in arg:
+                    if arg not in FLAGS and not OVERRIDE.match(arg):
                         break
                     args.append(arg)
                 found.setdefault(tuple(a for a in args if a not in FLAGS), []).append(

@@ -3,6 +3,7 @@ at once keep to their own folders."""
 
 from __future__ import annotations
 
+import csv
 import os
 import signal
 import subprocess
@@ -62,6 +63,14 @@ def _wait_for(path: Path, text: str, proc: subprocess.Popen, timeout: float) -> 
     pytest.fail(f"{text!r} never appeared in {path}\n{explain(done)}")
 
 
+def _wait_for_glob(root: Path, pattern: str, text: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not list(root.glob(pattern)) and proc.poll() is None:
+        time.sleep(0.2)
+    found = list(root.glob(pattern))
+    _wait_for(found[0] if found else root / pattern, text, proc, max(deadline - time.monotonic(), 1))
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_preempted_run_reports_it_and_resumes(tmp_path) -> None:
@@ -115,4 +124,25 @@ def test_two_runs_started_at_once_keep_their_own_folders(tmp_path) -> None:
         seeds |= {o for o in overrides if o.startswith("seed=")}
         assert [p.name for p in (path.parent / "checkpoints").iterdir()] == ["last.ckpt"]
     assert seeds == {"seed=1", "seed=2"}
+    assert_no_survivors(tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_a_preempted_sweep_starts_no_further_job_and_exits_75(tmp_path) -> None:
+    """SIGTERM during a sweep's first job: it saves and stops, the second job is not started, the sweep
+    summary lists both as preempted (the first resumable) and the sweep exits 75."""
+    args = ["-m", *QUICK, "trainer.devices=1", "progress_every_n_steps=5", "trainer.max_steps=3000,4"]
+    proc = _start(args, tmp_path)
+    _wait_for_glob(tmp_path, "multirun/*/*/0/train.log", "step 10/3000", proc, timeout=120)
+    os.kill(proc.pid, signal.SIGTERM)
+    done = _finish(proc, 120)
+    assert done.returncode == EXIT_PREEMPTED, explain(done)
+    root = next(tmp_path.glob("multirun/*/*"))
+    first, second = summary(root / "0"), summary(root / "1")
+    assert first["status"] == "preempted" and first["resumable"] is True and first["global_step"] < 3000
+    assert second["status"] == "preempted" and second["resumable"] is False and second["global_step"] == 0
+    assert "not started" in second["error"]
+    rows = list(csv.DictReader(open(root / "sweep_summary.csv")))
+    assert [r["status"] for r in rows] == ["preempted", "preempted"], rows
     assert_no_survivors(tmp_path)
