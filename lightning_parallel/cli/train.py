@@ -202,11 +202,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             summary.update(
                 status="preempted", error="not started: an earlier job of this sweep was preempted"
             )
-            raise _NotStarted
-        validate(cfg)
-        summary.update(_fit(cfg, out_dir))
-        trainer = summary.pop("_trainer")
-        summary["status"] = "completed"
+        else:
+            validate(cfg)
+            summary.update(_fit(cfg, out_dir))
+            trainer = summary.pop("_trainer")
+            summary["status"] = "completed"
         if summary.get("preempted_at"):
             _PREEMPTED_IN_THIS_PROCESS = True
             summary.update(status="preempted", resumable=True, resume=_resume_command(hydra_cfg, summary))
@@ -216,8 +216,6 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 summary["global_step"],
                 summary["resume"],
             )
-    except _NotStarted:
-        pass
     except ConfigError as err:
         summary.update(status="failed", error=str(err))
         log.error("%s", err)
@@ -260,17 +258,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     return summary
 
 
-class _NotStarted(Exception):
-    """This job is not run (its summary says why)."""
-
-
 def exit_status(summary: dict[str, Any]) -> int:
     """The exit status of a run with this summary (``EXIT_*``; 0 when it completed)."""
     if summary["status"] == "completed":
         return 0
     if summary["status"] == "preempted":
         return EXIT_PREEMPTED
-    return EXIT_INVALID_CONFIG if summary.get("error", "").startswith("invalid lp-train configuration") else 1
+    invalid = summary.get("error", "").startswith("invalid lp-train configuration")
+    return EXIT_INVALID_CONFIG if invalid else EXIT_FAILED
 
 
 def _resume_command(hydra_cfg: Any, summary: dict[str, Any]) -> str:
