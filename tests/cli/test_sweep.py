@@ -73,7 +73,7 @@ def test_failing_job_is_reported_and_the_sweep_goes_on(tmp_path) -> None:
     assert ok["world_size"] == 2 and ok["global_step"] == 8
     rows = collect_jobs(root)
     assert [r["status"] for r in rows] == ["failed", "failed", "completed"]
-    assert "2 of 3 jobs failed" in proc.stdout + proc.stderr
+    assert "2 of 3 jobs did not complete: 0 (failed), 1 (failed)" in proc.stdout + proc.stderr
     assert_no_survivors(tmp_path)
 
 
