@@ -12,7 +12,7 @@ $LP_TRAIN -m experiment=sweep_strategies hydra.sweep.dir=${OUT:-multirun}/from_c
 $LP_TRAIN -m strategy=lp_ddp trainer.devices=1,2 experiment=quick hydra.sweep.dir=${OUT:-multirun}/command_line
 
 # 3. the pipeline schedules side by side on 2 processes (interleaved and ZBV: 2 chunks per rank, so 4 blocks)
-$LP_TRAIN -m strategy=pipeline_1f1b,pipeline_interleaved,pipeline_zb,pipeline_zbv trainer.devices=2 \
+$LP_TRAIN -m strategy=lp_pipeline_1f1b,lp_pipeline_interleaved,lp_pipeline_zb,lp_pipeline_zbv trainer.devices=2 \
     experiment=quick model.n_layer=4 hydra.sweep.dir=${OUT:-multirun}/schedules
 
 cat ${OUT:-multirun}/{from_config,command_line,schedules}/sweep_summary.md

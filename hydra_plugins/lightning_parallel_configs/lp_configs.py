@@ -1,8 +1,8 @@
 """lightning_parallel's ``conf/strategy`` and ``conf/plan`` as the config groups ``lp/strategy`` and
 ``lp/plan`` of any Hydra app, once the package is installed.
 
-    python train.py +lp/strategy@trainer.strategy=pipeline_1f1b trainer.strategy.num_microbatches=8
-    python train.py +lp/strategy@trainer.strategy=tensor_parallel +lp/plan@trainer.strategy.plan=mlp
+    python train.py +lp/strategy@trainer.strategy=lp_pipeline_1f1b trainer.strategy.num_microbatches=8
+    python train.py +lp/strategy@trainer.strategy=lp_tensor_parallel +lp/plan@trainer.strategy.plan=mlp
 
 Hydra finds ``LightningParallelSearchPath`` by scanning the ``hydra_plugins`` namespace package; it adds
 ``LightningParallelConfigs``, a config source that serves the same YAML files ``lp-train`` composes as its

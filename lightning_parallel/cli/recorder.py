@@ -18,10 +18,21 @@ from typing import Any, Optional
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import TQDMProgressBar
 
+from lightning_parallel.checkpointing import PreemptionCheckpoint
+from lightning_parallel.cli.json_file import write_json
 from lightning_parallel.memory import headline, report_of
 
-__all__ = ["RunRecorder", "ProgressPrinter", "batch_size_of", "memory_summary", "pick_metric"]
+__all__ = [
+    "RunRecorder",
+    "ProgressPrinter",
+    "SamplesProgressBar",
+    "batch_size_of",
+    "memory_summary",
+    "pick_metric",
+    "preemption_checkpoint",
+]
 
 log = logging.getLogger("lp-train")
 
@@ -104,7 +115,13 @@ class RunRecorder(Callback):
         if trainer.is_global_zero:
             loss = pick_metric(trainer.callback_metrics, TRAIN_LOSS_KEYS, "train")
             if loss is not None and trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
-                self.train_history.append({"step": trainer.global_step, "train_loss": loss})
+                self.train_history.append(
+                    {
+                        "step": trainer.global_step,
+                        "train_loss": loss,
+                        "samples_per_second": self.samples_per_second,
+                    }
+                )
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._pause()
@@ -121,7 +138,7 @@ class RunRecorder(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._pause()
         if self.results_file is not None and trainer.is_global_zero:
-            self.results_file.write_text(json.dumps(self.results(trainer), default=str))
+            write_json(self.results_file, self.results(trainer), indent=None)
 
     def load_results(self) -> Optional[dict[str, Any]]:
         """What rank 0 wrote at the end of training, if this process did not train itself (spawn)."""
@@ -142,8 +159,9 @@ class RunRecorder(Callback):
             for k, v in trainer.callback_metrics.items()
             if isinstance(v, (int, float)) or (isinstance(v, torch.Tensor) and v.numel() == 1)
         }
-        checkpoint = None
-        if trainer.checkpoint_callback is not None:
+        preempted = preemption_checkpoint(trainer)
+        checkpoint = preempted
+        if checkpoint is None and trainer.checkpoint_callback is not None:
             checkpoint = (
                 trainer.checkpoint_callback.last_model_path or trainer.checkpoint_callback.best_model_path
             )
@@ -160,11 +178,20 @@ class RunRecorder(Callback):
             if trainer.global_step
             else None,
             "checkpoint": checkpoint or None,
+            "preempted_at": preempted,
             "metrics": metrics,
             "val_history": self.val_history,
             "train_history": self.train_history,
             **memory_summary(trainer),
         }
+
+
+def preemption_checkpoint(trainer: Trainer) -> Optional[str]:
+    """Where this fit saved before stopping because of a SIGTERM (a scheduler's preemption), or None."""
+    for callback in trainer.callbacks:
+        if isinstance(callback, PreemptionCheckpoint) and callback.saved_path:
+            return str(callback.saved_path)
+    return None
 
 
 def memory_summary(trainer: Trainer) -> dict[str, Any]:
@@ -176,11 +203,27 @@ def memory_summary(trainer: Trainer) -> dict[str, Any]:
     return {"memory": report.summary(), **headline(last)}
 
 
-class ProgressPrinter(Callback):
-    """One line every ``every_n_steps`` steps and one per validation, on rank 0, through ``logging``.
+class SamplesProgressBar(TQDMProgressBar):
+    """Lightning's progress bar with the training loss and samples/s: ``lp-train``'s progress on a terminal."""
 
-    Plain lines rather than a progress bar, so that they read well in Hydra's log files and CI.
-    """
+    def __init__(self, recorder: RunRecorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def get_metrics(self, trainer: Trainer, pl_module: LightningModule) -> dict[str, Any]:
+        items = super().get_metrics(trainer, pl_module)
+        if not any("loss" in str(key) for key in items):  # the module logged no loss to the bar
+            loss = pick_metric(trainer.callback_metrics, TRAIN_LOSS_KEYS, "train")
+            if loss is not None:
+                items["loss"] = f"{loss:.4g}"
+        if self.recorder.samples_per_second is not None:
+            items["samples/s"] = f"{self.recorder.samples_per_second:.0f}"
+        return items
+
+
+class ProgressPrinter(Callback):
+    """One line every ``every_n_steps`` steps and one per validation, on rank 0, through ``logging``:
+    ``lp-train``'s progress where the output is not a terminal (Hydra's log files, CI)."""
 
     def __init__(self, recorder: RunRecorder, every_n_steps: int = 25) -> None:
         self.recorder = recorder

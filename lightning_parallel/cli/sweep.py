@@ -4,8 +4,12 @@ Built from the files the jobs leave (``.hydra/overrides.yaml`` and ``summary.jso
 folder), not from in-memory results, so it works for every Hydra launcher (jobs in this process, in
 joblib workers, or on SLURM) and lists a job that died without writing its summary as "no summary".
 
+A ``summary.json`` that cannot be read (a job killed while an older version wrote it) is listed as
+"unreadable summary" with the reason; the other jobs are listed as usual.
+
 ``SweepSummaryCallback`` (wired in ``conf/config.yaml``) writes it when a multirun ends and exits with
-status 1 if a job failed. ``python -m lightning_parallel.cli.sweep SWEEP_DIR`` rewrites it.
+status 1 if a job failed, or 75 (``lp-train``'s preempted status) if jobs were preempted and none failed.
+``python -m lightning_parallel.cli.sweep SWEEP_DIR`` rewrites it.
 """
 
 from __future__ import annotations
@@ -21,7 +25,15 @@ from typing import Any, Optional
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["collect_jobs", "write_summary", "markdown_table", "svg_chart", "SweepSummaryCallback", "COLUMNS"]
+__all__ = [
+    "collect_jobs",
+    "write_summary",
+    "markdown_table",
+    "svg_chart",
+    "sweep_exit_status",
+    "SweepSummaryCallback",
+    "COLUMNS",
+]
 
 log = logging.getLogger("lp-train.sweep")
 
@@ -63,8 +75,12 @@ def collect_jobs(sweep_dir: Path) -> list[dict[str, Any]]:
         row["job"] = str(job_dir.relative_to(sweep_dir))
         row["overrides"] = " ".join(str(o) for o in (overrides or []))
         summary_path = job_dir / "summary.json"
-        if summary_path.is_file():
-            summary = json.loads(summary_path.read_text())
+        summary = _read_summary(summary_path) if summary_path.is_file() else None
+        if isinstance(summary, str):
+            row["status"] = "unreadable summary"
+            row["error"] = summary
+            log.warning("%s: %s", row["job"], summary)
+        elif summary is not None:
             for column in COLUMNS[2:]:
                 row[column] = summary.get(column)
             if row["error"]:
@@ -76,6 +92,25 @@ def collect_jobs(sweep_dir: Path) -> list[dict[str, Any]]:
             row["error"] = "the job wrote no summary.json (killed, or not started)"
         rows.append(row)
     return rows
+
+
+def _read_summary(path: Path) -> dict[str, Any] | str:
+    """A job's summary, or why it cannot be read."""
+    try:
+        summary = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return f"{path.name} cannot be read ({type(err).__name__}: {err})"
+    return summary if isinstance(summary, dict) else f"{path.name} holds no JSON object"
+
+
+def sweep_exit_status(rows: list[dict[str, Any]]) -> int:
+    """1 if a job failed (or left no readable summary), else 75 if a job was preempted, else 0."""
+    from lightning_parallel.cli.train import EXIT_FAILED, EXIT_PREEMPTED
+
+    statuses = {r["status"] for r in rows} - {"completed"}
+    if statuses - {"preempted"}:
+        return EXIT_FAILED
+    return EXIT_PREEMPTED if statuses else 0
 
 
 def _fmt(value: Any) -> str:
@@ -206,8 +241,13 @@ class SweepSummaryCallback(Callback):
         )
         failed = [r for r in rows if r["status"] != "completed"]
         if failed and self.fail_on_error:
-            log.error("%d of %d jobs failed: %s", len(failed), len(rows), ", ".join(r["job"] for r in failed))
-            sys.exit(1)
+            log.error(
+                "%d of %d jobs did not complete: %s",
+                len(failed),
+                len(rows),
+                ", ".join(f"{r['job']} ({r['status']})" for r in failed),
+            )
+            sys.exit(sweep_exit_status(rows))
 
 
 def main(argv: Optional[list[str]] = None) -> None:

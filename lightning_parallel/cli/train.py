@@ -8,6 +8,10 @@
 Each run writes ``summary.json`` into its Hydra output folder (see ``RunRecorder``). Under ``-m`` a
 failing job is recorded there with status "failed" and the sweep goes on; the sweep summary
 (``cli/sweep.py``) lists it and the sweep exits non-zero.
+
+A run's exit status: 0 completed, 1 failed, 2 an invalid configuration (nothing started), 75
+(``EXIT_PREEMPTED``) stopped by SIGTERM after saving a checkpoint it resumes from (docs/lp_train.md says
+why 75).
 """
 
 from __future__ import annotations
@@ -24,18 +28,43 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_parallel.cli.choices import register_choices
+from lightning_parallel.cli.quiet import quiet_third_party
+from lightning_parallel.cli.run_dir import register_run_id
 from lightning_parallel.config.store import quiet_schema_matching_warning
 
-__all__ = ["main", "train", "instantiate_user", "SUMMARY_KEYS", "CONF_DIR"]
+__all__ = [
+    "main",
+    "train",
+    "instantiate_user",
+    "SUMMARY_KEYS",
+    "CONF_DIR",
+    "EXIT_FAILED",
+    "EXIT_INVALID_CONFIG",
+    "EXIT_PREEMPTED",
+]
 
 log = logging.getLogger("lp-train")
 
 # also in joblib workers, which import this module (the task function) before composing their job
 quiet_schema_matching_warning()
+quiet_third_party()
+register_run_id()
 
 # conf/ ships inside the package (lightning_parallel/conf links to the repo's conf/ and is copied as package
 # data on install). An absolute path, because Hydra's pkg:// provider needs an __init__.py there.
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+register_choices(CONF_DIR)  # lp-train --help lists them
+
+EXIT_FAILED = 1
+EXIT_INVALID_CONFIG = 2
+# sysexits.h's EX_TEMPFAIL ("a temporary failure: the user is invited to retry"): non-zero, so that torchrun
+# and Kubernetes restart the job, distinct from a failure and from 128 + a signal (killed without a save)
+EXIT_PREEMPTED = 75
+
+# a job of this process was preempted: a sweep starts none of its remaining jobs (the scheduler's SIGKILL
+# follows the SIGTERM within its grace period)
+_PREEMPTED_IN_THIS_PROCESS = False
 
 # what every summary.json holds (tests and the sweep summary rely on these)
 SUMMARY_KEYS = (
@@ -49,6 +78,7 @@ SUMMARY_KEYS = (
     "val_loss",
     "samples_per_second",
     "checkpoint",
+    "resumable",
     "overrides",
     "output_dir",
 )
@@ -82,9 +112,13 @@ def instantiate_user(node: DictConfig, section: str) -> Any:
 
     ``model._target_=my.Module`` keeps the other keys of the default group file (``n_layer`` ...). Those
     the class does not accept are left out (and logged); keys set on the command line are always passed,
-    so a misspelt one fails with the class's own error.
+    so a misspelt one fails with the class's own error. A ``ValueError`` or ``TypeError`` of the class's
+    constructor (arguments it refuses) is a ``ConfigError``: the run has not started.
     """
+    from hydra.errors import InstantiationException
     from hydra.utils import get_class, instantiate
+
+    from lightning_parallel.config import ConfigError
 
     target = node._target_
     cls = get_class(target)
@@ -105,7 +139,13 @@ def instantiate_user(node: DictConfig, section: str) -> Any:
     config = OmegaConf.create({"_target_": target})
     for key, value in kwargs.items():
         config[key] = node[key]
-    return instantiate(config, _convert_="all")
+    try:
+        return instantiate(config, _convert_="all")
+    except InstantiationException as err:
+        cause = err.__cause__
+        if not isinstance(cause, (ValueError, TypeError)):
+            raise
+        raise ConfigError.of([f"{section}: {target} refused its arguments: {cause}"]) from err
 
 
 def _trainer_kwargs(cfg: DictConfig) -> dict[str, Any]:
@@ -128,8 +168,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from lightning_parallel.cli.json_file import write_json
+    from lightning_parallel.cli.run_report import PLOT_FILE, run_table, svg_curves
     from lightning_parallel.config import ConfigError, validate
-    from lightning_parallel.strategies.launcher import RankFailedError, finish_job
+    from lightning_parallel.strategies.launcher import RankFailedError, finish_job, is_launched_rank
 
     hydra_cfg = HydraConfig.get()
     out_dir = Path(hydra_cfg.runtime.output_dir)
@@ -150,14 +192,30 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         "val_loss": None,
         "samples_per_second": None,
         "checkpoint": None,
+        "resumable": False,
     }
     trainer = None
     started = time.perf_counter()
+    global _PREEMPTED_IN_THIS_PROCESS
     try:
-        validate(cfg)
-        summary.update(_fit(cfg, out_dir))
-        trainer = summary.pop("_trainer")
-        summary["status"] = "completed"
+        if _PREEMPTED_IN_THIS_PROCESS:
+            summary.update(
+                status="preempted", error="not started: an earlier job of this sweep was preempted"
+            )
+        else:
+            validate(cfg)
+            summary.update(_fit(cfg, out_dir))
+            trainer = summary.pop("_trainer")
+            summary["status"] = "completed"
+        if summary.get("preempted_at"):
+            _PREEMPTED_IN_THIS_PROCESS = True
+            summary.update(status="preempted", resumable=True, resume=_resume_command(hydra_cfg, summary))
+            log.warning(
+                "preempted (SIGTERM): saved %s at step %s; resume with\n  %s",
+                summary["preempted_at"],
+                summary["global_step"],
+                summary["resume"],
+            )
     except ConfigError as err:
         summary.update(status="failed", error=str(err))
         log.error("%s", err)
@@ -182,12 +240,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             log.error("%s", err)
     summary["wall_seconds"] = round(time.perf_counter() - started, 3)
     if _global_rank(trainer) == 0:
-        (out_dir / cfg.summary_file).write_text(json.dumps(summary, indent=2, default=str) + "\n")
-        if summary["status"] == "completed":
-            log.info(
-                "done: %s",
-                json.dumps({k: summary.get(k) for k in SUMMARY_KEYS if k not in ("overrides",)}, default=str),
-            )
+        write_json(out_dir / cfg.summary_file, summary)
+        plot = out_dir / PLOT_FILE if summary.get("global_step") else None
+        if plot is not None:
+            plot.write_text(svg_curves(summary))
+        log.info("%s\n%s", summary["status"], run_table(summary, out_dir / cfg.summary_file, plot))
     if _global_rank(trainer) != 0:
         # a rank > 0 closes its process group while the interpreter is whole (the launching rank's job end does
         # it for its own); ``main`` then ends a rank that our launcher started without the interpreter's
@@ -195,8 +252,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         from lightning_parallel.strategies.launcher import _destroy_process_group
 
         _destroy_process_group()
-    if summary["status"] != "completed" and not multirun:
-        sys.exit(2 if summary.get("error", "").startswith("invalid lp-train configuration") else 1)
+    code = exit_status(summary)
+    if code and not multirun and not (summary["status"] == "preempted" and is_launched_rank()):
+        sys.exit(code)  # (a rank our launcher started exits 0 when preempted: its launching rank reports)
     return summary
 
 
@@ -216,6 +274,24 @@ def _weights_only(cfg: DictConfig) -> dict[str, Any]:
     return {"weights_only": weights_only}
 
 
+def exit_status(summary: dict[str, Any]) -> int:
+    """The exit status of a run with this summary (``EXIT_*``; 0 when it completed)."""
+    if summary["status"] == "completed":
+        return 0
+    if summary["status"] == "preempted":
+        return EXIT_PREEMPTED
+    invalid = summary.get("error", "").startswith("invalid lp-train configuration")
+    return EXIT_INVALID_CONFIG if invalid else EXIT_FAILED
+
+
+def _resume_command(hydra_cfg: Any, summary: dict[str, Any]) -> str:
+    """The command that continues a preempted run from its checkpoint, in the same folder."""
+    kept = [o for o in hydra_cfg.overrides.task if not str(o).startswith(("ckpt_path=", "hydra.run.dir="))]
+    return " ".join(
+        ["lp-train", *kept, f"ckpt_path={summary['preempted_at']}", f"hydra.run.dir={summary['output_dir']}"]
+    )
+
+
 def _fit(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     from hydra.utils import instantiate
     from lightning.pytorch import Trainer, seed_everything
@@ -223,7 +299,7 @@ def _fit(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     from lightning.pytorch.loggers import CSVLogger
 
     import lightning_parallel  # noqa: F401  (registers the strategy names)
-    from lightning_parallel.cli.recorder import ProgressPrinter, RunRecorder
+    from lightning_parallel.cli.recorder import ProgressPrinter, RunRecorder, SamplesProgressBar
     from lightning_parallel.memory import MemoryReport
     from lightning_parallel.memory.accounting import reset_peak_rss
     from lightning_parallel.strategies.launcher import install
@@ -235,7 +311,10 @@ def _fit(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
     data = instantiate_user(cfg.data, "data")
     strategy = instantiate(cfg.strategy, _convert_="all") if "_target_" in cfg.strategy else cfg.strategy
     recorder = RunRecorder(results_file=out_dir / ".run_results.json")
-    callbacks: list[Any] = [recorder, ProgressPrinter(recorder, cfg.progress_every_n_steps)]
+    bar = cfg.trainer.enable_progress_bar
+    bar = sys.stderr.isatty() if bar is None else bar
+    progress = SamplesProgressBar(recorder) if bar else ProgressPrinter(recorder, cfg.progress_every_n_steps)
+    callbacks: list[Any] = [recorder, progress]
     if getattr(strategy, "memory_report", True):  # before the recorder, which reads it at the end of fit
         callbacks.insert(0, MemoryReport())
     if cfg.checkpoint.enabled:
@@ -252,7 +331,7 @@ def _fit(cfg: DictConfig, out_dir: Path) -> dict[str, Any]:
         default_root_dir=str(out_dir),
         logger=CSVLogger(str(out_dir), name="csv"),
         enable_checkpointing=cfg.checkpoint.enabled,
-        **_trainer_kwargs(cfg),
+        **{**_trainer_kwargs(cfg), "enable_progress_bar": bool(bar)},
     )
     install(trainer.strategy)  # Lightning's built-in ddp gets the sweep-safe launcher too
     try:

@@ -125,7 +125,9 @@ class TrainerConf:
     limit_train_batches: Optional[Any] = None
     limit_val_batches: Optional[Any] = None
     num_sanity_val_steps: int = 0
-    enable_progress_bar: bool = False
+    enable_progress_bar: Optional[bool] = (
+        None  # None: a progress bar on a terminal, a line every N steps elsewhere
+    )
     enable_model_summary: bool = True
     deterministic: Optional[bool] = None
     extra: Dict[str, Any] = field(default_factory=dict)

@@ -13,10 +13,12 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import math
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_parallel.pipeline.executor import loader_problem
 from lightning_parallel.pipeline.schedules import chunks_per_rank
 from lightning_parallel.strategies.base import ParallelStrategyBase
 from lightning_parallel.strategies.checks import layout, layout_sizes
@@ -27,6 +29,11 @@ __all__ = ["ConfigError", "validate", "world_size_of", "problems"]
 
 class ConfigError(ValueError):
     """An impossible configuration; the message lists every problem found."""
+
+    @classmethod
+    def of(cls, found: list[str]) -> "ConfigError":
+        lines = "\n".join(f"  - {p}" for p in found)
+        return cls(f"invalid lp-train configuration ({len(found)} problem(s)):\n{lines}")
 
 
 def _devices_count(devices: Any) -> Optional[int]:
@@ -89,7 +96,7 @@ def _unknown_keys(section: str, node: Any) -> list[str]:
 
 def problems(cfg: DictConfig) -> list[str]:
     """Every problem with the composed ``lp-train`` config, as human-readable sentences."""
-    out: list[str] = []
+    out: list[str] = _not_a_number(cfg)
     out += _unknown_keys("strategy", cfg.strategy) + _unknown_keys("trainer", cfg.trainer)
     trainer, strategy = cfg.trainer, cfg.strategy
     devices = _devices_count(trainer.devices)
@@ -168,6 +175,13 @@ def _stage_problems(values: dict[str, Any], ranks: int, cfg: DictConfig) -> list
             f"strategy.split_points has {len(split_points)} entries, giving {len(split_points) + 1} "
             f"stages, but the run has {what}; give {stages - 1} split points"
         )
+    microbatches, batch_size = values.get("num_microbatches"), _data_batch_size(cfg)
+    if isinstance(microbatches, int) and batch_size is not None:
+        problem = loader_problem(batch_size, batch_size, True, microbatches)  # one full batch's split
+        if problem:
+            out.append(
+                f"strategy.num_microbatches={microbatches} with data.batch_size={batch_size}: {problem}"
+            )
     n_layer = cfg.model.get("n_layer") if cfg.get("model") is not None else None
     if isinstance(n_layer, int) and stages > n_layer:
         out.append(
@@ -177,9 +191,32 @@ def _stage_problems(values: dict[str, Any], ranks: int, cfg: DictConfig) -> list
     return out
 
 
+def _data_batch_size(cfg: DictConfig) -> Optional[int]:
+    """``data.batch_size`` where the data config has one (a data-parallel rank's batch), else None."""
+    value = cfg.data.get("batch_size") if cfg.get("data") is not None else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _not_a_number(cfg: DictConfig) -> list[str]:
+    """Every value of the config that is NaN (``model.lr=nan``): never a setting, always a slip."""
+    out = []
+
+    def walk(node: Any, where: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                walk(value, f"{where}.{key}" if where else str(key))
+        elif isinstance(node, list):
+            for i, value in enumerate(node):
+                walk(value, f"{where}[{i}]")
+        elif isinstance(node, float) and math.isnan(node):
+            out.append(f"{where}=nan is not a number; give a finite value")
+
+    walk(OmegaConf.to_container(cfg, resolve=True), "")
+    return out
+
+
 def validate(cfg: DictConfig) -> None:
     """Raise ``ConfigError`` listing every problem of the composed config (nothing if it is fine)."""
     found = problems(cfg)
     if found:
-        lines = "\n".join(f"  - {p}" for p in found)
-        raise ConfigError(f"invalid lp-train configuration ({len(found)} problem(s)):\n{lines}")
+        raise ConfigError.of(found)

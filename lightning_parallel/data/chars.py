@@ -7,6 +7,7 @@ code (anything else becomes '?'), giving a fixed vocabulary of 128 that needs no
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -58,11 +59,22 @@ class CharCorpusData(LightningDataModule):
         super().__init__()
         if not 0 < val_fraction < 1:
             raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction!r}")
+        for name, value in (("batch_size", batch_size), ("block_size", block_size), ("max_chars", max_chars)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                whole = " (or None: the whole corpus)" if name == "max_chars" else ""
+                raise ValueError(f"CharCorpusData: {name}={value!r}; use an integer >= 1{whole}")
         self.batch_size, self.block_size, self.num_workers = batch_size, block_size, num_workers
         data = encode(load_corpus(max_chars))
         split = int(len(data) * (1 - val_fraction))
         self.train_set = CharWindows(data[:split], block_size)
         self.val_set = CharWindows(data[split:], block_size)
+        if len(self.train_set) < batch_size:  # drop_last: not one training batch
+            needed = math.ceil((batch_size * block_size + 1) / (1 - val_fraction)) + 1
+            raise ValueError(
+                f"CharCorpusData: max_chars={max_chars} gives {len(self.train_set)} training windows of "
+                f"{block_size} characters, fewer than one batch of batch_size={batch_size}; use max_chars >= "
+                f"{needed}, or a smaller batch_size or block_size"
+            )
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(

@@ -15,7 +15,32 @@ from lightning.pytorch import LightningModule
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-__all__ = ["CausalSelfAttention", "MLP", "Block", "GPT", "CharGPT"]
+__all__ = ["CausalSelfAttention", "MLP", "Block", "GPT", "CharGPT", "argument_problems"]
+
+OPTIMIZERS = ("adamw", "sgd")
+
+
+def argument_problems(**arguments: object) -> list[str]:
+    """What is wrong with CharGPT's arguments (sizes, dropout, learning rate, optimizer), each with what works."""
+    out = []
+    for name in ("vocab_size", "block_size", "n_head", "n_embd", "n_layer"):
+        value, least = arguments.get(name), 0 if name == "n_layer" else 1
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+            out.append(f"{name}={value!r}: use an integer >= {least}")
+    dropout = arguments.get("dropout")
+    if dropout is not None and not (isinstance(dropout, (int, float)) and 0 <= dropout < 1):
+        out.append(f"dropout={dropout!r}: use a number in [0, 1)")
+    for name in ("lr", "weight_decay", "momentum"):
+        value, positive = arguments.get(name), name == "lr"
+        if value is None:
+            continue
+        finite = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        if not finite or value < 0 or (positive and value == 0):
+            out.append(f"{name}={value!r}: use a finite number {'> 0' if positive else '>= 0'}")
+    optimizer = arguments.get("optimizer")
+    if optimizer is not None and optimizer not in OPTIMIZERS:
+        out.append(f"optimizer={optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
+    return out
 
 
 class CausalSelfAttention(nn.Module):
@@ -77,6 +102,16 @@ class GPT(nn.Module):
         dropout: float = 0.0,
     ) -> None:
         super().__init__()
+        problems = argument_problems(
+            vocab_size=vocab_size,
+            block_size=block_size,
+            n_layer=n_layer,
+            n_head=n_head,
+            n_embd=n_embd,
+            dropout=dropout,
+        )
+        if problems:
+            raise ValueError("GPT: " + "; ".join(problems))
         self.block_size = block_size
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
         self.pos_emb = nn.Embedding(block_size, n_embd)
@@ -120,6 +155,9 @@ class CharGPT(LightningModule):
         momentum: float = 0.0,
     ) -> None:
         super().__init__()
+        problems = argument_problems(lr=lr, optimizer=optimizer, weight_decay=weight_decay, momentum=momentum)
+        if problems:
+            raise ValueError("CharGPT: " + "; ".join(problems))
         self.save_hyperparameters()
         self.model = GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout)
 
@@ -145,7 +183,7 @@ class CharGPT(LightningModule):
             return torch.optim.SGD(self.parameters(), lr=h.lr, momentum=h.get("momentum", 0.0))
         if h.optimizer == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=h.lr, weight_decay=h.weight_decay)
-        raise ValueError(f"optimizer={h.optimizer!r} is not supported; use 'adamw' or 'sgd'.")
+        raise ValueError(f"optimizer={h.optimizer!r} is not supported; use one of {', '.join(OPTIMIZERS)}.")
 
     @staticmethod
     def initial_loss(vocab_size: int = 128) -> float:

@@ -9,6 +9,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lightning_parallel.cli.train import instantiate_user
 from lightning_parallel.config import ConfigError, problems, register_configs, validate
 from tests.cli.lp import REPO, explain, run, survivors
 
@@ -116,6 +117,12 @@ def test_unknown_keys_and_wrong_types_fail_while_composing(override: str, words:
             "strategy.num_microbatches must be a positive integer, got 0",
         ),
         (["trainer.devices=0"], "trainer.devices=0 is not a device count"),
+        (["model.lr=nan"], "model.lr=nan is not a number; give a finite value"),
+        (
+            ["strategy=pipeline_1f1b", "strategy.num_microbatches=100000"],
+            "strategy.num_microbatches=100000 with data.batch_size=32: the training batches hold 32 samples "
+            "per data-parallel rank, fewer than num_microbatches=100000; use num_microbatches <= 32",
+        ),
         # Hydra lets "+key=value" add a key to a structured node; the schema check catches it
         (["+strategy.bucket_cap=5"], "strategy.bucket_cap is not an option of DDPStrategyConf (options: "),
         (["+strategy.bucket_cap=5"], "did you mean strategy.bucket_cap_mb?"),
@@ -148,12 +155,43 @@ def test_strategy_class_missing_from_this_installation_is_named() -> None:
     assert any("has no attribute 'NoSuchStrategy'; this installation provides" in p for p in found), found
 
 
+@pytest.mark.parametrize(
+    "section, override, expected",
+    [
+        ("model", "model.n_embd=0", "GPT: n_embd=0: use an integer >= 1"),
+        ("model", "model.lr=-1", "CharGPT: lr=-1: use a finite number > 0"),
+        (
+            "data",
+            "data.max_chars=0",
+            "CharCorpusData: max_chars=0; use an integer >= 1 (or None: the whole corpus)",
+        ),
+        ("data", "data.max_chars=100", "gives 1 training windows of 64 characters, fewer than one batch"),
+    ],
+)
+def test_arguments_the_model_or_data_refuse_are_configuration_errors(section, override, expected) -> None:
+    """The default model and data check their own arguments; lp-train builds both before any process starts
+    and reports what their constructors refuse as a configuration error."""
+    cfg = _compose(override)
+    assert problems(cfg) == []
+    with pytest.raises(ConfigError, match="invalid lp-train configuration") as err:
+        instantiate_user(cfg[section], section)
+    assert f"{section}: lightning_parallel." in str(err.value) and expected in str(err.value)
+
+
 @pytest.mark.timeout(120)
-def test_cli_reports_impossible_combination_before_starting_processes(tmp_path) -> None:
-    proc = run(["strategy=lp_ddp", "trainer.devices=0"], tmp_path)
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("trainer.devices=0", "trainer.devices=0 is not a device count"),
+        ("model.n_embd=0", "CharGPT refused its arguments: GPT: n_embd=0"),
+    ],
+)
+def test_cli_reports_impossible_combination_before_starting_processes(tmp_path, override, expected) -> None:
+    proc = run(["strategy=lp_ddp", override], tmp_path)
     assert proc.returncode == 2, explain(proc)
-    assert "trainer.devices=0 is not a device count" in proc.stdout + proc.stderr
+    assert expected in proc.stdout + proc.stderr
     assert "Initializing distributed" not in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
     assert not survivors(tmp_path)
 
 

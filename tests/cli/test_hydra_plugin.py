@@ -24,29 +24,19 @@ from tests.projects.test_bn_classifier import PROJECT
 
 CONF = REPO / "conf"
 APP_CONF = PROJECT / "configs"
-OFFERED = [
-    "lp_ddp",
-    "lp_dp",
-    "parallel",
-    "pipeline_1f1b",
-    "pipeline_async",
-    "pipeline_gpipe",
-    "pipeline_interleaved",
-    "pipeline_zb",
-    "pipeline_zbv",
-    "tensor_parallel",
+# every name of Trainer(strategy=...), and the former names of some (aliases: the same configs)
+ALIASES = [
+    p.stem
+    for p in (CONF / "strategy").glob("*.yaml")
+    if p.stem not in lightning_parallel.STRATEGY_NAMES and p.stem != "ddp"
 ]
+OFFERED = sorted([*lightning_parallel.STRATEGY_NAMES, *ALIASES])
 CLASSES = {
-    "lp_ddp": lightning_parallel.DDPStrategy,
-    "lp_dp": lightning_parallel.DataParallelStrategy,
-    "tensor_parallel": lightning_parallel.TensorParallelStrategy,
-    "pipeline_gpipe": lightning_parallel.PipelineParallelStrategy,
-    "pipeline_1f1b": lightning_parallel.PipelineParallelStrategy,
-    "pipeline_async": lightning_parallel.PipelineParallelStrategy,
-    "pipeline_interleaved": lightning_parallel.PipelineParallelStrategy,
-    "pipeline_zb": lightning_parallel.PipelineParallelStrategy,
-    "pipeline_zbv": lightning_parallel.PipelineParallelStrategy,
-    "parallel": lightning_parallel.ParallelStrategy,
+    name: getattr(
+        lightning_parallel,
+        lightning_parallel.STRATEGY_NAMES[name if name.startswith("lp_") else f"lp_{name}"][0],
+    )
+    for name in OFFERED
 }
 
 

@@ -19,18 +19,13 @@ from tests.cli.test_config import CONF, _compose, _problems
 LP_CONFS = sorted(p.stem for p in (CONF / "strategy").glob("*.yaml") if "lightning_parallel" in p.read_text())
 
 
-def _registry_name(conf: str) -> str:
-    return conf if conf.startswith("lp_") else f"lp_{conf}"
-
-
 def _strategy_class(conf: str) -> type:
-    return getattr(strategies, STRATEGY_NAMES[_registry_name(conf)][0])
+    return getattr(strategies, STRATEGY_NAMES[conf][0])
 
 
-def test_every_lp_strategy_has_a_config() -> None:
-    classes = {STRATEGY_NAMES[name][0] for name in STRATEGY_NAMES}
-    assert {_strategy_class(conf).__name__ for conf in LP_CONFS} == classes
-    assert {_registry_name(conf) for conf in LP_CONFS} <= set(STRATEGY_NAMES)
+def test_every_name_python_takes_is_a_config_of_the_same_name() -> None:
+    """One name per strategy: ``Trainer(strategy=name)`` and ``lp-train strategy=name``."""
+    assert set(LP_CONFS) == set(STRATEGY_NAMES)
 
 
 @pytest.mark.parametrize("conf", LP_CONFS)
@@ -39,7 +34,7 @@ def test_every_option_reaches_hydra_at_the_constructors_default(conf: str) -> No
     at the registered name's preset (``schedule`` of lp_pipeline_1f1b)."""
     cls = _strategy_class(conf)
     composed = OmegaConf.to_container(_compose(f"strategy={conf}").strategy, resolve=True)
-    expected = {**defaults(cls), **STRATEGY_NAMES[_registry_name(conf)][1]}
+    expected = {**defaults(cls), **STRATEGY_NAMES[conf][1]}
     assert set(expected) <= set(composed), (
         f"not reachable from Hydra: {sorted(set(expected) - set(composed))}"
     )
@@ -50,7 +45,9 @@ def test_every_option_reaches_hydra_at_the_constructors_default(conf: str) -> No
 
 @pytest.mark.parametrize("conf", LP_CONFS)
 def test_save_distributed_is_set_without_plus(conf: str) -> None:
-    blocks = ["model.n_layer=4"] if conf in ("pipeline_interleaved", "pipeline_zbv") else []  # 2 ranks x 2 chunks
+    blocks = (
+        ["model.n_layer=4"] if conf in ("lp_pipeline_interleaved", "lp_pipeline_zbv") else []
+    )  # 2 ranks x 2 chunks
     found = _problems(f"strategy={conf}", "strategy.save_distributed=true", *blocks)
     if _strategy_class(conf).supports_save_distributed:
         assert found == []

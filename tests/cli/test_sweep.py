@@ -7,13 +7,16 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import os
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 
 import lightning_parallel
-from lightning_parallel.cli.sweep import COLUMNS, collect_jobs, write_summary
+from lightning_parallel.cli.json_file import write_json
+from lightning_parallel.cli.sweep import COLUMNS, collect_jobs, sweep_exit_status, write_summary
+from lightning_parallel.cli.train import EXIT_PREEMPTED
 from tests.cli.lp import QUICK, assert_no_survivors, explain, run, summary, sweep_dir
 
 
@@ -70,7 +73,7 @@ def test_failing_job_is_reported_and_the_sweep_goes_on(tmp_path) -> None:
     assert ok["world_size"] == 2 and ok["global_step"] == 8
     rows = collect_jobs(root)
     assert [r["status"] for r in rows] == ["failed", "failed", "completed"]
-    assert "2 of 3 jobs failed" in proc.stdout + proc.stderr
+    assert "2 of 3 jobs did not complete: 0 (failed), 1 (failed)" in proc.stdout + proc.stderr
     assert_no_survivors(tmp_path)
 
 
@@ -208,3 +211,38 @@ def test_child_failing_before_the_rendezvous_does_not_hang_the_sweep(tmp_path) -
     assert failed["error"].count("exited before joining") == 1
     assert ok["status"] == "completed" and ok["world_size"] == 1  # devices=1: no rank 1 to fail
     assert_no_survivors(tmp_path)
+
+
+def test_an_unreadable_summary_is_listed_and_the_others_kept(tmp_path) -> None:
+    """A truncated ``summary.json`` (a job killed while writing it) is one row that says so; the sweep summary
+    is still written with every other job. The exit status: 1 when a job did not complete for any other
+    reason than preemption, 75 when jobs were preempted only."""
+    bodies = [
+        json.dumps({"status": "completed", "samples_per_second": 10.0}),
+        '{"status": "compl',
+        json.dumps({"status": "preempted", "resumable": True}),
+    ]
+    for num, body in enumerate(bodies):
+        job = tmp_path / str(num)
+        (job / ".hydra").mkdir(parents=True)
+        (job / ".hydra" / "overrides.yaml").write_text(f"- seed={num}\n")
+        (job / "summary.json").write_text(body)
+    rows = write_summary(tmp_path)
+    assert [r["status"] for r in rows] == ["completed", "unreadable summary", "preempted"]
+    assert "summary.json cannot be read (JSONDecodeError" in rows[1]["error"]
+    assert "| 0 | seed=0 | completed |" in (tmp_path / "sweep_summary.md").read_text()
+    assert sweep_exit_status(rows) == 1
+    assert sweep_exit_status([rows[0], rows[2]]) == EXIT_PREEMPTED
+    assert sweep_exit_status([rows[0]]) == 0
+
+
+def test_summary_files_are_replaced_whole(tmp_path) -> None:
+    """``write_json`` leaves the old file or the new one, and no temporary file; the mode follows the umask."""
+    path = tmp_path / "summary.json"
+    write_json(path, {"status": "running"})
+    write_json(path, {"status": "completed"})
+    assert json.loads(path.read_text()) == {"status": "completed"}
+    assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import xml.etree.ElementTree as ET
 
 import pytest
 import torch
@@ -39,6 +40,16 @@ def test_default_run_trains_chargpt_with_lp_ddp_on_two_processes(tmp_path) -> No
     assert "Initializing distributed: GLOBAL_RANK: 1" in (run_dir / "train_rank1.out").read_text()
     assert (run_dir / "train_rank1.log").exists()
     assert s["wall_seconds"] < 120
+    # the end at a glance: the table names the files; the curves are drawn; no third-party noise
+    out = proc.stdout + proc.stderr
+    assert (
+        f"  checkpoint              {s['checkpoint']}" in out
+        and f"  summary                 {run_dir}" in out
+    )
+    assert "  memory (peak resident)  rank 0: " in out and ", rank 1: " in out
+    curves = ET.parse(run_dir / "curves.svg").getroot()
+    assert len(list(curves.iter("{http://www.w3.org/2000/svg}polyline"))) == 3  # train, val, samples/s
+    assert "LeafSpec" not in out and "Tip:" not in out
     assert_no_survivors(tmp_path)
 
 
@@ -69,9 +80,10 @@ def test_user_module_runs_unmodified_via_target(tmp_path) -> None:
 
 @pytest.mark.timeout(200)
 def test_spawn_start_method(tmp_path) -> None:
-    """With start_method=spawn training runs in spawned processes and rank 0 still reports its figures.
+    """With start_method=spawn training runs in spawned processes and rank 0 still reports its figures; the
+    preset's Python name (``lp_ddp_spawn``) is lp-train's too.
     (Lightning's own ddp on 1 and 2 devices, and one process at devices=1: tests/cli/test_sweep.py.)"""
-    for name, devices, extra in (("lp_ddp", 2, ["strategy.start_method=spawn"]),):
+    for name, devices, extra in (("lp_ddp_spawn", 2, []),):
         run_dir = tmp_path / f"{name}_{len(extra)}"
         proc = run(
             [f"strategy={name}", f"trainer.devices={devices}", *extra, *QUICK, f"hydra.run.dir={run_dir}"],
