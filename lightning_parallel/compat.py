@@ -33,6 +33,10 @@ from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+# torch >= 2.1: functional collectives, the form of a collective that torch.compile traces into its graph
+# (the tensor-parallel operators use them while compiling; private module, unchanged in use since)
+from torch.distributed import _functional_collectives as functional_collectives
+
 # torch >= 2.4: the public selective checkpoint API (floor 2.5)
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -72,6 +76,7 @@ __all__ = [
     "foreach_mul",
     "foreach_mul_",
     "foreach_norm",
+    "functional_collectives",
     "is_fake",
     "selective_op_outputs",
     "top_saved_tensors_hooks",

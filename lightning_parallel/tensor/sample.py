@@ -49,6 +49,10 @@ class SampleStep:
     inputs: Any
     is_batch: bool
 
+    # eager even in a compiled module (Lightning's ``trainer.fit(torch.compile(model))``): it runs on fake
+    # tensors and under dispatch modes, and dynamo would compile and cache the user's frames against
+    # those, so that the real steps then ran without a graph
+    @torch.compiler.disable
     def step(self, inputs: Any) -> Any:
         if self.is_batch and not getattr(self.module, "automatic_optimization", True):
             with inert_optimization(self.module):

@@ -76,6 +76,29 @@ class SetupMemory(Callback):
         }
 
 
+def reset_dynamo() -> None:
+    """Forget what dynamo compiled and counted before, so that a compiled case counts its own graphs."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+
+def dynamo_record() -> dict:
+    """What dynamo did during the case: its statistics (``unique_graphs``, ``calls_captured``, ...) and
+    each graph break's reason with the frames dynamo was tracing when it broke (file, line, function)."""
+    from torch._dynamo.utils import counters, graph_break_reasons
+
+    return {
+        "stats": dict(counters["stats"]),
+        "counters": {kind: dict(counts) for kind, counts in counters.items()},
+        "graph_breaks": [
+            {"reason": r.reason, "frames": [(f.filename, f.lineno, f.name) for f in r.user_stack]}
+            for r in graph_break_reasons
+        ],
+    }
+
+
 def build_strategy(spec: Any, world_size: int) -> Any:
     if world_size == 1 and not isinstance(spec, dict):
         from lightning_parallel.strategies import SingleDeviceReferenceStrategy
@@ -136,7 +159,14 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
     if deferred:
         with trainer.init_module(empty_init=case["empty_init"]):
             model = load_object(case["model"])(**case.get("model_kwargs", {}))
-    trainer.fit(model, datamodule=data, ckpt_path=case.get("ckpt_path"))
+    compiled = "compile" in case  # {"backend": "eager", ...}: torch.compile's keyword arguments
+    if compiled:
+        reset_dynamo()
+    trainer.fit(
+        torch.compile(model, **case["compile"]) if compiled else model,
+        datamodule=data,
+        ckpt_path=case.get("ckpt_path"),
+    )
     if case.get("validate_after_fit"):
         trainer.validate(model, datamodule=data, verbose=False)
     result = {
@@ -155,6 +185,8 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
         for c in trainer.callbacks
         if type(c).__name__ in ("ModelCheckpoint", "EarlyStopping")
     }
+    if compiled:
+        result["dynamo"] = dynamo_record()
     if case.get("probe"):  # "module:function(trainer) -> picklable", to look inside the strategy
         result["probe"] = load_object(case["probe"])(trainer)
     if case.get("save_checkpoint"):
