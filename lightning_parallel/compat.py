@@ -8,8 +8,9 @@ below says which versions have what and what happens on the others.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Optional
 
 import torch
@@ -25,6 +26,10 @@ from torch._subclasses.fake_tensor import (
     unset_fake_temporarily,
 )
 from torch.autograd.graph import GradientEdge
+
+# torch >= 2.1: functional collectives, the form of a collective that torch.compile traces into its graph
+# (the tensor-parallel operators use them while compiling; private module, unchanged in use since)
+from torch.distributed import _functional_collectives as functional_collectives
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard as LocalShard
 from torch.distributed._shard.sharded_tensor import ShardedTensorBase
@@ -32,10 +37,6 @@ from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetada
 from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
-
-# torch >= 2.1: functional collectives, the form of a collective that torch.compile traces into its graph
-# (the tensor-parallel operators use them while compiling; private module, unchanged in use since)
-from torch.distributed import _functional_collectives as functional_collectives
 
 # torch >= 2.4: the public selective checkpoint API (floor 2.5)
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -76,6 +77,7 @@ __all__ = [
     "foreach_mul",
     "foreach_mul_",
     "foreach_norm",
+    "compiled_runs_eagerly",
     "functional_collectives",
     "is_fake",
     "selective_op_outputs",
@@ -117,6 +119,35 @@ foreach_norm = torch._foreach_norm
 foreach_mul = torch._foreach_mul
 foreach_mul_ = torch._foreach_mul_
 foreach_copy_ = torch._foreach_copy_
+
+
+_COMPILED_METHODS = ("forward", "training_step", "validation_step", "test_step", "predict_step")
+
+
+@contextlib.contextmanager
+def compiled_runs_eagerly(module: Any) -> Iterator[None]:
+    """Inside the block, code that ``torch.compile`` compiled runs eagerly, and dynamo compiles nothing.
+
+    torch >= 2.6: ``torch.compiler.set_stance("force_eager")``. torch 2.5 has no stance: the methods that
+    Lightning compiled on ``module`` (``trainer.fit(torch.compile(model))`` keeps the originals in
+    ``module._compiler_ctx``) are swapped for the originals for the block."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is not None:
+        with set_stance("force_eager"):
+            yield
+        return
+    ctx = getattr(module, "_compiler_ctx", None)
+    if not ctx:
+        yield
+        return
+    compiled = {name: module.__dict__[name] for name in _COMPILED_METHODS if name in module.__dict__}
+    for name in compiled:
+        setattr(module, name, ctx[f"original_{name}"])
+    try:
+        yield
+    finally:
+        for name, method in compiled.items():
+            setattr(module, name, method)
 
 
 def in_backward() -> bool:

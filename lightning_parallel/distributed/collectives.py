@@ -196,7 +196,9 @@ def reduce_scatter_dim(tensor: Tensor, group: Optional[dist.ProcessGroup], dim: 
         part = tensor.shape[dim] // size
         return whole.narrow(dim, group_rank(group) * part, part).contiguous()
     if torch.compiler.is_compiling():
-        return functional_collectives.reduce_scatter_tensor(tensor.contiguous(), "sum", dim % tensor.dim(), group)
+        return functional_collectives.reduce_scatter_tensor(
+            tensor.contiguous(), "sum", dim % tensor.dim(), group
+        )
     front = tensor.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
     reduce_scatter_single()(out, front, group=group)

@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional, Sequence, Union
 
-from torch import Tensor, nn
+from torch import nn
 
 from lightning_parallel.checkpointing.one_device import keep_skeleton
 from lightning_parallel.compat import without_layer_caches
