@@ -35,6 +35,8 @@ STRATEGIES = {
     "tp-gpt": (GPT, TP, {"plan": CHAR_GPT}, 1),
     "tp-gpt-auto": (GPT, TP, {"plan": "auto"}, 1),
     "tp-gpt-sp": (GPT, TP, {"plan": CHAR_GPT, "sequence_parallel": True}, 1),
+    "pp-1f1b": (SEQ, PP, {"schedule": "1f1b"}, 1),
+    "pp-zb_h1": (SEQ, PP, {"schedule": "zb_h1"}, 1),
 }
 
 
