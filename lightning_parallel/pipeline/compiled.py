@@ -13,12 +13,11 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+from lightning.pytorch.utilities.compile import to_uncompiled
+
 from lightning_parallel.pipeline.partition import StagePartition
 
 __all__ = ["compile_stage_blocks"]
-
-#: what Lightning's ``from_compiled`` compiles on the module, each kept as ``_compiler_ctx["original_<name>"]``
-_LIGHTNING_COMPILED = ("forward", "training_step", "validation_step", "test_step", "predict_step")
 
 
 def compile_stage_blocks(module: Any, part: StagePartition, warn: Callable[[str], None]) -> Optional[int]:
@@ -27,10 +26,8 @@ def compile_stage_blocks(module: Any, part: StagePartition, warn: Callable[[str]
     ctx = getattr(module, "_compiler_ctx", None)
     if not ctx:
         return None
-    for name in _LIGHTNING_COMPILED:
-        if f"original_{name}" in ctx:
-            setattr(module, name, ctx[f"original_{name}"])
-    compile_block = ctx["dynamo_ctx"]
+    compile_block = ctx["dynamo_ctx"]  # torch.compile's settings, as the user gave them
+    to_uncompiled(module)
     mine = [i for c in range(len(part.chunks)) for i in range(*part.chunk_bounds(c))]
     for i in mine:
         block = part.stack[i]
