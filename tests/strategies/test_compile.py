@@ -31,12 +31,15 @@ CHAR_GPT = str(REPO / "conf/plan/char_gpt.yaml")
 STRATEGIES = {
     "lp_ddp": (MLP, DDP, {}, 2),
     "lp_ddp-zero1": (MLP, DDP, {"zero_stage": 1}, 2),
+    "lp_ddp-zero2": (MLP, DDP, {"zero_stage": 2}, 2),
     "tp-mlp": (MLP, TP, {"plan": str(REPO / "conf/plan/mlp.yaml")}, 1),
     "tp-gpt": (GPT, TP, {"plan": CHAR_GPT}, 1),
     "tp-gpt-auto": (GPT, TP, {"plan": "auto"}, 1),
     "tp-gpt-sp": (GPT, TP, {"plan": CHAR_GPT, "sequence_parallel": True}, 1),
     "pp-1f1b": (SEQ, PP, {"schedule": "1f1b"}, 1),
     "pp-zb_h1": (SEQ, PP, {"schedule": "zb_h1"}, 1),
+    "pp-interleaved_1f1b": (SEQ, PP, {"schedule": "interleaved_1f1b"}, 1),
+    "tp-gpt-recompute": (GPT, TP, {"plan": CHAR_GPT, "activation_checkpointing": True}, 1),
 }
 
 
