@@ -77,6 +77,7 @@ __all__ = [
     "foreach_mul",
     "foreach_mul_",
     "foreach_norm",
+    "compiled_by_lightning",
     "compiled_runs_eagerly",
     "functional_collectives",
     "is_fake",
@@ -124,6 +125,13 @@ foreach_copy_ = torch._foreach_copy_
 _COMPILED_METHODS = ("forward", "training_step", "validation_step", "test_step", "predict_step")
 
 
+def compiled_by_lightning(module: Any) -> bool:
+    """Whether ``module`` is a LightningModule that Lightning compiled: ``trainer.fit(torch.compile(model))``
+    unwraps the compiled module and marks it with the private ``_compiler_ctx`` (Lightning >= 2.0), which
+    holds the uncompiled methods and torch.compile's settings."""
+    return bool(getattr(module, "_compiler_ctx", None))
+
+
 @contextlib.contextmanager
 def compiled_runs_eagerly(module: Any) -> Iterator[None]:
     """Inside the block, code that ``torch.compile`` compiled runs eagerly, and dynamo compiles nothing.
@@ -136,10 +144,10 @@ def compiled_runs_eagerly(module: Any) -> Iterator[None]:
         with set_stance("force_eager"):
             yield
         return
-    ctx = getattr(module, "_compiler_ctx", None)
-    if not ctx:
+    if not compiled_by_lightning(module):
         yield
         return
+    ctx = module._compiler_ctx
     compiled = {name: module.__dict__[name] for name in _COMPILED_METHODS if name in module.__dict__}
     for name in compiled:
         setattr(module, name, ctx[f"original_{name}"])

@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 
 from lightning.pytorch.utilities.compile import to_uncompiled
 
+from lightning_parallel.compat import compiled_by_lightning
 from lightning_parallel.pipeline.partition import StagePartition
 
 __all__ = ["compile_stage_blocks"]
@@ -23,17 +24,16 @@ __all__ = ["compile_stage_blocks"]
 def compile_stage_blocks(module: Any, part: StagePartition, warn: Callable[[str], None]) -> Optional[int]:
     """If Lightning compiled ``module``, undo that and compile each of this rank's blocks instead, telling
     ``warn`` what runs eagerly; returns how many blocks were compiled (None: the module was not compiled)."""
-    ctx = getattr(module, "_compiler_ctx", None)
-    if not ctx:
+    if not compiled_by_lightning(module):
         return None
-    compile_block = ctx["dynamo_ctx"]  # torch.compile's settings, as the user gave them
+    compile_block = module._compiler_ctx["dynamo_ctx"]  # torch.compile's settings, as the user gave them
     to_uncompiled(module)
     mine = [i for c in range(len(part.chunks)) for i in range(*part.chunk_bounds(c))]
     for i in mine:
         block = part.stack[i]
         block.forward = compile_block(block.forward)
     warn(
-        f"torch.compile under pipeline stages: the {len(mine)} blocks of {part.stack_name!r} this stage holds "
+        f"pipeline stages under torch.compile: the {len(mine)} blocks of {part.stack_name!r} this stage holds "
         "are compiled one by one; training_step and the rest of forward run eagerly (a stage ends inside "
         "forward, where a whole compiled step cannot stop)"
     )

@@ -13,8 +13,9 @@ from torch import nn
 from tests.helpers.models import MLP
 from tests.helpers.pp_models import SequentialNet
 from tests.helpers.tp_models import SmallGPT
+from tests.helpers.zoo import ZooLM
 
-__all__ = ["UnloggedMLP", "UnloggedGPT", "UnloggedSequentialNet"]
+__all__ = ["UnloggedMLP", "UnloggedGPT", "UnloggedSequentialNet", "UnloggedZooLM"]
 
 
 class UnloggedMLP(MLP):
@@ -32,3 +33,8 @@ class UnloggedSequentialNet(SequentialNet):
 class UnloggedGPT(SmallGPT):
     def training_step(self, batch, batch_idx):
         return self._loss(batch)
+
+
+class UnloggedZooLM(ZooLM):
+    def training_step(self, batch, batch_idx):
+        return self.loss(batch)

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -162,11 +163,14 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
     compiled = "compile" in case  # {"backend": "eager", ...}: torch.compile's keyword arguments
     if compiled:
         reset_dynamo()
-    trainer.fit(
-        torch.compile(model, **case["compile"]) if compiled else model,
-        datamodule=data,
-        ckpt_path=case.get("ckpt_path"),
-    )
+    with warnings.catch_warnings(record=compiled) as caught:  # what set-up says about a compiled model
+        if compiled:
+            warnings.simplefilter("always")
+        trainer.fit(
+            torch.compile(model, **case["compile"]) if compiled else model,
+            datamodule=data,
+            ckpt_path=case.get("ckpt_path"),
+        )
     if case.get("validate_after_fit"):
         trainer.validate(model, datamodule=data, verbose=False)
     result = {
@@ -187,6 +191,9 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
     }
     if compiled:
         result["dynamo"] = dynamo_record()
+        result["compile_warnings"] = [
+            str(w.message) for w in caught if "under torch.compile" in str(w.message)
+        ]
     if case.get("probe"):  # "module:function(trainer) -> picklable", to look inside the strategy
         result["probe"] = load_object(case["probe"])(trainer)
     if case.get("save_checkpoint"):

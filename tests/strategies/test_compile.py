@@ -21,10 +21,16 @@ from tests.helpers.harness import REPO, max_param_diff, run_distributed
 PACKAGE = str(Path(lightning_parallel.__file__).resolve().parent)
 MLP = ("tests.helpers.compile_models:UnloggedMLP", "tests.helpers.models:RegressionData")
 GPT = ("tests.helpers.compile_models:UnloggedGPT", "tests.helpers.tp_models:TokenData")
+MIXTRAL = (
+    "tests.helpers.compile_models:UnloggedZooLM",
+    "tests.helpers.tp_models:TokenData",
+    {"arch": "mixtral"},
+)
 SEQ = ("tests.helpers.compile_models:UnloggedSequentialNet", "tests.helpers.models:RegressionData")
 DDP = "lightning_parallel:DDPStrategy"
 TP = "lightning_parallel:TensorParallelStrategy"
 PP = "lightning_parallel:PipelineParallelStrategy"
+PARALLEL = "lightning_parallel:ParallelStrategy"
 CHAR_GPT = str(REPO / "conf/plan/char_gpt.yaml")
 
 # name: (model, strategy class, its arguments, data-parallel size)
@@ -40,14 +46,23 @@ STRATEGIES = {
     "pp-zb_h1": (SEQ, PP, {"schedule": "zb_h1"}, 1),
     "pp-interleaved_1f1b": (SEQ, PP, {"schedule": "interleaved_1f1b"}, 1),
     "tp-gpt-recompute": (GPT, TP, {"plan": CHAR_GPT, "activation_checkpointing": True}, 1),
+    "pp-async": (SEQ, PP, {"schedule": "async"}, 1),
+    "ep2-mixtral": (MIXTRAL, PARALLEL, {"data_parallel_size": 2, "expert_parallel_size": 2}, 2),
 }
+
+# where part of a compiled model runs eagerly, set-up says so once (rank 0's warnings)
+EAGER_PARTS = {"tp-gpt-sp", "pp-1f1b", "pp-zb_h1", "pp-interleaved_1f1b", "pp-async", "ep2-mixtral"}
+# where dynamo leaves frames uncompiled for reasons the warning above gives: the experts modules run
+# eagerly (torch.compiler.disable), and the frames dynamo resumes around them are counted as not compiled
+FRAMES_LEFT = {"ep2-mixtral"}
 
 
 def case(name: str, compiled: bool) -> dict:
-    (model, data), strategy, kwargs, dp = STRATEGIES[name]
+    (model, data, *model_kwargs), strategy, kwargs, dp = STRATEGIES[name]
     c = {
         "name": f"{name}-{'compiled' if compiled else 'eager'}",
         "model": model,
+        "model_kwargs": model_kwargs[0] if model_kwargs else {},
         "data": data,
         "dp_size": dp,
         "data_kwargs": {"global_batch_size": 16, **({"dtype": "float32"} if "Regression" in data else {})},
@@ -77,7 +92,11 @@ def test_compiled_fit_has_no_graph_break_from_the_package(runs, name):
     assert not breaks, "graph breaks in lightning_parallel's code:\n" + "\n".join(
         f"{b['reason'][:300]}\n  at {b['frames'][-1]}" for b in breaks
     )
+    said = runs[f"{name}-compiled"][0]["compile_warnings"]
+    assert len(said) == (1 if name in EAGER_PARTS else 0), said
     frames = record["counters"].get("frames", {})
+    if name in FRAMES_LEFT:
+        return
     assert frames.get("ok") == frames.get("total"), f"dynamo gave up on frames (run eagerly): {record}"
 
 
@@ -86,4 +105,5 @@ def test_compiled_fit_has_no_graph_break_from_the_package(runs, name):
 def test_compiled_fit_equals_eager(runs, name):
     compiled, eager = runs[f"{name}-compiled"][0], runs[f"{name}-eager"][0]
     assert max_param_diff(compiled["state_dict"], eager["state_dict"]) <= 1e-5
-    assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5)
+    # the async pipeline reports no loss for its first step (nan)
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5, nan_ok=True)
