@@ -3,7 +3,9 @@
 The parent (``tests/helpers/harness.py``) starts one of these per rank with the variables a launcher
 such as torchrun would set (MASTER_ADDR/PORT, WORLD_SIZE, NODE_RANK, LOCAL_RANK), so Lightning treats
 the processes as created externally and runs an ordinary ``Trainer.fit`` in each. Several cases run
-one after another in the same processes to save start-up time.
+one after another in the same processes to save start-up time. A case with ``"compile": {...}`` fits
+``torch.compile(model, **that)`` and returns what dynamo did (``dynamo_record``) and what set-up said about
+the compiled model (its warnings that name "under torch.compile").
 """
 
 from __future__ import annotations
