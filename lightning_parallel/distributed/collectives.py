@@ -94,9 +94,14 @@ def _count(kind: str) -> None:
         COUNTS[kind] += 1
 
 
+def _named(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    """``group`` as functional collectives take it (they have no None for the world)."""
+    return group if group is not None else dist.group.WORLD
+
+
 def _traced_all_reduce(tensor: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
     """The sum of ``tensor`` over ``group`` as a functional collective (a new tensor): under compile."""
-    return functional_collectives.all_reduce(tensor, "sum", group if group is not None else dist.group.WORLD)
+    return functional_collectives.all_reduce(tensor, "sum", _named(group))
 
 
 def all_reduce_sum(tensor: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
@@ -171,7 +176,7 @@ def all_gather_dim(tensor: Tensor, group: Optional[dist.ProcessGroup], dim: int 
         return gathered
     tensor = tensor.contiguous()
     if torch.compiler.is_compiling():
-        return functional_collectives.all_gather_tensor(tensor, dim % tensor.dim(), group)
+        return functional_collectives.all_gather_tensor(tensor, dim % tensor.dim(), _named(group))
     parts = [torch.empty_like(tensor) for _ in range(size)]
     dist.all_gather(parts, tensor, group=group)
     return torch.cat(parts, dim=dim)
@@ -197,7 +202,7 @@ def reduce_scatter_dim(tensor: Tensor, group: Optional[dist.ProcessGroup], dim: 
         return whole.narrow(dim, group_rank(group) * part, part).contiguous()
     if torch.compiler.is_compiling():
         return functional_collectives.reduce_scatter_tensor(
-            tensor.contiguous(), "sum", dim % tensor.dim(), group
+            tensor.contiguous(), "sum", dim % tensor.dim(), _named(group)
         )
     front = tensor.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // size, *front.shape[1:]))

@@ -47,11 +47,12 @@ STRATEGIES = {
     "pp-interleaved_1f1b": (SEQ, PP, {"schedule": "interleaved_1f1b"}, 1),
     "tp-gpt-recompute": (GPT, TP, {"plan": CHAR_GPT, "activation_checkpointing": True}, 1),
     "pp-async": (SEQ, PP, {"schedule": "async"}, 1),
+    "pp-zbv": (SEQ, PP, {"schedule": "zbv"}, 1),
     "ep2-mixtral": (MIXTRAL, PARALLEL, {"data_parallel_size": 2, "expert_parallel_size": 2}, 2),
 }
 
 # where part of a compiled model runs eagerly, set-up says so once (rank 0's warnings)
-EAGER_PARTS = {"tp-gpt-sp", "pp-1f1b", "pp-zb_h1", "pp-interleaved_1f1b", "pp-async", "ep2-mixtral"}
+EAGER_PARTS = {"tp-gpt-sp", "pp-1f1b", "pp-zb_h1", "pp-interleaved_1f1b", "pp-async", "pp-zbv", "ep2-mixtral"}
 # where dynamo leaves frames uncompiled for reasons the warning above gives: the experts modules run
 # eagerly (torch.compiler.disable), and the frames dynamo resumes around them are counted as not compiled
 FRAMES_LEFT = {"ep2-mixtral"}
