@@ -8,8 +8,9 @@ below says which versions have what and what happens on the others.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Optional
 
 import torch
@@ -25,6 +26,10 @@ from torch._subclasses.fake_tensor import (
     unset_fake_temporarily,
 )
 from torch.autograd.graph import GradientEdge
+
+# torch >= 2.1: functional collectives, the form of a collective that torch.compile traces into its graph
+# (the tensor-parallel operators use them while compiling; private module, unchanged in use since)
+from torch.distributed import _functional_collectives as functional_collectives
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard as LocalShard
 from torch.distributed._shard.sharded_tensor import ShardedTensorBase
@@ -72,6 +77,9 @@ __all__ = [
     "foreach_mul",
     "foreach_mul_",
     "foreach_norm",
+    "compiled_by_lightning",
+    "compiled_runs_eagerly",
+    "functional_collectives",
     "is_fake",
     "selective_op_outputs",
     "top_saved_tensors_hooks",
@@ -113,6 +121,42 @@ foreach_norm = torch._foreach_norm
 foreach_mul = torch._foreach_mul
 foreach_mul_ = torch._foreach_mul_
 foreach_copy_ = torch._foreach_copy_
+
+
+_COMPILED_METHODS = ("forward", "training_step", "validation_step", "test_step", "predict_step")
+
+
+def compiled_by_lightning(module: Any) -> bool:
+    """Whether ``module`` is a LightningModule that Lightning compiled: ``trainer.fit(torch.compile(model))``
+    unwraps the compiled module and marks it with the private ``_compiler_ctx`` (Lightning >= 2.0), which
+    holds the uncompiled methods and torch.compile's settings."""
+    return bool(getattr(module, "_compiler_ctx", None))
+
+
+@contextlib.contextmanager
+def compiled_runs_eagerly(module: Any) -> Iterator[None]:
+    """Inside the block, code that ``torch.compile`` compiled runs eagerly, and dynamo compiles nothing.
+
+    torch >= 2.6: ``torch.compiler.set_stance("force_eager")``. torch 2.5 has no stance: the methods that
+    Lightning compiled on ``module`` (``trainer.fit(torch.compile(model))`` keeps the originals in
+    ``module._compiler_ctx``) are swapped for the originals for the block."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if set_stance is not None:
+        with set_stance("force_eager"):
+            yield
+        return
+    if not compiled_by_lightning(module):
+        yield
+        return
+    ctx = module._compiler_ctx
+    compiled = {name: module.__dict__[name] for name in _COMPILED_METHODS if name in module.__dict__}
+    for name in compiled:
+        setattr(module, name, ctx[f"original_{name}"])
+    try:
+        yield
+    finally:
+        for name, method in compiled.items():
+            setattr(module, name, method)
 
 
 def in_backward() -> bool:

@@ -13,6 +13,10 @@ layer's backward is exactly the transpose of its forward:
     all_to_all_rows          all-to-all of rows forward, the reverse all-to-all backward (expert
                              parallelism: tokens to their experts' ranks and back)
 
+Under ``torch.compile`` each collective is issued in its functional form (``compat.functional_collectives``),
+which dynamo traces into the graph, the same sums in the same layout as the eager path; ``COUNTS`` is not
+advanced there (a trace runs once for many steps). Eagerly the operators are unchanged.
+
 Every function takes the ``group`` to talk over (None = the whole world). A group of size one makes every
 operator the identity and issues no collective. A ``SimulatedGroup`` stands for a group in a one-process dry
 run: shapes are those of one of its ranks, nothing is sent, values mean nothing. ``COUNTS`` tallies the
@@ -30,7 +34,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_parallel.compat import foreach_mul, foreach_mul_, foreach_norm, reduce_scatter_single
+from lightning_parallel.compat import (
+    foreach_mul,
+    foreach_mul_,
+    foreach_norm,
+    functional_collectives,
+    reduce_scatter_single,
+)
 
 __all__ = [
     "copy_to_group",
@@ -78,12 +88,30 @@ def group_rank(group: Optional[dist.ProcessGroup]) -> int:
     return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
+def _count(kind: str) -> None:
+    """Tally a collective issued eagerly (``COUNTS``); a compiled trace counts nothing."""
+    if not torch.compiler.is_compiling():
+        COUNTS[kind] += 1
+
+
+def _named(group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    """``group`` as functional collectives take it (they have no None for the world)."""
+    return group if group is not None else dist.group.WORLD
+
+
+def _traced_all_reduce(tensor: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
+    """The sum of ``tensor`` over ``group`` as a functional collective (a new tensor): under compile."""
+    return functional_collectives.all_reduce(tensor, "sum", _named(group))
+
+
 def all_reduce_sum(tensor: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
     """Sum ``tensor`` over ``group`` in place (no autograd); returns it."""
     if isinstance(group, SimulatedGroup):
         return tensor
+    if group_size(group) > 1 and torch.compiler.is_compiling():
+        return tensor.copy_(_traced_all_reduce(tensor, group))
     if group_size(group) > 1:
-        COUNTS["all_reduce"] += 1
+        _count("all_reduce")
         dist.all_reduce(tensor, group=group)
     return tensor
 
@@ -95,6 +123,7 @@ def _collective_device(group: Optional[dist.ProcessGroup]) -> torch.device:
     return torch.device("cpu")
 
 
+@torch.compiler.assume_constant_result  # a group's backend never changes: read when tracing
 def _on_host(group: Optional[dist.ProcessGroup]) -> bool:
     """Whether ``group`` (of more than one rank, not simulated) runs on gloo, whose all-gather and
     reduce-scatter stage the whole tensor in buffers of their own (torch's ``ProcessGroupGloo``: the
@@ -135,15 +164,19 @@ def all_gather_dim(tensor: Tensor, group: Optional[dist.ProcessGroup], dim: int 
         return tensor
     if isinstance(group, SimulatedGroup):
         return torch.cat([tensor] * size, dim=dim)
-    COUNTS["all_gather"] += 1
+    _count("all_gather")
     if _on_host(group):  # summed in place into the result: its only whole-size buffer (``_on_host``)
         shape = list(tensor.shape)
         shape[dim] *= size
         gathered = tensor.new_zeros(shape)
         gathered.chunk(size, dim=dim)[group_rank(group)].copy_(tensor)
+        if torch.compiler.is_compiling():
+            return _traced_all_reduce(gathered, group)
         dist.all_reduce(gathered, group=group)
         return gathered
     tensor = tensor.contiguous()
+    if torch.compiler.is_compiling():
+        return functional_collectives.all_gather_tensor(tensor, dim % tensor.dim(), _named(group))
     parts = [torch.empty_like(tensor) for _ in range(size)]
     dist.all_gather(parts, tensor, group=group)
     return torch.cat(parts, dim=dim)
@@ -158,12 +191,19 @@ def reduce_scatter_dim(tensor: Tensor, group: Optional[dist.ProcessGroup], dim: 
         return _split(tensor, group, dim)
     if tensor.shape[dim] % size:
         raise ValueError(f"cannot split dimension {dim} of size {tensor.shape[dim]} into {size} equal parts")
-    COUNTS["reduce_scatter"] += 1
+    _count("reduce_scatter")
     if _on_host(group):  # gloo's reduce-scatter all-reduces a copy of the whole input: one copy, ours
         whole = tensor.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(whole, group=group)
+        if torch.compiler.is_compiling():
+            whole = _traced_all_reduce(whole, group)
+        else:
+            dist.all_reduce(whole, group=group)
         part = tensor.shape[dim] // size
         return whole.narrow(dim, group_rank(group) * part, part).contiguous()
+    if torch.compiler.is_compiling():
+        return functional_collectives.reduce_scatter_tensor(
+            tensor.contiguous(), "sum", dim % tensor.dim(), _named(group)
+        )
     front = tensor.movedim(dim, 0).contiguous()
     out = front.new_empty((front.shape[0] // size, *front.shape[1:]))
     reduce_scatter_single()(out, front, group=group)
@@ -176,7 +216,7 @@ def all_gather_list(tensor: Tensor, group: Optional[dist.ProcessGroup]) -> list[
         return [tensor]
     if isinstance(group, SimulatedGroup):
         return [tensor] * group.size
-    COUNTS["all_gather"] += 1
+    _count("all_gather")
     tensor = tensor.contiguous()
     parts = [torch.empty_like(tensor) for _ in range(group_size(group))]
     dist.all_gather(parts, tensor, group=group)

@@ -90,6 +90,9 @@ class SavedHooks(torch.autograd.graph.saved_tensors_hooks):
         super().__exit__(*args)
         self.below = None
 
+    # autograd calls the hooks as it saves, also inside a compiled graph's run, where dynamo would trace
+    # them as frames of their own: they run eagerly (storage identities, Python bookkeeping)
+    @torch.compiler.disable
     def _pack(self, t: Tensor) -> Any:
         stored = self.keep(t)
         if self._stores():
@@ -111,6 +114,7 @@ class SavedHooks(torch.autograd.graph.saved_tensors_hooks):
             stored.restore,
         )
 
+    @torch.compiler.disable
     def _unpack(self, packed: Any) -> Tensor:
         unpack, inner, restore = packed
         t = inner if unpack is None else unpack(inner)

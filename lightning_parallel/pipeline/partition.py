@@ -60,11 +60,13 @@ __all__ = [
 
 class StageOutput(BaseException):
     """Raised through the user's code at the end of a stage (BaseException: ``except Exception`` in
-    user code must not swallow it)."""
+    user code must not swallow it), with the stage's output as its one argument: ``StageOutput(output)``.
+    No ``__init__`` of its own, so that dynamo can build it inside a compiled forward."""
 
-    def __init__(self, tensor: Tensor) -> None:
-        super().__init__("end of pipeline stage")
-        self.tensor = tensor
+    @property
+    def tensor(self) -> Any:
+        """The stage's output (a tensor, or a tuple of tensors and None)."""
+        return self.args[0]
 
 
 @dataclass

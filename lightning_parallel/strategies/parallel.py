@@ -33,6 +33,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_parallel.checkpointing import ShardLayout
@@ -49,6 +50,7 @@ from lightning_parallel.every_rank import training_step_scope
 from lightning_parallel.load_balancing import refusal as load_balancing_refusal
 from lightning_parallel.memory.saved import can_stack
 from lightning_parallel.parameter_set import ParameterChange
+from lightning_parallel.pipeline.compiled import compile_stage_blocks
 from lightning_parallel.pipeline.partition import partition
 from lightning_parallel.pipeline.placement import global_stage
 from lightning_parallel.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, virtual_stages_problem
@@ -379,6 +381,8 @@ class ParallelStrategy(
             return cut
 
         self.set_up_share(parallelize)
+        if self.applies("pp"):
+            compile_stage_blocks(module, self.partition, rank_zero_warn)
         if shards:
             install_gradient_sums(module, self.resolved, self.tp_group)
             if self.resolved.sequence is not None:

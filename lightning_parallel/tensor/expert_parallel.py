@@ -14,6 +14,10 @@ same state-dict names. Its forward, per call:
     combine     the rows sent back the same way, weighted by the router's weights and summed per token,
                 as the Hugging Face loop sums them
 
+Under ``torch.compile`` this forward runs eagerly, between the graphs of the rest of the model: how many rows
+go where is data (a host read of the exchanged counts, sizes that depend on the routing), which a graph
+of static shapes cannot hold.
+
 The router and every other part of the model stay as they were (replicated, or tensor-parallel). The
 ranks of an ep group hold different batches (ep divides the data-parallel axis), so an expert's gradient on
 its rank already sums the group's contributions: ``scale_expert_gradients`` divides it by ep, and the
@@ -108,6 +112,8 @@ class ExpertParallelExperts(nn.Module):
         self.__dict__["_local"] = experts  # unregistered: the names stay the experts module's own
         self._scaled = False
 
+    # eager under torch.compile (said at set-up): the split sizes depend on the routing, read on the host
+    @torch.compiler.disable
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         ep, local = self.ep_size, self.num_local
         flat = top_k_index.reshape(-1)

@@ -126,7 +126,9 @@ class SharedEntry:
     sets ``sequence_dim``: the entry then all-gathers that dimension (reduce-scatter backward), or passes
     the input through when ``gathered`` (the pair's module gathered it on entry; nothing is remembered
     then, since holding the gathered input would keep the whole sequence alive through backward, where
-    only this rank's part is saved)."""
+    only this rank's part is saved). Under ``torch.compile`` nothing is remembered (Python state set inside a
+    graph, and inside a checkpointed region of one, is not allowed): each consumer enters on its own, and
+    backward all-reduces (or reduce-scatters) each consumer's gradient, one collective per consumer."""
 
     def __init__(self, group: Optional[dist.ProcessGroup]) -> None:
         self.group = group
@@ -137,15 +139,19 @@ class SharedEntry:
     def __call__(self, x: Tensor) -> Tensor:
         if self.gathered:
             return x
+        if torch.compiler.is_compiling():  # nothing remembered in a graph (docstring)
+            return self._enter(x)
         grad_mode = torch.is_grad_enabled()
         if self._x is x and self._grad_mode == grad_mode:
             return self._y
-        if self.sequence_dim is None:
-            y = copy_to_group(x, self.group)
-        else:
-            y = gather_sequence(x, self.group, self.sequence_dim)
+        y = self._enter(x)
         self._x, self._y, self._grad_mode = x, y, grad_mode
         return y
+
+    def _enter(self, x: Tensor) -> Tensor:
+        if self.sequence_dim is None:
+            return copy_to_group(x, self.group)
+        return gather_sequence(x, self.group, self.sequence_dim)
 
     def clear(self) -> None:
         self._x: Optional[Tensor] = None

@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.trainer.states import TrainerFn
 
+from lightning_parallel.compat import compiled_runs_eagerly
 from lightning_parallel.step_effects import capture_logs, untouched
 
 __all__ = ["SampleStep", "forward_on", "inert_optimization", "sample_forward"]
@@ -50,6 +51,13 @@ class SampleStep:
     is_batch: bool
 
     def step(self, inputs: Any) -> Any:
+        # eager even in a compiled module (``trainer.fit(torch.compile(model))``): it runs on fake tensors
+        # and under dispatch modes, and dynamo would compile and cache the user's frames against those,
+        # so that the real steps then ran without a graph
+        with compiled_runs_eagerly(self.module):
+            return self._step(inputs)
+
+    def _step(self, inputs: Any) -> Any:
         if self.is_batch and not getattr(self.module, "automatic_optimization", True):
             with inert_optimization(self.module):
                 return self.module.training_step(inputs, 0)

@@ -31,10 +31,12 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.hooks import RemovableHandle
 
+from lightning_parallel.compat import compiled_by_lightning
 from lightning_parallel.distributed.collectives import (
     gather_from_group,
     gather_sequence,
@@ -236,6 +238,12 @@ def apply_sequence_parallel(
     module: nn.Module, plan: SequencePlan, group: Optional[dist.ProcessGroup], gradient_hooks: bool = True
 ) -> SequenceParallel:
     """Wire ``plan`` into ``module`` (sharded already, by ``tensor.shard_module``) over ``group``."""
+    if compiled_by_lightning(module):
+        rank_zero_warn(
+            "sequence_parallel under torch.compile: each region's gathered input is saved whole for backward, "
+            "as under tensor parallelism alone (the saved-tensor hooks that keep this rank's part of it run "
+            "eagerly only); the rest of sequence parallelism is compiled"
+        )
     sp = SequenceParallel(module, plan, group)
     if gradient_hooks:
         sp.install_gradient_sums(module)

@@ -6,12 +6,17 @@ stored is the part instead (a ``memory.saved.SavedHooks`` while the region runs)
 it again when it unpacks it: the saved activations of a region's input drop by ``tp``, for one more
 all-gather per region in backward (q, k and v share it). The hooks stack on those below them: inside a
 checkpointed block, torch's checkpoint stores nothing in the forward and the part in its recompute.
+
+Under ``torch.compile`` the hooks are not installed: what a compiled graph saves for its backward is
+chosen by its own partitioner, inside the graph, and saved-tensor hooks cannot be entered there. A region
+then saves what tensor parallelism alone would (``tensor.sequence`` warns once at set-up).
 """
 
 from __future__ import annotations
 
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -33,11 +38,15 @@ class SavedAsPart:
         self._last: Optional[tuple[tuple, Tensor, Tensor]] = None  # (part's place, part, gathered again)
 
     def enter(self, gathered: Tensor, part: Tensor) -> None:
+        if torch.compiler.is_compiling():  # a compiled graph saves what its partitioner chose (module doc)
+            return
         hooks = SavedHooks(self._keep)
         hooks.__enter__()
         self.stack.append((hooks, storage_id(gathered), part))
 
     def exit(self) -> None:
+        if torch.compiler.is_compiling():
+            return
         if self.stack:
             self.stack.pop()[0].__exit__(None, None, None)
         self._last = None

@@ -3,7 +3,9 @@
 The parent (``tests/helpers/harness.py``) starts one of these per rank with the variables a launcher
 such as torchrun would set (MASTER_ADDR/PORT, WORLD_SIZE, NODE_RANK, LOCAL_RANK), so Lightning treats
 the processes as created externally and runs an ordinary ``Trainer.fit`` in each. Several cases run
-one after another in the same processes to save start-up time.
+one after another in the same processes to save start-up time. A case with ``"compile": {...}`` fits
+``torch.compile(model, **that)`` and returns what dynamo did (``dynamo_record``) and what set-up said about
+the compiled model (its warnings that name "under torch.compile").
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import os
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +77,29 @@ class SetupMemory(Callback):
             "peak_at_end": peak_rss_bytes() - self.rss_before,
             "parameter_bytes": self.parameter_bytes,
         }
+
+
+def reset_dynamo() -> None:
+    """Forget what dynamo compiled and counted before, so that a compiled case counts its own graphs."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+
+
+def dynamo_record() -> dict:
+    """What dynamo did during the case: its statistics (``unique_graphs``, ``calls_captured``, ...) and
+    each graph break's reason with the frames dynamo was tracing when it broke (file, line, function)."""
+    from torch._dynamo.utils import counters, graph_break_reasons
+
+    return {
+        "stats": dict(counters["stats"]),
+        "counters": {kind: dict(counts) for kind, counts in counters.items()},
+        "graph_breaks": [
+            {"reason": r.reason, "frames": [(f.filename, f.lineno, f.name) for f in r.user_stack]}
+            for r in graph_break_reasons
+        ],
+    }
 
 
 def build_strategy(spec: Any, world_size: int) -> Any:
@@ -141,15 +167,26 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
         with trainer.init_module(empty_init=case["empty_init"]):
             model = load_object(case["model"])(**case.get("model_kwargs", {}))
     fit_kwargs = {"weights_only": case["weights_only"]} if "weights_only" in case else {}
-    try:
-        trainer.fit(model, datamodule=data, ckpt_path=case.get("ckpt_path"), **fit_kwargs)
-    except Exception as error:
-        if case.get("expect_error"):  # the fit must fail: its error and what trained before it are the result
-            return {"error": f"{type(error).__name__}: {error}", "losses": recorder.losses}
-        if not case.get("may_refuse"):
-            raise
-        # every rank refused before training (an error on some ranks only would have hung): the result
-        return {"refused": f"{type(error).__name__}: {error}", "global_step": trainer.global_step}
+    compiled = "compile" in case  # {"backend": "eager", ...}: torch.compile's keyword arguments
+    if compiled:
+        reset_dynamo()
+    with warnings.catch_warnings(record=compiled) as caught:  # what set-up says about a compiled model
+        if compiled:
+            warnings.simplefilter("always")
+        try:
+            trainer.fit(
+                torch.compile(model, **case["compile"]) if compiled else model,
+                datamodule=data,
+                ckpt_path=case.get("ckpt_path"),
+                **fit_kwargs,
+            )
+        except Exception as error:
+            if case.get("expect_error"):  # the fit must fail: its error and what trained before it are the result
+                return {"error": f"{type(error).__name__}: {error}", "losses": recorder.losses}
+            if not case.get("may_refuse"):
+                raise
+            # every rank refused before training (an error on some ranks only would have hung): the result
+            return {"refused": f"{type(error).__name__}: {error}", "global_step": trainer.global_step}
     if case.get("expect_error"):
         return {"error": None, "losses": recorder.losses}
     if case.get("validate_after_fit"):
@@ -170,6 +207,11 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
         for c in trainer.callbacks
         if type(c).__name__ in ("ModelCheckpoint", "EarlyStopping")
     }
+    if compiled:
+        result["dynamo"] = dynamo_record()
+        result["compile_warnings"] = [
+            str(w.message) for w in caught if "under torch.compile" in str(w.message)
+        ]
     if case.get("probe"):  # "module:function(trainer) -> picklable", to look inside the strategy
         result["probe"] = load_object(case["probe"])(trainer)
     if case.get("save_checkpoint"):
