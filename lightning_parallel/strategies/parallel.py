@@ -28,11 +28,14 @@ pp (and ep: each expert counted by its rank).
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelSummary
+from lightning.pytorch.trainer.states import TrainerStatus
 from torch import nn
 
 from lightning_parallel.checkpointing import ShardLayout
@@ -57,6 +60,7 @@ from lightning_parallel.strategies.options import level_problems
 from lightning_parallel.strategies.pipeline_async import AsyncPipelineMixin
 from lightning_parallel.strategies.pipeline_stages import PipelineStages
 from lightning_parallel.strategies.plan_verification import PlanVerification
+from lightning_parallel.strategies.whole_model import WholeModel, guard_lifted, remove_guard, summary_of_whole
 from lightning_parallel.tensor import Plan, ResolvedPlan, parse_plan, resolve
 from lightning_parallel.tensor.coverage import check_coverage
 from lightning_parallel.tensor.expert_parallel import expert_pieces, experts_left_to_expert_parallel
@@ -70,8 +74,8 @@ from lightning_parallel.tensor.full_state import (
     sharded_parameters,
     unsharded_copy,
 )
-from lightning_parallel.tensor.gradient_sums import installed_gradient_sums
-from lightning_parallel.tensor.layers import SharedEntry, _TPLayer
+from lightning_parallel.tensor.gradient_sums import installed_gradient_sums, remove_gradient_sums
+from lightning_parallel.tensor.layers import FEATURE_SHARDS, SharedEntry, _TPLayer
 from lightning_parallel.tensor.plan import install_gradient_sums, replicated_blocks
 from lightning_parallel.tensor.replicated_blocks import norm_weight
 from lightning_parallel.tensor.sample import sample_forward
@@ -196,6 +200,7 @@ class ParallelStrategy(
         self.expert_parallel_size = expert_parallel_size
         self.expert_reducer: Optional[GradientReducer] = None  # the experts' gradients over their replicas
         self.resolved: Optional[ResolvedPlan] = None
+        self.whole: Optional[WholeModel] = None  # the module's children before the split (given back after)
         self._entries: list[SharedEntry] = []
         self._stage_costs: Optional[list[float]] = None  # balance='time': each block's measured seconds
         self._init_stage_state()
@@ -279,8 +284,9 @@ class ParallelStrategy(
         self._bind_metrics_to_dp_group()  # also for validate/test/predict without a fit
         if not self.model_is_split():
             self._split(module)
-        elif self._is_sharded():  # split by an earlier fit of this trainer: keep its layers
+        elif self._is_sharded():  # split by an earlier fit of this trainer (built on meta): keep its layers
             self._keep_earlier_shards(module, shape.tp)
+        self._summarize_whole()
         self.apply_activation_checkpointing(self.block_stack)  # on the sharded stage, before the dp path
         if self.pipelined and self.executor is None:
             self.wire_stages(self._stage_costs)
@@ -303,7 +309,9 @@ class ParallelStrategy(
 
     def _split(self, module: nn.Module) -> None:
         """Tensor parallel, then pipeline stages, applied to the meta module inside ``set_up_share``: the
-        rank allocates only its stage's shards (and what it replicates), each filled from the full value."""
+        rank allocates only its stage's shards (and what it replicates), each filled from the full value.
+        The module's structure before is kept (``self.whole``) to give it back whole when the stage ends."""
+        self.whole = WholeModel.keep(module)
         shards = self.applies("tp") and self._plan is not None
         if shards:
             tp = self.mesh.shape.tp
@@ -498,7 +506,62 @@ class ParallelStrategy(
         """Whole gradients by name cut to this rank's shards (no communication)."""
         return cut_shards(self.lightning_module, full)
 
+    # ----------------------------------------------------------------- the module given back
+    def connect(self, model: Any) -> None:
+        remove_guard(model)  # a module left split by an earlier stage is this stage's to set up
+        super().connect(model)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        with guard_lifted(self.lightning_module):  # trainer.save_checkpoint of a module left split
+            return super().lightning_module_state_dict()
+
+    def _summary_callbacks(self) -> list[ModelSummary]:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return [c for c in trainer.callbacks if isinstance(c, ModelSummary)] if trainer is not None else []
+
+    def _summarize_whole(self) -> None:
+        """Lightning's model summary (at ``on_fit_start``, after set-up) counts the whole module's
+        parameters, not this rank's share."""
+        if self.whole is None or not self.model_is_split():
+            return
+        for callback in self._summary_callbacks():
+            callback.__dict__["_summary"] = types.MethodType(summary_of_whole(self.whole), callback)
+
+    def give_back_whole(self) -> None:
+        """At the end of a stage that ended well, every rank's module is whole again (the checkpoints'
+        gather, then the children rebuilt from their skeletons), unless it was built on meta: that one stays
+        split, and its ``state_dict()`` and ``forward`` raise, naming ``trainer.save_checkpoint``."""
+        for callback in self._summary_callbacks():
+            callback.__dict__.pop("_summary", None)
+        module, whole = self.lightning_module, self.whole
+        if module is None or whole is None or not self.model_is_split():
+            return
+        trainer = getattr(module, "_trainer", None)
+        stage = trainer.state.fn.value if trainer is not None and trainer.state.fn else "the stage"
+        if trainer is None or trainer.state.status != TrainerStatus.RUNNING:
+            return whole.refuse_shard(module, f"stopped with an error while split by {self.strategy_name}")
+        if whole.built_on_meta:
+            return whole.refuse_shard(
+                module,
+                f"was built on the meta device (trainer.init_module() / configure_model), so after "
+                f"trainer.{stage}() it stays split by {self.strategy_name}",
+            )
+        self.prepare_checkpoint()
+        state = self.full_model_state()
+        whole.put_back(module, state, self.root_device)
+        self._forget_split(module)
+
+    def _forget_split(self, module: nn.Module) -> None:
+        """What the split left on the strategy and the root module: the next stage splits the whole module."""
+        module.__dict__.pop(FEATURE_SHARDS, None)
+        remove_gradient_sums(module)
+        self.sequence = None
+        self.partition, self.executor, self.logs, self._deferred_bn = None, None, None, None
+        self._replicated = []
+        self._checkpointed = []
+
     def teardown(self) -> None:
+        self.give_back_whole()
         self._entries = []
         sums = installed_gradient_sums(self.lightning_module) if self.lightning_module is not None else None
         if sums is not None:  # the split module keeps its sums; this fit's reducer hears no more

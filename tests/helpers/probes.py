@@ -1,4 +1,5 @@
-"""Functions the worker calls after fit (case option ``probe``) to report what a strategy did inside."""
+"""Functions the worker calls after fit (case option ``probe``) to report what a strategy did inside; those
+marked ``before_teardown`` look at the split module, so they run when fit ends, before it is made whole."""
 
 from dataclasses import asdict
 
@@ -42,6 +43,9 @@ def local_shards(trainer) -> dict:
     return {"keys": sorted(strategy.lightning_module.state_dict().keys()), "layouts": layouts}
 
 
+local_shards.before_teardown = True
+
+
 def tensor_parallel_plan(trainer) -> dict:
     """The resolved plan's styles, what stayed whole and why, and the parameters this rank holds."""
     resolved = trainer.strategy.resolved
@@ -51,6 +55,9 @@ def tensor_parallel_plan(trainer) -> dict:
         "report": resolved.report,
         "local_parameters": sum(p.numel() for p in trainer.lightning_module.parameters()),
     }
+
+
+tensor_parallel_plan.before_teardown = True
 
 
 def batchnorm_history(trainer) -> list:
@@ -84,6 +91,9 @@ def memory_report(trainer) -> dict:
             "optimizer_state": storages(state),
         },
     }
+
+
+memory_report.before_teardown = True
 
 
 def _refit_with_an_extra_key(trainer, strict: bool) -> dict:
@@ -131,6 +141,9 @@ def sequence_parallel(trainer) -> dict:
         "summed": strategy.sequence.summed() if strategy.sequence is not None else [],
         "activations": report_of(trainer).tables["end_of_fit"][rank].activations,
     }
+
+
+sequence_parallel.before_teardown = True
 
 
 class CollectiveCounter:
@@ -245,6 +258,9 @@ def expert_parallel(trainer) -> dict:
     reducer = strategy.expert_reducer
     held_by_reducer = None if reducer is None else sum(len(b.params) for b in reducer.buckets)
     return {"held": held, "expert_reducer": held_by_reducer}
+
+
+expert_parallel.before_teardown = True
 
 
 def step_traffic(trainer) -> list[dict]:

@@ -90,6 +90,35 @@ def build_strategy(spec: Any, world_size: int) -> Any:
     return spec
 
 
+def probe_before_teardown(trainer: Trainer, probe: Any) -> list:
+    """Call ``probe(trainer)`` when fit ends, before the strategy gives the module back whole; the list
+    receives its result."""
+    found: list = []
+    strategy = trainer.strategy
+    teardown = strategy.teardown
+
+    def probed() -> None:
+        if not found and trainer.state.fn == "fit":
+            found.append(probe(trainer))
+        teardown()
+
+    strategy.teardown = probed
+    return found
+
+
+def forward_on_first_samples(model: Any, data: Any) -> torch.Tensor:
+    """The module's output (no grad) on the first two training samples, as one process computes it."""
+    from torch.utils.data import default_collate
+
+    dataset = data.train_dataloader().dataset
+    batch = default_collate([dataset[0], dataset[1]])
+    x = batch[0] if isinstance(batch, (tuple, list)) else batch
+    dtype = next(model.parameters()).dtype
+    x = x.to(dtype) if x.is_floating_point() else x
+    with torch.no_grad():
+        return model(x).detach().clone()
+
+
 def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
     """Fit ``case`` with the global batch split over ``world_size`` processes; return what it produced."""
     seed_everything(case.get("seed", 0), workers=True)
@@ -136,6 +165,10 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
     if deferred:
         with trainer.init_module(empty_init=case["empty_init"]):
             model = load_object(case["model"])(**case.get("model_kwargs", {}))
+    probe = load_object(case["probe"]) if case.get("probe") else None
+    inside = getattr(probe, "before_teardown", False)  # looks at the split module, before it is whole again
+    if inside:
+        inside = probe_before_teardown(trainer, probe)
     trainer.fit(model, datamodule=data, ckpt_path=case.get("ckpt_path"))
     if case.get("validate_after_fit"):
         trainer.validate(model, datamodule=data, verbose=False)
@@ -155,8 +188,10 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
         for c in trainer.callbacks
         if type(c).__name__ in ("ModelCheckpoint", "EarlyStopping")
     }
-    if case.get("probe"):  # "module:function(trainer) -> picklable", to look inside the strategy
-        result["probe"] = load_object(case["probe"])(trainer)
+    if probe is not None:  # "module:function(trainer) -> picklable", to look inside the strategy
+        result["probe"] = inside[0] if inside else probe(trainer)
+    if case.get("forward_after_fit") and trainer.global_rank == 0:
+        result["forward"] = forward_on_first_samples(model, data)
     if case.get("save_checkpoint"):
         trainer.save_checkpoint(out_dir / "last.ckpt")
     return result

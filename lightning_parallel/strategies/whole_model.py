@@ -1,0 +1,151 @@
+"""The module the user passed in, given back whole at the end of ``fit``/``validate``/``test``/``predict``.
+
+A split strategy changes the user's module in place (sharded layers, pipeline stages, placed experts).
+Before the split, ``WholeModel.keep`` takes a skeleton of the module's children (meta tensors, no memory).
+When the stage ends, ``put_back`` gathers the full state (the checkpoints' gather: ``full_model_state``)
+and makes the children their skeletons filled with the trained values, on every rank: ``state_dict()`` and
+``forward`` are one device's again. A module built on the meta device was never whole on one device, so it
+is left split; then ``state_dict()`` and ``forward`` raise (``refuse_shard``), naming
+``trainer.save_checkpoint``, instead of returning a shard. The skeleton also gives Lightning's model
+summary the whole model's parameter counts (``summary_of_whole``).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Generator, Mapping, Optional
+
+import torch
+from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
+from lightning.pytorch.utilities.model_summary.model_summary import _tensor_has_shape
+from torch import nn
+
+from lightning_parallel.checkpointing.one_device import meta_skeleton, put_back_whole
+from lightning_parallel.materialize import has_meta_tensors
+
+__all__ = ["WholeModel", "WholeModelSummary", "ShardedModuleError", "guard_lifted", "remove_guard"]
+
+#: the attributes a module left split answers with an error
+GUARDED = ("state_dict", "forward")
+_GUARD = "_lp_shard_guard"  # the guard's record in the module's __dict__
+
+
+class ShardedModuleError(RuntimeError):
+    """``state_dict()`` or ``forward`` of a module left split after a stage: it holds this rank's share."""
+
+
+def _numel(params: Any) -> tuple[int, int]:
+    unique = {id(p): p for p in params if not _tensor_has_shape(p)}.values()
+    return sum(p.numel() for p in unique), sum(p.numel() for p in unique if p.requires_grad)
+
+
+@dataclass
+class WholeModel:
+    """The skeleton of a module's children before the split, and whether the module was whole then."""
+
+    skeleton: nn.Module  # an nn.ModuleDict of the children's skeletons, under the children's names
+    built_on_meta: bool  # init_module / configure_model on meta: never whole on one device
+
+    @classmethod
+    def keep(cls, module: nn.Module) -> "WholeModel":
+        """Before the split: the children's skeleton (one copy, so ties between children stay tied; a child
+        pointing back at the LightningModule keeps pointing at it)."""
+        children = nn.ModuleDict()
+        children._modules = dict(module._modules)
+        return cls(meta_skeleton(children, {id(module): module}), has_meta_tensors(module))
+
+    def put_back(self, module: nn.Module, state: Mapping[str, torch.Tensor], device: torch.device) -> None:
+        """``module`` whole again, from the full ``state`` (every key of its state dict)."""
+        remove_guard(module)
+        put_back_whole(module, self.skeleton, state, device)
+
+    def parameter_counts(self, module: nn.Module) -> tuple[int, int]:
+        """(all, trainable) parameters of the whole ``module``: its own and its children's before the split."""
+        own = list(module.parameters(recurse=False))
+        return _numel([*own, *self.skeleton.parameters()])
+
+    def refuse_shard(self, module: nn.Module, why: str) -> None:
+        """``module.state_dict()`` and ``module(...)`` raise from now on (until the next stage starts):
+        ``module`` holds only this rank's share."""
+        remove_guard(module)
+        held, _ = _numel(module.parameters())
+        whole, _ = self.parameter_counts(module)
+        message = (
+            f"{type(module).__name__} {why}, so this rank holds only its share of it ({held:,} of {whole:,} "
+            "parameters) and state_dict() or a forward would be a shard's. Save it whole with "
+            "trainer.save_checkpoint('model.ckpt') (every rank calls it; the file holds the single-device "
+            "state dict), then load it on one device with "
+            f"{type(module).__name__}.load_from_checkpoint('model.ckpt') or "
+            "model.load_state_dict(torch.load('model.ckpt')['state_dict']). A module built whole (not under "
+            "trainer.init_module() / configure_model on meta) is given back whole."
+        )
+
+        def refuse(*args: Any, **kwargs: Any) -> Any:
+            raise ShardedModuleError(message)
+
+        module.__dict__[_GUARD] = {name: module.__dict__.get(name) for name in GUARDED}
+        for name in GUARDED:
+            module.__dict__[name] = refuse
+
+
+def remove_guard(module: Optional[nn.Module]) -> None:
+    """Take ``refuse_shard``'s guard off (at the start of the next stage, or when made whole)."""
+    saved = module.__dict__.pop(_GUARD, None) if module is not None else None
+    for name, value in (saved or {}).items():
+        if value is None:
+            module.__dict__.pop(name, None)
+        else:
+            module.__dict__[name] = value
+
+
+@contextmanager
+def guard_lifted(module: Optional[nn.Module]) -> Generator[None, None, None]:
+    """The strategy's own reads of a module left split (``trainer.save_checkpoint`` after the stage)."""
+    saved = module.__dict__.get(_GUARD) if module is not None else None
+    if saved is None:
+        yield
+        return
+    guards = {name: module.__dict__[name] for name in GUARDED}
+    remove_guard(module)
+    try:
+        yield
+    finally:
+        module.__dict__[_GUARD] = saved
+        module.__dict__.update(guards)
+
+
+class WholeModelSummary(Summary):
+    """Lightning's model summary of a split module, with the parameter counts of the whole module (the
+    layers' too): in/out sizes and FLOPs are measured on the module as this rank holds it."""
+
+    def __init__(self, model: Any, max_depth: int, whole: WholeModel) -> None:
+        self._whole = whole
+        super().__init__(model, max_depth)
+
+    @property
+    def param_nums(self) -> list[int]:
+        skeleton, counts = self._whole.skeleton, []
+        for name, layer in self._layer_summary.items():
+            try:
+                counts.append(_numel(skeleton.get_submodule(name).parameters())[0])
+            except AttributeError:  # a module the split added: counted as held
+                counts.append(layer.num_parameters)
+        return counts
+
+    @property
+    def total_parameters(self) -> int:
+        return self._whole.parameter_counts(self._model)[0]
+
+    @property
+    def trainable_parameters(self) -> int:
+        return self._whole.parameter_counts(self._model)[1]
+
+
+def summary_of_whole(whole: WholeModel) -> Callable[..., Summary]:
+    """A replacement of Lightning's ``ModelSummary._summary`` that counts the whole module."""
+
+    def summary(callback: Any, trainer: Any, pl_module: Any) -> Summary:
+        return WholeModelSummary(pl_module, max_depth=callback._max_depth, whole=whole)
+
+    return summary
