@@ -249,6 +249,15 @@ class ParallelStrategy(
     def tp_group(self) -> Optional[dist.ProcessGroup]:
         return self.mesh.group("tp") if self.mesh is not None else None
 
+    def check_before_launch(self) -> Any:
+        """The layout, and what the schedule and sequence parallelism need of it, before any process starts."""
+        shape = super().check_before_launch()
+        if shape.pp > 1 or "pp" in self.always_applied:
+            require([self.stages_problem(shape.pp)])
+            if self.sequence_parallel:
+                raise ValueError(f"sequence_parallel=True with pipeline_parallel_size={shape.pp}: {SP_WITH_PP}")
+        return shape
+
     def applies(self, axis: str) -> bool:
         """Whether set-up applies the parallelism of ``axis`` ("tp" or "pp") to this run's module."""
         return self.mesh.shape.size(axis) > 1 or axis in self.always_applied

@@ -31,6 +31,7 @@ __all__ = [
     "run_processes",
     "max_param_diff",
     "assert_params_close",
+    "assert_given_back_whole",
     "saved_checkpoint",
     "REPO",
 ]
@@ -129,3 +130,15 @@ def saved_checkpoint(tmp_path: Path, world_size: int, name: str) -> dict:
 def assert_params_close(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], atol: float) -> None:
     diff = max_param_diff(a, b)
     assert diff <= atol, f"largest parameter difference {diff:.3e} exceeds {atol:.0e}"
+
+
+def assert_given_back_whole(ranks: list[dict], full: Mapping[str, torch.Tensor], reference: dict) -> None:
+    """After fit every rank's module is whole again: its ``state_dict()`` has one device's names in one
+    device's order (``reference``: the single-process run) and the full checkpoint's values, and rank 0's
+    forward (case option ``forward_after_fit``) gives one device's output."""
+    for rank in ranks:
+        assert list(rank["state_dict"]) == list(reference["state_dict"])
+        assert max_param_diff(rank["state_dict"], full) == 0
+        assert all(rank["state_dict"][k].shape == v.shape for k, v in full.items())
+    diff = (ranks[0]["forward"].double() - reference["forward"].double()).abs().max().item()
+    assert diff <= 1e-10, f"rank 0's forward after fit differs from one device's by {diff:.3e}"
