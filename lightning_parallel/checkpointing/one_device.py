@@ -19,7 +19,15 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-__all__ = ["SKELETON", "filled_copy", "keep_skeleton", "meta_skeleton", "one_device_copy", "put_back_whole"]
+__all__ = [
+    "SKELETON",
+    "filled_copy",
+    "keep_skeleton",
+    "meta_skeleton",
+    "one_device_copy",
+    "put_back_whole",
+    "unsaved_buffers",
+]
 
 SKELETON = "unsharded"  # the key of a changed module's skeleton in its __dict__
 
@@ -33,15 +41,23 @@ def meta_skeleton(module: nn.Module, memo: Optional[dict[int, Any]] = None) -> n
         for value in vars(m).values():
             if isinstance(value, dist.ProcessGroup):
                 memo[id(value)] = None
-    kept = {
-        id(b) for m in module.modules() for n, b in m._buffers.items() if n in m._non_persistent_buffers_set
-    }
+    kept = {id(b) for b in unsaved_buffers(module).values()}
     for t in [*module.parameters(), *module.buffers()]:
         if id(t) in kept:
             continue
         empty = t.detach().to("meta")
         memo[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
     return copy.deepcopy(module, memo)
+
+
+def unsaved_buffers(module: nn.Module) -> dict[str, Tensor]:
+    """The non-persistent buffers of ``module`` by name (a causal mask): what no state dict holds."""
+    return {
+        f"{prefix}.{n}" if prefix else n: b
+        for prefix, m in module.named_modules()
+        for n, b in m._buffers.items()
+        if n in m._non_persistent_buffers_set and b is not None
+    }
 
 
 def keep_skeleton(module: nn.Module, skeleton: Optional[nn.Module] = None) -> None:
@@ -77,9 +93,13 @@ def filled_copy(
     skeleton: nn.Module, state: Mapping[str, Tensor], device: Optional[torch.device] = None
 ) -> nn.Module:
     """A copy of ``skeleton`` whose parameters and persistent buffers are ``state``'s tensors (their dtype,
-    on ``device`` or where they are; tied ones stay tied), its non-persistent buffers its own."""
+    on ``device`` or where they are; tied ones stay tied), its non-persistent buffers its own (or, where
+    they are meta, ``state``'s)."""
     memo: dict[int, Any] = {}
-    named = [*skeleton.named_parameters(remove_duplicate=False), *skeleton.named_buffers(remove_duplicate=False)]
+    named = [
+        *skeleton.named_parameters(remove_duplicate=False),
+        *skeleton.named_buffers(remove_duplicate=False),
+    ]
     for key, t in named:
         if id(t) in memo or not t.is_meta:  # a tie's other name; a non-persistent buffer's value
             continue

@@ -28,6 +28,7 @@ pp (and ep: each expert counted by its rank).
 
 from __future__ import annotations
 
+import sys
 import types
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
@@ -46,9 +47,11 @@ from lightning_parallel.checkpointing.by_name import (
     state_from_full,
 )
 from lightning_parallel.checkpointing.contract import check_keys, unwrapped
+from lightning_parallel.checkpointing.one_device import unsaved_buffers
 from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.zero import ShardedGradientReducer
 from lightning_parallel.load_balancing import refusal as load_balancing_refusal
+from lightning_parallel.memory.accounting import available_host_bytes
 from lightning_parallel.memory.saved import can_stack
 from lightning_parallel.pipeline.partition import partition
 from lightning_parallel.pipeline.placement import global_stage
@@ -255,7 +258,9 @@ class ParallelStrategy(
         if shape.pp > 1 or "pp" in self.always_applied:
             require([self.stages_problem(shape.pp)])
             if self.sequence_parallel:
-                raise ValueError(f"sequence_parallel=True with pipeline_parallel_size={shape.pp}: {SP_WITH_PP}")
+                raise ValueError(
+                    f"sequence_parallel=True with pipeline_parallel_size={shape.pp}: {SP_WITH_PP}"
+                )
         return shape
 
     def applies(self, axis: str) -> bool:
@@ -549,16 +554,34 @@ class ParallelStrategy(
         stage = trainer.state.fn.value if trainer is not None and trainer.state.fn else "the stage"
         if trainer is None or trainer.state.status != TrainerStatus.RUNNING:
             return whole.refuse_shard(module, f"stopped with an error while split by {self.strategy_name}")
-        if whole.built_on_meta:
+        need, room = whole.nbytes(module), self.room_for_whole()
+        if not self.reduce_boolean_decision(need <= room):  # every rank gathers, or none
+            built = (
+                " was built on the meta device (trainer.init_module() / configure_model) and"
+                * whole.built_on_meta
+            )
             return whole.refuse_shard(
                 module,
-                f"was built on the meta device (trainer.init_module() / configure_model), so after "
-                f"trainer.{stage}() it stays split by {self.strategy_name}",
+                f"{built} is {need / 2**30:.2f} GiB whole, more than one of the processes on its host can hold "
+                f"({room / 2**30:.2f} GiB available to each), so after trainer.{stage}() it stays split by "
+                f"{self.strategy_name}",
             )
         self.prepare_checkpoint()
-        state = self.full_model_state()
-        whole.put_back(module, state, self.root_device)
+        unsaved = self._unsaved_buffers(module) if whole.built_on_meta else {}
+        whole.put_back(module, {**unsaved, **self.full_model_state()}, torch.device("cpu"))
         self._forget_split(module)
+
+    def room_for_whole(self) -> int:
+        """The bytes of host memory each process on this host may take for the whole module (where Lightning
+        puts it at the end of a stage); unbounded where the host does not say."""
+        available = available_host_bytes()
+        return sys.maxsize if available is None else available // max(1, self.num_processes)
+
+    def _unsaved_buffers(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """The non-persistent buffers (no state dict holds them) of a module built on meta: each stage has the
+        real values of its own blocks' (a collective over the stages)."""
+        local = {k: v for k, v in unsaved_buffers(module).items() if not v.is_meta}
+        return gather_parts(local, self.pp_group, list(unsaved_buffers(module))) if self.pipelined else local
 
     def _forget_split(self, module: nn.Module) -> None:
         """What the split left on the strategy and the root module: the next stage splits the whole module."""

@@ -60,6 +60,12 @@ class WholeModel:
         remove_guard(module)
         put_back_whole(module, self.skeleton, state, device)
 
+    def nbytes(self, module: nn.Module) -> int:
+        """The bytes of the whole ``module``'s parameters and buffers (read from the skeleton's shapes)."""
+        own = [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+        tensors = {id(t): t for t in [*own, *self.skeleton.parameters(), *self.skeleton.buffers()]}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
     def parameter_counts(self, module: nn.Module) -> tuple[int, int]:
         """(all, trainable) parameters of the whole ``module``: its own and its children's before the split."""
         own = list(module.parameters(recurse=False))

@@ -4,6 +4,7 @@ marked ``before_teardown`` look at the split module, so they run when fit ends, 
 from dataclasses import asdict
 
 from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import ModelSummary
 
 
 def reducer_stats(trainer) -> dict:
@@ -44,6 +45,14 @@ def local_shards(trainer) -> dict:
 
 
 local_shards.before_teardown = True
+
+
+def held_state_numel(trainer) -> int:
+    """The elements of this rank's state dict while the module is split."""
+    return sum(t.numel() for t in trainer.lightning_module.state_dict().values())
+
+
+held_state_numel.before_teardown = True
 
 
 def tensor_parallel_plan(trainer) -> dict:
@@ -270,3 +279,33 @@ def step_traffic(trainer) -> list[dict]:
 
     (found,) = [c for c in trainer.callbacks if isinstance(c, StepTraffic)]
     return [{"sent": dict(step.sent), "kept": dict(step.kept)} for step in found.steps]
+
+
+class SummaryTotals(ModelSummary):
+    """Lightning's model summary callback, keeping what it prints: the total and trainable parameters and
+    each layer's count (rank 0 prints)."""
+
+    def __init__(self) -> None:
+        super().__init__(max_depth=1)
+        self.totals: dict = {}
+
+    def summarize(self, summary_data, total_parameters, trainable_parameters, *args, **kwargs) -> None:
+        self.totals = {
+            "total": total_parameters,
+            "trainable": trainable_parameters,
+            "layers": dict(summary_data),
+        }
+        ModelSummary.summarize(summary_data, total_parameters, trainable_parameters, *args, **kwargs)
+
+
+def summary_totals(trainer) -> dict:
+    (found,) = [c for c in trainer.callbacks if isinstance(c, SummaryTotals)]
+    return found.totals
+
+
+class NoRoomForTheWhole(Callback):
+    """Makes the host report no memory for the whole module at the end of fit, as for a model too large to
+    gather: the strategy must leave it split and refuse its ``state_dict()`` and forward."""
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        trainer.strategy.room_for_whole = lambda: 0

@@ -119,6 +119,21 @@ def forward_on_first_samples(model: Any, data: Any) -> torch.Tensor:
         return model(x).detach().clone()
 
 
+def refusals(model: Any, data: Any) -> dict:
+    """What ``state_dict()`` and a forward of a module left split raise: {call: (error type, message)}."""
+    found = {}
+    for name, call in (
+        ("state_dict", model.state_dict),
+        ("forward", lambda: forward_on_first_samples(model, data)),
+    ):
+        try:
+            call()
+            found[name] = None
+        except Exception as error:  # the error is the result
+            found[name] = (type(error).__name__, str(error))
+    return found
+
+
 def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
     """Fit ``case`` with the global batch split over ``world_size`` processes; return what it produced."""
     seed_everything(case.get("seed", 0), workers=True)
@@ -175,8 +190,9 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
     result = {
         "losses": recorder.losses,
         "state_dict": {}
-        if case.get("no_state_dict")
+        if case.get("no_state_dict") or case.get("split_after_fit")
         else {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "refused": refusals(model, data) if case.get("split_after_fit") else None,
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "setup_memory": memory.figures(),
     }

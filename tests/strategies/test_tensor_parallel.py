@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from lightning.pytorch.utilities.model_summary import get_human_readable_count
 
 from lightning_parallel.tensor import resolve
 from lightning_parallel.tensor.table import params_per_rank
@@ -104,13 +105,20 @@ def reference(model, tmp, trainer=None, steps=None, model_kwargs=None, save=Fals
 
 CASES_2 = [case(f"{m}-{p}", m, p) for m in MODELS for p in PLANS] + [
     case("gpt-auto-clip", "gpt", "auto", trainer={"gradient_clip_val": 0.05}),
-    case("mlp-written-verify", "mlp", "written", verify_plan=True),
+    {
+        **case("mlp-written-verify", "mlp", "written", verify_plan=True),
+        "callbacks": [{"class": "tests.helpers.probes:SummaryTotals"}],
+        "probe": "tests.helpers.probes:summary_totals",
+    },
     {
         **case("mlp-auto-validate", "mlp", "auto", trainer={"limit_val_batches": 2}),
         "validate_after_fit": True,
     },
     case("gpt-auto-bf16", "gpt", "auto", trainer={"precision": "bf16-mixed"}, model_kwargs=SGD),
 ]
+for c in CASES_2:
+    if c["name"].count("-") == 1:
+        c["probe"] = "tests.helpers.probes:held_state_numel"
 CASES_4 = [case(f"{m}-{p}-dp2", m, p, dp=2) for m in MODELS for p in PLANS] + [
     case(
         "gpt-auto-dp2-accumulate",
@@ -253,6 +261,19 @@ def test_verify_plan_passes_on_a_correct_plan(tp2):
 
 
 @pytest.mark.timeout(600)
+def test_model_summary_counts_the_whole_model(tp2):
+    """Lightning's model summary (at on_fit_start, after set-up) shows the whole model's parameters."""
+    _, results = tp2
+    c = next(c for c in CASES_2 if c["name"] == "mlp-written-verify")
+    module = load_object(c["model"])(**c["model_kwargs"])
+    totals = results[c["name"]][0]["probe"]
+    assert totals["total"] == totals["trainable"] == sum(p.numel() for p in module.parameters())
+    assert totals["layers"]["Params"] == [
+        get_human_readable_count(sum(p.numel() for p in module.net.parameters()))
+    ]
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", [c["name"] for c in CASES_2 if c["name"].count("-") == 1])
 def test_ranks_hold_the_share_the_table_reports(tp2, name):
     """Parameters, not only compute, are split: what each rank holds equals the plan table's count."""
@@ -264,8 +285,7 @@ def test_ranks_hold_the_share_the_table_reports(tp2, name):
     expected = params_per_rank(module, resolve(module, c["strategy"]["kwargs"]["plan"], 2, run=run))
     total = sum(p.numel() for p in module.parameters())
     for rank in results[name]:
-        held = sum(t.numel() for t in rank["state_dict"].values())
-        assert held == expected < total
+        assert rank["probe"] == expected < total
 
 
 @pytest.mark.timeout(600)
