@@ -43,6 +43,7 @@ from lightning_parallel.checkpointing import ShardLayout
 from lightning_parallel.checkpointing.by_name import (
     gather_optimizer_parts,
     gather_parts,
+    names_in_optimizer,
     state_by_name,
     state_from_full,
 )
@@ -51,7 +52,11 @@ from lightning_parallel.checkpointing.one_device import unsaved_buffers
 from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.zero import ShardedGradientReducer
 from lightning_parallel.load_balancing import refusal as load_balancing_refusal
-from lightning_parallel.memory.accounting import available_host_bytes
+from lightning_parallel.memory.accounting import (
+    available_host_bytes,
+    optimizer_state_tensors,
+    unique_storage_bytes,
+)
 from lightning_parallel.memory.saved import can_stack
 from lightning_parallel.pipeline.partition import partition
 from lightning_parallel.pipeline.placement import global_stage
@@ -63,7 +68,13 @@ from lightning_parallel.strategies.options import level_problems
 from lightning_parallel.strategies.pipeline_async import AsyncPipelineMixin
 from lightning_parallel.strategies.pipeline_stages import PipelineStages
 from lightning_parallel.strategies.plan_verification import PlanVerification
-from lightning_parallel.strategies.whole_model import WholeModel, guard_lifted, remove_guard, summary_of_whole
+from lightning_parallel.strategies.whole_model import (
+    WholeModel,
+    guard_lifted,
+    remove_guard,
+    summary_of_whole,
+    whole_optimizer,
+)
 from lightning_parallel.tensor import Plan, ResolvedPlan, parse_plan, resolve
 from lightning_parallel.tensor.coverage import check_coverage
 from lightning_parallel.tensor.expert_parallel import expert_pieces, experts_left_to_expert_parallel
@@ -554,7 +565,7 @@ class ParallelStrategy(
         stage = trainer.state.fn.value if trainer is not None and trainer.state.fn else "the stage"
         if trainer is None or trainer.state.status != TrainerStatus.RUNNING:
             return whole.refuse_shard(module, f"stopped with an error while split by {self.strategy_name}")
-        need, room = whole.nbytes(module), self.room_for_whole()
+        need, room = whole.nbytes(module) * (1 + self._optimizer_state_ratio(module)), self.room_for_whole()
         if not self.reduce_boolean_decision(need <= room):  # every rank gathers, or none
             built = (
                 " was built on the meta device (trainer.init_module() / configure_model) and"
@@ -567,9 +578,31 @@ class ParallelStrategy(
                 f"{self.strategy_name}",
             )
         self.prepare_checkpoint()
+        optimizers = [(unwrapped(o), *self._whole_optimizer_state(o)) for o in self.optimizers]
         unsaved = self._unsaved_buffers(module) if whole.built_on_meta else {}
         whole.put_back(module, {**unsaved, **self.full_model_state()}, torch.device("cpu"))
+        for optimizer, full, names in optimizers:
+            whole_optimizer(optimizer, full, names, module)
         self._forget_split(module)
+
+    def _whole_optimizer_state(self, optimizer: Any) -> tuple[dict[str, Any], dict[int, str]]:
+        """The single-device state of ``optimizer`` on every rank (with ZeRO, from the data-parallel rank 0
+        that gathered it), and the parameter name of each of its indices."""
+        full = self.full_optimizer_state(optimizer)
+        if self._optimizer_shards.pop(id(unwrapped(optimizer)), None) is not None and self.mesh.shape.dp > 1:
+            box = [full]
+            dist.broadcast_object_list(box, src=self.mesh.ranks("dp")[0], group=self.dp_group)
+            full = box[0]
+        if self.pipelined:  # numbered in single-device order (``merge_states``)
+            return full, dict(enumerate(self._full_param_names))
+        order = [i for group in full["param_groups"] for i in group["params"]]
+        return full, dict(zip(order, names_in_optimizer(unwrapped(optimizer), self.lightning_module)))
+
+    def _optimizer_state_ratio(self, module: nn.Module) -> float:
+        """The optimizer state's bytes per parameter byte (Adam: 2), which the whole optimizer will hold too."""
+        held = unique_storage_bytes(p for p in module.parameters() if not p.is_meta)
+        state = unique_storage_bytes(optimizer_state_tensors(self.optimizers))
+        return state / held * (self.mesh.shape.dp if self._optimizer_shards else 1) if held else 0.0
 
     def room_for_whole(self) -> int:
         """The bytes of host memory each process on this host may take for the whole module (where Lightning

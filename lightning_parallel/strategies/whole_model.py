@@ -24,7 +24,15 @@ from torch import nn
 from lightning_parallel.checkpointing.one_device import meta_skeleton, put_back_whole
 from lightning_parallel.materialize import has_meta_tensors
 
-__all__ = ["WholeModel", "WholeModelSummary", "ShardedModuleError", "guard_lifted", "remove_guard"]
+__all__ = [
+    "WholeModel",
+    "WholeModelSummary",
+    "ShardedModuleError",
+    "guard_lifted",
+    "remove_guard",
+    "summary_of_whole",
+    "whole_optimizer",
+]
 
 #: the attributes a module left split answers with an error
 GUARDED = ("state_dict", "forward")
@@ -93,6 +101,21 @@ class WholeModel:
         module.__dict__[_GUARD] = {name: module.__dict__.get(name) for name in GUARDED}
         for name in GUARDED:
             module.__dict__[name] = refuse
+
+
+def whole_optimizer(
+    optimizer: Any, full: Mapping[str, Any], names: Mapping[int, str], module: nn.Module
+) -> None:
+    """``optimizer`` (the torch optimizer of a split module) made the optimizer of the whole ``module``: its
+    groups hold the whole module's parameters and its state is ``full``, the single-device state dict
+    (``full_optimizer_state``) whose parameter indices ``names`` maps to parameter names."""
+    for name in ("state_dict", "load_state_dict"):  # ZeRO's unsharded view of its pieces
+        optimizer.__dict__.pop(name, None)
+    named = dict(module.named_parameters())
+    for group, saved in zip(optimizer.param_groups, full["param_groups"]):
+        group["params"] = [named[names[i]] for i in saved["params"]]
+    optimizer.state.clear()
+    optimizer.load_state_dict(full)
 
 
 def remove_guard(module: Optional[nn.Module]) -> None:

@@ -52,13 +52,17 @@ def reset_peak_resident() -> None:
 
 
 class SetupMemory(Callback):
-    """The peak resident memory from before the model is built to the first training step, and the bytes
-    of the parameters the rank holds then (unique storages, meta excluded)."""
+    """The peak resident memory from before the model is built to the first training step and to the end of
+    training, and the bytes of the parameters the rank holds at the first step (unique storages, meta
+    excluded)."""
 
     def __init__(self, rss_before: int) -> None:
         self.rss_before = rss_before
         self.peak_at_first_step: int | None = None
         self.parameter_bytes: int | None = None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.peak_at_train_end = peak_rss_bytes()  # before the strategy gives the module back whole
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.peak_at_first_step is None:
@@ -71,7 +75,7 @@ class SetupMemory(Callback):
         return {
             "setup_peak_growth": growth,
             "rss_growth_at_first_step": growth and self.rss_at_first_step - self.rss_before,
-            "peak_at_end": peak_rss_bytes() - self.rss_before,
+            "peak_at_end": getattr(self, "peak_at_train_end", peak_rss_bytes()) - self.rss_before,
             "parameter_bytes": self.parameter_bytes,
         }
 
