@@ -36,26 +36,21 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelSummary
-from lightning.pytorch.trainer.states import TrainerStatus
 from torch import nn
 
 from lightning_parallel.checkpointing import ShardLayout
 from lightning_parallel.checkpointing.by_name import (
     gather_optimizer_parts,
     gather_parts,
-    names_in_optimizer,
     state_by_name,
     state_from_full,
 )
 from lightning_parallel.checkpointing.contract import check_keys, unwrapped
-from lightning_parallel.checkpointing.one_device import unsaved_buffers
 from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.zero import ShardedGradientReducer
 from lightning_parallel.load_balancing import refusal as load_balancing_refusal
 from lightning_parallel.memory.accounting import (
     available_host_bytes,
-    optimizer_state_tensors,
-    unique_storage_bytes,
 )
 from lightning_parallel.memory.saved import can_stack
 from lightning_parallel.pipeline.partition import partition
@@ -70,10 +65,10 @@ from lightning_parallel.strategies.pipeline_stages import PipelineStages
 from lightning_parallel.strategies.plan_verification import PlanVerification
 from lightning_parallel.strategies.whole_model import (
     WholeModel,
+    give_back,
     guard_lifted,
     remove_guard,
     summary_of_whole,
-    whole_optimizer,
 )
 from lightning_parallel.tensor import Plan, ResolvedPlan, parse_plan, resolve
 from lightning_parallel.tensor.coverage import check_coverage
@@ -553,56 +548,11 @@ class ParallelStrategy(
             callback.__dict__["_summary"] = types.MethodType(summary_of_whole(self.whole), callback)
 
     def give_back_whole(self) -> None:
-        """At the end of a stage that ended well, every rank's module is whole again (the checkpoints'
-        gather, then the children rebuilt from their skeletons), unless it was built on meta: that one stays
-        split, and its ``state_dict()`` and ``forward`` raise, naming ``trainer.save_checkpoint``."""
+        """At the end of a stage, the module (and its optimizer) whole again, or refusing to pass for whole."""
         for callback in self._summary_callbacks():
             callback.__dict__.pop("_summary", None)
-        module, whole = self.lightning_module, self.whole
-        if module is None or whole is None or not self.model_is_split():
-            return
-        trainer = getattr(module, "_trainer", None)
-        stage = trainer.state.fn.value if trainer is not None and trainer.state.fn else "the stage"
-        if trainer is None or trainer.state.status != TrainerStatus.RUNNING:
-            return whole.refuse_shard(module, f"stopped with an error while split by {self.strategy_name}")
-        need, room = whole.nbytes(module) * (1 + self._optimizer_state_ratio(module)), self.room_for_whole()
-        if not self.reduce_boolean_decision(need <= room):  # every rank gathers, or none
-            built = (
-                " was built on the meta device (trainer.init_module() / configure_model) and"
-                * whole.built_on_meta
-            )
-            return whole.refuse_shard(
-                module,
-                f"{built} is {need / 2**30:.2f} GiB whole, more than one of the processes on its host can hold "
-                f"({room / 2**30:.2f} GiB available to each), so after trainer.{stage}() it stays split by "
-                f"{self.strategy_name}",
-            )
-        self.prepare_checkpoint()
-        optimizers = [(unwrapped(o), *self._whole_optimizer_state(o)) for o in self.optimizers]
-        unsaved = self._unsaved_buffers(module) if whole.built_on_meta else {}
-        whole.put_back(module, {**unsaved, **self.full_model_state()}, torch.device("cpu"))
-        for optimizer, full, names in optimizers:
-            whole_optimizer(optimizer, full, names, module)
-        self._forget_split(module)
-
-    def _whole_optimizer_state(self, optimizer: Any) -> tuple[dict[str, Any], dict[int, str]]:
-        """The single-device state of ``optimizer`` on every rank (with ZeRO, from the data-parallel rank 0
-        that gathered it), and the parameter name of each of its indices."""
-        full = self.full_optimizer_state(optimizer)
-        if self._optimizer_shards.pop(id(unwrapped(optimizer)), None) is not None and self.mesh.shape.dp > 1:
-            box = [full]
-            dist.broadcast_object_list(box, src=self.mesh.ranks("dp")[0], group=self.dp_group)
-            full = box[0]
-        if self.pipelined:  # numbered in single-device order (``merge_states``)
-            return full, dict(enumerate(self._full_param_names))
-        order = [i for group in full["param_groups"] for i in group["params"]]
-        return full, dict(zip(order, names_in_optimizer(unwrapped(optimizer), self.lightning_module)))
-
-    def _optimizer_state_ratio(self, module: nn.Module) -> float:
-        """The optimizer state's bytes per parameter byte (Adam: 2), which the whole optimizer will hold too."""
-        held = unique_storage_bytes(p for p in module.parameters() if not p.is_meta)
-        state = unique_storage_bytes(optimizer_state_tensors(self.optimizers))
-        return state / held * (self.mesh.shape.dp if self._optimizer_shards else 1) if held else 0.0
+        if self.lightning_module is not None and self.whole is not None and self.model_is_split():
+            give_back(self, self.lightning_module, self.whole)
 
     def room_for_whole(self) -> int:
         """The bytes of host memory each process on this host may take for the whole module (where Lightning
@@ -610,13 +560,7 @@ class ParallelStrategy(
         available = available_host_bytes()
         return sys.maxsize if available is None else available // max(1, self.num_processes)
 
-    def _unsaved_buffers(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        """The non-persistent buffers (no state dict holds them) of a module built on meta: each stage has the
-        real values of its own blocks' (a collective over the stages)."""
-        local = {k: v for k, v in unsaved_buffers(module).items() if not v.is_meta}
-        return gather_parts(local, self.pp_group, list(unsaved_buffers(module))) if self.pipelined else local
-
-    def _forget_split(self, module: nn.Module) -> None:
+    def forget_split(self, module: nn.Module) -> None:
         """What the split left on the strategy and the root module: the next stage splits the whole module."""
         module.__dict__.pop(FEATURE_SHARDS, None)
         remove_gradient_sums(module)

@@ -2,12 +2,13 @@
 
 A split strategy changes the user's module in place (sharded layers, pipeline stages, placed experts).
 Before the split, ``WholeModel.keep`` takes a skeleton of the module's children (meta tensors, no memory).
-When the stage ends, ``put_back`` gathers the full state (the checkpoints' gather: ``full_model_state``)
-and makes the children their skeletons filled with the trained values, on every rank: ``state_dict()`` and
-``forward`` are one device's again. A module built on the meta device was never whole on one device, so it
-is left split; then ``state_dict()`` and ``forward`` raise (``refuse_shard``), naming
-``trainer.save_checkpoint``, instead of returning a shard. The skeleton also gives Lightning's model
-summary the whole model's parameter counts (``summary_of_whole``).
+When the stage ends, ``give_back`` gathers the full state (the checkpoints' gathers: ``full_model_state``,
+``full_optimizer_state``) and ``put_back`` makes the children their skeletons filled with the trained
+values, on every rank, the optimizer the whole module's: ``state_dict()`` and ``forward`` are one device's
+again. A module whose whole does not fit the host (a model built on meta because it is too large for one
+device), or one whose stage failed, stays split; then ``state_dict()`` and ``forward`` raise
+(``refuse_shard``), naming ``trainer.save_checkpoint``, instead of returning a shard. The skeleton also
+gives Lightning's model summary the whole model's parameter counts (``summary_of_whole``).
 """
 
 from __future__ import annotations
@@ -17,15 +18,21 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generator, Mapping, Optional
 
 import torch
+import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
 from lightning.pytorch.utilities.model_summary.model_summary import _tensor_has_shape
 from torch import nn
 
-from lightning_parallel.checkpointing.one_device import meta_skeleton, put_back_whole
+from lightning_parallel.checkpointing.by_name import gather_parts, names_in_optimizer
+from lightning_parallel.checkpointing.contract import unwrapped
+from lightning_parallel.checkpointing.one_device import meta_skeleton, put_back_whole, unsaved_buffers
 from lightning_parallel.materialize import has_meta_tensors
+from lightning_parallel.memory.accounting import optimizer_state_tensors, unique_storage_bytes
 
 __all__ = [
     "WholeModel",
+    "give_back",
     "WholeModelSummary",
     "ShardedModuleError",
     "guard_lifted",
@@ -101,6 +108,71 @@ class WholeModel:
         module.__dict__[_GUARD] = {name: module.__dict__.get(name) for name in GUARDED}
         for name in GUARDED:
             module.__dict__[name] = refuse
+
+
+def give_back(strategy: Any, module: nn.Module, whole: WholeModel) -> None:
+    """At the end of a stage that ended well, ``module`` (split by ``strategy``) is whole again on every rank,
+    and so is its optimizer: the checkpoints' gathers, then the children rebuilt from their skeletons. If the
+    stage failed, or the whole does not fit the host (``strategy.room_for_whole``: every rank decides
+    together), it stays split and its ``state_dict()`` and ``forward`` raise."""
+    trainer = getattr(module, "_trainer", None)
+    stage = trainer.state.fn.value if trainer is not None and trainer.state.fn else "the stage"
+    name = strategy.strategy_name
+    if trainer is None or trainer.state.status != TrainerStatus.RUNNING:
+        return whole.refuse_shard(module, f"stopped with an error while split by {name}")
+    need = whole.nbytes(module) * (1 + _optimizer_state_ratio(strategy, module))
+    room = strategy.room_for_whole()
+    if not strategy.reduce_boolean_decision(need <= room):  # every rank gathers, or none
+        built = (
+            "was built on the meta device (trainer.init_module() / configure_model) and "
+            * whole.built_on_meta
+        )
+        return whole.refuse_shard(
+            module,
+            f"{built}is {need / 2**30:.2f} GiB whole with its optimizer state, more than each process on its "
+            f"host can hold ({room / 2**30:.2f} GiB available to each), so after trainer.{stage}() it stays split "
+            f"by {name}",
+        )
+    strategy.prepare_checkpoint()
+    optimizers = [(unwrapped(o), *_whole_optimizer_state(strategy, o)) for o in strategy.optimizers]
+    unsaved = _unsaved_buffers(strategy, module) if whole.built_on_meta else {}
+    whole.put_back(module, {**unsaved, **strategy.full_model_state()}, torch.device("cpu"))
+    for optimizer, full, names in optimizers:
+        whole_optimizer(optimizer, full, names, module)
+    strategy.forget_split(module)
+
+
+def _whole_optimizer_state(strategy: Any, optimizer: Any) -> tuple[dict[str, Any], dict[int, str]]:
+    """The single-device state of ``optimizer`` on every rank (with ZeRO, from the data-parallel rank 0 that
+    gathered it), and the parameter name of each of its indices."""
+    full = strategy.full_optimizer_state(optimizer)
+    if (
+        strategy._optimizer_shards.pop(id(unwrapped(optimizer)), None) is not None
+        and strategy.mesh.shape.dp > 1
+    ):
+        box = [full]
+        dist.broadcast_object_list(box, src=strategy.mesh.ranks("dp")[0], group=strategy.dp_group)
+        full = box[0]
+    if strategy.pipelined:  # numbered in single-device order (``merge_states``)
+        return full, dict(enumerate(strategy.full_parameter_names()))
+    order = [i for group in full["param_groups"] for i in group["params"]]
+    return full, dict(zip(order, names_in_optimizer(unwrapped(optimizer), strategy.lightning_module)))
+
+
+def _optimizer_state_ratio(strategy: Any, module: nn.Module) -> float:
+    """The optimizer state's bytes per parameter byte (Adam: 2), which the whole optimizer will hold too."""
+    held = unique_storage_bytes(p for p in module.parameters() if not p.is_meta)
+    state = unique_storage_bytes(optimizer_state_tensors(strategy.optimizers))
+    return state / held * (strategy.mesh.shape.dp if strategy._optimizer_shards else 1) if held else 0.0
+
+
+def _unsaved_buffers(strategy: Any, module: nn.Module) -> dict[str, torch.Tensor]:
+    """The non-persistent buffers (no state dict holds them) of a module built on meta: each stage has the real
+    values of its own blocks' (a collective over the stages)."""
+    local = {k: v for k, v in unsaved_buffers(module).items() if not v.is_meta}
+    return (
+        gather_parts(local, strategy.pp_group, list(unsaved_buffers(module))) if strategy.pipelined else local
+    )
 
 
 def whole_optimizer(
