@@ -542,7 +542,7 @@ class ParallelStrategy(
     def _summarize_whole(self) -> None:
         """Lightning's model summary (at ``on_fit_start``, after set-up) counts the whole module's
         parameters, not this rank's share."""
-        if self.whole is None or not self.model_is_split():
+        if self.whole is None or self.whole.skeleton is None or not self.model_is_split():
             return
         for callback in self._summary_callbacks():
             callback.__dict__["_summary"] = types.MethodType(summary_of_whole(self.whole), callback)

@@ -59,8 +59,9 @@ def _numel(params: Any) -> tuple[int, int]:
 class WholeModel:
     """The skeleton of a module's children before the split, and whether the module was whole then."""
 
-    skeleton: nn.Module  # an nn.ModuleDict of the children's skeletons, under the children's names
+    skeleton: Optional[nn.Module]  # an nn.ModuleDict of the children's skeletons, under the children's names
     built_on_meta: bool  # init_module / configure_model on meta: never whole on one device
+    uncopied: str = ""  # why there is no skeleton: the children could not be copied
 
     @classmethod
     def keep(cls, module: nn.Module) -> "WholeModel":
@@ -68,7 +69,10 @@ class WholeModel:
         pointing back at the LightningModule keeps pointing at it)."""
         children = nn.ModuleDict()
         children._modules = dict(module._modules)
-        return cls(meta_skeleton(children, {id(module): module}), has_meta_tensors(module))
+        try:
+            return cls(meta_skeleton(children, {id(module): module}), has_meta_tensors(module))
+        except Exception as error:  # a child holding what deepcopy refuses: training goes on, split after it
+            return cls(None, has_meta_tensors(module), f"{type(error).__name__}: {error}")
 
     def put_back(self, module: nn.Module, state: Mapping[str, torch.Tensor], device: torch.device) -> None:
         """``module`` whole again, from the full ``state`` (every key of its state dict)."""
@@ -84,22 +88,22 @@ class WholeModel:
     def parameter_counts(self, module: nn.Module) -> tuple[int, int]:
         """(all, trainable) parameters of the whole ``module``: its own and its children's before the split."""
         own = list(module.parameters(recurse=False))
-        return _numel([*own, *self.skeleton.parameters()])
+        return _numel([*own, *(self.skeleton.parameters() if self.skeleton is not None else [])])
 
     def refuse_shard(self, module: nn.Module, why: str) -> None:
         """``module.state_dict()`` and ``module(...)`` raise from now on (until the next stage starts):
         ``module`` holds only this rank's share."""
         remove_guard(module)
         held, _ = _numel(module.parameters())
-        whole, _ = self.parameter_counts(module)
+        whole = f" of {self.parameter_counts(module)[0]:,}" if self.skeleton is not None else ""
         message = (
-            f"{type(module).__name__} {why}, so this rank holds only its share of it ({held:,} of {whole:,} "
+            f"{type(module).__name__} {why}, so this rank holds only its share of it ({held:,}{whole} "
             "parameters) and state_dict() or a forward would be a shard's. Save it whole with "
             "trainer.save_checkpoint('model.ckpt') (every rank calls it; the file holds the single-device "
             "state dict), then load it on one device with "
             f"{type(module).__name__}.load_from_checkpoint('model.ckpt') or "
-            "model.load_state_dict(torch.load('model.ckpt')['state_dict']). A module built whole (not under "
-            "trainer.init_module() / configure_model on meta) is given back whole."
+            "model.load_state_dict(torch.load('model.ckpt')['state_dict']). A module whose whole fits the "
+            "host's memory is given back whole when a stage ends well."
         )
 
         def refuse(*args: Any, **kwargs: Any) -> Any:
@@ -120,6 +124,12 @@ def give_back(strategy: Any, module: nn.Module, whole: WholeModel) -> None:
     name = strategy.strategy_name
     if trainer is None or trainer.state.status != TrainerStatus.RUNNING:
         return whole.refuse_shard(module, f"stopped with an error while split by {name}")
+    if whole.skeleton is None:
+        return whole.refuse_shard(
+            module,
+            f"could not be copied before the split ({whole.uncopied}), so after trainer.{stage}() it "
+            f"stays split by {name}",
+        )
     need = whole.nbytes(module) * (1 + _optimizer_state_ratio(strategy, module))
     room = strategy.room_for_whole()
     if not strategy.reduce_boolean_decision(need <= room):  # every rank gathers, or none
