@@ -14,12 +14,12 @@ gives Lightning's model summary the whole model's parameter counts (``summary_of
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.trainer.states import TrainerStatus
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.model_summary import ModelSummary as Summary
 from lightning.pytorch.utilities.model_summary.model_summary import _tensor_has_shape
 from torch import nn
@@ -62,6 +62,7 @@ class WholeModel:
     skeleton: Optional[nn.Module]  # an nn.ModuleDict of the children's skeletons, under the children's names
     built_on_meta: bool  # init_module / configure_model on meta: never whole on one device
     uncopied: str = ""  # why there is no skeleton: the children could not be copied
+    names: dict[int, str] = field(default_factory=dict)  # id of each parameter before the split -> its name
 
     @classmethod
     def keep(cls, module: nn.Module) -> "WholeModel":
@@ -69,10 +70,16 @@ class WholeModel:
         pointing back at the LightningModule keeps pointing at it)."""
         children = nn.ModuleDict()
         children._modules = dict(module._modules)
+        names = {id(p): n for n, p in module.named_parameters()}
         try:
-            return cls(meta_skeleton(children, {id(module): module}), has_meta_tensors(module))
+            return cls(meta_skeleton(children, {id(module): module}), has_meta_tensors(module), names=names)
         except Exception as error:  # a child holding what deepcopy refuses: training goes on, split after it
-            return cls(None, has_meta_tensors(module), f"{type(error).__name__}: {error}")
+            return cls(None, has_meta_tensors(module), f"{type(error).__name__}: {error}", names)
+
+    def names_of(self, optimizer: Any) -> dict[Any, str]:
+        """The parameters of ``optimizer`` that the module held before the split, with their names."""
+        held = [p for group in unwrapped(optimizer).param_groups for p in group["params"]]
+        return {p: self.names[id(p)] for p in held if id(p) in self.names}
 
     def put_back(self, module: nn.Module, state: Mapping[str, torch.Tensor], device: torch.device) -> None:
         """``module`` whole again, from the full ``state`` (every key of its state dict)."""
@@ -144,12 +151,29 @@ def give_back(strategy: Any, module: nn.Module, whole: WholeModel) -> None:
             f"by {name}",
         )
     strategy.prepare_checkpoint()
-    optimizers = [(unwrapped(o), *_whole_optimizer_state(strategy, o)) for o in strategy.optimizers]
+    # fit: the split module's optimizers, gathered; another stage: the optimizers of the whole module it split
+    fitting = trainer.state.fn == TrainerFn.FITTING
+    optimizers = [
+        (unwrapped(o), *_whole_optimizer_state(strategy, o)) for o in strategy.optimizers if fitting
+    ]
     unsaved = _unsaved_buffers(strategy, module) if whole.built_on_meta else {}
     whole.put_back(module, {**unsaved, **strategy.full_model_state()}, torch.device("cpu"))
     for optimizer, full, names in optimizers:
         whole_optimizer(optimizer, full, names, module)
+    if not fitting:
+        named = dict(module.named_parameters())
+        for optimizer in strategy.optimizers:
+            _repoint(unwrapped(optimizer), {p: named[n] for p, n in whole.names_of(optimizer).items()})
     strategy.forget_split(module)
+
+
+def _repoint(optimizer: Any, new: Mapping[Any, nn.Parameter]) -> None:
+    """``optimizer`` holds (and keeps the state of) ``new[p]`` in place of each ``p``."""
+    for group in optimizer.param_groups:
+        group["params"] = [new.get(p, p) for p in group["params"]]
+    for old, param in new.items():
+        if old in optimizer.state:
+            optimizer.state[param] = optimizer.state.pop(old)
 
 
 def _whole_optimizer_state(strategy: Any, optimizer: Any) -> tuple[dict[str, Any], dict[int, str]]:
