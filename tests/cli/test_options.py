@@ -50,7 +50,9 @@ def test_every_option_reaches_hydra_at_the_constructors_default(conf: str) -> No
 
 @pytest.mark.parametrize("conf", LP_CONFS)
 def test_save_distributed_is_set_without_plus(conf: str) -> None:
-    blocks = ["model.n_layer=4"] if conf in ("pipeline_interleaved", "pipeline_zbv") else []  # 2 ranks x 2 chunks
+    blocks = (
+        ["model.n_layer=4"] if conf in ("pipeline_interleaved", "pipeline_zbv") else []
+    )  # 2 ranks x 2 chunks
     found = _problems(f"strategy={conf}", "strategy.save_distributed=true", *blocks)
     if _strategy_class(conf).supports_save_distributed:
         assert found == []

@@ -94,19 +94,19 @@ def build_strategy(spec: Any, world_size: int) -> Any:
     return spec
 
 
-def probe_before_teardown(trainer: Trainer, probe: Any) -> list:
-    """Call ``probe(trainer)`` when fit ends, before the strategy gives the module back whole; the list
+def before_teardown(trainer: Trainer, call: Any) -> list:
+    """Call ``call(trainer)`` when fit ends, before the strategy gives the module back whole; the list
     receives its result."""
     found: list = []
     strategy = trainer.strategy
     teardown = strategy.teardown
 
-    def probed() -> None:
+    def first_call_then_teardown() -> None:
         if not found and trainer.state.fn == "fit":
-            found.append(probe(trainer))
+            found.append(call(trainer))
         teardown()
 
-    strategy.teardown = probed
+    strategy.teardown = first_call_then_teardown
     return found
 
 
@@ -187,7 +187,9 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
     probe = load_object(case["probe"]) if case.get("probe") else None
     inside = getattr(probe, "before_teardown", False)  # looks at the split module, before it is whole again
     if inside:
-        inside = probe_before_teardown(trainer, probe)
+        inside = before_teardown(trainer, probe)
+    if case.get("save_checkpoint") == "split":  # the checkpoint of the split module, as fit ends
+        before_teardown(trainer, lambda t: t.save_checkpoint(out_dir / "last.ckpt"))
     trainer.fit(model, datamodule=data, ckpt_path=case.get("ckpt_path"))
     if case.get("validate_after_fit"):
         trainer.validate(model, datamodule=data, verbose=False)
@@ -212,7 +214,7 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
         result["probe"] = inside[0] if inside else probe(trainer)
     if case.get("forward_after_fit") and trainer.global_rank == 0:
         result["forward"] = forward_on_first_samples(model, data)
-    if case.get("save_checkpoint"):
+    if case.get("save_checkpoint") is True:
         trainer.save_checkpoint(out_dir / "last.ckpt")
     return result
 

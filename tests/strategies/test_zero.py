@@ -134,8 +134,11 @@ def runs(tmp_path_factory):
             by_world[2].append(
                 case(name, "gpt", "adamw", DDP, {"zero_stage": zero}, 2, trainer=trainer, **extra)
             )
-    for name, (world, kwargs) in SHARDED_SAVES.items():
-        by_world[world].append(case(name, "gpt", "adamw", PARALLEL, {**kwargs, "save_distributed": True}, 2))
+    for name, (world, kwargs) in SHARDED_SAVES.items():  # saved while each rank holds its pieces
+        c = case(
+            name, "gpt", "adamw", PARALLEL, {**kwargs, "save_distributed": True}, 2, save_checkpoint="split"
+        )
+        by_world[world].append(c)
     async_run = case("async-dp2pp2-z1", "gpt", "sgdm", PARALLEL, layout(2, 1, 2, 1, "async"), 2)
     by_world[4].append({**async_run, "model_kwargs": sgd})
     results = {}
