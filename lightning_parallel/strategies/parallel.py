@@ -49,9 +49,7 @@ from lightning_parallel.checkpointing.contract import check_keys, unwrapped
 from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.zero import ShardedGradientReducer
 from lightning_parallel.load_balancing import refusal as load_balancing_refusal
-from lightning_parallel.memory.accounting import (
-    available_host_bytes,
-)
+from lightning_parallel.memory.accounting import available_host_bytes
 from lightning_parallel.memory.saved import can_stack
 from lightning_parallel.pipeline.partition import partition
 from lightning_parallel.pipeline.placement import global_stage
@@ -283,12 +281,8 @@ class ParallelStrategy(
     def configure_parallelism(self) -> None:
         module = self.lightning_module
         shape = self.mesh.shape
-        if self.applies("pp"):
+        if self.applies("pp"):  # the layout's problems were refused when the Trainer was built
             self.check_schedule(shape.pp)
-            if self.sequence_parallel:
-                raise ValueError(
-                    f"sequence_parallel=True with pipeline_parallel_size={shape.pp}: {SP_WITH_PP}"
-                )
         why = load_balancing_refusal(module, shape.pp, self.sequence_parallel)
         if why is not None:
             raise ValueError(why)
