@@ -138,7 +138,8 @@ def assert_given_back_whole(ranks: list[dict], full: Mapping[str, torch.Tensor],
     forward (case option ``forward_after_fit``) gives one device's output."""
     for rank in ranks:
         assert list(rank["state_dict"]) == list(reference["state_dict"])
+        shapes = {k: (tuple(v.shape), tuple(full[k].shape)) for k, v in rank["state_dict"].items()}
+        assert all(a == b for a, b in shapes.values()), f"a rank's shapes differ from the whole's: {shapes}"
         assert max_param_diff(rank["state_dict"], full) == 0
-        assert all(rank["state_dict"][k].shape == v.shape for k, v in full.items())
     diff = (ranks[0]["forward"].double() - reference["forward"].double()).abs().max().item()
     assert diff <= 1e-10, f"rank 0's forward after fit differs from one device's by {diff:.3e}"
