@@ -47,6 +47,14 @@ def local_shards(trainer) -> dict:
 local_shards.before_teardown = True
 
 
+def split_state_shapes(trainer) -> dict:
+    """This rank's state dict keys and shapes while the module is split."""
+    return {k: tuple(v.shape) for k, v in trainer.lightning_module.state_dict().items()}
+
+
+split_state_shapes.before_teardown = True
+
+
 def held_state_numel(trainer) -> int:
     """The elements of this rank's state dict while the module is split."""
     return sum(t.numel() for t in trainer.lightning_module.state_dict().values())

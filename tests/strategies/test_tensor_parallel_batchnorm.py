@@ -5,6 +5,8 @@ validation included; full checkpoints hold the whole running statistics under si
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from lightning.pytorch import LightningModule
@@ -106,6 +108,7 @@ def case(name, plan="auto", dp=1, trainer=None, **extra):
         "strategy": {"class": TP, "kwargs": {"plan": plan, "data_parallel_size": dp}},
         "save_checkpoint": True,
         "validate_after_fit": True,
+        "probe": "tests.helpers.probes:split_state_shapes",
         **extra,
     }
 
@@ -134,6 +137,7 @@ def runs(tmp_path_factory):
     held = case("held", model=HELD)
     sharded = case("sharded-save", trainer={"max_steps": 3})  # each rank writes its own slices
     sharded["strategy"]["kwargs"]["save_distributed"] = True
+    sharded["save_checkpoint"] = "split"  # as fit ends, before the module is given back whole
     two = run_distributed(
         [case("auto"), case("written", plan=WRITTEN), resume, held, sharded],
         world_size=2,
@@ -200,13 +204,15 @@ def test_per_feature_tensors_are_split_and_each_rank_holds_at_most_55_percent(ru
     parameters = {n for n, _ in DenseBatchNorm().named_parameters()}
     total = sum(full[n].numel() for n in parameters)
     for rank in results[name]:
-        local = rank["state_dict"]
+        local = rank["probe"]  # the shapes this rank held at the end of fit
         for key in ("net.1.weight", "net.1.running_mean", "net.1.running_var", "net.7.scale", "net.7.shift"):
-            assert local[key].shape[0] * 2 == full[key].shape[0], key
-        assert local["net.4.running_mean"].shape == full["net.4.running_mean"].shape  # between the pairs
-        assert local["net.1.num_batches_tracked"].shape == ()
-        held = sum(local[n].numel() for n in parameters)
+            assert local[key][0] * 2 == full[key].shape[0], key
+        assert local["net.4.running_mean"] == full["net.4.running_mean"].shape  # between the pairs
+        assert local["net.1.num_batches_tracked"] == ()
+        held = sum(math.prod(local[n]) for n in parameters)
         assert held / total <= 0.55, f"{held} of {total}"
+        # after fit and validate the module is whole, per-feature tensors included
+        assert list(rank["state_dict"]) == list(full) and max_param_diff(rank["state_dict"], full) == 0
 
 
 @pytest.mark.timeout(900)
