@@ -115,8 +115,8 @@ memory_report.before_teardown = True
 
 def _refit_with_an_extra_key(trainer, strict: bool) -> dict:
     """After fit: a full checkpoint of the run with one key the module lacks (``extra.weight``), then
-    ``fit(ckpt_path=...)`` again from it, with ``strict_loading=strict``; the module stays split across
-    the stages, so each stage loads its part. Returns this rank's tensors after the load."""
+    ``fit(ckpt_path=...)`` again from it, with ``strict_loading=strict``: the second fit splits the module
+    again and each stage loads its part. Returns this rank's tensors after that fit."""
     import tempfile
     from pathlib import Path
 

@@ -137,7 +137,9 @@ def runs(tmp_path_factory):
     held = case("held", model=HELD)
     sharded = case("sharded-save", trainer={"max_steps": 3})  # each rank writes its own slices
     sharded["strategy"]["kwargs"]["save_distributed"] = True
-    sharded["save_checkpoint"] = "split"  # as fit ends, before the module is given back whole
+    sharded.update(
+        save_checkpoint="split", validate_after_fit=False
+    )  # as fit ends, while each rank holds its shard
     two = run_distributed(
         [case("auto"), case("written", plan=WRITTEN), resume, held, sharded],
         world_size=2,
@@ -154,6 +156,10 @@ def runs(tmp_path_factory):
     from_shards = single(
         tmp, "single-from-shards", ckpt_path=str(tmp / "dist2" / "sharded-save" / "last.ckpt")
     )
+    single(tmp, "single-3-fit", trainer={"max_steps": 3}, validate_after_fit=False)  # saved as fit ends, too
+    resumed_fit = single(
+        tmp, "single-resume-fit", ckpt_path=str(tmp / "single" / "single-3-fit" / "last.ckpt")
+    )
     refs = {
         "auto": ref,
         "written": ref,
@@ -162,6 +168,7 @@ def runs(tmp_path_factory):
         "held": ref,
         "held-dp2-sync": ref,
         "from-shards": from_shards,
+        "resumed-fit": resumed_fit,
     }
     return tmp, refs, initial, {**two, **four}
 
@@ -252,4 +259,4 @@ def test_a_sharded_checkpoint_holds_each_ranks_running_statistics_and_resumes_on
     """``save_distributed=True``: each rank writes its slices of the per-feature tensors; one device
     resumed from the directory equals one device resumed from its own checkpoint at the same step."""
     _, refs, _, _ = runs
-    assert_params_close(refs["from-shards"]["state_dict"], refs["auto-resume"]["state_dict"], atol=1e-10)
+    assert_params_close(refs["from-shards"]["state_dict"], refs["resumed-fit"]["state_dict"], atol=1e-10)
