@@ -81,3 +81,17 @@ def test_a_module_that_cannot_be_copied_stays_split_and_says_so(tmp_path):
         assert "trainer.save_checkpoint" in str(error.value) and "load_from_checkpoint" in str(error.value)
     trainer.save_checkpoint(tmp_path / "model.ckpt")  # whole, as the message says
     MLP().load_state_dict(torch.load(tmp_path / "model.ckpt", weights_only=False)["state_dict"])
+
+
+@pytest.mark.timeout(300)
+def test_tied_weights_stay_tied(tmp_path):
+    """Hugging Face GPT-2's lm_head is its wte: one parameter after fit, as before it, in the optimizer too."""
+    pytest.importorskip("transformers")
+    from tests.helpers.tp_models import TokenData
+    from tests.helpers.zoo import ZooLM
+
+    model = ZooLM(arch="hf_gpt2")
+    trainer = _trainer(lp.TensorParallelStrategy(plan="auto"), tmp_path)
+    trainer.fit(model, datamodule=TokenData(batch_size=8))
+    assert model.model.lm_head.weight is model.model.transformer.wte.weight
+    assert [p for g in trainer.optimizers[0].param_groups for p in g["params"]] == list(model.parameters())
