@@ -344,6 +344,41 @@ CATALOGUE = [
             "[1, 2, 4]",
         ],
     ),
+    # what the Trainer's devices decide: checked when the Trainer is built, before any process starts
+    (
+        "tp-more-than-the-devices",
+        lambda: Trainer(
+            accelerator="cpu", devices=2, strategy=lp.TensorParallelStrategy(tensor_parallel_size=3)
+        ),
+        ValueError,
+        [
+            "tensor_parallel_size=3 is more than the 2 process(es)",
+            "tensor_parallel_size=2 or less",
+            "3 or more devices",
+        ],
+    ),
+    (
+        "1f1b-fewer-microbatches-than-stages",
+        lambda: Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=lp.PipelineParallelStrategy(schedule="1f1b", num_microbatches=1),
+        ),
+        ValueError,
+        ["schedule='1f1b' needs num_microbatches >= the number of stages (2), got 1"],
+    ),
+    (
+        "sequence-parallel-with-stages",
+        lambda: Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=lp.ParallelStrategy(
+                data_parallel_size=1, pipeline_parallel_size=None, sequence_parallel=True
+            ),
+        ),
+        ValueError,
+        ["sequence_parallel=True with pipeline_parallel_size=2"],
+    ),
 ]
 
 
@@ -353,3 +388,54 @@ def test_misconfiguration_is_named(name, make, exc, fragments):
         make()
     for fragment in fragments:
         assert fragment in str(err.value), f"{fragment!r} not in: {err.value}"
+
+
+LAUNCHED = """
+import os, sys
+from pathlib import Path
+
+if os.environ.get("LOCAL_RANK", "0") != "0":
+    Path(sys.argv[1], "rank1-started").touch()
+from lightning.pytorch import Trainer
+
+import lightning_parallel as lp
+from tests.helpers.models import MLP, RegressionData
+
+strategy = lp.TensorParallelStrategy(tensor_parallel_size=3)
+trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False)
+trainer.fit(MLP(), datamodule=RegressionData())
+"""
+
+
+def test_a_layout_the_devices_cannot_hold_fails_once_before_a_second_process_starts(tmp_path):
+    """A user's script with ``devices=2``: the error is printed once, by the user's process, and rank 1 never
+    starts (Lightning's launcher would re-run the script for it)."""
+    import subprocess
+    import sys
+    import time
+
+    from tests.helpers.harness import REPO, worker_env
+
+    script = tmp_path / "train.py"
+    script.write_text(LAUNCHED)
+    env = {
+        k: v
+        for k, v in worker_env(0, 1).items()
+        if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
+    }
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    seconds = time.monotonic() - start
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert output.count("tensor_parallel_size=3 is more than the 2 process(es)") == 1, output
+    assert "rank 1" not in output and not (tmp_path / "rank1-started").exists(), output
+    assert "Traceback" in output and output.count("Traceback") == 1, output
+    print(f"failed after {seconds:.1f} s (an interpreter importing torch and Lightning)")

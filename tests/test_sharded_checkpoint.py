@@ -46,7 +46,7 @@ def case(name, layout, steps, model="mlp", ckpt_path=None, sharded=True):
         "strategy": strategy,
         "dp_size": DP_SIZE[layout],
         "trainer": {"precision": "64-true", "max_steps": steps},
-        "save_checkpoint": True,
+        "save_checkpoint": "split",  # at the end of fit, while each rank holds its shard
         "ckpt_path": ckpt_path,
         **(UNTRUSTED if ckpt_path else {}),
         "probe": "tests.helpers.probes:local_shards",

@@ -137,6 +137,15 @@ def rss_bytes() -> Optional[int]:
         return None
 
 
+def available_host_bytes() -> Optional[int]:
+    """The memory the host can still give without swapping (Linux ``MemAvailable``); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return int(next(line for line in f if line.startswith("MemAvailable:")).split()[1]) * 1024
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
 def peak_rss_bytes() -> int:
     """The process's peak resident memory: Linux's ``VmHWM`` (this program's own; ``ru_maxrss`` would also
     hold the launching process's peak from before ``exec``), else ``ru_maxrss`` (bytes on macOS)."""

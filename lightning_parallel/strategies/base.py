@@ -286,7 +286,11 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         return None
 
     def _configure_launcher(self) -> None:
-        """Our popen launcher: per-job children and clean-up, so Hydra sweeps (``-m``) work."""
+        """Our popen launcher: per-job children and clean-up, so Hydra sweeps (``-m``) work. The Trainer calls
+        this in its constructor, once it has told the strategy its devices and nodes: the layout is checked
+        here (``check_before_launch``), so a bad one fails once, in the user's process, before any other
+        process starts."""
+        self.check_before_launch()
         if self._start_method == "popen":
             assert self.cluster_environment is not None
             self._launcher = HydraSafeSubprocessLauncher(
@@ -296,6 +300,10 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             super()._configure_launcher()
 
     # ----------------------------------------------------------------- layout
+    def check_before_launch(self) -> MeshShape:
+        """What can be checked once the number of processes is known, before any starts: the layout."""
+        return self.mesh_shape()
+
     def mesh_shape(self) -> MeshShape:
         """The (dp, pp, tp) layout of this run from ``size_options``; raises, naming sizes that fit, when
         their product is not the world, before any process group exists."""

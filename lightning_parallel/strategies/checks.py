@@ -59,8 +59,8 @@ def layout(world: int, where: str, sizes: Mapping[str, int | None], prefix: str 
     for name, size in named.items():
         if name != first and size is not None and size > world:
             return (
-                f"{name}={size} is more than the {where}; each part needs its own process: use at most {world} "
-                "or more devices"
+                f"{name}={size} is more than the {where}; each part needs its own process: use {name}={world} "
+                f"or less, or {size} or more devices (a multiple of {size})"
             )
         if name != first and size is not None and world % size:
             return (

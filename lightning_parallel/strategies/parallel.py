@@ -28,11 +28,14 @@ pp (and ep: each expert counted by its rank).
 
 from __future__ import annotations
 
+import sys
+import types
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
@@ -48,6 +51,7 @@ from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.zero import ShardedGradientReducer
 from lightning_parallel.every_rank import training_step_scope
 from lightning_parallel.load_balancing import refusal as load_balancing_refusal
+from lightning_parallel.memory.accounting import available_host_bytes
 from lightning_parallel.memory.saved import can_stack
 from lightning_parallel.parameter_set import ParameterChange
 from lightning_parallel.pipeline.compiled import compile_stage_blocks
@@ -61,6 +65,13 @@ from lightning_parallel.strategies.options import level_problems
 from lightning_parallel.strategies.pipeline_async import AsyncPipelineMixin
 from lightning_parallel.strategies.pipeline_stages import PipelineStages
 from lightning_parallel.strategies.plan_verification import PlanVerification
+from lightning_parallel.strategies.whole_model import (
+    WholeModel,
+    give_back,
+    guard_lifted,
+    remove_guard,
+    summary_of_whole,
+)
 from lightning_parallel.tensor import Plan, ResolvedPlan, parse_plan, resolve
 from lightning_parallel.tensor.coverage import check_coverage
 from lightning_parallel.tensor.expert_parallel import expert_pieces, experts_left_to_expert_parallel
@@ -75,8 +86,8 @@ from lightning_parallel.tensor.full_state import (
     sharded_parameters,
     unsharded_copy,
 )
-from lightning_parallel.tensor.gradient_sums import installed_gradient_sums
-from lightning_parallel.tensor.layers import SharedEntry, _TPLayer
+from lightning_parallel.tensor.gradient_sums import installed_gradient_sums, remove_gradient_sums
+from lightning_parallel.tensor.layers import FEATURE_SHARDS, SharedEntry, _TPLayer
 from lightning_parallel.tensor.plan import install_gradient_sums, replicated_blocks
 from lightning_parallel.tensor.replicated_blocks import norm_weight
 from lightning_parallel.tensor.sample import sample_forward
@@ -201,6 +212,7 @@ class ParallelStrategy(
         self.expert_parallel_size = expert_parallel_size
         self.expert_reducer: Optional[GradientReducer] = None  # the experts' gradients over their replicas
         self.resolved: Optional[ResolvedPlan] = None
+        self.whole: Optional[WholeModel] = None  # the module's children before the split (given back after)
         self._entries: list[SharedEntry] = []
         self._stage_costs: Optional[list[float]] = None  # balance='time': each block's measured seconds
         self._init_stage_state()
@@ -249,6 +261,17 @@ class ParallelStrategy(
     def tp_group(self) -> Optional[dist.ProcessGroup]:
         return self.mesh.group("tp") if self.mesh is not None else None
 
+    def check_before_launch(self) -> Any:
+        """The layout, and what the schedule and sequence parallelism need of it, before any process starts."""
+        shape = super().check_before_launch()
+        if shape.pp > 1 or "pp" in self.always_applied:
+            require([self.stages_problem(shape.pp)])
+            if self.sequence_parallel:
+                raise ValueError(
+                    f"sequence_parallel=True with pipeline_parallel_size={shape.pp}: {SP_WITH_PP}"
+                )
+        return shape
+
     def applies(self, axis: str) -> bool:
         """Whether set-up applies the parallelism of ``axis`` ("tp" or "pp") to this run's module."""
         return self.mesh.shape.size(axis) > 1 or axis in self.always_applied
@@ -275,12 +298,8 @@ class ParallelStrategy(
     def configure_parallelism(self) -> None:
         module = self.lightning_module
         shape = self.mesh.shape
-        if self.applies("pp"):
+        if self.applies("pp"):  # the layout's problems were refused when the Trainer was built
             self.check_schedule(shape.pp)
-            if self.sequence_parallel:
-                raise ValueError(
-                    f"sequence_parallel=True with pipeline_parallel_size={shape.pp}: {SP_WITH_PP}"
-                )
         why = load_balancing_refusal(module, shape.pp, self.sequence_parallel)
         if why is not None:
             raise ValueError(why)
@@ -296,8 +315,9 @@ class ParallelStrategy(
         self._bind_metrics_to_dp_group()  # also for validate/test/predict without a fit
         if not self.model_is_split():
             self._split(module)
-        elif self._is_sharded():  # split by an earlier fit of this trainer: keep its layers
+        elif self._is_sharded():  # split by an earlier fit of this trainer (built on meta): keep its layers
             self._keep_earlier_shards(module, shape.tp)
+        self._summarize_whole()
         self.apply_activation_checkpointing(self.block_stack)  # on the sharded stage, before the dp path
         if self.pipelined and self.executor is None:
             self.wire_stages(self._stage_costs)
@@ -346,7 +366,9 @@ class ParallelStrategy(
 
     def _split(self, module: nn.Module) -> None:
         """Tensor parallel, then pipeline stages, applied to the meta module inside ``set_up_share``: the
-        rank allocates only its stage's shards (and what it replicates), each filled from the full value."""
+        rank allocates only its stage's shards (and what it replicates), each filled from the full value.
+        The module's structure before is kept (``self.whole``) to give it back whole when the stage ends."""
+        self.whole = WholeModel.keep(module)
         shards = self.applies("tp") and self._plan is not None
         if shards:
             tp = self.mesh.shape.tp
@@ -543,7 +565,51 @@ class ParallelStrategy(
         """Whole gradients by name cut to this rank's shards (no communication)."""
         return cut_shards(self.lightning_module, full)
 
+    # ----------------------------------------------------------------- the module given back
+    def connect(self, model: Any) -> None:
+        remove_guard(model)  # a module left split by an earlier stage is this stage's to set up
+        super().connect(model)
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        with guard_lifted(self.lightning_module):  # trainer.save_checkpoint of a module left split
+            return super().lightning_module_state_dict()
+
+    def _summary_callbacks(self) -> list[ModelSummary]:
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return [c for c in trainer.callbacks if isinstance(c, ModelSummary)] if trainer is not None else []
+
+    def _summarize_whole(self) -> None:
+        """Lightning's model summary (at ``on_fit_start``, after set-up) counts the whole module's
+        parameters, not this rank's share."""
+        if self.whole is None or self.whole.skeleton is None or not self.model_is_split():
+            return
+        for callback in self._summary_callbacks():
+            callback.__dict__["_summary"] = types.MethodType(summary_of_whole(self.whole), callback)
+
+    def give_back_whole(self) -> None:
+        """At the end of a stage, the module (and its optimizer) whole again, or refusing to pass for whole."""
+        for callback in self._summary_callbacks():
+            callback.__dict__.pop("_summary", None)
+        if self.lightning_module is not None and self.whole is not None and self.model_is_split():
+            give_back(self, self.lightning_module, self.whole)
+
+    def room_for_whole(self) -> int:
+        """The bytes of host memory each process on this host may take for the whole module (where Lightning
+        puts it at the end of a stage); unbounded where the host does not say."""
+        available = available_host_bytes()
+        return sys.maxsize if available is None else available // max(1, self.num_processes)
+
+    def forget_split(self, module: nn.Module) -> None:
+        """What the split left on the strategy and the root module: the next stage splits the whole module."""
+        module.__dict__.pop(FEATURE_SHARDS, None)
+        remove_gradient_sums(module)
+        self.sequence = None
+        self.partition, self.executor, self.logs, self._deferred_bn = None, None, None, None
+        self._replicated = []
+        self._checkpointed = []
+
     def teardown(self) -> None:
+        self.give_back_whole()
         self._entries = []
         sums = installed_gradient_sums(self.lightning_module) if self.lightning_module is not None else None
         if sums is not None:  # the split module keeps its sums; this fit's reducer hears no more

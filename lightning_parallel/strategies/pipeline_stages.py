@@ -92,6 +92,7 @@ from lightning_parallel.pipeline.timeline import (
     write_svg,
 )
 from lightning_parallel.step_effects import capture_logs, untouched
+from lightning_parallel.strategies.checks import require
 
 __all__ = ["PipelineStages"]
 
@@ -161,6 +162,11 @@ class PipelineStages:
         return self.schedule in OVERLAPPED
 
     # ----------------------------------------------------------------- set-up
+    def stages_problem(self, pp: int) -> Optional[str]:
+        """What keeps the schedule from running on ``pp`` stages (known before any process starts)."""
+        problem = schedule_problem(self.schedule, pp, self.num_microbatches, self.virtual_stages)
+        return None if problem is None else f"{type(self).__name__}: {problem}"
+
     def check_schedule(self, pp: int) -> None:
         """Refuse, before the split, what the schedule cannot run; forget collectives of an earlier fit."""
         module = self.lightning_module
@@ -175,9 +181,7 @@ class PipelineStages:
                 "and optimizer.step() inside training_step have no place. Use automatic optimization, or "
                 "lp_ddp / lp_tensor_parallel, which support manual optimization."
             )
-        shape_problem = schedule_problem(self.schedule, pp, self.num_microbatches, self.virtual_stages)
-        if shape_problem is not None:
-            raise ValueError(f"{type(self).__name__}: {shape_problem}")
+        require([self.stages_problem(pp)])
         if self.schedule == "async" and self.lightning_module.trainer.accumulate_grad_batches > 1:
             raise ValueError(
                 f"schedule='async' does not support accumulate_grad_batches="

@@ -41,7 +41,7 @@ from lightning_parallel.compat import accumulates_grad, graph_task_id, queue_end
 from lightning_parallel.distributed.collectives import all_reduce_sum, group_size
 from lightning_parallel.tensor.replicated_blocks import Replicated, placed, taken_back
 
-__all__ = ["GradientSums", "gradient_sums_for", "installed_gradient_sums"]
+__all__ = ["GradientSums", "gradient_sums_for", "installed_gradient_sums", "remove_gradient_sums"]
 
 #: whether a parameter's gradient is summed in the backward running now (None: always)
 When = Optional[Callable[[], bool]]
@@ -187,3 +187,11 @@ def gradient_sums_for(module: nn.Module, group: Optional[dist.ProcessGroup]) -> 
 def installed_gradient_sums(module: nn.Module) -> Optional[GradientSums]:
     """The gradient sums installed on ``module`` (``gradient_sums_for``), or None."""
     return _INSTALLED.get(module)
+
+
+def remove_gradient_sums(module: nn.Module) -> None:
+    """Forget the gradient sums of ``module`` (its hooks removed): the module is whole again."""
+    sums = _INSTALLED.pop(module, None)
+    if sums is not None:
+        sums.report_to(None)
+        sums.discard(list(sums.params))

@@ -94,7 +94,9 @@ def test_unknown_keys_and_wrong_types_fail_while_composing(override: str, words:
         ),
         (
             ["strategy=pipeline_1f1b", "trainer.devices=2", "strategy.pipeline_parallel_size=4"],
-            "strategy.pipeline_parallel_size=4 is more than the trainer.devices=2",
+            "strategy.pipeline_parallel_size=4 is more than the trainer.devices=2 x trainer.num_nodes=1 = 2 "
+            "process(es); each part needs its own process: use strategy.pipeline_parallel_size=2 or less, or 4 or "
+            "more devices",
         ),
         (
             ["strategy=pipeline_gpipe", "trainer.devices=4", "model.n_layer=2"],

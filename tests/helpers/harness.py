@@ -32,6 +32,7 @@ __all__ = [
     "run_processes",
     "max_param_diff",
     "assert_params_close",
+    "assert_given_back_whole",
     "saved_checkpoint",
     "REPO",
     "UNTRUSTED",
@@ -134,3 +135,16 @@ def saved_checkpoint(tmp_path: Path, world_size: int, name: str) -> dict:
 def assert_params_close(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor], atol: float) -> None:
     diff = max_param_diff(a, b)
     assert diff <= atol, f"largest parameter difference {diff:.3e} exceeds {atol:.0e}"
+
+
+def assert_given_back_whole(ranks: list[dict], full: Mapping[str, torch.Tensor], reference: dict) -> None:
+    """After fit every rank's module is whole again: its ``state_dict()`` has one device's names in one
+    device's order (``reference``: the single-process run) and the full checkpoint's values, and rank 0's
+    forward (case option ``forward_after_fit``) gives one device's output."""
+    for rank in ranks:
+        assert list(rank["state_dict"]) == list(reference["state_dict"])
+        shapes = {k: (tuple(v.shape), tuple(full[k].shape)) for k, v in rank["state_dict"].items()}
+        assert all(a == b for a, b in shapes.values()), f"a rank's shapes differ from the whole's: {shapes}"
+        assert max_param_diff(rank["state_dict"], full) == 0
+    diff = (ranks[0]["forward"].double() - reference["forward"].double()).abs().max().item()
+    assert diff <= 1e-10, f"rank 0's forward after fit differs from one device's by {diff:.3e}"

@@ -1,8 +1,10 @@
-"""Functions the worker calls after fit (case option ``probe``) to report what a strategy did inside."""
+"""Functions the worker calls after fit (case option ``probe``) to report what a strategy did inside; those
+marked ``before_teardown`` look at the split module, so they run when fit ends, before it is made whole."""
 
 from dataclasses import asdict
 
 from lightning.pytorch import Callback
+from lightning.pytorch.callbacks import ModelSummary
 
 
 def reducer_stats(trainer) -> dict:
@@ -42,6 +44,25 @@ def local_shards(trainer) -> dict:
     return {"keys": sorted(strategy.lightning_module.state_dict().keys()), "layouts": layouts}
 
 
+local_shards.before_teardown = True
+
+
+def split_state_shapes(trainer) -> dict:
+    """This rank's state dict keys and shapes while the module is split."""
+    return {k: tuple(v.shape) for k, v in trainer.lightning_module.state_dict().items()}
+
+
+split_state_shapes.before_teardown = True
+
+
+def held_state_numel(trainer) -> int:
+    """The elements of this rank's state dict while the module is split."""
+    return sum(t.numel() for t in trainer.lightning_module.state_dict().values())
+
+
+held_state_numel.before_teardown = True
+
+
 def tensor_parallel_plan(trainer) -> dict:
     """The resolved plan's styles, what stayed whole and why, and the parameters this rank holds."""
     resolved = trainer.strategy.resolved
@@ -51,6 +72,9 @@ def tensor_parallel_plan(trainer) -> dict:
         "report": resolved.report,
         "local_parameters": sum(p.numel() for p in trainer.lightning_module.parameters()),
     }
+
+
+tensor_parallel_plan.before_teardown = True
 
 
 def batchnorm_history(trainer) -> list:
@@ -86,10 +110,13 @@ def memory_report(trainer) -> dict:
     }
 
 
+memory_report.before_teardown = True
+
+
 def _refit_with_an_extra_key(trainer, strict: bool) -> dict:
     """After fit: a full checkpoint of the run with one key the module lacks (``extra.weight``), then
-    ``fit(ckpt_path=...)`` again from it, with ``strict_loading=strict``; the module stays split across
-    the stages, so each stage loads its part. Returns this rank's tensors after the load."""
+    ``fit(ckpt_path=...)`` again from it, with ``strict_loading=strict``: the second fit splits the module
+    again and each stage loads its part. Returns this rank's tensors after that fit."""
     import tempfile
     from pathlib import Path
 
@@ -131,6 +158,9 @@ def sequence_parallel(trainer) -> dict:
         "summed": strategy.sequence.summed() if strategy.sequence is not None else [],
         "activations": report_of(trainer).tables["end_of_fit"][rank].activations,
     }
+
+
+sequence_parallel.before_teardown = True
 
 
 class CollectiveCounter:
@@ -247,6 +277,9 @@ def expert_parallel(trainer) -> dict:
     return {"held": held, "expert_reducer": held_by_reducer}
 
 
+expert_parallel.before_teardown = True
+
+
 def step_traffic(trainer) -> list[dict]:
     """Per step, the bytes this rank handed to each kind of collective (``StepTraffic``'s count), split
     into ``sent`` to other ranks and ``kept`` (an all-to-all's own rows)."""
@@ -254,3 +287,33 @@ def step_traffic(trainer) -> list[dict]:
 
     (found,) = [c for c in trainer.callbacks if isinstance(c, StepTraffic)]
     return [{"sent": dict(step.sent), "kept": dict(step.kept)} for step in found.steps]
+
+
+class SummaryTotals(ModelSummary):
+    """Lightning's model summary callback, keeping what it prints: the total and trainable parameters and
+    each layer's count (rank 0 prints)."""
+
+    def __init__(self) -> None:
+        super().__init__(max_depth=1)
+        self.totals: dict = {}
+
+    def summarize(self, summary_data, total_parameters, trainable_parameters, *args, **kwargs) -> None:
+        self.totals = {
+            "total": total_parameters,
+            "trainable": trainable_parameters,
+            "layers": dict(summary_data),
+        }
+        ModelSummary.summarize(summary_data, total_parameters, trainable_parameters, *args, **kwargs)
+
+
+def summary_totals(trainer) -> dict:
+    (found,) = [c for c in trainer.callbacks if isinstance(c, SummaryTotals)]
+    return found.totals
+
+
+class NoRoomForTheWhole(Callback):
+    """Makes the host report no memory for the whole module at the end of fit, as for a model too large to
+    gather: the strategy must leave it split and refuse its ``state_dict()`` and forward."""
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        trainer.strategy.room_for_whole = lambda: 0

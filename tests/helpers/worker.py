@@ -55,13 +55,17 @@ def reset_peak_resident() -> None:
 
 
 class SetupMemory(Callback):
-    """The peak resident memory from before the model is built to the first training step, and the bytes
-    of the parameters the rank holds then (unique storages, meta excluded)."""
+    """The peak resident memory from before the model is built to the first training step and to the end of
+    training, and the bytes of the parameters the rank holds at the first step (unique storages, meta
+    excluded)."""
 
     def __init__(self, rss_before: int) -> None:
         self.rss_before = rss_before
         self.peak_at_first_step: int | None = None
         self.parameter_bytes: int | None = None
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.peak_at_train_end = peak_rss_bytes()  # before the strategy gives the module back whole
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.peak_at_first_step is None:
@@ -74,7 +78,7 @@ class SetupMemory(Callback):
         return {
             "setup_peak_growth": growth,
             "rss_growth_at_first_step": growth and self.rss_at_first_step - self.rss_before,
-            "peak_at_end": peak_rss_bytes() - self.rss_before,
+            "peak_at_end": getattr(self, "peak_at_train_end", peak_rss_bytes()) - self.rss_before,
             "parameter_bytes": self.parameter_bytes,
         }
 
@@ -114,6 +118,50 @@ def build_strategy(spec: Any, world_size: int) -> Any:
     import lightning_parallel  # noqa: F401
 
     return spec
+
+
+def before_teardown(trainer: Trainer, call: Any) -> list:
+    """Call ``call(trainer)`` when fit ends, before the strategy gives the module back whole; the list
+    receives its result."""
+    found: list = []
+    strategy = trainer.strategy
+    teardown = strategy.teardown
+
+    def first_call_then_teardown() -> None:
+        if not found and trainer.state.fn == "fit":
+            found.append(call(trainer))
+        teardown()
+
+    strategy.teardown = first_call_then_teardown
+    return found
+
+
+def forward_on_first_samples(model: Any, data: Any) -> torch.Tensor:
+    """The module's output (no grad) on the first two training samples, as one process computes it."""
+    from torch.utils.data import default_collate
+
+    dataset = data.train_dataloader().dataset
+    batch = default_collate([dataset[0], dataset[1]])
+    x = batch[0] if isinstance(batch, (tuple, list)) else batch
+    dtype = next(model.parameters()).dtype
+    x = x.to(dtype) if x.is_floating_point() else x
+    with torch.no_grad():
+        return model(x).detach().clone()
+
+
+def refusals(model: Any, data: Any) -> dict:
+    """What ``state_dict()`` and a forward of a module left split raise: {call: (error type, message)}."""
+    found = {}
+    for name, call in (
+        ("state_dict", model.state_dict),
+        ("forward", lambda: forward_on_first_samples(model, data)),
+    ):
+        try:
+            call()
+            found[name] = None
+        except Exception as error:  # the error is the result
+            found[name] = (type(error).__name__, str(error))
+    return found
 
 
 def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
@@ -167,6 +215,12 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
         with trainer.init_module(empty_init=case["empty_init"]):
             model = load_object(case["model"])(**case.get("model_kwargs", {}))
     fit_kwargs = {"weights_only": case["weights_only"]} if "weights_only" in case else {}
+    probe = load_object(case["probe"]) if case.get("probe") else None
+    inside = getattr(probe, "before_teardown", False)  # looks at the split module, before it is whole again
+    if inside:
+        inside = before_teardown(trainer, probe)
+    if case.get("save_checkpoint") == "split":  # the checkpoint of the split module, as fit ends
+        before_teardown(trainer, lambda t: t.save_checkpoint(out_dir / "last.ckpt"))
     compiled = "compile" in case  # {"backend": "eager", ...}: torch.compile's keyword arguments
     if compiled:
         reset_dynamo()
@@ -194,8 +248,9 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
     result = {
         "losses": recorder.losses,
         "state_dict": {}
-        if case.get("no_state_dict")
+        if case.get("no_state_dict") or case.get("split_after_fit")
         else {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "refused": refusals(model, data) if case.get("split_after_fit") else None,
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "setup_memory": memory.figures(),
     }
@@ -212,9 +267,11 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
         result["compile_warnings"] = [
             str(w.message) for w in caught if "under torch.compile" in str(w.message)
         ]
-    if case.get("probe"):  # "module:function(trainer) -> picklable", to look inside the strategy
-        result["probe"] = load_object(case["probe"])(trainer)
-    if case.get("save_checkpoint"):
+    if probe is not None:  # "module:function(trainer) -> picklable", to look inside the strategy
+        result["probe"] = inside[0] if inside else probe(trainer)
+    if case.get("forward_after_fit") and trainer.global_rank == 0:
+        result["forward"] = forward_on_first_samples(model, data)
+    if case.get("save_checkpoint") is True:
         trainer.save_checkpoint(out_dir / "last.ckpt")
     return result
 

@@ -22,6 +22,7 @@ def case(name, strategy, model=MODEL, trainer=None, model_kwargs=None, data_kwar
         "data_kwargs": data_kwargs or {"global_batch_size": 16},
         "trainer": {**F64, **(trainer or {})},
         "model_kwargs": model_kwargs or {},
+        "forward_after_fit": True,
         **extra,
     }
 
@@ -64,6 +65,8 @@ def test_matches_single_device_float64(ddp_results, strategy, variant):
     reference = run_single(case(f"single-{variant}", "auto", **kw), tmp)
     for rank_result in ranks:
         assert_params_close(rank_result["state_dict"], reference["state_dict"], atol=1e-10)
+        assert list(rank_result["state_dict"]) == list(reference["state_dict"])
+    assert (ranks[0]["forward"] - reference["forward"]).abs().max().item() <= 1e-10  # one device's output
     # the loss each rank saw is its half of the batch; their mean is the single-device loss (Lightning
     # hands accumulated step outputs back as float32, hence the looser tolerance on losses)
     mean_losses = torch.tensor([r["losses"] for r in ranks], dtype=torch.float64).mean(0)

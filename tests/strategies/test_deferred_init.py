@@ -11,7 +11,12 @@ import math
 import pytest
 import torch
 
-from tests.helpers.harness import assert_params_close, max_param_diff, run_distributed
+from tests.helpers.harness import (
+    assert_given_back_whole,
+    assert_params_close,
+    max_param_diff,
+    run_distributed,
+)
 from tests.helpers.worker import load_object
 
 DDP = "lightning_parallel:DDPStrategy"
@@ -44,6 +49,7 @@ def case(model: str, layout: str, strategy: str, kwargs: dict, dp: int, steps: i
         "trainer": {**F64, "max_steps": steps},
         "strategy": {"class": strategy, "kwargs": kwargs},
         "save_checkpoint": True,
+        "forward_after_fit": True,
     }
 
 
@@ -99,6 +105,11 @@ def deferred(tmp_path_factory):
             cases[world].append(case(model, layout, strategy, kwargs, dp))
     cases[1].append({**case("gpt", "ddp1-10", DDP, {}, 1, steps=10)})
     cases[2].append({**case("gpt", "tp2-sharded", TP, {"plan": "auto", "save_distributed": True}, 1)})
+    for layout in ("tp2", "1f1b"):  # built on meta, too large for the host to hold whole after fit
+        _, strategy, kwargs, dp = LAYOUTS[layout]
+        no_room = {"class": "tests.helpers.probes:NoRoomForTheWhole"}
+        cases[2].append({**case("gpt", f"{layout}-no-room", strategy, kwargs, dp), "callbacks": [no_room]})
+        cases[2][-1].update(split_after_fit=True, forward_after_fit=False)
     full = tmp / "dist1" / "gpt-ddp1" / "last.ckpt"
     cases[2] += [resumed("resume-full-tp2", "tp2", full), resumed("resume-full-1f1b", "1f1b", full)]
     for layout in ("tp2", "1f1b"):  # the network built in configure_model: on meta by default
@@ -134,6 +145,30 @@ def test_every_layout_trains_as_one_process_from_the_same_initial_weights(deferr
     reference = _full(tmp, 1, f"{model}-ddp1")
     assert_params_close(_full(tmp, world, f"{model}-{layout}"), reference, atol=1e-10)
     assert max_param_diff(_full(tmp, 1, f"{model}-initial"), reference) > 1e-3  # the steps moved them
+    # built on meta, it fits the host: every rank's module is whole after fit
+    ranks = results[f"{model}-{layout}"]
+    assert_given_back_whole(ranks, _full(tmp, world, f"{model}-{layout}"), results[f"{model}-ddp1"][0])
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("layout", ["tp2", "1f1b"])
+def test_a_model_too_large_to_gather_stays_split_and_refuses_to_pass_for_whole(deferred, layout):
+    """Built on meta and too large for the host to hold whole: after fit its state_dict() and forward raise,
+    naming trainer.save_checkpoint and how to load that whole; the checkpoint is whole and trained."""
+    tmp, results = deferred
+    for rank in results[f"gpt-{layout}-no-room"]:
+        for call in ("state_dict", "forward"):
+            kind, message = rank["refused"][call]
+            assert kind == "ShardedModuleError", (call, kind, message)
+            for fragment in (
+                "built on the meta device",
+                "stays split",
+                "trainer.save_checkpoint",
+                "load_from_checkpoint",
+            ):
+                assert fragment in message, (call, message)
+    full = _full(tmp, 2, f"gpt-{layout}-no-room")
+    assert_params_close(full, _full(tmp, 1, "gpt-ddp1"), atol=1e-10)
 
 
 @pytest.mark.timeout(900)

@@ -3,8 +3,16 @@ single-device training: float64, 5 steps, full gathered checkpoint vs single dev
 
 import pytest
 import torch
+from lightning.pytorch.utilities.model_summary import get_human_readable_count
 
-from tests.helpers.harness import assert_params_close, max_param_diff, run_distributed, run_single
+from tests.helpers.harness import (
+    assert_given_back_whole,
+    assert_params_close,
+    max_param_diff,
+    run_distributed,
+    run_single,
+)
+from tests.helpers.worker import load_object
 
 PP = "lightning_parallel:PipelineParallelStrategy"
 GPT = ("tests.helpers.tp_models:SmallGPT", "tests.helpers.tp_models:TokenData", {"n_layer": 4})
@@ -49,6 +57,7 @@ def case(
         "trainer": {"precision": "64-true", "max_steps": 5, **(trainer or {})},
         "strategy": {"class": PP, "kwargs": {"data_parallel_size": dp, **kwargs}},
         "save_checkpoint": True,
+        "forward_after_fit": True,
     }
 
 
@@ -131,6 +140,9 @@ for c in CASES_2:
         c["probe"] = "tests.helpers.probes:pipeline_peak_held"
     if c["name"] == "gpt-variable-length":
         c["probe"] = "tests.helpers.probes:sequence_lengths"
+    if c["name"] == "gpt-1f1b-m4":
+        c["callbacks"] = [{"class": "tests.helpers.probes:SummaryTotals"}]
+        c["probe"] = "tests.helpers.probes:summary_totals"
 CASES_4 = [
     case("gpt-dp2-1f1b", "gpt", dp=2, schedule="1f1b"),
     case("gpt-dp2-1f1b-accumulate", "gpt", dp=2, schedule="1f1b", trainer={"accumulate_grad_batches": 2}),
@@ -221,8 +233,7 @@ def check(tmp, results, world, c):
     initial = reference(c, tmp, max_steps=0)
     assert max_param_diff(initial["state_dict"], ref["state_dict"]) > 1e-3  # training moved the parameters
     ranks = results[c["name"]]
-    for rank in ranks:  # each stage holds only part of the blocks, under the original names
-        assert set(rank["state_dict"]) < set(full)
+    assert_given_back_whole(ranks, full, ref)  # each stage held only part of the blocks until fit ended
     # every stage reports its replica's full-batch loss; over the replicas that is the single-device loss
     dp = c["dp_size"]
     stages = len(ranks) // dp
@@ -284,6 +295,18 @@ def test_fp16_with_a_gradient_scaler_scales_the_micro_batch_losses(pp2):
 
 
 @pytest.mark.timeout(600)
+def test_model_summary_counts_the_whole_model(pp2):
+    """Lightning's model summary (at on_fit_start, after set-up) shows the whole model's parameters, not the
+    stage's."""
+    _, results = pp2
+    c = next(c for c in CASES_2 if c["name"] == "gpt-1f1b-m4")
+    module = load_object(c["model"])(**c["model_kwargs"])
+    totals = results[c["name"]][0]["probe"]
+    assert totals["total"] == totals["trainable"] == sum(p.numel() for p in module.parameters())
+    children = [get_human_readable_count(sum(p.numel() for p in m.parameters())) for m in module.children()]
+    assert totals["layers"]["Params"] == children
+
+
 def test_model_checkpoint_and_early_stopping_monitor_what_the_last_stage_logs(pp2):
     tmp, results = pp2
     for rank in results["seq-monitor"]:

@@ -35,6 +35,7 @@ def case(name, arch, schedule, dp=1, trainer=None, data=TOKENS, **kwargs):
             "kwargs": {"schedule": schedule, "num_microbatches": 4, "data_parallel_size": dp, **kwargs},
         },
         "save_checkpoint": True,
+        "forward_after_fit": True,
         "probe": "tests.helpers.probes:pipeline_stages",
     }
 

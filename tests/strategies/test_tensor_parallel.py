@@ -10,10 +10,18 @@ import os
 
 import pytest
 import torch
+from lightning.pytorch.utilities.model_summary import get_human_readable_count
 
 from lightning_parallel.tensor import resolve
 from lightning_parallel.tensor.table import params_per_rank
-from tests.helpers.harness import REPO, assert_params_close, max_param_diff, run_distributed, run_single
+from tests.helpers.harness import (
+    REPO,
+    assert_given_back_whole,
+    assert_params_close,
+    max_param_diff,
+    run_distributed,
+    run_single,
+)
 from tests.helpers.worker import load_object
 
 TP = "lightning_parallel:TensorParallelStrategy"
@@ -72,6 +80,7 @@ def case(name, model, plan, dp=1, trainer=None, model_kwargs=None, **strategy_kw
         "trainer": {**F64, **(trainer or {})},
         "strategy": {"class": TP, "kwargs": kwargs},
         "save_checkpoint": True,
+        "forward_after_fit": True,
     }
 
 
@@ -86,6 +95,7 @@ def reference(model, tmp, trainer=None, steps=None, model_kwargs=None, save=Fals
         "data_kwargs": {"global_batch_size": 16},
         "trainer": {**F64, **(trainer or {}), **({"max_steps": steps} if steps is not None else {})},
         "save_checkpoint": save,
+        "forward_after_fit": True,
     }
     result = run_single(c, tmp)
     if save:
@@ -95,13 +105,20 @@ def reference(model, tmp, trainer=None, steps=None, model_kwargs=None, save=Fals
 
 CASES_2 = [case(f"{m}-{p}", m, p) for m in MODELS for p in PLANS] + [
     case("gpt-auto-clip", "gpt", "auto", trainer={"gradient_clip_val": 0.05}),
-    case("mlp-written-verify", "mlp", "written", verify_plan=True),
+    {
+        **case("mlp-written-verify", "mlp", "written", verify_plan=True),
+        "callbacks": [{"class": "tests.helpers.probes:SummaryTotals"}],
+        "probe": "tests.helpers.probes:summary_totals",
+    },
     {
         **case("mlp-auto-validate", "mlp", "auto", trainer={"limit_val_batches": 2}),
         "validate_after_fit": True,
     },
     case("gpt-auto-bf16", "gpt", "auto", trainer={"precision": "bf16-mixed"}, model_kwargs=SGD),
 ]
+for c in CASES_2:
+    if c["name"].count("-") == 1:
+        c["probe"] = "tests.helpers.probes:held_state_numel"
 CASES_4 = [case(f"{m}-{p}-dp2", m, p, dp=2) for m in MODELS for p in PLANS] + [
     case(
         "gpt-auto-dp2-accumulate",
@@ -162,22 +179,11 @@ def _checkpoint(tmp, world, name):
     return torch.load(tmp / f"dist{world}" / name / "last.ckpt", weights_only=False)["state_dict"]
 
 
-def _check_local_tensors(full, ranks):
-    """Every rank's own tensors: replicated ones equal the full tensor (no rank drifted), sharded ones are
-    smaller than it (parameters are really split)."""
-    for rank in ranks:
-        for key, local in rank["state_dict"].items():
-            if local.shape == full[key].shape:
-                assert max_param_diff({key: local}, {key: full[key]}) <= 1e-12, key
-            else:
-                assert local.numel() < full[key].numel(), key
-
-
 def _check(tmp, results, world, name, model, trainer=None):
     ref = reference(model, tmp, trainer)
     full = _checkpoint(tmp, world, name)
     assert_params_close(full, ref["state_dict"], atol=1e-10)
-    _check_local_tensors(full, results[name])
+    assert_given_back_whole(results[name], full, ref)
     initial = reference(model, tmp, steps=0)
     assert max_param_diff(initial["state_dict"], ref["state_dict"]) > 1e-3  # training moved the parameters
     for rank in results[name]:  # every tensor-parallel rank saw the whole loss of the same batch
@@ -202,7 +208,7 @@ def test_dp2_tp2_matches_single_device(tp4, model, plan):
     ref = reference(model, tmp)
     full = _checkpoint(tmp, 4, f"{model}-{plan}-dp2")
     assert_params_close(full, ref["state_dict"], atol=1e-10)
-    _check_local_tensors(full, results[f"{model}-{plan}-dp2"])
+    assert_given_back_whole(results[f"{model}-{plan}-dp2"], full, ref)
     # each dp replica saw half the global batch: the mean of the replicas' losses is the global loss
     ranks = results[f"{model}-{plan}-dp2"]
     mean = torch.tensor([ranks[0]["losses"], ranks[2]["losses"]], dtype=torch.float64).mean(0)
@@ -242,17 +248,29 @@ def test_global_norm_clipping_matches_single_device(tp2):
 
 @pytest.mark.timeout(600)
 def test_validate_after_fit_keeps_every_ranks_shards(tp2):
-    """Lightning's DDPStrategy broadcasts rank 0's tensors before validate/test: not over shards."""
+    """Lightning's DDPStrategy broadcasts rank 0's tensors before validate/test: not over shards (the
+    module, split again for validate and whole after it, still equals one device's)."""
     tmp, results = tp2
     _check(tmp, results, 2, "mlp-auto-validate", "mlp")
-    shards = [r["state_dict"]["net.0.weight"] for r in results["mlp-auto-validate"]]
-    assert not torch.equal(shards[0], shards[1])
 
 
 @pytest.mark.timeout(600)
 def test_verify_plan_passes_on_a_correct_plan(tp2):
     tmp, results = tp2
     _check(tmp, results, 2, "mlp-written-verify", "mlp")
+
+
+@pytest.mark.timeout(600)
+def test_model_summary_counts_the_whole_model(tp2):
+    """Lightning's model summary (at on_fit_start, after set-up) shows the whole model's parameters."""
+    _, results = tp2
+    c = next(c for c in CASES_2 if c["name"] == "mlp-written-verify")
+    module = load_object(c["model"])(**c["model_kwargs"])
+    totals = results[c["name"]][0]["probe"]
+    assert totals["total"] == totals["trainable"] == sum(p.numel() for p in module.parameters())
+    assert totals["layers"]["Params"] == [
+        get_human_readable_count(sum(p.numel() for p in module.net.parameters()))
+    ]
 
 
 @pytest.mark.timeout(600)
@@ -267,8 +285,7 @@ def test_ranks_hold_the_share_the_table_reports(tp2, name):
     expected = params_per_rank(module, resolve(module, c["strategy"]["kwargs"]["plan"], 2, run=run))
     total = sum(p.numel() for p in module.parameters())
     for rank in results[name]:
-        held = sum(t.numel() for t in rank["state_dict"].values())
-        assert held == expected < total
+        assert rank["probe"] == expected < total
 
 
 @pytest.mark.timeout(600)

@@ -5,6 +5,8 @@ validation included; full checkpoints hold the whole running statistics under si
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from lightning.pytorch import LightningModule
@@ -106,6 +108,7 @@ def case(name, plan="auto", dp=1, trainer=None, **extra):
         "strategy": {"class": TP, "kwargs": {"plan": plan, "data_parallel_size": dp}},
         "save_checkpoint": True,
         "validate_after_fit": True,
+        "probe": "tests.helpers.probes:split_state_shapes",
         **extra,
     }
 
@@ -134,6 +137,9 @@ def runs(tmp_path_factory):
     held = case("held", model=HELD)
     sharded = case("sharded-save", trainer={"max_steps": 3})  # each rank writes its own slices
     sharded["strategy"]["kwargs"]["save_distributed"] = True
+    sharded.update(
+        save_checkpoint="split", validate_after_fit=False
+    )  # as fit ends, while each rank holds its shard
     two = run_distributed(
         [case("auto"), case("written", plan=WRITTEN), resume, held, sharded],
         world_size=2,
@@ -150,6 +156,10 @@ def runs(tmp_path_factory):
     from_shards = single(
         tmp, "single-from-shards", ckpt_path=str(tmp / "dist2" / "sharded-save" / "last.ckpt")
     )
+    single(tmp, "single-3-fit", trainer={"max_steps": 3}, validate_after_fit=False)  # saved as fit ends, too
+    resumed_fit = single(
+        tmp, "single-resume-fit", ckpt_path=str(tmp / "single" / "single-3-fit" / "last.ckpt")
+    )
     refs = {
         "auto": ref,
         "written": ref,
@@ -158,6 +168,7 @@ def runs(tmp_path_factory):
         "held": ref,
         "held-dp2-sync": ref,
         "from-shards": from_shards,
+        "resumed-fit": resumed_fit,
     }
     return tmp, refs, initial, {**two, **four}
 
@@ -200,13 +211,15 @@ def test_per_feature_tensors_are_split_and_each_rank_holds_at_most_55_percent(ru
     parameters = {n for n, _ in DenseBatchNorm().named_parameters()}
     total = sum(full[n].numel() for n in parameters)
     for rank in results[name]:
-        local = rank["state_dict"]
+        local = rank["probe"]  # the shapes this rank held at the end of fit
         for key in ("net.1.weight", "net.1.running_mean", "net.1.running_var", "net.7.scale", "net.7.shift"):
-            assert local[key].shape[0] * 2 == full[key].shape[0], key
-        assert local["net.4.running_mean"].shape == full["net.4.running_mean"].shape  # between the pairs
-        assert local["net.1.num_batches_tracked"].shape == ()
-        held = sum(local[n].numel() for n in parameters)
+            assert local[key][0] * 2 == full[key].shape[0], key
+        assert local["net.4.running_mean"] == full["net.4.running_mean"].shape  # between the pairs
+        assert local["net.1.num_batches_tracked"] == ()
+        held = sum(math.prod(local[n]) for n in parameters)
         assert held / total <= 0.55, f"{held} of {total}"
+        # after fit and validate the module is whole, per-feature tensors included
+        assert list(rank["state_dict"]) == list(full) and max_param_diff(rank["state_dict"], full) == 0
 
 
 @pytest.mark.timeout(900)
@@ -246,4 +259,4 @@ def test_a_sharded_checkpoint_holds_each_ranks_running_statistics_and_resumes_on
     """``save_distributed=True``: each rank writes its slices of the per-feature tensors; one device
     resumed from the directory equals one device resumed from its own checkpoint at the same step."""
     _, refs, _, _ = runs
-    assert_params_close(refs["from-shards"]["state_dict"], refs["auto-resume"]["state_dict"], atol=1e-10)
+    assert_params_close(refs["from-shards"]["state_dict"], refs["resumed-fit"]["state_dict"], atol=1e-10)

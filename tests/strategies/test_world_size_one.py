@@ -12,7 +12,10 @@ STRATEGIES = {
     "lp_ddp": {"class": "lightning_parallel:DDPStrategy"},
     "lp_ddp_zero1": {"class": "lightning_parallel:DDPStrategy", "kwargs": {"zero_stage": 1}},
     "lp_tensor_parallel": {"class": "lightning_parallel:TensorParallelStrategy"},
-    "lp_pipeline_1f1b": {"class": "lightning_parallel:PipelineParallelStrategy", "kwargs": {"schedule": "1f1b"}},
+    "lp_pipeline_1f1b": {
+        "class": "lightning_parallel:PipelineParallelStrategy",
+        "kwargs": {"schedule": "1f1b"},
+    },
 }
 
 

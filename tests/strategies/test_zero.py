@@ -13,6 +13,7 @@ import torch
 
 from tests.helpers.harness import (
     UNTRUSTED,
+    assert_given_back_whole,
     assert_params_close,
     max_param_diff,
     run_distributed,
@@ -50,6 +51,7 @@ def case(name: str, model: str, optimizer: str, strategy: str, kwargs: dict, dp:
         "strategy": {"class": strategy, "kwargs": kwargs},
         "save_checkpoint": True,
         **(UNTRUSTED if more.get("ckpt_path") else {}),
+        "forward_after_fit": True,
         **more,
     }
 
@@ -134,8 +136,11 @@ def runs(tmp_path_factory):
             by_world[2].append(
                 case(name, "gpt", "adamw", DDP, {"zero_stage": zero}, 2, trainer=trainer, **extra)
             )
-    for name, (world, kwargs) in SHARDED_SAVES.items():
-        by_world[world].append(case(name, "gpt", "adamw", PARALLEL, {**kwargs, "save_distributed": True}, 2))
+    for name, (world, kwargs) in SHARDED_SAVES.items():  # saved while each rank holds its pieces
+        c = case(
+            name, "gpt", "adamw", PARALLEL, {**kwargs, "save_distributed": True}, 2, save_checkpoint="split"
+        )
+        by_world[world].append(c)
     async_run = case("async-dp2pp2-z1", "gpt", "sgdm", PARALLEL, layout(2, 1, 2, 1, "async"), 2)
     by_world[4].append({**async_run, "model_kwargs": sgd})
     results = {}
@@ -167,9 +172,9 @@ def test_zero_equals_one_device(runs, name):
     expected = results[reference][0]["state_dict"]
     full = saved_checkpoint(tmp, world, name)["state_dict"]
     assert_params_close(full, expected, atol=1e-10)
-    for rank in results[name]:  # every rank holds the whole updated model (all-gathered after each step)
-        if "pp2" not in name and "tp2" not in name:
-            assert_params_close(rank["state_dict"], expected, atol=1e-10)
+    # every rank holds the whole updated model after fit: ZeRO's pieces all-gathered after each step, and
+    # tensor-parallel shards and pipeline stages joined when fit ends
+    assert_given_back_whole(results[name], full, results[reference][0])
 
 
 @pytest.mark.timeout(1500)
