@@ -218,8 +218,12 @@ def whole_optimizer(
     for name in ("state_dict", "load_state_dict"):  # ZeRO's unsharded view of its pieces
         optimizer.__dict__.pop(name, None)
     named = dict(module.named_parameters())
-    for group, saved in zip(optimizer.param_groups, full["param_groups"]):
-        group["params"] = [named[names[i]] for i in saved["params"]]
+    for g, saved in enumerate(full["param_groups"]):
+        params = [named[names[i]] for i in saved["params"]]
+        if g < len(optimizer.param_groups):
+            optimizer.param_groups[g]["params"] = params
+        else:  # a group this stage lacked (BackboneFinetuning adds one where the backbone is)
+            optimizer.add_param_group({**{k: v for k, v in saved.items() if k != "params"}, "params": params})
     optimizer.state.clear()
     optimizer.load_state_dict(full)
 
