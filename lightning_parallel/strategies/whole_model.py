@@ -156,7 +156,7 @@ def give_back(strategy: Any, module: nn.Module, whole: WholeModel) -> None:
     optimizers = [
         (unwrapped(o), *_whole_optimizer_state(strategy, o)) for o in strategy.optimizers if fitting
     ]
-    unsaved = _unsaved_buffers(strategy, module) if whole.built_on_meta else {}
+    unsaved = _unsaved_buffers(strategy, module, whole.skeleton) if whole.built_on_meta else {}
     whole.put_back(module, {**unsaved, **strategy.full_model_state()}, torch.device("cpu"))
     for optimizer, full, names in optimizers:
         whole_optimizer(optimizer, full, names, module)
@@ -200,13 +200,14 @@ def _optimizer_state_ratio(strategy: Any, module: nn.Module) -> float:
     return state / held * (strategy.mesh.shape.dp if strategy._optimizer_shards else 1) if held else 0.0
 
 
-def _unsaved_buffers(strategy: Any, module: nn.Module) -> dict[str, torch.Tensor]:
+def _unsaved_buffers(strategy: Any, module: nn.Module, skeleton: nn.Module) -> dict[str, torch.Tensor]:
     """The non-persistent buffers (no state dict holds them) of a module built on meta: each stage has the real
-    values of its own blocks' (a collective over the stages)."""
+    values of its own blocks' (a collective over the stages), and the whole module's names come from the
+    skeleton of its children (a stage holds only its own blocks')."""
     local = {k: v for k, v in unsaved_buffers(module).items() if not v.is_meta}
-    return (
-        gather_parts(local, strategy.pp_group, list(unsaved_buffers(module))) if strategy.pipelined else local
-    )
+    if not strategy.pipelined:
+        return local
+    return gather_parts(local, strategy.pp_group, list({**unsaved_buffers(skeleton), **local}))
 
 
 def whole_optimizer(
