@@ -122,10 +122,20 @@ def put_back_whole(
     seen: set[int] = set()
     for name, whole in filled._modules.items():
         current = module._modules.get(name)
+        if _keeps_its_state(current):
+            continue
         if whole is not None and current is not None and type(current) is type(whole):
             _take_over(current, whole, seen)
         else:
             module._modules[name] = whole
+
+
+def _keeps_its_state(module: Optional[nn.Module]) -> bool:
+    """A torchmetrics ``Metric`` is left as it is: no split touches it, and what it accumulated during the
+    stage lives in plain attributes that no state dict (and so no skeleton) holds."""
+    from torchmetrics import Metric
+
+    return isinstance(module, Metric)
 
 
 def _take_over(current: nn.Module, whole: nn.Module, seen: set[int]) -> None:
@@ -136,7 +146,9 @@ def _take_over(current: nn.Module, whole: nn.Module, seen: set[int]) -> None:
     seen.add(id(current))
     for name, child in whole._modules.items():
         old = current._modules.get(name)
-        if child is not None and old is not None and type(old) is type(child):
+        if _keeps_its_state(old):
+            whole._modules[name] = old
+        elif child is not None and old is not None and type(old) is type(child):
             _take_over(old, child, seen)
             whole._modules[name] = old
     current.__dict__ = whole.__dict__

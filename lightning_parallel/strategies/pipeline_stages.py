@@ -216,7 +216,8 @@ class PipelineStages:
         skeleton of every block, the BatchNorm deferral, and (balance='time') each block's cost."""
         batchnorm = batchnorm_warning(module, self.num_microbatches)
         if batchnorm is not None:
-            rank_zero_warn(batchnorm)
+            if module.trainer.state.fn == TrainerFn.FITTING:  # not again as validate/test split it again
+                rank_zero_warn(batchnorm)
             self._deferred_bn = DeferredBatchNorm(module)
         self._full_keys = list(module.state_dict().keys())
         self._full_param_names = [n for n, _ in module.named_parameters()]

@@ -96,14 +96,20 @@ class _Module(LightningModule):
 
 def test_async_chunks_that_would_need_a_third_weight_version_are_refused_at_set_up():
     """2 stages, 2 chunks, m = 1: rank 0 runs 4 chunk forwards ahead of its backwards, more than a batch's
-    2, so batch t's backwards would outlive batch t + 1's forwards."""
+    2, so batch t's backwards would outlive batch t + 1's forwards; refused when the Trainer is built."""
+    with pytest.raises(ValueError, match=r"third weight version.*num_microbatches >= 2"):
+        Trainer(
+            strategy=lp.PipelineParallelStrategy(
+                schedule="async", virtual_stages=2, num_microbatches=1, pipeline_parallel_size=2
+            ),
+            accelerator="cpu",
+            devices=2,
+            logger=False,
+        )
     strategy = lp.PipelineParallelStrategy(
-        schedule="async", virtual_stages=2, num_microbatches=1, pipeline_parallel_size=2
+        schedule="async", virtual_stages=2, num_microbatches=2, pipeline_parallel_size=2
     )
     module = _Module()
     module.trainer = Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
     strategy._lightning_module = module
-    with pytest.raises(ValueError, match=r"third weight version.*num_microbatches >= 2"):
-        strategy.check_schedule(2)
-    strategy.num_microbatches = 2
     strategy.check_schedule(2)  # m x v = 4 = the warm-up: two versions suffice
