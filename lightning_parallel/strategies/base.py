@@ -94,7 +94,7 @@ from lightning_parallel.recompute import (
     remove_activation_checkpointing,
     spec_problem,
 )
-from lightning_parallel.strategies.callback_support import split_model_refusal
+from lightning_parallel.strategies.callback_support import finetuning_refusal, split_model_refusal
 from lightning_parallel.strategies.checks import layout, layout_sizes, one_of, positive_number, require
 from lightning_parallel.strategies.global_batch import describe_global_batch
 from lightning_parallel.strategies.launcher import HydraSafeSubprocessLauncher, failure_exit_fn
@@ -325,7 +325,10 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         shape = self.mesh_shape()  # a layout that cannot fit fails before any process group exists
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:  # so does a callback it cannot run
-            require([split_model_refusal(trainer.callbacks, type(self).__name__, shape), self._finetuning_refusal()])
+            name = type(self).__name__
+            callbacks = trainer.callbacks
+            fixed = self.trainable_set_fixed()
+            require([split_model_refusal(callbacks, name, shape), finetuning_refusal(callbacks, name, fixed)])
         self._process_group_backend = self._get_process_group_backend()
         assert self.cluster_environment is not None
         bind = self.root_device.type != "cpu" and self._process_group_backend != "gloo"
@@ -637,23 +640,6 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
                 "optimizer's state once, at set-up (zero_stage=0 follows such a change)"
             )
         return None
-
-    def _finetuning_refusal(self) -> Optional[str]:
-        """Why a Lightning finetuning callback (``BackboneFinetuning``, any ``BaseFinetuning``), which
-        unfreezes parameters during fit, is refused in this layout (None: it is not); checked with the other
-        callbacks before any process group exists, so every rank refuses alike."""
-        from lightning.pytorch.callbacks import BaseFinetuning
-
-        trainer = self.lightning_module.trainer
-        names = [type(c).__name__ for c in trainer.callbacks if isinstance(c, BaseFinetuning)]
-        fixed = self.trainable_set_fixed() if names else None
-        if fixed is None:
-            return None
-        return (
-            f"{type(self).__name__}: the {names[0]} callback freezes and unfreezes parameters during fit, "
-            f"and {fixed}. Remove the callback, or use a layout that follows the change "
-            "(docs/changing_state.md)."
-        )
 
     def follow_parameter_change(self, change: ParameterChange) -> None:
         """Make what set-up decided from the parameters follow a change the user's code made since (seen

@@ -1,5 +1,6 @@
-"""Lightning callbacks that cannot run on a split model (tensor-parallel shards, pipeline stages, experts
-placed over ranks), named before training with the reason.
+"""Lightning callbacks that a layout cannot run, named before training with the reason: SWA on a split model
+(tensor-parallel shards, pipeline stages, experts placed over ranks), and a finetuning callback where the
+layout fixes at set-up which parameters train.
 
 ``StochasticWeightAveraging`` copies the whole LightningModule in its ``setup`` hook, before the strategy
 splits it, then averages that copy's parameters with the module's by position (``zip``) and copies them
@@ -11,11 +12,11 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from lightning.pytorch.callbacks import StochasticWeightAveraging
+from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging
 
 from lightning_parallel.distributed.mesh import MeshShape
 
-__all__ = ["split_model_refusal"]
+__all__ = ["finetuning_refusal", "split_model_refusal"]
 
 SPLITTING_AXES = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size", "ep": "expert_parallel_size"}
 
@@ -37,3 +38,16 @@ def split_model_refusal(callbacks: Iterable[object], strategy: str, shape: MeshS
                 "(the whole model on every rank), or remove the callback."
             )
     return None
+
+
+def finetuning_refusal(callbacks: Iterable[object], strategy: str, fixed: Optional[str]) -> Optional[str]:
+    """Why ``strategy`` refuses a Lightning finetuning callback (``BackboneFinetuning``, any
+    ``BaseFinetuning``), which freezes and unfreezes parameters during fit, given ``fixed``: why its layout
+    cannot follow such a change (``trainable_set_fixed``; None: it can). None when it refuses none."""
+    names = [type(c).__name__ for c in callbacks if isinstance(c, BaseFinetuning)]
+    if not names or fixed is None:
+        return None
+    return (
+        f"{strategy}: the {names[0]} callback freezes and unfreezes parameters during fit, and {fixed}. "
+        "Remove the callback, or use a layout that follows the change (docs/changing_state.md)."
+    )
