@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("registry",),
     ("__init__",),
     ("config",),
+    ("planner",),
     ("cli",),
 ]
 

@@ -1,0 +1,62 @@
+"""The machines a layout runs on: devices per node, memory per device, and the links between devices.
+
+A cluster is read from a small YAML file (``Cluster.load``) or measured on the machine at hand by the
+calibration. The cost model reads nothing else about the hardware."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Mapping, Union
+
+import yaml
+
+__all__ = ["Link", "Cluster"]
+
+
+@dataclass(frozen=True)
+class Link:
+    """One kind of link between two devices: bytes per second each way per device, and the latency of one
+    message in seconds."""
+
+    bandwidth: float
+    latency: float
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` machines of ``devices_per_node`` devices, each with ``memory`` bytes and ``flops`` dense
+    floating-point operations per second in the compute dtype (used only for blocks that were not timed)."""
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    memory: float
+    flops: float
+    within_node: Link
+    between_nodes: Link
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def link(self, group_size: int, stride: int = 1) -> Link:
+        """The slowest link a process group of ``group_size`` ranks, ``stride`` ranks apart, crosses."""
+        spans_nodes = self.nodes > 1 and group_size * stride > self.devices_per_node
+        return self.between_nodes if spans_nodes else self.within_node
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "Cluster":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown cluster keys {unknown}; the keys are {sorted(known)}")
+        values = dict(values)
+        for key in ("within_node", "between_nodes"):
+            values[key] = Link(**values[key])
+        return cls(**values)
+
+    @classmethod
+    def load(cls, path: Union[str, Path]) -> "Cluster":
+        with open(path) as f:
+            return cls.from_mapping(yaml.safe_load(f))
