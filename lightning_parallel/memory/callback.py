@@ -25,10 +25,11 @@ from lightning_parallel.memory.accounting import (
     peak_rss_bytes,
     rss_bytes,
 )
+from lightning_parallel.memory.expected import StateBytes, model_state_bytes, optimizer_kind
 from lightning_parallel.memory.report import RankMemory, SetupFigures, as_dicts, format_table, measure_rank
 from lightning_parallel.memory.saved import SavedTensorCounter
 
-__all__ = ["MemoryReport", "report_of", "COUNTED_STEPS"]
+__all__ = ["MemoryReport", "report_of", "expected_states", "COUNTED_STEPS"]
 
 #: the optimizer steps (``trainer.global_step``) whose saved activations are counted, first and last
 COUNTED_STEPS = (0, 1)
@@ -156,6 +157,7 @@ class MemoryReport(Callback):
             self._setup,
             trainer.strategy.root_device,
             held_gradients(trainer.strategy),
+            expected_states(trainer, pl_module),
         )
         self.tables[when] = _all_ranks(row)
         rank_zero_info(format_table(self.tables[when], f"{_TITLES[when]}; {self.counted_text()}"))
@@ -176,6 +178,29 @@ def held_gradients(strategy: Any) -> list[torch.Tensor]:
     """The gradient memory a strategy's data-parallel path holds (a lightning_parallel reducer's buckets)."""
     reducer = getattr(strategy, "reducer", None)
     return reducer.gradient_tensors() if hasattr(reducer, "gradient_tensors") else []
+
+
+def expected_states(trainer: Trainer, module: LightningModule) -> Optional[int]:
+    """The parameters, gradients and optimizer state this rank should hold by ``memory.expected``'s formulas:
+    its share is the floating-point parameters it holds (as the strategy placed them), over the strategy's
+    data-parallel size and ``zero_stage``. None where that is not known: several optimizers, an optimizer
+    without a formula, expert parallelism with ZeRO (the experts shard over fewer replicas), or a strategy
+    that shards what this report cannot read (Lightning's FSDP)."""
+    strategy, optimizers = trainer.strategy, trainer.optimizers
+    params = [p for p in module.parameters() if p.is_floating_point() and p.device.type != "meta"]
+    mesh, stage = getattr(strategy, "mesh", None), getattr(strategy, "zero_stage", 0)
+    if len(optimizers) != 1 or not params or "fsdp" in type(strategy).__name__.lower():
+        return None
+    if stage and getattr(strategy, "expert_parallel_size", 1) > 1:
+        return None
+    try:
+        kind = optimizer_kind(optimizers[0])
+    except ValueError:
+        return None
+    dp = mesh.shape.dp if mesh is not None else trainer.world_size
+    size = params[0].dtype.itemsize
+    elements = sum(p.numel() for p in params) * (dp if stage >= 3 else 1)
+    return int(model_state_bytes(elements, dp, stage, kind, StateBytes(size, size, 0, size)).total)
 
 
 def report_of(trainer: Trainer) -> Optional[MemoryReport]:

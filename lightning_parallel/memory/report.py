@@ -57,6 +57,8 @@ class RankMemory:
     rss: Optional[int]  # the process's resident memory now
     cuda_max_allocated: Optional[int] = None
     cuda_max_reserved: Optional[int] = None
+    expected_states: Optional[int] = None  # parameters + gradients + optimizer state by the ZeRO paper's
+    # formulas (memory.expected) for this rank's share and layout; None where the layout is not known
 
 
 def measure_rank(
@@ -68,9 +70,11 @@ def measure_rank(
     setup: SetupFigures,
     device: torch.device,
     held_gradients: Iterable[Tensor] = (),
+    expected_states: Optional[int] = None,
 ) -> RankMemory:
     """This rank's row, measured now: the tensors it holds, and the process's memory. ``held_gradients``:
-    gradient memory the strategy holds beside the ``.grad`` of the parameters (its buckets, ZeRO's shards)."""
+    gradient memory the strategy holds beside the ``.grad`` of the parameters (its buckets, ZeRO's shards);
+    ``expected_states``: what the formulas expect of the parameters, gradients and optimizer state together."""
     params = list(module.parameters())
     cuda = cuda_allocated(device) or {}
     return RankMemory(
@@ -88,6 +92,7 @@ def measure_rank(
         rss=rss_bytes(),
         cuda_max_allocated=cuda.get("max_allocated"),
         cuda_max_reserved=cuda.get("max_reserved"),
+        expected_states=expected_states,
     )
 
 
@@ -99,6 +104,7 @@ COLUMNS = {
     "parameters": "params",
     "gradients": "grads",
     "optimizer_state": "optimizer",
+    "expected_states": "expected p+g+o",
     "activations": "activations",
     "setup_peak": "set-up peak",
     "setup_growth": "set-up growth",

@@ -11,7 +11,10 @@ from typing import Any, Mapping, Union
 
 import yaml
 
-__all__ = ["Link", "Cluster"]
+__all__ = ["Link", "Cluster", "SHIPPED"]
+
+#: the cluster files shipped with the package: ``cpu_2core``, ``h100_8x``, ``h100_64x8``
+SHIPPED = Path(__file__).parent / "clusters"
 
 
 @dataclass(frozen=True)
@@ -52,11 +55,15 @@ class Cluster:
         if unknown:
             raise ValueError(f"unknown cluster keys {unknown}; the keys are {sorted(known)}")
         values = dict(values)
-        for key in ("within_node", "between_nodes"):
-            values[key] = Link(**values[key])
+        for key in ("within_node", "between_nodes"):  # numbers as floats: YAML reads 4.5e11 as text
+            values[key] = Link(**{k: float(v) for k, v in values[key].items()})
+        for key in ("memory", "flops"):
+            values[key] = float(values[key])
         return cls(**values)
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> "Cluster":
-        with open(path) as f:
+        """A cluster YAML file, or the name of one shipped in ``planner/clusters`` (``SHIPPED``)."""
+        shipped = SHIPPED / f"{path}.yaml"
+        with open(shipped if shipped.is_file() else path) as f:
             return cls.from_mapping(yaml.safe_load(f))

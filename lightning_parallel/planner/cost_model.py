@@ -1,0 +1,294 @@
+"""The cost model: a layout's step time and peak memory per rank, from per-block measurements and a cluster.
+
+Pure: no process, no tensor. What it models, in the order a step runs (docs/planner.md):
+
+- compute: each block's forward and backward split ``1/tp``, scaled linearly from the measured batch to the
+  micro-batch; the blocks cut into ``pp x v`` chunks as the pipeline cuts them (``partition.balance`` over
+  parameter counts, ``balance="parameters"``, the default); the rest of the model (embedding, head, loss)
+  on the last stage. Full recompute runs each block's forward again in its backward; selective recompute
+  its attention core;
+- tensor parallelism: two all-reduces per block forward and two backward (Megatron's f and g), or as
+  many all-gathers and reduce-scatters under sequence parallelism, on the critical path;
+- expert parallelism: an all-to-all to dispatch and one to combine per expert block, forward and backward;
+- the pipeline: one message per chunk boundary each way, then the schedule's own clock
+  (``schedules.expected_bubbles``): each rank's busy time over its busy share. The async schedule has no
+  flush, so its step is the busiest rank's work;
+- data parallelism: the gradients' ring all-reduce (ZeRO 1/2: reduce-scatter, then the parameters'
+  all-gather after the step; ZeRO 3 also gathers each unit's parameters in forward and backward). The
+  reduce overlaps the last backward (the whole backward without pipeline stages) where the reducer's hooks
+  start it during that backward (``schedules.OVERLAPPED``); the post-step all-gather never overlaps;
+- the optimizer step on the rank's share of the state.
+
+Memory: ``memory.expected``'s model states of the busiest rank's share, and its chunks' activations times
+the micro-batches its schedule keeps in flight (``schedules.activation_bound``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from lightning_parallel.memory.expected import (
+    ModelStates,
+    block_activation_bytes,
+    model_state_bytes,
+    state_bytes_for,
+)
+from lightning_parallel.pipeline.partition import balance
+from lightning_parallel.pipeline.placement import global_stage
+from lightning_parallel.pipeline.schedules import OVERLAPPED, activation_bound, expected_bubbles
+from lightning_parallel.planner.cluster import Cluster
+from lightning_parallel.planner.collective_time import (
+    all_gather_s,
+    all_reduce_s,
+    all_to_all_s,
+    p2p_s,
+    reduce_scatter_s,
+)
+from lightning_parallel.planner.layout import Layout
+
+__all__ = ["BlockCost", "ModelCost", "Prediction", "predict", "BUCKET_BYTES"]
+
+#: lp_ddp's gradient bucket size (``bucket_cap_mb=25``): a reduce's latency is paid per bucket
+BUCKET_BYTES = 25 * 2**20
+
+
+@dataclass(frozen=True)
+class BlockCost:
+    """One block of the block stack at ``ModelCost.batch_size`` samples on one device, unsplit.
+
+    ``output_bytes``: its output (the next block's input): what a stage boundary sends and what tensor
+    parallelism all-reduces. ``attention_bytes`` / ``attention_s``: the parts of ``activation_bytes`` /
+    ``forward_s`` that are the attention core (what selective recompute drops and reruns); 0 if unknown.
+    ``expert_parameter_bytes``: the part of ``parameter_bytes`` in experts (shared out over ep)."""
+
+    forward_s: float
+    backward_s: float
+    activation_bytes: float
+    parameter_bytes: float
+    output_bytes: float = 0.0
+    attention_bytes: float = 0.0
+    attention_s: float = 0.0
+    expert_parameter_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """A model's blocks and the rest: ``other_*`` is outside the block stack (embeddings, final norm, head,
+    loss), run on the last stage and held on every stage. ``optimizer_step_s``: one optimizer step over the
+    whole model on one device. ``parameter_itemsize``: the bytes of one parameter element as measured."""
+
+    blocks: Sequence[BlockCost]
+    other_parameter_bytes: float
+    batch_size: int
+    other_forward_s: float = 0.0
+    other_backward_s: float = 0.0
+    other_activation_bytes: float = 0.0
+    optimizer_step_s: float = 0.0
+    parameter_itemsize: int = 4
+    optimizer: str = "adamw"
+    tokens_per_sample: int = 1
+    name: str = "model"
+
+    @property
+    def parameter_bytes(self) -> float:
+        return sum(b.parameter_bytes for b in self.blocks) + self.other_parameter_bytes
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A layout's predicted step (seconds) and its parts, and the peak bytes of its busiest rank."""
+
+    layout: Layout
+    step_s: float
+    pipeline_s: float  # compute, tensor/expert collectives, stage messages and the bubble
+    bubble: float  # the busiest rank's idle share of pipeline_s
+    data_parallel_s: float  # the gradient (and ZeRO's parameter) collectives not hidden by the backward
+    optimizer_s: float
+    states: ModelStates
+    activation_bytes: float
+    gathered_bytes: float = 0.0  # ZeRO 3: the gathered parameters of a unit and the one prefetched
+
+    @property
+    def peak_bytes(self) -> float:
+        return self.states.total + self.activation_bytes + self.gathered_bytes
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.layout.global_batch / self.step_s
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    forward: float
+    backward: float
+    blocks: tuple[BlockCost, ...]
+    last: bool
+
+
+def _chunks(model: ModelCost, layout: Layout, cluster: Cluster) -> list[_Chunk]:
+    """Each virtual stage's forward and backward seconds per micro-batch, in model order."""
+    n = layout.pp * layout.virtual_stages
+    counts = balance([b.parameter_bytes for b in model.blocks], n)
+    scale = layout.microbatch / model.batch_size
+    tp, ep = layout.tp, layout.ep
+    tp_link, ep_link = cluster.link(tp), cluster.link(ep, tp * layout.pp)
+    pp_link = cluster.link(layout.pp, tp)
+    chunks, start = [], 0
+    for g, count in enumerate(counts):
+        blocks = tuple(model.blocks[start : start + count])
+        start += count
+        forward = backward = 0.0
+        for b in blocks:
+            size = b.output_bytes * scale
+            if layout.sequence_parallel:  # an all-gather and a reduce-scatter for each of f and g
+                comm = 2 * (all_gather_s(size, tp, tp_link) + reduce_scatter_s(size, tp, tp_link))
+            else:
+                comm = 2 * all_reduce_s(size, tp, tp_link)
+            if b.expert_parameter_bytes:
+                comm += 2 * all_to_all_s(size / (tp if layout.sequence_parallel else 1), ep, ep_link)
+            rerun = {True: b.forward_s, "selective": b.attention_s, False: 0.0}[layout.recompute]
+            forward += b.forward_s * scale / tp + comm
+            backward += (b.backward_s + rerun) * scale / tp + comm * (2 if layout.recompute is True else 1)
+        last = g == n - 1
+        if last:
+            forward += model.other_forward_s * scale / tp
+            backward += model.other_backward_s * scale / tp
+        if layout.pp > 1:
+            message = p2p_s(
+                blocks[-1].output_bytes * scale / (tp if layout.sequence_parallel else 1), pp_link
+            )
+            forward += 0.0 if last else message
+            backward += 0.0 if g == 0 else message
+        chunks.append(_Chunk(forward, backward, blocks, last))
+    return chunks
+
+
+def _pipeline(chunks: list[_Chunk], layout: Layout) -> tuple[float, float, list[list[int]]]:
+    """The pipeline's seconds per step, the busiest rank's idle share, and each rank's chunks (model order)."""
+    p, v, m = layout.pp, layout.virtual_stages, layout.num_microbatches
+    held = [[global_stage(layout.schedule, p, r, c, v) for c in range(v)] for r in range(p)]
+    busy = [m * sum(chunks[g].forward + chunks[g].backward for g in held[r]) for r in range(p)]
+    if p == 1:
+        return busy[0], 0.0, held
+    if layout.schedule == "async":
+        return max(busy), 0.0, held
+    forward = [c.forward for c in chunks]
+    backward = [c.backward for c in chunks]
+    idle = expected_bubbles(layout.schedule, p, m, forward, backward, virtual_stages=v)
+    spans = [b / (1 - i) for b, i in zip(busy, idle)]
+    slowest = max(range(p), key=spans.__getitem__)
+    return spans[slowest], idle[slowest], held
+
+
+def _rank_elements(
+    model: ModelCost, layout: Layout, chunks: list[_Chunk], held: list[int]
+) -> tuple[float, float]:
+    """(dense, expert) parameter elements a rank holding chunks ``held`` keeps: its tp share of its blocks
+    and of the rest of the model (held on every stage), its 1/ep of the experts."""
+    blocks = [b for g in held for b in chunks[g].blocks]
+    expert = sum(b.expert_parameter_bytes for b in blocks)
+    dense = sum(b.parameter_bytes for b in blocks) - expert + model.other_parameter_bytes
+    item = model.parameter_itemsize
+    return dense / layout.tp / item, expert / (layout.tp * layout.ep) / item
+
+
+def _activations(model: ModelCost, layout: Layout, chunks: list[_Chunk], rank: int, held: list[int]) -> float:
+    """The bytes of activations ``rank`` holds at its peak: a chunk's worth per micro-batch in flight."""
+    scale = layout.microbatch / model.batch_size
+    tp, sp = layout.tp, layout.sequence_parallel
+
+    def kept(b: BlockCost) -> float:
+        return block_activation_bytes(
+            b.activation_bytes, b.attention_bytes, b.output_bytes, tp, sp, layout.recompute
+        )
+
+    per_chunk = [sum(kept(b) for b in chunks[g].blocks) * scale for g in held]
+    in_flight = 1
+    if layout.pp > 1:
+        in_flight = activation_bound(
+            layout.schedule, layout.pp, layout.num_microbatches, rank, layout.virtual_stages
+        )
+    total = in_flight * max(per_chunk)
+    if layout.recompute is True:  # the block being recomputed holds its whole activations for a moment
+        total += max(b.activation_bytes for g in held for b in chunks[g].blocks) * scale / tp
+    if any(chunks[g].last for g in held):
+        total += model.other_activation_bytes * scale / tp
+    return total
+
+
+def predict(model: ModelCost, layout: Layout, cluster: Cluster, precision: str = "32-true") -> Prediction:
+    """The step time and the busiest rank's peak memory of ``layout`` on ``cluster``."""
+    chunks = _chunks(model, layout, cluster)
+    pipeline_s, idle, held = _pipeline(chunks, layout)
+    state = state_bytes_for(precision)
+    dp_link = cluster.link(layout.dp, layout.tp * layout.pp)
+    edp = layout.dp // layout.ep
+    worst_states, worst_activations, worst_comm, worst_elements = None, 0.0, 0.0, 0.0
+    for rank in range(layout.pp):
+        dense, expert = _rank_elements(model, layout, chunks, held[rank])
+        states = _add(
+            model_state_bytes(dense, layout.dp, layout.zero_stage, model.optimizer, state),
+            model_state_bytes(expert, edp, layout.zero_stage, model.optimizer, state),
+        )
+        activations = _activations(model, layout, chunks, rank, held[rank])
+        if worst_states is None or states.total + activations > worst_states.total + worst_activations:
+            worst_states, worst_activations = states, activations
+        window = _overlap_window(layout, chunks, held[rank])
+        comm = _data_parallel_s(
+            dense * state.gradient, layout, dp_link, window, len(chunks[held[rank][0]].blocks)
+        )
+        comm += _data_parallel_s(expert * state.gradient, _with_dp(layout, edp), dp_link, window, 1)
+        worst_comm, worst_elements = max(worst_comm, comm), max(worst_elements, dense + expert)
+    whole = model.parameter_bytes / model.parameter_itemsize
+    optimizer_s = model.optimizer_step_s * worst_elements / whole / (layout.dp if layout.zero_stage else 1)
+    assert worst_states is not None
+    largest_unit = max(b.parameter_bytes for b in model.blocks) / layout.tp / model.parameter_itemsize
+    gathered = 2 * largest_unit * state.parameter if layout.zero_stage == 3 else 0.0
+    return Prediction(
+        layout=layout,
+        step_s=pipeline_s + worst_comm + optimizer_s,
+        pipeline_s=pipeline_s,
+        bubble=idle,
+        data_parallel_s=worst_comm,
+        optimizer_s=optimizer_s,
+        states=worst_states,
+        activation_bytes=worst_activations,
+        gathered_bytes=gathered,
+    )
+
+
+def _add(a: ModelStates, b: ModelStates) -> ModelStates:
+    return ModelStates(a.parameters + b.parameters, a.gradients + b.gradients, a.optimizer + b.optimizer)
+
+
+def _with_dp(layout: Layout, dp: int) -> Layout:
+    return Layout(**{**layout.__dict__, "dp": dp})
+
+
+def _overlap_window(layout: Layout, chunks: list[_Chunk], held: list[int]) -> float:
+    """The backward time a data-parallel reduce can hide behind: the rank's backward without pipeline
+    stages, its last micro-batch's backward under the schedules whose reducer starts during it, else none."""
+    if layout.pp == 1 or layout.schedule in OVERLAPPED:
+        return sum(chunks[g].backward for g in held)
+    return 0.0
+
+
+def _data_parallel_s(gradient_bytes: float, layout: Layout, link, window: float, units: int) -> float:
+    """The data-parallel collectives of a step not hidden by the backward (``window`` seconds)."""
+    n = layout.dp
+    if n <= 1 or gradient_bytes <= 0:
+        return 0.0
+    buckets = max(1, math.ceil(gradient_bytes / BUCKET_BYTES))
+    if layout.zero_stage == 0:
+        reduce = buckets * all_reduce_s(gradient_bytes / buckets, n, link)
+    else:
+        reduce = buckets * reduce_scatter_s(gradient_bytes / buckets, n, link)
+    exposed = max(reduce - window, reduce / buckets)
+    if layout.zero_stage in (1, 2):  # the updated ranges all-gathered after the step
+        exposed += buckets * all_gather_s(gradient_bytes / buckets, n, link)
+    if layout.zero_stage == 3:  # each unit gathered for its forward and again for its backward, prefetched
+        gathers = 2 * max(1, units) * all_gather_s(gradient_bytes / max(1, units), n, link)
+        exposed += gathers / max(1, units)
+    return exposed

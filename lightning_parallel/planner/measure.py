@@ -1,0 +1,138 @@
+"""A quick ``ModelCost`` of a module on this machine: each block of its block stack timed alone on its captured
+inputs (``pipeline.profile``, as ``balance="time"`` does), its saved activations counted
+(``memory.saved``), and the rest of the step (embedding, head, loss) and one optimizer step timed whole.
+
+For a cluster that is not this machine, ``flop_times`` replaces the times by a FLOP estimate at the
+cluster's rate (2 flops per parameter per token forward, 4 backward); the bytes stay as measured. The
+calibration (``planner.calibrate``) produces the same ``ModelCost`` on the real devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from lightning_parallel.memory.saved import SavedTensorCounter
+from lightning_parallel.module_names import find_block_stack
+from lightning_parallel.pipeline.profile import capture_block_inputs, time_blocks
+from lightning_parallel.planner.cost_model import BlockCost, ModelCost
+
+__all__ = ["measure_model", "flop_times", "BACKWARD_SHARE"]
+
+#: the share of a block's measured forward + backward time that is its backward (two matmuls for each of
+#: the forward's one: the input's gradient and the weights')
+BACKWARD_SHARE = 2 / 3
+
+
+def _bytes(value: Any) -> int:
+    if isinstance(value, Tensor):
+        return value.nbytes
+    if isinstance(value, (tuple, list)):
+        return sum(_bytes(v) for v in value)
+    return 0
+
+
+def _saved_bytes(module: nn.Module, run: Callable[[], Any]) -> tuple[int, Any]:
+    """The bytes autograd keeps saved after ``run`` (parameters and buffers not counted), and its result."""
+    counter = SavedTensorCounter()
+    counter.ignore([*module.parameters(), *module.buffers()])
+    counter.start()
+    try:
+        out = run()
+    finally:
+        counter.stop()
+    return counter.live, out
+
+
+def _median_seconds(run: Callable[[], None], repeats: int) -> float:
+    samples = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples[1:])
+
+
+def measure_model(
+    module: nn.Module,
+    step: Callable[[], Tensor],
+    batch_size: int,
+    optimizer: torch.optim.Optimizer,
+    optimizer_kind: str,
+    tokens_per_sample: int = 1,
+    repeats: int = 3,
+) -> ModelCost:
+    """The ``ModelCost`` of ``module`` at ``batch_size`` samples: ``step()`` runs its forward and returns
+    the loss (every block called once, in order); ``optimizer`` steps its parameters (timed once warm)."""
+    stack_name, stack = find_block_stack(module)
+    blocks = list(stack)
+    inputs = capture_block_inputs(blocks, step)
+    times = time_blocks(blocks, inputs, repeats)
+    costs = []
+    for block, (args, kwargs), seconds in zip(blocks, inputs, times):
+        args = tuple(
+            a.detach().requires_grad_(True) if isinstance(a, Tensor) and a.is_floating_point() else a
+            for a in args
+        )
+        saved, out = _saved_bytes(block, lambda: block(*args, **kwargs))
+        costs.append(
+            BlockCost(
+                forward_s=seconds * (1 - BACKWARD_SHARE),
+                backward_s=seconds * BACKWARD_SHARE,
+                activation_bytes=saved,
+                parameter_bytes=sum(p.nbytes for p in block.parameters()),
+                output_bytes=_bytes(out),
+            )
+        )
+
+    def whole_step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        step().backward()
+
+    whole_s = _median_seconds(whole_step, repeats)
+    total_saved, loss = _saved_bytes(module, step)
+    del loss
+    optimizer_s = _median_seconds(optimizer.step, repeats)
+    other_s = max(0.0, whole_s - sum(times))
+    block_bytes = sum(b.parameter_bytes for b in costs)
+    return ModelCost(
+        blocks=costs,
+        other_parameter_bytes=sum(p.nbytes for p in module.parameters()) - block_bytes,
+        batch_size=batch_size,
+        other_forward_s=other_s * (1 - BACKWARD_SHARE),
+        other_backward_s=other_s * BACKWARD_SHARE,
+        other_activation_bytes=max(0, total_saved - sum(b.activation_bytes for b in costs)),
+        optimizer_step_s=optimizer_s,
+        parameter_itemsize=next(p for p in module.parameters() if p.is_floating_point()).dtype.itemsize,
+        optimizer=optimizer_kind,
+        tokens_per_sample=tokens_per_sample,
+        name=f"{type(module).__name__} ({stack_name}: {len(blocks)} blocks)",
+    )
+
+
+def flop_times(model: ModelCost, flops: float) -> ModelCost:
+    """``model`` with each block's and the rest's times from a FLOP count at ``flops`` per second: a
+    forward is 2 flops per parameter element per token, a backward 4 (Kaplan et al.'s 6N per token); the
+    optimizer step is left as measured. Attention's own flops (the s x s products) are not counted."""
+    tokens = model.batch_size * model.tokens_per_sample
+
+    def seconds(parameter_bytes: float, per_element: int) -> float:
+        return per_element * parameter_bytes / model.parameter_itemsize * tokens / flops
+
+    blocks: Sequence[BlockCost] = [
+        dataclasses.replace(
+            b, forward_s=seconds(b.parameter_bytes, 2), backward_s=seconds(b.parameter_bytes, 4)
+        )
+        for b in model.blocks
+    ]
+    return dataclasses.replace(
+        model,
+        blocks=blocks,
+        other_forward_s=seconds(model.other_parameter_bytes, 2),
+        other_backward_s=seconds(model.other_parameter_bytes, 4),
+    )
