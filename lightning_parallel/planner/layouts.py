@@ -41,9 +41,16 @@ ZERO = (0, 1, 2, 3)
 
 @dataclass(frozen=True)
 class Excluded:
+    """A layout left out: ``kind`` is NOT_DIVISIBLE, REFUSED or NO_FIT; ``problems`` in the strategy's words
+    (or ours for the other kinds), each a sentence."""
+
     layout: Layout
-    kind: str  # NOT_DIVISIBLE, REFUSED or NO_FIT
-    reason: str
+    kind: str
+    problems: tuple[str, ...]
+
+    @property
+    def reason(self) -> str:
+        return "; ".join(self.problems)
 
 
 @dataclass(frozen=True)
@@ -59,11 +66,17 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(
-    devices: int, global_batch: int, experts: bool = False, microbatch_factors: Sequence[int] = (1, 2, 4)
+    devices: int,
+    global_batch: int,
+    experts: bool = False,
+    selective: bool = True,
+    microbatch_factors: Sequence[int] = (1, 2, 4),
 ) -> Iterator[Layout]:
     """Every combination of the axes on ``devices``: dp x tp x pp = devices (ep dividing dp when the model
     has experts), each synchronous schedule with ``pp x factor`` micro-batches, ZeRO 0-3 where dp > 1,
-    recompute off/full/selective, sequence parallelism where tp > 1."""
+    recompute off, full and (``selective``: when the attention core's share is known) selective, sequence
+    parallelism where tp > 1."""
+    recomputes = RECOMPUTE if selective else RECOMPUTE[:2]
     for tp, pp in itertools.product(_divisors(devices), repeat=2):
         if devices % (tp * pp):
             continue
@@ -80,7 +93,7 @@ def candidate_layouts(
         )
         for ep in _divisors(dp) if experts else [1]:
             for (schedule, v, m), zero, recompute, sp in itertools.product(
-                pipelines, ZERO if dp > 1 else (0,), RECOMPUTE, (False, True) if tp > 1 else (False,)
+                pipelines, ZERO if dp > 1 else (0,), recomputes, (False, True) if tp > 1 else (False,)
             ):
                 yield Layout(dp, tp, pp, global_batch, ep, schedule, m, v, zero, recompute, sp)
 
@@ -90,11 +103,11 @@ def layout_refusal(layout: Layout, blocks: int) -> Optional[Excluded]:
     world = layout.devices
     if layout.global_batch % layout.dp:
         reason = f"global batch {layout.global_batch} does not divide over dp={layout.dp} replicas"
-        return Excluded(layout, NOT_DIVISIBLE, reason)
+        return Excluded(layout, NOT_DIVISIBLE, (reason,))
     if layout.pp * layout.virtual_stages > blocks:
         chunks = layout.pp * layout.virtual_stages
         reason = f"{layout.pp} x {layout.virtual_stages} pipeline chunks need {chunks} blocks; the model has {blocks}"
-        return Excluded(layout, NOT_DIVISIBLE, reason)
+        return Excluded(layout, NOT_DIVISIBLE, (reason,))
     options = layout.strategy_options()
     found = option_problems(ParallelStrategy, options)
     sizes = {name: options[name] for name in ParallelStrategy.size_options}
@@ -106,7 +119,7 @@ def layout_refusal(layout: Layout, blocks: int) -> Optional[Excluded]:
         replica_batch = layout.global_batch // layout.dp
         found.append(loader_problem(replica_batch, replica_batch, True, layout.num_microbatches))
     found = [p for p in found if p]
-    return Excluded(layout, REFUSED, "; ".join(found)) if found else None
+    return Excluded(layout, REFUSED, tuple(found)) if found else None
 
 
 def plan_layouts(
@@ -123,8 +136,9 @@ def plan_layouts(
         raise ValueError(f"--devices {devices} is more than the cluster's {cluster.devices} ({cluster.name})")
     limit = cluster.memory if memory is None else memory
     experts = any(b.expert_parameter_bytes for b in model.blocks)
+    selective = any(b.attention_bytes for b in model.blocks)
     ranked, excluded = [], []
-    for layout in candidate_layouts(devices, global_batch, experts):
+    for layout in candidate_layouts(devices, global_batch, experts, selective):
         refusal = layout_refusal(layout, len(model.blocks))
         if refusal is not None:
             excluded.append(refusal)
@@ -132,7 +146,7 @@ def plan_layouts(
         prediction = predict(model, layout, cluster, precision)
         if prediction.peak_bytes > limit:
             reason = f"peak {prediction.peak_bytes / 2**30:.3g} GiB per rank > {limit / 2**30:.3g} GiB"
-            excluded.append(Excluded(layout, NO_FIT, reason))
+            excluded.append(Excluded(layout, NO_FIT, (reason,)))
             continue
         ranked.append(prediction)
     ranked.sort(key=lambda p: (p.step_s, p.peak_bytes))
