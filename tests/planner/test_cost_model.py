@@ -24,7 +24,9 @@ def cluster(link: Link = FREE, devices: int = 8) -> Cluster:
 
 
 def model(blocks: int = 8, forward: float = 1.0, backward: float = 2.0, **block) -> ModelCost:
-    cost = BlockCost(forward, backward, activation_bytes=1000.0, parameter_bytes=4000.0, output_bytes=100.0, **block)
+    cost = BlockCost(
+        forward, backward, activation_bytes=1000.0, parameter_bytes=4000.0, output_bytes=100.0, **block
+    )
     return ModelCost([cost] * blocks, other_parameter_bytes=0.0, batch_size=1)
 
 

@@ -62,7 +62,9 @@ def test_a_small_memory_excludes_what_does_not_fit_and_ranks_the_rest() -> None:
 
 
 def test_overrides_name_the_layout() -> None:
-    layout = Layout(2, 2, 2, 16, schedule="interleaved_1f1b", num_microbatches=4, virtual_stages=2, zero_stage=1)
+    layout = Layout(
+        2, 2, 2, 16, schedule="interleaved_1f1b", num_microbatches=4, virtual_stages=2, zero_stage=1
+    )
     lines = layout.overrides()
     assert "strategy=lp_parallel" in lines and "strategy.virtual_stages=2" in lines
     assert "data.batch_size=8" in lines and "strategy.zero_stage=1" in lines
