@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from hydra.utils import get_object
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 
 from lightning_parallel.memory.expected import optimizer_kind
 from lightning_parallel.planner.cluster import Cluster
@@ -173,8 +174,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     target, kwargs = (args.module, {}) if args.module else EMBEDDED
     kwargs = {**kwargs, **json.loads(args.kwargs)} if args.kwargs else kwargs
     global_batch = args.global_batch or 8 * args.devices
-    cost = model_cost(target, kwargs, args.data, 8, args.repeats)
     timing = args.timing or ("measured" if cluster.name.startswith("cpu") else "flops")
+    if timing == "measured":  # each of the run's processes gets its share of the cores, as Lightning gives it
+        _set_num_threads_if_needed(num_processes=args.devices)
+    cost = model_cost(target, kwargs, args.data, 8, args.repeats)
     if timing == "flops":
         cost = flop_times(cost, cluster.flops)
     memory = args.memory_gb * GIB if args.memory_gb else None
