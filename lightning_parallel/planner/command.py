@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import warnings
 from collections import Counter
@@ -89,6 +90,22 @@ def model_cost(
     with warnings.catch_warnings():  # self.log outside a Trainer
         warnings.simplefilter("ignore")
         return measure_model(module, step, samples, optimizer, optimizer_kind(optimizer), tokens, repeats)
+
+
+def _measured(target: str, kwargs: dict, args: argparse.Namespace, threads_of: Optional[int]) -> ModelCost:
+    """``model_cost``, timed with the threads Lightning gives each of ``threads_of`` processes (None: as
+    now); the thread count and ``OMP_NUM_THREADS`` are put back after."""
+    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    try:
+        if threads_of is not None:
+            _set_num_threads_if_needed(num_processes=threads_of)
+        return model_cost(target, kwargs, args.data, 8, args.repeats)
+    finally:
+        torch.set_num_threads(threads)
+        if omp is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = omp
 
 
 def _bytes(value: float) -> str:
@@ -175,9 +192,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     kwargs = {**kwargs, **json.loads(args.kwargs)} if args.kwargs else kwargs
     global_batch = args.global_batch or 8 * args.devices
     timing = args.timing or ("measured" if cluster.name.startswith("cpu") else "flops")
-    if timing == "measured":  # each of the run's processes gets its share of the cores, as Lightning gives it
-        _set_num_threads_if_needed(num_processes=args.devices)
-    cost = model_cost(target, kwargs, args.data, 8, args.repeats)
+    cost = _measured(target, kwargs, args, threads_of=args.devices if timing == "measured" else None)
     if timing == "flops":
         cost = flop_times(cost, cluster.flops)
     memory = args.memory_gb * GIB if args.memory_gb else None
