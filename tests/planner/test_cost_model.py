@@ -11,7 +11,13 @@ import pytest
 from lightning_parallel.memory.expected import model_state_bytes, state_bytes_for
 from lightning_parallel.pipeline.schedules import bubble_fraction
 from lightning_parallel.planner.cluster import Cluster, Link
-from lightning_parallel.planner.collective_time import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
+from lightning_parallel.planner.collective_time import (
+    all_gather_s,
+    all_reduce_s,
+    all_to_all_s,
+    p2p_s,
+    reduce_scatter_s,
+)
 from lightning_parallel.planner.cost_model import BUCKET_BYTES, BlockCost, ModelCost, predict
 from lightning_parallel.planner.layout import Layout
 
@@ -125,3 +131,20 @@ def test_tensor_parallel_collectives_sit_on_the_critical_path_and_slow_links_cos
     assert slow == pytest.approx(free + 8 * 4 * all_reduce_s(100.0, 2, LINK))
     sp = predict(cost, dataclasses.replace(layout, sequence_parallel=True), cluster(LINK))
     assert sp.activation_bytes < predict(cost, layout, cluster(LINK)).activation_bytes
+
+
+def test_experts_are_shared_out_over_ep_and_their_tokens_cross_by_all_to_all() -> None:
+    """3000 of each block's 4000 parameter bytes in experts: at ep=2 a rank keeps half of them; each expert
+    block adds a dispatch and a combine all-to-all of its output, forward and backward."""
+    cost = model(expert_parameter_bytes=3000.0)
+    layout = Layout(dp=2, tp=1, pp=1, global_batch=2, ep=2)
+    prediction = predict(cost, layout, cluster(LINK))
+    dense, experts = 8 * 1000.0 / 4, 8 * 3000.0 / 2 / 4
+    assert prediction.states.parameters == pytest.approx((dense + experts) * 4)
+    no_experts = predict(model(), layout, cluster(LINK))
+    assert prediction.pipeline_s - no_experts.pipeline_s == pytest.approx(8 * 4 * all_to_all_s(100.0, 2, LINK))
+
+
+def test_zero_3_shards_the_parameters_too() -> None:
+    peaks = [predict(model(), Layout(4, 1, 1, 8, zero_stage=z), cluster()).peak_bytes for z in (2, 3)]
+    assert peaks[1] < peaks[0]
