@@ -51,19 +51,21 @@ CASES = [
     case("lp_ddp+callback", MLP, lp("DDPStrategy"), callbacks=[REPORT]),
 ]
 CHECKED = ("parameters", "gradients", "optimizer_state")
+#: fitted in the same processes; only their expected column is checked (ZeRO's gradients live in its shards)
+ZERO_CASES = [case(f"lp_ddp-zero{z}", MLP, lp("DDPStrategy", zero_stage=z)) for z in (1, 2)]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Every case fitted in the same 2 processes: {name: [rank 0's probe, rank 1's]}, and each rank's output."""
     tmp_path = tmp_path_factory.mktemp("memory")
-    commands, envs, out = distributed_command(CASES, 2, tmp_path)
+    commands, envs, out = distributed_command(CASES + ZERO_CASES, 2, tmp_path)
     outputs = run_processes(commands, envs, 400, out, rendezvous=True)
     results = {
         c["name"]: [
             torch.load(out / c["name"] / f"rank{r}.pt", weights_only=False)["probe"] for r in range(2)
         ]
-        for c in CASES
+        for c in CASES + ZERO_CASES
     }
     for name, probes in results.items():  # shown with -s: the figures the tests compare
         for rank, probe in enumerate(probes):
@@ -88,6 +90,17 @@ def test_report_matches_what_each_rank_holds(runs, name) -> None:
         if "async" not in name:  # the expected column (memory.expected's formulas) beside the measured states
             held = sum(row[c] for c in CHECKED)
             assert abs(row["expected_states"] - held) <= 0.05 * held, (name, rank, row["expected_states"], held)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(450)
+@pytest.mark.parametrize("name", [c["name"] for c in ZERO_CASES])
+def test_expected_column_follows_the_zero_stage(runs, name) -> None:
+    """The ZeRO paper's states per rank (memory.expected) within 5% of what the report measures."""
+    for rank, probe in enumerate(runs[0][name]):
+        row = probe["tables"]["end_of_fit"][rank]
+        held = sum(row[c] for c in CHECKED)
+        assert abs(row["expected_states"] - held) <= 0.05 * held, (name, rank, row["expected_states"], held)
 
 
 @pytest.mark.slow
