@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Sequence
 
 from lightning_parallel.memory.expected import (
@@ -130,7 +131,7 @@ class _Chunk:
 def _chunks(model: ModelCost, layout: Layout, cluster: Cluster) -> list[_Chunk]:
     """Each virtual stage's forward and backward seconds per micro-batch, in model order."""
     n = layout.pp * layout.virtual_stages
-    counts = balance([b.parameter_bytes for b in model.blocks], n)
+    counts = _balance(tuple(b.parameter_bytes for b in model.blocks), n)
     scale = layout.microbatch / model.batch_size
     tp, ep = layout.tp, layout.ep
     tp_link, ep_link = cluster.link(tp), cluster.link(ep, tp * layout.pp)
@@ -174,12 +175,24 @@ def _pipeline(chunks: list[_Chunk], layout: Layout) -> tuple[float, float, list[
         return busy[0], 0.0, held
     if layout.schedule == "async":
         return max(busy), 0.0, held
-    forward = [c.forward for c in chunks]
-    backward = [c.backward for c in chunks]
-    idle = expected_bubbles(layout.schedule, p, m, forward, backward, virtual_stages=v)
+    forward = tuple(c.forward for c in chunks)
+    backward = tuple(c.backward for c in chunks)
+    idle = _bubbles(layout.schedule, p, m, forward, backward, v)
     spans = [b / (1 - i) for b, i in zip(busy, idle)]
     slowest = max(range(p), key=spans.__getitem__)
     return spans[slowest], idle[slowest], held
+
+
+@lru_cache(maxsize=256)
+def _balance(costs: tuple, chunks: int) -> list[int]:
+    """``partition.balance``, once per model and number of chunks."""
+    return balance(costs, chunks)
+
+
+@lru_cache(maxsize=4096)
+def _bubbles(name: str, p: int, m: int, forward: tuple, backward: tuple, v: int) -> list[float]:
+    """``expected_bubbles``, once per schedule and costs (layouts that differ only in ZeRO share it)."""
+    return expected_bubbles(name, p, m, forward, backward, virtual_stages=v)
 
 
 def _rank_elements(

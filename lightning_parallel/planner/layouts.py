@@ -71,14 +71,16 @@ def candidate_layouts(
     experts: bool = False,
     selective: bool = True,
     microbatch_factors: Sequence[int] = (1, 2, 4),
+    max_tp: Optional[int] = None,
 ) -> Iterator[Layout]:
-    """Every combination of the axes on ``devices``: dp x tp x pp = devices (ep dividing dp when the model
-    has experts), each synchronous schedule with ``pp x factor`` micro-batches, ZeRO 0-3 where dp > 1,
-    recompute off, full and (``selective``: when the attention core's share is known) selective, sequence
-    parallelism where tp > 1."""
+    """Every combination of the axes on ``devices``: dp x tp x pp = devices with tp at most ``max_tp`` (a
+    node's devices: tensor parallelism's collectives on every block stay within a node, as Megatron keeps
+    them), ep dividing dp when the model has experts, each synchronous schedule with ``pp x factor``
+    micro-batches, ZeRO 0-3 where dp > 1, recompute off, full and (``selective``: when the attention core's
+    share is known) selective, sequence parallelism where tp > 1."""
     recomputes = RECOMPUTE if selective else RECOMPUTE[:2]
     for tp, pp in itertools.product(_divisors(devices), repeat=2):
-        if devices % (tp * pp):
+        if devices % (tp * pp) or tp > (max_tp or devices):
             continue
         dp = devices // (tp * pp)
         pipelines = (
@@ -138,7 +140,9 @@ def plan_layouts(
     experts = any(b.expert_parameter_bytes for b in model.blocks)
     selective = any(b.attention_bytes for b in model.blocks)
     ranked, excluded = [], []
-    for layout in candidate_layouts(devices, global_batch, experts, selective):
+    for layout in candidate_layouts(
+        devices, global_batch, experts, selective, max_tp=cluster.devices_per_node
+    ):
         refusal = layout_refusal(layout, len(model.blocks))
         if refusal is not None:
             excluded.append(refusal)

@@ -8,6 +8,7 @@ them from here.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import typing
 from collections.abc import Mapping
@@ -46,7 +47,10 @@ def _own_options(klass: type) -> list[Option]:
     ]
 
 
+@functools.lru_cache(maxsize=None)
 def _all_options(cls: type) -> dict[str, Option]:
+    """Every option of ``cls``'s lightning_parallel constructors, read once per class (the planner checks
+    thousands of layouts); callers copy, never change, the dictionary."""
     found: dict[str, Option] = {}
     for klass in cls.__mro__:
         if klass.__module__.startswith("lightning_parallel") and "__init__" in vars(klass):
