@@ -89,7 +89,12 @@ def test_report_matches_what_each_rank_holds(runs, name) -> None:
         assert row["activations"] > 0, (name, rank)
         if "async" not in name:  # the expected column (memory.expected's formulas) beside the measured states
             held = sum(row[c] for c in CHECKED)
-            assert abs(row["expected_states"] - held) <= 0.05 * held, (name, rank, row["expected_states"], held)
+            assert abs(row["expected_states"] - held) <= 0.05 * held, (
+                name,
+                rank,
+                row["expected_states"],
+                held,
+            )
 
 
 @pytest.mark.slow

@@ -142,7 +142,9 @@ def test_experts_are_shared_out_over_ep_and_their_tokens_cross_by_all_to_all() -
     dense, experts = 8 * 1000.0 / 4, 8 * 3000.0 / 2 / 4
     assert prediction.states.parameters == pytest.approx((dense + experts) * 4)
     no_experts = predict(model(), layout, cluster(LINK))
-    assert prediction.pipeline_s - no_experts.pipeline_s == pytest.approx(8 * 4 * all_to_all_s(100.0, 2, LINK))
+    assert prediction.pipeline_s - no_experts.pipeline_s == pytest.approx(
+        8 * 4 * all_to_all_s(100.0, 2, LINK)
+    )
 
 
 def test_zero_3_shards_the_parameters_too() -> None:
