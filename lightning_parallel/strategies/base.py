@@ -74,7 +74,6 @@ from lightning_parallel.distributed.sync_batchnorm import SyncBatchNormPlugin
 from lightning_parallel.distributed.watchdog import FailureWatchdog
 from lightning_parallel.distributed.zero import ZERO_STAGES, ShardedGradientReducer
 from lightning_parallel.every_rank import training_step_scope
-from lightning_parallel.load_balancing import install as install_global_load_balancing
 from lightning_parallel.materialize import (
     Cut,
     WeightSource,
@@ -87,6 +86,7 @@ from lightning_parallel.materialize import (
     shared_rng_state,
 )
 from lightning_parallel.memory import MemoryReport
+from lightning_parallel.moe.load_balancing import install as install_global_load_balancing
 from lightning_parallel.parameter_set import ParameterChange, ParameterSet
 from lightning_parallel.recompute import (
     Spec,
