@@ -365,6 +365,15 @@ class ParallelStrategy(
             )
         return super().trainable_set_fixed()
 
+    def accumulation_refused(self) -> Optional[str]:
+        """As the base's; the async schedule's update rule is per batch."""
+        if self.mesh_shape().pp > 1 and self.schedule == "async":
+            return (
+                "schedule='async' applies one update per batch, its rule's (raise num_microbatches or the batch "
+                "size instead, or use schedule='1f1b')"
+            )
+        return super().accumulation_refused()
+
     def _split(self, module: nn.Module) -> None:
         """Tensor parallel, then pipeline stages, applied to the meta module inside ``set_up_share``: the
         rank allocates only its stage's shards (and what it replicates), each filled from the full value.
