@@ -8,7 +8,7 @@ predict. The package's collectives that only make the training step equal one de
 ``every_rank_forward()`` is True; elsewhere the layer computes on this rank's input alone, as the user's
 module does on one device:
 
-- the load-balancing loss's statistics summed over the data-parallel group (``load_balancing.py``): only
+- the load-balancing loss's statistics summed over the data-parallel group (``moe/load_balancing.py``): only
   the gradient and loss of the training step need the global batch's;
 - a ``SyncBatchNorm``'s statistics gathered over the data-parallel group (``distributed/sync_batchnorm.py``):
   outside the step a forward in training mode normalizes with its own input's statistics, as a BatchNorm on

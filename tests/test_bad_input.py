@@ -10,12 +10,12 @@ import lightning_parallel as lp
 from lightning_parallel.distributed.optimizer_shards import sharding_problem
 from lightning_parallel.models import CharGPT
 from lightning_parallel.module_names import find_block_stack
+from lightning_parallel.moe.expert_parallel import expert_parallel_problem
 from lightning_parallel.pipeline.executor import loader_problem, split_microbatches
 from lightning_parallel.pipeline.partition import stage_bounds
 from lightning_parallel.pipeline.schedules import schedule_problem
 from lightning_parallel.strategies.checks import require
 from lightning_parallel.tensor import resolve
-from lightning_parallel.tensor.expert_parallel import expert_parallel_problem
 from tests.helpers.zoo import ZooLM
 
 

@@ -13,8 +13,8 @@ how to trace.
 per step with and without it.
 ``--ep`` (``expert_parallel_size``) places each mixture-of-experts layer's experts whole on that many ranks:
 the table then gives the experts and parameters each rank holds and the all-to-all bytes per step, per
-layer and in total, from the traced batch (``tensor.expert_traffic``). ``--dp`` (``data_parallel_size``)
-is checked against it as the strategy checks it.
+layer and in total, from the traced batch (``moe.expert_traffic``, ``tensor.table.expert_placement``).
+``--dp`` (``data_parallel_size``) is checked against it as the strategy checks it.
 """
 
 from __future__ import annotations
@@ -28,14 +28,13 @@ from typing import Any, Optional
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from lightning_parallel.moe.expert_parallel import expert_parallel_problem, experts_left_to_expert_parallel
 from lightning_parallel.strategies.options import option_problems
 from lightning_parallel.strategies.parallel import ParallelStrategy
 from lightning_parallel.tensor import PlanError, parse_plan, resolve
-from lightning_parallel.tensor.expert_parallel import expert_parallel_problem, experts_left_to_expert_parallel
-from lightning_parallel.tensor.expert_traffic import placement
 from lightning_parallel.tensor.sample import forward_on
 from lightning_parallel.tensor.sequence_plan import resolve_sequence
-from lightning_parallel.tensor.table import format_table
+from lightning_parallel.tensor.table import expert_placement, format_table
 
 __all__ = ["STRUCTURAL", "main"]
 
@@ -130,7 +129,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         resolved = resolve(module, args.plan, args.tp, run=run)
         if args.ep > 1:
-            experts_left_to_expert_parallel(resolved, placement(module, args.ep, run))
+            experts_left_to_expert_parallel(resolved, expert_placement(module, args.ep, run))
         if args.sequence_parallel:
             resolved.sequence = resolve_sequence(module, resolved, parse_plan_unless_auto(args.plan), run)
     except PlanError as err:

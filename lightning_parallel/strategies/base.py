@@ -74,7 +74,6 @@ from lightning_parallel.distributed.sync_batchnorm import SyncBatchNormPlugin
 from lightning_parallel.distributed.watchdog import FailureWatchdog
 from lightning_parallel.distributed.zero import ZERO_STAGES, ShardedGradientReducer
 from lightning_parallel.every_rank import training_step_scope
-from lightning_parallel.load_balancing import install as install_global_load_balancing
 from lightning_parallel.materialize import (
     Cut,
     WeightSource,
@@ -87,6 +86,7 @@ from lightning_parallel.materialize import (
     shared_rng_state,
 )
 from lightning_parallel.memory import MemoryReport
+from lightning_parallel.moe.load_balancing import install as install_global_load_balancing
 from lightning_parallel.parameter_set import ParameterChange, ParameterSet
 from lightning_parallel.recompute import (
     Spec,
@@ -94,7 +94,11 @@ from lightning_parallel.recompute import (
     remove_activation_checkpointing,
     spec_problem,
 )
-from lightning_parallel.strategies.callback_support import finetuning_refusal, split_model_refusal
+from lightning_parallel.strategies.callback_support import (
+    accumulation_refusal,
+    finetuning_refusal,
+    split_model_refusal,
+)
 from lightning_parallel.strategies.checks import layout, layout_sizes, one_of, positive_number, require
 from lightning_parallel.strategies.global_batch import describe_global_batch
 from lightning_parallel.strategies.launcher import HydraSafeSubprocessLauncher, failure_exit_fn
@@ -327,8 +331,14 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:  # so does a callback it cannot run
             name = type(self).__name__
             callbacks = trainer.callbacks
-            fixed = self.trainable_set_fixed()
-            require([split_model_refusal(callbacks, name, shape), finetuning_refusal(callbacks, name, fixed)])
+            fixed, per_batch = self.trainable_set_fixed(), self.accumulation_refused()
+            require(
+                [
+                    split_model_refusal(callbacks, name, shape),
+                    finetuning_refusal(callbacks, name, fixed),
+                    accumulation_refusal(callbacks, name, per_batch),
+                ]
+            )
         self._process_group_backend = self._get_process_group_backend()
         assert self.cluster_environment is not None
         bind = self.root_device.type != "cpu" and self._process_group_backend != "gloo"
@@ -639,6 +649,11 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
                 f"zero_stage={self.zero_stage} cut the trainable parameters into this rank's pieces and the "
                 "optimizer's state once, at set-up (zero_stage=0 follows such a change)"
             )
+        return None
+
+    def accumulation_refused(self) -> Optional[str]:
+        """Why this run cannot accumulate several batches into one optimizer step (None: it can); read from
+        the options alone, so that it is known before any process group exists."""
         return None
 
     def follow_parameter_change(self, change: ParameterChange) -> None:

@@ -1,6 +1,7 @@
 """Lightning callbacks that a layout cannot run, named before training with the reason: SWA on a split model
-(tensor-parallel shards, pipeline stages, experts placed over ranks), and a finetuning callback where the
-layout fixes at set-up which parameters train.
+(tensor-parallel shards, pipeline stages, experts placed over ranks), a finetuning callback where the
+layout fixes at set-up which parameters train, and a gradient accumulation schedule where it takes one
+update per batch.
 
 ``StochasticWeightAveraging`` copies the whole LightningModule in its ``setup`` hook, before the strategy
 splits it, then averages that copy's parameters with the module's by position (``zip``) and copies them
@@ -12,11 +13,15 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from lightning.pytorch.callbacks import BaseFinetuning, StochasticWeightAveraging
+from lightning.pytorch.callbacks import (
+    BaseFinetuning,
+    GradientAccumulationScheduler,
+    StochasticWeightAveraging,
+)
 
 from lightning_parallel.distributed.mesh import MeshShape
 
-__all__ = ["finetuning_refusal", "split_model_refusal"]
+__all__ = ["accumulation_refusal", "finetuning_refusal", "split_model_refusal"]
 
 SPLITTING_AXES = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size", "ep": "expert_parallel_size"}
 
@@ -50,4 +55,18 @@ def finetuning_refusal(callbacks: Iterable[object], strategy: str, fixed: Option
     return (
         f"{strategy}: the {names[0]} callback freezes and unfreezes parameters during fit, and {fixed}. "
         "Remove the callback, or use a layout that follows the change (docs/changing_state.md)."
+    )
+
+
+def accumulation_refusal(
+    callbacks: Iterable[object], strategy: str, per_batch: Optional[str]
+) -> Optional[str]:
+    """Why ``strategy`` refuses Lightning's ``GradientAccumulationScheduler``, which raises
+    ``accumulate_grad_batches`` at the epochs it names (after set-up checked it), given ``per_batch``: why the
+    layout cannot accumulate batches (``accumulation_refused``; None: it can). None when it refuses none."""
+    if per_batch is None or not any(isinstance(c, GradientAccumulationScheduler) for c in callbacks):
+        return None
+    return (
+        f"{strategy} does not support the GradientAccumulationScheduler callback: it accumulates batches from "
+        f"the epochs it names, and {per_batch}. Remove the callback."
     )

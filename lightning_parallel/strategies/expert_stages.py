@@ -25,15 +25,14 @@ from torch import nn
 from lightning_parallel.compat import compiled_by_lightning
 from lightning_parallel.distributed.mesh import MeshShape
 from lightning_parallel.distributed.reducer import GradientReducer
-from lightning_parallel.strategies.checks import positive_int, require
-from lightning_parallel.tensor.expert_parallel import (
+from lightning_parallel.moe.expert_parallel import (
     apply_expert_parallel,
-    cut_experts,
     describe_expert_parallel,
     expert_parallel_problem,
-    expert_pieces,
     scale_expert_gradients,
 )
+from lightning_parallel.strategies.checks import positive_int, require
+from lightning_parallel.tensor.full_state import cut_experts, expert_pieces
 
 __all__ = ["ExpertParallel", "EP_REFUSED"]
 

@@ -7,7 +7,7 @@ that knows no strategy class (``configure_parallelism`` reads as that order):
    user's ``training_step`` on fake tensors), then its layers are sharded over the tp group
    (``tensor.shard_module``);
 2. expert parallel: each experts module keeps this rank's experts, the tokens reach them by all-to-all
-   over the ep group, which divides the dp axis (``tensor.apply_expert_parallel``);
+   over the ep group, which divides the dp axis (``moe.expert_parallel.apply_expert_parallel``);
 3. pipeline: the block stack of the sharded module is partitioned into stages over the pp group
    (``pipeline.partition``); the stage's ranks of one tp group run the same blocks and pass the same
    activations on to the next stage's tp group;
@@ -50,9 +50,11 @@ from lightning_parallel.checkpointing.contract import check_keys, unwrapped
 from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.zero import ShardedGradientReducer
 from lightning_parallel.every_rank import training_step_scope
-from lightning_parallel.load_balancing import refusal as load_balancing_refusal
 from lightning_parallel.memory.accounting import available_host_bytes
 from lightning_parallel.memory.saved import can_stack
+from lightning_parallel.moe.expert_parallel import experts_left_to_expert_parallel
+from lightning_parallel.moe.expert_traffic import ExpertPlacement
+from lightning_parallel.moe.load_balancing import refusal as load_balancing_refusal
 from lightning_parallel.parameter_set import ParameterChange
 from lightning_parallel.pipeline.compiled import compile_stage_blocks
 from lightning_parallel.pipeline.partition import partition
@@ -74,10 +76,9 @@ from lightning_parallel.strategies.whole_model import (
 )
 from lightning_parallel.tensor import Plan, ResolvedPlan, parse_plan, resolve
 from lightning_parallel.tensor.coverage import check_coverage
-from lightning_parallel.tensor.expert_parallel import expert_pieces, experts_left_to_expert_parallel
-from lightning_parallel.tensor.expert_traffic import ExpertPlacement
 from lightning_parallel.tensor.full_state import (
     cut_shards,
+    expert_pieces,
     full_optimizer_state,
     full_state_dict,
     gather_shards,
@@ -363,6 +364,15 @@ class ParallelStrategy(
                 "change"
             )
         return super().trainable_set_fixed()
+
+    def accumulation_refused(self) -> Optional[str]:
+        """As the base's; the async schedule's update rule is per batch."""
+        if self.mesh_shape().pp > 1 and self.schedule == "async":
+            return (
+                "schedule='async' applies one update per batch, its rule's (raise num_microbatches or the batch "
+                "size instead, or use schedule='1f1b')"
+            )
+        return super().accumulation_refused()
 
     def _split(self, module: nn.Module) -> None:
         """Tensor parallel, then pipeline stages, applied to the meta module inside ``set_up_share``: the

@@ -182,11 +182,10 @@ class PipelineStages:
                 "lp_ddp / lp_tensor_parallel, which support manual optimization."
             )
         require([self.stages_problem(pp)])
-        if self.schedule == "async" and self.lightning_module.trainer.accumulate_grad_batches > 1:
+        accumulated = self.lightning_module.trainer.accumulate_grad_batches
+        if accumulated > 1 and (per_batch := self.accumulation_refused()):
             raise ValueError(
-                f"schedule='async' does not support accumulate_grad_batches="
-                f"{self.lightning_module.trainer.accumulate_grad_batches}: its update rule is per batch. Raise "
-                "num_microbatches (or the batch size) instead, or use schedule='1f1b'."
+                f"{type(self).__name__} does not support accumulate_grad_batches={accumulated}: {per_batch}."
             )
         if self.schedule == "async" and self.scaler() is not None:
             raise ValueError(

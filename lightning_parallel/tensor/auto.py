@@ -8,7 +8,7 @@ correctly up to a row-parallel partner (``tensor.shard_flow``): MLP pairs in a s
 products (SwiGLU), attention through ``scaled_dot_product_attention`` or matmul-softmax, fused q/k/v
 split per chunk or per block of unequal widths (multi-query and grouped-query layouts), key-value heads
 fewer than the ranks held by the ranks that read them, grouped-query attention, ``Conv1D``, the experts
-of a Hugging Face mixture of experts (each expert's MLP split as a pair: ``tensor.experts``, called with
+of a Hugging Face mixture of experts (each expert's MLP split as a pair: ``moe.experts``, called with
 whole inputs); sizes written in ``forward`` (a head count, a split size) are divided through the
 attribute they are read from (the module's, or that of a config object it holds: each sharded module
 then holds its own copy, ``tensor.attributes``). A large layer whose output is needed whole (the output
@@ -31,7 +31,7 @@ Without a forward, the structural rules below apply, and the evidence required i
   any other small module from a ``torch.fx`` trace that shows the second Linear reads only the first one's
   output through element-wise operations;
 - ``nn.Embedding``: vocabulary-parallel;
-- a Hugging Face experts module (``tensor.experts``: the flags and 3-D weights its decorator gives it):
+- a Hugging Face experts module (``moe.experts``: the flags and 3-D weights its decorator gives it):
   each expert's MLP split, unless its layout cannot be (``split_refusal`` says why).
 
 Everything else stays replicated, and the reason is reported.
@@ -47,9 +47,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from lightning_parallel.moe.experts import is_experts
 from lightning_parallel.tensor.declared import disagreements
 from lightning_parallel.tensor.dry_run import DryRunFailure, dry_run
-from lightning_parallel.tensor.experts import is_experts, split_refusal
+from lightning_parallel.tensor.expert_layer import split_refusal
 from lightning_parallel.tensor.layers import ShardSpec
 from lightning_parallel.tensor.plan import (
     ELEMENTWISE,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_parallel.tensor.experts import find_hf_experts
+from lightning_parallel.moe.experts import find_hf_experts
 from lightning_parallel.tensor.plan import KEPT_STYLES, PlanError, ResolvedPlan
 from lightning_parallel.tensor.table import collectives_per_step, plan_rows
 

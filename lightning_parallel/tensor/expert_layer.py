@@ -1,5 +1,5 @@
-"""``ParallelExperts``: a Hugging Face experts module (``tensor.experts``) with each expert's MLP split
-over the tensor-parallel group, as a column/row pair is.
+"""``ParallelExperts``: a Hugging Face experts module (``moe.experts``) with each expert's MLP split
+over the tensor-parallel group, as a column/row pair is; ``split_refusal`` says why a module cannot be.
 
 Each rank keeps every expert, with its slice of the intermediate features: the fused gate|up weights cut
 on their output features per part (gate and up each cut), the down weights on their input features.
@@ -20,15 +20,43 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_parallel.distributed.collectives import copy_all_to_group, reduce_from_group
-from lightning_parallel.tensor.experts import experts_layout, experts_shards, split_refusal
-from lightning_parallel.tensor.layers import _new_param, _TPLayer
+from lightning_parallel.moe.experts import experts_layout
+from lightning_parallel.tensor.layers import ShardSpec, _new_param, _TPLayer
 
-__all__ = ["ParallelExperts"]
+__all__ = ["ParallelExperts", "experts_shards", "split_refusal"]
 
 # what every nn.Module holds itself (parameters, hooks, ...): not copied from the experts module
 _MODULE_STATE = frozenset(vars(nn.Module()))
 # attributes holding the intermediate size, which each rank holds a slice of
 _INTERMEDIATE = re.compile(r"intermediate|expert_dim")
+
+
+def _default_gate(module: nn.Module) -> bool:
+    gate = getattr(type(module), "_apply_gate", None)
+    where = (getattr(gate, "__module__", ""), getattr(gate, "__qualname__", ""))
+    return where == ("transformers.integrations.moe", "_default_apply_gate")
+
+
+def split_refusal(module: nn.Module, tp: int) -> Optional[str]:
+    """Why ``module``'s experts cannot be split over ``tp`` ranks by their intermediate features, or None."""
+    layout = experts_layout(module)
+    if module.has_bias:
+        return "experts with biases (each rank would add the down projection's bias to its partial sum)"
+    if module.has_post_expert_norm:
+        return "a norm after each expert reads its whole output"
+    if module.has_gate and not (module.is_concatenated and _default_gate(module)):
+        return "gate and up interleaved, or combined by a gate function of the model's own"
+    if layout.intermediate % tp:
+        return f"intermediate size {layout.intermediate} is not divisible by tp={tp}"
+    return None
+
+
+def experts_shards(module: nn.Module) -> dict[str, ShardSpec]:
+    """How each weight is cut: the up projection by its output features, per part (gate and up each
+    cut: a fused column split), the down projection by its input features (row-parallel)."""
+    layout = experts_layout(module)
+    out_dim, in_dim = (2, 1) if layout.transposed else (1, 2)
+    return {layout.up: ShardSpec(out_dim, layout.parts), "down_proj": ShardSpec(in_dim)}
 
 
 class ParallelExperts(_TPLayer):

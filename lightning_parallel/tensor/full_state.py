@@ -7,7 +7,8 @@ group (every rank must call, in the same order); loading slices locally and need
 Optimizer state (e.g. Adam's moments) of a sharded parameter is treated the same way. A model held in
 the hyperparameters is saved as it would be on one device (``unsharded_copy``). The gathers and cuts take
 ``found``, what lists the cut tensors: the tensor-parallel shards by default, or another axis's
-(``expert_parallel.expert_pieces``: the experts over ep), so each axis's gather is the same code.
+(``expert_pieces``: the experts that ``moe.expert_parallel`` placed over ep), so each axis's gather is the
+same code.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import Tensor, nn
 
 from lightning_parallel.checkpointing.one_device import SKELETON, one_device_copy
 from lightning_parallel.distributed.collectives import all_gather_list
-from lightning_parallel.tensor.expert_parallel import ExpertSlice
+from lightning_parallel.moe.expert_parallel import ExpertParallelExperts, ExpertSlice
 from lightning_parallel.tensor.layers import (
     FEATURE_SHARDS,
     FeatureShards,
@@ -30,7 +31,9 @@ from lightning_parallel.tensor.layers import (
 )
 
 __all__ = [
+    "cut_experts",
     "cut_of",
+    "expert_pieces",
     "sharded_parameters",
     "gather_shards",
     "cut_shards",
@@ -81,6 +84,31 @@ def sharded_parameters(module: nn.Module) -> dict[str, tuple[Tensor, ShardSpec, 
 
 #: what lists a module's cut tensors: key -> (local tensor, how it was cut, its owner)
 Found = Callable[[nn.Module], Mapping[str, tuple[Tensor, ShardSpec, Owner]]]
+
+EXPERT_DIM = ShardSpec(dim=0)  # expert parallelism cuts the experts' stacked weights along the experts
+
+
+def expert_pieces(module: nn.Module) -> dict[str, tuple[Tensor, ShardSpec, ExpertSlice]]:
+    """state_dict key -> (this rank's experts' tensor, the cut along dim 0, its slice): the experts that
+    expert parallelism placed, listed as the gathers and cuts here read sharded tensors (their ``found``)."""
+    out = {}
+    for prefix, m in module.named_modules():
+        if isinstance(m, ExpertParallelExperts):
+            for name, p in m._parameters.items():
+                out[f"{prefix}.{name}" if prefix else name] = (
+                    p,
+                    EXPERT_DIM,
+                    ExpertSlice(m.ep_size, m.ep_rank),
+                )
+    return out
+
+
+def cut_experts(name: str, full: Tensor, pieces: dict[str, tuple[Tensor, ShardSpec, ExpertSlice]]) -> Tensor:
+    """This rank's experts of the full tensor ``name`` (others whole)."""
+    if name not in pieces:
+        return full
+    _, spec, part = pieces[name]
+    return shard_tensor(full, spec, part.ep_size, part.ep_rank)
 
 
 def _full_shape(local: Tensor, spec: ShardSpec, tp_size: int) -> tuple[int, ...]:

@@ -45,14 +45,14 @@ from torch import nn
 
 from lightning_parallel.checkpointing.one_device import keep_skeleton
 from lightning_parallel.module_names import match_pattern
+from lightning_parallel.moe.experts import ExpertsType
 from lightning_parallel.tensor.attributes import (
     attribute_targets,
     divide_attributes,
     local_value,
     read_attribute,
 )
-from lightning_parallel.tensor.expert_layer import ParallelExperts
-from lightning_parallel.tensor.experts import ExpertsType, split_refusal
+from lightning_parallel.tensor.expert_layer import ParallelExperts, split_refusal
 from lightning_parallel.tensor.full_width import run_full_width
 from lightning_parallel.tensor.gradient_sums import GradientSums, gradient_sums_for
 from lightning_parallel.tensor.layers import (
@@ -179,7 +179,7 @@ class ResolvedPlan:
     gradient_sums: list[str] = field(default_factory=list)  # parameter names, see Plan
     features: dict[str, ShardSpec] = field(default_factory=dict)  # per-feature tensors, see Plan
     sequence: Any = None  # a tensor.sequence.SequencePlan when sequence parallelism is on
-    experts: Any = None  # a tensor.expert_traffic.ExpertPlacement when the table shows expert parallelism
+    experts: Any = None  # a moe.expert_traffic.ExpertPlacement when the table shows expert parallelism
     copies: dict[tuple[str, str], int] = field(default_factory=dict)  # attributes of heads held by several
 
     def styles(self) -> dict[str, str]:

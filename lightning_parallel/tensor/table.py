@@ -12,24 +12,30 @@ With sequence parallelism (``resolved.sequence``) the rows say where the sequenc
 pair's module gathers its input (all-gather forward, reduce-scatter backward, and an all-gather of the part
 it saved for backward) in place of its column-parallel layers' all-reduce, and its row-parallel layer
 reduce-scatters; the totals then count those.
-With expert parallelism (``resolved.experts``, a ``tensor.expert_traffic.ExpertPlacement``) each experts
-module's row holds its ``num_experts / ep`` whole experts and its all-to-alls (the counts, the dispatch and
-the combine forward, the two row exchanges backward), and the lines below the table give their bytes per
-step from the traced batch.
+With expert parallelism (``resolved.experts``, a ``moe.expert_traffic.ExpertPlacement``; ``expert_placement``
+traces its experts' calls) each experts module's row holds its ``num_experts / ep`` whole experts and its
+all-to-alls (the counts, the dispatch and the combine forward, the two row exchanges backward), and the
+lines below the table give their bytes per step from the traced batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Optional
 
+import torch
 from torch import nn
 
-from lightning_parallel.tensor.experts import experts_layout, experts_shards, find_hf_experts
+from lightning_parallel.moe.expert_traffic import ExpertCall, ExpertPlacement, recorded_calls
+from lightning_parallel.moe.experts import experts_layout, find_hf_experts
+from lightning_parallel.tensor.expert_layer import experts_shards
+from lightning_parallel.tensor.fake import fake_step
 from lightning_parallel.tensor.layers import _linear_shape
 from lightning_parallel.tensor.plan import ResolvedPlan
 
 __all__ = [
     "PlanRow",
+    "expert_placement",
     "plan_rows",
     "params_per_rank",
     "collectives_per_step",
@@ -261,3 +267,17 @@ def format_table(module: nn.Module, resolved: ResolvedPlan) -> str:
             f"collectives per step {fwd} forward + {bwd} backward, without it {plain[0]} + {plain[1]}"
         )
     return "\n".join(lines)
+
+
+def expert_placement(module: nn.Module, ep: int, run: Optional[Any]) -> ExpertPlacement:
+    """The placement of ``module``'s experts on ``ep`` ranks, with their calls in the step ``run`` (a
+    ``SampleStep``) traced on fake tensors; none where ``run`` is None or the step cannot run on fake
+    tensors (as ``plan="auto"`` then decides without a trace; the table says it was not traced)."""
+    calls: dict[str, list[ExpertCall]] = {}
+    if run is not None and find_hf_experts(module):
+        try:
+            with recorded_calls(module) as calls, fake_step(module, run) as step, torch.no_grad():
+                step()
+        except Exception:  # noqa: BLE001  (a step that cannot run on fakes: not traced)
+            calls = {}
+    return ExpertPlacement(ep, calls)

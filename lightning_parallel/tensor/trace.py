@@ -7,7 +7,7 @@ It runs the user's own code on the batch's fake copy, with the module's tensors 
 (``tensor.fake``): nothing is guessed from module names or structure, and no memory is spent on
 weights or activations.
 Projection layers, ``SyncBatchNorm`` (``LEAF_TYPES``) and a mixture of experts' experts module
-(``tensor.experts``) are recorded as one node each; what they compute inside is not recorded. Tensors
+(``moe.experts``) are recorded as one node each; what they compute inside is not recorded. Tensors
 are told apart by identity and version, so in-place operations start a new value. Every other
 module's call is recorded as a ``Call``: its tensor arguments and outputs and the steps it ran.
 """
@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from lightning_parallel.compat import TorchDispatchMode, tree_flatten, tree_map
 from lightning_parallel.memory.accounting import storage_id
-from lightning_parallel.tensor.experts import is_experts
+from lightning_parallel.moe.experts import is_experts
 from lightning_parallel.tensor.fake import fake_step
 
 __all__ = ["LEAF_TYPES", "Call", "Node", "Ref", "Trace", "is_projection", "trace_dataflow"]

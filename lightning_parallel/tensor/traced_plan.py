@@ -6,7 +6,7 @@ trace (``shard_flow.propagate``); a candidate is dropped when one of its values 
 row-parallel partner, or when it is itself a partner. Repeat until nothing changes: what remains is
 correct by construction of the data flow, whatever the names or the nesting of the modules.
 
-A mixture of experts' experts module (``tensor.experts``) is one node of the trace: its input must be
+A mixture of experts' experts module (``moe.experts``) is one node of the trace: its input must be
 whole (a column-parallel value read by it fails like any value read whole), and its output is whole
 (``tensor.expert_layer`` sums the partial outputs), so each one called is listed (``TracedPlan.experts``)
 for the plan to split by its own layout.
@@ -37,8 +37,8 @@ from typing import Optional
 
 from torch import nn
 
+from lightning_parallel.moe.experts import is_experts
 from lightning_parallel.tensor.attributes import holders
-from lightning_parallel.tensor.experts import is_experts
 from lightning_parallel.tensor.layers import ShardSpec
 from lightning_parallel.tensor.shard_flow import (
     Companion,

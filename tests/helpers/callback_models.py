@@ -3,8 +3,9 @@
 ``CallbackGPT`` is the package's small GPT written the way Lightning's callbacks ask: a ``backbone`` (its first
 block) for ``BackboneFinetuning``, an optimizer over the parameters that require grad when it is built, and
 a learning rate that halves every epoch (a scheduler for ``LearningRateMonitor`` and
-``StochasticWeightAveraging`` to read or replace). ``RankZeroSample`` is what users write to look at the
-model during training: a forward on rank 0 alone at each epoch's end.
+``StochasticWeightAveraging`` to read or replace); ``AsyncCallbackGPT`` is it trained on one process by the
+async pipeline's rule at the pipeline's timing (``pp_models.AsyncSteps``). ``RankZeroSample`` is what users
+write to look at the model during training: a forward on rank 0 alone at each epoch's end.
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch import nn
 from torch.utils.data import DataLoader
 
+from tests.helpers.pp_models import AsyncSteps
 from tests.helpers.tp_models import SmallGPT, TokenData
 
 __all__ = [
+    "AsyncCallbackGPT",
     "CallbackGPT",
     "ValidatedTokens",
     "RankZeroSample",
@@ -39,6 +42,10 @@ class CallbackGPT(SmallGPT):
             "optimizer": optimizer,
             "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5),
         }
+
+
+class AsyncCallbackGPT(AsyncSteps, CallbackGPT):
+    """``CallbackGPT`` trained by the async pipeline's rule on one process, to compare the async pipeline with."""
 
 
 class ValidatedTokens(TokenData):

@@ -52,6 +52,31 @@ class AsyncRule:
         return loss.detach()
 
 
+class AsyncSteps:
+    """Mixin for a LightningModule: the async rule (``AsyncRule``) at the async pipeline's own timing, on one
+    process, inside Lightning's loop (automatic optimization, any optimizer, its LR schedulers, callbacks and
+    step checkpoints). Each optimizer step is handed the previous batch's gradient, computed at the weights
+    before the previous update (the first step gets none and changes nothing); the last batch's gradient
+    is applied when training ends. So step t applies batch t-1's gradient at step t's learning rate, and a
+    checkpoint at step t holds t-1 updates, as under the pipeline. With a constant learning rate it ends
+    where ``AsyncRule`` ends."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pending: dict[nn.Parameter, Optional[torch.Tensor]] = {}
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        for p in self.parameters():  # this batch's gradient waits a step; the previous one is applied
+            p.grad, self.pending[p] = self.pending.get(p), p.grad
+
+    def on_train_end(self) -> None:
+        for p in self.parameters():
+            p.grad = self.pending.pop(p, None)
+        for optimizer in self.trainer.optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+
+
 class AsyncRuleEmulation(AsyncRule, SequentialNet):
     """``SequentialNet`` trained by the async rule on one process."""
 

@@ -264,7 +264,7 @@ def gradient_peak(trainer) -> dict:
 def expert_parallel(trainer) -> dict:
     """This rank's experts modules (of its pipeline stage: another stage's are left on meta): which experts
     each holds, and the gradient groups' sizes."""
-    from lightning_parallel.tensor.expert_parallel import ExpertParallelExperts
+    from lightning_parallel.moe.expert_parallel import ExpertParallelExperts
 
     strategy = trainer.strategy
     held = {

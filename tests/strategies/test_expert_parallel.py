@@ -15,8 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_parallel.tensor.expert_traffic import placement
 from lightning_parallel.tensor.sample import forward_on
+from lightning_parallel.tensor.table import expert_placement
 from tests.helpers.harness import max_param_diff, run_distributed, run_single
 from tests.helpers.tp_models import TokenData
 from tests.helpers.zoo import ZooLM
@@ -271,7 +271,7 @@ def test_plan_table_all_to_all_bytes_equal_a_real_run(tmp_path):
     results = run_distributed([COUNTED], world_size=2, tmp_path=tmp_path, timeout=240)
     module = ZooLM(arch="mixtral")
     batch = next(iter(TokenData(batch_size=8).train_dataloader()))  # each rank's batch: 16 / dp
-    predicted = placement(module, 2, forward_on(module, batch)).total_bytes(module)
+    predicted = expert_placement(module, 2, forward_on(module, batch)).total_bytes(module)
     steps = [r["probe"] for r in results[COUNTED["name"]]]
     assert [len(s) for s in steps] == [2, 2]
     for step in range(2):

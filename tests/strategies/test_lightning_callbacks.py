@@ -6,9 +6,11 @@ batches per step from epoch 1) in one, with a rank-zero-only sample under lp_ddp
 on rank 0 alone is a collective the other ranks never join); ``StochasticWeightAveraging`` (from epoch 1) in
 the second; ``BackboneFinetuning`` (the first block frozen, unfrozen at epoch 1) in the third. Each equals one
 device (the gathered parameters, the step checkpoints, the stop, the learning rates, the samples) or is
-refused before training with its reason. lp_ddp, lp_tensor_parallel and the synchronous pipeline schedules
-run on 2 processes (one launch); lp_parallel at 2x2x2 on 8 (one launch). BackboneFinetuning is refused under tensor
-parallelism (docs/changing_state.md).
+refused before training with its reason. The async pipeline (PipeDream-2BW) is compared with its rule on one
+process at its own timing (``AsyncCallbackGPT``), and runs ``GradientAccumulationScheduler`` in a fourth fit
+of its own, where it is refused (one update per batch). lp_ddp, lp_tensor_parallel and the pipeline schedules
+run on 2 processes (one launch); lp_parallel at 2x2x2 on 8 (one launch). BackboneFinetuning is refused under
+tensor parallelism and the async pipeline (docs/changing_state.md).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ STRATEGIES_2 = {
             "lightning_parallel:PipelineParallelStrategy",
             {"schedule": schedule, "num_microbatches": 2},
         )
-        for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+        for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "async")
     },
 }
 STRATEGIES_8 = {
@@ -52,18 +54,14 @@ def callback(name: str, **kwargs) -> dict:
     return {"class": f"lightning.pytorch.callbacks:{name}", "kwargs": kwargs}
 
 
+MONITORS = [
+    callback("EarlyStopping", monitor="val_loss", patience=0, min_delta=10.0),
+    callback("ModelCheckpoint", dirpath="steps", every_n_train_steps=3, save_top_k=-1, filename="{step}"),
+    callback("LearningRateMonitor", logging_interval="step"),
+]
+ACCUMULATE = {"class": "tests.helpers.callback_models:accumulate_from_epoch_1"}
 KINDS = {  # callbacks of one fit, its epochs
-    "monitors": (
-        [
-            callback("EarlyStopping", monitor="val_loss", patience=0, min_delta=10.0),
-            callback(
-                "ModelCheckpoint", dirpath="steps", every_n_train_steps=3, save_top_k=-1, filename="{step}"
-            ),
-            callback("LearningRateMonitor", logging_interval="step"),
-            {"class": "tests.helpers.callback_models:accumulate_from_epoch_1"},
-        ],
-        3,
-    ),
+    "monitors": ([*MONITORS, ACCUMULATE], 3),
     "swa": ([callback("StochasticWeightAveraging", swa_lrs=1e-2, swa_epoch_start=1)], 3),
     "backbone": (
         [callback("BackboneFinetuning", unfreeze_backbone_at_epoch=1, backbone_initial_ratio_lr=0.5)],
@@ -72,12 +70,21 @@ KINDS = {  # callbacks of one fit, its epochs
 }
 
 
+# The async pipeline takes one update per batch: GradientAccumulationScheduler is refused there, in a fit of
+# its own, and the other monitors run without it, compared with the pipeline's rule on one process
+ASYNC_KINDS = {**KINDS, "monitors": (MONITORS, 3), "accumulate": ([ACCUMULATE], 3)}
+EMULATION = "tests.helpers.callback_models:AsyncCallbackGPT"
+
 SAMPLE = {"class": "tests.helpers.callback_models:RankZeroSample"}
 WHOLE_MODEL = (None, "ddp")  # where a forward on rank 0 alone is the model's forward (no collective inside)
 
 
+def kinds(strategy: str | None) -> dict:
+    return ASYNC_KINDS if strategy == "async" else KINDS
+
+
 def case(kind: str, strategy: str | None, dp: int = 1, may_refuse: bool = False) -> dict:
-    callbacks, epochs = KINDS[kind]
+    callbacks, epochs = kinds(strategy)[kind]
     if kind == "monitors" and strategy in WHOLE_MODEL:
         callbacks = [*callbacks, SAMPLE]
     c = {
@@ -100,15 +107,30 @@ def case(kind: str, strategy: str | None, dp: int = 1, may_refuse: bool = False)
     return c
 
 
-PIPELINES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+def emulation(kind: str) -> dict:
+    """The async pipeline's fit of ``kind`` on one process, by its rule (``AsyncCallbackGPT``)."""
+    return {**case(kind, "async"), "name": f"{kind}-async-emulation", "model": EMULATION, "strategy": "auto"}
+
+
+PIPELINES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "async")
 SPLIT = ("tp", *PIPELINES, "2x2x2")  # the strategies whose model is split: SWA refused
-# where BackboneFinetuning is refused at set-up: the tensor-parallel gradient sums are fixed at set-up
-# (docs/changing_state.md); everywhere else it equals one device
-BACKBONE_REFUSED = ("tp", "2x2x2")
+# where BackboneFinetuning is refused at set-up: the tensor-parallel gradient sums are fixed at set-up, and
+# the async pipeline applies a batch's gradient a step later (docs/changing_state.md); everywhere else it
+# equals one device
+BACKBONE_REFUSED = ("tp", "async", "2x2x2")
 
 
 def refused(kind: str, strategy: str) -> bool:
-    return (kind == "swa" and strategy in SPLIT) or (kind == "backbone" and strategy in BACKBONE_REFUSED)
+    return (
+        (kind == "swa" and strategy in SPLIT)
+        or (kind == "backbone" and strategy in BACKBONE_REFUSED)
+        or kind == "accumulate"
+    )
+
+
+def fits(strategies) -> list[tuple[str, str]]:
+    """(strategy, kind) of every fit the matrix runs."""
+    return [(s, kind) for s in strategies for kind in kinds(s)]
 
 
 def distributed_cases(strategies) -> list[dict]:
@@ -117,15 +139,22 @@ def distributed_cases(strategies) -> list[dict]:
             **case(kind, s, DP.get(s, 1), may_refuse=refused(kind, s)),
             "save_checkpoint": not refused(kind, s),
         }
-        for kind in KINDS
-        for s in strategies
+        for s, kind in fits(strategies)
     ]
 
 
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory):
+    """The references by strategy and kind: one device's fits, and for the async pipeline the fits of its
+    rule on one process."""
     tmp = tmp_path_factory.mktemp("callbacks1")
-    return tmp, {kind: run_single(case(kind, None), tmp) for kind in KINDS}
+    references = {kind: run_single(case(kind, None), tmp) for kind in KINDS}
+    emulated = {"monitors": run_single(emulation("monitors"), tmp)}  # its other fits are refused
+    return tmp, {"one-device": references, "async": emulated}
+
+
+def reference(references: dict, strategy: str, kind: str) -> dict:
+    return references["async" if strategy == "async" else "one-device"][kind]
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +189,8 @@ def check_equal(kind: str, strategy: str, ranks: list[dict], reference: dict) ->
 def check_step_checkpoints(tmp: Path, world: int, strategy: str, one: Path) -> None:
     """``ModelCheckpoint(every_n_train_steps=3)`` saved the same steps with the same weights."""
     saved = step_checkpoints(tmp / f"dist{world}" / f"monitors-{strategy}" / "steps")
-    expected = step_checkpoints(one / "single" / "monitors-one-device" / "steps")
+    name = "monitors-async-emulation" if strategy == "async" else "monitors-one-device"
+    expected = step_checkpoints(one / "single" / name / "steps")
     assert list(saved) == list(expected) and len(expected) >= 2
     for name in expected:
         assert_params_close(saved[name], expected[name], atol=1e-10)
@@ -176,11 +206,20 @@ def check_backbone_refused(ranks: list[dict]) -> None:
         assert "BackboneFinetuning callback freezes and unfreezes parameters" in rank["refused"]
 
 
+def check_accumulation_refused(ranks: list[dict]) -> None:
+    for rank in ranks:  # refused before any process group: not one step taken
+        assert rank["global_step"] == 0
+        assert "GradientAccumulationScheduler" in rank["refused"] and "schedule='async'" in rank["refused"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, kind", [param(s, k) for k in KINDS for s in STRATEGIES_2])
+@pytest.mark.parametrize("strategy, kind", [param(s, k) for s, k in fits(STRATEGIES_2)])
 def test_callbacks_equal_one_device_or_are_refused(runs2, one_device, strategy, kind):
+    """Under the async pipeline, "one device" is its rule on one process (``AsyncCallbackGPT``)."""
     (tmp, results), (one, references) = runs2, one_device
     ranks = results[f"{kind}-{strategy}"]
+    if kind == "accumulate":
+        return check_accumulation_refused(ranks)
     if kind == "swa" and strategy in SPLIT:
         for rank in ranks:  # refused as Lightning set up the strategy: not one step taken
             assert rank["global_step"] == 0
@@ -191,11 +230,11 @@ def test_callbacks_equal_one_device_or_are_refused(runs2, one_device, strategy, 
         return
     if kind == "backbone" and strategy in BACKBONE_REFUSED:
         return check_backbone_refused(ranks)
-    check_equal(kind, strategy, ranks, references[kind])
+    check_equal(kind, strategy, ranks, reference(references, strategy, kind))
     if kind == "monitors":
         check_step_checkpoints(tmp, 2, strategy, one)
     if kind == "monitors" and strategy in WHOLE_MODEL:  # the sample on rank 0 only, as on one device
-        assert ranks[0]["probe"]["samples"] == references[kind]["probe"]["samples"]
+        assert ranks[0]["probe"]["samples"] == reference(references, strategy, kind)["probe"]["samples"]
         assert ranks[1]["probe"]["samples"] == [[]]
 
 
@@ -213,7 +252,7 @@ def test_callbacks_at_2x2x2_equal_one_device_or_are_refused(runs8, one_device, s
         return
     if kind == "backbone":
         return check_backbone_refused(ranks)
-    check_equal(kind, strategy, ranks, references[kind])
+    check_equal(kind, strategy, ranks, reference(references, strategy, kind))
     if kind == "monitors":
         check_step_checkpoints(tmp, 8, strategy, one)
 
@@ -225,5 +264,6 @@ def test_a_checkpoint_after_backbone_finetuning_holds_one_devices_state(runs2, o
     device's: the checkpoint written after fit holds one device's parameters."""
     (tmp, _), (_, references) = runs2, one_device
     saved = torch.load(tmp / "dist2" / f"backbone-{strategy}" / "last.ckpt", weights_only=False)
-    assert_params_close(saved["state_dict"], references["backbone"]["probe"]["full_state"], atol=1e-10)
+    expected = reference(references, strategy, "backbone")["probe"]["full_state"]
+    assert_params_close(saved["state_dict"], expected, atol=1e-10)
     assert len(saved["optimizer_states"][0]["param_groups"]) == 2

@@ -1,4 +1,4 @@
-"""A mixture of experts' load-balancing loss under data parallelism (``lightning_parallel.load_balancing``), real
+"""A mixture of experts' load-balancing loss under data parallelism (``lightning_parallel.moe.load_balancing``), real
 processes: with the router's loss in the loss, lp_ddp on Mixtral (also with full and selective recompute, with
 ZeRO-2 and under manual optimization) and expert parallelism (ep=2 = dp) on Qwen2-MoE (also with recompute and
 manual optimization) equal single-device training on the global batch (float64, 5 SGD steps, 1e-10), where
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_parallel.load_balancing import refusal, routes_with_aux_loss
+from lightning_parallel.moe.load_balancing import refusal, routes_with_aux_loss
 from tests.helpers.harness import max_param_diff, run_distributed, run_single
 from tests.helpers.zoo import ZooLM
 from tests.strategies.test_parallel_3d import DDP, PARALLEL

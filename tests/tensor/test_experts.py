@@ -1,4 +1,4 @@
-"""A mixture of experts' experts module: recognised (tensor.experts), planned by plan="auto" traced or
+"""A mixture of experts' experts module: recognised (moe.experts), planned by plan="auto" traced or
 structural, split by ParallelExperts (each rank's output a partial sum of the experts' output, with every
 implementation), shown in the plan table, and refused where its layout cannot split."""
 
@@ -12,15 +12,9 @@ import torch
 from torch import nn
 
 from lightning_parallel.distributed.collectives import SimulatedGroup
+from lightning_parallel.moe.experts import experts_layout, find_hf_experts, is_experts
 from lightning_parallel.tensor import resolve
-from lightning_parallel.tensor.expert_layer import ParallelExperts
-from lightning_parallel.tensor.experts import (
-    experts_layout,
-    experts_shards,
-    find_hf_experts,
-    is_experts,
-    split_refusal,
-)
+from lightning_parallel.tensor.expert_layer import ParallelExperts, experts_shards, split_refusal
 from lightning_parallel.tensor.layers import ShardSpec, full_tensor
 from lightning_parallel.tensor.plan import PlanError, resolve_plan
 from lightning_parallel.tensor.table import format_table, params_per_rank

@@ -1,6 +1,7 @@
-"""Expert parallelism in the plan table: the experts each rank holds, and the all-to-all volume of a step.
+"""Expert parallelism's traffic, for the plan table: the experts each rank holds, and the all-to-all volume
+of a step.
 
-With ``expert_parallel_size=ep`` every experts module (``tensor.experts.find_hf_experts``) keeps
+With ``expert_parallel_size=ep`` every experts module (``moe.experts.find_hf_experts``) keeps
 ``num_experts / ep`` whole experts per rank (``ExpertParallelExperts``). Per call, it hands to
 ``torch.distributed.all_to_all_single``:
 
@@ -16,23 +17,23 @@ figures are per rank, handed over, averaged over the group (their sum over the g
 rows handed over, those routed to the rank's own experts stay on it: with evenly spread routing,
 (ep - 1) / ep of them leave the rank (what ``benchmarks/bench_expert_parallel.py`` reports as sent).
 
-Tokens per call, top-k, hidden size and dtype are read from the experts' calls in the traced step, on
-fake tensors as ``plan="auto"`` traces: the batch is one rank's (a data loader's batch size is per rank).
+Tokens per call, top-k, hidden size and dtype are read from the experts' calls in the traced step
+(``recorded_calls``; the plan table runs it on fake tensors as ``plan="auto"`` traces): the batch is one
+rank's (a data loader's batch size is per rank).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Optional
 
-import torch
 from torch import nn
 
-from lightning_parallel.tensor.experts import experts_layout, find_hf_experts
-from lightning_parallel.tensor.fake import fake_step
+from lightning_parallel.moe.experts import experts_layout, find_hf_experts
 
-__all__ = ["COUNT_BYTES", "ExpertCall", "ExpertPlacement", "placement", "traced_expert_calls"]
+__all__ = ["COUNT_BYTES", "ExpertCall", "ExpertPlacement", "recorded_calls"]
 
 #: the bytes of one expert's token count (``torch.bincount`` gives int64)
 COUNT_BYTES = 8
@@ -52,14 +53,12 @@ class ExpertCall:
         return self.tokens * self.top_k * self.hidden * self.itemsize
 
 
-def traced_expert_calls(module: nn.Module, run: Any) -> dict[str, list[ExpertCall]]:
-    """The calls of every experts module of ``module`` in the step ``run`` (a ``SampleStep``), on fake
-    tensors; empty lists where ``run`` is None or the step cannot run on fake tensors (as ``plan="auto"``
-    then decides without a trace)."""
+@contextmanager
+def recorded_calls(module: nn.Module) -> Iterator[dict[str, list[ExpertCall]]]:
+    """The calls of every experts module of ``module`` made inside the ``with`` block, by name (the plan
+    table runs the step on fake tensors inside it: ``tensor.table.expert_placement``)."""
     experts = find_hf_experts(module)
     calls: dict[str, list[ExpertCall]] = {name: [] for name in experts}
-    if run is None or not experts:
-        return calls
 
     def record(name: str, _: nn.Module, args: tuple, kwargs: dict) -> None:
         given = [*args, *kwargs.values()]  # (hidden states, top-k indices, weights), by position or name
@@ -72,20 +71,16 @@ def traced_expert_calls(module: nn.Module, run: Any) -> dict[str, list[ExpertCal
         m.register_forward_pre_hook(partial(record, name), with_kwargs=True) for name, m in experts.items()
     ]
     try:
-        with fake_step(module, run) as step, torch.no_grad():
-            step()
-    except Exception:  # noqa: BLE001  (a step that cannot run on fakes: the table says it was not traced)
-        return {name: [] for name in experts}
+        yield calls
     finally:
         for hook in hooks:
             hook.remove()
-    return calls
 
 
 @dataclass
 class ExpertPlacement:
-    """The experts of ``module`` placed on ``ep`` ranks, with their traced calls (``traced_expert_calls``;
-    empty lists where nothing was traced)."""
+    """The experts of ``module`` placed on ``ep`` ranks, with their calls in a traced step
+    (``recorded_calls``; none where nothing was traced)."""
 
     ep: int
     calls: dict[str, list[ExpertCall]] = field(default_factory=dict)
@@ -169,8 +164,3 @@ class ExpertPlacement:
     def total_bytes(self, module: nn.Module) -> int:
         """Bytes handed to all-to-alls per rank in one step, all experts modules together."""
         return sum(f + b for f, b in self.step_bytes(find_hf_experts(module)).values())
-
-
-def placement(module: nn.Module, ep: int, run: Optional[Any]) -> ExpertPlacement:
-    """The placement of ``module``'s experts on ``ep`` ranks, traced on ``run`` where given."""
-    return ExpertPlacement(ep, traced_expert_calls(module, run))

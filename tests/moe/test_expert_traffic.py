@@ -1,4 +1,4 @@
-"""The plan table under expert parallelism (``--ep``, ``tensor.expert_traffic``) on a tiny Mixtral: each
+"""The plan table under expert parallelism (``--ep``, ``moe.expert_traffic``) on a tiny Mixtral: each
 rank's experts and parameters equal what ``apply_expert_parallel`` leaves on that rank, the all-to-all bytes
 follow the traced batch, and bad sizes get the strategy's own messages. The comparison with the bytes a
 real ep=2 run hands to its all-to-alls is in tests/strategies/test_expert_parallel.py."""
@@ -8,12 +8,11 @@ from __future__ import annotations
 import pytest
 
 from lightning_parallel.cli.plan_table import main
+from lightning_parallel.moe.expert_parallel import apply_expert_parallel, expert_parallel_problem
 from lightning_parallel.strategies.parallel import ParallelStrategy
 from lightning_parallel.tensor import resolve
-from lightning_parallel.tensor.expert_parallel import apply_expert_parallel, expert_parallel_problem
-from lightning_parallel.tensor.expert_traffic import placement
 from lightning_parallel.tensor.sample import forward_on
-from lightning_parallel.tensor.table import plan_rows
+from lightning_parallel.tensor.table import expert_placement, plan_rows
 from tests.helpers.tp_models import TokenData
 from tests.helpers.zoo import ZooLM
 
@@ -30,7 +29,7 @@ def first_batch(batch_size: int = 8):
 def test_params_per_rank_equal_what_each_rank_holds(tp, ep):
     module = ZooLM(arch="mixtral")
     resolved = resolve(module, "auto", tp, run=forward_on(module, first_batch()))
-    resolved.experts = placement(module, ep, None)
+    resolved.experts = expert_placement(module, ep, None)
     rows = {r.name: r for r in plan_rows(module, resolved)}
     for rank in range(ep):
         placed = apply_expert_parallel(ZooLM(arch="mixtral"), None, ep, rank)
@@ -46,7 +45,7 @@ def test_params_per_rank_equal_what_each_rank_holds(tp, ep):
 def test_all_to_all_bytes_follow_the_traced_batch():
     module = ZooLM(arch="mixtral")  # 2 layers, 4 experts top-2, hidden 16, float32
     for batch_size in (8, 4):
-        traced = placement(module, 2, forward_on(module, first_batch(batch_size)))
+        traced = expert_placement(module, 2, forward_on(module, first_batch(batch_size)))
         tokens = batch_size * 8
         per_layer = 4 * 8 + 4 * tokens * 2 * 16 * 4  # the counts, then 4 exchanges of the top-2 copies
         assert traced.total_bytes(module) == 2 * per_layer

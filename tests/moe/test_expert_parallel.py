@@ -11,14 +11,14 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_parallel.tensor.expert_parallel import (
+from lightning_parallel.moe.expert_parallel import (
     ExpertParallelExperts,
     apply_expert_parallel,
     describe_expert_parallel,
-    expert_pieces,
     find_experts_whole_or_placed,
 )
-from lightning_parallel.tensor.experts import is_experts
+from lightning_parallel.moe.experts import is_experts
+from lightning_parallel.tensor.full_state import expert_pieces
 
 
 def block(implementation: str, dtype: torch.dtype) -> nn.Module:
@@ -133,10 +133,10 @@ def test_coverage_counts_the_experts_expert_parallelism_places():
     coverage counts them as split (Mixtral: the attention split over tp and the experts placed, 99%, where
     the experts counted whole left 12%, under require_sharded=0.2); a plan that still splits almost nothing
     (a model whose experts are 8% of it, only its router split over tp) is still refused."""
+    from lightning_parallel.moe.expert_parallel import experts_left_to_expert_parallel
+    from lightning_parallel.moe.expert_traffic import ExpertPlacement
     from lightning_parallel.tensor import PlanError, resolve
     from lightning_parallel.tensor.coverage import check_coverage, sharded_share
-    from lightning_parallel.tensor.expert_parallel import experts_left_to_expert_parallel
-    from lightning_parallel.tensor.expert_traffic import ExpertPlacement
     from lightning_parallel.tensor.sample import forward_on
     from tests.helpers.moe_models import FirstExpertsMoE
     from tests.helpers.zoo import ZooLM

@@ -1,7 +1,7 @@
 """Expert parallelism as a transform of a module: whole experts placed on the ranks of an ep group, tokens
 sent to their expert's rank and back by all-to-all.
 
-Each Hugging Face experts module (``tensor.experts.is_experts``: Mixtral's, Qwen2-MoE's, OLMoE's, ...: the
+Each Hugging Face experts module (``moe.experts.is_experts``: Mixtral's, Qwen2-MoE's, OLMoE's, ...: the
 experts' weights stacked along dim 0, called with the tokens, their top-k expert indices and weights) is
 replaced by an ``ExpertParallelExperts`` holding only this rank's ``num_experts / ep`` experts, under the
 same state-dict names. Its forward, per call:
@@ -36,8 +36,7 @@ from torch import Tensor, nn
 
 from lightning_parallel.checkpointing.one_device import keep_skeleton
 from lightning_parallel.distributed.collectives import all_to_all_rows, exchange_counts
-from lightning_parallel.tensor.experts import is_experts
-from lightning_parallel.tensor.layers import ShardSpec, shard_tensor
+from lightning_parallel.moe.experts import is_experts
 
 __all__ = [
     "ExpertParallelExperts",
@@ -46,12 +45,9 @@ __all__ = [
     "experts_left_to_expert_parallel",
     "describe_expert_parallel",
     "expert_parallel_problem",
-    "expert_pieces",
     "find_experts_whole_or_placed",
     "scale_expert_gradients",
 ]
-
-EXPERT_DIM = ShardSpec(dim=0)
 
 
 def find_experts_whole_or_placed(module: nn.Module) -> dict[str, nn.Module]:
@@ -85,7 +81,7 @@ def expert_parallel_problem(module: nn.Module, ep: int) -> Optional[str]:
 @dataclass(frozen=True)
 class ExpertSlice:
     """Which slice of the experts a rank holds: its place ``ep_rank`` among the ``ep_size`` ranks the experts
-    are shared out over, along the experts dimension (``tensor.full_state.cut_of`` reads it)."""
+    are shared out over, along the experts dimension (``tensor.full_state.expert_pieces`` lists them)."""
 
     ep_size: int
     ep_rank: int
@@ -171,29 +167,6 @@ def describe_expert_parallel(placed: dict[str, ExpertParallelExperts], replicas:
     )
 
 
-def expert_pieces(module: nn.Module) -> dict[str, tuple[Tensor, ShardSpec, ExpertSlice]]:
-    """state_dict key -> (this rank's experts' tensor, the cut along dim 0, its slice), as
-    ``tensor.full_state`` reads sharded tensors."""
-    out = {}
-    for prefix, m in module.named_modules():
-        if isinstance(m, ExpertParallelExperts):
-            for name, p in m._parameters.items():
-                out[f"{prefix}.{name}" if prefix else name] = (
-                    p,
-                    EXPERT_DIM,
-                    ExpertSlice(m.ep_size, m.ep_rank),
-                )
-    return out
-
-
-def cut_experts(name: str, full: Tensor, pieces: dict[str, tuple[Tensor, ShardSpec, ExpertSlice]]) -> Tensor:
-    """This rank's experts of the full tensor ``name`` (others whole)."""
-    if name not in pieces:
-        return full
-    _, spec, part = pieces[name]
-    return shard_tensor(full, spec, part.ep_size, part.ep_rank)
-
-
 def _scaled(factor: float, grad: Tensor) -> Tensor:
     return grad * factor
 
@@ -213,7 +186,7 @@ def scale_expert_gradients(module: nn.Module) -> None:
 def experts_left_to_expert_parallel(resolved: Any, placement: Any) -> None:
     """With expert parallelism the experts are placed whole on ranks, so a tensor-parallel plan
     (``tensor.plan.ResolvedPlan``) that splits them (style ``experts``) keeps them whole instead, saying why;
-    the plan then holds ``placement`` (a ``tensor.expert_traffic.ExpertPlacement``), which its table and
+    the plan then holds ``placement`` (a ``moe.expert_traffic.ExpertPlacement``), which its table and
     coverage read for what each rank holds of the experts."""
     resolved.experts = placement
     for a in resolved.assignments:
