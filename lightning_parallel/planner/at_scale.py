@@ -28,6 +28,7 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.core.optimizer import _configure_optimizers
 from torch import Tensor, nn
 
+from lightning_parallel.compat import fake_store
 from lightning_parallel.distributed.mesh import MeshShape, build_mesh
 from lightning_parallel.distributed.zero import ShardedGradientReducer
 
@@ -53,11 +54,9 @@ class RankState:
 @contextmanager
 def fake_world(rank: int, world_size: int) -> Iterator[None]:
     """torch's fake process group as the default group, this process as ``rank`` of ``world_size``."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
     if dist.is_initialized():
         raise RuntimeError("set-up at scale needs a process without a process group; one is initialized")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
