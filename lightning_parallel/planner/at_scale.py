@@ -17,11 +17,13 @@ replicas only in their ZeRO ranges, the pipeline stages in their blocks; ``ranks
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
+import lightning_utilities.core.rank_zero as rank_zero_module
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import LightningEnvironment
@@ -112,6 +114,19 @@ def _optimizer_bytes(strategy: Any, optimizers: Sequence[torch.optim.Optimizer])
 
 
 @contextmanager
+def _rank_zero_quiet() -> Iterator[None]:
+    """Lightning's rank-zero messages held back: every simulated rank is rank 0 to them, and a fake
+    all-gather of the stages' report hands back this rank's line for each of the world's ranks."""
+    logger = logging.getLogger(rank_zero_module.log.name)
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextmanager
 def _nothing() -> Iterator[None]:
     yield
 
@@ -122,7 +137,7 @@ def set_up_rank(
     """Set up ``rank`` of ``world_size``: the LightningModule ``build()`` makes on meta, split by the
     strategy ``make_strategy()`` makes (``lp_ddp``, ``lp_parallel`` or a preset), as its set-up would."""
     start = time.perf_counter()
-    with fake_world(rank, world_size):
+    with fake_world(rank, world_size), _rank_zero_quiet():
         with torch.device("meta"):
             module = build()
         strategy = make_strategy()

@@ -5,7 +5,6 @@ equal to a hand count at 8 ranks; a Llama-70B-shaped model at 64 and 512 ranks."
 from __future__ import annotations
 
 import functools
-import logging
 import time
 from pathlib import Path
 
@@ -22,16 +21,6 @@ from tests.helpers.zoo import ZooLM
 
 LLAMA_PLAN = Path(__file__).parents[2] / "lightning_parallel" / "conf" / "plan" / "hf_llama.yaml"
 F32 = 4
-
-
-@pytest.fixture(autouse=True)
-def quiet_set_up():
-    """Each simulated rank is rank 0 of nothing: Lightning's rank-zero reports would print for each."""
-    logger = logging.getLogger("lightning.pytorch")
-    level = logger.level
-    logger.setLevel(logging.WARNING)
-    yield
-    logger.setLevel(level)
 
 
 class TwoLayers(LightningModule):
