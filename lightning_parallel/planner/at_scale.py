@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
@@ -100,7 +100,7 @@ def _optimizer_bytes(strategy: Any, optimizers: Sequence[torch.optim.Optimizer])
     total = 0
     for optimizer in optimizers:
         shards = strategy._optimizer_shards.get(id(optimizer))
-        with shards.sharded() if shards is not None else _nothing():
+        with shards.sharded() if shards is not None else nullcontext():
             held = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
             for p in held:
                 p.grad = torch.zeros_like(p)
@@ -126,9 +126,14 @@ def _rank_zero_quiet() -> Iterator[None]:
         logger.setLevel(level)
 
 
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
+def _placed(strategy: Any, rank: int, world_size: int) -> Any:
+    """``strategy`` as ``rank`` of ``world_size`` processes, its device meta (what the launch would set)."""
+    environment = LightningEnvironment()
+    environment.set_world_size(world_size)
+    environment.set_global_rank(rank)
+    strategy.cluster_environment = environment
+    strategy.parallel_devices = [torch.device("meta")]
+    return strategy
 
 
 def set_up_rank(
@@ -140,12 +145,7 @@ def set_up_rank(
     with fake_world(rank, world_size), _rank_zero_quiet():
         with torch.device("meta"):
             module = build()
-        strategy = make_strategy()
-        environment = LightningEnvironment()
-        environment.set_world_size(world_size)
-        environment.set_global_rank(rank)
-        strategy.cluster_environment = environment
-        strategy.parallel_devices = [torch.device("meta")]
+        strategy = _placed(make_strategy(), rank, world_size)
         strategy.connect(module)
         shape = strategy.mesh_shape()
         strategy.mesh = build_mesh(shape)
@@ -153,15 +153,12 @@ def set_up_rank(
         optimizers = _configure_optimizers(module.configure_optimizers())[0]
         strategy.optimizers = optimizers
         strategy.shard_optimizers()
-        state = RankState(
-            rank=rank,
-            coordinates=shape.coordinates(rank),
-            parameter_bytes=_nbytes(module.parameters()),
-            gradient_bytes=_gradient_bytes(strategy, module),
-            optimizer_bytes=_optimizer_bytes(strategy, optimizers),
-            seconds=0.0,
+        held = (
+            _nbytes(module.parameters()),
+            _gradient_bytes(strategy, module),
+            _optimizer_bytes(strategy, optimizers),
         )
-    return RankState(**{**state.__dict__, "seconds": time.perf_counter() - start})
+    return RankState(rank, shape.coordinates(rank), *held, seconds=time.perf_counter() - start)
 
 
 def set_up_at_scale(
@@ -172,9 +169,5 @@ def set_up_at_scale(
 ) -> list[RankState]:
     """``set_up_rank`` for each of ``ranks`` (default: ``representative_ranks`` of the strategy's layout)."""
     if ranks is None:
-        probe = make_strategy()
-        environment = LightningEnvironment()
-        environment.set_world_size(world_size)
-        probe.cluster_environment = environment
-        ranks = representative_ranks(probe.mesh_shape())
+        ranks = representative_ranks(_placed(make_strategy(), 0, world_size).mesh_shape())
     return [set_up_rank(build, make_strategy, r, world_size) for r in ranks]
