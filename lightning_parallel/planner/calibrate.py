@@ -102,19 +102,15 @@ def _call(name: str, nbytes: int, group: Any) -> Callable[[], None]:
     if name == "all_to_all":
         out = torch.empty_like(x)
         return lambda: dist.all_to_all_single(out, x, group=group)
-    if name == "send_recv":  # the even ranks send to the next one; each run one message each way
-        peer = dist.get_global_rank(group, rank ^ 1) if group is not None else rank ^ 1
+    if name == "send_recv":  # neighbouring pairs (0-1, 2-3, ...) exchange one message each way at once
         if (rank ^ 1) >= world:
             return lambda: None
+        peer = dist.get_global_rank(group, rank ^ 1) if group is not None else rank ^ 1
         out = torch.empty_like(x)
 
         def exchange() -> None:
-            if rank % 2 == 0:
-                dist.send(x, peer, group=group)
-                dist.recv(out, peer, group=group)
-            else:
-                dist.recv(out, peer, group=group)
-                dist.send(x, peer, group=group)
+            for work in (dist.isend(x, peer, group=group), dist.irecv(out, peer, group=group)):
+                work.wait()
 
         return exchange
     raise ValueError(f"unknown collective {name!r}; the collectives are {COLLECTIVES}")
@@ -162,7 +158,8 @@ def calibrate_collectives(
 def cluster_from_fits(
     fits: dict[str, CollectiveFit], devices: int, memory: float, flops: float, name: str = "calibrated"
 ) -> Cluster:
-    """One node of ``devices``, its link the point-to-point fit (bytes per second one way, and latency)."""
+    """One node of ``devices``, its link the point-to-point fit: a message each way at once, so its bytes
+    per second are the link's each way per device, and its latency a message's."""
     p2p = fits["send_recv"]
     link = Link(bandwidth=1.0 / p2p.seconds_per_byte, latency=p2p.latency)
     return Cluster(name, 1, devices, memory, flops, within_node=link, between_nodes=link)
