@@ -132,7 +132,7 @@ def _placed(strategy: Any, rank: int, world_size: int) -> Any:
     environment.set_world_size(world_size)
     environment.set_global_rank(rank)
     strategy.cluster_environment = environment
-    strategy.parallel_devices = [torch.device("meta")]
+    strategy.parallel_devices = [torch.device("meta")] * world_size  # one node: a layout's errors count all
     return strategy
 
 
