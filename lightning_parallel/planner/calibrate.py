@@ -27,6 +27,7 @@ from lightning_parallel.planner.cluster import Cluster, Link
 
 __all__ = [
     "COLLECTIVES",
+    "FLOOR",
     "Calibration",
     "calibrate",
     "SIZES",
@@ -43,6 +44,9 @@ __all__ = [
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 #: bytes per rank of each timed call: from latency-bound to bandwidth-bound, a few milliseconds on gloo
 SIZES = (2**10, 2**14, 2**18, 2**20, 2**22)
+
+#: the least latency (seconds) and seconds per byte a fit gives
+FLOOR = (1e-9, 1e-15)
 
 
 @dataclass(frozen=True)
@@ -73,17 +77,18 @@ class BlockTiming:
 
 def fit_alpha_beta(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
     """Least-squares (latency, seconds per byte) of ``(bytes, seconds)`` samples, each weighted by
-    1 / seconds (relative errors: the small sizes count as much as the large), neither below zero."""
+    1 / seconds (relative errors: the small sizes count as much as the large), constrained to neither below
+    zero and then raised to ``FLOOR`` (so a bandwidth, 1 / seconds per byte, stays finite)."""
     x = torch.tensor([s[0] for s in samples], dtype=torch.float64)
     y = torch.tensor([s[1] for s in samples], dtype=torch.float64)
-    w = 1.0 / y
-    a = torch.stack([torch.ones_like(x), x], dim=1) * w[:, None]
-    alpha, beta = torch.linalg.lstsq(a, y * w).solution.tolist()
-    if beta <= 0:  # no bandwidth term visible: the smallest slope through the largest sample
-        beta = float(y.max() / x.max()) * 1e-3
-    if alpha <= 0:
-        alpha = float(((y - beta * x) * w).sum().clamp(min=0) / w.sum()) or float(y.min()) * 1e-3
-    return alpha, beta
+    w2 = 1.0 / y**2
+    a = torch.stack([torch.ones_like(x), x], dim=1) * w2.sqrt()[:, None]
+    alpha, beta = torch.linalg.lstsq(a, y * w2.sqrt()).solution.tolist()
+    if beta <= 0:  # no bandwidth term visible: the latency alone
+        alpha, beta = float((y * w2).sum() / w2.sum()), 0.0
+    elif alpha <= 0:  # no latency visible: the line through the origin
+        alpha, beta = 0.0, float((x * y * w2).sum() / (x * x * w2).sum())
+    return max(alpha, FLOOR[0]), max(beta, FLOOR[1])
 
 
 def _call(name: str, nbytes: int, group: Any) -> Callable[[], None]:

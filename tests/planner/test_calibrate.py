@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_parallel.planner.calibrate import COLLECTIVES, fit_alpha_beta
+from lightning_parallel.planner.calibrate import COLLECTIVES, FLOOR, fit_alpha_beta
 from tests.helpers.harness import REPO, run_program
 
 SIZES = (2**10, 2**14, 2**17, 2**19)
@@ -29,7 +29,10 @@ def test_fit_recovers_a_latency_and_a_bandwidth():
 
 def test_fit_is_never_negative():
     alpha, beta = fit_alpha_beta([(1, 1.0), (2, 0.5), (4, 0.25)])  # slower for fewer bytes: no bandwidth term
-    assert alpha > 0 and beta > 0
+    assert beta == FLOOR[1] and 0.25 < alpha < 1.0
+    alpha, beta = fit_alpha_beta([(1e3, 0.5e-6), (1e6, 1e-3)])  # a negative latency unconstrained
+    # through the origin, in relative errors: sum(x / y) / sum((x / y)^2) = 3e9 / 5e18
+    assert alpha == FLOOR[0] and beta == pytest.approx(6e-10, rel=1e-9)
 
 
 class Stack(nn.Module):
