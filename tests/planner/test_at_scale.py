@@ -126,6 +126,7 @@ def test_llama_70b_at_64_and_512_ranks():
     # the tensors of a stage: 10 blocks of 9 (7 linear, 2 norms), the embedding, the final norm, the head
     tensors = 10 * 9 + 3
     for world in (64, 512):
+        world_start = time.perf_counter()
         make = functools.partial(
             ParallelStrategy,
             data_parallel_size=world // 64,
@@ -147,6 +148,7 @@ def test_llama_70b_at_64_and_512_ranks():
             else:  # ZeRO-1 over 8: the buckets whole, the moments of one eighth
                 assert s.parameter_bytes <= s.gradient_bytes < s.parameter_bytes + 8 * F32 * 1000
                 assert abs(s.optimizer_bytes - 2 * params * F32 / 8) < 1e-4 * s.optimizer_bytes
+        print(f"Llama-70B at {world} ranks, 3 of them set up: {time.perf_counter() - world_start:.1f} s")
     # 10 blocks of 8192 x (4 x 8192 / 8 ... ) over 8: about 1.07e9 + 2 x 131e6 + norms per rank
     assert 1.33e9 < per_stage / F32 < 1.34e9
     print(f"Llama-70B at 64 and 512 ranks: {time.perf_counter() - start:.1f} s")
