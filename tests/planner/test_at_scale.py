@@ -95,6 +95,13 @@ def test_three_axes_bytes_per_rank_equal_a_hand_count():
         assert s.optimizer_bytes == 0  # SGD without momentum keeps nothing
 
 
+def test_a_layout_the_strategy_refuses_fails_with_its_reason():
+    """The strategy's own check, before any set-up: the layout's product is not the world."""
+    make = functools.partial(ParallelStrategy, data_parallel_size=1, tensor_parallel_size=2, plan=str(LLAMA_PLAN))
+    with pytest.raises(ValueError, match=r"= 2 must equal the 8 process\(es\) of this run"):
+        set_up_at_scale(functools.partial(ZooLM, "hf_llama"), make, 8)
+
+
 class Llama70B(LightningModule):
     """Llama 3 70B's shape (80 blocks of width 8192, 64 heads, 8 key-value heads, vocabulary 128256),
     built from a config on meta; AdamW."""
