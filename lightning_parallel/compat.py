@@ -51,6 +51,7 @@ __all__ = [
     "all_gather_single",
     "backward_from_edges",
     "drop_saved_tensors",
+    "fake_store",
     "reduce_scatter_single",
     "CheckpointPolicy",
     "DTensor",
@@ -312,3 +313,12 @@ def _forget(tensor: torch.Tensor) -> None:
 
 def _refuse_unpack(packed: None) -> torch.Tensor:
     raise RuntimeError("this saved tensor was dropped after the input part of a split backward")
+
+
+def fake_store() -> Any:
+    """A store for torch's fake process group, whose backend ``"fake"`` returns from every collective at
+    once, sending nothing (``torch.testing._internal.distributed.fake_pg``, private, in every supported
+    torch; importing it registers the backend). The set-up at scale runs the strategies on it."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()

@@ -133,7 +133,10 @@ def materialize(
 ) -> None:
     """Allocate on ``device`` every meta tensor that ``module`` (parallelized after ``capture``) still
     registers, and write each from its full value (``full_values``) through ``cut`` (default: whole).
-    Raises if a tensor gets no value."""
+    Raises if a tensor gets no value. On the meta device the share stays as it is, unfilled: the set-up
+    run for its placement alone (``planner/at_scale.py``) reads shapes, not values."""
+    if device.type == "meta":
+        return
     local = _allocate(module, device)
     pending = {id(t): t for t in local.values()}
     had_sources = any(slot.source is not None for slot in captured.slots())

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
-__all__ = ["capture_block_inputs", "time_blocks", "average_over_ranks"]
+__all__ = ["capture_block_inputs", "time_blocks", "time_block_passes", "average_over_ranks", "requiring_grad"]
 
 
 class _StopForward(BaseException):
@@ -70,19 +70,39 @@ def time_blocks(
     blocks: Sequence[nn.Module], inputs: Sequence[tuple[tuple, dict]], repeats: int = 3
 ) -> list[float]:
     """Median seconds of forward + backward of each block alone on its captured inputs."""
+    return [statistics.median(f + b for f, b in runs) for runs in _passes(blocks, inputs, repeats)]
+
+
+def time_block_passes(
+    blocks: Sequence[nn.Module], inputs: Sequence[tuple[tuple, dict]], repeats: int = 3
+) -> list[tuple[float, float]]:
+    """Median seconds of the forward and of the backward of each block alone (the planner's calibration)."""
+    return [
+        (statistics.median(f for f, _ in runs), statistics.median(b for _, b in runs))
+        for runs in _passes(blocks, inputs, repeats)
+    ]
+
+
+def _passes(
+    blocks: Sequence[nn.Module], inputs: Sequence[tuple[tuple, dict]], repeats: int
+) -> list[list[tuple[float, float]]]:
+    """Each block's ``repeats`` (forward, backward of the sum of its outputs) seconds, after one run that
+    warms up (allocations, lazy init) and is dropped."""
     times = []
     for block, (args, kwargs) in zip(blocks, inputs):
         samples = []
-        for _ in range(repeats + 1):  # the first run warms up (allocations, lazy init), and is dropped
-            a, k = _requiring_grad(args), _requiring_grad(kwargs)
+        for _ in range(repeats + 1):
+            a, k = requiring_grad(args), requiring_grad(kwargs)
             start = time.perf_counter()
             out = block(*a, **k)
+            _synchronize(out)
+            middle = time.perf_counter()
             total = sum(t.float().sum() for t in _tensors(out) if t.requires_grad)
             if isinstance(total, Tensor):
                 total.backward()
             _synchronize(out)
-            samples.append(time.perf_counter() - start)
-        times.append(statistics.median(samples[1:]))
+            samples.append((middle - start, time.perf_counter() - middle))
+        times.append(samples[1:])
     return times
 
 
@@ -109,7 +129,7 @@ def _detached(value: Any) -> Any:
     return apply_to_collection(value, Tensor, lambda t: t.detach())
 
 
-def _requiring_grad(value: Any) -> Any:
+def requiring_grad(value: Any) -> Any:
     return apply_to_collection(
         value, Tensor, lambda t: t.detach().requires_grad_(True) if t.is_floating_point() else t
     )

@@ -480,6 +480,11 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         """Lightning's; with ``zero_stage``, each optimizer then updates only this rank's pieces."""
         super().setup_optimizers(trainer)
+        self.shard_optimizers()
+
+    def shard_optimizers(self) -> None:
+        """With ``zero_stage``, each of ``self.optimizers`` made to update only this rank's pieces (also
+        called by the set-up at scale, ``planner/at_scale.py``, which builds the optimizers itself)."""
         reducer = self.reducer
         if not isinstance(reducer, ShardedGradientReducer):
             return

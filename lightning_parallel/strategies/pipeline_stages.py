@@ -249,8 +249,10 @@ class PipelineStages:
             ),
             Timeline(self.global_rank),
         )
-        # summaries go over gloo on CPU, on their own tag (on NCCL, on a gloo group of their own)
-        objects = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+        # summaries go over gloo on CPU, on their own tag (on NCCL, on a gloo group of their own; the fake
+        # backend of the set-up at scale, planner/at_scale.py, carries CPU tensors as it carries any)
+        carries_cpu = dist.get_backend() in ("gloo", "fake")
+        objects = None if carries_cpu else dist.new_group(backend="gloo")
         last = ranks[self.loss_stage]
         others = [r for r in ranks if r != last]
         link = PeerLink(torch.device("cpu"), objects, tag=OBJECT_TAG)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from lightning_parallel.pipeline.partition import balance, block_parameters
-from lightning_parallel.pipeline.profile import capture_block_inputs, time_blocks
+from lightning_parallel.pipeline.profile import capture_block_inputs, time_block_passes, time_blocks
 from lightning_parallel.step_effects import untouched
 from tests.helpers.pp_models import UnevenTimeNet
 
@@ -27,6 +27,18 @@ def test_the_slow_block_is_measured_slow_and_moves_the_cut():
     assert all(
         p.grad is not None for p in model.net[3].parameters()
     )  # the caller's `untouched` restores them
+
+
+def test_the_forward_and_the_backward_are_timed_apart():
+    """The slow block is slow in both passes (the planner's calibration reads them apart)."""
+    torch.manual_seed(0)
+    model = UnevenTimeNet().double()
+    x = torch.randn(4, 16, dtype=torch.float64)
+    blocks = list(model.net)
+    passes = time_block_passes(blocks, capture_block_inputs(blocks, lambda: model(x)))
+    assert len(passes) == len(blocks) and all(f > 0 and b > 0 for f, b in passes)
+    (f1, b1), (f3, b3) = passes[1], passes[3]
+    assert f3 > 3 * f1 and b3 > 3 * b1  # 20x the work in each
 
 
 def test_extra_block_arguments_are_captured_with_their_keywords():

@@ -1,0 +1,239 @@
+"""Calibration on the machine at hand: the collectives timed over the real process group and fitted as
+latency + bytes / bandwidth (the alpha-beta model, by least squares), the blocks of a model timed forward
+and backward on the real device (the pipeline's ``balance="time"`` profiling), and the ``Cluster`` they
+describe (one node; its link is the point-to-point fit).
+
+Every rank of the group must call ``calibrate_collectives`` alike: each size of each collective is run
+``repeats`` times after a warm-up, each run started together (a barrier); a run's time is the slowest
+rank's, so every rank fits the same numbers, and a size's time the fastest run's.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_parallel.compat import all_gather_single, reduce_scatter_single
+from lightning_parallel.memory.accounting import available_host_bytes
+from lightning_parallel.memory.saved import SavedTensorCounter
+from lightning_parallel.module_names import find_block_stack
+from lightning_parallel.pipeline.profile import capture_block_inputs, requiring_grad, time_block_passes
+from lightning_parallel.planner.cluster import Cluster, Link
+
+__all__ = [
+    "COLLECTIVES",
+    "FLOOR",
+    "Calibration",
+    "calibrate",
+    "SIZES",
+    "BlockTiming",
+    "CollectiveFit",
+    "calibrate_collectives",
+    "cluster_from_fits",
+    "device_flops",
+    "fit_alpha_beta",
+    "time_model_blocks",
+]
+
+#: what is timed: each takes a tensor of the size's bytes per rank
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+#: bytes per rank of each timed call: from latency-bound to bandwidth-bound, a few milliseconds on gloo
+SIZES = (2**10, 2**14, 2**18, 2**20, 2**22)
+
+#: the least latency (seconds) and seconds per byte a fit gives
+FLOOR = (1e-9, 1e-15)
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    """``seconds = latency + nbytes * seconds_per_byte`` for one collective over the group, and the
+    (bytes per rank, seconds) it was fitted to."""
+
+    name: str
+    latency: float
+    seconds_per_byte: float
+    samples: tuple[tuple[int, float], ...]
+
+    def predict(self, nbytes: float) -> float:
+        return self.latency + nbytes * self.seconds_per_byte
+
+
+@dataclass(frozen=True)
+class BlockTiming:
+    """One block of the stack on the real device: median forward and backward seconds on a sample
+    micro-batch, the bytes autograd saved in its forward, and its parameters' bytes."""
+
+    name: str
+    forward_s: float
+    backward_s: float
+    activation_bytes: int
+    parameter_bytes: int
+
+
+def fit_alpha_beta(samples: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Least-squares (latency, seconds per byte) of ``(bytes, seconds)`` samples, each weighted by
+    1 / seconds (relative errors: the small sizes count as much as the large), constrained to neither below
+    zero and then raised to ``FLOOR`` (so a bandwidth, 1 / seconds per byte, stays finite)."""
+    x = torch.tensor([s[0] for s in samples], dtype=torch.float64)
+    y = torch.tensor([s[1] for s in samples], dtype=torch.float64)
+    w2 = 1.0 / y**2
+    a = torch.stack([torch.ones_like(x), x], dim=1) * w2.sqrt()[:, None]
+    alpha, beta = torch.linalg.lstsq(a, y * w2.sqrt()).solution.tolist()
+    if beta <= 0:  # no bandwidth term visible: the latency alone
+        alpha, beta = float((y * w2).sum() / w2.sum()), 0.0
+    elif alpha <= 0:  # no latency visible: the line through the origin
+        alpha, beta = 0.0, float((x * y * w2).sum() / (x * x * w2).sum())
+    return max(alpha, FLOOR[0]), max(beta, FLOOR[1])
+
+
+def _call(name: str, nbytes: int, group: Any) -> Callable[[], None]:
+    """One run of collective ``name`` with ``nbytes`` per rank (float32) over ``group``."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    n = max(world, nbytes // 4 // world * world)
+    x = torch.ones(n, device=_device(group))
+    if name == "all_reduce":
+        return lambda: dist.all_reduce(x, group=group)
+    if name == "all_gather":
+        out = x.new_empty(n * world)
+        return lambda: all_gather_single()(out, x, group=group)
+    if name == "reduce_scatter":
+        out = x.new_empty(n // world)
+        return lambda: reduce_scatter_single()(out, x, group=group)
+    if name == "all_to_all":
+        out = torch.empty_like(x)
+        return lambda: dist.all_to_all_single(out, x, group=group)
+    if name == "send_recv":  # neighbouring pairs (0-1, 2-3, ...) exchange one message each way at once
+        if (rank ^ 1) >= world:
+            return lambda: None
+        peer = dist.get_global_rank(group, rank ^ 1) if group is not None else rank ^ 1
+        out = torch.empty_like(x)
+
+        def exchange() -> None:
+            for work in (dist.isend(x, peer, group=group), dist.irecv(out, peer, group=group)):
+                work.wait()
+
+        return exchange
+    raise ValueError(f"unknown collective {name!r}; the collectives are {COLLECTIVES}")
+
+
+def _device(group: Any) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _timed(run: Callable[[], None], group: Any, repeats: int) -> float:
+    """The fastest over ``repeats`` of the slowest rank's seconds for one ``run`` (after a warm-up run): what
+    another process on the machine does only adds time, so the fastest run is the collective's own."""
+    device = _device(group)
+    run()
+    times = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+    return min(slowest.tolist())
+
+
+def calibrate_collectives(
+    group: Any = None,
+    sizes: Sequence[int] = SIZES,
+    repeats: int = 5,
+    collectives: Sequence[str] = COLLECTIVES,
+) -> dict[str, CollectiveFit]:
+    """Each collective timed at each of ``sizes`` (bytes per rank) over ``group`` and fitted."""
+    fits = {}
+    for name in collectives:
+        samples = tuple((nbytes, _timed(_call(name, nbytes, group), group, repeats)) for nbytes in sizes)
+        alpha, beta = fit_alpha_beta(samples)
+        fits[name] = CollectiveFit(name, alpha, beta, samples)
+    return fits
+
+
+def cluster_from_fits(
+    fits: dict[str, CollectiveFit], devices: int, memory: float, flops: float, name: str = "calibrated"
+) -> Cluster:
+    """One node of ``devices``, its link the point-to-point fit: a message each way at once, so its bytes
+    per second are the link's each way per device, and its latency a message's."""
+    p2p = fits["send_recv"]
+    link = Link(bandwidth=1.0 / p2p.seconds_per_byte, latency=p2p.latency)
+    return Cluster(name, 1, devices, memory, flops, within_node=link, between_nodes=link)
+
+
+def time_model_blocks(
+    module: nn.Module, run_step: Callable[[], Any], block_stack: Optional[str] = None, repeats: int = 3
+) -> list[BlockTiming]:
+    """Each block of ``module``'s stack on its inputs from ``run_step`` (the user's step on a sample
+    micro-batch): forward and backward seconds as ``balance="time"`` measures them, and the bytes autograd
+    saves in one more forward (not timed)."""
+    name, stack = find_block_stack(module, block_stack)
+    blocks = list(stack)
+    inputs = capture_block_inputs(blocks, run_step)
+    passes = time_block_passes(blocks, inputs, repeats)
+    timings = []
+    for i, (block, (args, kwargs), (forward_s, backward_s)) in enumerate(zip(blocks, inputs, passes)):
+        counter = SavedTensorCounter()
+        counter.ignore([*block.parameters(), *block.buffers()])
+        counter.start()
+        try:
+            out = block(*requiring_grad(args), **requiring_grad(kwargs))
+            saved = counter.live
+        finally:
+            counter.stop()
+        del out
+        params = sum(p.numel() * p.element_size() for p in block.parameters())
+        timings.append(BlockTiming(f"{name}.{i}", forward_s, backward_s, saved, params))
+    return timings
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What the machine at hand measured: its cluster, each collective's fit, and the blocks' timings."""
+
+    cluster: Cluster
+    collectives: dict[str, CollectiveFit]
+    blocks: list[BlockTiming]
+
+
+def device_flops(device: torch.device, size: int = 512, repeats: int = 5) -> float:
+    """Dense float32 operations per second of a ``size``-square matrix product on ``device``."""
+    a = torch.randn(size, size, device=device)
+    run = (lambda: torch.cuda.synchronize()) if device.type == "cuda" else (lambda: None)
+    a @ a
+    run()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ a
+    run()
+    return 2 * size**3 * repeats / (time.perf_counter() - start)
+
+
+def calibrate(
+    group: Any = None,
+    module: Optional[nn.Module] = None,
+    run_step: Optional[Callable[[], Any]] = None,
+    block_stack: Optional[str] = None,
+    sizes: Sequence[int] = SIZES,
+    repeats: int = 5,
+) -> Calibration:
+    """The collectives over ``group`` (every rank calls this), the device's memory and speed, and, given a
+    ``module`` and its ``run_step``, its blocks; the cluster is one node of the group's ranks."""
+    fits = calibrate_collectives(group, sizes, repeats)
+    device = _device(group)
+    if device.type == "cuda":
+        memory = float(torch.cuda.get_device_properties(device).total_memory)
+    else:  # the host's memory, shared by the ranks on it
+        memory = float(available_host_bytes() or 0) / dist.get_world_size(group)
+    cluster = cluster_from_fits(fits, dist.get_world_size(group), memory, device_flops(device))
+    blocks = time_model_blocks(module, run_step, block_stack) if module is not None else []
+    return Calibration(cluster, fits, blocks)
