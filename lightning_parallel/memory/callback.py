@@ -156,6 +156,7 @@ class MemoryReport(Callback):
             self._setup,
             trainer.strategy.root_device,
             held_gradients(trainer.strategy),
+            held_parameters(trainer.strategy),
         )
         self.tables[when] = _all_ranks(row)
         rank_zero_info(format_table(self.tables[when], f"{_TITLES[when]}; {self.counted_text()}"))
@@ -176,6 +177,12 @@ def held_gradients(strategy: Any) -> list[torch.Tensor]:
     """The gradient memory a strategy's data-parallel path holds (a lightning_parallel reducer's buckets)."""
     reducer = getattr(strategy, "reducer", None)
     return reducer.gradient_tensors() if hasattr(reducer, "gradient_tensors") else []
+
+
+def held_parameters(strategy: Any) -> list[torch.Tensor]:
+    """The parameter memory a strategy holds beside the module's parameters (ZeRO-3's shards)."""
+    held = getattr(strategy, "held_parameters", None)
+    return held() if callable(held) else []
 
 
 def report_of(trainer: Trainer) -> Optional[MemoryReport]:

@@ -1,0 +1,268 @@
+"""ZeRO-3 (``zero_stage=3``): the parameters sharded over the data-parallel group too, gathered per unit.
+
+The model is cut into *units*: each block of the block stack (``module_names.find_block_stack``), and the
+root unit, every other trainable parameter. A unit's parameters live in one flat buffer laid out as ZeRO-1/2
+lay out a gradient bucket (``zero.py``): the parameters one after the other, padded to ``W`` equal ranges,
+rank ``r`` keeping range ``r`` (its *shard*, a flat tensor of its own). The parameters are views of the flat
+buffer, whose storage is resized to zero while the unit is freed, so their names, shapes and objects stay
+the model's own and only the memory goes.
+
+One step, in the order the hooks run::
+
+    forward      a block's forward pre-hook gathers it (its shard into its range, an all-gather of the
+                 ranges); its forward hook frees it again (``reshard_after_forward``; False keeps it until
+                 its backward; an evaluation forward always frees) and hooks its outputs. The root unit is
+                 gathered by the strategy before the step and kept through backward.
+    backward     the first gradient of a block's outputs gathers it again (before any of its backward
+                 runs, so a recomputed forward finds it too); its gradients accumulate in a bucket of the
+                 unit's layout, which is reduce-scattered as ZeRO-2 does (``ShardedGradientReducer``,
+                 stage 2's buffers) once the unit's last gradient arrives, and the unit is freed then
+    step         the optimizer updates this rank's pieces, which are views of the shards: nothing is
+                 gathered after the step (the next forward gathers)
+
+The gathers run over a process group of their own, so that their order against the gradients'
+reduce-scatters (started from autograd hooks) cannot differ between ranks. Frozen parameters are not
+sharded (every rank holds them whole, as at stage 0).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Generator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+
+from lightning_parallel.compat import all_gather_single
+from lightning_parallel.distributed.reducer import _Bucket
+from lightning_parallel.distributed.zero import ShardedGradientReducer, all_gather_by_ranges
+from lightning_parallel.module_names import find_block_stack
+
+__all__ = ["ParameterUnit", "ShardedParameters", "FullyShardedGradientReducer"]
+
+
+@dataclass
+class ParameterUnit:
+    """The trainable parameters of one unit (``module`` a block, or None for the root unit), views of the
+    flat buffer ``full`` (``W`` ranges of ``size`` elements), of which this rank keeps range ``rank`` in
+    ``shard``."""
+
+    name: str
+    module: Optional[nn.Module]
+    params: list[nn.Parameter]
+    full: Tensor
+    shard: Tensor
+    rank: int
+    gathered: bool = True
+
+    @property
+    def size(self) -> int:
+        return self.shard.numel()
+
+    def own(self) -> Tensor:
+        """This rank's range of the flat buffer (readable while gathered)."""
+        return self.full[self.rank * self.size : (self.rank + 1) * self.size]
+
+    def free(self) -> None:
+        if self.gathered:
+            self.full.untyped_storage().resize_(0)
+            self.gathered = False
+
+    def keep_own(self) -> None:
+        """The gathered values of this rank's range into its shard (after the parameters were loaded)."""
+        with torch.no_grad():
+            self.shard.copy_(self.own())
+
+
+def _unit(name: str, module: Optional[nn.Module], params: list[nn.Parameter], group: Any) -> ParameterUnit:
+    """A unit over ``params``, which become views of its flat buffer (gathered: it holds their values)."""
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) != 1 or len({p.device for p in params}) != 1:
+        raise ValueError(
+            f"zero_stage=3 flattens each unit's parameters into one buffer; unit {name or '(root)'!r} mixes "
+            f"dtypes or devices ({sorted(map(str, dtypes))}); give its parameters one dtype and device"
+        )
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    numel = sum(p.numel() for p in params)
+    size = -(-numel // world)
+    full = torch.zeros(size * world, dtype=params[0].dtype, device=params[0].device)
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            view = full[offset : offset + p.numel()]
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view_as(p)
+            offset += p.numel()
+    shard = full[rank * size : (rank + 1) * size].clone()
+    return ParameterUnit(name, module, params, full, shard, rank)
+
+
+class ShardedParameters:
+    """The parameters of ``module`` sharded over ``group`` in units (see the module docstring), gathered over
+    ``gather_group``. The hooks a strategy calls: ``before_forward`` / ``after_forward`` around its step,
+    ``after_backward``, ``gathered()`` around a full state read or load, ``teardown``."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        group: Any,
+        gather_group: Any,
+        reshard_after_forward: bool = True,
+        stack_name: Optional[str] = None,
+    ) -> None:
+        self.group, self.gather_group = group, gather_group
+        self.reshard_after_forward = reshard_after_forward
+        self._by_ranges = dist.get_backend(gather_group) == "gloo"
+        _, stack = find_block_stack(module, stack_name)
+        blocks = list(stack)
+        in_blocks = {p for block in blocks for p in block.parameters()}
+        trainable = lambda ps: [p for p in ps if p.requires_grad]  # noqa: E731
+        root = [p for p in trainable(dict.fromkeys(module.parameters())) if p not in in_blocks]
+        shared = [n for n, p in module.named_parameters() if p in in_blocks and p in set(root)]
+        self.blocks = [
+            _unit(str(i), block, trainable(block.parameters()), group)
+            for i, block in enumerate(blocks)
+            if trainable(block.parameters())
+        ]
+        self.root = _unit("", None, root, group) if root else None
+        if shared:
+            raise ValueError(f"zero_stage=3: parameters shared between a block and the rest: {shared[:5]}")
+        self._handles = [h for unit in self.blocks for h in self._hook(unit)]
+        for unit in self.units():
+            unit.free()
+
+    def units(self) -> list[ParameterUnit]:
+        """Every unit, in the order backward completes them: the blocks last to first, then the root."""
+        return [*reversed(self.blocks), *([self.root] if self.root is not None else [])]
+
+    def held_tensors(self) -> list[Tensor]:
+        """What this rank holds of the parameters between steps (the memory report's)."""
+        return [unit.shard for unit in self.units()]
+
+    # ------------------------------------------------------------------ gather and free
+    def gather(self, unit: ParameterUnit) -> None:
+        """The unit's flat buffer allocated again and every rank's range gathered into it."""
+        if unit.gathered:
+            return
+        full = unit.full
+        full.untyped_storage().resize_(full.numel() * full.element_size())
+        own = unit.own()
+        own.copy_(unit.shard)
+        if self._by_ranges:
+            all_gather_by_ranges(full, self.gather_group).wait()
+        else:
+            all_gather_single()(full, own, group=self.gather_group)
+        unit.gathered = True
+
+    def gather_all(self) -> None:
+        for unit in self.units():
+            self.gather(unit)
+
+    def free_all(self) -> None:
+        for unit in self.units():
+            unit.free()
+
+    @contextmanager
+    def gathered(self) -> Generator[None, None, None]:
+        """Every unit gathered inside (a full state read or loaded); what a load wrote is kept."""
+        self.gather_all()
+        try:
+            yield
+        finally:
+            for unit in self.units():
+                unit.keep_own()
+            self.free_all()
+
+    # ------------------------------------------------------------------ hooks
+    def _hook(self, unit: ParameterUnit) -> list[Any]:
+        module = unit.module
+        assert module is not None
+        return [
+            module.register_forward_pre_hook(lambda *_: self.gather(unit)),
+            module.register_forward_hook(partial(self._after_block, unit)),
+        ]
+
+    def _after_block(self, unit: ParameterUnit, module: nn.Module, args: Any, output: Any) -> None:
+        training = torch.is_grad_enabled()
+        if training:
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
+            for t in tensors:
+                t.register_hook(partial(self._before_block_backward, unit))
+        if self.reshard_after_forward or not training:
+            unit.free()
+
+    def _before_block_backward(self, unit: ParameterUnit, grad: Tensor) -> None:
+        self.gather(unit)
+
+    def before_forward(self) -> None:
+        """Before a step's forward: the root unit gathered (it is used before and after the blocks)."""
+        if self.root is not None:
+            self.gather(self.root)
+
+    def after_forward(self) -> None:
+        """After a step's forward: an evaluation step (no backward to come) frees what it gathered."""
+        if not torch.is_grad_enabled():
+            self.free_all()
+
+    def backward_done(self, unit: ParameterUnit) -> None:
+        """The unit's last gradient of this backward arrived: its parameters are not needed again."""
+        unit.free()
+
+    def after_backward(self) -> None:
+        """What a backward left gathered (a unit with a parameter that got no gradient) is freed."""
+        self.free_all()
+
+    def teardown(self) -> None:
+        """Every unit gathered for good (the module leaves fit whole), the hooks removed."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.gather_all()
+
+
+class FullyShardedGradientReducer(ShardedGradientReducer):
+    """ZeRO-2's gradient path (``ShardedGradientReducer``, stage 2's buffers) with one bucket per unit of
+    ``sharded``, in the unit's layout, so that this rank's range of a bucket is its shard's: the pieces are
+    views of the shards, a unit is freed once its bucket's gradients are all in, and nothing is gathered
+    after the step."""
+
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        group: Any,
+        sharded: ShardedParameters,
+        **kwargs: Any,
+    ) -> None:
+        self.sharded = sharded
+        units = sharded.units()
+        self._unit_of = {p: unit for unit in units for p in unit.params}
+        trainable = {p for _, p in named_params if p.requires_grad}
+        missing = [n for n, p in named_params if p in trainable and p not in self._unit_of]
+        if missing:
+            raise ValueError(f"zero_stage=3: trainable parameters outside every unit: {missing[:5]}")
+        super().__init__(named_params, group, 2, **kwargs)
+        self._bucket_units = [self._unit_of[b.params[0]] for b in self.buckets]
+
+    def _bucket_groups(self, order: list[nn.Parameter], used: int) -> list[list[int]]:
+        index = {p: i for i, p in enumerate(order)}
+        return [[index[p] for p in unit.params] for unit in self.sharded.units()]
+
+    def _piece_view(self, bucket: _Bucket, p: nn.Parameter, start: int, stop: int, offset: int) -> Tensor:
+        return self._unit_of[p].shard[offset : offset + stop - start]
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        super()._on_grad_ready(p)
+        b, _ = self._where[p]
+        if self.buckets[b].pending == 0:
+            self.sharded.backward_done(self._bucket_units[b])
+
+    def gather_parameters(self) -> None:
+        """After the optimizer step, which updated the shards in place: the pieces' gradients dropped (the
+        next forward gathers the units)."""
+        self.syncs_since_step, self._unused_since_step = 0, None
+        for piece in self.pieces():
+            piece.shard.grad = None
