@@ -117,6 +117,7 @@ class ShardedParameters:
         self.group, self.gather_group = group, gather_group
         self.reshard_after_forward = reshard_after_forward
         self._by_ranges = dist.get_backend(gather_group) == "gloo"
+        self.gathers = 0  # units gathered so far (tests read how often reshard_after_forward gathers)
         _, stack = find_block_stack(module, stack_name)
         blocks = list(stack)
         in_blocks = {p for block in blocks for p in block.parameters()}
@@ -157,6 +158,7 @@ class ShardedParameters:
         else:
             all_gather_single()(full, own, group=self.gather_group)
         unit.gathered = True
+        self.gathers += 1
 
     def gather_all(self) -> None:
         for unit in self.units():

@@ -100,8 +100,10 @@ def memory_report(trainer) -> dict:
         if hasattr(v, "untyped_storage")
     ]
     report = report_of(trainer)
+    sharded = getattr(trainer.strategy, "sharded_parameters", None)  # zero_stage=3's units
     return {
         "tables": report.summary() if report is not None else {},
+        "gathers": None if sharded is None else sharded.gathers,
         "outside": {
             "parameters": storages(params),
             "gradients": storages(p.grad for p in params if p.grad is not None),
