@@ -12,7 +12,8 @@ One step, in the order the hooks run::
     forward      a block's forward pre-hook gathers it (its shard into its range, an all-gather of the
                  ranges); its forward hook frees it again (``reshard_after_forward``; False keeps it until
                  its backward; an evaluation forward always frees) and hooks its outputs. The root unit is
-                 gathered by the strategy before the step and kept through backward.
+                 gathered by the strategy before the step (and by the forward pre-hook of every module that
+                 owns one of its parameters: a second forward after a backward) and kept through backward.
     backward     the first gradient of a block's outputs gathers it again (before any of its backward
                  runs, so a recomputed forward finds it too); its gradients accumulate in a bucket of the
                  unit's layout, which is reduce-scattered as ZeRO-2 does (``ShardedGradientReducer``,
@@ -101,6 +102,27 @@ def _unit(name: str, module: Optional[nn.Module], params: list[nn.Parameter], gr
     return ParameterUnit(name, module, params, full, shard, rank)
 
 
+def _refuse_shared(module: nn.Module, blocks: list[nn.Module]) -> None:
+    """A parameter is in one unit: one tied across two blocks, or between a block and a module outside
+    the blocks, would be gathered and freed by either, so it is refused with its names."""
+    inside = {m for block in blocks for m in block.modules()}
+    owners: dict[nn.Parameter, set[int]] = {}
+    for i, block in enumerate(blocks):
+        for p in block.parameters():
+            owners.setdefault(p, set()).add(i)
+    outside = {p for m in module.modules() if m not in inside for p in m.parameters(recurse=False)}
+    shared = [
+        n
+        for n, p in module.named_parameters(remove_duplicate=False)
+        if len(owners.get(p, ())) > 1 or (p in owners and p in outside)
+    ]
+    if shared:
+        raise ValueError(
+            f"zero_stage=3 gathers each block's parameters as one unit, and these are shared between blocks or "
+            f"between a block and the rest of the model: {shared[:6]}; untie them or use zero_stage 2"
+        )
+
+
 class ShardedParameters:
     """The parameters of ``module`` sharded over ``group`` in units (see the module docstring), gathered over
     ``gather_group``. The hooks a strategy calls: ``before_forward`` / ``after_forward`` around its step,
@@ -123,16 +145,19 @@ class ShardedParameters:
         in_blocks = {p for block in blocks for p in block.parameters()}
         trainable = lambda ps: [p for p in ps if p.requires_grad]  # noqa: E731
         root = [p for p in trainable(dict.fromkeys(module.parameters())) if p not in in_blocks]
-        shared = [n for n, p in module.named_parameters() if p in in_blocks and p in set(root)]
+        in_root = set(root)
+        _refuse_shared(module, blocks)
         self.blocks = [
             _unit(str(i), block, trainable(block.parameters()), group)
             for i, block in enumerate(blocks)
             if trainable(block.parameters())
         ]
         self.root = _unit("", None, root, group) if root else None
-        if shared:
-            raise ValueError(f"zero_stage=3: parameters shared between a block and the rest: {shared[:5]}")
         self._handles = [h for unit in self.blocks for h in self._hook(unit)]
+        if self.root is not None:  # a forward after a backward in the same step gathers the root again
+            owners = [m for m in module.modules() if any(p in in_root for p in m.parameters(recurse=False))]
+            gather_root = partial(self._gather_before, self.root)
+            self._handles += [m.register_forward_pre_hook(gather_root) for m in owners]
         for unit in self.units():
             unit.free()
 
@@ -184,9 +209,12 @@ class ShardedParameters:
         module = unit.module
         assert module is not None
         return [
-            module.register_forward_pre_hook(lambda *_: self.gather(unit)),
+            module.register_forward_pre_hook(partial(self._gather_before, unit)),
             module.register_forward_hook(partial(self._after_block, unit)),
         ]
+
+    def _gather_before(self, unit: ParameterUnit, module: nn.Module, args: Any) -> None:
+        self.gather(unit)
 
     def _after_block(self, unit: ParameterUnit, module: nn.Module, args: Any, output: Any) -> None:
         training = torch.is_grad_enabled()
