@@ -1,9 +1,9 @@
 """ZeRO accumulates the gradients of every backward before a step, as ``.grad`` does: manual optimization with
 two ``manual_backward`` calls per ``step()`` (Lightning's documented accumulation) under ``zero_stage`` 1 and 2
-(and 3 under lp_ddp) equals ``zero_stage=0`` in float32 (1e-6), with AdamW and with SGD with momentum, under lp_ddp (2 gloo
-processes) and dp2 x tp2; a pipeline refuses manual optimization before training, so dp2 x pp2 accumulates
-through ``accumulate_grad_batches``. ZeRO-2 holds fewer gradient bytes than ZeRO-1, between steps and at its
-peak (the memory report's accounting, read at every gradient's arrival)."""
+(and 3 under lp_ddp) equals ``zero_stage=0`` in float32 (1e-6), with AdamW and with SGD with momentum, under
+lp_ddp (2 gloo processes) and dp2 x tp2; a pipeline refuses manual optimization before training, so dp2 x pp2
+accumulates through ``accumulate_grad_batches``. ZeRO-2 holds fewer gradient bytes than ZeRO-1, between steps
+and at its peak (the memory report's accounting, read at every gradient's arrival)."""
 
 from __future__ import annotations
 
