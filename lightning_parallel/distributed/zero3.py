@@ -10,12 +10,15 @@ the model's own and only the memory goes.
 One step, in the order the hooks run::
 
     forward      a block's forward pre-hook gathers it (its shard into its range, an all-gather of the
-                 ranges); its forward hook frees it again (``reshard_after_forward``; False keeps it until
-                 its backward; an evaluation forward always frees) and hooks its outputs. The root unit is
+                 ranges; the next block's gather is started then, so it runs while this one computes:
+                 at most one unit in flight); its forward hook frees it again (``reshard_after_forward``;
+                 False keeps it until its backward; an evaluation forward always frees) and hooks its
+                 outputs. The root unit is
                  gathered by the strategy before the step (and by the forward pre-hook of every module that
                  owns one of its parameters: a second forward after a backward) and kept through backward.
     backward     the first gradient of a block's outputs gathers it again (before any of its backward
-                 runs, so a recomputed forward finds it too); its gradients accumulate in a bucket of the
+                 runs, so a recomputed forward finds it too; the gather of the block before it is started
+                 then); its gradients accumulate in a bucket of the
                  unit's layout, which is reduce-scattered as ZeRO-2 does (``ShardedGradientReducer``,
                  stage 2's buffers) once the unit's last gradient arrives, and the unit is freed then
     step         the optimizer updates this rank's pieces, which are views of the shards: nothing is
@@ -59,6 +62,7 @@ class ParameterUnit:
     shard: Tensor
     rank: int
     gathered: bool = True
+    work: Any = None  # the gather in flight (prefetched), waited for before the unit is used or freed
 
     @property
     def size(self) -> int:
@@ -68,7 +72,14 @@ class ParameterUnit:
         """This rank's range of the flat buffer (readable while gathered)."""
         return self.full[self.rank * self.size : (self.rank + 1) * self.size]
 
+    def wait(self) -> None:
+        """The gather in flight, if any, finished: the unit is gathered."""
+        if self.work is not None:
+            self.work.wait()
+            self.work, self.gathered = None, True
+
     def free(self) -> None:
+        self.wait()
         if self.gathered:
             self.full.untyped_storage().resize_(0)
             self.gathered = False
@@ -140,6 +151,7 @@ class ShardedParameters:
         self.reshard_after_forward = reshard_after_forward
         self._by_ranges = dist.get_backend(gather_group) == "gloo"
         self.gathers = 0  # units gathered so far (tests read how often reshard_after_forward gathers)
+        self.prefetches = 0  # of those, started ahead of the unit's use (while another unit computes)
         _, stack = find_block_stack(module, stack_name)
         blocks = list(stack)
         in_blocks = {p for block in blocks for p in block.parameters()}
@@ -153,6 +165,7 @@ class ShardedParameters:
             if trainable(block.parameters())
         ]
         self.root = _unit("", None, root, group) if root else None
+        self._index = {id(unit): i for i, unit in enumerate(self.blocks)}
         self._handles = [h for unit in self.blocks for h in self._hook(unit)]
         if self.root is not None:  # a forward after a backward in the same step gathers the root again
             owners = [m for m in module.modules() if any(p in in_root for p in m.parameters(recurse=False))]
@@ -170,20 +183,26 @@ class ShardedParameters:
         return [unit.shard for unit in self.units()]
 
     # ------------------------------------------------------------------ gather and free
-    def gather(self, unit: ParameterUnit) -> None:
-        """The unit's flat buffer allocated again and every rank's range gathered into it."""
-        if unit.gathered:
-            return
+    def start_gather(self, unit: ParameterUnit) -> bool:
+        """The unit's flat buffer allocated again and the gather of every rank's range into it started;
+        False (nothing done) if it is gathered or on its way."""
+        if unit.gathered or unit.work is not None:
+            return False
         full = unit.full
         full.untyped_storage().resize_(full.numel() * full.element_size())
         own = unit.own()
         own.copy_(unit.shard)
         if self._by_ranges:
-            all_gather_by_ranges(full, self.gather_group).wait()
+            unit.work = all_gather_by_ranges(full, self.gather_group)
         else:
-            all_gather_single()(full, own, group=self.gather_group)
-        unit.gathered = True
+            unit.work = all_gather_single()(full, own, group=self.gather_group, async_op=True)
         self.gathers += 1
+        return True
+
+    def gather(self, unit: ParameterUnit) -> None:
+        """The unit gathered (its gather started now, or waited for if it was prefetched)."""
+        self.start_gather(unit)
+        unit.wait()
 
     def gather_all(self) -> None:
         for unit in self.units():
@@ -214,7 +233,16 @@ class ShardedParameters:
         ]
 
     def _gather_before(self, unit: ParameterUnit, module: nn.Module, args: Any) -> None:
+        """Before a unit's forward: the unit gathered, and the next block's gather started (prefetch: at
+        most one unit in flight while this one computes)."""
         self.gather(unit)
+        self._prefetch(unit, +1)
+
+    def _prefetch(self, unit: ParameterUnit, step: int) -> None:
+        """Start the gather of the block ``step`` places from ``unit`` in the stack (the root: none)."""
+        index = self._index.get(id(unit))
+        if index is not None and 0 <= index + step < len(self.blocks):
+            self.prefetches += self.start_gather(self.blocks[index + step])
 
     def _after_block(self, unit: ParameterUnit, module: nn.Module, args: Any, output: Any) -> None:
         training = torch.is_grad_enabled()
@@ -226,7 +254,10 @@ class ShardedParameters:
             unit.free()
 
     def _before_block_backward(self, unit: ParameterUnit, grad: Tensor) -> None:
+        """The block's backward comes next: gathered, and the block before it (whose backward follows)
+        started."""
         self.gather(unit)
+        self._prefetch(unit, -1)
 
     def before_forward(self) -> None:
         """Before a step's forward: the root unit gathered (it is used before and after the blocks)."""

@@ -103,7 +103,7 @@ def memory_report(trainer) -> dict:
     sharded = getattr(trainer.strategy, "sharded_parameters", None)  # zero_stage=3's units
     return {
         "tables": report.summary() if report is not None else {},
-        "gathers": None if sharded is None else sharded.gathers,
+        "gathers": None if sharded is None else (sharded.gathers, sharded.prefetches),
         "outside": {
             "parameters": storages(params),
             "gradients": storages(p.grad for p in params if p.grad is not None),

@@ -345,10 +345,14 @@ def test_sharded_zero_checkpoint_is_written_in_pieces_and_resumes_exactly(runs, 
 def test_reshard_after_forward_gathers_each_block_again_for_its_backward(runs):
     """zero_stage=3 gathers a block for its forward and, freed after it (the default), again for its
     backward; ``reshard_after_forward=False`` keeps it from the forward to its backward: per training step
-    the default gathers every block once more."""
+    the default gathers every block once more. The next block's gather starts while one computes: in
+    forward every block but the first is prefetched, and so in backward every block but the last when they
+    were freed after forward."""
     _, results = runs
-    default = results["ddp2-llama-sgdm-z3"][0]["probe"]["gathers"]
-    kept = results["ddp2-llama-adamw-z3-kept"][0]["probe"]["gathers"]
+    default, default_prefetched = results["ddp2-llama-sgdm-z3"][0]["probe"]["gathers"]
+    kept, kept_prefetched = results["ddp2-llama-adamw-z3-kept"][0]["probe"]["gathers"]
     target, kwargs = MODELS["llama"]
-    blocks = len(find_block_stack(load_object(target)(**kwargs))[1])
-    assert default - kept == 5 * blocks, (default, kept)
+    blocks, steps = len(find_block_stack(load_object(target)(**kwargs))[1]), 5
+    assert default - kept == steps * blocks, (default, kept)
+    assert kept_prefetched == steps * (blocks - 1)
+    assert default_prefetched == 2 * steps * (blocks - 1)
