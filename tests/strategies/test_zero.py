@@ -104,7 +104,7 @@ RUNS = {
         2,
         {},
     ),
-    "ddp2-gpt-adamw-z3": (2, "gpt", "adamw", DDP, {"zero_stage": 3}, 2, {}),
+    "ddp2-gpt-adamw-z3": (2, "gpt", "adamw", DDP, {"zero_stage": 3}, 2, {"save_checkpoint": "split"}),
     "ddp2-gpt-sgdm-z3": (2, "gpt", "sgdm", DDP, {"zero_stage": 3}, 2, {}),
     "ddp2-llama-adamw-z3-kept": (
         2,
@@ -171,6 +171,10 @@ def runs(tmp_path_factory):
             by_world[2].append(
                 case(name, "gpt", "adamw", DDP, {"zero_stage": zero}, 2, trainer=trainer, **extra)
             )
+    round_trip = case(
+        "ddp2-z3-round-trip", "gpt", "sgdm", DDP, {"zero_stage": 3}, 2, 1, save_checkpoint=False
+    )
+    by_world[2].append({**round_trip, "probe": "tests.helpers.probes:full_state_round_trip"})
     for name, (world, kwargs) in SHARDED_SAVES.items():  # saved while each rank holds its pieces
         c = case(
             name, "gpt", "adamw", PARALLEL, {**kwargs, "save_distributed": True}, 2, save_checkpoint="split"
@@ -187,7 +191,7 @@ def runs(tmp_path_factory):
         2: [case("resume-dp2-off", "gpt", "adamw", DDP, {}, 2, 10, ckpt_path=saved)],
         4: [case("resume-dp4-z1", "gpt", "adamw", DDP, {"zero_stage": 1}, 4, 10, ckpt_path=saved)],
     }
-    saved_z3 = str(tmp / "dist2" / "ddp2-gpt-adamw-z3" / "last.ckpt")  # gathered unit by unit at dp=2
+    saved_z3 = str(tmp / "dist2" / "ddp2-gpt-adamw-z3" / "last.ckpt")  # saved while sharded, at dp=2
     later[1].append(case("resume-dp1-from-z3", "gpt", "adamw", DDP, {}, 1, 10, ckpt_path=saved_z3))
     later[2].append(case("resume-dp2-z3", "gpt", "adamw", DDP, {"zero_stage": 3}, 2, 10, ckpt_path=saved))
     for name in SHARDED_SAVES:  # read into one device, and into lp_ddp with ZeRO-2
@@ -356,3 +360,14 @@ def test_reshard_after_forward_gathers_each_block_again_for_its_backward(runs):
     assert default - kept == steps * blocks, (default, kept)
     assert kept_prefetched == steps * (blocks - 1)
     assert default_prefetched == 2 * steps * (blocks - 1)
+
+
+@pytest.mark.timeout(1500)
+def test_zero_3_full_state_is_read_and_loaded_while_sharded(runs):
+    """While the parameters are sharded, the strategy's full state gathers every unit and a full state
+    loaded is kept by each rank's shards: zeros read back as zeros, the first state loaded again reads back
+    unchanged."""
+    _, results = runs
+    for rank in results["ddp2-z3-round-trip"]:
+        found = rank["probe"]
+        assert found["keys"] and found["zeros_max"] == 0.0 and found["again_diff"] == 0.0, found
