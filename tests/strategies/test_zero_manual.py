@@ -14,17 +14,19 @@ from tests.helpers.harness import assert_params_close, max_param_diff, run_distr
 from tests.strategies.test_zero import DDP, OPTIMIZERS, PARALLEL, SMALL_BUCKETS, layout
 
 MANUAL = "tests.helpers.tp_models:ManualAccumulationGPT"
+TWO_BACKWARDS = "tests.helpers.tp_models:TwoBackwardsGPT"
 AUTOMATIC = "tests.helpers.tp_models:SmallGPT"
 F32 = {"precision": "32-true", "max_steps": 4}
 #: layout: (world size, strategy class, its arguments, model, trainer options)
 LAYOUTS = {
     "ddp2": (2, DDP, SMALL_BUCKETS, MANUAL, {}),
+    "ddp2-one-step": (2, DDP, {}, TWO_BACKWARDS, {}),  # two forwards and backwards in one training_step
     "dp2tp2": (4, PARALLEL, layout(2, 2, 1, 0), MANUAL, {}),
     "dp2pp2": (4, PARALLEL, layout(2, 1, 2, 0), AUTOMATIC, {"accumulate_grad_batches": 2}),
 }
 GRADIENT_PEAK = {"class": "tests.helpers.probes:GradientPeak"}
 #: the stages each layout runs (3, the parameters sharded too, under lp_ddp only)
-STAGES = {"ddp2": (1, 2, 3), "dp2tp2": (1, 2), "dp2pp2": (1, 2)}
+STAGES = {"ddp2": (1, 2, 3), "ddp2-one-step": (3,), "dp2tp2": (1, 2), "dp2pp2": (1, 2)}
 
 
 def case(layout_name: str, optimizer: str, zero: int) -> dict:
