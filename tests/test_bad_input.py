@@ -54,10 +54,34 @@ CATALOGUE = [
         ["'int8'", "'fp16'", "'bf16'"],
     ),
     (
-        "zero-stage-3",
-        lambda: lp.DDPStrategy(zero_stage=3),
+        "zero-stage-4",
+        lambda: lp.DDPStrategy(zero_stage=4),
         ValueError,
-        ["zero_stage=3", "0, 1, 2"],
+        ["zero_stage=4", "0, 1, 2, 3"],
+    ),
+    (
+        "zero-stage-3-not-wired",
+        lambda: lp.TensorParallelStrategy(zero_stage=3),
+        ValueError,
+        ["zero_stage=3", "TensorParallelStrategy", "lp_ddp", "0, 1 or 2"],
+    ),
+    (
+        "zero-stage-3-not-wired-parallel",
+        lambda: lp.ParallelStrategy(zero_stage=3),
+        ValueError,
+        ["zero_stage=3", "ParallelStrategy", "lp_ddp", "0, 1 or 2"],
+    ),
+    (
+        "reshard-after-forward-without-zero-3",
+        lambda: lp.DDPStrategy(zero_stage=2, reshard_after_forward=False),
+        ValueError,
+        ["reshard_after_forward=False", "zero_stage=2", "zero_stage=3"],
+    ),
+    (
+        "zero-stage-3-save-distributed",
+        lambda: lp.DDPStrategy(zero_stage=3, save_distributed=True),
+        ValueError,
+        ["save_distributed=True", "zero_stage=3", "save_distributed=False"],
     ),
     (
         "zero-on-lp-dp",

@@ -194,11 +194,7 @@ class GradientReducer:
         pipeline stage never gives a gradient to the modules other stages use)."""
         self.buckets: list[_Bucket] = []
         self._where: dict[nn.Parameter, tuple[int, int]] = {}
-        used = len(order) - unused
-        caps = (self.bucket_cap_mb, self.first_bucket_cap_mb)
-        groups = assign_buckets(order[:used], *caps)
-        groups += [[used + i for i in b] for b in assign_buckets(order[used:], *caps)]
-        for b, indices in enumerate(groups):
+        for b, indices in enumerate(self._bucket_groups(order, len(order) - unused)):
             params = [order[i] for i in indices]
             bucket = _Bucket(params=params, buffer=torch.empty(0), views=[])
             bucket.names = [self._names[p] for p in params]
@@ -210,6 +206,13 @@ class GradientReducer:
                     if self.as_views:
                         p.grad = view
             self.buckets.append(bucket)
+
+    def _bucket_groups(self, order: list[nn.Parameter], used: int) -> list[list[int]]:
+        """Which of ``order`` share each bucket (indices), by size: the first ``used`` apart from the rest
+        (ZeRO-3 buckets by its units instead)."""
+        caps = (self.bucket_cap_mb, self.first_bucket_cap_mb)
+        groups = assign_buckets(order[:used], *caps)
+        return groups + [[used + i for i in b] for b in assign_buckets(order[used:], *caps)]
 
     def _buffer_size(self, numel: int) -> int:
         """Elements of a bucket's flat buffer holding ``numel`` gradient elements (a sharding subclass pads)."""

@@ -48,10 +48,10 @@ from torch import Tensor, nn
 from lightning_parallel.compat import all_gather_single, foreach_copy_, reduce_scatter_single
 from lightning_parallel.distributed.reducer import GradientReducer, _Bucket
 
-__all__ = ["Piece", "BucketShard", "ShardedGradientReducer", "ZERO_STAGES"]
+__all__ = ["Piece", "BucketShard", "ShardedGradientReducer", "ZERO_STAGES", "all_gather_by_ranges"]
 
-#: 0: off; 1: optimizer state sharded; 2: gradients too
-ZERO_STAGES = (0, 1, 2)
+#: 0: off; 1: optimizer state sharded; 2: gradients too; 3: parameters too (``zero3.py``)
+ZERO_STAGES = (0, 1, 2, 3)
 
 #: stage 2: full-size buffers at once, at most (a bucket's reduce-scatter or the parameters' all-gather in
 #: flight); one more is waited for before it starts
@@ -95,7 +95,7 @@ def _reduce_scatter_by_ranges(output: Tensor, buffer: Tensor, group: Optional[di
     return _Works(works, None if output.data_ptr() == mine.data_ptr() else lambda: output.copy_(mine))
 
 
-def _all_gather_by_ranges(buffer: Tensor, group: Optional[dist.ProcessGroup]) -> _Works:
+def all_gather_by_ranges(buffer: Tensor, group: Optional[dist.ProcessGroup]) -> _Works:
     """An in-place all-gather of ``buffer``'s ranges (this rank's filled in already) as one broadcast per
     rank (gloo, as ``ZeroRedundancyOptimizer`` does; see ``_reduce_scatter_by_ranges``)."""
     return _Works(
@@ -201,10 +201,15 @@ class ShardedGradientReducer(GradientReducer):
         for p in bucket.params:
             start, stop = max(low, offset) - offset, min(high, offset + p.numel()) - offset
             if start < stop:
-                view = p.detach().view(-1)[start:stop]
+                view = self._piece_view(bucket, p, start, stop, start + offset - low)
                 shard.pieces.append(Piece(p, start, stop, start + offset - low, nn.Parameter(view)))
             offset += p.numel()
         return shard
+
+    def _piece_view(self, bucket: _Bucket, p: nn.Parameter, start: int, stop: int, offset: int) -> Tensor:
+        """What a piece is a view of: elements ``start:stop`` of ``p`` (``offset``: where they fall in this
+        rank's range; ZeRO-3's pieces view the range it keeps instead)."""
+        return p.detach().view(-1)[start:stop]
 
     def pieces(self) -> list[Piece]:
         """This rank's pieces, bucket by bucket."""
@@ -384,7 +389,7 @@ class ShardedGradientReducer(GradientReducer):
         for piece in shard.pieces:
             piece.shard.grad = None
         if self._by_ranges:
-            return _all_gather_by_ranges(full, self.group), full
+            return all_gather_by_ranges(full, self.group), full
         return all_gather_single()(full, own, group=self.group, async_op=True), full
 
     @staticmethod

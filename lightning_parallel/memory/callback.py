@@ -157,6 +157,7 @@ class MemoryReport(Callback):
             self._setup,
             trainer.strategy.root_device,
             held_gradients(trainer.strategy),
+            held_parameters(trainer.strategy),
             expected_states(trainer, pl_module),
         )
         self.tables[when] = _all_ranks(row)
@@ -199,8 +200,14 @@ def expected_states(trainer: Trainer, module: LightningModule) -> Optional[int]:
         return None
     dp = mesh.shape.dp if mesh is not None else trainer.world_size
     size = params[0].dtype.itemsize
-    elements = sum(p.numel() for p in params) * (dp if stage >= 3 else 1)
+    elements = sum(p.numel() for p in params)  # ZeRO-3 keeps each parameter's whole shape (a view)
     return int(model_state_bytes(elements, dp, stage, kind, StateBytes(size, size, 0, size)).total)
+
+
+def held_parameters(strategy: Any) -> list[torch.Tensor]:
+    """The parameter memory a strategy holds beside the module's parameters (ZeRO-3's shards)."""
+    held = getattr(strategy, "held_parameters", None)
+    return held() if callable(held) else []
 
 
 def report_of(trainer: Trainer) -> Optional[MemoryReport]:

@@ -70,18 +70,20 @@ def measure_rank(
     setup: SetupFigures,
     device: torch.device,
     held_gradients: Iterable[Tensor] = (),
+    held_parameters: Iterable[Tensor] = (),
     expected_states: Optional[int] = None,
 ) -> RankMemory:
     """This rank's row, measured now: the tensors it holds, and the process's memory. ``held_gradients``:
     gradient memory the strategy holds beside the ``.grad`` of the parameters (its buckets, ZeRO's shards);
-    ``expected_states``: what the formulas expect of the parameters, gradients and optimizer state together."""
+    ``held_parameters``: parameter memory beside the module's (ZeRO-3's shards); ``expected_states``: what
+    the formulas expect of the parameters, gradients and optimizer state together."""
     params = list(module.parameters())
     cuda = cuda_allocated(device) or {}
     return RankMemory(
         rank=rank,
         device=str(device),
         model_parameters=model.bytes_as(floating_dtype(params)),
-        parameters=unique_storage_bytes(params),
+        parameters=unique_storage_bytes([*params, *held_parameters]),
         gradients=unique_storage_bytes([*gradients(params), *held_gradients]),
         optimizer_state=unique_storage_bytes(optimizer_state_tensors(optimizers)),
         activations=activations,

@@ -133,6 +133,18 @@ def _raw_clipping_refused(zero_stage: int) -> str:
     )
 
 
+def _zero_stage_problem(cls: type, stage: Any, prefix: str) -> Optional[str]:
+    """A ``zero_stage`` of ``ZERO_STAGES`` that ``cls`` does not run yet (stage 3 outside lp_ddp)."""
+    if stage not in ZERO_STAGES or stage in cls.zero_stages or cls.zero_refused is not None:
+        return None
+    return (
+        f"{prefix}zero_stage={stage} (parameters sharded over the data-parallel group) is not supported by "
+        f"{cls.__name__} yet: it runs under lp_ddp; here use zero_stage "
+        f"{', '.join(map(str, cls.zero_stages[:-1]))} or {cls.zero_stages[-1]} (optimizer state and gradients "
+        "sharded)"
+    )
+
+
 def _nothing() -> None:
     """The release of a refusal never installed (a function, not a lambda: the strategy pickles for spawn)."""
 
@@ -166,14 +178,17 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             of module-name patterns; applied at set-up after the model is split (``recompute``).
         zero_stage: optimizer sharding over the data-parallel group (ZeRO; ``distributed.zero``): 0 (off),
             1 (each rank keeps and updates 1/dp of the optimizer state; gradients reduce-scattered, updated
-            parameters all-gathered) or 2 (also only 1/dp of the gradients kept between steps). Needs an
-            elementwise ``torch.optim`` optimizer (SGD, Adam, AdamW, Adagrad, ...).
+            parameters all-gathered), 2 (also only 1/dp of the gradients kept between steps) or 3 (also only
+            1/dp of the parameters, each block gathered for its forward and backward: lp_ddp only,
+            ``distributed.zero3``). Needs an elementwise ``torch.optim`` optimizer (SGD, Adam, AdamW, ...).
     """
 
     #: False where sharded checkpoints would be wrong or pointless (lp_dp: the optimizer lives on rank 0)
     supports_save_distributed = True
     #: why ``zero_stage`` cannot be used (lp_dp: the optimizer lives on rank 0), or None
     zero_refused: Optional[str] = None
+    #: the ``zero_stage`` values this strategy runs (3, the parameters sharded too, only where it is wired)
+    zero_stages: tuple[int, ...] = (0, 1, 2)
     #: the data-parallel gradient path without optimizer sharding (a benchmark swaps the bucket collective)
     reducer_class: type[GradientReducer] = GradientReducer
     #: why only ``start_method="popen"`` works, where the others would hand back rank 0's part only
@@ -269,6 +284,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             None
             if not values["zero_stage"] or cls.zero_refused is None
             else f"{prefix}zero_stage={values['zero_stage']!r} is not supported by {cls.__name__}: {cls.zero_refused}",
+            _zero_stage_problem(cls, values["zero_stage"], prefix),
         ]
 
     @classmethod

@@ -21,6 +21,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
 
 from lightning_parallel.distributed.collectives import group_size
+from lightning_parallel.distributed.mesh import new_axis_group
 from lightning_parallel.distributed.reducer import (
     COMM_HOOKS,
     CommHook,
@@ -28,6 +29,7 @@ from lightning_parallel.distributed.reducer import (
     resolve_comm_hook,
 )
 from lightning_parallel.distributed.replicas import broadcast_module_states
+from lightning_parallel.distributed.zero3 import FullyShardedGradientReducer, ShardedParameters
 from lightning_parallel.materialize import has_meta_tensors
 from lightning_parallel.strategies.base import ParallelStrategyBase
 from lightning_parallel.strategies.checks import positive_int, positive_number, require
@@ -70,9 +72,32 @@ UNUSED_PREFIX = (
 )
 
 
+def _base_option(values: Mapping[str, Any], name: str, default: Any) -> Any:
+    """A base option's value: in ``values``, or in ``kwargs`` while constructing."""
+    return values[name] if name in values else values.get("kwargs", {}).get(name, default)
+
+
+def _zero3_problem(values: Mapping[str, Any], prefix: str) -> Optional[str]:
+    """``reshard_after_forward`` and ``save_distributed`` against ``zero_stage``."""
+    stage, reshard = _base_option(values, "zero_stage", 0), values["reshard_after_forward"]
+    if not isinstance(reshard, bool):
+        return f"{prefix}reshard_after_forward must be True or False, got {reshard!r} (default True)"
+    if not reshard and stage != 3:
+        return (
+            f"{prefix}reshard_after_forward=False keeps zero_stage=3's gathered blocks until their backward; "
+            f"with zero_stage={stage} the parameters are whole anyway: leave it True, or use zero_stage=3"
+        )
+    if stage == 3 and _base_option(values, "save_distributed", False):
+        return (
+            f"{prefix}save_distributed=True with zero_stage=3 is not supported yet: use save_distributed=False "
+            "(a full checkpoint, gathered block by block, loadable in any layout) or zero_stage 1 or 2"
+        )
+    return None
+
+
 def _zero_problem(values: Mapping[str, Any], prefix: str) -> Optional[str]:
     """``zero_stage`` (a base option: in ``kwargs`` while constructing) with what only all-reduce supports."""
-    stage = values["zero_stage"] if "zero_stage" in values else values.get("kwargs", {}).get("zero_stage", 0)
+    stage = _base_option(values, "zero_stage", 0)
     if not stage:
         return None
     clashes = [
@@ -119,11 +144,15 @@ class DDPStrategy(ParallelStrategyBase):
         ddp_comm_wrapper: wraps the hook, as torch's ``fp16_compress_wrapper(hook)``.
         model_averaging_period: with ``ddp_comm_state=PostLocalSGDState(...)`` and torch's
             ``post_localSGD_hook``: average the parameters every this many steps (Lightning's post-local SGD).
+        reshard_after_forward: with ``zero_stage=3``, free each block's gathered parameters after its
+            forward and gather them again for its backward (True); False keeps them from the forward to
+            the end of its backward (one gather per step, more memory held during the step).
         **kwargs: process plumbing, as for Lightning's ``DDPStrategy`` (``start_method``, ``timeout``,
             ``process_group_backend``, ...).
     """
 
     strategy_name = "lp_ddp"
+    zero_stages = (0, 1, 2, 3)
 
     def __init__(
         self,
@@ -138,6 +167,7 @@ class DDPStrategy(ParallelStrategyBase):
         ddp_comm_state: Any = None,
         ddp_comm_wrapper: Optional[Callable[[CommHook], CommHook]] = None,
         model_averaging_period: Optional[int] = None,
+        reshard_after_forward: bool = True,
         **kwargs: Any,
     ) -> None:
         refused = [f"{k} ({NOT_APPLICABLE[k]})" for k in kwargs if k in NOT_APPLICABLE]
@@ -156,6 +186,8 @@ class DDPStrategy(ParallelStrategyBase):
         # Lightning's names: its ``setup`` starts the model averager and its ``optimizer_step`` runs it
         self._ddp_comm_hook, self._ddp_comm_wrapper = ddp_comm_hook, ddp_comm_wrapper
         self._ddp_comm_state, self._model_averaging_period = ddp_comm_state, model_averaging_period
+        self.reshard_after_forward = reshard_after_forward
+        self.sharded_parameters: Optional[ShardedParameters] = None  # zero_stage=3's units, once set up
         self._has_buffers = False
         self._sync_buffers_next = True  # torch DDP's require_forward_param_sync
 
@@ -189,6 +221,7 @@ class DDPStrategy(ParallelStrategyBase):
                 "(torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook), or leave it None"
             ),
             _zero_problem(values, prefix),
+            _zero3_problem(values, prefix),
             None
             if period is not None or not post_local_sgd
             else (
@@ -218,6 +251,13 @@ class DDPStrategy(ParallelStrategyBase):
         # buffers broadcast from rank 0 before a forward, as torch DDP does: only where there are replicas
         self._has_buffers = group_size(self.dp_group) > 1 and any(True for _ in module.buffers())
         self._sync_buffers_next = True
+        if self.zero_stage == 3 and group_size(self.dp_group) > 1:
+            self.sharded_parameters = ShardedParameters(
+                module,
+                self.dp_group,
+                new_axis_group(self.mesh.shape, "dp", self.global_rank),
+                self.reshard_after_forward,
+            )
         self.reducer = self.make_reducer(
             list(module.named_parameters()),
             bucket_cap_mb=self.bucket_cap_mb,
@@ -228,6 +268,42 @@ class DDPStrategy(ParallelStrategyBase):
             static_graph=self.static_graph,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
         )
+
+    def make_reducer(self, named_params: list, **kwargs: Any) -> Any:
+        """The base's; with ``zero_stage=3``, one gradient bucket per unit of the sharded parameters."""
+        if self.sharded_parameters is None:
+            return super().make_reducer(named_params, **kwargs)
+        self._reducer_arguments = (list(named_params), dict(kwargs))
+        return FullyShardedGradientReducer(named_params, self.dp_group, self.sharded_parameters, **kwargs)
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        super().post_backward(closure_loss)
+        if self.sharded_parameters is not None:
+            self.sharded_parameters.after_backward()
+
+    def full_model_state(self) -> dict[str, Any]:
+        """With ``zero_stage=3``: every unit gathered (a collective), the state copied out, freed again."""
+        if self.sharded_parameters is None:
+            return super().full_model_state()
+        with self.sharded_parameters.gathered():
+            return {k: v.clone() for k, v in super().full_model_state().items()}
+
+    def load_full_model_state(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+        if self.sharded_parameters is None:
+            return super().load_full_model_state(state_dict, strict=strict)
+        with self.sharded_parameters.gathered():  # every rank then keeps its range of what was loaded
+            super().load_full_model_state(state_dict, strict=strict)
+
+    def held_parameters(self) -> list[torch.Tensor]:
+        """Parameter memory held beside the module's own (``zero_stage=3``: this rank's shards)."""
+        return [] if self.sharded_parameters is None else self.sharded_parameters.held_tensors()
+
+    def teardown(self) -> None:
+        """With ``zero_stage=3`` the module leaves fit whole: every unit gathered, the hooks removed."""
+        if self.sharded_parameters is not None:
+            self.sharded_parameters.teardown()
+            self.sharded_parameters = None
+        super().teardown()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._forward(super().training_step, *args, **kwargs)
@@ -244,7 +320,12 @@ class DDPStrategy(ParallelStrategyBase):
             return step(*args, **kwargs)
         if self._sync_buffers_next and self.broadcast_buffers and self._has_buffers:
             broadcast_module_states(module, src=0, group=self.dp_group, buffers_only=True)
+        sharded = self.sharded_parameters
+        if sharded is not None:
+            sharded.before_forward()
         output = step(*args, **kwargs)
+        if sharded is not None:
+            sharded.after_forward()
         # torch DDP's _post_forward; under manual optimization Lightning turns the wrapper's gradient
         # sync off around the forward, so there only the first forward of a fit syncs
         self._sync_buffers_next = (

@@ -182,7 +182,8 @@ class PipelineStages:
                 "lp_ddp / lp_tensor_parallel, which support manual optimization."
             )
         require([self.stages_problem(pp)])
-        accumulated = self.lightning_module.trainer.accumulate_grad_batches
+        trainer = module._trainer  # None in the planner's set-up at scale, which has no Trainer
+        accumulated = trainer.accumulate_grad_batches if trainer is not None else 1
         if accumulated > 1 and (per_batch := self.accumulation_refused()):
             raise ValueError(
                 f"{type(self).__name__} does not support accumulate_grad_batches={accumulated}: {per_batch}."

@@ -7,6 +7,25 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelSummary
 
 
+def full_state_round_trip(trainer) -> dict:
+    """While the module is split (fit ends): the strategy's full state read, a state of zeros loaded and
+    read back, the first state loaded again and read back; the largest differences."""
+    strategy = trainer.strategy
+    first = {k: v.clone() for k, v in strategy.full_model_state().items()}
+    strategy.load_full_model_state({k: v.new_zeros(v.shape) for k, v in first.items()})
+    zeros = strategy.full_model_state()
+    strategy.load_full_model_state(first)
+    again = strategy.full_model_state()
+    return {
+        "zeros_max": max(float(v.abs().max()) for v in zeros.values()),
+        "again_diff": max(float((again[k] - v).abs().max()) for k, v in first.items()),
+        "keys": sorted(first) == sorted(again),
+    }
+
+
+full_state_round_trip.before_teardown = True
+
+
 def reducer_stats(trainer) -> dict:
     reducer = trainer.strategy.reducer
     views = all(
@@ -100,8 +119,10 @@ def memory_report(trainer) -> dict:
         if hasattr(v, "untyped_storage")
     ]
     report = report_of(trainer)
+    sharded = getattr(trainer.strategy, "sharded_parameters", None)  # zero_stage=3's units
     return {
         "tables": report.summary() if report is not None else {},
+        "gathers": None if sharded is None else (sharded.gathers, sharded.prefetches),
         "outside": {
             "parameters": storages(params),
             "gradients": storages(p.grad for p in params if p.grad is not None),

@@ -14,6 +14,7 @@ __all__ = [
     "TokenData",
     "SmallGPT",
     "ManualAccumulationGPT",
+    "TwoBackwardsGPT",
     "ConfiguredGPT",
     "SequenceData",
     "EncoderRegressor",
@@ -92,6 +93,23 @@ class ManualAccumulationGPT(SmallGPT):
             optimizer.step()
             optimizer.zero_grad()
         return loss.detach()
+
+
+class TwoBackwardsGPT(ManualAccumulationGPT):
+    """``ManualAccumulationGPT`` with both backwards of a step in one ``training_step``: each half of the batch
+    goes through its own forward and ``manual_backward`` (loss halved), then one ``step()``: the second
+    forward runs after the first backward."""
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        losses = []
+        for half in zip(*(t.chunk(2) for t in batch)):
+            loss = self._loss(half)
+            self.manual_backward(loss / 2)
+            losses.append(loss.detach())
+        optimizer.step()
+        optimizer.zero_grad()
+        return sum(losses) / 2
 
 
 class SequenceData(LightningDataModule):

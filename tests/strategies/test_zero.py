@@ -1,16 +1,19 @@
-"""ZeRO (``zero_stage`` 1 and 2) on real gloo processes: equal to one device in float64 (1e-10) with AdamW and
-with SGD with momentum, on the GPT-style model and the Hugging Face Llama-style zoo model, under lp_ddp (2 and 4
-processes), tensor parallel dp2 x tp2 (also with sequence parallelism) and pipeline dp2 x pp2 (1F1B and GPipe),
-and with activation checkpointing; the async pipeline equals its emulation; clipping, gradient accumulation,
+"""ZeRO (``zero_stage`` 1, 2 and 3) on real gloo processes: equal to one device in float64 (1e-10) with AdamW
+and with SGD with momentum, on the GPT-style model and the Hugging Face Llama-style zoo model, under lp_ddp (2
+and 4 processes; stage 3 there only, with and without ``reshard_after_forward``), tensor parallel dp2 x tp2
+(also with sequence parallelism) and pipeline dp2 x pp2 (1F1B and GPipe), and with activation checkpointing;
+the async pipeline equals its emulation; clipping, gradient accumulation,
 bf16-mixed and 16-mixed (a GradScaler) keep their meaning; the memory report shows 1/dp of the optimizer state
-(and of the gradients at stage 2, while stage 1 holds the gradient buckets and no more); a checkpoint saved at
-dp=2 with ZeRO resumes exactly at dp=1, at dp=4 and with ZeRO off."""
+(and of the gradients at stage 2, while stage 1 holds the gradient buckets and no more; at stage 3 of the
+parameters too); a checkpoint saved at dp=2 with ZeRO resumes exactly at dp=1, at dp=4, with ZeRO off and
+under stage 3, and one saved under stage 3 on one device."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from lightning_parallel.module_names import find_block_stack
 from tests.helpers.harness import (
     UNTRUSTED,
     assert_given_back_whole,
@@ -19,6 +22,7 @@ from tests.helpers.harness import (
     run_distributed,
     saved_checkpoint,
 )
+from tests.helpers.worker import load_object
 from tests.strategies.test_deferred_init import MODELS
 from tests.strategies.test_parallel_3d import layout as layout_3d
 
@@ -100,6 +104,37 @@ RUNS = {
         2,
         {},
     ),
+    "ddp2-gpt-adamw-z3": (2, "gpt", "adamw", DDP, {"zero_stage": 3}, 2, {"save_checkpoint": "split"}),
+    "ddp2-gpt-sgdm-z3": (2, "gpt", "sgdm", DDP, {"zero_stage": 3}, 2, {}),
+    "ddp2-llama-adamw-z3-kept": (
+        2,
+        "llama",
+        "adamw",
+        DDP,
+        {"zero_stage": 3, "reshard_after_forward": False},
+        2,
+        {},
+    ),
+    "ddp2-llama-sgdm-z3": (2, "llama", "sgdm", DDP, {"zero_stage": 3}, 2, {}),
+    "ddp2-gpt-adamw-z3-clip-accumulate": (
+        2,
+        "gpt",
+        "adamw",
+        DDP,
+        {"zero_stage": 3},
+        2,
+        {"trainer": CLIP_ACCUMULATE},
+    ),
+    "ddp2-gpt-adamw-z3-recompute": (
+        2,
+        "gpt",
+        "adamw",
+        DDP,
+        {"zero_stage": 3, "activation_checkpointing": True},
+        2,
+        {},
+    ),
+    "ddp4-gpt-adamw-z3": (4, "gpt", "adamw", DDP, {"zero_stage": 3}, 4, {}),
 }
 #: ZeRO with ``save_distributed``: each rank writes only its own pieces of the optimizer state
 SHARDED_SAVES = {
@@ -136,6 +171,10 @@ def runs(tmp_path_factory):
             by_world[2].append(
                 case(name, "gpt", "adamw", DDP, {"zero_stage": zero}, 2, trainer=trainer, **extra)
             )
+    round_trip = case(
+        "ddp2-z3-round-trip", "gpt", "sgdm", DDP, {"zero_stage": 3}, 2, 1, save_checkpoint=False
+    )
+    by_world[2].append({**round_trip, "probe": "tests.helpers.probes:full_state_round_trip"})
     for name, (world, kwargs) in SHARDED_SAVES.items():  # saved while each rank holds its pieces
         c = case(
             name, "gpt", "adamw", PARALLEL, {**kwargs, "save_distributed": True}, 2, save_checkpoint="split"
@@ -152,6 +191,9 @@ def runs(tmp_path_factory):
         2: [case("resume-dp2-off", "gpt", "adamw", DDP, {}, 2, 10, ckpt_path=saved)],
         4: [case("resume-dp4-z1", "gpt", "adamw", DDP, {"zero_stage": 1}, 4, 10, ckpt_path=saved)],
     }
+    saved_z3 = str(tmp / "dist2" / "ddp2-gpt-adamw-z3" / "last.ckpt")  # saved while sharded, at dp=2
+    later[1].append(case("resume-dp1-from-z3", "gpt", "adamw", DDP, {}, 1, 10, ckpt_path=saved_z3))
+    later[2].append(case("resume-dp2-z3", "gpt", "adamw", DDP, {"zero_stage": 3}, 2, 10, ckpt_path=saved))
     for name in SHARDED_SAVES:  # read into one device, and into lp_ddp with ZeRO-2
         directory = str(tmp / "dist4" / name / "last.ckpt")
         later[1].append(case(f"resume-{name}-dp1", "gpt", "adamw", DDP, {}, 1, 10, ckpt_path=directory))
@@ -220,6 +262,13 @@ def test_memory_report_shows_the_shards(runs, name):
     assert len(rows) == world
     moments = 2 if optimizer == "adamw" else 1  # AdamW: exp_avg and exp_avg_sq; SGD: the momentum buffer
     stage = kwargs["zero_stage"]
+    if stage == 3:  # the parameters too: between steps every unit is freed, each rank keeps its shards
+        for row in rows.values():
+            whole = row["model_parameters"]
+            assert row["parameters"] == pytest.approx(whole / dp, rel=0.05)
+            assert row["gradients"] == pytest.approx(whole / dp, rel=0.05)
+            assert row["optimizer_state"] == pytest.approx(moments * whole / dp, rel=0.05)
+        return
     for row in rows.values():
         held = row["parameters"]  # the rank's own share (tensor-parallel shards, a pipeline stage)
         assert row["optimizer_state"] == pytest.approx(moments * held / dp, rel=0.05)
@@ -235,7 +284,14 @@ def test_memory_report_shows_the_shards(runs, name):
 
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize(
-    "resumed, world", [("resume-dp1-z1", 1), ("resume-dp2-off", 2), ("resume-dp4-z1", 4)]
+    "resumed, world",
+    [
+        ("resume-dp1-z1", 1),
+        ("resume-dp2-off", 2),
+        ("resume-dp4-z1", 4),
+        ("resume-dp1-from-z3", 1),  # saved under zero_stage=3, loaded on one device
+        ("resume-dp2-z3", 2),  # saved under zero_stage=1, loaded into zero_stage=3's shards
+    ],
 )
 def test_zero_checkpoint_resumes_exactly_under_other_dp_sizes(runs, resumed, world):
     tmp, results = runs
@@ -287,3 +343,31 @@ def test_sharded_zero_checkpoint_is_written_in_pieces_and_resumes_exactly(runs, 
         full = torch.load(tmp / "later" / f"dist{world}" / resumed / "last.ckpt", weights_only=False)
         assert full["global_step"] == 10, resumed
         assert_params_close(full["state_dict"], expected, atol=1e-10)
+
+
+@pytest.mark.timeout(1500)
+def test_reshard_after_forward_gathers_each_block_again_for_its_backward(runs):
+    """zero_stage=3 gathers a block for its forward and, freed after it (the default), again for its
+    backward; ``reshard_after_forward=False`` keeps it from the forward to its backward: per training step
+    the default gathers every block once more. The next block's gather starts while one computes: in
+    forward every block but the first is prefetched, and so in backward every block but the last when they
+    were freed after forward."""
+    _, results = runs
+    default, default_prefetched = results["ddp2-llama-sgdm-z3"][0]["probe"]["gathers"]
+    kept, kept_prefetched = results["ddp2-llama-adamw-z3-kept"][0]["probe"]["gathers"]
+    target, kwargs = MODELS["llama"]
+    blocks, steps = len(find_block_stack(load_object(target)(**kwargs))[1]), 5
+    assert default - kept == steps * blocks, (default, kept)
+    assert kept_prefetched == steps * (blocks - 1)
+    assert default_prefetched == 2 * steps * (blocks - 1)
+
+
+@pytest.mark.timeout(1500)
+def test_zero_3_full_state_is_read_and_loaded_while_sharded(runs):
+    """While the parameters are sharded, the strategy's full state gathers every unit and a full state
+    loaded is kept by each rank's shards: zeros read back as zeros, the first state loaded again reads back
+    unchanged."""
+    _, results = runs
+    for rank in results["ddp2-z3-round-trip"]:
+        found = rank["probe"]
+        assert found["keys"] and found["zeros_max"] == 0.0 and found["again_diff"] == 0.0, found

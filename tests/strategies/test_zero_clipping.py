@@ -1,6 +1,6 @@
 """Clipping under ZeRO on real gloo processes, with a clip value that clips every step: in manual
 optimization the user's ``self.clip_gradients(opt, ..., "norm")`` clips by the whole model's norm, so
-``zero_stage`` 1 and 2 equal ``zero_stage=0`` and one device (float64, 1e-10) under lp_ddp and dp2 x tp2;
+``zero_stage`` 1, 2 and 3 (lp_ddp) equal ``zero_stage=0`` and one device (float64, 1e-10) under lp_ddp and dp2 x tp2;
 in automatic optimization the strategy's step does under dp2 x pp2; and the full-file checkpoints of these
 runs (each tp and pp position's data-parallel rank 0 gathers the optimizer state) hold the single-device
 optimizer state. ``torch.nn.utils.clip_grad_norm_(self.parameters())``, which cannot see the pieces'
@@ -27,6 +27,7 @@ RUNS = {
     "ddp2-z0": (2, DDP, {"zero_stage": 0}),
     "ddp2-z1": (2, DDP, {"zero_stage": 1, "bucket_cap_mb": 0.004, "first_bucket_cap_mb": 0.002}),
     "ddp2-z2": (2, DDP, {"zero_stage": 2}),
+    "ddp2-z3": (2, DDP, {"zero_stage": 3}),
     "dp2tp2-z1": (4, PARALLEL, layout(2, 2, 1, 1)),
     "dp2tp2-z2": (4, PARALLEL, layout(2, 2, 1, 2)),
 }
@@ -86,7 +87,12 @@ def test_the_strategys_clipping_under_zero_and_pipeline_stages_clips_by_the_whol
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "name, world, reference",
-    [("ddp2-z1", 2, "ref"), ("dp2tp2-z2", 4, "ref"), ("dp2pp2-z1-automatic", 4, "ref-automatic")],
+    [
+        ("ddp2-z1", 2, "ref"),
+        ("ddp2-z3", 2, "ref"),
+        ("dp2tp2-z2", 4, "ref"),
+        ("dp2pp2-z1-automatic", 4, "ref-automatic"),
+    ],
 )
 def test_a_full_checkpoint_under_zero_holds_the_single_device_optimizer_state(runs, name, world, reference):
     tmp, _ = runs

@@ -1,0 +1,329 @@
+"""ZeRO-3 (``zero_stage=3``): the parameters sharded over the data-parallel group too, gathered per unit.
+
+The model is cut into *units*: each block of the block stack (``module_names.find_block_stack``), and the
+root unit, every other trainable parameter. A unit's parameters live in one flat buffer laid out as ZeRO-1/2
+lay out a gradient bucket (``zero.py``): the parameters one after the other, padded to ``W`` equal ranges,
+rank ``r`` keeping range ``r`` (its *shard*, a flat tensor of its own). The parameters are views of the flat
+buffer, whose storage is resized to zero while the unit is freed, so their names, shapes and objects stay
+the model's own and only the memory goes.
+
+One step, in the order the hooks run::
+
+    forward      a block's forward pre-hook gathers it (its shard into its range, an all-gather of the
+                 ranges; the next block's gather is started then, so it runs while this one computes:
+                 at most one unit in flight); its forward hook frees it again (``reshard_after_forward``;
+                 False keeps it until its backward; an evaluation forward always frees) and hooks its
+                 outputs. The root unit is
+                 gathered by the strategy before the step (and by the forward pre-hook of every module that
+                 owns one of its parameters: a second forward after a backward) and kept through backward.
+    backward     the first gradient of a block's outputs gathers it again (before any of its backward
+                 runs, so a recomputed forward finds it too; the gather of the block before it is started
+                 then); its gradients accumulate in a bucket of the
+                 unit's layout, which is reduce-scattered as ZeRO-2 does (``ShardedGradientReducer``,
+                 stage 2's buffers) once the unit's last gradient arrives, and the unit is freed then
+    step         the optimizer updates this rank's pieces, which are views of the shards: nothing is
+                 gathered after the step (the next forward gathers)
+
+The gathers run over a process group of their own, so that their order against the gradients'
+reduce-scatters (started from autograd hooks) cannot differ between ranks. Frozen parameters are not
+sharded (every rank holds them whole, as at stage 0).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Generator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
+
+from lightning_parallel.compat import all_gather_single
+from lightning_parallel.distributed.reducer import _Bucket
+from lightning_parallel.distributed.zero import ShardedGradientReducer, all_gather_by_ranges
+from lightning_parallel.module_names import find_block_stack
+
+__all__ = ["ParameterUnit", "ShardedParameters", "FullyShardedGradientReducer"]
+
+
+@dataclass
+class ParameterUnit:
+    """The trainable parameters of one unit (``module`` a block, or None for the root unit), views of the
+    flat buffer ``full`` (``W`` ranges of ``size`` elements), of which this rank keeps range ``rank`` in
+    ``shard``."""
+
+    name: str
+    module: Optional[nn.Module]
+    params: list[nn.Parameter]
+    full: Tensor
+    shard: Tensor
+    rank: int
+    gathered: bool = True
+    work: Any = None  # the gather in flight (prefetched), waited for before the unit is used or freed
+
+    @property
+    def size(self) -> int:
+        return self.shard.numel()
+
+    def own(self) -> Tensor:
+        """This rank's range of the flat buffer (readable while gathered)."""
+        return self.full[self.rank * self.size : (self.rank + 1) * self.size]
+
+    def wait(self) -> None:
+        """The gather in flight, if any, finished: the unit is gathered."""
+        if self.work is not None:
+            self.work.wait()
+            self.work, self.gathered = None, True
+
+    def free(self) -> None:
+        self.wait()
+        if self.gathered:
+            self.full.untyped_storage().resize_(0)
+            self.gathered = False
+
+    def keep_own(self) -> None:
+        """The gathered values of this rank's range into its shard (after the parameters were loaded)."""
+        with torch.no_grad():
+            self.shard.copy_(self.own())
+
+
+def _unit(name: str, module: Optional[nn.Module], params: list[nn.Parameter], group: Any) -> ParameterUnit:
+    """A unit over ``params``, which become views of its flat buffer (gathered: it holds their values)."""
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) != 1 or len({p.device for p in params}) != 1:
+        raise ValueError(
+            f"zero_stage=3 flattens each unit's parameters into one buffer; unit {name or '(root)'!r} mixes "
+            f"dtypes or devices ({sorted(map(str, dtypes))}); give its parameters one dtype and device"
+        )
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    numel = sum(p.numel() for p in params)
+    size = -(-numel // world)
+    full = torch.zeros(size * world, dtype=params[0].dtype, device=params[0].device)
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            view = full[offset : offset + p.numel()]
+            view.copy_(p.detach().reshape(-1))
+            p.data = view.view_as(p)
+            offset += p.numel()
+    shard = full[rank * size : (rank + 1) * size].clone()
+    return ParameterUnit(name, module, params, full, shard, rank)
+
+
+def _refuse_shared(module: nn.Module, blocks: list[nn.Module]) -> None:
+    """A parameter is in one unit: one tied across two blocks, or between a block and a module outside
+    the blocks, would be gathered and freed by either, so it is refused with its names."""
+    inside = {m for block in blocks for m in block.modules()}
+    owners: dict[nn.Parameter, set[int]] = {}
+    for i, block in enumerate(blocks):
+        for p in block.parameters():
+            owners.setdefault(p, set()).add(i)
+    outside = {p for m in module.modules() if m not in inside for p in m.parameters(recurse=False)}
+    shared = [
+        n
+        for n, p in module.named_parameters(remove_duplicate=False)
+        if len(owners.get(p, ())) > 1 or (p in owners and p in outside)
+    ]
+    if shared:
+        raise ValueError(
+            f"zero_stage=3 gathers each block's parameters as one unit, and these are shared between blocks or "
+            f"between a block and the rest of the model: {shared[:6]}; untie them or use zero_stage 2"
+        )
+
+
+class ShardedParameters:
+    """The parameters of ``module`` sharded over ``group`` in units (see the module docstring), gathered over
+    ``gather_group``. The hooks a strategy calls: ``before_forward`` / ``after_forward`` around its step,
+    ``after_backward``, ``gathered()`` around a full state read or load, ``teardown``."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        group: Any,
+        gather_group: Any,
+        reshard_after_forward: bool = True,
+        stack_name: Optional[str] = None,
+    ) -> None:
+        self.group, self.gather_group = group, gather_group
+        self.reshard_after_forward = reshard_after_forward
+        self._by_ranges = dist.get_backend(gather_group) == "gloo"
+        self.gathers = 0  # units gathered so far (tests read how often reshard_after_forward gathers)
+        self.prefetches = 0  # of those, started ahead of the unit's use (while another unit computes)
+        _, stack = find_block_stack(module, stack_name)
+        blocks = list(stack)
+        in_blocks = {p for block in blocks for p in block.parameters()}
+        trainable = lambda ps: [p for p in ps if p.requires_grad]  # noqa: E731
+        root = [p for p in trainable(dict.fromkeys(module.parameters())) if p not in in_blocks]
+        in_root = set(root)
+        _refuse_shared(module, blocks)
+        self.blocks = [
+            _unit(str(i), block, trainable(block.parameters()), group)
+            for i, block in enumerate(blocks)
+            if trainable(block.parameters())
+        ]
+        self.root = _unit("", None, root, group) if root else None
+        self._index = {id(unit): i for i, unit in enumerate(self.blocks)}
+        self._handles = [h for unit in self.blocks for h in self._hook(unit)]
+        if self.root is not None:  # a forward after a backward in the same step gathers the root again
+            owners = [m for m in module.modules() if any(p in in_root for p in m.parameters(recurse=False))]
+            gather_root = partial(self._gather_before, self.root)
+            self._handles += [m.register_forward_pre_hook(gather_root) for m in owners]
+        for unit in self.units():
+            unit.free()
+
+    def units(self) -> list[ParameterUnit]:
+        """Every unit, in the order backward completes them: the blocks last to first, then the root."""
+        return [*reversed(self.blocks), *([self.root] if self.root is not None else [])]
+
+    def held_tensors(self) -> list[Tensor]:
+        """What this rank holds of the parameters between steps (the memory report's)."""
+        return [unit.shard for unit in self.units()]
+
+    # ------------------------------------------------------------------ gather and free
+    def start_gather(self, unit: ParameterUnit) -> bool:
+        """The unit's flat buffer allocated again and the gather of every rank's range into it started;
+        False (nothing done) if it is gathered or on its way."""
+        if unit.gathered or unit.work is not None:
+            return False
+        full = unit.full
+        full.untyped_storage().resize_(full.numel() * full.element_size())
+        own = unit.own()
+        own.copy_(unit.shard)
+        if self._by_ranges:
+            unit.work = all_gather_by_ranges(full, self.gather_group)
+        else:
+            unit.work = all_gather_single()(full, own, group=self.gather_group, async_op=True)
+        self.gathers += 1
+        return True
+
+    def gather(self, unit: ParameterUnit) -> None:
+        """The unit gathered (its gather started now, or waited for if it was prefetched)."""
+        self.start_gather(unit)
+        unit.wait()
+
+    def gather_all(self) -> None:
+        for unit in self.units():
+            self.gather(unit)
+
+    def free_all(self) -> None:
+        for unit in self.units():
+            unit.free()
+
+    @contextmanager
+    def gathered(self) -> Generator[None, None, None]:
+        """Every unit gathered inside (a full state read or loaded); what a load wrote is kept."""
+        self.gather_all()
+        try:
+            yield
+        finally:
+            for unit in self.units():
+                unit.keep_own()
+            self.free_all()
+
+    # ------------------------------------------------------------------ hooks
+    def _hook(self, unit: ParameterUnit) -> list[Any]:
+        module = unit.module
+        assert module is not None
+        return [
+            module.register_forward_pre_hook(partial(self._gather_before, unit)),
+            module.register_forward_hook(partial(self._after_block, unit)),
+        ]
+
+    def _gather_before(self, unit: ParameterUnit, module: nn.Module, args: Any) -> None:
+        """Before a unit's forward: the unit gathered, and the next block's gather started (prefetch: at
+        most one unit in flight while this one computes)."""
+        self.gather(unit)
+        self._prefetch(unit, +1)
+
+    def _prefetch(self, unit: ParameterUnit, step: int) -> None:
+        """Start the gather of the block ``step`` places from ``unit`` in the stack (the root: none)."""
+        index = self._index.get(id(unit))
+        if index is not None and 0 <= index + step < len(self.blocks):
+            self.prefetches += self.start_gather(self.blocks[index + step])
+
+    def _after_block(self, unit: ParameterUnit, module: nn.Module, args: Any, output: Any) -> None:
+        training = torch.is_grad_enabled()
+        if training:
+            tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
+            for t in tensors:
+                t.register_hook(partial(self._before_block_backward, unit))
+        if self.reshard_after_forward or not training:
+            unit.free()
+
+    def _before_block_backward(self, unit: ParameterUnit, grad: Tensor) -> None:
+        """The block's backward comes next: gathered, and the block before it (whose backward follows)
+        started."""
+        self.gather(unit)
+        self._prefetch(unit, -1)
+
+    def before_forward(self) -> None:
+        """Before a step's forward: the root unit gathered (it is used before and after the blocks)."""
+        if self.root is not None:
+            self.gather(self.root)
+
+    def after_forward(self) -> None:
+        """After a step's forward: an evaluation step (no backward to come) frees what it gathered."""
+        if not torch.is_grad_enabled():
+            self.free_all()
+
+    def backward_done(self, unit: ParameterUnit) -> None:
+        """The unit's last gradient of this backward arrived: its parameters are not needed again."""
+        unit.free()
+
+    def after_backward(self) -> None:
+        """What a backward left gathered (a unit with a parameter that got no gradient) is freed."""
+        self.free_all()
+
+    def teardown(self) -> None:
+        """Every unit gathered for good (the module leaves fit whole), the hooks removed."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.gather_all()
+
+
+class FullyShardedGradientReducer(ShardedGradientReducer):
+    """ZeRO-2's gradient path (``ShardedGradientReducer``, stage 2's buffers) with one bucket per unit of
+    ``sharded``, in the unit's layout, so that this rank's range of a bucket is its shard's: the pieces are
+    views of the shards, a unit is freed once its bucket's gradients are all in, and nothing is gathered
+    after the step."""
+
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        group: Any,
+        sharded: ShardedParameters,
+        **kwargs: Any,
+    ) -> None:
+        self.sharded = sharded
+        units = sharded.units()
+        self._unit_of = {p: unit for unit in units for p in unit.params}
+        trainable = {p for _, p in named_params if p.requires_grad}
+        missing = [n for n, p in named_params if p in trainable and p not in self._unit_of]
+        if missing:
+            raise ValueError(f"zero_stage=3: trainable parameters outside every unit: {missing[:5]}")
+        super().__init__(named_params, group, 2, **kwargs)
+        self._bucket_units = [self._unit_of[b.params[0]] for b in self.buckets]
+
+    def _bucket_groups(self, order: list[nn.Parameter], used: int) -> list[list[int]]:
+        index = {p: i for i, p in enumerate(order)}
+        return [[index[p] for p in unit.params] for unit in self.sharded.units()]
+
+    def _piece_view(self, bucket: _Bucket, p: nn.Parameter, start: int, stop: int, offset: int) -> Tensor:
+        return self._unit_of[p].shard[offset : offset + stop - start]
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        super()._on_grad_ready(p)
+        b, _ = self._where[p]
+        if self.buckets[b].pending == 0:
+            self.sharded.backward_done(self._bucket_units[b])
+
+    def gather_parameters(self) -> None:
+        """After the optimizer step, which updated the shards in place: the pieces' gradients dropped (the
+        next forward gathers the units)."""
+        self.syncs_since_step, self._unused_since_step = 0, None
+        for piece in self.pieces():
+            piece.shard.grad = None
