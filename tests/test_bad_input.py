@@ -60,6 +60,12 @@ CATALOGUE = [
         ["zero_stage=3", "0, 1, 2"],
     ),
     (
+        "compile-not-a-setting",
+        lambda: lp.TensorParallelStrategy(compile="max-autotune"),
+        ValueError,
+        ["compile='max-autotune'", "True", "keyword arguments"],
+    ),
+    (
         "zero-on-lp-dp",
         lambda: lp.DataParallelStrategy(zero_stage=1),
         ValueError,
