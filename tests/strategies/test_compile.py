@@ -106,6 +106,7 @@ def case(name: str, spec: tuple, compile_model: bool, strategy_compiles: bool = 
             "kwargs": {k: v for k, v in kwargs.items() if k != "compile" or compiled},
         },
         "record_dynamo": strategy_compiles,
+        "probe": "tests.helpers.probes:forwards_set_on_modules",
     }
     return {**c, "compile": {"backend": "eager"}} if compile_model else c
 
@@ -189,3 +190,11 @@ def test_per_block_compile_makes_one_graph_per_block_class(request, name):
         assert record["counters"]["frames"] == {"total": graphs, "ok": graphs}, record
         assert record["stats"]["unique_graphs"] == graphs, record
         assert record["stats"]["calls_captured"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["blocks-lp_ddp", "blocks-tp", "blocks-pp-1f1b"])
+def test_the_blocks_leave_fit_uncompiled(request, name):
+    """The module is the user's again after fit: no block keeps the compiled forward set-up gave it."""
+    for rank in ranks(request, name, "compiled"):
+        assert rank["probe"] == [], rank["probe"]
