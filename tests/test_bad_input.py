@@ -84,6 +84,12 @@ CATALOGUE = [
         ["save_distributed=True", "zero_stage=3", "save_distributed=False"],
     ),
     (
+        "compile-not-a-setting",
+        lambda: lp.TensorParallelStrategy(compile="max-autotune"),
+        ValueError,
+        ["compile='max-autotune'", "True", "keyword arguments"],
+    ),
+    (
         "zero-on-lp-dp",
         lambda: lp.DataParallelStrategy(zero_stage=1),
         ValueError,

@@ -178,6 +178,10 @@ class StagePartition:
         """[start, end) blocks of this rank's local ``chunk``."""
         return self.bounds[self.chunks[chunk]]
 
+    def held_blocks(self) -> list[nn.Module]:
+        """The blocks of every chunk this rank holds."""
+        return [self.stack[i] for c in range(len(self.chunks)) for i in range(*self.chunk_bounds(c))]
+
     def ends_model(self, chunk: int) -> bool:
         """Whether ``chunk`` holds the stack's last blocks (its stage runs the rest of the forward)."""
         return self.chunks[chunk] == len(self.bounds) - 1

@@ -43,7 +43,7 @@ import types
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Generator, Literal, Mapping, Optional, Union, get_args
+from typing import Any, Callable, Generator, Literal, Mapping, Optional, Sequence, Union, get_args
 
 import lightning.pytorch as pl
 import torch
@@ -57,10 +57,18 @@ from lightning.pytorch.utilities.data import extract_batch_size
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
+from lightning_parallel.block_compile import (
+    CompiledBlocks,
+    CompileOption,
+    apply_block_compile,
+    compile_problem,
+    uncompile_blocks,
+)
 from lightning_parallel.checkpointing import AtomicCheckpointIO, Checkpointer
 from lightning_parallel.checkpointing.by_name import state_by_name
 from lightning_parallel.checkpointing.contract import check_keys, unwrapped
 from lightning_parallel.checkpointing.loss_check import FiniteLossCheck, training_loss
+from lightning_parallel.compat import compiled_by_lightning
 from lightning_parallel.distributed.collectives import clip_grad_norm_counted, group_size, share_found_inf
 from lightning_parallel.distributed.mesh import Mesh, MeshShape, build_mesh, destroy_process_groups_at_exit
 from lightning_parallel.distributed.optimizer_shards import (
@@ -86,6 +94,7 @@ from lightning_parallel.materialize import (
     shared_rng_state,
 )
 from lightning_parallel.memory import MemoryReport
+from lightning_parallel.module_names import find_block_stack
 from lightning_parallel.moe.load_balancing import install as install_global_load_balancing
 from lightning_parallel.parameter_set import ParameterChange, ParameterSet
 from lightning_parallel.recompute import (
@@ -181,6 +190,12 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             parameters all-gathered), 2 (also only 1/dp of the gradients kept between steps) or 3 (also only
             1/dp of the parameters, each block gathered for its forward and backward: lp_ddp only,
             ``distributed.zero3``). Needs an elementwise ``torch.optim`` optimizer (SGD, Adam, AdamW, ...).
+        compile: per-block ``torch.compile`` (``block_compile``): False (off), True (torch.compile's
+            defaults) or its keyword arguments as a mapping (``{"backend": "inductor", "mode": ...}``). Each
+            block of the block stack this rank holds is compiled on its own after the parallelisms and the
+            recompute are applied, so one graph per block class is reused across the layers; the code
+            outside the blocks runs eagerly. A model the user compiled (``trainer.fit(torch.compile(model))``)
+            gives the settings instead, its whole-step compile undone.
     """
 
     #: False where sharded checkpoints would be wrong or pointless (lp_dp: the optimizer lives on rank 0)
@@ -218,6 +233,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         initial_weights_prefix: str = "",
         activation_checkpointing: Spec = False,
         zero_stage: int = 0,
+        compile: CompileOption = False,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -255,6 +271,8 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self.memory_report = memory_report
         self.activation_checkpointing = activation_checkpointing
         self.zero_stage = zero_stage
+        self.compile = compile
+        self._compiled_blocks: CompiledBlocks = []  # the blocks set-up compiled, and the forward each had
         self._optimizer_shards: dict[int, ShardedOptimizer] = {}  # id(optimizer) -> its sharding
         self._release_raw_clipping: Callable[[], None] = _nothing  # refuse_raw_clipping's, under ZeRO
         self._release_load_balancing: Callable[[], None] = _nothing  # load_balancing.install's undo
@@ -281,6 +299,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             _initial_weights_problem(values["initial_weights"], prefix),
             spec_problem(values["activation_checkpointing"], f"{prefix}activation_checkpointing"),
             one_of(f"{prefix}zero_stage", values["zero_stage"], ZERO_STAGES),
+            compile_problem(values["compile"], f"{prefix}compile"),
             None
             if not values["zero_stage"] or cls.zero_refused is None
             else f"{prefix}zero_stage={values['zero_stage']!r} is not supported by {cls.__name__}: {cls.zero_refused}",
@@ -548,6 +567,43 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
                 self.lightning_module, self.activation_checkpointing, stack_name
             )
 
+    def compiles(self, module: Any) -> bool:
+        """Whether set-up compiles (part of) ``module``: the ``compile`` option, or the user compiled it."""
+        return self.compile is not False or compiled_by_lightning(module)
+
+    def apply_compile(
+        self,
+        stack_name: Optional[str] = None,
+        blocks: Optional[Sequence[torch.nn.Module]] = None,
+        whole_cannot: Optional[str] = None,
+    ) -> None:
+        """``compile`` on each block this rank holds (``blocks``: a pipeline stage's; None: every block of the
+        stack), after the recompute (``block_compile``); the module's forward whole where it has no stack or
+        ``per_block_refused`` says why not; ``whole_cannot``: why a model the user compiled is compiled
+        block by block even without the option."""
+        module = self.lightning_module
+        if self._compiled_blocks or not self.compiles(module):
+            return  # compiled by an earlier set-up of the split module it still holds
+        why_whole = self.per_block_refused()
+        if blocks is None and why_whole is None:
+            try:
+                stack_name, stack = find_block_stack(module, stack_name)
+                blocks = list(stack)
+            except ValueError:
+                why_whole = "it has no block stack (an nn.ModuleList or nn.Sequential of >= 2 blocks)"
+        if blocks is None:
+            what = f"the module's forward, whole, as {why_whole}"
+            if self.compile is not False:
+                rank_zero_warn(f"compile={self.compile!r}: not block by block: {what}")
+            blocks = [module]
+        else:
+            what = f"the {len(blocks)} blocks of {stack_name!r} this rank holds, one by one"
+        self._compiled_blocks = apply_block_compile(module, self.compile, blocks, what, whole_cannot)
+
+    def per_block_refused(self) -> Optional[str]:
+        """Why the blocks cannot be compiled one by one here (then the module's forward is compiled whole)."""
+        return None
+
     # ----------------------------------------------------------------- set-up shared by split models
     def scaler(self) -> Optional[Any]:
         """The precision plugin's enabled GradScaler (16-mixed), or None."""
@@ -800,6 +856,9 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             self.reducer.remove_hooks()
         self._forget_parameter_set()
         module = self.lightning_module
+        if module is not None and self._compiled_blocks and not self.model_is_split():
+            uncompile_blocks(self._compiled_blocks)
+            self._compiled_blocks = []
         if module is not None and self._checkpointed and not self.model_is_split():
             # a whole model leaves fit as the user's; a split one keeps its set-up until the next fit
             remove_activation_checkpointing(module, self._checkpointed)

@@ -246,6 +246,7 @@ class DDPStrategy(ParallelStrategyBase):
         elif self.init_sync:
             broadcast_module_states(module, src=0, group=self.dp_group)
         self.apply_activation_checkpointing()
+        self.apply_compile()
         if self.zero_stage:  # each rank unscales its own pieces: one overflow verdict for all
             self.share_found_inf()
         # buffers broadcast from rank 0 before a forward, as torch DDP does: only where there are replicas

@@ -43,6 +43,7 @@ class DataParallelStrategy(ParallelStrategyBase):
         else:
             broadcast_module_states(self.lightning_module, src=0)
         self.apply_activation_checkpointing()
+        self.apply_compile()
 
     def post_backward(self, closure_loss: Tensor) -> None:
         if self._sync_grads:

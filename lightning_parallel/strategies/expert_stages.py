@@ -22,7 +22,6 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_parallel.compat import compiled_by_lightning
 from lightning_parallel.distributed.mesh import MeshShape
 from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.moe.expert_parallel import (
@@ -120,7 +119,7 @@ class ExpertParallel:
             return cut
         placed = apply_expert_parallel(module, self.ep_group, self.expert_parallel_size, self.mesh.ep_rank)
         rank_zero_info(describe_expert_parallel(placed, self.mesh.shape.size("edp")))
-        if compiled_by_lightning(module):
+        if self.compiles(module):
             rank_zero_warn(
                 f"expert parallelism under torch.compile: the {len(placed)} experts modules ({', '.join(placed)}) "
                 "run eagerly, their token dispatch sized by the routing; the rest of the model is compiled"

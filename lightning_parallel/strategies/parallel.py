@@ -36,7 +36,6 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelSummary
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
 from lightning_parallel.checkpointing import ShardLayout
@@ -56,7 +55,6 @@ from lightning_parallel.moe.expert_parallel import experts_left_to_expert_parall
 from lightning_parallel.moe.expert_traffic import ExpertPlacement
 from lightning_parallel.moe.load_balancing import refusal as load_balancing_refusal
 from lightning_parallel.parameter_set import ParameterChange
-from lightning_parallel.pipeline.compiled import compile_stage_blocks
 from lightning_parallel.pipeline.partition import partition
 from lightning_parallel.pipeline.placement import global_stage
 from lightning_parallel.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, virtual_stages_problem
@@ -99,6 +97,8 @@ from lightning_parallel.tensor.shard import shard_module
 __all__ = ["ParallelStrategy", "BALANCES"]
 
 BALANCES = ("parameters", "time")
+#: why a model the user compiled is compiled block by block under pipeline stages
+STAGE_ENDS_IN_FORWARD = "a stage ends inside forward, where a whole compiled step cannot stop"
 SP_WITH_PP = (
     "sequence parallelism is not composed with pipeline stages (a stage's activations would be sent cut "
     "along the sequence); use pipeline_parallel_size=1 or sequence_parallel=False"
@@ -320,6 +320,10 @@ class ParallelStrategy(
             self._keep_earlier_shards(module, shape.tp)
         self._summarize_whole()
         self.apply_activation_checkpointing(self.block_stack)  # on the sharded stage, before the dp path
+        if self.pipelined:
+            self.apply_compile(self.partition.stack_name, self.partition.held_blocks(), STAGE_ENDS_IN_FORWARD)
+        else:
+            self.apply_compile(self.block_stack)
         if self.pipelined and self.executor is None:
             self.wire_stages(self._stage_costs)
         # pipeline stages: a module replicated outside the block stack gets no gradient on some stages;
@@ -413,12 +417,22 @@ class ParallelStrategy(
             return cut
 
         self.set_up_share(parallelize)
-        if self.applies("pp"):
-            compile_stage_blocks(module, self.partition, rank_zero_warn)
         if shards:
             install_gradient_sums(module, self.resolved, self.tp_group)
             if self.resolved.sequence is not None:
-                self.sequence = apply_sequence_parallel(module, self.resolved.sequence, self.tp_group)
+                self.sequence = apply_sequence_parallel(
+                    module, self.resolved.sequence, self.tp_group, compiled=self.compiles(module)
+                )
+
+    def per_block_refused(self) -> Optional[str]:
+        """Under sequence parallelism: its hooks record by name where each module runs, so each block would
+        compile a graph of its own (and dynamo runs the blocks past its recompile limit eagerly)."""
+        if self.sequence is None:
+            return None
+        return (
+            "sequence parallelism's hooks name each module, so each block would compile a graph of its own "
+            "(past dynamo's recompile limit, eagerly)"
+        )
 
     def _keep_earlier_shards(self, module: nn.Module, tp: int) -> None:
         layers = [m for m in module.modules() if isinstance(m, _TPLayer)]
@@ -617,6 +631,7 @@ class ParallelStrategy(
         self.partition, self.executor, self.logs, self._deferred_bn = None, None, None, None
         self._replicated = []
         self._checkpointed = []
+        self._compiled_blocks = []
 
     def teardown(self) -> None:
         self.give_back_whole()

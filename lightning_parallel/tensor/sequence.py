@@ -36,7 +36,6 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.hooks import RemovableHandle
 
-from lightning_parallel.compat import compiled_by_lightning
 from lightning_parallel.distributed.collectives import (
     gather_from_group,
     gather_sequence,
@@ -235,10 +234,15 @@ class SequenceParallel:
 
 
 def apply_sequence_parallel(
-    module: nn.Module, plan: SequencePlan, group: Optional[dist.ProcessGroup], gradient_hooks: bool = True
+    module: nn.Module,
+    plan: SequencePlan,
+    group: Optional[dist.ProcessGroup],
+    gradient_hooks: bool = True,
+    compiled: bool = False,
 ) -> SequenceParallel:
-    """Wire ``plan`` into ``module`` (sharded already, by ``tensor.shard_module``) over ``group``."""
-    if compiled_by_lightning(module):
+    """Wire ``plan`` into ``module`` (sharded already, by ``tensor.shard_module``) over ``group``; ``compiled``:
+    the module runs (partly) under torch.compile, which set-up says once."""
+    if compiled:
         rank_zero_warn(
             "sequence_parallel under torch.compile: each region's gathered input is saved whole for backward, "
             "as under tensor parallelism alone (the saved-tensor hooks that keep this rank's part of it run "

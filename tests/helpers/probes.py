@@ -338,3 +338,9 @@ class NoRoomForTheWhole(Callback):
 
     def setup(self, trainer, pl_module, stage) -> None:
         trainer.strategy.room_for_whole = lambda: 0
+
+
+def forwards_set_on_modules(trainer) -> list[str]:
+    """After fit: the modules whose ``forward`` is still set on the instance (a compile or a recompute that
+    set-up applied and did not take off)."""
+    return [n for n, m in trainer.lightning_module.named_modules() if "forward" in m.__dict__]

@@ -5,7 +5,8 @@ such as torchrun would set (MASTER_ADDR/PORT, WORLD_SIZE, NODE_RANK, LOCAL_RANK)
 the processes as created externally and runs an ordinary ``Trainer.fit`` in each. Several cases run
 one after another in the same processes to save start-up time. A case with ``"compile": {...}`` fits
 ``torch.compile(model, **that)`` and returns what dynamo did (``dynamo_record``) and what set-up said about
-the compiled model (its warnings that name "under torch.compile").
+the compiled model (its warnings that name "under torch.compile"); ``"record_dynamo": True`` returns the same
+for a model the strategy compiles (its ``compile`` option).
 """
 
 from __future__ import annotations
@@ -222,10 +223,11 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
     if case.get("save_checkpoint") == "split":  # the checkpoint of the split module, as fit ends
         before_teardown(trainer, lambda t: t.save_checkpoint(out_dir / "last.ckpt"))
     compiled = "compile" in case  # {"backend": "eager", ...}: torch.compile's keyword arguments
-    if compiled:
+    records = compiled or case.get("record_dynamo", False)
+    if records:
         reset_dynamo()
-    with warnings.catch_warnings(record=compiled) as caught:  # what set-up says about a compiled model
-        if compiled:
+    with warnings.catch_warnings(record=records) as caught:  # what set-up says about a compiled model
+        if records:
             warnings.simplefilter("always")
         try:
             trainer.fit(
@@ -262,7 +264,7 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
         for c in trainer.callbacks
         if type(c).__name__ in ("ModelCheckpoint", "EarlyStopping")
     }
-    if compiled:
+    if records:
         result["dynamo"] = dynamo_record()
         result["compile_warnings"] = [
             str(w.message) for w in caught if "under torch.compile" in str(w.message)
