@@ -3,7 +3,8 @@
     python benchmarks/bench_tensor_parallel.py [--models gpt,llama,inline] [--rounds 5]
         [--steps 20] [--n-embd 128] [--n-layer 2] [--gpt-plan written|auto]
         [--zoo-steps 6] [--width 256] [--layers 4] [--heads 8] [--zoo-batch 4] [--zoo-seq 128]
-    python benchmarks/bench_tensor_parallel.py --trainer [--steps 20] [--rounds 5]
+    python benchmarks/bench_tensor_parallel.py --trainer [--trainer-model gpt|rotary] [--gpt-plan written|auto]
+        [--steps 20] [--rounds 5]
 
 Two CPU processes over gloo (one thread each), tp=2, float32, the same weights (same seed) and the same
 batch on both sides; plain SGD. The models (``--models``, comma-separated):
@@ -47,12 +48,15 @@ the warm-up steps (agreeing there shows the gradients agree too), then a markdow
 With ``--trainer`` the comparison runs one level up, as a user would: ``Trainer.fit`` of ``CharGPT``
 with ``TensorParallelStrategy`` against Lightning's ``ModelParallelStrategy`` applying the same
 ``parallelize_module`` plan in ``configure_model`` (step time from batch start to batch end, each side
-fitted ``--rounds`` times, alternating).
+fitted ``--rounds`` times, alternating). ``--trainer-model rotary`` fits ``RotaryGPT`` instead (rotary
+positions on q and k, RMSNorm, the same module names and ``PLAN``); ``--gpt-plan auto`` gives ours
+``plan="auto"``. ``benchmarks/ab_tensor_parallel.py`` runs this mode on two commits, interleaved.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import statistics
@@ -68,7 +72,9 @@ import torch.multiprocessing as mp
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+REPO = Path(__file__).resolve().parents[1]
+# the package from this checkout, or from another commit's (``LP_PACKAGE_ROOT``: ab_tensor_parallel.py)
+sys.path[:0] = [os.environ.get("LP_PACKAGE_ROOT", str(REPO)), str(REPO)]
 
 from lightning_parallel.distributed.rendezvous import HostedStore  # noqa: E402
 from lightning_parallel.models.gpt import GPT  # noqa: E402
@@ -110,6 +116,67 @@ def parallelize(model: nn.Module, plan: dict[str, str]) -> None:
 
 
 # --- the models ---------------------------------------------------------------------------------------
+
+
+class RotaryAttention(nn.Module):
+    """Causal self-attention with rotary position embeddings on q and k (``n_head`` read in forward)."""
+
+    def __init__(self, n_embd: int, n_head: int, block_size: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.q, self.k, self.v, self.proj = (nn.Linear(n_embd, n_embd, bias=False) for _ in range(4))
+        half = n_embd // n_head // 2
+        angles = torch.outer(torch.arange(block_size).float(), 10000.0 ** (-torch.arange(half).float() / half))
+        self.register_buffer("cos", torch.cat([angles, angles], -1).cos(), persistent=False)
+        self.register_buffer("sin", torch.cat([angles, angles], -1).sin(), persistent=False)
+
+    def rotate(self, t: Tensor) -> Tensor:
+        first, second = t.chunk(2, dim=-1)
+        length = t.shape[-2]
+        return t * self.cos[:length] + torch.cat([-second, first], dim=-1) * self.sin[:length]
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, _ = x.shape
+        q, k, v = (m(x).view(b, t, self.n_head, -1).transpose(1, 2) for m in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(self.rotate(q), self.rotate(k), v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class RotaryMLP(nn.Module):
+    def __init__(self, n_embd: int) -> None:
+        super().__init__()
+        self.fc, self.proj = nn.Linear(n_embd, 4 * n_embd), nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class RotaryBlock(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, block_size: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.RMSNorm(n_embd), nn.RMSNorm(n_embd)
+        self.attn, self.mlp = RotaryAttention(n_embd, n_head, block_size), RotaryMLP(n_embd)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class RotaryGPT(nn.Module):
+    """A GPT with rotary positions and RMSNorm, named like the package's ``GPT`` (``PLAN`` fits both)."""
+
+    def __init__(self, vocab_size: int, block_size: int, n_layer: int, n_head: int, n_embd: int) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab_size, n_embd)
+        self.blocks = nn.ModuleList(RotaryBlock(n_embd, n_head, block_size) for _ in range(n_layer))
+        self.norm = nn.RMSNorm(n_embd)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        h = self.wte(idx)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
 
 
 def build_gpt(args: argparse.Namespace) -> GPT:
@@ -416,9 +483,11 @@ def worker(rank: int, args: argparse.Namespace) -> None:
 
 
 def trainer_worker(rank: int, args: argparse.Namespace) -> None:
-    """The same comparison one level up, as a user would run it: ``Trainer.fit`` of ``CharGPT`` with
-    ``TensorParallelStrategy`` vs Lightning's ``ModelParallelStrategy`` with ``parallelize_module`` in
-    ``configure_model``. Step time = ``on_train_batch_start`` to ``on_train_batch_end``."""
+    """The same comparison one level up, as a user would run it: ``Trainer.fit`` of ``CharGPT`` (or, with
+    ``--trainer-model rotary``, of ``RotaryGPT`` in its place) with ``TensorParallelStrategy`` vs Lightning's
+    ``ModelParallelStrategy`` with ``parallelize_module`` in ``configure_model``. Step time =
+    ``on_train_batch_start`` to ``on_train_batch_end``; with ``--json`` rank 0 writes each side's medians
+    (wall and process CPU ms per step) there (``ab_tensor_parallel.py`` reads them)."""
     from lightning.pytorch import Callback, Trainer
     from lightning.pytorch.strategies import ModelParallelStrategy
     from torch.utils.data import DataLoader, TensorDataset
@@ -443,7 +512,15 @@ def trainer_worker(rank: int, args: argparse.Namespace) -> None:
         lr=1e-3,
     )
 
-    class DTensorCharGPT(CharGPT):
+    class RotaryCharGPT(CharGPT):
+        def __init__(self, **kwargs: object) -> None:
+            super().__init__(**kwargs)
+            h = self.hparams
+            self.model = RotaryGPT(h.vocab_size, h.block_size, h.n_layer, h.n_head, h.n_embd)
+
+    model_class = RotaryCharGPT if args.trainer_model == "rotary" else CharGPT
+
+    class DTensorCharGPT(model_class):  # type: ignore[valid-type,misc]
         def configure_model(self) -> None:
             from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -459,29 +536,32 @@ def trainer_worker(rank: int, args: argparse.Namespace) -> None:
     class Timer(Callback):
         def __init__(self) -> None:
             self.times: list[float] = []
+            self.cpu: list[float] = []
 
         def on_train_batch_start(self, *a: object) -> None:
-            self.start = time.perf_counter()
+            self.start, self.start_cpu = time.perf_counter(), time.process_time()
 
         def on_train_batch_end(self, *a: object) -> None:
             self.times.append(time.perf_counter() - self.start)
+            self.cpu.append(time.process_time() - self.start_cpu)
 
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 128, (args.batch * (args.steps + 3), args.seq + 1), generator=g)
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=args.batch)
+    plan = "auto" if args.gpt_plan == "auto" else {f"model.{k}": v for k, v in PLAN.items()}
     sides = {
-        "lightning_parallel": (
-            CharGPT,
-            lambda: TensorParallelStrategy(plan={f"model.{k}": v for k, v in PLAN.items()}),
-        ),
+        "lightning_parallel": (model_class, lambda: TensorParallelStrategy(plan=plan)),
         "Lightning ModelParallel (DTensor)": (
             DTensorCharGPT,
             lambda: ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=2),
         ),
     }
     times: dict[str, list[float]] = {k: [] for k in sides}
-    for _ in range(args.rounds):
-        for name, (cls, strategy) in sides.items():
+    cpu: dict[str, list[float]] = {k: [] for k in sides}
+    for r in range(args.rounds):
+        order = list(sides) if (r + args.reverse) % 2 == 0 else list(sides)[::-1]
+        for name in order:
+            cls, strategy = sides[name]
             torch.manual_seed(0)
             timer = Timer()
             trainer = Trainer(
@@ -497,10 +577,15 @@ def trainer_worker(rank: int, args: argparse.Namespace) -> None:
             )
             trainer.fit(cls(**hp), train_dataloaders=loader)
             times[name] += timer.times[2:]  # the first steps warm up
+            cpu[name] += timer.cpu[2:]
     if rank == 0:
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        if args.json:
+            med_cpu = {k: statistics.median(v) * 1e3 for k, v in cpu.items()}
+            Path(args.json).write_text(json.dumps({"ms": med, "cpu_ms": med_cpu}))
         print(
-            f"Trainer.fit of CharGPT n_layer={args.n_layer} n_embd={args.n_embd} batch={args.batch} seq={args.seq}, "
+            f"Trainer.fit of {model_class.__name__} ({args.gpt_plan} plan) n_layer={args.n_layer} "
+            f"n_embd={args.n_embd} batch={args.batch} seq={args.seq}, "
             f"tp=2 on 2 CPU processes, {args.rounds} fits x {args.steps} timed steps per side"
         )
         for k, v in med.items():
@@ -531,6 +616,11 @@ def main() -> None:
         action="store_true",
         help="compare inside Trainer.fit: lp_tensor_parallel vs Lightning's ModelParallelStrategy (gpt)",
     )
+    parser.add_argument(
+        "--trainer-model", choices=("gpt", "rotary"), default="gpt", help="--trainer: CharGPT or RotaryGPT"
+    )
+    parser.add_argument("--reverse", type=int, default=0, help=argparse.SUPPRESS)  # start with the other side
+    parser.add_argument("--json", default="", help=argparse.SUPPRESS)  # --trainer: medians written here
     args = parser.parse_args()
     args.command = "python " + " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0])] + sys.argv[1:])
     with HostedStore(world_size=2) as store:  # the workers inherit where it is (MASTER_ADDR/PORT)

@@ -6,9 +6,11 @@ are summed over the pipeline stages, which ZeRO shards. A callback may change th
 may be added in ``on_train_start``. ``ParameterSet.change`` says what changed since the last look: the
 parameters that now train or no longer do, and those added, removed or replaced (a module swapped).
 It is read once per training batch at the cost of one C-level pass over the parameters kept from the
-last look (their ``requires_grad``): a parameter or module registered anywhere since (torch's global
-registration hooks set a flag) makes it walk the module again, and the names are read only when
-something changed.
+last look (their ``requires_grad``): a parameter or module registered since on one of the module's own
+modules (torch's global registration hooks set a flag) makes it walk the module again, and the names are
+read only when something changed. A registration elsewhere does not: a forward that builds a temporary
+module (Hugging Face's decoders slice their ``nn.ModuleList`` of layers on every call, which registers
+each layer in a new list) would otherwise make every batch walk the whole module.
 """
 
 from __future__ import annotations
@@ -63,15 +65,17 @@ class ParameterSet:
         self.module = module
         self._names: dict[int, str] = {}
         self._trains: dict[int, bool] = {}
-        self._registered = False  # a parameter or module was registered somewhere since the last look
+        self._registered = False  # a parameter or module was registered on one of ours since the last look
+        self._owners: set[int] = set()  # ids of the module's own modules (``_look``)
         self._handles = [
             register_module_parameter_registration_hook(self._on_registration),
             register_module_module_registration_hook(self._on_registration),
         ]
         self._look()
 
-    def _on_registration(self, *args: object) -> None:
-        self._registered = True
+    def _on_registration(self, owner: nn.Module, *args: object) -> None:
+        if id(owner) in self._owners:
+            self._registered = True
 
     def close(self) -> None:
         """Remove the registration hooks (process-wide)."""
@@ -82,7 +86,9 @@ class ParameterSet:
     def _look(self) -> None:
         self._registered = False
         named = list(self.module.named_parameters())
-        # the parameters are kept, so an id seen here cannot be reused by a new object
+        # the modules and parameters are kept, so an id seen here cannot be reused by a new object
+        self._modules = list(self.module.modules())
+        self._owners = set(map(id, self._modules))
         self._params = [p for _, p in named]
         self._ids = list(map(id, self._params))
         self._flags = list(map(_TRAINS, self._params))
