@@ -273,7 +273,7 @@ class AxisTrace(Callback):
         self.calls: list[tuple[str, str]] = []
 
     def on_train_start(self, trainer, pl_module) -> None:
-        for axis in trainer.strategy.axes:
+        for axis in getattr(trainer.strategy, "axes", []):  # the single-device reference has none
             for hook in AXIS_HOOKS:
                 original = getattr(axis, hook)
 
