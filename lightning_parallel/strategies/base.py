@@ -11,7 +11,8 @@ What the base adds on top:
 - a (dp, pp, tp) mesh built right after the default process group (``mesh_shape`` is the subclass's);
 - samplers, ``self.log(sync_dist=True)`` and torchmetrics reduce over the data-parallel group, so
   model-parallel peers that hold the same batch are not counted twice;
-- an optional ``GradientReducer`` driven by the backward hooks and by ``block_backward_sync``;
+- the step's axes (``axes.py``): each step hook calls that hook of every axis in ``self.axes``, the list
+  ``step_axes`` builds at set-up in one order (here: the ``GradientReducer``'s average and ZeRO's pieces);
 - with ``check_finite_loss=True``, a NaN/inf training loss raises, naming step, batch and rank, without a
   per-step device sync (``checkpointing.loss_check``); by default training goes on, as under Lightning's
   ``ddp``;

@@ -16,7 +16,9 @@ that knows no strategy class (``configure_parallelism`` reads as that order):
    step; the ``async`` schedule's finished gradient is averaged at once, after the step); the experts'
    over their replicas (the ``edp`` group), after a division by ep.
 
-Steps 1 to 3 run on the module built on meta (``set_up_share``): a rank allocates only its share.
+Steps 1 to 3 run on the module built on meta (``set_up_share``): a rank allocates only its share. Each
+step then calls the axes of ``step_axes`` (``axes.py``) in the order the gradients are finished: the dp
+average, the pipeline's sum over the stages, ZeRO's pieces, the experts' average, tensor parallelism.
 Checkpoints stack the gathers in the same order: over tp (full tensors), then over ep (every expert), then
 over pp (the stages' parts), so a checkpoint of any layout holds the single-device state under
 single-device names and loads into any other layout; clipping uses the norm of the whole model over tp and
