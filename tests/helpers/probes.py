@@ -285,7 +285,8 @@ class AxisTrace(Callback):
 
 
 def axis_trace(trainer) -> dict:
-    """The axes' names in the strategy's order, and what ``AxisTrace`` recorded (None without it)."""
+    """The axes' names in the strategy's order, and what ``AxisTrace`` recorded (None without it): its live
+    list, which the worker reads after fit, the strategy's teardown included."""
     traces = [c.calls for c in trainer.callbacks if isinstance(c, AxisTrace)]
     return {"axes": [a.name for a in trainer.strategy.axes], "calls": traces[0] if traces else None}
 

@@ -212,8 +212,8 @@ def check(tmp, world: int, c: dict, results: dict) -> None:
 
 def check_axis_trace(c: dict, report: dict) -> None:
     """Every hook of every axis ran, each call of a hook going through the axes in the strategy's order:
-    once per batch (the training step, the backward's two hooks), per optimizer step, and per accumulating
-    micro-step (``no_sync``)."""
+    once per batch (the training step, the backward's two hooks), per optimizer step, per accumulating
+    micro-step (``no_sync``), and once at the end of fit (``teardown``)."""
     axes, calls = c["axes"], report["calls"]
     assert report["axes"] == axes, report["axes"]
     steps, accumulate = c["trainer"]["max_steps"], c["trainer"].get("accumulate_grad_batches", 1)
@@ -228,6 +228,7 @@ def check_axis_trace(c: dict, report: dict) -> None:
     batches = steps * accumulate
     expected = {"training_step": batches, "pre_backward": batches, "post_backward": batches}
     expected |= {"optimizer_step": steps, **({"no_sync": steps * (accumulate - 1)} if accumulate > 1 else {})}
+    expected["teardown"] = 1  # the probe's list is the live one, read after the strategy's teardown
     assert times == expected, times
 
 
