@@ -11,7 +11,8 @@ What the base adds on top:
 - a (dp, pp, tp) mesh built right after the default process group (``mesh_shape`` is the subclass's);
 - samplers, ``self.log(sync_dist=True)`` and torchmetrics reduce over the data-parallel group, so
   model-parallel peers that hold the same batch are not counted twice;
-- an optional ``GradientReducer`` driven by the backward hooks and by ``block_backward_sync``;
+- the step's axes (``axes.py``): each step hook calls that hook of every axis in ``self.axes``, the list
+  ``step_axes`` builds at set-up in one order (here: the ``GradientReducer``'s average and ZeRO's pieces);
 - with ``check_finite_loss=True``, a NaN/inf training loss raises, naming step, batch and rank, without a
   per-step device sync (``checkpointing.loss_check``); by default training goes on, as under Lightning's
   ``ddp``;
@@ -103,12 +104,14 @@ from lightning_parallel.recompute import (
     remove_activation_checkpointing,
     spec_problem,
 )
+from lightning_parallel.strategies.axes import Axis, around, each
 from lightning_parallel.strategies.callback_support import (
     accumulation_refusal,
     finetuning_refusal,
     split_model_refusal,
 )
 from lightning_parallel.strategies.checks import layout, layout_sizes, one_of, positive_number, require
+from lightning_parallel.strategies.data_parallel_axes import DataParallel, Zero, ZeroParameters
 from lightning_parallel.strategies.global_batch import describe_global_batch
 from lightning_parallel.strategies.launcher import HydraSafeSubprocessLauncher, failure_exit_fn
 from lightning_parallel.strategies.options import level_problems, options
@@ -256,6 +259,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         )
         self.mesh: Optional[Mesh] = None
         self.reducer: Optional[GradientReducer] = None
+        self.axes: list[Axis] = []  # the step's axes, in the order their hooks run (step_axes)
         self._reducer_arguments: Optional[tuple[list, dict]] = None  # make_reducer's, to rebuild it
         self._parameter_set: Optional[ParameterSet] = None  # the parameters as set-up left them
         self._sync_grads = True  # False on accumulating micro-steps (block_backward_sync)
@@ -407,6 +411,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
 
     def setup(self, trainer: "pl.Trainer") -> None:
         self._setup_rng_state = torch.get_rng_state()  # the same in every layout
+        self.axes = self.step_axes(self.mesh.shape)
         if self._layer_sync is not None:
             # Trainer(sync_batchnorm=True): torch's SyncBatchNorm refuses CPU, syncs over WORLD and replaces
             # the layers; ours syncs over this run's data-parallel group and converts them in place
@@ -546,18 +551,21 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
     def optimizer_step(
         self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
     ) -> Any:
-        """Lightning's step; a sharded optimizer steps its pieces (clipping and hooks see them), then every
-        rank's updated pieces are gathered into the model."""
-        shards = self._optimizer_shards.get(id(getattr(optimizer, "_optimizer", optimizer)))
-        if shards is None:
+        """Lightning's step inside every axis's ``optimizer_step`` (ZeRO: the pieces step, then are gathered)."""
+        with around(self.axes, "optimizer_step", optimizer):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        with shards.sharded():
-            output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self.reducer.gather_parameters()
-        return output
 
     def configure_parallelism(self) -> None:
         """Subclasses rewrite the module and create ``self.reducer`` here."""
+
+    def step_axes(self, shape: MeshShape) -> list[Axis]:
+        """The axes whose hooks every step runs, in that order (``axes.py``): the data-parallel average and,
+        with ``zero_stage``, its pieces, and at stage 3 the sharded parameters; none where the data-parallel
+        group has one process."""
+        if shape.dp == 1:
+            return []
+        zero = [Zero(self)] if self.zero_stage else []
+        return [DataParallel(self), *zero, *([ZeroParameters(self)] if self.zero_stage == 3 else [])]
 
     def apply_activation_checkpointing(self, stack_name: Optional[str] = None) -> None:
         """``activation_checkpointing`` on the module as this rank holds it (after tensor-parallel sharding
@@ -687,8 +695,15 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             if isinstance(module, Metric):
                 module.process_group = self.dp_group
 
+    @contextmanager
+    def step_scope(self) -> Generator[None, None, None]:
+        """Around a training step: one every rank runs, so the package's in-forward collectives may run
+        (``every_rank.py``), inside every axis's ``training_step``."""
+        with training_step_scope(), around(self.axes, "training_step"):
+            yield
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with training_step_scope():  # every rank runs it: the package's in-forward collectives may run
+        with self.step_scope():
             output = super().training_step(*args, **kwargs)
         if self.check_finite_loss:
             batch_idx = args[1] if len(args) > 1 else kwargs.get("batch_idx")
@@ -798,17 +813,14 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
     def block_backward_sync(self) -> Generator:
         """Lightning wraps accumulating micro-steps in this: keep gradients local until the last one.
 
-        Turns off the reducer's sync and ``self._sync_grads`` (which strategies without a reducer read)."""
-        previous = self._sync_grads, (self.reducer.sync_enabled if self.reducer is not None else None)
-        self._sync_grads = False
-        if self.reducer is not None:
-            self.reducer.sync_enabled = False
+        Turns off ``self._sync_grads`` (which the axes and strategies without a reducer read) and every
+        axis's sync (``no_sync``)."""
+        previous, self._sync_grads = self._sync_grads, False
         try:
-            yield None
+            with around(self.axes, "no_sync"):
+                yield None
         finally:
-            self._sync_grads = previous[0]
-            if self.reducer is not None:
-                self.reducer.sync_enabled = previous[1]
+            self._sync_grads = previous
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """Lightning's, marked as a step every rank runs: a recompute inside it reruns the forward's
@@ -817,13 +829,10 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def pre_backward(self, closure_loss: Tensor) -> None:
-        if self.reducer is not None:
-            self.reducer.prepare_for_backward()
+        each(self.axes, "pre_backward")
 
     def post_backward(self, closure_loss: Tensor) -> None:
-        if self.reducer is not None:
-            self.reducer.finish_sync()
-            self.shard_gradients()
+        each(self.axes, "post_backward")
 
     def shard_gradients(self) -> None:
         """With ``zero_stage``, once the step's gradients are averaged: each piece takes its gradient."""
@@ -852,8 +861,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         if self._watchdog is not None:
             self._watchdog.stop()
             self._watchdog = None
-        if self.reducer is not None:  # kept (without hooks) so its stats can be read after fit
-            self.reducer.remove_hooks()
+        each(self.axes, "teardown")
         self._forget_parameter_set()
         module = self.lightning_module
         if module is not None and self._compiled_blocks and not self.model_is_split():

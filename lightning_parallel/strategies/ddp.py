@@ -277,11 +277,6 @@ class DDPStrategy(ParallelStrategyBase):
         self._reducer_arguments = (list(named_params), dict(kwargs))
         return FullyShardedGradientReducer(named_params, self.dp_group, self.sharded_parameters, **kwargs)
 
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
-        super().post_backward(closure_loss)
-        if self.sharded_parameters is not None:
-            self.sharded_parameters.after_backward()
-
     def full_model_state(self) -> dict[str, Any]:
         """With ``zero_stage=3``: every unit gathered (a collective), the state copied out, freed again."""
         if self.sharded_parameters is None:
@@ -298,13 +293,6 @@ class DDPStrategy(ParallelStrategyBase):
     def held_parameters(self) -> list[torch.Tensor]:
         """Parameter memory held beside the module's own (``zero_stage=3``: this rank's shards)."""
         return [] if self.sharded_parameters is None else self.sharded_parameters.held_tensors()
-
-    def teardown(self) -> None:
-        """With ``zero_stage=3`` the module leaves fit whole: every unit gathered, the hooks removed."""
-        if self.sharded_parameters is not None:
-            self.sharded_parameters.teardown()
-            self.sharded_parameters = None
-        super().teardown()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._forward(super().training_step, *args, **kwargs)

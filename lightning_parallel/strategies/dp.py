@@ -16,8 +16,10 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_parallel.distributed.master import gather_mean_to_master
+from lightning_parallel.distributed.mesh import MeshShape
 from lightning_parallel.distributed.replicas import broadcast_module_states, broadcast_tensors
 from lightning_parallel.materialize import has_meta_tensors
+from lightning_parallel.strategies.axes import Axis
 from lightning_parallel.strategies.base import ParallelStrategyBase
 
 __all__ = ["DataParallelStrategy"]
@@ -44,6 +46,10 @@ class DataParallelStrategy(ParallelStrategyBase):
             broadcast_module_states(self.lightning_module, src=0)
         self.apply_activation_checkpointing()
         self.apply_compile()
+
+    def step_axes(self, shape: MeshShape) -> list[Axis]:
+        """None: the gradients go to rank 0 in ``post_backward``, and only rank 0 steps (below)."""
+        return []
 
     def post_backward(self, closure_loss: Tensor) -> None:
         if self._sync_grads:

@@ -1,7 +1,8 @@
-"""ExpertParallel (mixin of ParallelStrategy): what ``expert_parallel_size`` adds to the strategy.
+"""ExpertParallel (mixin of ParallelStrategy): what ``expert_parallel_size`` adds to the strategy; its step
+hooks are the ``Experts`` axis (``axes.py``).
 
 The checks of the option against the others, the ep axis of the mesh (it divides dp), the placement of
-this rank's experts inside ``set_up_share`` (``tensor.apply_expert_parallel``, composed with the
+this rank's experts inside ``set_up_share`` (``moe.expert_parallel.apply_expert_parallel``, composed with the
 tensor-parallel cut), the experts' gradients divided by ep and averaged over their replicas by a second
 reducer over the ``edp`` group (none where each expert has one replica), driven beside the dp reducer in
 every backward and under gradient accumulation. Under pipeline stages the ep and edp groups are those of
@@ -12,10 +13,9 @@ dp reducer does for the schedules that do not overlap it.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
-from typing import Any, Callable, Generator, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,9 +31,10 @@ from lightning_parallel.moe.expert_parallel import (
     scale_expert_gradients,
 )
 from lightning_parallel.strategies.checks import positive_int, require
+from lightning_parallel.strategies.data_parallel_axes import DataParallel
 from lightning_parallel.tensor.full_state import cut_experts, expert_pieces
 
-__all__ = ["ExpertParallel", "EP_REFUSED"]
+__all__ = ["ExpertParallel", "Experts", "EP_REFUSED"]
 
 Cut = Callable[[str, torch.Tensor], torch.Tensor]
 
@@ -148,41 +149,19 @@ class ExpertParallel:
             else frozenset()
         )
 
-    # ----------------------------------------------------------------- per step
-    @contextmanager
-    def block_backward_sync(self) -> Generator:
-        """As the base's, for the experts' reducer too."""
-        reducer = self.expert_reducer
-        previous = reducer.sync_enabled if reducer is not None else None
-        if reducer is not None:
-            reducer.sync_enabled = False
-        try:
-            with super().block_backward_sync():
-                yield None
-        finally:
-            if reducer is not None:
-                reducer.sync_enabled = previous
 
-    def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        super().pre_backward(closure_loss)
-        if self.expert_reducer is not None and not self.pipelined:
-            self.expert_reducer.prepare_for_backward()
+class Experts(DataParallel):
+    """The experts' gradients averaged over their replicas (the ``edp`` group) by ``expert_reducer``, as
+    ``DataParallel`` averages the other parameters' over dp; under pipeline stages once after the schedule
+    (the experts' reducer has no hooks there)."""
 
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
-        """After the dp reducer's: the experts' average over their replicas (pipeline stages: of the
-        gradients the schedule left in ``.grad``, once per optimizer step)."""
-        super().post_backward(closure_loss)
-        if self.expert_reducer is None:
-            return
-        if not self.pipelined:
-            self.expert_reducer.finish_sync()
-        elif self._sync_grads:
-            self.expert_reducer.average_now()
+    name = "experts"
 
-    def teardown(self) -> None:
-        if self.expert_reducer is not None:
-            self.expert_reducer.remove_hooks()
-        super().teardown()
+    def __init__(self, strategy: Any, after_schedule: bool = False) -> None:
+        super().__init__(strategy, after_schedule, overlapped=False)
+
+    def reducer(self) -> Optional[GradientReducer]:
+        return self.strategy.expert_reducer
 
 
 def _then_experts(

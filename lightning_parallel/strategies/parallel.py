@@ -16,7 +16,9 @@ that knows no strategy class (``configure_parallelism`` reads as that order):
    step; the ``async`` schedule's finished gradient is averaged at once, after the step); the experts'
    over their replicas (the ``edp`` group), after a division by ep.
 
-Steps 1 to 3 run on the module built on meta (``set_up_share``): a rank allocates only its share.
+Steps 1 to 3 run on the module built on meta (``set_up_share``): a rank allocates only its share. Each
+step then calls the axes of ``step_axes`` (``axes.py``) in the order the gradients are finished: the dp
+average, the pipeline's sum over the stages, ZeRO's pieces, the experts' average, tensor parallelism.
 Checkpoints stack the gathers in the same order: over tp (full tensors), then over ep (every expert), then
 over pp (the stages' parts), so a checkpoint of any layout holds the single-device state under
 single-device names and loads into any other layout; clipping uses the norm of the whole model over tp and
@@ -46,6 +48,7 @@ from lightning_parallel.checkpointing.by_name import (
     state_from_full,
 )
 from lightning_parallel.checkpointing.contract import check_keys, unwrapped
+from lightning_parallel.distributed.mesh import MeshShape
 from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.zero import ShardedGradientReducer
 from lightning_parallel.every_rank import training_step_scope
@@ -58,13 +61,16 @@ from lightning_parallel.parameter_set import ParameterChange
 from lightning_parallel.pipeline.partition import partition
 from lightning_parallel.pipeline.placement import global_stage
 from lightning_parallel.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, virtual_stages_problem
+from lightning_parallel.strategies.axes import Axis
 from lightning_parallel.strategies.base import ParallelStrategyBase
 from lightning_parallel.strategies.checks import one_of, positive_int, require
-from lightning_parallel.strategies.expert_stages import ExpertParallel
+from lightning_parallel.strategies.data_parallel_axes import DataParallel, Zero
+from lightning_parallel.strategies.expert_stages import ExpertParallel, Experts
 from lightning_parallel.strategies.options import level_problems
 from lightning_parallel.strategies.pipeline_async import AsyncPipelineMixin
-from lightning_parallel.strategies.pipeline_stages import PipelineStages
+from lightning_parallel.strategies.pipeline_stages import Pipeline, PipelineStages
 from lightning_parallel.strategies.plan_verification import PlanVerification
+from lightning_parallel.strategies.tensor_axis import TensorParallel
 from lightning_parallel.strategies.whole_model import (
     WholeModel,
     give_back,
@@ -105,9 +111,7 @@ SP_WITH_PP = (
 )
 
 
-class ParallelStrategy(
-    ExpertParallel, PipelineStages, AsyncPipelineMixin, PlanVerification, ParallelStrategyBase
-):
+class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, ParallelStrategyBase):
     """Data x tensor x pipeline parallelism (3-D) on ``torch.distributed``; see docs/parallel_3d.md.
 
     Args:
@@ -218,7 +222,7 @@ class ParallelStrategy(
         self._stage_costs: Optional[list[float]] = None  # balance='time': each block's measured seconds
         self._init_stage_state()
         self._init_async_state()
-        self._init_verification()
+        self.plan_verification = PlanVerification(self.strategy_name)
 
     @classmethod
     def own_option_problems(cls, values: Mapping[str, Any], prefix: str = "") -> list[Optional[str]]:
@@ -273,9 +277,10 @@ class ParallelStrategy(
                 )
         return shape
 
-    def applies(self, axis: str) -> bool:
-        """Whether set-up applies the parallelism of ``axis`` ("tp" or "pp") to this run's module."""
-        return self.mesh.shape.size(axis) > 1 or axis in self.always_applied
+    def applies(self, axis: str, shape: Optional[MeshShape] = None) -> bool:
+        """Whether set-up applies the parallelism of ``axis`` ("tp" or "pp") to this run's module (of
+        ``shape``, by default this run's mesh)."""
+        return (shape or self.mesh.shape).size(axis) > 1 or axis in self.always_applied
 
     def model_is_split(self) -> bool:
         return self.pipelined or self._is_sharded() or self._has_experts_split()
@@ -284,10 +289,12 @@ class ParallelStrategy(
         return self.lightning_module is not None and bool(sharded_parameters(self.lightning_module))
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Marked as a step every rank runs around the mixins' steps (a pipeline's schedule, with its
-        backwards, does not reach the base's): ``every_rank.py``."""
-        with training_step_scope():
+        """A partitioned module's step is its stage's schedule, with its backwards (``PipelineStages``), in
+        the base's ``step_scope``."""
+        if not self.pipelined:
             return super().training_step(*args, **kwargs)
+        with self.step_scope():
+            return self.pipelined_training_step(*args, **kwargs)
 
     def drain(self) -> None:
         """The async pipeline's backwards still in flight (a recompute among them) belong to the training
@@ -296,6 +303,21 @@ class ParallelStrategy(
             super().drain()
 
     # ----------------------------------------------------------------- set-up: the composition
+    def step_axes(self, shape: MeshShape) -> list[Axis]:
+        """The axes whose hooks every step runs, in the order they run (``axes.py`` says why): the
+        data-parallel average, the pipeline's sum over the stages, ZeRO's pieces, the experts' average over
+        their replicas, tensor parallelism, plan verification."""
+        pipelined, dp = self.applies("pp", shape), shape.dp > 1
+        axes = [
+            DataParallel(self, after_schedule=pipelined, overlapped=self.overlaps_reducer) if dp else None,
+            Pipeline(self) if pipelined else None,
+            Zero(self) if self.zero_stage and dp else None,
+            Experts(self, after_schedule=pipelined) if shape.ep > 1 and shape.size("edp") > 1 else None,
+            TensorParallel(self) if self.applies("tp", shape) else None,
+            self.plan_verification if self.verify_plan and self.applies("tp", shape) else None,
+        ]
+        return [axis for axis in axes if axis is not None]
+
     def configure_parallelism(self) -> None:
         module = self.lightning_module
         shape = self.mesh.shape
@@ -394,7 +416,7 @@ class ParallelStrategy(
                 self.resolved.sequence = resolve_sequence(module, self.resolved, self._plan, run)
             check_coverage(module, self.resolved, self.require_sharded)
             if self.verify_plan:
-                self.keep_reference(module, self.resolved, pipelined=self.applies("pp"))
+                self.plan_verification.keep_reference(module, self.resolved, pipelined=self.applies("pp"))
         self._stage_costs = self.prepare_stages(module) if self.applies("pp") else None
         self.check_experts(module)
 
@@ -493,12 +515,6 @@ class ParallelStrategy(
             for p, how in replicated_blocks(self.lightning_module).items()
             if min(c for _, c in how.spec.parts) == 1
         }
-
-    # ----------------------------------------------------------------- per step
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
-        super().post_backward(closure_loss)
-        for entry in self._entries:
-            entry.clear()  # do not keep the step's activations alive
 
     # ----------------------------------------------------------------- checkpoints: gathers over tp, ep, then pp
     def full_state_keys(self) -> list[str]:
@@ -634,10 +650,5 @@ class ParallelStrategy(
         self._compiled_blocks = []
 
     def teardown(self) -> None:
-        self.give_back_whole()
-        self._entries = []
-        sums = installed_gradient_sums(self.lightning_module) if self.lightning_module is not None else None
-        if sums is not None:  # the split module keeps its sums; this fit's reducer hears no more
-            sums.report_to(None)
-        self.drop_reference()
+        self.give_back_whole()  # then the axes' teardowns (the base's)
         super().teardown()

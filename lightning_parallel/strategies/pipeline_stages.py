@@ -1,6 +1,7 @@
 """Pipeline stages in Lightning's terms: the part of ``ParallelStrategy`` that runs a step as micro-batches
 through this rank's stage (``PipelineStages``, a mixin, active once the module is partitioned; the
-``async`` schedule's part is ``pipeline_async.AsyncPipelineMixin``).
+``async`` schedule's part is ``pipeline_async.AsyncPipelineMixin``). Its step hooks are the ``Pipeline``
+axis (``axes.py``), which the strategy calls in its list after the data-parallel average.
 
 How a step runs (Lightning's closure is training_step -> zero_grad -> backward):
 
@@ -10,7 +11,7 @@ How a step runs (Lightning's closure is training_step -> zero_grad -> backward):
   ``zero_grad`` would wipe them) and the full-batch loss is returned on every stage.
 - data parallel (``data_parallel_size > 1``): the backwards accumulate into the ``GradientReducer``'s
   buckets, whose all-reduces over the stage's replicas start during the stage's last backward of the
-  step (only on the last step of a gradient-accumulation window); ``post_backward`` waits for them.
+  step (only on the last step of a gradient-accumulation window); the ``DataParallel`` axis waits for them.
 - ``backward``: Lightning's backward of the returned loss touches no parameter; ``pre_backward`` puts
   the set-aside gradients back (added, for gradient accumulation); the gradients of the modules
   replicated outside the block stack are summed over the stages: with one replica on every micro-step
@@ -92,9 +93,10 @@ from lightning_parallel.pipeline.timeline import (
     write_svg,
 )
 from lightning_parallel.step_effects import capture_logs, untouched
+from lightning_parallel.strategies.axes import Axis
 from lightning_parallel.strategies.checks import require
 
-__all__ = ["PipelineStages"]
+__all__ = ["PipelineStages", "Pipeline"]
 
 
 class PipelineStages:
@@ -341,9 +343,8 @@ class PipelineStages:
         )
 
     # ----------------------------------------------------------------- steps
-    def training_step(self, batch: Any, batch_idx: int, *args: Any) -> Tensor:
-        if not self.pipelined:
-            return super().training_step(batch, batch_idx, *args)
+    def pipelined_training_step(self, batch: Any, batch_idx: int, *args: Any) -> Tensor:
+        """The training step of a partitioned module: this stage's schedule on the batch's micro-batches."""
         params = list(self.lightning_module.parameters())
         earlier = [p.grad for p in params]  # accumulated so far (or stale: the closure zeroes them next)
         step_fn = lambda mb: Strategy.training_step(self, mb, batch_idx, *args)  # noqa: E731
@@ -634,9 +635,9 @@ class PipelineStages:
             else:
                 p.grad.copy_(value)  # keeps a reducer's bucket view
 
-    def pre_backward(self, closure_loss: Tensor) -> None:
-        if not self.pipelined:
-            return super().pre_backward(closure_loss)
+    def restore_set_aside(self) -> None:
+        """Before Lightning's backward: the gradients the schedule set aside put back (added to those
+        accumulated), with one replica the stages' sum of the replicated modules' waited for."""
         if self._replicated_sum is not None:
             self._set_aside, self._replicated_sum = self._replicated_sum(), None
         for p, fresh in zip(self.lightning_module.parameters(), self._set_aside):
@@ -648,18 +649,27 @@ class PipelineStages:
                 p.grad += fresh
         self._set_aside = []
 
-    def post_backward(self, closure_loss: Tensor) -> None:
-        if not self.pipelined:
-            return super().post_backward(closure_loss)
+    def finish_stage_gradients(self) -> None:
+        """After Lightning's backward and the data-parallel average (``DataParallel``, in the axes' order):
+        the averaged gradients of the replicated modules summed over the stages, once per optimizer step
+        (the async schedule sums a batch's when it is finished: ``AsyncGradients``)."""
         self._accumulating = not self._sync_grads
-        if self._accumulating:
-            return
-        if self.reducer is not None and self.schedule == "async":
-            self.reducer.average_now()  # a gradient finished a step earlier, now back in .grad
-        elif self.reducer is not None and not self.overlaps_reducer:
-            self.reducer.average_now()  # several chunks or split backwards: once, after the schedule
+        if not self._accumulating and self.reducer is not None and self.schedule != "async":
             self._sum_averaged_replicated()
-        elif self.reducer is not None:
-            self.reducer.finish_sync()
-            self._sum_averaged_replicated()
-        self.shard_gradients()
+
+
+class Pipeline(Axis):
+    """Pipeline stages: the schedule ran the step's backwards inside the training step; Lightning's
+    backward of the returned loss finds their gradients put back, and after the data-parallel average the
+    modules every stage holds are summed over the stages (``PipelineStages``)."""
+
+    name = "pipeline"
+
+    def __init__(self, strategy: PipelineStages) -> None:
+        self.strategy = strategy
+
+    def pre_backward(self) -> None:
+        self.strategy.restore_set_aside()
+
+    def post_backward(self) -> None:
+        self.strategy.finish_stage_gradients()

@@ -1,17 +1,19 @@
 """``verify_plan=True``: on the first training batch, the sharded module's top-level parts that the plan
-touched are run again unsharded on the same inputs, and a difference fails the run (a mixin of
-``ParallelStrategy``)."""
+touched are run again unsharded on the same inputs, and a difference fails the run (an axis of
+``ParallelStrategy``: ``axes.py``)."""
 
 from __future__ import annotations
 
 import copy
-from typing import Any, Mapping, Optional
+from contextlib import contextmanager
+from typing import Any, Iterator, Mapping, Optional
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_parallel.materialize import has_meta_tensors
+from lightning_parallel.strategies.axes import Axis
 from lightning_parallel.tensor import ResolvedPlan
 
 __all__ = ["PlanVerification", "PlanVerificationError"]
@@ -31,11 +33,15 @@ def _max_diff(a: Any, b: Any) -> float:
     return 0.0
 
 
-class PlanVerification:
-    """Keeps unsharded copies of what the plan touches until the first training batch compares them."""
+class PlanVerification(Axis):
+    """Keeps unsharded copies of what the plan touches until the first training step compares them."""
 
-    def _init_verification(self) -> None:
+    name = "plan_verification"
+
+    def __init__(self, strategy_name: str) -> None:
+        self.strategy_name = strategy_name
         self._reference: Optional[dict[str, nn.Module]] = None
+        self._module: Optional[nn.Module] = None
 
     def keep_reference(self, module: nn.Module, resolved: ResolvedPlan, pipelined: bool) -> None:
         """Unsharded copies of the top-level children that the plan touches (before it is applied)."""
@@ -53,15 +59,15 @@ class PlanVerification:
         touched = {a.name.split(".")[0] for a in resolved.assignments if a.style != "replicate"}
         touched |= {owner.split(".")[0] for owner, _, _ in resolved.attributes}
         self._reference = {n: copy.deepcopy(c) for n, c in module.named_children() if n in touched}
+        self._module = module
 
-    def drop_reference(self) -> None:
-        self._reference = None
-
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+    @contextmanager
+    def training_step(self) -> Iterator[None]:
+        """The first training step's inputs and outputs of the touched children recorded, then compared."""
         if self._reference is None:
-            return super().training_step(*args, **kwargs)
+            yield
+            return
         calls: dict[str, tuple[tuple, dict, Any]] = {}
-        module = self.lightning_module
 
         def record(name: str):
             def hook(mod: nn.Module, a: tuple, kw: dict, out: Any) -> None:
@@ -69,19 +75,22 @@ class PlanVerification:
 
             return hook
 
+        module = self._module
         handles = [
             getattr(module, n).register_forward_hook(record(n), with_kwargs=True) for n in self._reference
         ]
         try:
-            output = super().training_step(*args, **kwargs)
+            yield
         finally:
             for h in handles:
                 h.remove()
         self._verify(calls)
-        return output
+
+    def teardown(self) -> None:
+        self._reference = self._module = None
 
     def _verify(self, calls: dict[str, tuple[tuple, dict, Any]]) -> None:
-        reference, self._reference = self._reference, None
+        reference, self._reference, self._module = self._reference, None, None
         for name, (a, kw, out) in calls.items():
             with torch.no_grad():
                 expected = reference[name](*a, **kw)

@@ -282,9 +282,39 @@ def gradient_peak(trainer) -> dict:
     }
 
 
+AXIS_HOOKS = ("training_step", "pre_backward", "post_backward", "no_sync", "optimizer_step", "teardown")
+
+
+class AxisTrace(Callback):
+    """Records every call of a hook of the strategy's axes (``strategies/axes.py``), in order, as
+    (axis name, hook name): each hook of each axis in ``strategy.axes`` is wrapped from the start of
+    training (the hook still runs; a context is recorded when it is entered)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str]] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        for axis in getattr(trainer.strategy, "axes", []):  # the single-device reference has none
+            for hook in AXIS_HOOKS:
+                original = getattr(axis, hook)
+
+                def recorded(*args, _axis=axis.name, _hook=hook, _original=original):
+                    self.calls.append((_axis, _hook))
+                    return _original(*args)
+
+                setattr(axis, hook, recorded)
+
+
+def axis_trace(trainer) -> dict:
+    """The axes' names in the strategy's order, and what ``AxisTrace`` recorded (None without it): its live
+    list, which the worker reads after fit, the strategy's teardown included."""
+    traces = [c.calls for c in trainer.callbacks if isinstance(c, AxisTrace)]
+    return {"axes": [a.name for a in trainer.strategy.axes], "calls": traces[0] if traces else None}
+
+
 def expert_parallel(trainer) -> dict:
     """This rank's experts modules (of its pipeline stage: another stage's are left on meta): which experts
-    each holds, and the gradient groups' sizes."""
+    each holds, the gradient groups' sizes, and ``axis_trace``'s report ("axes")."""
     from lightning_parallel.moe.expert_parallel import ExpertParallelExperts
 
     strategy = trainer.strategy
@@ -295,7 +325,7 @@ def expert_parallel(trainer) -> dict:
     }
     reducer = strategy.expert_reducer
     held_by_reducer = None if reducer is None else sum(len(b.params) for b in reducer.buckets)
-    return {"held": held, "expert_reducer": held_by_reducer}
+    return {"held": held, "expert_reducer": held_by_reducer, "axes": axis_trace(trainer)}
 
 
 expert_parallel.before_teardown = True

@@ -61,6 +61,13 @@ def with_options(c: dict, suffix: str, **options) -> dict:
     return {**c, "name": f"{c['name']}-{suffix}", "strategy": strategy}
 
 
+def traced(c: dict, axes: list[str]) -> dict:
+    """``c`` with every call of its axes' hooks recorded (``AxisTrace``), which ``check`` compares with
+    ``axes``, the strategy's order."""
+    callbacks = [*c.get("callbacks", []), {"class": "tests.helpers.probes:AxisTrace"}]
+    return {**c, "callbacks": callbacks, "axes": axes}
+
+
 def pipelined(c: dict, schedule: str) -> dict:
     """``c`` over 2 pipeline stages (one layer each) with 2 micro-batches, the experts of each stage shared out
     over its ep ranks."""
@@ -74,7 +81,7 @@ CASES_2 = [
     with_options(case("mixtral", 2, 2), "recompute", activation_checkpointing=True),  # all-to-alls replayed
     # ZeRO shards the replicated parameters over dp; each rank's optimizer holds its experts whole
     with_options(case("mixtral", 2, 2, momentum=0.9), "zero1", zero_stage=1),
-    with_options(adamw(case("mixtral", 2, 2)), "zero2", zero_stage=2),
+    traced(with_options(adamw(case("mixtral", 2, 2)), "zero2", zero_stage=2), ["data_parallel", "zero"]),
     with_options(
         case("mixtral", 2, 2, momentum=0.9), "zero1-recompute", zero_stage=1, activation_checkpointing=True
     ),
@@ -133,13 +140,22 @@ CASES_4 = [
     pipelined(case("mixtral", 2, 2), "1f1b"),
     pipelined(case("qwen2_moe", 2, 2), "zb_h1"),
     # and ZeRO: each stage's replicated parameters sharded over dp, clipping summed over the world
-    with_options(pipelined(case("mixtral", 2, 2, momentum=0.9, clip=0.05), "1f1b"), "zero1", zero_stage=1),
+    traced(
+        with_options(
+            pipelined(case("mixtral", 2, 2, momentum=0.9, clip=0.05), "1f1b"), "zero1", zero_stage=1
+        ),
+        ["data_parallel", "pipeline", "zero"],
+    ),
 ]
 # 2 replicas of each expert under pipeline stages: their average over edp after the schedule, under accumulation
-CASE_8 = {
-    **pipelined(case("mixtral", 2, 4, momentum=0.9), "1f1b"),
-    "trainer": {**F64, "accumulate_grad_batches": 2},
-}
+# (the experts' axis runs after the pipeline's, whose hooks once ended a chain before it)
+CASE_8 = traced(
+    {
+        **pipelined(case("mixtral", 2, 4, momentum=0.9), "1f1b"),
+        "trainer": {**F64, "accumulate_grad_batches": 2},
+    },
+    ["data_parallel", "pipeline", "experts"],
+)
 
 
 def resumed(c: dict, dp: int, ep: int, steps: int, ckpt: str) -> dict:
@@ -190,6 +206,30 @@ def check(tmp, world: int, c: dict, results: dict) -> None:
         first = (rank // (kwargs["tensor_parallel_size"] * pp) % ep) * (EXPERTS // ep)
         assert {v[:2] for v in held.values()} == {(first, EXPERTS // ep)}, (rank, held)
         assert (result["probe"]["expert_reducer"] is None) == (dp == ep), result["probe"]
+        if "axes" in c:
+            check_axis_trace(c, result["probe"]["axes"])
+
+
+def check_axis_trace(c: dict, report: dict) -> None:
+    """Every hook of every axis ran, each call of a hook going through the axes in the strategy's order:
+    once per batch (the training step, the backward's two hooks), per optimizer step, per accumulating
+    micro-step (``no_sync``), and once at the end of fit (``teardown``)."""
+    axes, calls = c["axes"], report["calls"]
+    assert report["axes"] == axes, report["axes"]
+    steps, accumulate = c["trainer"]["max_steps"], c["trainer"].get("accumulate_grad_batches", 1)
+    runs: list[tuple[str, list[str]]] = []  # consecutive calls of one hook: (hook, the axes it reached)
+    for axis, hook in calls:
+        if runs and runs[-1][0] == hook and len(runs[-1][1]) < len(axes):
+            runs[-1][1].append(axis)
+        else:
+            runs.append((hook, [axis]))
+    assert all(reached == axes for _, reached in runs), runs
+    times = {hook: sum(h == hook for h, _ in runs) for hook in {h for h, _ in runs}}
+    batches = steps * accumulate
+    expected = {"training_step": batches, "pre_backward": batches, "post_backward": batches}
+    expected |= {"optimizer_step": steps, **({"no_sync": steps * (accumulate - 1)} if accumulate > 1 else {})}
+    expected["teardown"] = 1  # the probe's list is the live one, read after the strategy's teardown
+    assert times == expected, times
 
 
 def single_name(c: dict) -> str:
