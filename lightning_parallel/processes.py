@@ -21,6 +21,10 @@ from lightning_parallel.distributed.rendezvous import HostedStore
 
 __all__ = ["ProcessResults", "start_processes", "run_processes"]
 
+#: seconds between looks at the processes: what a caller waits, at most, after the last one exits (a test
+#: session makes hundreds of launches)
+POLL_S = 0.01
+
 
 @dataclass
 class ProcessResults:
@@ -61,7 +65,7 @@ def start_processes(
                 failed_at = now
             if now > deadline or (failed_at is not None and now > failed_at + grace):
                 break
-            time.sleep(0.1)
+            time.sleep(POLL_S)
     finally:
         for p in procs:
             if p.poll() is None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli.lp import REPO, assert_no_survivors, env, explain, run_bounded
+from tests.cli.lp import REPO, assert_no_survivors, check_sweep, env, explain, run_bounded
 
 EXAMPLES = REPO / "examples"
 LP_TRAIN = f"{sys.executable} -m lightning_parallel.cli.train"
@@ -48,7 +48,10 @@ def test_hydra_app_on_a_user_module(tmp_path) -> None:
 
 @pytest.mark.timeout(420)
 def test_sweep_example(tmp_path) -> None:
+    """Also the test of a sweep defined in a config file (``experiment=sweep_strategies``: its first sweep)."""
     proc = _run(["bash", str(EXAMPLES / "sweep" / "run.sh")], tmp_path, timeout=380)
+    from_config = {f"strategy={s} trainer.devices={d}": d for s in ("lp_ddp", "lp_dp") for d in (1, 2)}
+    check_sweep(tmp_path, from_config, proc, root=tmp_path / "out" / "from_config")
     for name, n_jobs in (("from_config", 4), ("command_line", 2), ("schedules", 4)):
         root = tmp_path / "out" / name
         summaries = [json.loads((root / str(i) / "summary.json").read_text()) for i in range(n_jobs)]
@@ -96,14 +99,9 @@ def test_lightning_cli_example(tmp_path) -> None:
     proc = _run(["bash", str(EXAMPLES / "lightning_cli" / "run.sh")], tmp_path)
     saved = (tmp_path / "out" / "lightning_cli" / "lightning_logs" / "version_0" / "config.yaml").read_text()
     assert "class_path: lightning_parallel.DDPStrategy" in saved and "bucket_cap_mb: 5" in saved, saved
-    import lightning_parallel
-
-    if hasattr(lightning_parallel, "TensorParallelStrategy"):
-        saved = (
-            tmp_path / "out" / "lightning_cli" / "lightning_logs" / "version_1" / "config.yaml"
-        ).read_text()
-        assert "class_path: lightning_parallel.TensorParallelStrategy" in saved
-        assert "tensor_parallel_size: 2" in saved, saved
+    saved = (tmp_path / "out" / "lightning_cli" / "lightning_logs" / "version_1" / "config.yaml").read_text()
+    assert "class_path: lightning_parallel.TensorParallelStrategy" in saved
+    assert "tensor_parallel_size: 2" in saved, saved
     # the YAML config's class_path, from a script that never imports lightning_parallel
     script = (EXAMPLES / "lightning_cli" / "own_module.py").read_text().splitlines()
     assert not [

@@ -11,11 +11,9 @@ COMMON="--trainer.accelerator cpu --trainer.devices 2 --trainer.max_steps 10 --t
 $PYTHON "$HERE/main.py" fit $COMMON \
   --trainer.strategy lightning_parallel.DDPStrategy --trainer.strategy.bucket_cap_mb 5
 
-# with the tensor-parallel strategy, once installed:
-if $PYTHON -c "import lightning_parallel as lp, sys; sys.exit(not hasattr(lp, 'TensorParallelStrategy'))"; then
-  $PYTHON "$HERE/main.py" fit $COMMON \
-    --trainer.strategy lightning_parallel.TensorParallelStrategy --trainer.strategy.tensor_parallel_size 2
-fi
+# the tensor-parallel strategy and its size
+$PYTHON "$HERE/main.py" fit $COMMON \
+  --trainer.strategy lightning_parallel.TensorParallelStrategy --trainer.strategy.tensor_parallel_size 2
 
 # class_path in a YAML config; own_module.py does not import lightning_parallel
 $PYTHON "$HERE/own_module.py" fit --config "$HERE/config.yaml" --trainer.default_root_dir ${OUT:-outputs}/lightning_cli

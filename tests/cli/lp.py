@@ -156,3 +156,29 @@ def sweep_dir(cwd: Path) -> Path:
     dirs = [p for p in (cwd / "multirun").glob("*/*") if p.is_dir()]
     assert len(dirs) == 1, f"expected one sweep folder, found {dirs}"
     return dirs[0]
+
+
+def check_sweep(cwd: Path, expected: dict[str, int], proc, root: Path | None = None) -> Path:
+    """Every job of the sweep in ``root`` (default: the one sweep folder of ``cwd``): completed, world size as
+    asked (``expected``: {its overrides but ``experiment=``: world size}), per-rank logs in its own folder;
+    the sweep summary files; no process left."""
+    root = root or sweep_dir(cwd)  # a child re-running the sweep would have made a second one
+    jobs = sorted((p for p in root.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
+    assert len(jobs) == len(expected), explain(proc)
+    seen = {}
+    for job in jobs:
+        s = summary(job)
+        assert s["status"] == "completed", s.get("error")
+        key = " ".join(o for o in s["overrides"] if not o.startswith("experiment"))
+        seen[key] = s["world_size"]
+        assert s["world_size"] == s["devices"]  # torch.distributed's own count, inside training
+        assert (job / "train.log").exists()
+        for rank in range(1, s["world_size"]):
+            assert (job / f"train_rank{rank}.log").exists() and (job / f"train_rank{rank}.out").exists()
+        assert not (job / "multirun").exists() and not (job / "outputs").exists()
+    assert seen == expected, seen
+    for suffix in ("csv", "md", "svg"):
+        assert (root / f"sweep_summary.{suffix}").is_file()
+    assert "Sweep summary" in proc.stdout
+    assert_no_survivors(cwd)
+    return root

@@ -1,6 +1,7 @@
 """Multirun (``lp-train -m``) with multi-process strategies: one sweep folder, the right world size per
 job, per-rank logs in each job's folder, no process left, a failing job reported while the sweep goes on,
-the same under the joblib launcher, and the sweep summary (CSV, Markdown, SVG)."""
+the same under the joblib launcher, and the sweep summary (CSV, Markdown, SVG). A sweep defined in a config
+file (``experiment=sweep_strategies``) is checked where the sweep example runs it (``tests/test_examples.py``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import importlib.util
 import json
 import os
 import xml.etree.ElementTree as ET
-from pathlib import Path
 
 import pytest
 
@@ -17,31 +17,7 @@ import lightning_parallel
 from lightning_parallel.cli.json_file import write_json
 from lightning_parallel.cli.sweep import COLUMNS, collect_jobs, sweep_exit_status, write_summary
 from lightning_parallel.cli.train import EXIT_PREEMPTED
-from tests.cli.lp import QUICK, assert_no_survivors, explain, run, summary, sweep_dir
-
-
-def _check_sweep(cwd: Path, expected: dict[str, int], proc) -> Path:
-    """Every job: completed, world size as asked, per-rank logs in its own folder; one sweep folder."""
-    root = sweep_dir(cwd)  # a child re-running the sweep would have made a second one
-    jobs = sorted((p for p in root.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
-    assert len(jobs) == len(expected), explain(proc)
-    seen = {}
-    for job in jobs:
-        s = summary(job)
-        assert s["status"] == "completed", s.get("error")
-        key = " ".join(o for o in s["overrides"] if not o.startswith("experiment"))
-        seen[key] = s["world_size"]
-        assert s["world_size"] == s["devices"]  # torch.distributed's own count, inside training
-        assert (job / "train.log").exists()
-        for rank in range(1, s["world_size"]):
-            assert (job / f"train_rank{rank}.log").exists() and (job / f"train_rank{rank}.out").exists()
-        assert not (job / "multirun").exists() and not (job / "outputs").exists()
-    assert seen == expected, seen
-    for suffix in ("csv", "md", "svg"):
-        assert (root / f"sweep_summary.{suffix}").is_file()
-    assert "Sweep summary" in proc.stdout
-    assert_no_survivors(cwd)
-    return root
+from tests.cli.lp import QUICK, assert_no_survivors, check_sweep, explain, run, summary, sweep_dir
 
 
 @pytest.mark.timeout(280)
@@ -78,16 +54,6 @@ def test_failing_job_is_reported_and_the_sweep_goes_on(tmp_path) -> None:
 
 
 @pytest.mark.timeout(280)
-def test_sweep_defined_in_a_config_file(tmp_path) -> None:
-    """``experiment=sweep_strategies`` sets hydra.sweeper.params; here narrowed to one strategy."""
-    proc = run(["-m", "experiment=sweep_strategies", "hydra.sweeper.params.strategy=lp_dp"], tmp_path)
-    assert proc.returncode == 0, explain(proc)
-    _check_sweep(
-        tmp_path, {"strategy=lp_dp trainer.devices=1": 1, "strategy=lp_dp trainer.devices=2": 2}, proc
-    )
-
-
-@pytest.mark.timeout(280)
 def test_sweep_with_the_joblib_launcher(tmp_path) -> None:
     try:
         found = importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher") is not None
@@ -107,7 +73,7 @@ def test_sweep_with_the_joblib_launcher(tmp_path) -> None:
         tmp_path,
     )
     assert proc.returncode == 0, explain(proc)
-    _check_sweep(
+    check_sweep(
         tmp_path,
         {
             "strategy=lp_ddp trainer.devices=1": 1,
@@ -140,7 +106,7 @@ def test_sweep_over_ddp_tensor_and_pipeline_parallel(tmp_path) -> None:
         timeout=285,
     )
     assert proc.returncode == 0, explain(proc)
-    root = _check_sweep(
+    root = check_sweep(
         tmp_path,
         {f"strategy={s} trainer.devices={d} model.n_layer=2": d for s in strategies for d in (1, 2)},
         proc,

@@ -7,6 +7,7 @@ crash never turns into a hang, and no process outlives the call.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import socket
@@ -24,6 +25,8 @@ from tests.helpers.worker import run_case
 __all__ = [
     "free_port",
     "run_single",
+    "run_single_once",
+    "training_key",
     "run_distributed",
     "start_processes",
     "distributed_command",
@@ -55,6 +58,28 @@ def run_single(case: dict, tmp_path: Path) -> dict:
     out = tmp_path / "single" / case["name"]
     out.mkdir(parents=True, exist_ok=True)
     return run_case({**case, "dp_size": 1}, world_size=1, out_dir=out)
+
+
+def training_key(case: dict) -> str:
+    """What decides what a case computes: the whole case but its name (which only names its folder)."""
+    return json.dumps({k: v for k, v in case.items() if k != "name"}, sort_keys=True)
+
+
+#: the one-device results of this test session, by what decides the training (the case less its name)
+_ONE_DEVICE: dict[str, dict] = {}
+
+
+def run_single_once(case: dict, tmp_path: Path) -> dict:
+    """``run_single``, once per test session for each training: a case that differs from an earlier one only
+    in its name gets a copy of that one's result (the same seed, model, data and float64 steps: the same
+    numbers), where several tests compare with the same reference. A case whose files are read back (a
+    checkpoint it saves, its callbacks' or logger's files) runs each time."""
+    if case.get("save_checkpoint") or case.get("callbacks") or case.get("csv_logger"):
+        return run_single(case, tmp_path)
+    key = training_key(case)
+    if key not in _ONE_DEVICE:
+        _ONE_DEVICE[key] = run_single(case, tmp_path)
+    return copy.deepcopy(_ONE_DEVICE[key])
 
 
 def worker_env(rank: int, world_size: int, local_world_size: int | None = None) -> dict:

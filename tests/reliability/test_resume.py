@@ -279,7 +279,12 @@ def launch(
     if kill is None or kill[2] == "SIGTERM":  # SIGTERM: saves, stops and exits cleanly
         run_processes(cmd, envs, timeout=240, cwd=cwd, grace=2.0, rendezvous=True)
         return
-    result = start_processes(cmd, envs, timeout=240, cwd=cwd, grace=2.0, rendezvous=True)
+    # a rank that kills itself after a step leaves its peer blocked in the next step's collective, where
+    # nothing it could still do is looked at: the peer is killed at once, as torchrun kills the ranks left
+    # when one dies (a grace period here only waited, 2 s a launch). A rank that dies inside a save may
+    # leave its peer mid-save or failing on its own: that peer gets the grace period
+    grace = 2.0 if "die_in_save" in cases[-1] else 0.0
+    result = start_processes(cmd, envs, timeout=240, cwd=cwd, grace=grace, rendezvous=True)
     rank = kill[1]
     if cases[-1].get("die_in_save") in (
         "disk_full",

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from tests.helpers.harness import assert_params_close, max_param_diff, run_distributed, run_single
+from tests.helpers.harness import assert_params_close, max_param_diff, run_distributed, run_single_once
 
 MODEL = "tests.helpers.models:MLP"
 DATA = "tests.helpers.models:RegressionData"
@@ -62,7 +62,7 @@ def test_matches_single_device_float64(ddp_results, strategy, variant):
     tmp, results = ddp_results
     ranks = results[f"{strategy}-{variant}"]
     kw = VARIANTS[variant]
-    reference = run_single(case(f"single-{variant}", "auto", **kw), tmp)
+    reference = run_single_once(case(f"single-{variant}", "auto", **kw), tmp)
     for rank_result in ranks:
         assert_params_close(rank_result["state_dict"], reference["state_dict"], atol=1e-10)
         assert list(rank_result["state_dict"]) == list(reference["state_dict"])
@@ -74,7 +74,7 @@ def test_matches_single_device_float64(ddp_results, strategy, variant):
         mean_losses, torch.tensor(reference["losses"], dtype=torch.float64), atol=1e-6, rtol=0
     )
     # training moved the parameters: the comparison is not vacuous
-    initial = run_single(
+    initial = run_single_once(
         case(
             f"init-{variant}",
             "auto",
@@ -89,7 +89,7 @@ def test_matches_single_device_float64(ddp_results, strategy, variant):
 @pytest.mark.timeout(400)
 def test_many_small_buckets_match(ddp_results):
     tmp, results = ddp_results
-    reference = run_single(case("single-momentum", "auto", model_kwargs={"momentum": 0.9}), tmp)
+    reference = run_single_once(case("single-momentum", "auto", model_kwargs={"momentum": 0.9}), tmp)
     for rank_result in results["lp_ddp-small-buckets"]:
         assert_params_close(rank_result["state_dict"], reference["state_dict"], atol=1e-10)
 
@@ -143,7 +143,7 @@ def test_buckets_overlap_backward_and_skip_accumulating_steps(inside_results):
 @pytest.mark.parametrize("hook", ["fp16", "bf16"])
 def test_compressed_gradients_stay_close(inside_results, hook):
     tmp, results = inside_results
-    reference = run_single(case("single-plain", "auto"), tmp)
+    reference = run_single_once(case("single-plain", "auto"), tmp)
     diff = max_param_diff(results[hook][0]["state_dict"], reference["state_dict"])
     assert 0 < diff < (1e-3 if hook == "fp16" else 1e-2), diff  # lossy, but only by the wire's precision
     assert max_param_diff(results[hook][0]["state_dict"], results[hook][1]["state_dict"]) == 0
@@ -152,7 +152,7 @@ def test_compressed_gradients_stay_close(inside_results, hook):
 @pytest.mark.timeout(400)
 def test_sync_batchnorm_matches_single_device_batchnorm(inside_results):
     tmp, results = inside_results
-    reference = run_single(case("single-bn", "auto", model="tests.helpers.models:BatchNormNet"), tmp)
+    reference = run_single_once(case("single-bn", "auto", model="tests.helpers.models:BatchNormNet"), tmp)
     for rank_result in results["syncbn"]:
         # parameters and running statistics (buffers are in the state dict)
         assert_params_close(rank_result["state_dict"], reference["state_dict"], atol=1e-10)
@@ -183,7 +183,7 @@ def test_unused_parameters_without_flag_fail_with_their_names(tmp_path):
 @pytest.mark.timeout(400)
 def test_bf16_mixed_precision_trains_like_single_device(inside_results):
     tmp, results = inside_results
-    reference = run_single(
+    reference = run_single_once(
         case("single-bf16", "auto", trainer={"precision": "bf16-mixed"}, data_kwargs=F32_DATA), tmp
     )
     ours = results["bf16-mixed"]

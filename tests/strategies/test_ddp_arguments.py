@@ -12,7 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 import lightning_parallel as lp
 from lightning_parallel.strategies.ddp import NOT_APPLICABLE
 from lightning_parallel.strategies.options import options
-from tests.helpers.harness import assert_params_close, max_param_diff, run_distributed, run_single
+from tests.helpers.harness import assert_params_close, max_param_diff, run_distributed, run_single_once
 from tests.strategies.test_ddp import case
 
 OURS = {o.name for o in options(lp.DDPStrategy, configurable=False)}
@@ -143,7 +143,7 @@ def results(tmp_path_factory):
 def test_trains_like_one_device(results, name):
     tmp, found = results
     extra = EXACT[name][1]
-    reference = run_single(case(f"single-{name}", "auto", **extra), tmp)
+    reference = run_single_once(case(f"single-{name}", "auto", **extra), tmp)
     for rank_result in found[name]:
         assert_params_close(rank_result["state_dict"], reference["state_dict"], atol=1e-10)
         # the .grad tensors are the buckets, or separate from them, as asked (unused ones are None)
@@ -157,7 +157,7 @@ def test_a_wrapped_hook_is_the_hook_it_equals(results):
     _, found = results
     assert max_param_diff(found["fp16-wrapper"][0]["state_dict"], found["fp16-hook"][0]["state_dict"]) == 0
     tmp, _ = results
-    reference = run_single(case("single-plain", "auto"), tmp)
+    reference = run_single_once(case("single-plain", "auto"), tmp)
     assert 0 < max_param_diff(found["fp16-wrapper"][0]["state_dict"], reference["state_dict"]) < 1e-3
 
 
@@ -169,7 +169,7 @@ def test_post_local_sgd_averages_every_period(results):
     after5, after4 = found["post-local-sgd-5"], found["post-local-sgd-4"]
     assert max_param_diff(after5[0]["state_dict"], after5[1]["state_dict"]) < 1e-12
     assert max_param_diff(after4[0]["state_dict"], after4[1]["state_dict"]) > 1e-6
-    reference = run_single(case("single-plain", "auto"), tmp)
+    reference = run_single_once(case("single-plain", "auto"), tmp)
     assert max_param_diff(after5[0]["state_dict"], reference["state_dict"]) > 1e-6  # local steps happened
 
 

@@ -11,6 +11,7 @@ from tests.helpers.harness import (
     max_param_diff,
     run_distributed,
     run_single,
+    run_single_once,
 )
 from tests.helpers.worker import load_object
 
@@ -211,7 +212,7 @@ def reference(c, tmp, **trainer):
         "trainer": {**c["trainer"], **trainer},
         "probe": None,
     }
-    return run_single(ref, tmp)
+    return run_single_once(ref, tmp)
 
 
 def emulation(c, tmp, model="tests.helpers.pp_models:AsyncRuleEmulation", **fields):
@@ -223,7 +224,7 @@ def emulation(c, tmp, model="tests.helpers.pp_models:AsyncRuleEmulation", **fiel
         "strategy": "auto",
         "save_checkpoint": False,
     }
-    return run_single({**run, **fields}, tmp)
+    return run_single_once({**run, **fields}, tmp)
 
 
 def check(tmp, results, world, c):

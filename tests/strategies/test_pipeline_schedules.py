@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from lightning_parallel.pipeline.schedules import SCHEDULES, activation_bound
-from tests.helpers.harness import assert_params_close, run_distributed, saved_checkpoint
+from tests.helpers.harness import assert_params_close, run_distributed, saved_checkpoint, training_key
 from tests.strategies.test_parallel_3d import DDP, PARALLEL, layout
 from tests.strategies.test_parallel_3d import case as parallel_case
 from tests.strategies.test_pipeline import case, check
@@ -97,11 +97,12 @@ COMPOSED = {  # world size: lp_parallel cases, each compared with the same model
     + [composed(f"llama-dp2pp2-{s}", "llama", s, 2, 1, 2, 4) for s in NEW],
     8: [composed(f"gpt-2x2x2-{s}", "gpt", s, 2, 2, 2, 4) for s in NEW],
 }
-REFERENCES = [
-    {**c, "name": f"ref-{c['name']}", "strategy": {"class": DDP, "kwargs": {}}, "dp_size": 1}
-    for cases in COMPOSED.values()
-    for c in cases
-]
+REFERENCES: dict[str, dict] = {}  # by training: composed cases of the same model, data and steps share one
+REFERENCE_OF: dict[str, str] = {}  # composed case: the name of its reference
+for _cases in COMPOSED.values():
+    for _c in _cases:
+        _ref = {**_c, "name": f"ref-{_c['name']}", "strategy": {"class": DDP, "kwargs": {}}, "dp_size": 1}
+        REFERENCE_OF[_c["name"]] = REFERENCES.setdefault(training_key(_ref), _ref)["name"]
 ALL_COMPOSED = [(world, c) for world, cases in COMPOSED.items() for c in cases]
 
 
@@ -120,7 +121,7 @@ def runs4(tmp_path_factory):
 @pytest.fixture(scope="module")
 def composed_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("schedules_composed")
-    run_distributed(REFERENCES, world_size=1, tmp_path=tmp, timeout=600)
+    run_distributed(list(REFERENCES.values()), world_size=1, tmp_path=tmp, timeout=600)
     for world, cases in COMPOSED.items():
         run_distributed(cases, world_size=world, tmp_path=tmp, timeout=600)
     return tmp
@@ -144,7 +145,7 @@ def test_four_processes_match_single_device(runs4, c):
 @pytest.mark.parametrize("world,c", ALL_COMPOSED, ids=[c["name"] for _, c in ALL_COMPOSED])
 def test_lp_parallel_layouts_built_on_meta_match_one_device(composed_runs, world, c):
     full = saved_checkpoint(composed_runs, world, c["name"])["state_dict"]
-    reference = saved_checkpoint(composed_runs, 1, f"ref-{c['name']}")["state_dict"]
+    reference = saved_checkpoint(composed_runs, 1, REFERENCE_OF[c["name"]])["state_dict"]
     assert_params_close(full, reference, atol=1e-10)
 
 

@@ -16,7 +16,7 @@ schedule on 2 real gloo processes (2 stages, float64), against one process:
 import pytest
 import torch
 
-from tests.helpers.harness import assert_params_close, max_param_diff, run_distributed, run_single
+from tests.helpers.harness import assert_params_close, max_param_diff, run_distributed, run_single_once
 
 PP = "lightning_parallel:PipelineParallelStrategy"
 DDP = "lightning_parallel:DDPStrategy"
@@ -132,7 +132,7 @@ def reference(c, tmp, model=None, **model_kwargs):
         "strategy": "auto",
         "save_checkpoint": False,
     }
-    return run_single(single, tmp)
+    return run_single_once(single, tmp)
 
 
 @pytest.mark.slow
