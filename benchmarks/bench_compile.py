@@ -40,6 +40,7 @@ from common import (  # noqa: E402
     append_record,
     benchmark_parser,
     interleaved,
+    llama_lm,
     median_of,
     median_ratio,
     read_records,
@@ -97,27 +98,10 @@ def llama_config(seq: int):
 def llama_module(seq: int):
     """A LightningModule around an unmodified ``LlamaForCausalLM`` of ``LLAMA_220M``'s size, built from its
     config where ``trainer.init_module()`` puts it (the device, or meta for a split model)."""
-    import torch
-    from lightning.pytorch import LightningModule
-    from transformers import LlamaForCausalLM
 
     config = llama_config(seq)
 
-    class LlamaLM(LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = LlamaForCausalLM(config)
-
-        def training_step(self, batch, batch_idx):
-            loss = self.model(input_ids=batch, labels=batch).loss
-            self.log("train_loss", loss)
-            return loss
-
-        def configure_optimizers(self):
-            fused = {"fused": True} if self.device.type == "cuda" else {}
-            return torch.optim.AdamW(self.parameters(), lr=1e-4, **fused)
-
-    return LlamaLM()
+    return llama_lm(config)
 
 
 def strategy_of(args: argparse.Namespace):

@@ -37,6 +37,7 @@ from common import (  # noqa: E402
     append_record,
     benchmark_parser,
     interleaved,
+    llama_lm,
     median_of,
     median_ratio,
     read_records,
@@ -65,9 +66,7 @@ def strategy_of(variant: str, microbatches: int):
 
 def llama_module(args: argparse.Namespace):
     """A LightningModule around an unmodified ``LlamaForCausalLM`` of the benchmark's size."""
-    import torch
-    from lightning.pytorch import LightningModule
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
     config = LlamaConfig(
         vocab_size=args.vocab,
@@ -78,21 +77,7 @@ def llama_module(args: argparse.Namespace):
         max_position_embeddings=args.seq,
     )
 
-    class LlamaLM(LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.model = LlamaForCausalLM(config)
-
-        def training_step(self, batch, batch_idx):
-            loss = self.model(input_ids=batch, labels=batch).loss
-            self.log("train_loss", loss)
-            return loss
-
-        def configure_optimizers(self):
-            fused = {"fused": True} if self.device.type == "cuda" else {}
-            return torch.optim.AdamW(self.parameters(), lr=1e-4, **fused)
-
-    return LlamaLM()
+    return llama_lm(config)
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -36,6 +36,7 @@ __all__ = [
     "read_records",
     "median_of",
     "median_ratio",
+    "llama_lm",
 ]
 
 
@@ -133,3 +134,27 @@ def median_ratio(records: list[dict], key: str, numerator: dict, denominator: di
     top, bottom = by_round(numerator), by_round(denominator)
     ratios = [top[r] / bottom[r] for r in top if r in bottom]
     return statistics.median(ratios) if ratios else float("nan")
+
+
+def llama_lm(config):
+    """A LightningModule around an unmodified ``LlamaForCausalLM`` built from ``config`` (no download): the
+    causal-LM loss of a batch of token ids, AdamW (fused on CUDA)."""
+    import torch
+    from lightning.pytorch import LightningModule
+    from transformers import LlamaForCausalLM
+
+    class LlamaLM(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = LlamaForCausalLM(config)
+
+        def training_step(self, batch, batch_idx):
+            loss = self.model(input_ids=batch, labels=batch).loss
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            fused = {"fused": True} if self.device.type == "cuda" else {}
+            return torch.optim.AdamW(self.parameters(), lr=1e-4, **fused)
+
+    return LlamaLM()
