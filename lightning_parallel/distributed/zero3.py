@@ -39,9 +39,8 @@ from typing import Any, Generator, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
 
-from lightning_parallel.compat import all_gather_single
+from lightning_parallel.compat import all_gather_single, tree_flatten
 from lightning_parallel.distributed.reducer import _Bucket
 from lightning_parallel.distributed.zero import ShardedGradientReducer, all_gather_by_ranges
 from lightning_parallel.module_names import find_block_stack
