@@ -28,6 +28,7 @@ from lightning_parallel.strategies import (
     PipelineParallelStrategy,
     TensorParallelStrategy,
 )
+from lightning_parallel.planner.layout import LAYOUT_OPTIONS
 from lightning_parallel.strategies.options import options
 
 __all__ = [
@@ -42,6 +43,8 @@ __all__ = [
     "ParallelStrategyConf",
     "TrainerConf",
     "CheckpointConf",
+    "PlannerConf",
+    "AutoStrategyConf",
     "LPTrainConf",
 ]
 
@@ -94,6 +97,37 @@ DataParallelStrategyConf = strategy_schema(DataParallelStrategy)
 TensorParallelStrategyConf = strategy_schema(TensorParallelStrategy, plan="${oc.select:..plan,auto}")
 PipelineParallelStrategyConf = strategy_schema(PipelineParallelStrategy)
 ParallelStrategyConf = strategy_schema(ParallelStrategy, plan="${oc.select:..plan,auto}")
+
+
+
+
+def _auto_strategy_schema() -> type:
+    """``strategy=auto``: the layout options the planner chooses (``planner.layout.LAYOUT_OPTIONS``), each
+    None (the planner chooses) or a value the user fixes (only layouts with it are planned); typed as
+    ``ParallelStrategy``'s constructor types them."""
+    hints = {o.name: hydra_type(o.hint) for o in options(ParallelStrategy)}
+    fields = [(name, Optional[hints[name]], field(default=None)) for name in LAYOUT_OPTIONS]
+    schema = make_dataclass("AutoStrategyConf", fields)
+    schema.__module__ = __name__
+    schema.__doc__ = _auto_strategy_schema.__doc__
+    return schema
+
+
+AutoStrategyConf = _auto_strategy_schema()
+
+
+@dataclass
+class PlannerConf:
+    """How ``strategy=auto`` plans (docs/planner.md); read only under ``strategy=auto``."""
+
+    rank: int = 1  # the planned layout trained: 1 = the predicted fastest
+    top_k: int = 1  # under -m: one job for each of the k fastest (planner.rank=1..k)
+    cluster: Optional[str] = None  # a shipped cluster or a YAML (a calibration's); None: this machine
+    calibrate: bool = False  # time the collectives over trainer.devices processes here before planning
+    memory_gb: Optional[float] = None  # memory per device; None: the cluster's
+    global_batch: Optional[int] = None  # samples per step over all replicas; None: data.batch_size x world
+    repeats: int = 2  # timings per block (the median is kept)
+    show: int = 5  # rows of the ranked table printed
 
 
 @dataclass
@@ -152,6 +186,7 @@ class LPTrainConf:
     plan: Any = "auto"
     seed: int = 1234
     checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
+    planner: PlannerConf = field(default_factory=PlannerConf)
     ckpt_path: Optional[str] = None  # resume from this checkpoint
     # fit(weights_only=...) for ckpt_path (Lightning >= 2.6): true for a checkpoint you did not write
     weights_only: Optional[bool] = None

@@ -7,6 +7,7 @@ import warnings
 from hydra.core.config_store import ConfigStore
 
 from lightning_parallel.config.schema import (
+    AutoStrategyConf,
     DataParallelStrategyConf,
     DDPStrategyConf,
     LightningDDPStrategyConf,
@@ -30,6 +31,7 @@ SCHEMAS = {
     ("strategy", "tensor_parallel_schema"): TensorParallelStrategyConf,
     ("strategy", "pipeline_schema"): PipelineParallelStrategyConf,
     ("strategy", "parallel_schema"): ParallelStrategyConf,
+    ("strategy", "auto_schema"): AutoStrategyConf,
     ("trainer", "trainer_schema"): TrainerConf,
 }
 

@@ -13,99 +13,20 @@ come from a FLOP count at the cluster's rate (``--timing flops``).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import os
 import sys
-import warnings
 from collections import Counter
-from typing import Any, Callable, Optional
+from typing import Optional
 
-import torch
-from hydra.utils import get_object
-from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
-
-from lightning_parallel.memory.expected import optimizer_kind
-from lightning_parallel.planner.cluster import Cluster
-from lightning_parallel.planner.cost_model import ModelCost
 from lightning_parallel.planner.layouts import NO_FIT, Plan, plan_layouts
-from lightning_parallel.planner.measure import flop_times, measure_model
+from lightning_parallel.planner.measure import flop_times
+from lightning_parallel.planner.planning import cluster_for, is_this_machine, model_cost, threads_of
 
 __all__ = ["main", "format_plan", "EMBEDDED"]
 
 #: the model planned when no module is given: lp-train's default (conf/model/char_gpt.yaml) with 8 blocks
 EMBEDDED = ("lightning_parallel.models.gpt:CharGPT", {"n_layer": 8, "n_embd": 128, "block_size": 64})
 GIB, MIB = 2**30, 2**20
-
-
-def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
-    """The optimizer of ``configure_optimizers()``'s return (an optimizer, a list, or a dict)."""
-    if isinstance(configured, (list, tuple)):
-        configured = configured[0]
-        configured = configured[0] if isinstance(configured, (list, tuple)) else configured
-    return configured["optimizer"] if isinstance(configured, dict) else configured
-
-
-def _sample_step(
-    module: Any, data: Optional[str], batch_size: int
-) -> tuple[Callable[[], torch.Tensor], int, int]:
-    """A step returning a loss to time, its batch's samples, and tokens per sample: ``training_step`` on a
-    batch of ``--data`` (or of random tokens for the embedded GPT), else ``forward`` on the module's
-    ``example_input_array`` (its outputs summed)."""
-    if data is not None:
-        datamodule = get_object(data.replace(":", "."))()
-        datamodule.setup("fit")
-        batch = next(iter(datamodule.train_dataloader()))
-    elif hasattr(module, "model") and hasattr(module.model, "block_size") and hasattr(module, "hparams"):
-        shape = (batch_size, module.model.block_size)
-        batch = (
-            torch.randint(module.hparams.vocab_size, shape),
-            torch.randint(module.hparams.vocab_size, shape),
-        )
-    elif getattr(module, "example_input_array", None) is not None:
-        example = module.example_input_array
-        return lambda: module(example).float().sum(), len(example), 1
-    else:
-        raise ValueError(
-            f"{type(module).__name__}: give --data package.module:DataModule (its first training batch is "
-            "timed), or set the module's example_input_array"
-        )
-    first = batch[0] if isinstance(batch, (tuple, list)) else batch
-    tokens = first.shape[1] if first.dim() > 1 and not first.is_floating_point() else 1
-
-    def step() -> torch.Tensor:
-        loss = module.training_step(batch, 0)
-        return loss["loss"] if isinstance(loss, dict) else loss
-
-    return step, len(first), tokens
-
-
-def model_cost(
-    target: str, kwargs: dict, data: Optional[str], batch_size: int, repeats: int = 2
-) -> ModelCost:
-    """The module built from ``target`` with ``kwargs``, measured on this machine (median of ``repeats``)."""
-    module = get_object(target.replace(":", "."))(**kwargs)
-    optimizer = _first_optimizer(module.configure_optimizers())
-    step, samples, tokens = _sample_step(module, data, batch_size)
-    with warnings.catch_warnings():  # self.log outside a Trainer
-        warnings.simplefilter("ignore")
-        return measure_model(module, step, samples, optimizer, optimizer_kind(optimizer), tokens, repeats)
-
-
-def _measured(target: str, kwargs: dict, args: argparse.Namespace, threads_of: Optional[int]) -> ModelCost:
-    """``model_cost``, timed with the threads Lightning gives each of ``threads_of`` processes (None: as
-    now); the thread count and ``OMP_NUM_THREADS`` are put back after."""
-    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
-    try:
-        if threads_of is not None:
-            _set_num_threads_if_needed(num_processes=threads_of)
-        return model_cost(target, kwargs, args.data, 8, args.repeats)
-    finally:
-        torch.set_num_threads(threads)
-        if omp is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = omp
 
 
 def _bytes(value: float) -> str:
@@ -159,7 +80,16 @@ def _arguments(argv: Optional[list[str]]) -> argparse.Namespace:
         "module", nargs="?", help="package.module:LightningModule (default: the embedded CharGPT)"
     )
     parser.add_argument("--devices", type=int, required=True, help="processes (devices) to plan for")
-    parser.add_argument("--cluster", help="a cluster YAML, or a shipped one: cpu_2core, h100_8x, h100_64x8")
+    parser.add_argument(
+        "--cluster",
+        help="a cluster YAML (a calibration's: planner.calibration_run), or a shipped one: cpu_2core, "
+        "h100_8x, h100_64x8",
+    )
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="calibrate this machine over --devices processes first and plan on its figures",
+    )
     parser.add_argument("--memory-gb", type=float, help="memory per device in GiB (default: the cluster's)")
     parser.add_argument(
         "--global-batch", type=int, help="samples per step over all replicas (default 8 x devices)"
@@ -184,15 +114,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = _arguments(argv)
     if args.devices < 1:
         raise SystemExit(f"--devices must be a positive number of devices, got {args.devices}")
-    if args.cluster is None:  # this machine: the CPU box's figures, one process per device
-        cluster = dataclasses.replace(Cluster.load("cpu_2core"), devices_per_node=args.devices)
-    else:
-        cluster = Cluster.load(args.cluster)
+    try:
+        cluster = cluster_for(args.cluster, args.devices, args.calibrate)
+    except ValueError as err:
+        raise SystemExit(str(err)) from err
     target, kwargs = (args.module, {}) if args.module else EMBEDDED
     kwargs = {**kwargs, **json.loads(args.kwargs)} if args.kwargs else kwargs
     global_batch = args.global_batch or 8 * args.devices
-    timing = args.timing or ("measured" if cluster.name.startswith("cpu") else "flops")
-    cost = _measured(target, kwargs, args, threads_of=args.devices if timing == "measured" else None)
+    timing = args.timing or ("measured" if is_this_machine(cluster) else "flops")
+    with threads_of(args.devices if timing == "measured" else None):
+        cost = model_cost(target, kwargs, args.data, 8, args.repeats)
     if timing == "flops":
         cost = flop_times(cost, cluster.flops)
     memory = args.memory_gb * GIB if args.memory_gb else None
