@@ -35,8 +35,9 @@ SCHEME = "lightning-parallel"
 PREFIX = "lp"
 # the groups of lightning_parallel's conf/ that an app may compose
 GROUPS = ("strategy", "plan")
-# Lightning's own ddp, which lp-train offers for comparison: not lightning_parallel's to ship
-NOT_OFFERED = ("strategy/ddp",)
+# Lightning's own ddp, which lp-train offers for comparison: not lightning_parallel's to ship; auto, the
+# layout planner's choice, which lp-train makes before launching (cli/auto_strategy.py)
+NOT_OFFERED = ("strategy/ddp", "strategy/auto")
 _SCHEMA_SUFFIX = "_schema"
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import statistics
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -85,6 +86,7 @@ class RunRecorder(Callback):
         self.train_time = 0.0
         self._t0: Optional[float] = None
         self._batches = 0
+        self.batch_seconds: list[float] = []  # each training batch's time after the first, validation excluded
         self.val_history: list[dict[str, float]] = []
         self.train_history: list[dict[str, float]] = []
 
@@ -110,6 +112,8 @@ class RunRecorder(Callback):
         self._batches += 1
         if self._batches > 1:  # the first batch (warm-up) is not timed
             self.local_samples += batch_size_of(batch)
+            if self._t0 is not None:
+                self.batch_seconds.append(time.perf_counter() - self._t0)
         self._pause()
         self._t0 = time.perf_counter()
         if trainer.is_global_zero:
@@ -153,6 +157,10 @@ class RunRecorder(Callback):
             return None
         return self.local_samples * (self.dp_size or 1) / self.train_time
 
+    def median_step_seconds(self, accumulate: int = 1) -> Optional[float]:
+        """The median batch's seconds after the first (validation excluded) times the batches of a step."""
+        return round(statistics.median(self.batch_seconds) * accumulate, 5) if self.batch_seconds else None
+
     def results(self, trainer: Trainer) -> dict[str, Any]:
         metrics = {
             k: float(v)
@@ -177,6 +185,7 @@ class RunRecorder(Callback):
             "seconds_per_step": round(self.train_time / trainer.global_step, 4)
             if trainer.global_step
             else None,
+            "median_step_seconds": self.median_step_seconds(trainer.accumulate_grad_batches),
             "checkpoint": checkpoint or None,
             "preempted_at": preempted,
             "metrics": metrics,

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["run_table", "svg_curves", "peak_memory_per_rank", "PLOT_FILE"]
+__all__ = ["run_table", "svg_curves", "peak_memory_per_rank", "planner_line", "PLOT_FILE"]
 
 PLOT_FILE = "curves.svg"
 MIB = 2**20
@@ -32,6 +32,24 @@ def peak_memory_per_rank(summary: dict[str, Any]) -> list[tuple[int, float, str]
         if value is not None:
             out.append((int(row["rank"]), value / MIB, what))
     return out
+
+
+def planner_line(planned: dict[str, Any]) -> str:
+    """``strategy=auto``'s prediction against the run (``summary['planner']``), one line."""
+    predicted, measured, error = planned["predicted"], planned["measured"], planned["error_percent"]
+
+    def pct(value: Optional[float]) -> str:
+        return "n/a" if value is None else f"{value:+.1f}%"
+
+    step = measured["step_seconds"]
+    peak = measured["peak_bytes"]
+    return (
+        f"{planned['layout']}: step {predicted['step_seconds'] * 1e3:.4g} ms predicted, "
+        f"{'n/a' if step is None else f'{step * 1e3:.4g} ms'} measured (median), error {pct(error['step_time'])}; "
+        f"peak per rank {predicted['peak_bytes_per_rank'] / MIB:.4g} MiB predicted, "
+        f"{'n/a' if peak is None else f'{peak / MIB:.4g} MiB'} measured, error {pct(error['peak_memory'])}"
+    )
+
 
 
 def _number(value: Any, digits: int = 4) -> str:
@@ -53,6 +71,8 @@ def run_table(summary: dict[str, Any], summary_file: Path, plot_file: Optional[P
     peaks = peak_memory_per_rank(summary)
     if peaks:
         rows.append((f"memory ({peaks[0][2]})", ", ".join(f"rank {r}: {mib:.1f} MiB" for r, mib, _ in peaks)))
+    if summary.get("planner") and summary["planner"].get("measured"):
+        rows.append(("planned (strategy=auto)", planner_line(summary["planner"])))
     rows.append(("checkpoint", str(summary.get("checkpoint") or "none")))
     rows.append(("summary", str(summary_file)))
     if plot_file is not None:

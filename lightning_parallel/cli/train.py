@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_parallel.cli.auto_strategy import register_planner_ranks
 from lightning_parallel.cli.choices import register_choices
 from lightning_parallel.cli.quiet import quiet_third_party
 from lightning_parallel.cli.run_dir import register_run_id
@@ -50,6 +51,7 @@ log = logging.getLogger("lp-train")
 quiet_schema_matching_warning()
 quiet_third_party()
 register_run_id()
+register_planner_ranks()  # planner.top_k's sweep (conf/strategy/auto.yaml)
 
 # conf/ ships inside the package (lightning_parallel/conf links to the repo's conf/ and is copied as package
 # data on install). An absolute path, because Hydra's pkg:// provider needs an __init__.py there.
@@ -168,6 +170,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
+    from lightning_parallel.cli.auto_strategy import compare, is_auto, plan_and_compose
     from lightning_parallel.cli.json_file import write_json
     from lightning_parallel.cli.run_report import PLOT_FILE, run_table, svg_curves
     from lightning_parallel.config import ConfigError, validate
@@ -204,6 +207,12 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             )
         else:
             validate(cfg)
+            if is_auto(cfg):  # the planner's layout, as if its overrides had been given (docs/planner.md)
+                cfg, planned = plan_and_compose(cfg)
+                chosen = next(o for o in planned["overrides"] if o.startswith("strategy="))
+                summary.update(strategy=chosen.split("=", 1)[1], strategy_target=cfg.strategy._target_)
+                summary["planner"] = planned
+                validate(cfg)
             summary.update(_fit(cfg, out_dir))
             trainer = summary.pop("_trainer")
             summary["status"] = "completed"
@@ -239,6 +248,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
                 summary["error"] = (own + "\n" + str(err)).strip()
             log.error("%s", err)
     summary["wall_seconds"] = round(time.perf_counter() - started, 3)
+    if summary.get("planner"):
+        summary["planner"] = compare(summary["planner"], summary)
     if _global_rank(trainer) == 0:
         write_json(out_dir / cfg.summary_file, summary)
         plot = out_dir / PLOT_FILE if summary.get("global_step") else None

@@ -21,6 +21,7 @@ from typing import Any, Dict, Literal, Optional, Union, get_args, get_origin
 
 from omegaconf import MISSING
 
+from lightning_parallel.planner.layout import LAYOUT_OPTIONS
 from lightning_parallel.strategies import (
     DataParallelStrategy,
     DDPStrategy,
@@ -28,7 +29,6 @@ from lightning_parallel.strategies import (
     PipelineParallelStrategy,
     TensorParallelStrategy,
 )
-from lightning_parallel.planner.layout import LAYOUT_OPTIONS
 from lightning_parallel.strategies.options import options
 
 __all__ = [

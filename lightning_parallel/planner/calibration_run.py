@@ -54,7 +54,9 @@ def _worker(output: str, backend: str) -> None:
     result = calibrate()
     if dist.get_rank() == 0:
         name = f"{CALIBRATED}-{backend}-{dist.get_world_size()}"
-        Path(output).write_text(cluster_yaml(dataclasses.replace(result.cluster, name=name), result.collectives))
+        Path(output).write_text(
+            cluster_yaml(dataclasses.replace(result.cluster, name=name), result.collectives)
+        )
     dist.destroy_process_group()
 
 
