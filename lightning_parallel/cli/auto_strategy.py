@@ -218,9 +218,11 @@ def _why(plan: dict[str, Any], rank: int) -> str:
 
 
 def chosen_overrides(task: list[str], chosen: list[str]) -> list[str]:
-    """The job's overrides with the chosen layout's in place of ``strategy=auto``: the user's other ones
-    first (fixed options agree with the layout), the layout's after them (they win where both set a key)."""
-    return [o for o in task if o.split("=", 1)[0].lstrip("+~") != "strategy"] + list(chosen)
+    """The job's overrides with the chosen layout's in place of ``strategy=auto`` and the ``planner.*``
+    settings (read by then): the user's other ones first (fixed options agree with the layout), the
+    layout's after them (they win where both set a key)."""
+    keys = [(o, o.split("=", 1)[0].lstrip("+~")) for o in task]
+    return [o for o, key in keys if key != "strategy" and not key.startswith("planner.")] + list(chosen)
 
 
 def plan_and_compose(cfg: DictConfig) -> tuple[DictConfig, dict[str, Any]]:

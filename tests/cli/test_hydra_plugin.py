@@ -28,7 +28,7 @@ APP_CONF = PROJECT / "configs"
 ALIASES = [
     p.stem
     for p in (CONF / "strategy").glob("*.yaml")
-    if p.stem not in lightning_parallel.STRATEGY_NAMES and p.stem != "ddp"
+    if p.stem not in lightning_parallel.STRATEGY_NAMES and p.stem not in ("ddp", "auto")
 ]
 OFFERED = sorted([*lightning_parallel.STRATEGY_NAMES, *ALIASES])
 CLASSES = {
@@ -94,9 +94,10 @@ def test_groups_offer_the_package_files() -> None:
         loader = GlobalHydra.instance().config_loader()
         strategies = loader.get_group_options("lp/strategy")
         plans = loader.get_group_options("lp/plan")
-    # Lightning's own ddp.yaml is lp-train's, for comparison; the schemas are not options
+    # Lightning's own ddp.yaml is lp-train's, for comparison, and auto.yaml (the planner's choice, made by
+    # lp-train before launching); the schemas are not options
     assert strategies == OFFERED
-    assert sorted(p.stem for p in (CONF / "strategy").glob("*.yaml")) == sorted([*OFFERED, "ddp"])
+    assert sorted(p.stem for p in (CONF / "strategy").glob("*.yaml")) == sorted([*OFFERED, "ddp", "auto"])
     assert plans == sorted(p.stem for p in (CONF / "plan").glob("*.yaml"))
 
 
