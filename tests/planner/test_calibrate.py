@@ -5,6 +5,7 @@ The per-rank program is this module itself (``python -m tests.planner.test_calib
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -16,6 +17,8 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_parallel.planner.calibrate import COLLECTIVES, FLOOR, fit_alpha_beta
+from lightning_parallel.planner.calibration_run import CALIBRATED, cluster_yaml
+from lightning_parallel.planner.planning import cluster_for, is_this_machine
 from tests.helpers.harness import REPO, run_program
 
 SIZES = (2**10, 2**14, 2**17, 2**19)
@@ -68,6 +71,9 @@ def calibrate_program(out: Path) -> None:
         "blocks": [b.__dict__ for b in result.blocks],
     }
     (out / f"rank{rank}.json").write_text(json.dumps(report))
+    if rank == 0:  # what calibration_run writes: the file the planner reads as its cluster
+        calibrated = dataclasses.replace(result.cluster, name=f"{CALIBRATED}-gloo-2")
+        (out / "cluster.yaml").write_text(cluster_yaml(calibrated, result.collectives))
     dist.destroy_process_group()
 
 
@@ -91,6 +97,11 @@ def test_calibration_on_two_gloo_processes(tmp_path):
         assert sorted(errors)[len(errors) // 2] < 1.0, (name, fit)
     bandwidth, latency = reports[0]["link"]
     assert bandwidth == 1 / fits["send_recv"]["seconds_per_byte"] and latency == fits["send_recv"]["latency"]
+    # the calibration's file is the cluster the planner plans on (--cluster FILE, planner.cluster=FILE)
+    cluster = cluster_for(str(tmp_path / "cluster.yaml"), 2)
+    assert cluster.name == "calibrated-gloo-2" and is_this_machine(cluster) and cluster.devices == 2
+    assert cluster.within_node.bandwidth == pytest.approx(bandwidth, rel=1e-12)
+    assert cluster.within_node.latency == pytest.approx(latency, rel=1e-12)
     assert reports[0]["devices"] == 2 and reports[0]["flops"] > 0
     blocks = reports[0]["blocks"]
     assert [b["name"] for b in blocks] == ["blocks.0", "blocks.1", "blocks.2"]

@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hydra import compose, initialize_config_dir
 
 from lightning_parallel.config import problems, register_configs
+from lightning_parallel.planner.calibrate import COLLECTIVES, CollectiveFit, cluster_from_fits
+from lightning_parallel.planner.calibration_run import cluster_yaml
+from lightning_parallel.planner.cluster import Cluster
 from lightning_parallel.planner.command import main
+from lightning_parallel.planner.cost_model import predict
+from lightning_parallel.planner.layout import Layout
+from lightning_parallel.planner.planning import cluster_for, model_cost
 from tests.cli.lp import REPO
 
 SMALL = json.dumps({"n_layer": 4, "n_embd": 32, "block_size": 16})
@@ -34,3 +41,23 @@ def test_a_cluster_that_is_not_here_plans_from_flops(capsys) -> None:
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "h100-8x" in printed and "block times flops" in printed
+
+
+def test_a_calibration_file_is_the_cluster_planned_on(tmp_path, capsys) -> None:
+    """calibration output -> cluster YAML -> Cluster -> prediction: a slow calibrated link (2 ms a message,
+    10 MB/s) is what the data-parallel reduce is predicted on, in place of cpu_2core's figures."""
+    fits = {name: CollectiveFit(name, 2e-3, 1e-7, ((1024, 2e-3),)) for name in COLLECTIVES}
+    calibrated = cluster_from_fits(fits, 4, 8 * 2**30, 1e10, name="calibrated-gloo-4")
+    path = tmp_path / "calibrated.yaml"
+    path.write_text(cluster_yaml(calibrated, fits))
+    assert Cluster.load(path) == calibrated == cluster_for(str(path), 4)
+    cost = model_cost("lightning_parallel.models.gpt:CharGPT", json.loads(SMALL), None, 8, 1)
+    dp4 = Layout(dp=4, tp=1, pp=1, global_batch=32)
+    slow, here = predict(cost, dp4, calibrated), predict(cost, dp4, cluster_for(None, 4))
+    assert slow.data_parallel_s > 10 * here.data_parallel_s > 0  # the link the calibration measured
+    args = ["--devices", "4", "--cluster", str(path), "--kwargs", SMALL, "--repeats", "1", "--top", "3"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "on 4 of calibrated-gloo-4 (1 x 4)" in printed and "block times measured" in printed
+    with pytest.raises(SystemExit, match="calibrated over 4 processes, not 2: calibrate again"):
+        main(["--devices", "2", "--cluster", str(path)])
