@@ -1,7 +1,7 @@
-"""``python -m lightning_parallel.planner.calibration_run --devices 4 --output calibrated.yaml``: the calibration
+"""``python -m lightning_parallel.planner.calibration_run --devices 4 --output FILE.yaml``: the calibration
 (``planner.calibrate``) run here over ``--devices`` local processes, written as a cluster YAML that the
-planner reads like a shipped one (``--cluster calibrated.yaml``, ``lp-train strategy=auto
-planner.cluster=calibrated.yaml``); ``--calibrate`` / ``planner.calibrate=true`` run it first.
+planner reads like a shipped one (``--cluster FILE.yaml``, ``lp-train strategy=auto
+planner.cluster=FILE.yaml``); ``--calibrate`` / ``planner.calibrate=true`` run it first.
 
 Each process joins one gloo group (nccl with ``--backend nccl``, one GPU each) and calls ``calibrate``; rank
 0 writes the cluster, named ``calibrated-<backend>-<N>`` (``CALIBRATED``: the planner times blocks here for
