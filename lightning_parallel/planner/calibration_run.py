@@ -67,7 +67,7 @@ def calibrate_here(
     if devices < 1:
         raise ValueError(f"calibrate over a positive number of processes, not {devices}")
     with tempfile.TemporaryDirectory(prefix="lp-calibrate-") as tmp:
-        path = output or str(Path(tmp) / "cluster.yaml")
+        path = output or str(Path(tmp) / "calibrated.yml")
         path = str(Path(path).resolve())
         pythonpath = os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])
         envs = [

@@ -22,7 +22,8 @@ def _choices(text: str, group: str) -> dict[str, str]:
 def test_the_choices_are_the_names_users_type() -> None:
     text = "\n" + choices_text(REPO / "conf")
     strategies = _choices(text, "strategy")
-    assert set(strategies) == {*STRATEGY_NAMES, "ddp"}, strategies
+    assert set(strategies) == {*STRATEGY_NAMES, "ddp", "auto"}, strategies
+    assert "The layout planner chooses lp_parallel's layout" in strategies["auto"]
     assert "TensorParallelStrategy: layers split" in strategies["lp_tensor_parallel"]
     assert "(also: tensor_parallel)" in strategies["lp_tensor_parallel"]
     assert "A few steps with a tiny model" in _choices(text, "experiment")["quick"]
