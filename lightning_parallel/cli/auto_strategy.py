@@ -25,17 +25,17 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_parallel.config.schema import AutoStrategyConf
-from lightning_parallel.planner.layout import LAYOUT_OPTIONS
 
 __all__ = [
     "PLAN_FILE",
     "RESOLVER",
     "chosen_overrides",
+    "auto_problems",
     "compare",
     "fixed_options",
     "global_batch",
@@ -45,6 +45,9 @@ __all__ = [
 ]
 
 log = logging.getLogger("lp-train")
+
+#: how the run builds a user's class from its config node and section ("model", "data")
+Build = Callable[[DictConfig, str], Any]
 
 #: the plan of a job, in its folder
 PLAN_FILE = "planner.json"
@@ -66,9 +69,54 @@ def is_auto(cfg: DictConfig) -> bool:
     return OmegaConf.get_type(cfg.get("strategy")) is AutoStrategyConf
 
 
+def _layout_options() -> tuple[str, ...]:
+    from lightning_parallel.strategies.parallel import ParallelStrategy
+
+    return ParallelStrategy.layout_options
+
+
 def fixed_options(strategy: DictConfig) -> dict[str, Any]:
     """The layout options the user fixed under ``strategy=auto`` (those not null)."""
-    return {name: strategy[name] for name in LAYOUT_OPTIONS if strategy.get(name) is not None}
+    return {name: strategy[name] for name in _layout_options() if strategy.get(name) is not None}
+
+
+def auto_problems(cfg: DictConfig) -> list[str]:
+    """What ``config.validate`` cannot judge of ``strategy=auto`` (the planner sits above it), checked before
+    anything is measured: its settings: a device count to plan for, a global batch, fixed layout options some
+    layout of the devices has; ``planner.*`` set without ``strategy=auto``."""
+    from lightning_parallel.config import world_size_of
+    from lightning_parallel.config.schema import PlannerConf
+    from lightning_parallel.planner.constraints import constraint_problems
+
+    planner = cfg.get("planner")
+    if planner is None:
+        return []
+    if not is_auto(cfg):
+        set_here = [f.name for f in dataclasses.fields(PlannerConf) if planner[f.name] != f.default]
+        return [
+            f"planner.{name}={planner[name]} is read only under strategy=auto (the planner chooses the layout); "
+            "add strategy=auto or leave it out"
+            for name in set_here
+        ]
+    out = [
+        f"planner.{name}={planner[name]} must be at least 1"
+        for name in ("rank", "top_k", "show", "repeats")
+        if planner[name] < 1
+    ]
+    if planner.calibrate and planner.cluster is not None:
+        out.append(
+            f"planner.calibrate=true calibrates this machine; planner.cluster={planner.cluster} names another: "
+            "give one of them"
+        )
+    world = world_size_of(cfg.trainer)
+    if world is None:
+        out.append("strategy=auto plans for a number of devices: give trainer.devices=N, not 'auto'")
+        return out
+    batch = global_batch(cfg, world)
+    if batch is None:
+        out.append("strategy=auto: the data config has no batch_size; give planner.global_batch=B")
+        return out
+    return out + constraint_problems(fixed_options(cfg.strategy), world, batch)
 
 
 def _record(prediction: Any, num_nodes: int) -> dict[str, Any]:
@@ -113,9 +161,9 @@ def global_batch(cfg: DictConfig, world: int) -> Optional[int]:
     return batch * world if isinstance(batch, int) and not isinstance(batch, bool) else None
 
 
-def _plan(cfg: DictConfig, world: int) -> dict[str, Any]:
-    """The ranking of the run's layouts, measured and predicted now."""
-    from lightning_parallel.cli.train import instantiate_user
+def _plan(cfg: DictConfig, world: int, build: Build) -> dict[str, Any]:
+    """The ranking of the run's layouts, measured and predicted now (the model and the data built by
+    ``build(node, section)``, as the run builds them)."""
     from lightning_parallel.config import ConfigError
     from lightning_parallel.planner.command import format_plan
     from lightning_parallel.planner.constraints import keeps
@@ -130,7 +178,7 @@ def _plan(cfg: DictConfig, world: int) -> dict[str, Any]:
         raise ConfigError.of([f"planner.cluster={planner.cluster}: {err}"]) from err
     batch = global_batch(cfg, world)
     here = is_this_machine(cluster)
-    module, data = instantiate_user(cfg.model, "model"), instantiate_user(cfg.data, "data")
+    module, data = build(cfg.model, "model"), build(cfg.data, "data")
     try:
         with threads_of(world if here else None):
             cost = module_cost(module, data, repeats=planner.repeats)
@@ -169,7 +217,9 @@ def _launched_externally() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1
 
 
-def _job_plan(cfg: DictConfig, world: int, out_dir: Path, sweep_dir: Optional[Path]) -> dict[str, Any]:
+def _job_plan(
+    cfg: DictConfig, world: int, out_dir: Path, sweep_dir: Optional[Path], build: Build
+) -> dict[str, Any]:
     """The job's plan: the one in its folder (a started rank, a resumed run), else the sweep's for the same
     planning input, else planned now; written to the job's folder."""
     from lightning_parallel.cli.json_file import write_json
@@ -188,7 +238,7 @@ def _job_plan(cfg: DictConfig, world: int, out_dir: Path, sweep_dir: Optional[Pa
             ]
         )
     if sweep_dir is None:
-        plan = _plan(cfg, world)
+        plan = _plan(cfg, world, build)
     else:
         text = json.dumps(_planning_input(cfg, world), sort_keys=True, default=str)
         shared = sweep_dir / "planner" / f"{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
@@ -198,7 +248,7 @@ def _job_plan(cfg: DictConfig, world: int, out_dir: Path, sweep_dir: Optional[Pa
             if shared.is_file():
                 plan = json.loads(shared.read_text())
             else:
-                plan = _plan(cfg, world)
+                plan = _plan(cfg, world, build)
                 write_json(shared, plan)
     write_json(path, plan)
     return plan
@@ -207,7 +257,7 @@ def _job_plan(cfg: DictConfig, world: int, out_dir: Path, sweep_dir: Optional[Pa
 def _why(plan: dict[str, Any], rank: int) -> str:
     ranked, chosen = plan["ranked"], plan["ranked"][rank - 1]
     if rank > 1:
-        return f"planner.rank={rank}: the {rank}th of the ranking"
+        return f"planner.rank={rank}: #{rank} of the ranking"
     if len(ranked) == 1:
         return "the only layout that runs"
     runner_up = ranked[1]
@@ -225,9 +275,10 @@ def chosen_overrides(task: list[str], chosen: list[str]) -> list[str]:
     return [o for o, key in keys if key != "strategy" and not key.startswith("planner.")] + list(chosen)
 
 
-def plan_and_compose(cfg: DictConfig) -> tuple[DictConfig, dict[str, Any]]:
+def plan_and_compose(cfg: DictConfig, build: Build) -> tuple[DictConfig, dict[str, Any]]:
     """The run's config with the planned layout in place of ``strategy=auto``, and the plan's record for
-    ``summary.json``; a ``ConfigError`` (nothing launched) where no layout can run."""
+    ``summary.json``; a ``ConfigError`` (nothing launched) where no layout can run. ``build(node, section)``
+    builds the model and the data to measure (``lp-train``'s ``instantiate_user``)."""
     from hydra import compose
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
@@ -248,7 +299,7 @@ def plan_and_compose(cfg: DictConfig) -> tuple[DictConfig, dict[str, Any]]:
     assert world is not None  # validate() refused devices=auto under strategy=auto
     out_dir = Path(hydra_cfg.runtime.output_dir)
     sweep_dir = Path(hydra_cfg.sweep.dir) if multirun else None
-    plan = _job_plan(cfg, world, out_dir, sweep_dir)
+    plan = _job_plan(cfg, world, out_dir, sweep_dir, build)
     rank = planner.rank
     if rank > len(plan["ranked"]):
         raise ConfigError.of(

@@ -170,7 +170,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    from lightning_parallel.cli.auto_strategy import compare, is_auto, plan_and_compose
+    from lightning_parallel.cli.auto_strategy import auto_problems, compare, is_auto, plan_and_compose
     from lightning_parallel.cli.json_file import write_json
     from lightning_parallel.cli.run_report import PLOT_FILE, run_table, svg_curves
     from lightning_parallel.config import ConfigError, validate
@@ -207,8 +207,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             )
         else:
             validate(cfg)
+            found = auto_problems(cfg)  # strategy=auto's settings, planner.* without it
+            if found:
+                raise ConfigError.of(found)
             if is_auto(cfg):  # the planner's layout, as if its overrides had been given (docs/planner.md)
-                cfg, planned = plan_and_compose(cfg)
+                cfg, planned = plan_and_compose(cfg, instantiate_user)
                 chosen = next(o for o in planned["overrides"] if o.startswith("strategy="))
                 summary.update(strategy=chosen.split("=", 1)[1], strategy_target=cfg.strategy._target_)
                 summary["planner"] = planned

@@ -21,7 +21,6 @@ from typing import Any, Dict, Literal, Optional, Union, get_args, get_origin
 
 from omegaconf import MISSING
 
-from lightning_parallel.planner.layout import LAYOUT_OPTIONS
 from lightning_parallel.strategies import (
     DataParallelStrategy,
     DDPStrategy,
@@ -102,11 +101,11 @@ ParallelStrategyConf = strategy_schema(ParallelStrategy, plan="${oc.select:..pla
 
 
 def _auto_strategy_schema() -> type:
-    """``strategy=auto``: the layout options the planner chooses (``planner.layout.LAYOUT_OPTIONS``), each
+    """``strategy=auto``: the layout options the planner chooses (``ParallelStrategy.layout_options``), each
     None (the planner chooses) or a value the user fixes (only layouts with it are planned); typed as
     ``ParallelStrategy``'s constructor types them."""
     hints = {o.name: hydra_type(o.hint) for o in options(ParallelStrategy)}
-    fields = [(name, Optional[hints[name]], field(default=None)) for name in LAYOUT_OPTIONS]
+    fields = [(name, Optional[hints[name]], field(default=None)) for name in ParallelStrategy.layout_options]
     schema = make_dataclass("AutoStrategyConf", fields)
     schema.__module__ = __name__
     schema.__doc__ = _auto_strategy_schema.__doc__

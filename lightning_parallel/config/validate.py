@@ -130,45 +130,7 @@ def problems(cfg: DictConfig) -> list[str]:
         if problem:
             out.append(problem)
     out.extend(_strategy_problems(strategy, trainer, cfg))
-    out.extend(_planner_problems(cfg))
     return out
-
-
-def _planner_problems(cfg: DictConfig) -> list[str]:
-    """``strategy=auto``'s settings: a device count to plan for, a global batch, fixed layout options some
-    layout of the devices has; ``planner.*`` set without ``strategy=auto``."""
-    from lightning_parallel.cli.auto_strategy import fixed_options, global_batch, is_auto
-    from lightning_parallel.config.schema import PlannerConf
-    from lightning_parallel.planner.constraints import constraint_problems
-
-    planner = cfg.get("planner")
-    if planner is None:
-        return []
-    if not is_auto(cfg):
-        set_here = [f.name for f in dataclasses.fields(PlannerConf) if planner[f.name] != f.default]
-        return [
-            f"planner.{name}={planner[name]} is read only under strategy=auto (the planner chooses the layout); "
-            "add strategy=auto or leave it out"
-            for name in set_here
-        ]
-    out = [
-        f"planner.{name}={planner[name]} must be at least 1" for name in ("rank", "top_k", "show", "repeats")
-        if planner[name] < 1
-    ]
-    if planner.calibrate and planner.cluster is not None:
-        out.append(
-            f"planner.calibrate=true calibrates this machine; planner.cluster={planner.cluster} names another: "
-            "give one of them"
-        )
-    world = world_size_of(cfg.trainer)
-    if world is None:
-        out.append("strategy=auto plans for a number of devices: give trainer.devices=N, not 'auto'")
-        return out
-    batch = global_batch(cfg, world)
-    if batch is None:
-        out.append("strategy=auto: the data config has no batch_size; give planner.global_batch=B")
-        return out
-    return out + constraint_problems(fixed_options(cfg.strategy), world, batch)
 
 
 def _strategy_class(strategy: Any) -> Optional[type]:

@@ -1,7 +1,7 @@
 """The layout options a user fixes under ``strategy=auto`` (``strategy.zero_stage=1``): which planned layouts
 keep them, and, before anything is measured, whether any layout of the devices can.
 
-A fixed option names a ``ParallelStrategy`` keyword (``layout.LAYOUT_OPTIONS``). A layout keeps it when its
+A fixed option names a ``ParallelStrategy`` keyword (``ParallelStrategy.layout_options``). A layout keeps it when its
 ``strategy_options()`` hold that value; a schedule, micro-batch or virtual-stage count is a pipeline's
 option, so fixing one keeps only layouts with pipeline stages.
 """

@@ -6,21 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Union
 
-__all__ = ["Layout", "LAYOUT_OPTIONS"]
-
-#: the ``ParallelStrategy`` options a layout sets (``Layout.strategy_options``): what ``strategy=auto`` chooses
-LAYOUT_OPTIONS = (
-    "data_parallel_size",
-    "tensor_parallel_size",
-    "pipeline_parallel_size",
-    "expert_parallel_size",
-    "sequence_parallel",
-    "activation_checkpointing",
-    "zero_stage",
-    "schedule",
-    "num_microbatches",
-    "virtual_stages",
-)
+__all__ = ["Layout"]
 
 
 @dataclass(frozen=True)

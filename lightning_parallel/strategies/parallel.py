@@ -160,6 +160,20 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
     defers_init_by_default = True
     popen_only = "Lightning's spawn launcher hands back only rank 0's part of the model"
     size_options = {"data_parallel_size": "dp", "tensor_parallel_size": "tp", "pipeline_parallel_size": "pp"}
+    #: what a layout sets (``planner.layout.Layout.strategy_options``): the options ``lp-train strategy=auto``
+    #: leaves to the planner or lets the user fix
+    layout_options = (
+        "data_parallel_size",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "expert_parallel_size",
+        "sequence_parallel",
+        "activation_checkpointing",
+        "zero_stage",
+        "schedule",
+        "num_microbatches",
+        "virtual_stages",
+    )
     #: axes applied even at size 1 (the presets: a tensor-parallel run of one process still shards, a
     #: pipeline of one stage still runs micro-batches)
     always_applied: tuple[str, ...] = ()

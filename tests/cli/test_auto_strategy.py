@@ -10,12 +10,17 @@ from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import OmegaConf
 
-from lightning_parallel.cli.auto_strategy import _record, chosen_overrides, register_planner_ranks
+from lightning_parallel.cli.auto_strategy import (
+    _record,
+    auto_problems,
+    chosen_overrides,
+    register_planner_ranks,
+)
 from lightning_parallel.config import problems, register_configs
 from lightning_parallel.planner.layouts import plan_layouts
 from lightning_parallel.planner.planning import cluster_for, model_cost
 from tests.cli.lp import assert_no_survivors, explain, run, summary
-from tests.cli.test_config import CONF, _problems
+from tests.cli.test_config import CONF, _compose
 
 # a two-block CharGPT (the planner times a block stack), a few short steps, no validation, no checkpoint
 SHORT = [
@@ -76,17 +81,18 @@ def test_strategy_auto_trains_the_planned_layout_and_records_its_error(tmp_path)
     ],
 )
 def test_contradicting_choices_are_refused_before_launch(overrides, words) -> None:
-    found = "\n".join(_problems("strategy=auto", "trainer.devices=4", *overrides))
+    found = "\n".join(auto_problems(_compose("strategy=auto", "trainer.devices=4", *overrides)))
     assert all(w in found for w in words), found
 
 
 def test_planner_settings_need_strategy_auto() -> None:
-    found = _problems("planner.top_k=3")
+    found = auto_problems(_compose("planner.top_k=3"))
     assert found == [
         "planner.top_k=3 is read only under strategy=auto (the planner chooses the layout); add strategy=auto "
         "or leave it out"
     ]
-    assert _problems("strategy=auto", "trainer.devices=4", "strategy.zero_stage=1") == []
+    cfg = _compose("strategy=auto", "trainer.devices=4", "strategy.zero_stage=1")
+    assert auto_problems(cfg) == [] and problems(cfg) == []
 
 
 def test_top_k_sweeps_k_planned_layouts_that_compose(tmp_path) -> None:
@@ -109,7 +115,9 @@ def test_top_k_sweeps_k_planned_layouts_that_compose(tmp_path) -> None:
             rank = int(rank_override.split("=")[1])
             chosen = _record(plan.ranked[rank - 1], 1)
             job_cfg = compose(config_name="config", overrides=chosen_overrides(job, chosen["overrides"]))
-            assert problems(job_cfg) == [] and job_cfg.planner.rank == 1  # planner.* read by then
+            assert (
+                problems(job_cfg) == auto_problems(job_cfg) == [] and job_cfg.planner.rank == 1
+            )  # planner.* read by then
             assert job_cfg.strategy._target_ == "lightning_parallel.ParallelStrategy"
             assert job_cfg.strategy.data_parallel_size == chosen["options"]["dp"]
             assert job_cfg.strategy.zero_stage == chosen["options"]["zero_stage"]
