@@ -237,6 +237,13 @@ def _job_plan(
                 "--devices N --output best.txt, and give every rank lp-train $(cat best.txt)"
             ]
         )
+    if cfg.planner.top_k > 1 and sweep_dir is None:  # (a started rank or a resume has its plan already)
+        raise ConfigError.of(
+            [
+                f"planner.top_k={cfg.planner.top_k} trains the planner's {cfg.planner.top_k} fastest layouts as a "
+                "sweep: add -m (or train one of them: planner.rank=N)"
+            ]
+        )
     if sweep_dir is None:
         plan = _plan(cfg, world, build)
     else:
@@ -288,13 +295,6 @@ def plan_and_compose(cfg: DictConfig, build: Build) -> tuple[DictConfig, dict[st
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     planner = cfg.planner
-    if planner.top_k > 1 and not multirun:
-        raise ConfigError.of(
-            [
-                f"planner.top_k={planner.top_k} trains the planner's {planner.top_k} fastest layouts as a sweep: "
-                f"add -m (or train one of them: planner.rank=N)"
-            ]
-        )
     world = world_size_of(cfg.trainer)
     assert world is not None  # validate() refused devices=auto under strategy=auto
     out_dir = Path(hydra_cfg.runtime.output_dir)
