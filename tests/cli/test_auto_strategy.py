@@ -4,6 +4,8 @@ sweep composes to k different planned layouts."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
@@ -123,3 +125,24 @@ def test_top_k_sweeps_k_planned_layouts_that_compose(tmp_path) -> None:
             assert job_cfg.strategy.zero_stage == chosen["options"]["zero_stage"]
             layouts.append(chosen["layout"])
     assert len(set(layouts)) == 3
+
+
+def test_a_job_with_a_plan_reads_it_and_only_the_planning_process_refuses_top_k_without_m(tmp_path) -> None:
+    """A rank the launcher starts for a ``planner.top_k=2`` job runs in RUN mode with the job's overrides:
+    it reads the job's plan; without a plan (the planning process), top_k > 1 without -m is refused."""
+    from lightning_parallel.cli.auto_strategy import PLAN_FILE, _job_plan
+    from lightning_parallel.config import ConfigError
+
+    cfg = _compose("strategy=auto", "trainer.devices=4", "planner.top_k=2")
+    (tmp_path / "job").mkdir()
+    plan = {"ranked": [{"layout": "dp4 tp1 pp1"}]}
+    (tmp_path / "job" / PLAN_FILE).write_text(json.dumps(plan))
+
+    def never(node, section):
+        raise AssertionError("a job with a plan measures nothing")
+
+    assert _job_plan(cfg, 4, tmp_path / "job", None, never) == plan
+    with pytest.raises(
+        ConfigError, match="planner.top_k=2 trains the planner's 2 fastest layouts as a sweep: add -m"
+    ):
+        _job_plan(cfg, 4, tmp_path, None, never)
