@@ -103,11 +103,6 @@ def auto_problems(cfg: DictConfig) -> list[str]:
         for name in ("rank", "top_k", "show", "repeats")
         if planner[name] < 1
     ]
-    if planner.calibrate and planner.cluster is not None:
-        out.append(
-            f"planner.calibrate=true calibrates this machine; planner.cluster={planner.cluster} names another: "
-            "give one of them"
-        )
     world = world_size_of(cfg.trainer)
     if world is None:
         out.append("strategy=auto plans for a number of devices: give trainer.devices=N, not 'auto'")
