@@ -2,6 +2,7 @@
 
     lp-train                                   # CharGPT, lp_ddp, 2 CPU processes
     lp-train strategy=lp_dp trainer.devices=4
+    lp-train strategy=auto trainer.devices=4        # the layout planner chooses (cli/auto_strategy.py)
     lp-train model._target_=my_pkg.MyModule data._target_=my_pkg.MyData
     lp-train -m strategy=lp_ddp,lp_dp trainer.devices=1,2
 
