@@ -207,8 +207,11 @@ def achieved_rate(run: PublishedRun, cluster: Cluster, target: Union[float, None
     GPU: the one figure the planner would measure on the real device (its blocks' time), found here from
     one published row. Fixed-point iteration: the prediction falls as the rate falls, nearly in proportion."""
     goal, rate = target or run.reported, cluster.flops
-    for _ in range(50):
-        rate *= goal / predicted_tflops_per_gpu(run, cluster, rate)
+    for _ in range(20):
+        predicted = predicted_tflops_per_gpu(run, cluster, rate)
+        if abs(predicted / goal - 1) < 1e-4:
+            break
+        rate *= goal / predicted
     return rate
 
 
