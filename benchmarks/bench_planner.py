@@ -274,7 +274,9 @@ def _predicted_dicts(layouts: list[Layout], predicted: list[Any]) -> list[dict]:
 
 
 def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
     parser.add_argument("--layout", help=argparse.SUPPRESS)

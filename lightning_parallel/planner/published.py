@@ -79,7 +79,9 @@ class TransformerShape:
 
     def other_parameters(self) -> int:
         """The embedding (and position embeddings), and the head where it is not the embedding."""
-        return self.hidden * (self.vocab * (1 if self.tied else 2) + (self.seq if self.position_embeddings else 0))
+        return self.hidden * (
+            self.vocab * (1 if self.tied else 2) + (self.seq if self.position_embeddings else 0)
+        )
 
     @property
     def parameters(self) -> int:
@@ -127,8 +129,17 @@ class PublishedRun:
 
 
 def _gpt(
-    params_b: str, heads: int, hidden: int, layers: int, t: int, p: int, gpus: int, batch: int, tflops: float,
-    microbatch: int, virtual: int = 1,
+    params_b: str,
+    heads: int,
+    hidden: int,
+    layers: int,
+    t: int,
+    p: int,
+    gpus: int,
+    batch: int,
+    tflops: float,
+    microbatch: int,
+    virtual: int = 1,
 ) -> PublishedRun:
     """A row of Megatron's table 1: vocabulary 51,200, sequence 2048, full recompute (the table's FLOP count
     includes it); the micro-batch and the interleaved schedule's chunks per rank (``virtual``) of
@@ -141,7 +152,14 @@ def _gpt(
     m = batch // (dp * microbatch)
     schedule = "interleaved_1f1b" if virtual > 1 else "1f1b"
     layout = Layout(
-        dp, t, p, batch, schedule=schedule, num_microbatches=m, virtual_stages=virtual, recompute=True,
+        dp,
+        t,
+        p,
+        batch,
+        schedule=schedule,
+        num_microbatches=m,
+        virtual_stages=virtual,
+        recompute=True,
         sequence_parallel=t > 1 and p > 1,
     )
     return PublishedRun(f"{params_b}B", TransformerShape(layers, hidden, heads, 2048, 51200), layout, tflops)
@@ -163,8 +181,16 @@ MEGATRON_TABLE_1 = [
 ]
 
 _LLAMA_405B = TransformerShape(
-    layers=126, hidden=16384, heads=128, seq=8192, vocab=128256, ffn=53248, kv_heads=8, gated=True,
-    tied=False, position_embeddings=False,
+    layers=126,
+    hidden=16384,
+    heads=128,
+    seq=8192,
+    vocab=128256,
+    ffn=53248,
+    kv_heads=8,
+    gated=True,
+    tied=False,
+    position_embeddings=False,
 )
 
 
@@ -173,7 +199,15 @@ def _titan(schedule: str, v: int, tokens_per_s: float) -> PublishedRun:
     batch 256 (32 per replica), its
     default micro-batch count (the pipeline degree, 8), two stages per rank for a looped schedule."""
     layout = Layout(
-        8, 8, 8, 256, schedule=schedule, num_microbatches=8, virtual_stages=v, zero_stage=3, recompute=True,
+        8,
+        8,
+        8,
+        256,
+        schedule=schedule,
+        num_microbatches=8,
+        virtual_stages=v,
+        zero_stage=3,
+        recompute=True,
         sequence_parallel=True,
     )
     return PublishedRun(schedule, _LLAMA_405B, layout, tokens_per_s)
@@ -186,8 +220,8 @@ TORCHTITAN_405B = [_titan("1f1b", 1, 100.0), _titan("interleaved_1f1b", 2, 128.0
 def megatron_flops_per_step(shape: TransformerShape, batch: int) -> float:
     """Narayanan et al.'s equation 3: ``96 B s l h^2 (1 + s/6h + V/16lh)``, the FLOPs the paper counts per
     step (forward, the recompute's forward and the backward of every block; the logit layer)."""
-    b, s, l, h, v = batch, shape.seq, shape.layers, shape.hidden, shape.vocab
-    return 96 * b * s * l * h * h * (1 + s / (6 * h) + v / (16 * l * h))
+    b, s, layers, h, v = batch, shape.seq, shape.layers, shape.hidden, shape.vocab
+    return 96 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
 
 
 def predict_run(run: PublishedRun, cluster: Cluster, flops: Optional[float] = None) -> Prediction:

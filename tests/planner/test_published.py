@@ -41,7 +41,9 @@ def test_block_flops_are_the_papers_count():
 @functools.lru_cache(maxsize=1)
 def megatron_predictions() -> dict[str, float]:
     rate = achieved_rate(MEGATRON_TABLE_1[0], SELENE)  # the 1.7B row: data parallelism alone
-    return {run.name: predicted_tflops_per_gpu(run, SELENE, rate) / run.reported - 1 for run in MEGATRON_TABLE_1}
+    return {
+        run.name: predicted_tflops_per_gpu(run, SELENE, rate) / run.reported - 1 for run in MEGATRON_TABLE_1
+    }
 
 
 @pytest.mark.slow
