@@ -18,7 +18,6 @@ for a gated, grouped-query Llama block), its backward twice that; its activation
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -36,7 +35,6 @@ __all__ = [
     "predicted_tflops_per_gpu",
     "achieved_rate",
     "predict_run",
-    "with_flops",
 ]
 
 
@@ -247,7 +245,3 @@ def achieved_rate(run: PublishedRun, cluster: Cluster, target: Union[float, None
             break
         rate *= goal / predicted
     return rate
-
-
-def with_flops(cluster: Cluster, flops: float) -> Cluster:
-    return dataclasses.replace(cluster, flops=flops)
