@@ -1,6 +1,6 @@
 """The layout planner's accuracy: its predicted step time and peak memory per rank beside a real run's.
 
-    python benchmarks/bench_planner.py                 # 16 layouts of 2 to 8 processes, CharGPT 8 x 128
+    python benchmarks/bench_planner.py                 # 17 layouts of 2 to 8 processes, CharGPT 8 x 128
     python benchmarks/bench_planner.py --tiny          # 2 layouts of 2 processes, a 2-block model: seconds
     python benchmarks/bench_planner.py --layouts "dp2 tp1 pp1" "dp1 tp1 pp2 1f1b m4"   # a subset, by name
     python benchmarks/bench_planner.py --steps 20 --warmup 5 --json out.json
