@@ -15,7 +15,10 @@ table 2): of a transformer block's ``34 sbh`` bytes (without the attention score
 parallelism cuts them too; the rest is split ``1/t``. Full recompute keeps each block's input only
 (``1/t`` of it under sequence parallelism) plus one block's activations while it is recomputed; selective
 recompute drops the attention core's. A pipeline stage holds that for as many micro-batches (chunks) as
-its schedule keeps in flight (``pipeline.schedules.activation_bound``, passed in by the caller).
+its schedule keeps in flight (``pipeline.schedules.activation_bound``, passed in by the caller), and on top
+of it the larger of two moments that never meet (``stage_activation_bytes``): the loss stage's head
+activations, held from its forward until its backward, and a block rebuilt by full recompute in its
+backward, which comes after that micro-batch's head backward.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ __all__ = [
     "optimizer_kind",
     "model_state_bytes",
     "block_activation_bytes",
+    "stage_activation_bytes",
     "WHOLE_ON_EVERY_TP_RANK",
 ]
 
@@ -135,3 +139,16 @@ def block_activation_bytes(
     rest = activations - attention
     whole = 0.0 if sequence_parallel else rest * WHOLE_ON_EVERY_TP_RANK
     return kept_attention + whole + (rest - whole) / t
+
+
+def stage_activation_bytes(kept: float, head: float, recomputed: float, heads_in_flight: int = 1) -> float:
+    """A stage's peak of saved activations: what its blocks keep for the micro-batches in flight (``kept``),
+    the head activations of the loss stage (``head`` per micro-batch, ``heads_in_flight`` of them held
+    between their forward and backward: one under 1F1B, every micro-batch under GPipe; ``head`` 0 on other
+    stages), and under full recompute one block's activations rebuilt in its backward beyond the input it
+    kept (``recomputed``). A micro-batch's head backward is done before its blocks are recomputed, so the
+    rebuilt block and that micro-batch's head are never held together (measured: 2 gloo processes of
+    CharGPT, ``benchmarks/bench_planner.py``, the report's peak equals the kept inputs plus one rebuilt
+    block less its input, not plus the head)."""
+    others = max(heads_in_flight - 1, 0) * head
+    return kept + others + max(head, recomputed)

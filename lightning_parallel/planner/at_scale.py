@@ -33,8 +33,18 @@ from torch import Tensor, nn
 from lightning_parallel.compat import fake_store
 from lightning_parallel.distributed.mesh import MeshShape, build_mesh
 from lightning_parallel.distributed.zero import ShardedGradientReducer
+from lightning_parallel.memory.expected import optimizer_kind
+from lightning_parallel.module_names import find_block_stack
+from lightning_parallel.planner.cost_model import BlockCost, ModelCost
 
-__all__ = ["RankState", "fake_world", "representative_ranks", "set_up_rank", "set_up_at_scale"]
+__all__ = [
+    "RankState",
+    "fake_world",
+    "representative_ranks",
+    "set_up_rank",
+    "set_up_at_scale",
+    "parameter_cost",
+]
 
 
 @dataclass(frozen=True)
@@ -171,3 +181,28 @@ def set_up_at_scale(
     if ranks is None:
         ranks = representative_ranks(_placed(make_strategy(), 0, world_size).mesh_shape())
     return [set_up_rank(build, make_strategy, r, world_size) for r in ranks]
+
+
+def parameter_cost(build: Callable[[], Any], batch_size: int = 1) -> ModelCost:
+    """The parameter side of the ``ModelCost`` of the LightningModule ``build()`` makes on meta: each block's
+    parameter bytes, the rest's, the element size and the optimizer of its ``configure_optimizers`` (times
+    and activations 0). The cost model's memory side predicts each rank's model states from it, which
+    ``set_up_at_scale`` reads from the real set-up (``tests/planner/test_at_scale.py`` compares the two)."""
+    with torch.device("meta"):
+        module = build()
+    _, stack = find_block_stack(module)
+    blocks = [
+        BlockCost(0.0, 0.0, 0.0, float(_nbytes(p for p in block.parameters())))
+        for block in stack
+    ]
+    whole = _nbytes(module.parameters())
+    optimizers = _configure_optimizers(module.configure_optimizers())[0]
+    itemsize = next(p for p in module.parameters() if p.is_floating_point()).element_size()
+    return ModelCost(
+        blocks=blocks,
+        other_parameter_bytes=float(whole - sum(b.parameter_bytes for b in blocks)),
+        batch_size=batch_size,
+        parameter_itemsize=itemsize,
+        optimizer=optimizer_kind(optimizers[0]),
+        name=type(module).__name__,
+    )

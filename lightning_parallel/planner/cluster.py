@@ -29,7 +29,9 @@ class Link:
 @dataclass(frozen=True)
 class Cluster:
     """``nodes`` machines of ``devices_per_node`` devices, each with ``memory`` bytes and ``flops`` dense
-    floating-point operations per second in the compute dtype (used only for blocks that were not timed)."""
+    floating-point operations per second in the compute dtype (used only for blocks that were not timed).
+    ``cores``: on a CPU box, the cores a node's devices (processes, one thread each) share, so that more
+    processes than cores run no faster in all; 0 where every device computes on its own (GPUs)."""
 
     name: str
     nodes: int
@@ -38,6 +40,7 @@ class Cluster:
     flops: float
     within_node: Link
     between_nodes: Link
+    cores: int = 0
 
     @property
     def devices(self) -> int:

@@ -28,17 +28,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Sequence
+from typing import Sequence, Union
 
 from lightning_parallel.memory.expected import (
     ModelStates,
     block_activation_bytes,
     model_state_bytes,
+    stage_activation_bytes,
     state_bytes_for,
 )
 from lightning_parallel.pipeline.partition import balance
 from lightning_parallel.pipeline.placement import global_stage
-from lightning_parallel.pipeline.schedules import OVERLAPPED, activation_bound, expected_bubbles
+from lightning_parallel.pipeline.schedules import OVERLAPPED, activation_bound, expected_bubbles, schedule
 from lightning_parallel.planner.cluster import Cluster
 from lightning_parallel.planner.collective_time import (
     all_gather_s,
@@ -166,21 +167,24 @@ def _chunks(model: ModelCost, layout: Layout, cluster: Cluster) -> list[_Chunk]:
     return chunks
 
 
-def _pipeline(chunks: list[_Chunk], layout: Layout) -> tuple[float, float, list[list[int]]]:
-    """The pipeline's seconds per step, the busiest rank's idle share, and each rank's chunks (model order)."""
+def _pipeline(
+    chunks: list[_Chunk], layout: Layout
+) -> tuple[float, float, list[list[int]], list[float]]:
+    """The pipeline's seconds per step, the busiest rank's idle share, each rank's chunks (model order), and
+    each rank's busy seconds."""
     p, v, m = layout.pp, layout.virtual_stages, layout.num_microbatches
     held = [[global_stage(layout.schedule, p, r, c, v) for c in range(v)] for r in range(p)]
     busy = [m * sum(chunks[g].forward + chunks[g].backward for g in held[r]) for r in range(p)]
     if p == 1:
-        return busy[0], 0.0, held
+        return busy[0], 0.0, held, busy
     if layout.schedule == "async":
-        return max(busy), 0.0, held
+        return max(busy), 0.0, held, busy
     forward = tuple(c.forward for c in chunks)
     backward = tuple(c.backward for c in chunks)
     idle = _bubbles(layout.schedule, p, m, forward, backward, v)
     spans = [b / (1 - i) for b, i in zip(busy, idle)]
     slowest = max(range(p), key=spans.__getitem__)
-    return spans[slowest], idle[slowest], held
+    return spans[slowest], idle[slowest], held, busy
 
 
 @lru_cache(maxsize=256)
@@ -208,33 +212,50 @@ def _rank_elements(
 
 
 def _activations(model: ModelCost, layout: Layout, chunks: list[_Chunk], rank: int, held: list[int]) -> float:
-    """The bytes of activations ``rank`` holds at its peak: a chunk's worth per micro-batch in flight."""
+    """The bytes of activations ``rank`` holds at its peak (``memory.expected.stage_activation_bytes``): a
+    chunk's worth per micro-batch in flight, the head's on the loss stage, a block rebuilt by full recompute."""
     scale = layout.microbatch / model.batch_size
     tp, sp = layout.tp, layout.sequence_parallel
 
-    def kept(b: BlockCost) -> float:
-        return block_activation_bytes(
-            b.activation_bytes, b.attention_bytes, b.output_bytes, tp, sp, layout.recompute
-        )
+    def kept(b: BlockCost, recompute: Union[bool, str]) -> float:
+        return block_activation_bytes(b.activation_bytes, b.attention_bytes, b.output_bytes, tp, sp, recompute)
 
-    per_chunk = [sum(kept(b) for b in chunks[g].blocks) * scale for g in held]
+    per_chunk = [sum(kept(b, layout.recompute) for b in chunks[g].blocks) * scale for g in held]
     in_flight = 1
     if layout.pp > 1:
         in_flight = activation_bound(
             layout.schedule, layout.pp, layout.num_microbatches, rank, layout.virtual_stages
         )
-    total = in_flight * max(per_chunk)
-    if layout.recompute is True:  # the block being recomputed holds its whole activations for a moment
-        total += max(b.activation_bytes for g in held for b in chunks[g].blocks) * scale / tp
-    if any(chunks[g].last for g in held):
-        total += model.other_activation_bytes * scale / tp
-    return total
+    recomputed = 0.0
+    if layout.recompute is True:  # a block rebuilt whole in its backward, beyond the input it kept
+        recomputed = max(kept(b, False) - kept(b, True) for g in held for b in chunks[g].blocks) * scale
+    head, heads = 0.0, 1
+    if chunks[-1].last and len(chunks) - 1 in held:
+        head = model.other_activation_bytes * scale / tp
+        if layout.pp > 1:
+            heads = _heads_in_flight(
+                layout.schedule, layout.pp, layout.num_microbatches, rank, layout.virtual_stages,
+                held.index(len(chunks) - 1),
+            )
+    return stage_activation_bytes(in_flight * max(per_chunk), head, recomputed, heads)
+
+
+@lru_cache(maxsize=256)
+def _heads_in_flight(name: str, p: int, m: int, rank: int, v: int, chunk: int) -> int:
+    """The most micro-batches whose loss-stage head the rank holds at once in the schedule's own order:
+    forwards of its last chunk whose backward (or input gradient) has not run (GPipe: all m; 1F1B: one)."""
+    live = peak = 0
+    for action in schedule(name, p, m, rank, v):
+        if action.chunk == chunk:
+            live += {"F": 1, "B": -1, "I": -1}.get(action.kind, 0)
+            peak = max(peak, live)
+    return max(peak, 1)
 
 
 def predict(model: ModelCost, layout: Layout, cluster: Cluster, precision: str = "32-true") -> Prediction:
     """The step time and the busiest rank's peak memory of ``layout`` on ``cluster``."""
     chunks = _chunks(model, layout, cluster)
-    pipeline_s, idle, held = _pipeline(chunks, layout)
+    pipeline_s, idle, held, busy = _pipeline(chunks, layout)
     state = state_bytes_for(precision)
     dp_link = cluster.link(layout.dp, layout.tp * layout.pp)
     edp = layout.dp // layout.ep
@@ -259,9 +280,10 @@ def predict(model: ModelCost, layout: Layout, cluster: Cluster, precision: str =
     assert worst_states is not None
     largest_unit = max(b.parameter_bytes for b in model.blocks) / layout.tp / model.parameter_itemsize
     gathered = 2 * largest_unit * state.parameter if layout.zero_stage == 3 else 0.0
+    step_s = max(pipeline_s + optimizer_s, _shared_cores_s(layout, cluster, busy, optimizer_s)) + worst_comm
     return Prediction(
         layout=layout,
-        step_s=pipeline_s + worst_comm + optimizer_s,
+        step_s=step_s,
         pipeline_s=pipeline_s,
         bubble=idle,
         data_parallel_s=worst_comm,
@@ -270,6 +292,18 @@ def predict(model: ModelCost, layout: Layout, cluster: Cluster, precision: str =
         activation_bytes=worst_activations,
         gathered_bytes=gathered,
     )
+
+
+def _shared_cores_s(layout: Layout, cluster: Cluster, busy: list[float], optimizer_s: float) -> float:
+    """The least time a node's CPU cores need for its processes' work when they share ``cluster.cores``
+    (0: devices of their own, no bound): every rank's busy seconds and optimizer step, over the cores.
+    The step is at least this and at least the schedule's own span (a rank idle in the bubble leaves its
+    core to the others)."""
+    processes = min(layout.devices, cluster.devices_per_node)
+    if not cluster.cores or processes <= cluster.cores:
+        return 0.0
+    replicas = processes / layout.pp  # each pipeline rank's dp x tp copies on the node
+    return (replicas * sum(busy) + processes * optimizer_s) / cluster.cores
 
 
 def _add(a: ModelStates, b: ModelStates) -> ModelStates:

@@ -150,3 +150,36 @@ def test_experts_are_shared_out_over_ep_and_their_tokens_cross_by_all_to_all() -
 def test_zero_3_shards_the_parameters_too() -> None:
     peaks = [predict(model(), Layout(4, 1, 1, 8, zero_stage=z), cluster()).peak_bytes for z in (2, 3)]
     assert peaks[1] < peaks[0]
+
+
+def test_a_recomputed_block_and_its_heads_activations_are_never_held_together() -> None:
+    """Full recompute: the stage keeps each block's input, plus the larger of the head's activations (held
+    until the head's backward) and one block rebuilt beyond its input (rebuilt after that backward)."""
+    cost = dataclasses.replace(model(), other_activation_bytes=300.0)
+    prediction = predict(cost, Layout(1, 1, 1, 1, recompute=True), cluster())
+    assert prediction.activation_bytes == pytest.approx(8 * 100.0 + max(300.0, 1000.0 - 100.0))
+    big_head = dataclasses.replace(cost, other_activation_bytes=5000.0)
+    assert predict(big_head, Layout(1, 1, 1, 1, recompute=True), cluster()).activation_bytes == pytest.approx(
+        8 * 100.0 + 5000.0
+    )
+
+
+def test_gpipe_holds_the_head_of_every_microbatch_and_1f1b_one() -> None:
+    cost = dataclasses.replace(model(), other_activation_bytes=300.0)
+    base = Layout(1, 1, 2, 4, num_microbatches=4)
+    last_gpipe = predict(cost, dataclasses.replace(base, schedule="gpipe"), cluster())
+    # both stages hold 4 micro-batches x 4 blocks; the last also 4 heads
+    assert last_gpipe.activation_bytes == pytest.approx(4 * 4 * 1000.0 + 4 * 300.0)
+    one_f_one_b = predict(cost, base, cluster())  # stage 0: 2 in flight; stage 1: 1 and one head
+    assert one_f_one_b.activation_bytes == pytest.approx(2 * 4 * 1000.0)
+
+
+def test_processes_sharing_cores_take_turns() -> None:
+    """4 data-parallel processes on a box of 2 cores: a step is their work over the cores, twice one
+    process's; on 4 cores (or devices of their own) it is one process's."""
+    layout = Layout(dp=4, tp=1, pp=1, global_batch=4)
+    alone = predict(model(), layout, cluster(devices=4)).step_s
+    assert alone == pytest.approx(8 * 3.0)
+    shared = dataclasses.replace(cluster(devices=4), cores=2)
+    assert predict(model(), layout, shared).step_s == pytest.approx(2 * alone)
+    assert predict(model(), layout, dataclasses.replace(shared, cores=4)).step_s == pytest.approx(alone)

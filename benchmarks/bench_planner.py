@@ -1,0 +1,308 @@
+"""The layout planner's accuracy: its predicted step time and peak memory per rank beside a real run's.
+
+    python benchmarks/bench_planner.py                 # 17 layouts of 2 to 8 processes, CharGPT 8 x 128
+    python benchmarks/bench_planner.py --tiny          # 2 layouts of 2 processes, a 2-block model: seconds
+    python benchmarks/bench_planner.py --layouts "dp2 tp1 pp1" "dp1 tp1 pp2 1f1b m4"   # a subset, by name
+    python benchmarks/bench_planner.py --steps 20 --warmup 5 --json out.json
+
+For each layout (``LAYOUTS``: DDP, ZeRO 1, 2 and 3, tensor parallelism with and without sequence
+parallelism, each pipeline schedule, 2-D and 3-D, full recompute), the benchmark puts beside each other:
+
+- **predicted**: ``planner.cost_model.predict`` of the layout on this machine (``cpu_2core``'s cluster
+  file, one process per device, the devices sharing its cores), from a ``ModelCost`` measured once in this
+  process the way the planner's command measures it (``planner.command.model_cost``: each block timed
+  alone on its captured inputs, its saved activations counted; one thread, as each worker has);
+- **measured**: a real ``Trainer.fit`` of the same ``CharGPT`` on the embedded corpus under torchrun (gloo,
+  one thread per process), ``lp_ddp`` for the layouts without model parallelism (ZeRO 3 is lp_ddp's),
+  ``lp_parallel`` (``Layout.strategy_options``) for the others.
+
+**Step time** is the median of a run's steps after ``--warmup`` steps, on rank 0, from the start of a
+training batch to its end (``common.step_timer``: forward, backward, the data-parallel collectives and
+the optimizer step; under pipeline stages the whole schedule, which every stage runs in step).
+
+**Peak memory per rank** is the memory report's (``lightning_parallel.MemoryReport``, at the end of
+``fit``): a rank's parameters + gradients + optimizer state (unique storages, the strategy's buckets and
+shards included) + its peak of the activations autograd kept saved in a step, and of the ranks the
+largest. The cost model's figure is the same sum: ``memory.expected``'s model states of the busiest rank
+plus its activations (``Prediction.states.total + Prediction.activation_bytes``; its ``peak_bytes`` adds
+ZeRO-3's gathered parameters of a unit and the one prefetched, which the report does not see: its
+parameters column reads the shards between steps). Neither counts the process's interpreter, libraries
+or allocator slack (the report's RSS columns), so the memory side does not depend on the machine's load.
+
+The table prints the absolute % errors and their medians, and the layout ranked first by prediction
+against the fastest measured one (how much slower it measured). On a machine shared with other jobs the
+step times measure the load, not the model; the memory does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import QUIET_TRAINER, append_record, read_records, step_timer, torchrun  # noqa: E402
+
+from lightning_parallel.planner.layout import Layout  # noqa: E402
+
+MIB = 2**20
+
+#: the model planned and run: CharGPT (lp-train's default model) at 8 blocks of width 128, block size 64
+MODEL = {"n_layer": 8, "n_embd": 128, "n_head": 4, "block_size": 64}
+TINY_MODEL = {"n_layer": 2, "n_embd": 32, "n_head": 4, "block_size": 16}
+GLOBAL_BATCH, TINY_BATCH = 16, 8
+
+
+def _layout(dp: int, tp: int, pp: int, **options: Any) -> Layout:
+    return Layout(dp, tp, pp, GLOBAL_BATCH, **options)
+
+
+def _pipe(schedule: str, dp: int = 1, tp: int = 1, pp: int = 2, m: int = 4, **options: Any) -> Layout:
+    v = 2 if schedule in ("interleaved_1f1b", "zbv") else 1
+    return _layout(dp, tp, pp, schedule=schedule, num_microbatches=m, virtual_stages=v, **options)
+
+
+#: the measured layouts: every axis, schedule, ZeRO stage and recompute, 2 to 8 processes
+LAYOUTS = [
+    _layout(2, 1, 1),
+    _layout(2, 1, 1, zero_stage=1),
+    _layout(2, 1, 1, zero_stage=2),
+    _layout(2, 1, 1, zero_stage=3),
+    _layout(2, 1, 1, recompute=True),
+    _layout(4, 1, 1),
+    _layout(1, 2, 1),
+    _layout(1, 2, 1, sequence_parallel=True),
+    _pipe("1f1b"),
+    _pipe("gpipe"),
+    _pipe("zb_h1"),
+    _pipe("interleaved_1f1b"),
+    _pipe("zbv"),
+    _pipe("1f1b", recompute=True),
+    _layout(2, 2, 1),
+    _pipe("1f1b", dp=2),
+    _pipe("1f1b", dp=2, tp=2),
+]
+TINY_LAYOUTS = [
+    Layout(2, 1, 1, TINY_BATCH),
+    Layout(1, 1, 2, TINY_BATCH, schedule="1f1b", num_microbatches=2),
+]
+
+
+def build_strategy(layout: Layout) -> Any:
+    """``lp_ddp`` (ZeRO 0-3, recompute) where the layout has no model parallelism, else ``lp_parallel``."""
+    import lightning_parallel as lp
+
+    options = layout.strategy_options()
+    if layout.tp == layout.pp == 1:
+        return lp.DDPStrategy(
+            zero_stage=layout.zero_stage, activation_checkpointing=layout.recompute, failure_timeout=300
+        )
+    return lp.ParallelStrategy(**options, failure_timeout=300)
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One layout's ``Trainer.fit``; rank 0 appends its step times and every rank's memory row."""
+    import torch
+    from lightning.pytorch import Trainer, seed_everything
+
+    import lightning_parallel as lp
+    from lightning_parallel.data import CharCorpusData
+    from lightning_parallel.models.gpt import CharGPT
+
+    torch.set_num_threads(1)
+    seed_everything(0)
+    layout = Layout(**json.loads(args.layout))
+    shape = json.loads(args.model)
+    timer, report = step_timer(), lp.MemoryReport()
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=layout.devices,
+        strategy=build_strategy(layout),
+        max_steps=args.warmup + args.steps,
+        callbacks=[timer, report],
+        **QUIET_TRAINER,
+    )
+    data = CharCorpusData(
+        batch_size=layout.global_batch // layout.dp, block_size=shape["block_size"], max_chars=200_000
+    )
+    trainer.fit(CharGPT(**shape), datamodule=data)
+    rows = report.summary()["end_of_fit"]
+    if trainer.is_global_zero:
+        append_record(
+            args.out,
+            {
+                "layout": layout.name(),
+                "step_s": statistics.median(timer.times[args.warmup :]),
+                "rows": [
+                    {k: r[k] for k in ("rank", "parameters", "gradients", "optimizer_state", "activations")}
+                    for r in rows
+                ],
+            },
+        )
+
+
+def measured_peak(rows: list[dict]) -> tuple[int, dict]:
+    """The largest rank's parameters + gradients + optimizer state + peak saved activations, and its row."""
+    total = lambda r: r["parameters"] + r["gradients"] + r["optimizer_state"] + r["activations"]  # noqa: E731
+    busiest = max(rows, key=total)
+    return total(busiest), busiest
+
+
+def predictions(layouts: list[Layout], shape: dict, global_batch: int) -> tuple[Any, list[Any]]:
+    """The model measured here (one thread, as a worker has) and each layout's prediction on this box."""
+    import torch
+
+    from lightning_parallel.planner.cluster import Cluster
+    from lightning_parallel.planner.command import EMBEDDED, model_cost
+    from lightning_parallel.planner.cost_model import predict
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        cost = model_cost(EMBEDDED[0], shape, None, global_batch // 2, repeats=3)
+    finally:
+        torch.set_num_threads(threads)
+    machine = Cluster.load("cpu_2core")
+    out = []
+    for layout in layouts:
+        cluster = dataclasses.replace(machine, devices_per_node=max(layout.devices, machine.devices_per_node))
+        out.append(predict(cost, layout, cluster))
+    return cost, out
+
+
+def _error(predicted: float, measured: float) -> float:
+    return abs(predicted - measured) / measured
+
+
+def table(layouts: list[Layout], predicted: list[Any], records: list[dict]) -> tuple[str, dict]:
+    """The comparison table and its summary figures (medians, ranked first vs fastest measured)."""
+    found = {r["layout"]: r for r in records}
+    head = (
+        "| layout | processes | predicted step | measured step | error | predicted peak/rank | measured "
+        "peak/rank | error | predicted p+g+o | measured p+g+o | predicted act. | measured act. |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    rows, time_errors, memory_errors = [], [], []
+    for layout, p in zip(layouts, predicted):
+        record = found.get(layout.name())
+        if record is None:
+            lines.append(f"| {layout.name()} | {layout.devices} | {p.step_s * 1e3:.0f} ms | (failed) |")
+            continue
+        peak, busiest = measured_peak(record["rows"])
+        states = busiest["parameters"] + busiest["gradients"] + busiest["optimizer_state"]
+        predicted_peak = p.states.total + p.activation_bytes  # what the report counts (no gathered units)
+        te, me = _error(p.step_s, record["step_s"]), _error(predicted_peak, peak)
+        time_errors.append(te)
+        memory_errors.append(me)
+        rows.append((layout.name(), p.step_s, record["step_s"]))
+        lines.append(
+            f"| {layout.name()} | {layout.devices} | {p.step_s * 1e3:.0f} ms | {record['step_s'] * 1e3:.0f} ms "
+            f"| {te:.1%} | {predicted_peak / MIB:.2f} MiB | {peak / MIB:.2f} MiB | {me:.1%} "
+            f"| {p.states.total / MIB:.2f} MiB | {states / MIB:.2f} MiB "
+            f"| {p.activation_bytes / MIB:.2f} MiB | {busiest['activations'] / MIB:.2f} MiB |"
+        )
+    summary: dict[str, Any] = {"layouts": len(rows)}
+    if rows:
+        first = min(rows, key=lambda r: r[1])
+        fastest = min(rows, key=lambda r: r[2])
+        summary.update(
+            median_step_error=statistics.median(time_errors),
+            median_memory_error=statistics.median(memory_errors),
+            ranked_first=first[0],
+            fastest_measured=fastest[0],
+            ranked_first_slower_by=first[2] / fastest[2] - 1,
+        )
+        lines += [
+            "",
+            f"{len(rows)} layouts: median absolute error of the step time {summary['median_step_error']:.1%}, "
+            f"of the peak memory per rank {summary['median_memory_error']:.1%}",
+            f"ranked first by prediction: {first[0]} (measured {first[2] * 1e3:.0f} ms); fastest measured: "
+            f"{fastest[0]} ({fastest[2] * 1e3:.0f} ms): {summary['ranked_first_slower_by']:.1%} slower",
+        ]
+    return "\n".join(lines), summary
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Predict, run every layout, print the table; the summary figures and the records."""
+    shape = TINY_MODEL if args.tiny else MODEL
+    layouts = TINY_LAYOUTS if args.tiny else LAYOUTS
+    if args.layouts:
+        names = {layout.name(): layout for layout in layouts}
+        unknown = [n for n in args.layouts if n not in names]
+        if unknown:
+            raise SystemExit(f"--layouts {unknown} are not among the benchmark's: {list(names)}")
+        layouts = [names[n] for n in args.layouts]
+    global_batch = layouts[0].global_batch
+    cost, predicted = predictions(layouts, shape, global_batch)
+    out = Path(args.records) if args.records else Path(tempfile.mkdtemp()) / "results.jsonl"
+    done = {r["layout"] for r in read_records(out)}
+    for layout in [layout for layout in layouts if layout.name() not in done]:
+        print(f"running {layout.name()} on {layout.devices} processes", flush=True)
+        line = ["--out", str(out), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        line += ["--layout", json.dumps(dataclasses.asdict(layout)), "--model", json.dumps(shape)]
+        try:
+            torchrun(__file__, layout.devices, line, timeout=args.timeout)
+        except Exception as error:  # noqa: BLE001 - a failed layout is a row of the table, not the end
+            print(f"  {layout.name()} failed: {str(error)[-1500:]}", flush=True)
+    records = read_records(out)
+    text, summary = table(layouts, predicted, records)
+    print(f"\n{cost.name}, global batch {global_batch}, {args.warmup} warm-up + {args.steps} timed steps\n")
+    print(text)
+    result = {"summary": summary, "records": records, "predicted": _predicted_dicts(layouts, predicted)}
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+def _predicted_dicts(layouts: list[Layout], predicted: list[Any]) -> list[dict]:
+    return [
+        {
+            "layout": layout.name(),
+            "step_s": p.step_s,
+            "peak_bytes": p.peak_bytes,
+            "states": p.states.total,
+            "activations": p.activation_bytes,
+            "gathered": p.gathered_bytes,
+        }
+        for layout, p in zip(layouts, predicted)
+    ]
+
+
+def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--layout", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--tiny", action="store_true", help="2 layouts of 2 processes, a 2-block model")
+    parser.add_argument("--layouts", nargs="+", help="layouts by name (Layout.name()), default all")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 8, tiny 2)")
+    parser.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3, tiny 2)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds per layout")
+    parser.add_argument("--json", help="write the summary, records and predictions here")
+    parser.add_argument(
+        "--records", help="the runs' JSON lines file: layouts already in it are not run again (predict only)"
+    )
+    args = parser.parse_args(argv)
+    args.steps = args.steps if args.steps is not None else (2 if args.tiny else 8)
+    args.warmup = args.warmup if args.warmup is not None else (2 if args.tiny else 3)
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse(argv)
+    if args.worker:
+        worker(args)
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()
