@@ -31,8 +31,8 @@ sharded (every rank holds them whole, as at stage 0).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Generator, Optional, Sequence
 
@@ -62,6 +62,14 @@ class ParameterUnit:
     rank: int
     gathered: bool = True
     work: Any = None  # the gather in flight (prefetched), waited for before the unit is used or freed
+    views: list[Tensor] = field(init=False, repr=False)
+    placeholders: list[Tensor] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # what each parameter presents: its view of ``full`` while gathered, a placeholder while freed
+        self.views = [p.data for p in self.params]
+        released = torch.full((), float("nan"), dtype=self.full.dtype, device=self.full.device)
+        self.placeholders = [released.expand(p.shape) for p in self.params]
 
     @property
     def size(self) -> int:
@@ -72,16 +80,35 @@ class ParameterUnit:
         return self.full[self.rank * self.size : (self.rank + 1) * self.size]
 
     def wait(self) -> None:
-        """The gather in flight, if any, finished: the unit is gathered."""
+        """The gather in flight, if any, finished: the unit is gathered, its parameters its views again."""
         if self.work is not None:
             self.work.wait()
             self.work, self.gathered = None, True
+            self.present(self.views)
 
     def free(self) -> None:
+        """The flat buffer's memory released; the parameters present their placeholders meanwhile."""
         self.wait()
         if self.gathered:
+            self.present(self.placeholders)
             self.full.untyped_storage().resize_(0)
             self.gathered = False
+
+    def present(self, tensors: list[Tensor]) -> None:
+        """Each parameter's ``.data`` set to its tensor in ``tensors`` (same shape, dtype and device)."""
+        for p, t in zip(self.params, tensors):
+            p.data = t
+
+    @contextmanager
+    def as_views(self) -> Generator[None, None, None]:
+        """The parameters present their views inside, gathered or not: for code that reads only their
+        metadata (shape, strides), never their values."""
+        self.present(self.views)
+        try:
+            yield
+        finally:
+            if not self.gathered:
+                self.present(self.placeholders)
 
     def keep_own(self) -> None:
         """The gathered values of this rank's range into its shard (after the parameters were loaded)."""
@@ -222,6 +249,14 @@ class ShardedParameters:
                 unit.keep_own()
             self.free_all()
 
+    @contextmanager
+    def as_views(self) -> Generator[None, None, None]:
+        """Every parameter presents its view inside (``ParameterUnit.as_views``: metadata reads only)."""
+        with ExitStack() as stack:
+            for unit in self.units():
+                stack.enter_context(unit.as_views())
+            yield
+
     # ------------------------------------------------------------------ hooks
     def _hook(self, unit: ParameterUnit) -> list[Any]:
         module = unit.module
@@ -304,7 +339,8 @@ class FullyShardedGradientReducer(ShardedGradientReducer):
         missing = [n for n, p in named_params if p in trainable and p not in self._unit_of]
         if missing:
             raise ValueError(f"zero_stage=3: trainable parameters outside every unit: {missing[:5]}")
-        super().__init__(named_params, group, 2, **kwargs)
+        with sharded.as_views():  # ZeRO-2's set-up reads the parameters' layout (contiguous), not values
+            super().__init__(named_params, group, 2, **kwargs)
         self._bucket_units = [self._unit_of[b.params[0]] for b in self.buckets]
 
     def _bucket_groups(self, order: list[nn.Parameter], used: int) -> list[list[int]]:

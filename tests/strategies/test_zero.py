@@ -22,6 +22,7 @@ from tests.helpers.harness import (
     run_distributed,
     saved_checkpoint,
 )
+from tests.helpers.weight_reader import HOOKS, all_nan
 from tests.helpers.worker import load_object
 from tests.strategies.test_deferred_init import MODELS
 from tests.strategies.test_parallel_3d import layout as layout_3d
@@ -150,6 +151,20 @@ REFERENCES = {  # name: (model, optimizer, steps, trainer)
     "gpt-adamw-10": ("gpt", "adamw", 10, {}),
 }
 ASYNC = "tests.helpers.pp_models:AsyncRuleGPT"
+#: runs with a callback reading the weights in Lightning's hooks (``weight_reader``), validating every 2 steps
+READ_WEIGHTS = {"ref-gpt-sgdm", "ddp2-gpt-sgdm-z3"}
+
+
+def reading_weights(c: dict) -> dict:
+    """``c`` with ``WeightReader`` and a validation loop (validation does not change what trains)."""
+    if c["name"] not in READ_WEIGHTS:
+        return c
+    return {
+        **c,
+        "data": "tests.helpers.callback_models:ValidatedTokens",
+        "callbacks": [{"class": "tests.helpers.weight_reader:WeightReader", "kwargs": {"dirpath": "reads"}}],
+        "trainer": {**c["trainer"], "val_check_interval": 2, "limit_val_batches": 1},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +199,7 @@ def runs(tmp_path_factory):
     by_world[4].append({**async_run, "model_kwargs": sgd})
     results = {}
     for world, cases in by_world.items():
+        cases = [reading_weights(c) for c in cases]
         results.update(run_distributed(cases, world_size=world, tmp_path=tmp, timeout=600))
     saved = str(tmp / "dist2" / "ddp2-gpt-adamw-z1" / "last.ckpt")  # ZeRO-1 at dp=2, several buckets
     later = {
@@ -371,3 +387,23 @@ def test_zero_3_full_state_is_read_and_loaded_while_sharded(runs):
     for rank in results["ddp2-z3-round-trip"]:
         found = rank["probe"]
         assert found["keys"] and found["zeros_max"] == 0.0 and found["again_diff"] == 0.0, found
+
+
+@pytest.mark.timeout(1500)
+def test_zero_3_weights_read_in_hooks(runs):
+    """A callback reading every weight (norm, sum, clone, print) in Lightning's hooks while zero_stage=3's units
+    are freed does not crash the fit (freed storage is never read): outside ``gathered()`` a freed unit's
+    parameters read as NaN of their own shape, never as a plausible value; inside it they equal one device's
+    parameters at that step."""
+    tmp, _ = runs
+    reference = torch.load(tmp / "dist1" / "ref-gpt-sgdm" / "reads" / "reads-rank0.pt", weights_only=False)
+    assert not any(all_nan(norms) for norms in reference["between"])  # one device reads true values
+    for rank in range(2):
+        found = torch.load(
+            tmp / "dist2" / "ddp2-gpt-sgdm-z3" / "reads" / f"reads-rank{rank}.pt", weights_only=False
+        )
+        assert set(found["hooks"]) == set(HOOKS) == set(reference["hooks"]), found["hooks"]
+        assert len(found["between"]) == 5 and all(all_nan(norms) for norms in found["between"])
+        assert len(found["steps"]) == len(reference["steps"]) == 5
+        for step, expected in zip(found["steps"], reference["steps"]):
+            assert_params_close(step, expected, atol=1e-10)
