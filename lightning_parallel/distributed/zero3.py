@@ -3,9 +3,11 @@
 The model is cut into *units*: each block of the block stack (``module_names.find_block_stack``), and the
 root unit, every other trainable parameter. A unit's parameters live in one flat buffer laid out as ZeRO-1/2
 lay out a gradient bucket (``zero.py``): the parameters one after the other, padded to ``W`` equal ranges,
-rank ``r`` keeping range ``r`` (its *shard*, a flat tensor of its own). The parameters are views of the flat
-buffer, whose storage is resized to zero while the unit is freed, so their names, shapes and objects stay
-the model's own and only the memory goes.
+rank ``r`` keeping range ``r`` (its *shard*, a flat tensor of its own). While gathered, the parameters are
+views of the flat buffer; while the unit is freed its storage is resized to zero and each parameter presents
+a placeholder instead (its ``.data`` one NaN element expanded to its shape), so that their names, shapes and
+objects stay the model's own, only the memory goes, and code that reads a weight between uses (a callback)
+reads NaN, never released memory. ``gathered()`` gives the values.
 
 One step, in the order the hooks run::
 
