@@ -141,6 +141,18 @@ def _unit(name: str, module: Optional[nn.Module], params: list[nn.Parameter], gr
     return ParameterUnit(name, module, params, full, shard, rank)
 
 
+def _blocks(module: nn.Module, stack_name: Optional[str]) -> list[nn.Module]:
+    """The blocks of the block stack (``stack_name``, or found); none for a model without a stack of at
+    least 2 blocks (one block, or no repeated layers): the whole model is then the root unit."""
+    try:
+        _, stack = find_block_stack(module, stack_name)
+    except ValueError:
+        if stack_name is not None:
+            raise
+        return []
+    return list(stack)
+
+
 def _refuse_shared(module: nn.Module, blocks: list[nn.Module]) -> None:
     """A parameter is in one unit: one tied across two blocks, or between a block and a module outside
     the blocks, would be gathered and freed by either, so it is refused with its names."""
@@ -180,8 +192,7 @@ class ShardedParameters:
         self._by_ranges = dist.get_backend(gather_group) == "gloo"
         self.gathers = 0  # units gathered so far (tests read how often reshard_after_forward gathers)
         self.prefetches = 0  # of those, started ahead of the unit's use (while another unit computes)
-        _, stack = find_block_stack(module, stack_name)
-        blocks = list(stack)
+        blocks = _blocks(module, stack_name)
         in_blocks = {p for block in blocks for p in block.parameters()}
         trainable = lambda ps: [p for p in ps if p.requires_grad]  # noqa: E731
         root = [p for p in trainable(dict.fromkeys(module.parameters())) if p not in in_blocks]

@@ -41,6 +41,12 @@ MEMORY = "tests.helpers.probes:memory_report"
 F64 = {"precision": "64-true"}
 
 
+#: the deferred-init models, and models we did not write: nn.TransformerEncoder, and a whole nn.Transformer
+#: (lightning.pytorch.demos.Transformer: its decoder's layers are the units, the encoder stays in the root)
+ZOO = "tests.helpers.zoo:ZooLM"
+MODELS = {**MODELS, "encoder": (ZOO, {"arch": "torch_encoder"}), "demo": (ZOO, {"arch": "lightning_demo"})}
+
+
 def case(name: str, model: str, optimizer: str, strategy: str, kwargs: dict, dp: int, steps: int = 5, **more):
     """``model`` (built normally from the seed) with ``optimizer``, float64, a checkpoint at the end."""
     target, model_kwargs = MODELS[model]
@@ -136,6 +142,8 @@ RUNS = {
         {},
     ),
     "ddp4-gpt-adamw-z3": (4, "gpt", "adamw", DDP, {"zero_stage": 3}, 4, {}),
+    "ddp2-encoder-sgdm-z3": (2, "encoder", "sgdm", DDP, {"zero_stage": 3}, 2, {}),
+    "ddp2-demo-sgdm-z3": (2, "demo", "sgdm", DDP, {"zero_stage": 3}, 2, {}),
 }
 #: ZeRO with ``save_distributed``: each rank writes only its own pieces of the optimizer state
 SHARDED_SAVES = {
@@ -149,6 +157,8 @@ REFERENCES = {  # name: (model, optimizer, steps, trainer)
     "llama-sgdm": ("llama", "sgdm", 5, {}),
     "gpt-adamw-clip-accumulate": ("gpt", "adamw", 5, CLIP_ACCUMULATE),
     "gpt-adamw-10": ("gpt", "adamw", 10, {}),
+    "encoder-sgdm": ("encoder", "sgdm", 5, {}),
+    "demo-sgdm": ("demo", "sgdm", 5, {}),
 }
 ASYNC = "tests.helpers.pp_models:AsyncRuleGPT"
 #: runs with a callback reading the weights in Lightning's hooks (``weight_reader``), validating every 2 steps
@@ -181,7 +191,7 @@ def runs(tmp_path_factory):
     f32 = {"precision": "32-true", "max_steps": 5}
     for precision, extra in {"bf16-mixed": {}, "fp16": {"fp16_cpu": True}}.items():  # fp16: a real GradScaler
         trainer = {**f32, "precision": None if precision == "fp16" else precision}  # fp16: the plugin's
-        for zero in (0, 2):
+        for zero in (0, 2, 3):
             name = f"ddp2-gpt-adamw-{precision}-z{zero}"
             by_world[2].append(
                 case(name, "gpt", "adamw", DDP, {"zero_stage": zero}, 2, trainer=trainer, **extra)
@@ -243,12 +253,16 @@ def test_clipping_and_accumulation_changed_the_run(runs):
 
 
 @pytest.mark.timeout(1500)
+@pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("precision", ["bf16-mixed", "fp16"])
-def test_mixed_precision_keeps_its_meaning(runs, precision):
+def test_mixed_precision_keeps_its_meaning(runs, precision, stage):
     """Under 16-mixed (a GradScaler: every rank skips a step when any rank's pieces overflowed) and
-    bf16-mixed, ZeRO-2 trains as plain lp_ddp does, to float32 round-off."""
+    bf16-mixed, ZeRO-2 and ZeRO-3 train as plain lp_ddp does, to float32 round-off (1e-5 after 5 AdamW
+    steps of lr 1e-2: the float32 master weights and gradients are the same; only the order of the
+    float32 sums in the reduce-scatter differs from the all-reduce's). Under ZeRO-3 the parameters are
+    gathered in float32 and autocast casts them per op, as for plain lp_ddp."""
     tmp, results = runs
-    sharded = saved_checkpoint(tmp, 2, f"ddp2-gpt-adamw-{precision}-z2")["state_dict"]
+    sharded = saved_checkpoint(tmp, 2, f"ddp2-gpt-adamw-{precision}-z{stage}")["state_dict"]
     plain = saved_checkpoint(tmp, 2, f"ddp2-gpt-adamw-{precision}-z0")["state_dict"]
     assert_params_close(sharded, plain, atol=1e-5)
 
