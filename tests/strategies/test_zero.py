@@ -6,7 +6,9 @@ the async pipeline equals its emulation; clipping, gradient accumulation,
 bf16-mixed and 16-mixed (a GradScaler) keep their meaning; the memory report shows 1/dp of the optimizer state
 (and of the gradients at stage 2, while stage 1 holds the gradient buckets and no more; at stage 3 of the
 parameters too); a checkpoint saved at dp=2 with ZeRO resumes exactly at dp=1, at dp=4, with ZeRO off and
-under stage 3, and one saved under stage 3 on one device."""
+under stage 3, and one saved under stage 3 on one device. Stage 3 also on models we did not write
+(nn.TransformerEncoder, a whole nn.Transformer), under bf16-mixed and 16-mixed, and with a callback reading
+the weights in Lightning's hooks while the units are freed (``weight_reader``)."""
 
 from __future__ import annotations
 
