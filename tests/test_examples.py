@@ -99,6 +99,7 @@ def test_lightning_cli_example(tmp_path) -> None:
     proc = _run(["bash", str(EXAMPLES / "lightning_cli" / "run.sh")], tmp_path)
     saved = (tmp_path / "out" / "lightning_cli" / "lightning_logs" / "version_0" / "config.yaml").read_text()
     assert "class_path: lightning_parallel.DDPStrategy" in saved and "bucket_cap_mb: 5" in saved, saved
+    assert "zero_stage: 3" in saved, saved  # ZeRO-3 on a model we did not write, from the command line
     saved = (tmp_path / "out" / "lightning_cli" / "lightning_logs" / "version_1" / "config.yaml").read_text()
     assert "class_path: lightning_parallel.TensorParallelStrategy" in saved
     assert "tensor_parallel_size: 2" in saved, saved

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# LightningCLI: a strategy class and its init args on the command line (main.py), and by class_path in a
+# LightningCLI: a strategy class and its init args on the command line (main.py; lp_ddp with ZeRO-3), and by class_path in a
 # YAML config, from a script that never imports lightning_parallel (own_module.py, config.yaml).
 set -euo pipefail
 PYTHON=${PYTHON:-python}
@@ -9,7 +9,8 @@ COMMON="--trainer.accelerator cpu --trainer.devices 2 --trainer.max_steps 10 --t
         --model.n_layer 1 --model.n_embd 32 --data.max_chars 100000"
 
 $PYTHON "$HERE/main.py" fit $COMMON \
-  --trainer.strategy lightning_parallel.DDPStrategy --trainer.strategy.bucket_cap_mb 5
+  --trainer.strategy lightning_parallel.DDPStrategy --trainer.strategy.bucket_cap_mb 5 \
+  --trainer.strategy.zero_stage 3
 
 # the tensor-parallel strategy and its size
 $PYTHON "$HERE/main.py" fit $COMMON \

@@ -3,9 +3,11 @@
 The model is cut into *units*: each block of the block stack (``module_names.find_block_stack``), and the
 root unit, every other trainable parameter. A unit's parameters live in one flat buffer laid out as ZeRO-1/2
 lay out a gradient bucket (``zero.py``): the parameters one after the other, padded to ``W`` equal ranges,
-rank ``r`` keeping range ``r`` (its *shard*, a flat tensor of its own). The parameters are views of the flat
-buffer, whose storage is resized to zero while the unit is freed, so their names, shapes and objects stay
-the model's own and only the memory goes.
+rank ``r`` keeping range ``r`` (its *shard*, a flat tensor of its own). While gathered, the parameters are
+views of the flat buffer; while the unit is freed its storage is resized to zero and each parameter presents
+a placeholder instead (its ``.data`` one NaN element expanded to its shape), so that their names, shapes and
+objects stay the model's own, only the memory goes, and code that reads a weight between uses (a callback)
+reads NaN, never released memory. ``gathered()`` gives the values.
 
 One step, in the order the hooks run::
 
@@ -31,8 +33,8 @@ sharded (every rank holds them whole, as at stage 0).
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Generator, Optional, Sequence
 
@@ -62,6 +64,14 @@ class ParameterUnit:
     rank: int
     gathered: bool = True
     work: Any = None  # the gather in flight (prefetched), waited for before the unit is used or freed
+    views: list[Tensor] = field(init=False, repr=False)
+    placeholders: list[Tensor] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # what each parameter presents: its view of ``full`` while gathered, a placeholder while freed
+        self.views = [p.data for p in self.params]
+        released = torch.full((), float("nan"), dtype=self.full.dtype, device=self.full.device)
+        self.placeholders = [released.expand(p.shape) for p in self.params]
 
     @property
     def size(self) -> int:
@@ -72,16 +82,35 @@ class ParameterUnit:
         return self.full[self.rank * self.size : (self.rank + 1) * self.size]
 
     def wait(self) -> None:
-        """The gather in flight, if any, finished: the unit is gathered."""
+        """The gather in flight, if any, finished: the unit is gathered, its parameters its views again."""
         if self.work is not None:
             self.work.wait()
             self.work, self.gathered = None, True
+            self.present(self.views)
 
     def free(self) -> None:
+        """The flat buffer's memory released; the parameters present their placeholders meanwhile."""
         self.wait()
         if self.gathered:
+            self.present(self.placeholders)
             self.full.untyped_storage().resize_(0)
             self.gathered = False
+
+    def present(self, tensors: list[Tensor]) -> None:
+        """Each parameter's ``.data`` set to its tensor in ``tensors`` (same shape, dtype and device)."""
+        for p, t in zip(self.params, tensors):
+            p.data = t
+
+    @contextmanager
+    def as_views(self) -> Generator[None, None, None]:
+        """The parameters present their views inside, gathered or not: for code that reads only their
+        metadata (shape, strides), never their values."""
+        self.present(self.views)
+        try:
+            yield
+        finally:
+            if not self.gathered:
+                self.present(self.placeholders)
 
     def keep_own(self) -> None:
         """The gathered values of this rank's range into its shard (after the parameters were loaded)."""
@@ -110,6 +139,18 @@ def _unit(name: str, module: Optional[nn.Module], params: list[nn.Parameter], gr
             offset += p.numel()
     shard = full[rank * size : (rank + 1) * size].clone()
     return ParameterUnit(name, module, params, full, shard, rank)
+
+
+def _blocks(module: nn.Module, stack_name: Optional[str]) -> list[nn.Module]:
+    """The blocks of the block stack (``stack_name``, or found); none for a model without a stack of at
+    least 2 blocks (one block, or no repeated layers): the whole model is then the root unit."""
+    try:
+        _, stack = find_block_stack(module, stack_name)
+    except ValueError:
+        if stack_name is not None:
+            raise
+        return []
+    return list(stack)
 
 
 def _refuse_shared(module: nn.Module, blocks: list[nn.Module]) -> None:
@@ -151,8 +192,7 @@ class ShardedParameters:
         self._by_ranges = dist.get_backend(gather_group) == "gloo"
         self.gathers = 0  # units gathered so far (tests read how often reshard_after_forward gathers)
         self.prefetches = 0  # of those, started ahead of the unit's use (while another unit computes)
-        _, stack = find_block_stack(module, stack_name)
-        blocks = list(stack)
+        blocks = _blocks(module, stack_name)
         in_blocks = {p for block in blocks for p in block.parameters()}
         trainable = lambda ps: [p for p in ps if p.requires_grad]  # noqa: E731
         root = [p for p in trainable(dict.fromkeys(module.parameters())) if p not in in_blocks]
@@ -221,6 +261,14 @@ class ShardedParameters:
             for unit in self.units():
                 unit.keep_own()
             self.free_all()
+
+    @contextmanager
+    def as_views(self) -> Generator[None, None, None]:
+        """Every parameter presents its view inside (``ParameterUnit.as_views``: metadata reads only)."""
+        with ExitStack() as stack:
+            for unit in self.units():
+                stack.enter_context(unit.as_views())
+            yield
 
     # ------------------------------------------------------------------ hooks
     def _hook(self, unit: ParameterUnit) -> list[Any]:
@@ -304,7 +352,8 @@ class FullyShardedGradientReducer(ShardedGradientReducer):
         missing = [n for n, p in named_params if p in trainable and p not in self._unit_of]
         if missing:
             raise ValueError(f"zero_stage=3: trainable parameters outside every unit: {missing[:5]}")
-        super().__init__(named_params, group, 2, **kwargs)
+        with sharded.as_views():  # ZeRO-2's set-up reads the parameters' layout (contiguous), not values
+            super().__init__(named_params, group, 2, **kwargs)
         self._bucket_units = [self._unit_of[b.params[0]] for b in self.buckets]
 
     def _bucket_groups(self, order: list[nn.Parameter], used: int) -> list[list[int]]:

@@ -54,6 +54,8 @@ def case(name, strategy, trainer=None, dp_size=None, **extra):
 # ---------------------------------------------------------------------------------------------------
 RECORD = "tests.helpers.bn_project:validation_record"
 NO_BROADCAST = {"class": "lightning_parallel:DDPStrategy", "kwargs": {"broadcast_buffers": False}}
+#: the parameters sharded too (each Linear and BatchNorm of the network a unit), the buffers whole
+ZERO3 = {"class": "lightning_parallel:DDPStrategy", "kwargs": {"zero_stage": 3}}
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +69,7 @@ def versus_ddp(tmp_path_factory):
         case("lp_ddp-manual", "lp_ddp", model_kwargs={"manual": True}, probe=RECORD),
         case("ddp-manual", "ddp", model_kwargs={"manual": True}, probe=RECORD),
         case("lp_ddp-no-broadcast", NO_BROADCAST, **after),
+        case("lp_ddp-zero3", ZERO3, **after),
     ]
     return run_distributed(cases, world_size=2, tmp_path=tmp_path_factory.mktemp("bn_ddp"))
 
@@ -88,6 +91,13 @@ def test_validation_during_fit_equals_lightning_ddp(versus_ddp):
     # ddp copies rank 0's statistics before validation: every rank ends with rank 0's buffers
     ranks = versus_ddp["ddp"]
     assert max_param_diff(ranks[0]["probe"]["buffers"], ranks[1]["probe"]["buffers"]) == 0
+
+
+@pytest.mark.timeout(400)
+def test_zero_3_validation_during_fit_equals_lightning_ddp(versus_ddp):
+    """zero_stage=3 on a network we did not write (BatchNorm between Linears, built outside the
+    LightningModule): the same validation losses, metrics, parameters and buffers as Lightning's ddp."""
+    _assert_same_run(versus_ddp["lp_ddp-zero3"], versus_ddp["ddp"])
 
 
 @pytest.mark.timeout(400)

@@ -6,7 +6,9 @@ the async pipeline equals its emulation; clipping, gradient accumulation,
 bf16-mixed and 16-mixed (a GradScaler) keep their meaning; the memory report shows 1/dp of the optimizer state
 (and of the gradients at stage 2, while stage 1 holds the gradient buckets and no more; at stage 3 of the
 parameters too); a checkpoint saved at dp=2 with ZeRO resumes exactly at dp=1, at dp=4, with ZeRO off and
-under stage 3, and one saved under stage 3 on one device."""
+under stage 3, and one saved under stage 3 on one device. Stage 3 also on models we did not write
+(nn.TransformerEncoder, a whole nn.Transformer), under bf16-mixed and 16-mixed, and with a callback reading
+the weights in Lightning's hooks while the units are freed (``weight_reader``)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from tests.helpers.harness import (
     run_distributed,
     saved_checkpoint,
 )
+from tests.helpers.weight_reader import HOOKS, all_nan
 from tests.helpers.worker import load_object
 from tests.strategies.test_deferred_init import MODELS
 from tests.strategies.test_parallel_3d import layout as layout_3d
@@ -38,6 +41,12 @@ SMALL_BUCKETS = {
 }  # several buckets; pieces straddle them
 MEMORY = "tests.helpers.probes:memory_report"
 F64 = {"precision": "64-true"}
+
+
+#: the deferred-init models, and models we did not write: nn.TransformerEncoder, and a whole nn.Transformer
+#: (lightning.pytorch.demos.Transformer: its decoder's layers are the units, the encoder stays in the root)
+ZOO = "tests.helpers.zoo:ZooLM"
+MODELS = {**MODELS, "encoder": (ZOO, {"arch": "torch_encoder"}), "demo": (ZOO, {"arch": "lightning_demo"})}
 
 
 def case(name: str, model: str, optimizer: str, strategy: str, kwargs: dict, dp: int, steps: int = 5, **more):
@@ -135,6 +144,8 @@ RUNS = {
         {},
     ),
     "ddp4-gpt-adamw-z3": (4, "gpt", "adamw", DDP, {"zero_stage": 3}, 4, {}),
+    "ddp2-encoder-sgdm-z3": (2, "encoder", "sgdm", DDP, {"zero_stage": 3}, 2, {}),
+    "ddp2-demo-sgdm-z3": (2, "demo", "sgdm", DDP, {"zero_stage": 3}, 2, {}),
 }
 #: ZeRO with ``save_distributed``: each rank writes only its own pieces of the optimizer state
 SHARDED_SAVES = {
@@ -148,8 +159,24 @@ REFERENCES = {  # name: (model, optimizer, steps, trainer)
     "llama-sgdm": ("llama", "sgdm", 5, {}),
     "gpt-adamw-clip-accumulate": ("gpt", "adamw", 5, CLIP_ACCUMULATE),
     "gpt-adamw-10": ("gpt", "adamw", 10, {}),
+    "encoder-sgdm": ("encoder", "sgdm", 5, {}),
+    "demo-sgdm": ("demo", "sgdm", 5, {}),
 }
 ASYNC = "tests.helpers.pp_models:AsyncRuleGPT"
+#: runs with a callback reading the weights in Lightning's hooks (``weight_reader``), validating every 2 steps
+READ_WEIGHTS = {"ref-gpt-sgdm", "ddp2-gpt-sgdm-z3"}
+
+
+def reading_weights(c: dict) -> dict:
+    """``c`` with ``WeightReader`` and a validation loop (validation does not change what trains)."""
+    if c["name"] not in READ_WEIGHTS:
+        return c
+    return {
+        **c,
+        "data": "tests.helpers.callback_models:ValidatedTokens",
+        "callbacks": [{"class": "tests.helpers.weight_reader:WeightReader", "kwargs": {"dirpath": "reads"}}],
+        "trainer": {**c["trainer"], "val_check_interval": 2, "limit_val_batches": 1},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +193,7 @@ def runs(tmp_path_factory):
     f32 = {"precision": "32-true", "max_steps": 5}
     for precision, extra in {"bf16-mixed": {}, "fp16": {"fp16_cpu": True}}.items():  # fp16: a real GradScaler
         trainer = {**f32, "precision": None if precision == "fp16" else precision}  # fp16: the plugin's
-        for zero in (0, 2):
+        for zero in (0, 2, 3):
             name = f"ddp2-gpt-adamw-{precision}-z{zero}"
             by_world[2].append(
                 case(name, "gpt", "adamw", DDP, {"zero_stage": zero}, 2, trainer=trainer, **extra)
@@ -184,6 +211,7 @@ def runs(tmp_path_factory):
     by_world[4].append({**async_run, "model_kwargs": sgd})
     results = {}
     for world, cases in by_world.items():
+        cases = [reading_weights(c) for c in cases]
         results.update(run_distributed(cases, world_size=world, tmp_path=tmp, timeout=600))
     saved = str(tmp / "dist2" / "ddp2-gpt-adamw-z1" / "last.ckpt")  # ZeRO-1 at dp=2, several buckets
     later = {
@@ -227,12 +255,16 @@ def test_clipping_and_accumulation_changed_the_run(runs):
 
 
 @pytest.mark.timeout(1500)
+@pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("precision", ["bf16-mixed", "fp16"])
-def test_mixed_precision_keeps_its_meaning(runs, precision):
+def test_mixed_precision_keeps_its_meaning(runs, precision, stage):
     """Under 16-mixed (a GradScaler: every rank skips a step when any rank's pieces overflowed) and
-    bf16-mixed, ZeRO-2 trains as plain lp_ddp does, to float32 round-off."""
+    bf16-mixed, ZeRO-2 and ZeRO-3 train as plain lp_ddp does, to float32 round-off (1e-5 after 5 AdamW
+    steps of lr 1e-2: the float32 master weights and gradients are the same; only the order of the
+    float32 sums in the reduce-scatter differs from the all-reduce's). Under ZeRO-3 the parameters are
+    gathered in float32 and autocast casts them per op, as for plain lp_ddp."""
     tmp, results = runs
-    sharded = saved_checkpoint(tmp, 2, f"ddp2-gpt-adamw-{precision}-z2")["state_dict"]
+    sharded = saved_checkpoint(tmp, 2, f"ddp2-gpt-adamw-{precision}-z{stage}")["state_dict"]
     plain = saved_checkpoint(tmp, 2, f"ddp2-gpt-adamw-{precision}-z0")["state_dict"]
     assert_params_close(sharded, plain, atol=1e-5)
 
@@ -371,3 +403,23 @@ def test_zero_3_full_state_is_read_and_loaded_while_sharded(runs):
     for rank in results["ddp2-z3-round-trip"]:
         found = rank["probe"]
         assert found["keys"] and found["zeros_max"] == 0.0 and found["again_diff"] == 0.0, found
+
+
+@pytest.mark.timeout(1500)
+def test_zero_3_weights_read_in_hooks(runs):
+    """A callback reading every weight (norm, sum, clone, print) in Lightning's hooks while zero_stage=3's units
+    are freed does not crash the fit (freed storage is never read): outside ``gathered()`` a freed unit's
+    parameters read as NaN of their own shape, never as a plausible value; inside it they equal one device's
+    parameters at that step."""
+    tmp, _ = runs
+    reference = torch.load(tmp / "dist1" / "ref-gpt-sgdm" / "reads" / "reads-rank0.pt", weights_only=False)
+    assert not any(all_nan(norms) for norms in reference["between"])  # one device reads true values
+    for rank in range(2):
+        found = torch.load(
+            tmp / "dist2" / "ddp2-gpt-sgdm-z3" / "reads" / f"reads-rank{rank}.pt", weights_only=False
+        )
+        assert set(found["hooks"]) == set(HOOKS) == set(reference["hooks"]), found["hooks"]
+        assert len(found["between"]) == 5 and all(all_nan(norms) for norms in found["between"])
+        assert len(found["steps"]) == len(reference["steps"]) == 5
+        for step, expected in zip(found["steps"], reference["steps"]):
+            assert_params_close(step, expected, atol=1e-10)
