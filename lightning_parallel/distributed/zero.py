@@ -86,10 +86,9 @@ class _Works:
 
 
 class _Then:
-    """A collective started once ``first`` is done (it reads what ``first`` wrote): ``then()`` starts it,
-    when ``first`` is found complete or waited for; the two are waited for as one. Each rank starts its
-    seconds in the order it waits for or polls the firsts, the buckets' order, so a group's collectives
-    run in one order on every rank."""
+    """A collective started once ``first`` is done (it reads what ``first`` wrote): ``then()`` starts it
+    when ``first`` is found complete or is waited for; the two are waited for as one. The reducer polls and
+    waits for its buckets in their order, so every rank starts these second collectives in that order."""
 
     def __init__(self, first: Any, then: Any) -> None:
         self.first, self.then, self.second = first, then, None
@@ -176,7 +175,7 @@ class ShardedGradientReducer(GradientReducer):
         whole: parameters whose buckets are all-reduced (their gradients are summed over pipeline stages
             after the average); the optimizer state of their pieces is still sharded.
         replicate_group: HSDP: the ranks that hold this rank's ranges too, across which each received
-            range is all-reduced (None: ``group`` is the whole data-parallel group).
+            range is all-reduced (None: ``group`` is the whole data-parallel group); not with ``whole``.
         **kwargs: as for ``GradientReducer``.
     """
 
@@ -208,6 +207,10 @@ class ShardedGradientReducer(GradientReducer):
         # gloo: collectives made of per-rank reduces and broadcasts (``_reduce_scatter_by_ranges``)
         self._by_ranges = dist.get_backend(group) == "gloo"
         self._whole = set(whole)
+        if replicate_group is not None and self._whole:
+            raise ValueError(
+                "HSDP (replicate_group) takes no whole buckets (a pipeline's replicated modules)"
+            )
         self.shards: list[BucketShard] = []
         # synchronised backwards whose averages the received ranges hold, not yet consumed by a step
         self.syncs_since_step = 0
@@ -328,13 +331,8 @@ class ShardedGradientReducer(GradientReducer):
 
     def _reduce_bucket(self, bucket: _Bucket) -> Any:
         shard = self._shard_of[id(bucket)]
-        if shard.whole and self.replicate_group is None:
+        if shard.whole:
             return super()._reduce_bucket(bucket)
-        if shard.whole:  # HSDP: the all-reduce within the shard group, then across the replicas
-            work = dist.all_reduce(
-                bucket.buffer.div_(self.world_size * self.replicas), group=self.group, async_op=True
-            )
-            return self._across_replicas(work, bucket.buffer)
         if not bucket.buffer.numel():  # no gradient of this bucket on this rank
             self._open(bucket)
         if self.stage == 1:  # received in place, into this rank's own slice of the kept bucket
