@@ -90,6 +90,30 @@ CATALOGUE = [
         ["compile='max-autotune'", "True", "keyword arguments"],
     ),
     (
+        "hsdp-without-zero",
+        lambda: lp.DDPStrategy(data_parallel_shard_size=2),
+        ValueError,
+        ["data_parallel_shard_size=2", "zero_stage=0", "set zero_stage 1, 2 or 3"],
+    ),
+    (
+        "hsdp-shard-of-one",
+        lambda: lp.DDPStrategy(zero_stage=3, data_parallel_shard_size=1),
+        ValueError,
+        ["data_parallel_shard_size", "at least 2", "got 1", "None (all of them)"],
+    ),
+    (
+        "hsdp-not-wired",
+        lambda: lp.TensorParallelStrategy(zero_stage=2, data_parallel_shard_size=2),
+        ValueError,
+        ["data_parallel_shard_size=2", "TensorParallelStrategy", "lp_ddp", "leave it None"],
+    ),
+    (
+        "hsdp-save-distributed",
+        lambda: lp.DDPStrategy(zero_stage=2, data_parallel_shard_size=2, save_distributed=True),
+        ValueError,
+        ["data_parallel_shard_size=2 with save_distributed=True", "save_distributed=False"],
+    ),
+    (
         "zero-on-lp-dp",
         lambda: lp.DataParallelStrategy(zero_stage=1),
         ValueError,
@@ -385,6 +409,20 @@ CATALOGUE = [
             "tensor_parallel_size=3 is more than the 2 process(es)",
             "tensor_parallel_size=2 or less",
             "3 or more devices",
+        ],
+    ),
+    (
+        "hsdp-shard-size-not-dividing-dp",
+        lambda: Trainer(
+            accelerator="cpu",
+            devices=4,
+            strategy=lp.DDPStrategy(zero_stage=3, data_parallel_shard_size=3),
+        ),
+        ValueError,
+        [
+            "data_parallel_shard_size=3 must divide the data-parallel size 4",
+            "use one of [2, 4] (the devices per node on a multi-node run)",
+            "null to shard over all 4",
         ],
     ),
     (

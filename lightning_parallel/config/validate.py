@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_parallel.pipeline.executor import loader_problem
 from lightning_parallel.pipeline.schedules import chunks_per_rank
 from lightning_parallel.strategies.base import ParallelStrategyBase
-from lightning_parallel.strategies.checks import layout, layout_sizes
+from lightning_parallel.strategies.checks import layout, layout_sizes, shard_size
 from lightning_parallel.strategies.options import defaults, option_problems
 
 __all__ = ["ConfigError", "validate", "world_size_of", "problems"]
@@ -151,14 +151,19 @@ def _strategy_problems(strategy: Any, trainer: Any, cfg: DictConfig) -> list[str
     values = {**defaults(cls), **OmegaConf.to_container(strategy, resolve=True)}
     out = option_problems(cls, values, prefix="strategy.")
     world = world_size_of(trainer)
-    if out or world is None or world < 1 or not cls.size_options:
+    if out or world is None or world < 1:
         return out
     where = f"trainer.devices={trainer.devices} x trainer.num_nodes={trainer.num_nodes} = {world} process(es)"
     sizes = {name: values[name] for name in cls.size_options}
-    problem = layout(world, where, sizes, prefix="strategy.")
+    problem = layout(world, where, sizes, prefix="strategy.") if sizes else None
     if problem:
         return [problem]
-    stages = layout_sizes(world, sizes).get("pipeline_parallel_size", 1)
+    resolved = layout_sizes(world, sizes)
+    dp = next((resolved[name] for name, axis in cls.size_options.items() if axis == "dp"), world)
+    problem = shard_size("strategy.data_parallel_shard_size", values["data_parallel_shard_size"], dp, where)
+    if problem or not sizes:
+        return [problem] if problem else []
+    stages = resolved.get("pipeline_parallel_size", 1)
     return _stage_problems(values, stages, cfg) if stages > 1 or "pp" in cls.always_applied else []
 
 

@@ -11,6 +11,11 @@ dp indices form an expert-parallel group (``"ep"``, which exchanges tokens), and
 the same experts form the expert-replica group (``"edp"``, ``dp / ep`` ranks, which average the experts'
 gradients). ``"ep_model"`` is an ep group's ranks with all their pp x tp ranks: together they hold one
 whole model once.
+
+HSDP (``dp_shard``, which divides ``dp``) splits the data-parallel axis the same way for ZeRO: ``dp_shard``
+neighbouring dp indices form a shard group (``"dp_shard"``, over which ZeRO shards and gathers; one node's
+ranks when ``dp_shard`` is the devices per node), and the dp indices at the same place of every shard group
+form a replica group (``"dp_replicate"``, ``dp / dp_shard`` ranks, which all-reduce each shard's gradients).
 """
 
 from __future__ import annotations
@@ -21,17 +26,27 @@ from typing import Optional
 
 import torch.distributed as dist
 
-__all__ = ["destroy_process_groups_at_exit", "MeshShape", "Mesh", "build_mesh", "new_axis_group"]
+__all__ = ["destroy_process_groups_at_exit", "HSDP_AXES", "MeshShape", "Mesh", "build_mesh", "new_axis_group"]
+
+#: the groups of HSDP (``MeshShape.dp_shard``): where ZeRO shards, and across which it replicates
+HSDP_AXES = ("dp_shard", "dp_replicate")
 
 
 @dataclass(frozen=True)
 class MeshShape:
-    """Sizes of the three axes (their product is the world size), and ``ep``, which divides ``dp``."""
+    """Sizes of the three axes (their product is the world size), and ``ep`` and ``dp_shard`` (None: all
+    of ``dp``), which divide ``dp``."""
 
     dp: int = 1
     pp: int = 1
     tp: int = 1
     ep: int = 1
+    dp_shard: Optional[int] = None
+
+    @property
+    def replicates_shards(self) -> bool:
+        """HSDP: ZeRO shards over part of the data-parallel axis and replicates across those parts."""
+        return self.size("dp_shard") < self.dp
 
     @property
     def world_size(self) -> int:
@@ -47,11 +62,15 @@ class MeshShape:
     def size(self, axis: str) -> int:
         """The size of ``axis``: ``"dp"``, ``"pp"``, ``"tp"``, ``"ep"``, ``"model"`` (pp x tp: the ranks of
         one replica of the model, which together hold all of it), ``"edp"`` (dp / ep: the replicas of one
-        expert) or ``"ep_model"`` (ep x pp x tp)."""
+        expert), ``"ep_model"`` (ep x pp x tp), ``"dp_shard"`` (what ZeRO shards over) or
+        ``"dp_replicate"`` (dp / dp_shard: the replicas of one shard)."""
+        shard = self.dp if self.dp_shard is None else self.dp_shard
         derived = {
             "model": self.pp * self.tp,
             "edp": self.dp // self.ep,
             "ep_model": self.ep * self.pp * self.tp,
+            "dp_shard": shard,
+            "dp_replicate": self.dp // shard,
         }
         return derived[axis] if axis in derived else getattr(self, axis)
 
@@ -62,10 +81,11 @@ class MeshShape:
         size = self.size(axis)
         if axis == "model":
             return [self.rank(d, 0, 0) + i for i in range(size)]
-        if axis == "ep":
-            return [self.rank(d - d % self.ep + i, p, t) for i in range(size)]
-        if axis == "edp":
-            return [self.rank(d % self.ep + i * self.ep, p, t) for i in range(size)]
+        if axis in ("ep", "dp_shard"):  # neighbouring dp indices
+            return [self.rank(d - d % size + i, p, t) for i in range(size)]
+        if axis in ("edp", "dp_replicate"):  # the same place in every group of neighbours
+            every = self.dp // size
+            return [self.rank(d % every + i * every, p, t) for i in range(size)]
         if axis == "ep_model":
             return [self.rank(d - d % self.ep, 0, 0) + i for i in range(size)]
         if axis == "dp":
@@ -121,7 +141,7 @@ def build_mesh(shape: MeshShape) -> Mesh:
 
     An axis that spans the whole world uses the default group (None) rather than a copy of it; a
     size-1 axis still gets a real (single-rank) group, so None never silently means "everyone". The
-    expert axes get groups only where ``shape.ep > 1``.
+    expert axes get groups only where ``shape.ep > 1``, the HSDP axes only where ``replicates_shards``.
     """
     world = dist.get_world_size()
     if shape.world_size != world:
@@ -131,7 +151,8 @@ def build_mesh(shape: MeshShape) -> Mesh:
         )
     rank = dist.get_rank()
     mesh = Mesh(shape=shape, rank=rank)
-    for axis in ("dp", "pp", "tp", "model") + (("ep", "edp", "ep_model") if shape.ep > 1 else ()):
+    experts = ("ep", "edp", "ep_model") if shape.ep > 1 else ()
+    for axis in ("dp", "pp", "tp", "model", *experts, *(HSDP_AXES if shape.replicates_shards else ())):
         mesh.groups[axis] = None if shape.size(axis) == world else new_axis_group(shape, axis, rank)
     return mesh
 

@@ -394,13 +394,17 @@ class GradientReducer:
             return self._static_unused
         used = [p in self._used for p in self._order]
         flags = torch.tensor(used, dtype=torch.int32, device=self.buckets[0].buffer.device)
-        dist.all_reduce(flags, group=self.group)
+        self._sum_over_ranks(flags)
         index = {p: i for i, p in enumerate(self._order)}
         counts = flags.tolist()  # one host sync, not one per parameter
         unused = [p for p in locally_unused if counts[index[p]] == 0]
         if self.static_graph:
             self._static_unused = unused
         return unused
+
+    def _sum_over_ranks(self, tensor: Tensor) -> None:
+        """``tensor`` summed in place over every rank this reducer averages over."""
+        dist.all_reduce(tensor, group=self.group)
 
     def gradient_tensors(self) -> list[Tensor]:
         """The gradient memory this reducer holds (its buckets), for the memory report."""

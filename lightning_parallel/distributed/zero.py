@@ -27,6 +27,13 @@ buffer divided by ``W``, receives what the range held plus the new average. The 
 received ranges (``gather_parameters``). ``accumulate_grad_batches`` instead accumulates in the buckets
 and synchronises once, as under ``GradientReducer``.
 
+HSDP (``replicate_group``): the ranges are cut over ``group``, the shard group, and the ranks of
+``replicate_group`` hold the same range. A bucket is divided by the whole data-parallel size
+(``group`` x ``replicate_group``), reduce-scattered within the shard group, and the received range is then
+all-reduced across the replicas (started once the reduce-scatter is done, ``_Then``), so it holds the
+average over every data-parallel rank; accumulation starts the range at the shard size times what it
+received, which the all-reduce's sum over the replicas makes the whole size times it again.
+
 Buckets of *whole* parameters (a pipeline's modules replicated over the stages, whose gradient is summed
 over the stages after the data-parallel average) are all-reduced instead, and their pieces read the
 summed ``.grad``: their optimizer state is still sharded. The buckets are never rebuilt from the observed
@@ -75,6 +82,30 @@ class _Works:
         if self.then is not None:
             self.then()
             self.then = None
+        return True
+
+
+class _Then:
+    """A collective started once ``first`` is done (it reads what ``first`` wrote): ``then()`` starts it
+    when ``first`` is found complete or is waited for; the two are waited for as one. The reducer polls and
+    waits for its buckets in their order, so every rank starts these second collectives in that order."""
+
+    def __init__(self, first: Any, then: Any) -> None:
+        self.first, self.then, self.second = first, then, None
+
+    def _started(self) -> Any:
+        if self.second is None:
+            self.first.wait()
+            self.second = self.then()
+        return self.second
+
+    def is_completed(self) -> bool:
+        if self.second is None and not self.first.is_completed():
+            return False
+        return self._started().is_completed()
+
+    def wait(self, timeout: Any = None) -> bool:
+        self._started().wait()
         return True
 
 
@@ -143,6 +174,8 @@ class ShardedGradientReducer(GradientReducer):
             of a backward and freed once its reduce-scatter is done).
         whole: parameters whose buckets are all-reduced (their gradients are summed over pipeline stages
             after the average); the optimizer state of their pieces is still sharded.
+        replicate_group: HSDP: the ranks that hold this rank's ranges too, across which each received
+            range is all-reduced (None: ``group`` is the whole data-parallel group); not with ``whole``.
         **kwargs: as for ``GradientReducer``.
     """
 
@@ -152,6 +185,7 @@ class ShardedGradientReducer(GradientReducer):
         group: Optional[dist.ProcessGroup] = None,
         stage: int = 1,
         whole: Iterable[nn.Parameter] = (),
+        replicate_group: Optional[dist.ProcessGroup] = None,
         **kwargs: Any,
     ) -> None:
         if stage not in (1, 2):
@@ -168,9 +202,15 @@ class ShardedGradientReducer(GradientReducer):
             )
         self.stage = stage
         self.rank = dist.get_rank(group)
+        self.replicate_group = replicate_group
+        self.replicas = 1 if replicate_group is None else dist.get_world_size(replicate_group)
         # gloo: collectives made of per-rank reduces and broadcasts (``_reduce_scatter_by_ranges``)
         self._by_ranges = dist.get_backend(group) == "gloo"
         self._whole = set(whole)
+        if replicate_group is not None and self._whole:
+            raise ValueError(
+                "HSDP (replicate_group) takes no whole buckets (a pipeline's replicated modules)"
+            )
         self.shards: list[BucketShard] = []
         # synchronised backwards whose averages the received ranges hold, not yet consumed by a step
         self.syncs_since_step = 0
@@ -289,7 +329,7 @@ class ShardedGradientReducer(GradientReducer):
         ):
             self._wait(self._in_flight.popleft())
 
-    def _reduce_bucket(self, bucket: _Bucket) -> dist.Work:
+    def _reduce_bucket(self, bucket: _Bucket) -> Any:
         shard = self._shard_of[id(bucket)]
         if shard.whole:
             return super()._reduce_bucket(bucket)
@@ -299,14 +339,27 @@ class ShardedGradientReducer(GradientReducer):
             shard.grad = self._own(bucket.buffer, shard)
         elif shard.grad is None:  # stage 2: kept apart, the bucket is freed after the reduce-scatter
             shard.grad = bucket.buffer.new_empty(shard.size)
-        bucket.buffer.div_(self.world_size)
+        bucket.buffer.div_(self.world_size * self.replicas)
         if self._by_ranges:
             work: Any = _reduce_scatter_by_ranges(shard.grad, bucket.buffer, self.group)
         else:
             work = reduce_scatter_single()(shard.grad, bucket.buffer, group=self.group, async_op=True)
         if self.stage == 2:
             self._in_flight.append(bucket)
-        return work
+        return self._across_replicas(work, shard.grad)
+
+    def _across_replicas(self, work: Any, received: Tensor) -> Any:
+        """``work`` (the collective within the shard group into ``received``), followed under HSDP by the
+        all-reduce of ``received`` across the replicas."""
+        if self.replicate_group is None:
+            return work
+        group = self.replicate_group
+        return _Then(work, lambda: dist.all_reduce(received, group=group, async_op=True))
+
+    def _sum_over_ranks(self, tensor: Tensor) -> None:
+        super()._sum_over_ranks(tensor)
+        if self.replicate_group is not None:
+            dist.all_reduce(tensor, group=self.replicate_group)
 
     def _wait(self, bucket: _Bucket) -> None:
         """After a reduce-scatter the model's ``.grad`` of the bucket hold only this rank's local sums: they

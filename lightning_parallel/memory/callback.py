@@ -184,9 +184,9 @@ def held_gradients(strategy: Any) -> list[torch.Tensor]:
 def expected_states(trainer: Trainer, module: LightningModule) -> Optional[int]:
     """The parameters, gradients and optimizer state this rank should hold by ``memory.expected``'s formulas:
     its share is the floating-point parameters it holds (as the strategy placed them), over the strategy's
-    data-parallel size and ``zero_stage``. None where that is not known: several optimizers, an optimizer
-    without a formula, expert parallelism with ZeRO (the experts shard over fewer replicas), or a strategy
-    that shards what this report cannot read (Lightning's FSDP)."""
+    data-parallel size (HSDP: its shard size) and ``zero_stage``. None where that is not known: several
+    optimizers, an optimizer without a formula, expert parallelism with ZeRO (the experts shard over fewer
+    replicas), or a strategy that shards what this report cannot read (Lightning's FSDP)."""
     strategy, optimizers = trainer.strategy, trainer.optimizers
     params = [p for p in module.parameters() if p.is_floating_point() and p.device.type != "meta"]
     mesh, stage = getattr(strategy, "mesh", None), getattr(strategy, "zero_stage", 0)
@@ -198,7 +198,7 @@ def expected_states(trainer: Trainer, module: LightningModule) -> Optional[int]:
         kind = optimizer_kind(optimizers[0])
     except ValueError:
         return None
-    dp = mesh.shape.dp if mesh is not None else trainer.world_size
+    dp = mesh.shape.size("dp_shard") if mesh is not None else trainer.world_size  # what ZeRO shards over
     size = params[0].dtype.itemsize
     elements = sum(p.numel() for p in params)  # ZeRO-3 keeps each parameter's whole shape (a view)
     return int(model_state_bytes(elements, dp, stage, kind, StateBytes(size, size, 0, size)).total)

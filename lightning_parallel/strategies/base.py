@@ -42,6 +42,7 @@ from __future__ import annotations
 import sys
 import types
 from contextlib import contextmanager
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Generator, Literal, Mapping, Optional, Sequence, Union, get_args
@@ -110,7 +111,14 @@ from lightning_parallel.strategies.callback_support import (
     finetuning_refusal,
     split_model_refusal,
 )
-from lightning_parallel.strategies.checks import layout, layout_sizes, one_of, positive_number, require
+from lightning_parallel.strategies.checks import (
+    layout,
+    layout_sizes,
+    one_of,
+    positive_number,
+    require,
+    shard_size,
+)
 from lightning_parallel.strategies.data_parallel_axes import DataParallel, Zero, ZeroParameters
 from lightning_parallel.strategies.global_batch import describe_global_batch
 from lightning_parallel.strategies.launcher import HydraSafeSubprocessLauncher, failure_exit_fn
@@ -157,6 +165,33 @@ def _zero_stage_problem(cls: type, stage: Any, prefix: str) -> Optional[str]:
     )
 
 
+def _shard_size_problem(cls: type, values: Mapping[str, Any], prefix: str) -> Optional[str]:
+    """``data_parallel_shard_size`` (HSDP) without the world: its type, that ZeRO is on, where it runs; that
+    it divides the data-parallel size is ``checks.shard_size``'s, once the world is known."""
+    name = f"{prefix}data_parallel_shard_size"
+    shard, stage = values["data_parallel_shard_size"], values["zero_stage"]
+    if shard is None:
+        return None
+    if not isinstance(shard, int) or isinstance(shard, bool) or shard < 2:
+        return (
+            f"{name} must be an integer of at least 2 (the data-parallel ranks ZeRO shards over, e.g. the devices "
+            f"per node) or None (all of them), got {shard!r}"
+        )
+    if not cls.shards_within_data_parallel:
+        return f"{name}={shard} (HSDP) is not supported by {cls.__name__} yet: it runs under lp_ddp; leave it None"
+    if stage not in (1, 2, 3):
+        return (
+            f"{name}={shard} shards ZeRO's state within groups of {shard} ranks, and zero_stage={stage!r} shards "
+            "nothing: set zero_stage 1, 2 or 3, or leave it None"
+        )
+    if values["save_distributed"]:
+        return (
+            f"{name}={shard} with save_distributed=True is not supported yet: use save_distributed=False (a full "
+            "checkpoint, loadable in any layout) or leave data_parallel_shard_size None"
+        )
+    return None
+
+
 def _nothing() -> None:
     """The release of a refusal never installed (a function, not a lambda: the strategy pickles for spawn)."""
 
@@ -193,6 +228,12 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             parameters all-gathered), 2 (also only 1/dp of the gradients kept between steps) or 3 (also only
             1/dp of the parameters, each block gathered for its forward and backward: lp_ddp only,
             ``distributed.zero3``). Needs an elementwise ``torch.optim`` optimizer (SGD, Adam, AdamW, ...).
+        data_parallel_shard_size: HSDP (lp_ddp only, with ``zero_stage``): ZeRO shards over groups of this
+            many neighbouring data-parallel ranks (the "shard" dimension of FSDP2's 2-D mesh; on several
+            machines, the devices per node) and replicates across the groups: gradients reduce-scattered
+            within a group, each shard then all-reduced across the groups, parameters gathered within a group
+            only; each rank keeps 1/data_parallel_shard_size of the sharded state. None (default): shard over
+            all data-parallel ranks. Must divide the data-parallel size.
         compile: per-block ``torch.compile`` (``block_compile``): False (off), True (torch.compile's
             defaults) or its keyword arguments as a mapping (``{"backend": "inductor", "mode": ...}``). Each
             block of the block stack this rank holds is compiled on its own after the parallelisms and the
@@ -207,6 +248,8 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
     zero_refused: Optional[str] = None
     #: the ``zero_stage`` values this strategy runs (3, the parameters sharded too, only where it is wired)
     zero_stages: tuple[int, ...] = (0, 1, 2)
+    #: ``data_parallel_shard_size`` (HSDP) is wired (ZeRO's groups are ``zero_group`` / ``zero_replica_group``)
+    shards_within_data_parallel = False
     #: the data-parallel gradient path without optimizer sharding (a benchmark swaps the bucket collective)
     reducer_class: type[GradientReducer] = GradientReducer
     #: why only ``start_method="popen"`` works, where the others would hand back rank 0's part only
@@ -236,6 +279,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         initial_weights_prefix: str = "",
         activation_checkpointing: Spec = False,
         zero_stage: int = 0,
+        data_parallel_shard_size: Optional[int] = None,
         compile: CompileOption = False,
         **unknown: Any,
     ) -> None:
@@ -275,6 +319,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self.memory_report = memory_report
         self.activation_checkpointing = activation_checkpointing
         self.zero_stage = zero_stage
+        self.data_parallel_shard_size = data_parallel_shard_size
         self.compile = compile
         self._compiled_blocks: CompiledBlocks = []  # the blocks set-up compiled, and the forward each had
         self._optimizer_shards: dict[int, ShardedOptimizer] = {}  # id(optimizer) -> its sharding
@@ -308,6 +353,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             if not values["zero_stage"] or cls.zero_refused is None
             else f"{prefix}zero_stage={values['zero_stage']!r} is not supported by {cls.__name__}: {cls.zero_refused}",
             _zero_stage_problem(cls, values["zero_stage"], prefix),
+            _shard_size_problem(cls, values, prefix),
         ]
 
     @classmethod
@@ -348,16 +394,19 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         return self.mesh_shape()
 
     def mesh_shape(self) -> MeshShape:
-        """The (dp, pp, tp) layout of this run from ``size_options``; raises, naming sizes that fit, when
-        their product is not the world, before any process group exists."""
-        if not self.size_options:
-            return MeshShape(dp=self.world_size)
-        world = self.world_size
+        """The (dp, pp, tp) layout of this run from ``size_options`` (and HSDP's shard size); raises, naming
+        sizes that fit, when their product is not the world, before any process group exists."""
+        world, name = self.world_size, f"{type(self).__name__}: "
         where = f"{world} process(es) of this run (num_nodes={self.num_nodes} x devices={self.num_processes})"
-        sizes = {name: getattr(self, name) for name in self.size_options}
-        require([layout(world, where, sizes)], prefix=f"{type(self).__name__}: ")
-        resolved = layout_sizes(world, sizes)
-        return MeshShape(**{axis: resolved[name] for name, axis in self.size_options.items()})
+        shape = MeshShape(dp=world)
+        if self.size_options:
+            sizes = {option: getattr(self, option) for option in self.size_options}
+            require([layout(world, where, sizes)], prefix=name)
+            resolved = layout_sizes(world, sizes)
+            shape = MeshShape(**{axis: resolved[option] for option, axis in self.size_options.items()})
+        shard = self.data_parallel_shard_size
+        require([shard_size("data_parallel_shard_size", shard, shape.dp, where)], prefix=name)
+        return replace(shape, dp_shard=shard)
 
     def setup_distributed(self) -> None:
         """Lightning's, except that a GPU is bound to the process group only for NCCL: Lightning binds it
@@ -398,6 +447,20 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
     def dp_group(self) -> Optional[torch.distributed.ProcessGroup]:
         """The data-parallel group (None = the whole world)."""
         return self.mesh.group("dp") if self.mesh is not None else None
+
+    @property
+    def zero_group(self) -> Optional[torch.distributed.ProcessGroup]:
+        """The group ZeRO shards over: the data-parallel group, or with ``data_parallel_shard_size`` (HSDP)
+        this rank's shard group."""
+        hsdp = self.mesh is not None and self.mesh.shape.replicates_shards
+        return self.mesh.group("dp_shard") if hsdp else self.dp_group
+
+    @property
+    def zero_replica_group(self) -> Optional[torch.distributed.ProcessGroup]:
+        """With ``data_parallel_shard_size`` (HSDP): the ranks holding the same shard as this one, across which
+        ZeRO's gradient ranges are all-reduced; None without."""
+        hsdp = self.mesh is not None and self.mesh.shape.replicates_shards
+        return self.mesh.group("dp_replicate") if hsdp else None
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -514,7 +577,9 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             return None
         whole = kwargs.pop("whole", ())
         if self.zero_stage:
-            return ShardedGradientReducer(named_params, self.dp_group, self.zero_stage, whole, **kwargs)
+            return ShardedGradientReducer(
+                named_params, self.zero_group, self.zero_stage, whole, self.zero_replica_group, **kwargs
+            )
         return self.reducer_class(named_params, group=self.dp_group, **kwargs)
 
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
@@ -532,7 +597,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         require(refused)
         bucketed = {p for b in reducer.buckets for p in b.params}
         self._optimizer_shards = {
-            id(o): ShardedOptimizer(o, reducer.pieces(), bucketed, self.dp_group, self.own_parameters())
+            id(o): ShardedOptimizer(o, reducer.pieces(), bucketed, self.zero_group, self.own_parameters())
             for o in self.optimizers
         }
 
@@ -639,10 +704,12 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         their squares are summed; None where Lightning's local norm is the whole model's. With
         ``zero_stage`` the tensors are this rank's pieces (the model's parameters hold no gradient), and
         the group is the whole world: the data-parallel ranks hold disjoint pieces of what the model
-        group counts."""
+        group counts (under HSDP, the ranks of the first shard group count theirs, the replicas none)."""
         share = self.norm_share()
         if not isinstance(self.reducer, ShardedGradientReducer):
             return share
+        if self.zero_replica_group is not None and torch.distributed.get_rank(self.zero_replica_group) > 0:
+            return set(), None
         counted = None if share is None else share[0]
         return {id(x.shard) for x in self.reducer.pieces() if counted is None or id(x.param) in counted}, None
 

@@ -11,7 +11,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["layout", "layout_sizes", "one_of", "positive_int", "positive_number", "require"]
+__all__ = ["layout", "layout_sizes", "one_of", "positive_int", "positive_number", "require", "shard_size"]
 
 
 def require(problems: Iterable[str | None], prefix: str = "") -> None:
@@ -85,3 +85,16 @@ def layout_sizes(world: int, sizes: Mapping[str, int | None]) -> dict[str, int]:
     ``layout`` found no problem."""
     given = math.prod(size for size in sizes.values() if size is not None)
     return {name: world // given if size is None else size for name, size in sizes.items()}
+
+
+def shard_size(name: str, shard: int | None, dp: int, where: str) -> str | None:
+    """HSDP's shard size (``data_parallel_shard_size``) against the data-parallel size ``dp`` (``where``
+    says how it is counted): None (all of dp), or a divisor of ``dp`` of at least 2."""
+    if shard is None or (shard > 1 and dp % shard == 0):
+        return None
+    divisors = [d for d in range(2, dp + 1) if dp % d == 0]
+    fits = f"use one of {divisors} (the devices per node on a multi-node run), or " if divisors else "use "
+    return (
+        f"{name}={shard} must divide the data-parallel size {dp} ({where}) into shard groups of at least 2 "
+        f"ranks; {fits}null to shard over all {dp}"
+    )

@@ -153,6 +153,7 @@ class DDPStrategy(ParallelStrategyBase):
 
     strategy_name = "lp_ddp"
     zero_stages = (0, 1, 2, 3)
+    shards_within_data_parallel = True
 
     def __init__(
         self,
@@ -253,10 +254,10 @@ class DDPStrategy(ParallelStrategyBase):
         self._has_buffers = group_size(self.dp_group) > 1 and any(True for _ in module.buffers())
         self._sync_buffers_next = True
         if self.zero_stage == 3 and group_size(self.dp_group) > 1:
-            self.sharded_parameters = ShardedParameters(
+            self.sharded_parameters = ShardedParameters(  # gathers over a copy of the shard group
                 module,
-                self.dp_group,
-                new_axis_group(self.mesh.shape, "dp", self.global_rank),
+                self.zero_group,
+                new_axis_group(self.mesh.shape, "dp_shard", self.global_rank),
                 self.reshard_after_forward,
             )
         self.reducer = self.make_reducer(
@@ -275,7 +276,13 @@ class DDPStrategy(ParallelStrategyBase):
         if self.sharded_parameters is None:
             return super().make_reducer(named_params, **kwargs)
         self._reducer_arguments = (list(named_params), dict(kwargs))
-        return FullyShardedGradientReducer(named_params, self.dp_group, self.sharded_parameters, **kwargs)
+        return FullyShardedGradientReducer(
+            named_params,
+            self.zero_group,
+            self.sharded_parameters,
+            replicate_group=self.zero_replica_group,
+            **kwargs,
+        )
 
     def full_model_state(self) -> dict[str, Any]:
         """With ``zero_stage=3``: every unit gathered (a collective), the state copied out, freed again."""

@@ -118,6 +118,11 @@ def test_unknown_keys_and_wrong_types_fail_while_composing(override: str, words:
             ["strategy=pipeline_1f1b", "strategy.num_microbatches=0"],
             "strategy.num_microbatches must be a positive integer, got 0",
         ),
+        (
+            ["strategy.zero_stage=3", "strategy.data_parallel_shard_size=3", "trainer.devices=4"],
+            "strategy.data_parallel_shard_size=3 must divide the data-parallel size 4 (trainer.devices=4 x "
+            "trainer.num_nodes=1 = 4 process(es)) into shard groups of at least 2 ranks; use one of [2, 4]",
+        ),
         (["trainer.devices=0"], "trainer.devices=0 is not a device count"),
         (["model.lr=nan"], "model.lr=nan is not a number; give a finite value"),
         (

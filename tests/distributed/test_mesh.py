@@ -33,6 +33,20 @@ def test_expert_axes_divide_the_data_parallel_axis():
         assert sorted(r for g in groups for r in g) == list(range(shape.world_size))
 
 
+def test_hsdp_axes_divide_the_data_parallel_axis():
+    """HSDP: neighbouring dp indices form a shard group (one node's ranks when the shard size is the devices
+    per node), the same place of every shard group a replica group; without a shard size, the shard group is
+    the whole dp axis."""
+    shape = MeshShape(dp=4, tp=2, dp_shard=2)  # dp index = rank // 2
+    assert shape.replicates_shards
+    assert shape.all_axis_groups("dp_shard") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert shape.all_axis_groups("dp_replicate") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert MeshShape(dp=8, dp_shard=4).all_axis_groups("dp_shard") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert MeshShape(dp=8, dp_shard=4).all_axis_groups("dp_replicate") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    whole = MeshShape(dp=4)
+    assert not whole.replicates_shards and whole.all_axis_groups("dp_shard") == whole.all_axis_groups("dp")
+
+
 def test_process_groups_are_destroyed_before_the_interpreter_exits(tmp_path):
     """A gloo group left to the C++ destructors at exit can abort a finished rank (SIGABRT): the strategy
     registers its destruction at exit. A handler registered earlier runs later and sees it gone."""

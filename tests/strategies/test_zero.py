@@ -8,7 +8,9 @@ bf16-mixed and 16-mixed (a GradScaler) keep their meaning; the memory report sho
 parameters too); a checkpoint saved at dp=2 with ZeRO resumes exactly at dp=1, at dp=4, with ZeRO off and
 under stage 3, and one saved under stage 3 on one device. Stage 3 also on models we did not write
 (nn.TransformerEncoder, a whole nn.Transformer), under bf16-mixed and 16-mixed, and with a callback reading
-the weights in Lightning's hooks while the units are freed (``weight_reader``)."""
+the weights in Lightning's hooks while the units are freed (``weight_reader``). HSDP (``data_parallel_shard_size=2`` at dp=4: sharded
+within pairs of ranks, replicated across the pairs) equals one device at stages 2 and 3, holds 1/2 (not 1/4)
+of the states, and its checkpoint resumes exactly on one device."""
 
 from __future__ import annotations
 
@@ -74,6 +76,7 @@ def layout(dp: int, tp: int, pp: int, zero: int, schedule: str = "1f1b") -> dict
 
 
 CLIP_ACCUMULATE = {"gradient_clip_val": 0.05, "accumulate_grad_batches": 2}
+HSDP_2X2 = {"data_parallel_shard_size": 2}  # at dp=4: two shard groups of 2 ranks, each shard held twice
 #: name: (world, model, optimizer, strategy, kwargs, dp, extra)
 RUNS = {
     "ddp2-gpt-adamw-z1": (2, "gpt", "adamw", DDP, {"zero_stage": 1, **SMALL_BUCKETS}, 2, {}),
@@ -146,6 +149,17 @@ RUNS = {
     "ddp4-gpt-adamw-z3": (4, "gpt", "adamw", DDP, {"zero_stage": 3}, 4, {}),
     "ddp2-encoder-sgdm-z3": (2, "encoder", "sgdm", DDP, {"zero_stage": 3}, 2, {}),
     "ddp2-demo-sgdm-z3": (2, "demo", "sgdm", DDP, {"zero_stage": 3}, 2, {}),
+    "hsdp2x2-gpt-adamw-z3": (4, "gpt", "adamw", DDP, {"zero_stage": 3, **HSDP_2X2}, 4, {}),
+    "hsdp2x2-llama-sgdm-z3": (4, "llama", "sgdm", DDP, {"zero_stage": 3, **HSDP_2X2}, 4, {}),
+    "hsdp2x2-gpt-adamw-z2-clip-accumulate": (
+        4,
+        "gpt",
+        "adamw",
+        DDP,
+        {"zero_stage": 2, **HSDP_2X2, **SMALL_BUCKETS},
+        4,
+        {"trainer": CLIP_ACCUMULATE},
+    ),
 }
 #: ZeRO with ``save_distributed``: each rank writes only its own pieces of the optimizer state
 SHARDED_SAVES = {
@@ -222,6 +236,8 @@ def runs(tmp_path_factory):
     saved_z3 = str(tmp / "dist2" / "ddp2-gpt-adamw-z3" / "last.ckpt")  # saved while sharded, at dp=2
     later[1].append(case("resume-dp1-from-z3", "gpt", "adamw", DDP, {}, 1, 10, ckpt_path=saved_z3))
     later[2].append(case("resume-dp2-z3", "gpt", "adamw", DDP, {"zero_stage": 3}, 2, 10, ckpt_path=saved))
+    saved_hsdp = str(tmp / "dist4" / "hsdp2x2-gpt-adamw-z3" / "last.ckpt")  # saved while sharded in pairs
+    later[1].append(case("resume-dp1-from-hsdp", "gpt", "adamw", DDP, {}, 1, 10, ckpt_path=saved_hsdp))
     for name in SHARDED_SAVES:  # read into one device, and into lp_ddp with ZeRO-2
         directory = str(tmp / "dist4" / name / "last.ckpt")
         later[1].append(case(f"resume-{name}-dp1", "gpt", "adamw", DDP, {}, 1, 10, ckpt_path=directory))
@@ -284,22 +300,26 @@ def _end_of_fit(rank_result: dict) -> dict:
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("name", list(RUNS))
 def test_memory_report_shows_the_shards(runs, name):
-    """Optimizer state per rank is 1/dp of what an unsharded optimizer of the rank's parameters holds (within
-    5%); at stage 2 so are the gradients held between steps; at stage 1 the gradients take the full-size
-    buckets and no more (each rank receives its range into its own slice of the bucket); a pipeline's modules
-    replicated over the stages keep whole gradients."""
+    """Optimizer state per rank is 1/dp (HSDP: 1/shard size) of what an unsharded optimizer of the rank's
+    parameters holds (within 5%); at stage 2 so are the gradients held between steps; at stage 1 the gradients
+    take the full-size buckets and no more (each rank receives its range into its own slice of the bucket); a
+    pipeline's modules replicated over the stages keep whole gradients."""
     _, results = runs
     world, _, optimizer, _, kwargs, dp, _ = RUNS[name]
     rows = _end_of_fit(results[name][0])
     assert len(rows) == world
     moments = 2 if optimizer == "adamw" else 1  # AdamW: exp_avg and exp_avg_sq; SGD: the momentum buffer
     stage = kwargs["zero_stage"]
+    dp = kwargs.get("data_parallel_shard_size", dp)  # HSDP: 1/shard size, each shard held by its replicas
     if stage == 3:  # the parameters too: between steps every unit is freed, each rank keeps its shards
         for row in rows.values():
             whole = row["model_parameters"]
             assert row["parameters"] == pytest.approx(whole / dp, rel=0.05)
             assert row["gradients"] == pytest.approx(whole / dp, rel=0.05)
             assert row["optimizer_state"] == pytest.approx(moments * whole / dp, rel=0.05)
+            if "data_parallel_shard_size" in kwargs:  # the expected column knows the shard size too
+                held = row["parameters"] + row["gradients"] + row["optimizer_state"]
+                assert row["expected_states"] == pytest.approx(held, rel=0.05)
         return
     for row in rows.values():
         held = row["parameters"]  # the rank's own share (tensor-parallel shards, a pipeline stage)
@@ -323,6 +343,7 @@ def test_memory_report_shows_the_shards(runs, name):
         ("resume-dp4-z1", 4),
         ("resume-dp1-from-z3", 1),  # saved under zero_stage=3, loaded on one device
         ("resume-dp2-z3", 2),  # saved under zero_stage=1, loaded into zero_stage=3's shards
+        ("resume-dp1-from-hsdp", 1),  # saved under zero_stage=3 sharded in pairs at dp=4, on one device
     ],
 )
 def test_zero_checkpoint_resumes_exactly_under_other_dp_sizes(runs, resumed, world):
