@@ -71,7 +71,13 @@ from lightning_parallel.checkpointing.contract import check_keys, unwrapped
 from lightning_parallel.checkpointing.loss_check import FiniteLossCheck, training_loss
 from lightning_parallel.compat import compiled_by_lightning
 from lightning_parallel.distributed.collectives import clip_grad_norm_counted, group_size, share_found_inf
-from lightning_parallel.distributed.mesh import Mesh, MeshShape, build_mesh, destroy_process_groups_at_exit
+from lightning_parallel.distributed.mesh import (
+    Mesh,
+    MeshShape,
+    build_mesh,
+    destroy_process_groups_at_exit,
+    new_axis_group,
+)
 from lightning_parallel.distributed.optimizer_shards import (
     ShardedOptimizer,
     refuse_raw_clipping,
@@ -82,6 +88,7 @@ from lightning_parallel.distributed.replicas import broadcast_module_states
 from lightning_parallel.distributed.sync_batchnorm import SyncBatchNormPlugin
 from lightning_parallel.distributed.watchdog import FailureWatchdog
 from lightning_parallel.distributed.zero import ZERO_STAGES, ShardedGradientReducer
+from lightning_parallel.distributed.zero3 import FullyShardedGradientReducer, ShardedParameters
 from lightning_parallel.every_rank import training_step_scope
 from lightning_parallel.materialize import (
     Cut,
@@ -146,14 +153,23 @@ def _raw_clipping_refused(zero_stage: int) -> str:
 
 
 def _zero_stage_problem(cls: type, stage: Any, prefix: str) -> Optional[str]:
-    """A ``zero_stage`` of ``ZERO_STAGES`` that ``cls`` does not run yet (stage 3 outside lp_ddp)."""
+    """A ``zero_stage`` of ``ZERO_STAGES`` that ``cls`` does not run (``zero_stages``)."""
     if stage not in ZERO_STAGES or stage in cls.zero_stages or cls.zero_refused is not None:
         return None
     return (
         f"{prefix}zero_stage={stage} (parameters sharded over the data-parallel group) is not supported by "
-        f"{cls.__name__} yet: it runs under lp_ddp; here use zero_stage "
+        f"{cls.__name__} yet: it runs under lp_ddp and lp_parallel; here use zero_stage "
         f"{', '.join(map(str, cls.zero_stages[:-1]))} or {cls.zero_stages[-1]} (optimizer state and gradients "
         "sharded)"
+    )
+
+
+def _zero3_save_problem(values: Mapping[str, Any], prefix: str) -> Optional[str]:
+    if values["zero_stage"] != 3 or not values["save_distributed"]:
+        return None
+    return (
+        f"{prefix}save_distributed=True with zero_stage=3 is not supported yet: use save_distributed=False "
+        "(a full checkpoint, gathered block by block, loadable in any layout) or zero_stage 1 or 2"
     )
 
 
@@ -191,8 +207,10 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         zero_stage: optimizer sharding over the data-parallel group (ZeRO; ``distributed.zero``): 0 (off),
             1 (each rank keeps and updates 1/dp of the optimizer state; gradients reduce-scattered, updated
             parameters all-gathered), 2 (also only 1/dp of the gradients kept between steps) or 3 (also only
-            1/dp of the parameters, each block gathered for its forward and backward: lp_ddp only,
-            ``distributed.zero3``). Needs an elementwise ``torch.optim`` optimizer (SGD, Adam, AdamW, ...).
+            1/dp of the parameters, each block gathered for its forward and backward,
+            ``distributed.zero3``: lp_ddp, and lp_parallel without pipeline stages, where each rank's
+            tensor-parallel share is sharded over dp). Needs an elementwise ``torch.optim`` optimizer (SGD,
+            Adam, AdamW, ...).
         compile: per-block ``torch.compile`` (``block_compile``): False (off), True (torch.compile's
             defaults) or its keyword arguments as a mapping (``{"backend": "inductor", "mode": ...}``). Each
             block of the block stack this rank holds is compiled on its own after the parallelisms and the
@@ -278,6 +296,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self.compile = compile
         self._compiled_blocks: CompiledBlocks = []  # the blocks set-up compiled, and the forward each had
         self._optimizer_shards: dict[int, ShardedOptimizer] = {}  # id(optimizer) -> its sharding
+        self.sharded_parameters: Optional[ShardedParameters] = None  # zero_stage=3's units, once set up
         self._release_raw_clipping: Callable[[], None] = _nothing  # refuse_raw_clipping's, under ZeRO
         self._release_load_balancing: Callable[[], None] = _nothing  # load_balancing.install's undo
         self._checkpointed: list[str] = []  # the submodules whose forward set-up checkpointed
@@ -308,6 +327,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             if not values["zero_stage"] or cls.zero_refused is None
             else f"{prefix}zero_stage={values['zero_stage']!r} is not supported by {cls.__name__}: {cls.zero_refused}",
             _zero_stage_problem(cls, values["zero_stage"], prefix),
+            _zero3_save_problem(values, prefix),
         ]
 
     @classmethod
@@ -508,14 +528,76 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
     def make_reducer(self, named_params: list, **kwargs: Any) -> Optional[GradientReducer]:
         """The data-parallel gradient path over ``dp_group``: ``reducer_class``, or with ``zero_stage`` the
         sharded one (``kwargs["whole"]``: parameters all-reduced, as ``ShardedGradientReducer`` says).
-        None where the group has one process: nothing is averaged, so no bucket, hook or collective runs."""
+        None where the group has one process: nothing is averaged, so no bucket, hook or collective runs.
+        With ``zero_stage=3`` (``shard_parameters`` called before), one bucket per unit of the sharded
+        parameters."""
         self._reducer_arguments = (list(named_params), dict(kwargs))
         if group_size(self.dp_group) == 1:
             return None
         whole = kwargs.pop("whole", ())
+        if self.sharded_parameters is not None:
+            return FullyShardedGradientReducer(named_params, self.dp_group, self.sharded_parameters, **kwargs)
         if self.zero_stage:
             return ShardedGradientReducer(named_params, self.dp_group, self.zero_stage, whole, **kwargs)
         return self.reducer_class(named_params, group=self.dp_group, **kwargs)
+
+    # ----------------------------------------------------------------- zero_stage=3: the sharded parameters
+    def shard_parameters(
+        self,
+        stack_name: Optional[str] = None,
+        whole: Sequence[torch.nn.Parameter] = (),
+        reshard_after_forward: bool = True,
+    ) -> None:
+        """With ``zero_stage=3`` and more than one data-parallel rank: the module's trainable parameters (as
+        this rank holds them, but ``whole``) sharded over dp in units (``distributed.zero3``), gathered over
+        a dp group of their own. Called once the parameters are final, before ``make_reducer``."""
+        if self.zero_stage != 3 or group_size(self.dp_group) == 1:
+            return
+        self.sharded_parameters = ShardedParameters(
+            self.lightning_module,
+            self.dp_group,
+            new_axis_group(self.mesh.shape, "dp", self.global_rank),
+            reshard_after_forward,
+            stack_name,
+            whole,
+        )
+
+    @contextmanager
+    def sharded_forward(self) -> Generator[None, None, None]:
+        """Around a step's forward under ``zero_stage=3``: the root unit gathered before it (the blocks gather
+        themselves); an evaluation forward frees what it gathered after it."""
+        sharded = self.sharded_parameters
+        if sharded is not None:
+            sharded.before_forward()
+        yield
+        if sharded is not None:
+            sharded.after_forward()
+
+    @contextmanager
+    def parameters_gathered(self) -> Generator[None, None, None]:
+        """Every unit gathered inside under ``zero_stage=3`` (a collective): a full state read or loaded, each
+        rank keeping its range of what a load wrote."""
+        if self.sharded_parameters is None:
+            yield
+            return
+        with self.sharded_parameters.gathered():
+            yield
+
+    def read_gathered(self, read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """``read()`` (a full state) with every unit gathered; its tensors copied out before the units are
+        freed again (under ``zero_stage=3``; otherwise as it is)."""
+        if self.sharded_parameters is None:
+            return read()
+        with self.parameters_gathered():
+            return {k: v.clone() if isinstance(v, Tensor) else v for k, v in read().items()}
+
+    def held_parameters(self) -> list[torch.Tensor]:
+        """Parameter memory held beside the module's own (``zero_stage=3``: this rank's shards)."""
+        return [] if self.sharded_parameters is None else self.sharded_parameters.held_tensors()
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.sharded_forward():
+            return super().validation_step(*args, **kwargs)
 
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         """Lightning's; with ``zero_stage``, each optimizer then updates only this rank's pieces."""
