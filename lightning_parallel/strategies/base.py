@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import sys
 import types
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Generator, Literal, Mapping, Optional, Sequence, Union, get_args
@@ -296,7 +296,9 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self.compile = compile
         self._compiled_blocks: CompiledBlocks = []  # the blocks set-up compiled, and the forward each had
         self._optimizer_shards: dict[int, ShardedOptimizer] = {}  # id(optimizer) -> its sharding
-        self.sharded_parameters: Optional[ShardedParameters] = None  # zero_stage=3's units, once set up
+        #: zero_stage=3's sharded parameters, once set up: over dp first, then (expert parallelism) the
+        #: experts' over their replicas
+        self.parameter_shards: list[ShardedParameters] = []
         self._release_raw_clipping: Callable[[], None] = _nothing  # refuse_raw_clipping's, under ZeRO
         self._release_load_balancing: Callable[[], None] = _nothing  # load_balancing.install's undo
         self._checkpointed: list[str] = []  # the submodules whose forward set-up checkpointed
@@ -542,58 +544,62 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         return self.reducer_class(named_params, group=self.dp_group, **kwargs)
 
     # ----------------------------------------------------------------- zero_stage=3: the sharded parameters
+    @property
+    def sharded_parameters(self) -> Optional[ShardedParameters]:
+        """The parameters sharded over dp (``zero_stage=3``; None before set-up, after it, or at dp=1)."""
+        return next((s for s in self.parameter_shards if s.group is self.dp_group), None)
+
     def shard_parameters(
         self,
         stack_name: Optional[str] = None,
-        whole: Sequence[torch.nn.Parameter] = (),
+        leave_out: Sequence[torch.nn.Parameter] = (),
         reshard_after_forward: bool = True,
-    ) -> None:
-        """With ``zero_stage=3`` and more than one data-parallel rank: the module's trainable parameters (as
-        this rank holds them, but ``whole``) sharded over dp in units (``distributed.zero3``), gathered over
-        a dp group of their own. Called once the parameters are final, before ``make_reducer``."""
-        if self.zero_stage != 3 or group_size(self.dp_group) == 1:
-            return
-        self.sharded_parameters = ShardedParameters(
-            self.lightning_module,
-            self.dp_group,
-            new_axis_group(self.mesh.shape, "dp", self.global_rank),
-            reshard_after_forward,
-            stack_name,
-            whole,
+        axis: str = "dp",
+    ) -> Optional[ShardedParameters]:
+        """With ``zero_stage=3`` and more than one rank along ``axis`` ("dp", or "edp": one expert's
+        replicas): the module's trainable parameters (as this rank holds them, but ``leave_out``) sharded
+        over it in units (``distributed.zero3``), gathered over a group of their own. Called once the
+        parameters are final, before the reducers are built; None where nothing is sharded."""
+        group = self.mesh.group(axis)
+        if self.zero_stage != 3 or group_size(group) == 1:
+            return None
+        gather_group = new_axis_group(self.mesh.shape, axis, self.global_rank)
+        shards = ShardedParameters(
+            self.lightning_module, group, gather_group, reshard_after_forward, stack_name, leave_out
         )
+        self.parameter_shards.append(shards)
+        return shards
 
     @contextmanager
     def sharded_forward(self) -> Generator[None, None, None]:
-        """Around a step's forward under ``zero_stage=3``: the root unit gathered before it (the blocks gather
+        """Around a step's forward under ``zero_stage=3``: the root units gathered before it (the blocks gather
         themselves); an evaluation forward frees what it gathered after it."""
-        sharded = self.sharded_parameters
-        if sharded is not None:
-            sharded.before_forward()
+        for shards in self.parameter_shards:
+            shards.before_forward()
         yield
-        if sharded is not None:
-            sharded.after_forward()
+        for shards in self.parameter_shards:
+            shards.after_forward()
 
     @contextmanager
     def parameters_gathered(self) -> Generator[None, None, None]:
         """Every unit gathered inside under ``zero_stage=3`` (a collective): a full state read or loaded, each
         rank keeping its range of what a load wrote."""
-        if self.sharded_parameters is None:
-            yield
-            return
-        with self.sharded_parameters.gathered():
+        with ExitStack() as stack:
+            for shards in self.parameter_shards:
+                stack.enter_context(shards.gathered())
             yield
 
     def read_gathered(self, read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """``read()`` (a full state) with every unit gathered; its tensors copied out before the units are
         freed again (under ``zero_stage=3``; otherwise as it is)."""
-        if self.sharded_parameters is None:
+        if not self.parameter_shards:
             return read()
         with self.parameters_gathered():
             return {k: v.clone() if isinstance(v, Tensor) else v for k, v in read().items()}
 
     def held_parameters(self) -> list[torch.Tensor]:
         """Parameter memory held beside the module's own (``zero_stage=3``: this rank's shards)."""
-        return [] if self.sharded_parameters is None else self.sharded_parameters.held_tensors()
+        return [t for shards in self.parameter_shards for t in shards.held_tensors()]
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.sharded_forward():
@@ -607,16 +613,22 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
     def shard_optimizers(self) -> None:
         """With ``zero_stage``, each of ``self.optimizers`` made to update only this rank's pieces (also
         called by the set-up at scale, ``planner/at_scale.py``, which builds the optimizers itself)."""
-        reducer = self.reducer
-        if not isinstance(reducer, ShardedGradientReducer):
+        reducers = self.sharded_reducers()
+        if not reducers:
             return
         refused = [p for p in (sharding_problem(o, self.zero_stage) for o in self.optimizers) if p]
         require(refused)
-        bucketed = {p for b in reducer.buckets for p in b.params}
+        bucketed = {p for reducer in reducers for b in reducer.buckets for p in b.params}
+        pieces = [piece for reducer in reducers for piece in reducer.pieces()]
+        own_group = reducers[1].group if len(reducers) > 1 else None  # the experts' replicas, sharded too
         self._optimizer_shards = {
-            id(o): ShardedOptimizer(o, reducer.pieces(), bucketed, self.dp_group, self.own_parameters())
+            id(o): ShardedOptimizer(o, pieces, bucketed, self.dp_group, self.own_parameters(), own_group)
             for o in self.optimizers
         }
+
+    def sharded_reducers(self) -> list[ShardedGradientReducer]:
+        """The reducers whose pieces the optimizers step (``zero_stage``): the data-parallel one."""
+        return [self.reducer] if isinstance(self.reducer, ShardedGradientReducer) else []
 
     def own_parameters(self) -> frozenset:
         """Ids of the parameters held whole that differ across the data-parallel ranks (kept out of ZeRO,
@@ -765,7 +777,9 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         plugin.main_params = types.MethodType(held_params, plugin)
         plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, plugin)
         if isinstance(self.reducer, ShardedGradientReducer):
-            bucketed = [p for bucket in self.reducer.buckets for p in bucket.params]
+            bucketed = [
+                p for reducer in self.sharded_reducers() for bucket in reducer.buckets for p in bucket.params
+            ]
             self._release_raw_clipping = refuse_raw_clipping(bucketed, _raw_clipping_refused(self.zero_stage))
 
     def _bind_metrics_to_dp_group(self) -> None:

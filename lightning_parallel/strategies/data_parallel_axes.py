@@ -108,9 +108,10 @@ class ZeroParameters(Axis):
             yield
 
     def post_backward(self) -> None:
-        self.strategy.sharded_parameters.after_backward()
+        for shards in self.strategy.parameter_shards:
+            shards.after_backward()
 
     def teardown(self) -> None:
-        if self.strategy.sharded_parameters is not None:
-            self.strategy.sharded_parameters.teardown()
-            self.strategy.sharded_parameters = None
+        for shards in self.strategy.parameter_shards:
+            shards.teardown()
+        self.strategy.parameter_shards = []

@@ -374,7 +374,7 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
         sums = installed_gradient_sums(module)
         if not self.pipelined:  # zero_stage=3: this rank's tp share sharded over dp, its experts whole
             own = self.own_parameters()
-            self.shard_parameters(self.block_stack, whole=[p for p in params if id(p) in own])
+            self.shard_parameters(self.block_stack, leave_out=[p for p in params if id(p) in own])
         self.reducer = self.make_reducer(
             self.split_expert_gradients(module),
             find_unused_parameters=self.pipelined,
@@ -500,11 +500,16 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
     def clipping_rule(self) -> Optional[tuple[set[int], Optional[dist.ProcessGroup]]]:
         """As the base's; with ZeRO and expert parallelism, summed over the world: the other parameters'
         pieces by their holders (disjoint over dp, ep included) on ``norm_share``'s tp and pp terms, and the
-        experts (held whole, out of ZeRO) by the first of their replicas (edp rank 0) on the same terms."""
+        experts (held whole, out of ZeRO) by the first of their replicas (edp rank 0) on the same terms; where
+        ``zero_stage=3`` shards the experts over their replicas, their pieces by their holders."""
         if not isinstance(self.reducer, ShardedGradientReducer) or not self.own_parameters():
             return super().clipping_rule()
         others = self._counted(others=True, experts=False)
-        experts = self._counted(others=False, experts=self.mesh.dp_rank // self.expert_parallel_size == 0)
+        if isinstance(self.expert_reducer, ShardedGradientReducer):
+            placed = self._counted(others=False, experts=True)
+            experts = {id(x.shard) for x in self.expert_reducer.pieces() if id(x.param) in placed}
+        else:
+            experts = self._counted(others=False, experts=self.mesh.dp_rank // self.expert_parallel_size == 0)
         return {id(x.shard) for x in self.reducer.pieces() if id(x.param) in others} | experts, None
 
     def _counted(self, others: bool, experts: bool) -> set[int]:

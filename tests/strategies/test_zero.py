@@ -2,13 +2,13 @@
 and with SGD with momentum, on the GPT-style model and the Hugging Face Llama-style zoo model, under lp_ddp (2
 and 4 processes; stage 3 with and without ``reshard_after_forward``), tensor parallel dp2 x tp2 (also with
 sequence parallelism; stage 3 included), pipeline dp2 x pp2 (1F1B and GPipe; stages 1 and 2), and expert
-parallel Mixtral at stage 3 (dp2 x ep2, and dp4 x ep2 whose experts have two replicas), and with activation
-checkpointing; the async pipeline equals its emulation; clipping, gradient accumulation,
+parallel Mixtral at stage 3 (dp2 x ep2, and dp4 x ep2: the experts sharded over their two replicas), and
+with activation checkpointing; the async pipeline equals its emulation; clipping, gradient accumulation,
 bf16-mixed and 16-mixed (a GradScaler) keep their meaning; the memory report shows 1/dp of the optimizer state
 (and of the gradients at stage 2, while stage 1 holds the gradient buckets and no more; at stage 3 of the
-parameters too, of each rank's tensor-parallel share, its experts held whole); a checkpoint saved at dp=2 with
-ZeRO resumes exactly at dp=1, at dp=4, with ZeRO off and under stage 3, and ones saved under stage 3 (lp_ddp
-and dp2 x tp2) on one device; the full state is read and loaded while sharded (lp_ddp and dp2 x tp2)."""
+parameters too, of each rank's tensor-parallel share, its experts over their replicas); a checkpoint saved at
+dp=2 with ZeRO resumes exactly at dp=1, at dp=4, with ZeRO off and under stage 3, and ones saved under stage 3
+(lp_ddp and dp2 x tp2) on one device; the full state is read and loaded while sharded (lp_ddp, dp2 x tp2)."""
 
 from __future__ import annotations
 
@@ -153,7 +153,8 @@ RUNS = {
         2,
         {},
     ),
-    # the experts placed on each rank held whole (one replica each; at dp4 x ep2 averaged over their two)
+    # the experts placed on each rank held whole where they have one replica (dp2 x ep2), sharded over their
+    # two replicas at dp4 x ep2
     "dp2ep2-mixtral-adamw-z3": (
         2,
         "mixtral",
@@ -309,10 +310,13 @@ def test_memory_report_shows_the_shards(runs, name):
     if stage == 3:  # the parameters too: between steps every unit is freed, each rank keeps its shards
         for rank, row in rows.items():
             # the rank's share by the parameters' shapes: the whole model under lp_ddp, its tensor-parallel
-            # slices and its experts otherwise; the experts placed on it stay whole (their own replicas)
+            # slices and its experts otherwise; the experts placed on it sharded over their replicas (dp / ep
+            # of them: none to shard over at dp2 x ep2, where they stay whole)
             found = results[name][rank]["probe"]
-            share, kept = found["share"], found["kept_whole"]
-            held = kept + (share - kept) / dp
+            share, kept, experts = found["share"], found["kept_whole"], found["experts_sharded"]
+            replicas = dp // kwargs.get("expert_parallel_size", 1)
+            assert (experts > 0) == ("ep2" in name and replicas > 1), found
+            held = kept + experts / replicas + (share - kept - experts) / dp
             assert row["parameters"] == pytest.approx(held, rel=0.05)
             assert row["gradients"] == pytest.approx(held, rel=0.05)
             assert row["optimizer_state"] == pytest.approx(moments * held, rel=0.05)
