@@ -278,7 +278,12 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
         """``zero_stage=3`` with pipeline stages (``pp`` > 1, or a pipeline preset; None: not known yet)."""
         if stage != 3 or ((pp is None or pp == 1) and "pp" not in cls.always_applied):
             return None
-        return f"{prefix}zero_stage=3 with {cls.__name__} (pipeline_parallel_size={pp}): {Z3_WITH_PP}"
+        if "pp" in cls.always_applied:
+            return (
+                f"{prefix}zero_stage=3 with {cls.__name__}: {Z3_WITH_PP} (lp_parallel or lp_tensor_parallel "
+                "run zero_stage=3 without pipeline stages)"
+            )
+        return f"{prefix}zero_stage=3 with pipeline_parallel_size={pp}: {Z3_WITH_PP}"
 
     def check_before_launch(self) -> Any:
         """The layout, and what the schedule, sequence parallelism and ``zero_stage=3`` need of it, before any
