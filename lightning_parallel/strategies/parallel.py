@@ -377,7 +377,7 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
         params = list(module.parameters())
         hooks = not self.pipelined or self.overlaps_reducer
         sums = installed_gradient_sums(module)
-        if not self.pipelined:  # zero_stage=3: this rank's tp share sharded over dp, its experts whole
+        if not self.pipelined:  # zero_stage=3: this rank's tp share sharded over dp (its experts: over edp)
             own = self.own_parameters()
             self.shard_parameters(self.block_stack, leave_out=[p for p in params if id(p) in own])
         self.reducer = self.make_reducer(
