@@ -60,16 +60,22 @@ CATALOGUE = [
         ["zero_stage=4", "0, 1, 2, 3"],
     ),
     (
-        "zero-stage-3-not-wired",
-        lambda: lp.TensorParallelStrategy(zero_stage=3),
+        "zero-stage-3-with-pipeline-preset",
+        lambda: lp.PipelineParallelStrategy(zero_stage=3),
         ValueError,
-        ["zero_stage=3", "TensorParallelStrategy", "lp_ddp", "0, 1 or 2"],
+        ["zero_stage=3", "PipelineParallelStrategy", "pipeline_parallel_size=1", "zero_stage 1 or 2"],
     ),
     (
-        "zero-stage-3-not-wired-parallel",
-        lambda: lp.ParallelStrategy(zero_stage=3),
+        "zero-stage-3-with-pipeline-stages",
+        lambda: lp.ParallelStrategy(zero_stage=3, pipeline_parallel_size=2),
         ValueError,
-        ["zero_stage=3", "ParallelStrategy", "lp_ddp", "0, 1 or 2"],
+        ["zero_stage=3", "pipeline_parallel_size=2", "not composed with pipeline stages"],
+    ),
+    (
+        "zero-stage-3-save-distributed-parallel",
+        lambda: lp.TensorParallelStrategy(zero_stage=3, save_distributed=True),
+        ValueError,
+        ["save_distributed=True", "zero_stage=3", "save_distributed=False"],
     ),
     (
         "reshard-after-forward-without-zero-3",
@@ -446,6 +452,16 @@ CATALOGUE = [
         ),
         ValueError,
         ["sequence_parallel=True with pipeline_parallel_size=2"],
+    ),
+    (
+        "zero-stage-3-with-inferred-pipeline-stages",
+        lambda: Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=lp.ParallelStrategy(data_parallel_size=1, pipeline_parallel_size=None, zero_stage=3),
+        ),
+        ValueError,
+        ["zero_stage=3", "pipeline_parallel_size=2", "not composed with pipeline stages"],
     ),
 ]
 

@@ -98,12 +98,14 @@ class ShardedOptimizer:
         bucketed: set,
         group: Optional[Any],
         own: frozenset = frozenset(),
+        own_group: Optional[Any] = None,
     ) -> None:
-        """``bucketed``: every parameter the reducer shards (a rank holds pieces of some of them); the
-        optimizer's other parameters are held whole by every rank. ``own``: ids of those held whole that
-        differ across the group (the experts placed on this rank under expert parallelism): their state is
-        this rank's own, kept by ``state_dict`` on every rank rather than taken from rank 0."""
-        self.optimizer, self.group = optimizer, group
+        """``bucketed``: every parameter the reducers shard (a rank holds pieces of some of them); the
+        optimizer's other parameters are held whole by every rank. ``own``: ids of parameters that differ
+        across the group (the experts placed on this rank under expert parallelism): their state is this
+        rank's own, kept by ``state_dict`` on every rank rather than taken from rank 0; held whole, or
+        (``own_group``: their replicas) sharded over ``own_group`` and joined over it."""
+        self.optimizer, self.group, self.own_group = optimizer, group, own_group
         piece_of = {piece.param: piece for piece in pieces}
         self.model_groups = [list(g["params"]) for g in optimizer.param_groups]
         self.shapes = [p.shape for params in self.model_groups for p in params]
@@ -151,20 +153,31 @@ class ShardedOptimizer:
         ``own`` parameters' state (every rank's own, not gathered: a later gather over ep joins them)."""
         with self.sharded():
             local = type(self.optimizer).state_dict(self.optimizer)
-        mine, own = [], {}
+        mine: list[tuple[int, Any, dict]] = []
+        own: list[tuple[int, Any, dict]] = []
         for i, entry in local["state"].items():
             j, piece = self.index[int(i)]
-            if j in self.own_indices:
-                own[j] = entry
-                continue
             span = (piece.start, piece.stop) if piece is not None else None
-            mine.append(
-                (j, span, {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in entry.items()})
-            )
+            if j in self.own_indices and self.own_group is None:  # held whole: kept where it is
+                own.append((j, span, entry))
+                continue
+            held = {k: v.detach().cpu() if isinstance(v, Tensor) else v for k, v in entry.items()}
+            (own if j in self.own_indices else mine).append((j, span, held))
         parts = _gather_to_first(mine, self.group)
         joined = self._joined(parts) if parts is not None else {}
+        own_parts: list[Any] = [own]
+        if self.own_group is not None:  # every replica joins them: the gathers over ep that follow need them
+            own_parts = [None] * dist.get_world_size(self.own_group)
+            dist.all_gather_object(own_parts, own, group=self.own_group)
+        own_state = self._joined(own_parts)
+        if self.own_group is not None and self.held_parameters:  # back where the rest of the state lives
+            device = self.held_parameters[0].device
+            own_state = {
+                j: {k: v.to(device) if isinstance(v, Tensor) and v.dim() else v for k, v in entry.items()}
+                for j, entry in own_state.items()
+            }
         return {
-            "state": dict(sorted((joined | own).items())),
+            "state": dict(sorted((joined | own_state).items())),
             "param_groups": _numbered(local["param_groups"], self.model_groups),
         }
 

@@ -28,7 +28,12 @@ One step, in the order the hooks run::
 
 The gathers run over a process group of their own, so that their order against the gradients'
 reduce-scatters (started from autograd hooks) cannot differ between ranks. Frozen parameters are not
-sharded (every rank holds them whole, as at stage 0).
+sharded (every rank holds them whole, as at stage 0), nor are those a strategy leaves out (under expert
+parallelism the experts placed on a rank differ across the data-parallel group: a second set of units over
+their replicas shards them, leaving out the rest).
+
+The module may be a rank's tensor-parallel share: its parameters are whatever this rank holds (sharded
+layers' slices, replicated norms), and the units shard those over the data-parallel group.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from __future__ import annotations
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Generator, Optional, Sequence
+from typing import Any, Generator, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -176,7 +181,8 @@ def _refuse_shared(module: nn.Module, blocks: list[nn.Module]) -> None:
 
 class ShardedParameters:
     """The parameters of ``module`` sharded over ``group`` in units (see the module docstring), gathered over
-    ``gather_group``. The hooks a strategy calls: ``before_forward`` / ``after_forward`` around its step,
+    ``gather_group``; ``leave_out``: trainable parameters in no unit here (held whole, or sharded by
+    another set). The hooks a strategy calls: ``before_forward`` / ``after_forward`` around its step,
     ``after_backward``, ``gathered()`` around a full state read or load, ``teardown``."""
 
     def __init__(
@@ -186,6 +192,7 @@ class ShardedParameters:
         gather_group: Any,
         reshard_after_forward: bool = True,
         stack_name: Optional[str] = None,
+        leave_out: Iterable[nn.Parameter] = (),
     ) -> None:
         self.group, self.gather_group = group, gather_group
         self.reshard_after_forward = reshard_after_forward
@@ -194,7 +201,8 @@ class ShardedParameters:
         self.prefetches = 0  # of those, started ahead of the unit's use (while another unit computes)
         blocks = _blocks(module, stack_name)
         in_blocks = {p for block in blocks for p in block.parameters()}
-        trainable = lambda ps: [p for p in ps if p.requires_grad]  # noqa: E731
+        kept = set(leave_out)
+        trainable = lambda ps: [p for p in ps if p.requires_grad and p not in kept]  # noqa: E731
         root = [p for p in trainable(dict.fromkeys(module.parameters())) if p not in in_blocks]
         in_root = set(root)
         _refuse_shared(module, blocks)

@@ -176,9 +176,10 @@ class MemoryReport(Callback):
 
 
 def held_gradients(strategy: Any) -> list[torch.Tensor]:
-    """The gradient memory a strategy's data-parallel path holds (a lightning_parallel reducer's buckets)."""
-    reducer = getattr(strategy, "reducer", None)
-    return reducer.gradient_tensors() if hasattr(reducer, "gradient_tensors") else []
+    """The gradient memory a strategy's data-parallel paths hold (a lightning_parallel reducer's buckets or
+    ranges: the dp reducer's, and the experts' over their replicas)."""
+    reducers = (getattr(strategy, "reducer", None), getattr(strategy, "expert_reducer", None))
+    return [t for r in reducers if hasattr(r, "gradient_tensors") for t in r.gradient_tensors()]
 
 
 def expected_states(trainer: Trainer, module: LightningModule) -> Optional[int]:

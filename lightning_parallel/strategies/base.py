@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import sys
 import types
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -72,7 +72,13 @@ from lightning_parallel.checkpointing.contract import check_keys, unwrapped
 from lightning_parallel.checkpointing.loss_check import FiniteLossCheck, training_loss
 from lightning_parallel.compat import compiled_by_lightning
 from lightning_parallel.distributed.collectives import clip_grad_norm_counted, group_size, share_found_inf
-from lightning_parallel.distributed.mesh import Mesh, MeshShape, build_mesh, destroy_process_groups_at_exit
+from lightning_parallel.distributed.mesh import (
+    Mesh,
+    MeshShape,
+    build_mesh,
+    destroy_process_groups_at_exit,
+    new_axis_group,
+)
 from lightning_parallel.distributed.optimizer_shards import (
     ShardedOptimizer,
     refuse_raw_clipping,
@@ -83,6 +89,7 @@ from lightning_parallel.distributed.replicas import broadcast_module_states
 from lightning_parallel.distributed.sync_batchnorm import SyncBatchNormPlugin
 from lightning_parallel.distributed.watchdog import FailureWatchdog
 from lightning_parallel.distributed.zero import ZERO_STAGES, ShardedGradientReducer
+from lightning_parallel.distributed.zero3 import FullyShardedGradientReducer, ShardedParameters
 from lightning_parallel.every_rank import training_step_scope
 from lightning_parallel.materialize import (
     Cut,
@@ -154,12 +161,12 @@ def _raw_clipping_refused(zero_stage: int) -> str:
 
 
 def _zero_stage_problem(cls: type, stage: Any, prefix: str) -> Optional[str]:
-    """A ``zero_stage`` of ``ZERO_STAGES`` that ``cls`` does not run yet (stage 3 outside lp_ddp)."""
+    """A ``zero_stage`` of ``ZERO_STAGES`` that ``cls`` does not run (``zero_stages``)."""
     if stage not in ZERO_STAGES or stage in cls.zero_stages or cls.zero_refused is not None:
         return None
     return (
         f"{prefix}zero_stage={stage} (parameters sharded over the data-parallel group) is not supported by "
-        f"{cls.__name__} yet: it runs under lp_ddp; here use zero_stage "
+        f"{cls.__name__} yet: it runs under lp_ddp and lp_parallel; here use zero_stage "
         f"{', '.join(map(str, cls.zero_stages[:-1]))} or {cls.zero_stages[-1]} (optimizer state and gradients "
         "sharded)"
     )
@@ -190,6 +197,13 @@ def _shard_size_problem(cls: type, values: Mapping[str, Any], prefix: str) -> Op
             "checkpoint, loadable in any layout) or leave data_parallel_shard_size None"
         )
     return None
+def _zero3_save_problem(values: Mapping[str, Any], prefix: str) -> Optional[str]:
+    if values["zero_stage"] != 3 or not values["save_distributed"]:
+        return None
+    return (
+        f"{prefix}save_distributed=True with zero_stage=3 is not supported yet: use save_distributed=False "
+        "(a full checkpoint, gathered block by block, loadable in any layout) or zero_stage 1 or 2"
+    )
 
 
 def _nothing() -> None:
@@ -226,8 +240,9 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         zero_stage: optimizer sharding over the data-parallel group (ZeRO; ``distributed.zero``): 0 (off),
             1 (each rank keeps and updates 1/dp of the optimizer state; gradients reduce-scattered, updated
             parameters all-gathered), 2 (also only 1/dp of the gradients kept between steps) or 3 (also only
-            1/dp of the parameters, each block gathered for its forward and backward: lp_ddp only,
-            ``distributed.zero3``). Needs an elementwise ``torch.optim`` optimizer (SGD, Adam, AdamW, ...).
+            1/dp of the parameters, each block gathered for its forward and backward,
+            ``distributed.zero3``: lp_ddp, and lp_parallel, where each rank's tensor-parallel and pipeline
+            share is sharded over dp). Needs an elementwise ``torch.optim`` optimizer (SGD, Adam, AdamW, ...).
         data_parallel_shard_size: HSDP (lp_ddp only, with ``zero_stage``): ZeRO shards over groups of this
             many neighbouring data-parallel ranks (the "shard" dimension of FSDP2's 2-D mesh; on several
             machines, the devices per node) and replicates across the groups: gradients reduce-scattered
@@ -323,6 +338,9 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self.compile = compile
         self._compiled_blocks: CompiledBlocks = []  # the blocks set-up compiled, and the forward each had
         self._optimizer_shards: dict[int, ShardedOptimizer] = {}  # id(optimizer) -> its sharding
+        #: zero_stage=3's sharded parameters, once set up: over dp first, then (expert parallelism) the
+        #: experts' over their replicas
+        self.parameter_shards: list[ShardedParameters] = []
         self._release_raw_clipping: Callable[[], None] = _nothing  # refuse_raw_clipping's, under ZeRO
         self._release_load_balancing: Callable[[], None] = _nothing  # load_balancing.install's undo
         self._checkpointed: list[str] = []  # the submodules whose forward set-up checkpointed
@@ -354,6 +372,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             else f"{prefix}zero_stage={values['zero_stage']!r} is not supported by {cls.__name__}: {cls.zero_refused}",
             _zero_stage_problem(cls, values["zero_stage"], prefix),
             _shard_size_problem(cls, values, prefix),
+            _zero3_save_problem(values, prefix),
         ]
 
     @classmethod
@@ -571,16 +590,89 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
     def make_reducer(self, named_params: list, **kwargs: Any) -> Optional[GradientReducer]:
         """The data-parallel gradient path over ``dp_group``: ``reducer_class``, or with ``zero_stage`` the
         sharded one (``kwargs["whole"]``: parameters all-reduced, as ``ShardedGradientReducer`` says).
-        None where the group has one process: nothing is averaged, so no bucket, hook or collective runs."""
+        None where the group has one process: nothing is averaged, so no bucket, hook or collective runs.
+        With ``zero_stage=3`` (``shard_parameters`` called before), one bucket per unit of the sharded
+        parameters."""
         self._reducer_arguments = (list(named_params), dict(kwargs))
         if group_size(self.dp_group) == 1:
             return None
         whole = kwargs.pop("whole", ())
+        if self.sharded_parameters is not None:
+            return FullyShardedGradientReducer(
+                named_params,
+                self.zero_group,
+                self.sharded_parameters,
+                replicate_group=self.zero_replica_group,
+                **kwargs,
+            )
         if self.zero_stage:
             return ShardedGradientReducer(
                 named_params, self.zero_group, self.zero_stage, whole, self.zero_replica_group, **kwargs
             )
         return self.reducer_class(named_params, group=self.dp_group, **kwargs)
+
+    # ----------------------------------------------------------------- zero_stage=3: the sharded parameters
+    @property
+    def sharded_parameters(self) -> Optional[ShardedParameters]:
+        """The parameters sharded over dp (``zero_stage=3``; None before set-up, after it, or at dp=1)."""
+        return next((s for s in self.parameter_shards if s.group is self.zero_group), None)
+
+    def shard_parameters(
+        self,
+        stack_name: Optional[str] = None,
+        leave_out: Sequence[torch.nn.Parameter] = (),
+        reshard_after_forward: bool = True,
+        axis: str = "dp",
+    ) -> Optional[ShardedParameters]:
+        """With ``zero_stage=3`` and more than one rank along ``axis`` ("dp", or "edp": one expert's
+        replicas): the module's trainable parameters (as this rank holds them, but ``leave_out``) sharded
+        over it in units (``distributed.zero3``), gathered over a group of their own. Called once the
+        parameters are final, before the reducers are built; None where nothing is sharded."""
+        hsdp = axis == "dp" and self.zero_replica_group is not None  # within this rank's shard group
+        group = self.zero_group if axis == "dp" else self.mesh.group(axis)
+        if self.zero_stage != 3 or group_size(group) == 1:
+            return None
+        gather_group = new_axis_group(self.mesh.shape, "dp_shard" if hsdp else axis, self.global_rank)
+        shards = ShardedParameters(
+            self.lightning_module, group, gather_group, reshard_after_forward, stack_name, leave_out
+        )
+        self.parameter_shards.append(shards)
+        return shards
+
+    @contextmanager
+    def sharded_forward(self) -> Generator[None, None, None]:
+        """Around a step's forward under ``zero_stage=3``: the root units gathered before it (the blocks gather
+        themselves); an evaluation forward frees what it gathered after it."""
+        for shards in self.parameter_shards:
+            shards.before_forward()
+        yield
+        for shards in self.parameter_shards:
+            shards.after_forward()
+
+    @contextmanager
+    def parameters_gathered(self) -> Generator[None, None, None]:
+        """Every unit gathered inside under ``zero_stage=3`` (a collective): a full state read or loaded, each
+        rank keeping its range of what a load wrote."""
+        with ExitStack() as stack:
+            for shards in self.parameter_shards:
+                stack.enter_context(shards.gathered())
+            yield
+
+    def read_gathered(self, read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        """``read()`` (a full state) with every unit gathered; its tensors copied out before the units are
+        freed again (under ``zero_stage=3``; otherwise as it is)."""
+        if not self.parameter_shards:
+            return read()
+        with self.parameters_gathered():
+            return {k: v.clone() if isinstance(v, Tensor) else v for k, v in read().items()}
+
+    def held_parameters(self) -> list[torch.Tensor]:
+        """Parameter memory held beside the module's own (``zero_stage=3``: this rank's shards)."""
+        return [t for shards in self.parameter_shards for t in shards.held_tensors()]
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.sharded_forward():
+            return super().validation_step(*args, **kwargs)
 
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         """Lightning's; with ``zero_stage``, each optimizer then updates only this rank's pieces."""
@@ -590,16 +682,22 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
     def shard_optimizers(self) -> None:
         """With ``zero_stage``, each of ``self.optimizers`` made to update only this rank's pieces (also
         called by the set-up at scale, ``planner/at_scale.py``, which builds the optimizers itself)."""
-        reducer = self.reducer
-        if not isinstance(reducer, ShardedGradientReducer):
+        reducers = self.sharded_reducers()
+        if not reducers:
             return
         refused = [p for p in (sharding_problem(o, self.zero_stage) for o in self.optimizers) if p]
         require(refused)
-        bucketed = {p for b in reducer.buckets for p in b.params}
+        bucketed = {p for reducer in reducers for b in reducer.buckets for p in b.params}
+        pieces = [piece for reducer in reducers for piece in reducer.pieces()]
+        own_group = reducers[1].group if len(reducers) > 1 else None  # the experts' replicas, sharded too
         self._optimizer_shards = {
-            id(o): ShardedOptimizer(o, reducer.pieces(), bucketed, self.zero_group, self.own_parameters())
+            id(o): ShardedOptimizer(o, pieces, bucketed, self.zero_group, self.own_parameters(), own_group)
             for o in self.optimizers
         }
+
+    def sharded_reducers(self) -> list[ShardedGradientReducer]:
+        """The reducers whose pieces the optimizers step (``zero_stage``): the data-parallel one."""
+        return [self.reducer] if isinstance(self.reducer, ShardedGradientReducer) else []
 
     def own_parameters(self) -> frozenset:
         """Ids of the parameters held whole that differ across the data-parallel ranks (kept out of ZeRO,
@@ -750,7 +848,9 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         plugin.main_params = types.MethodType(held_params, plugin)
         plugin.clip_grad_by_norm = types.MethodType(clip_grad_by_norm, plugin)
         if isinstance(self.reducer, ShardedGradientReducer):
-            bucketed = [p for bucket in self.reducer.buckets for p in bucket.params]
+            bucketed = [
+                p for reducer in self.sharded_reducers() for bucket in reducer.buckets for p in bucket.params
+            ]
             self._release_raw_clipping = refuse_raw_clipping(bucketed, _raw_clipping_refused(self.zero_stage))
 
     def _bind_metrics_to_dp_group(self) -> None:

@@ -92,19 +92,26 @@ class Zero(Axis):
 
 
 class ZeroParameters(Axis):
-    """ZeRO-3 (``zero_stage=3``, ``distributed.zero3.ShardedParameters``): once the step's gradients are in
-    the pieces, every unit still gathered is freed; at teardown the module is gathered whole and its hooks
-    removed. A unit's gathers around its own forward and backward are module hooks, not step hooks."""
+    """ZeRO-3 (``zero_stage=3``, ``distributed.zero3.ShardedParameters``): the root unit gathered around the
+    training step's forward (``strategy.sharded_forward``); once the step's gradients are in the pieces,
+    every unit still gathered is freed; at teardown the module is gathered whole and its hooks removed. A
+    block's gathers around its own forward and backward are module hooks, not step hooks."""
 
     name = "zero_parameters"
 
     def __init__(self, strategy: Any) -> None:
         self.strategy = strategy
 
+    @contextmanager
+    def training_step(self) -> Iterator[None]:
+        with self.strategy.sharded_forward():
+            yield
+
     def post_backward(self) -> None:
-        self.strategy.sharded_parameters.after_backward()
+        for shards in self.strategy.parameter_shards:
+            shards.after_backward()
 
     def teardown(self) -> None:
-        if self.strategy.sharded_parameters is not None:
-            self.strategy.sharded_parameters.teardown()
-            self.strategy.sharded_parameters = None
+        for shards in self.strategy.parameter_shards:
+            shards.teardown()
+        self.strategy.parameter_shards = []

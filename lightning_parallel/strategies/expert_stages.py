@@ -13,9 +13,10 @@ dp reducer does for the schedules that do not overlap it.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import replace
 from functools import partial
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,8 @@ from torch import nn
 
 from lightning_parallel.distributed.mesh import MeshShape
 from lightning_parallel.distributed.reducer import GradientReducer
+from lightning_parallel.distributed.zero import ShardedGradientReducer
+from lightning_parallel.distributed.zero3 import FullyShardedGradientReducer
 from lightning_parallel.moe.expert_parallel import (
     apply_expert_parallel,
     describe_expert_parallel,
@@ -129,19 +132,36 @@ class ExpertParallel:
 
     def split_expert_gradients(self, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
         """On the final parameters: the experts' gradients divided by ep and, with replicas, averaged over
-        them by ``expert_reducer``; returns the other parameters, for the dp reducer."""
+        them by ``expert_reducer`` (``zero_stage=3`` without pipeline stages: the experts sharded over their
+        replicas in units of their own, reduce-scattered per unit); returns the other parameters, for the dp
+        reducer."""
         experts = {id(t) for t, _, _ in expert_pieces(module).values()}
         scale_expert_gradients(module)
         self.expert_reducer = None
         if experts and self.mesh.shape.size("edp") > 1:
             named = [(n, p) for n, p in module.named_parameters() if id(p) in experts]
             group, hooks = self.mesh.group("edp"), not self.pipelined
-            self.expert_reducer = self.reducer_class(named, group=group, hooks=hooks)
+            others = [p for p in module.parameters() if id(p) not in experts]
+            shards = (
+                None
+                if self.pipelined
+                else self.shard_parameters(self.block_stack, leave_out=others, axis="edp")
+            )
+            if shards is not None:
+                self.expert_reducer = FullyShardedGradientReducer(named, group, shards, hooks=hooks)
+            else:
+                self.expert_reducer = self.reducer_class(named, group=group, hooks=hooks)
         return [(n, p) for n, p in module.named_parameters() if id(p) not in experts]
+
+    def sharded_reducers(self) -> list[ShardedGradientReducer]:
+        """As the base's, and the experts' reducer where it shards them over their replicas."""
+        extra = [self.expert_reducer] if isinstance(self.expert_reducer, ShardedGradientReducer) else []
+        return [*super().sharded_reducers(), *extra]
 
     def own_parameters(self) -> frozenset:
         """The experts placed on this rank: under ZeRO they stay out of the dp reducer's shards (their
-        gradients take the edp path), each rank's optimizer holding their whole state."""
+        gradients take the edp path), each rank's optimizer holding their whole state (``zero_stage=3``
+        without pipeline stages: their pieces, sharded over their replicas by the experts' reducer)."""
         module = self.lightning_module
         return (
             frozenset(id(t) for t, _, _ in expert_pieces(module).values())
@@ -153,7 +173,9 @@ class ExpertParallel:
 class Experts(DataParallel):
     """The experts' gradients averaged over their replicas (the ``edp`` group) by ``expert_reducer``, as
     ``DataParallel`` averages the other parameters' over dp; under pipeline stages once after the schedule
-    (the experts' reducer has no hooks there)."""
+    (the experts' reducer has no hooks there). Where ``zero_stage=3`` shards the experts over their
+    replicas, each of their pieces then takes its gradient, and the pieces' are dropped after the step (as
+    the ``Zero`` axis does for the others)."""
 
     name = "experts"
 
@@ -162,6 +184,19 @@ class Experts(DataParallel):
 
     def reducer(self) -> Optional[GradientReducer]:
         return self.strategy.expert_reducer
+
+    def post_backward(self) -> None:
+        super().post_backward()
+        reducer = self.reducer()
+        if isinstance(reducer, ShardedGradientReducer) and reducer.sync_enabled:
+            reducer.shard_gradients()
+
+    @contextmanager
+    def optimizer_step(self, optimizer: Any) -> Iterator[None]:
+        yield
+        reducer = self.reducer()
+        if isinstance(reducer, ShardedGradientReducer):
+            reducer.gather_parameters()
 
 
 def _then_experts(

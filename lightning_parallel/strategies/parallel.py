@@ -64,7 +64,7 @@ from lightning_parallel.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, vir
 from lightning_parallel.strategies.axes import Axis
 from lightning_parallel.strategies.base import ParallelStrategyBase
 from lightning_parallel.strategies.checks import one_of, positive_int, require
-from lightning_parallel.strategies.data_parallel_axes import DataParallel, Zero
+from lightning_parallel.strategies.data_parallel_axes import DataParallel, Zero, ZeroParameters
 from lightning_parallel.strategies.expert_stages import ExpertParallel, Experts
 from lightning_parallel.strategies.options import level_problems
 from lightning_parallel.strategies.pipeline_async import AsyncPipelineMixin
@@ -105,6 +105,11 @@ __all__ = ["ParallelStrategy", "BALANCES"]
 BALANCES = ("parameters", "time")
 #: why a model the user compiled is compiled block by block under pipeline stages
 STAGE_ENDS_IN_FORWARD = "a stage ends inside forward, where a whole compiled step cannot stop"
+#: why zero_stage=3 is refused with pipeline stages
+Z3_WITH_PP = (
+    "zero_stage=3 (parameters sharded over dp) is not composed with pipeline stages yet; use "
+    "pipeline_parallel_size=1, or zero_stage 1 or 2 with pipeline stages"
+)
 SP_WITH_PP = (
     "sequence parallelism is not composed with pipeline stages (a stage's activations would be sent cut "
     "along the sequence); use pipeline_parallel_size=1 or sequence_parallel=False"
@@ -157,6 +162,7 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
     """
 
     strategy_name = "lp_parallel"
+    zero_stages = (0, 1, 2, 3)  # 3 without pipeline stages (zero3_problem)
     defers_init_by_default = True
     popen_only = "Lightning's spawn launcher hands back only rank 0's part of the model"
     size_options = {"data_parallel_size": "dp", "tensor_parallel_size": "tp", "pipeline_parallel_size": "pp"}
@@ -245,6 +251,7 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
         sequence, pp = values["sequence_parallel"], values["pipeline_parallel_size"]
         return [
             *cls.expert_problems(values, prefix),
+            cls.zero3_problem(values.get("zero_stage", 0), pp, prefix),  # a base option, read here too
             None
             if isinstance(sequence, bool)
             else f"{prefix}sequence_parallel must be True or False, got {sequence!r}",
@@ -280,9 +287,23 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
     def tp_group(self) -> Optional[dist.ProcessGroup]:
         return self.mesh.group("tp") if self.mesh is not None else None
 
+    @classmethod
+    def zero3_problem(cls, stage: Any, pp: Optional[int], prefix: str = "") -> Optional[str]:
+        """``zero_stage=3`` with pipeline stages (``pp`` > 1, or a pipeline preset; None: not known yet)."""
+        if stage != 3 or ((pp is None or pp == 1) and "pp" not in cls.always_applied):
+            return None
+        if "pp" in cls.always_applied:
+            return (
+                f"{prefix}zero_stage=3 with {cls.__name__}: {Z3_WITH_PP} (lp_parallel or lp_tensor_parallel "
+                "run zero_stage=3 without pipeline stages)"
+            )
+        return f"{prefix}zero_stage=3 with pipeline_parallel_size={pp}: {Z3_WITH_PP}"
+
     def check_before_launch(self) -> Any:
-        """The layout, and what the schedule and sequence parallelism need of it, before any process starts."""
+        """The layout, and what the schedule, sequence parallelism and ``zero_stage=3`` need of it, before any
+        process starts."""
         shape = super().check_before_launch()
+        require([self.zero3_problem(self.zero_stage, shape.pp)])
         if shape.pp > 1 or "pp" in self.always_applied:
             require([self.stages_problem(shape.pp)])
             if self.sequence_parallel:
@@ -326,6 +347,7 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
             DataParallel(self, after_schedule=pipelined, overlapped=self.overlaps_reducer) if dp else None,
             Pipeline(self) if pipelined else None,
             Zero(self) if self.zero_stage and dp else None,
+            ZeroParameters(self) if self.zero_stage == 3 and dp and not pipelined else None,
             Experts(self, after_schedule=pipelined) if shape.ep > 1 and shape.size("edp") > 1 else None,
             TensorParallel(self) if self.applies("tp", shape) else None,
             self.plan_verification if self.verify_plan and self.applies("tp", shape) else None,
@@ -369,6 +391,9 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
         params = list(module.parameters())
         hooks = not self.pipelined or self.overlaps_reducer
         sums = installed_gradient_sums(module)
+        if not self.pipelined:  # zero_stage=3: this rank's tp share sharded over dp (its experts: over edp)
+            own = self.own_parameters()
+            self.shard_parameters(self.block_stack, leave_out=[p for p in params if id(p) in own])
         self.reducer = self.make_reducer(
             self.split_expert_gradients(module),
             find_unused_parameters=self.pipelined,
@@ -494,11 +519,16 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
     def clipping_rule(self) -> Optional[tuple[set[int], Optional[dist.ProcessGroup]]]:
         """As the base's; with ZeRO and expert parallelism, summed over the world: the other parameters'
         pieces by their holders (disjoint over dp, ep included) on ``norm_share``'s tp and pp terms, and the
-        experts (held whole, out of ZeRO) by the first of their replicas (edp rank 0) on the same terms."""
+        experts (held whole, out of ZeRO) by the first of their replicas (edp rank 0) on the same terms; where
+        ``zero_stage=3`` shards the experts over their replicas, their pieces by their holders."""
         if not isinstance(self.reducer, ShardedGradientReducer) or not self.own_parameters():
             return super().clipping_rule()
         others = self._counted(others=True, experts=False)
-        experts = self._counted(others=False, experts=self.mesh.dp_rank // self.expert_parallel_size == 0)
+        if isinstance(self.expert_reducer, ShardedGradientReducer):
+            placed = self._counted(others=False, experts=True)
+            experts = {id(x.shard) for x in self.expert_reducer.pieces() if id(x.param) in placed}
+        else:
+            experts = self._counted(others=False, experts=self.mesh.dp_rank // self.expert_parallel_size == 0)
         return {id(x.shard) for x in self.reducer.pieces() if id(x.param) in others} | experts, None
 
     def _counted(self, others: bool, experts: bool) -> set[int]:
@@ -539,7 +569,10 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
 
     def full_model_state(self) -> dict[str, Any]:
         """The single-device state dict: the shards gathered over tp, the experts over ep, then the stages'
-        parts over pp."""
+        parts over pp (``zero_stage=3``: every unit gathered over dp first)."""
+        return self.read_gathered(self._split_model_state)
+
+    def _split_model_state(self) -> dict[str, Any]:
         module = self.lightning_module
         state = full_state_dict(module, self.tp_group) if self._is_sharded() else module.state_dict()
         state = gather_shards(module, state, self.ep_group, expert_pieces)
@@ -548,7 +581,11 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
     def load_full_model_state(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """A full checkpoint (any layout, or a plain single-device one): each rank takes its stage's part
         (``strict`` refuses, as one device does, keys of no stage and this stage's keys it lacks) and cuts
-        its shards from it."""
+        its shards from it (``zero_stage=3``: into the gathered units, each rank keeping its range)."""
+        with self.parameters_gathered():
+            self._load_split_model_state(state_dict, strict)
+
+    def _load_split_model_state(self, state_dict: Mapping[str, Any], strict: bool) -> None:
         if not self.model_is_split():
             return super().load_full_model_state(state_dict, strict=strict)
         module = self.lightning_module

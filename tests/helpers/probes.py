@@ -120,6 +120,9 @@ def memory_report(trainer) -> dict:
     ]
     report = report_of(trainer)
     sharded = getattr(trainer.strategy, "sharded_parameters", None)  # zero_stage=3's units
+    own = trainer.strategy.own_parameters() if hasattr(trainer.strategy, "own_parameters") else frozenset()
+    shards = getattr(trainer.strategy, "parameter_shards", [])
+    in_units = {id(p) for s in shards for unit in s.units() for p in unit.params}
     return {
         "tables": report.summary() if report is not None else {},
         "gathers": None if sharded is None else (sharded.gathers, sharded.prefetches),
@@ -128,6 +131,15 @@ def memory_report(trainer) -> dict:
             "gradients": storages(p.grad for p in params if p.grad is not None),
             "optimizer_state": storages(state),
         },
+        # by the parameters' shapes (ZeRO-3 keeps them): this rank's share of the model (its tensor-parallel
+        # slices and its experts), and of that its experts, held whole or sharded (over their replicas)
+        "share": sum(p.numel() * p.element_size() for p in params),
+        "kept_whole": sum(
+            p.numel() * p.element_size() for p in params if id(p) in own and id(p) not in in_units
+        ),
+        "experts_sharded": sum(
+            p.numel() * p.element_size() for p in params if id(p) in own and id(p) in in_units
+        ),
     }
 
 

@@ -28,6 +28,12 @@ from lightning_parallel.strategies.tensor_parallel import TensorParallelStrategy
             ["data_parallel", "pipeline", "experts", "tensor"],
         ),
         ({"expert_parallel_size": 2}, MeshShape(dp=2, ep=2), ["data_parallel"]),  # one replica of each expert
+        ({"zero_stage": 3}, MeshShape(dp=2, tp=2), ["data_parallel", "zero", "zero_parameters", "tensor"]),
+        (
+            {"zero_stage": 3, "expert_parallel_size": 2},
+            MeshShape(dp=4, ep=2),
+            ["data_parallel", "zero", "zero_parameters", "experts"],
+        ),
         ({}, MeshShape(pp=2, tp=2), ["pipeline", "tensor"]),
         ({}, MeshShape(), []),
     ],

@@ -1,16 +1,18 @@
 """ZeRO (``zero_stage`` 1, 2 and 3) on real gloo processes: equal to one device in float64 (1e-10) with AdamW
 and with SGD with momentum, on the GPT-style model and the Hugging Face Llama-style zoo model, under lp_ddp (2
-and 4 processes; stage 3 there only, with and without ``reshard_after_forward``), tensor parallel dp2 x tp2
-(also with sequence parallelism) and pipeline dp2 x pp2 (1F1B and GPipe), and with activation checkpointing;
-the async pipeline equals its emulation; clipping, gradient accumulation,
+and 4 processes; stage 3 with and without ``reshard_after_forward``), tensor parallel dp2 x tp2 (also with
+sequence parallelism; stage 3 included), pipeline dp2 x pp2 (1F1B and GPipe; stages 1 and 2), and expert
+parallel Mixtral at stage 3 (dp2 x ep2, and dp4 x ep2: the experts sharded over their two replicas), and
+with activation checkpointing; the async pipeline equals its emulation; clipping, gradient accumulation,
 bf16-mixed and 16-mixed (a GradScaler) keep their meaning; the memory report shows 1/dp of the optimizer state
 (and of the gradients at stage 2, while stage 1 holds the gradient buckets and no more; at stage 3 of the
-parameters too); a checkpoint saved at dp=2 with ZeRO resumes exactly at dp=1, at dp=4, with ZeRO off and
-under stage 3, and one saved under stage 3 on one device. Stage 3 also on models we did not write
-(nn.TransformerEncoder, a whole nn.Transformer), under bf16-mixed and 16-mixed, and with a callback reading
-the weights in Lightning's hooks while the units are freed (``weight_reader``). HSDP (``data_parallel_shard_size=2`` at dp=4: sharded
-within pairs of ranks, replicated across the pairs) equals one device at stages 2 and 3, holds 1/2 (not 1/4)
-of the states, and its checkpoint resumes exactly on one device."""
+parameters too, of each rank's tensor-parallel share, its experts over their replicas); a checkpoint saved at
+dp=2 with ZeRO resumes exactly at dp=1, at dp=4, with ZeRO off and under stage 3, and ones saved under stage 3
+(lp_ddp, dp2 x tp2, HSDP) on one device; the full state is read and loaded while sharded (lp_ddp, dp2 x tp2).
+Stage 3 also on models we did not write (nn.TransformerEncoder, a whole nn.Transformer), under bf16-mixed and
+16-mixed, and with a callback reading the weights in Lightning's hooks while the units are freed
+(``weight_reader``). HSDP (``data_parallel_shard_size=2`` at dp=4: sharded within pairs of ranks, replicated
+across the pairs) equals one device at stages 2 and 3 and holds 1/2 (not 1/4) of the states."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from tests.helpers.harness import (
 )
 from tests.helpers.weight_reader import HOOKS, all_nan
 from tests.helpers.worker import load_object
-from tests.strategies.test_deferred_init import MODELS
+from tests.strategies.test_deferred_init import MODELS as DEFERRED_INIT_MODELS
 from tests.strategies.test_parallel_3d import layout as layout_3d
 
 DDP = "lightning_parallel:DDPStrategy"
@@ -43,6 +45,10 @@ SMALL_BUCKETS = {
 }  # several buckets; pieces straddle them
 MEMORY = "tests.helpers.probes:memory_report"
 F64 = {"precision": "64-true"}
+MODELS = {
+    **DEFERRED_INIT_MODELS,
+    "mixtral": ("tests.helpers.zoo:ZooLM", {"arch": "mixtral", "optimizer": "adamw", "lr": 1e-2}),
+}
 
 
 #: the deferred-init models, and models we did not write: nn.TransformerEncoder, and a whole nn.Transformer
@@ -160,6 +166,38 @@ RUNS = {
         4,
         {"trainer": CLIP_ACCUMULATE},
     ),
+    # stage 3 of each rank's tensor-parallel share; the checkpoint saved while sharded (before teardown)
+    "dp2tp2-gpt-adamw-z3": (4, "gpt", "adamw", PARALLEL, layout(2, 2, 1, 3), 2, {"save_checkpoint": "split"}),
+    "dp2tp2-llama-sgdm-z3": (4, "llama", "sgdm", PARALLEL, layout(2, 2, 1, 3), 2, {}),
+    "dp2tp2-sp-gpt-adamw-z3": (
+        4,
+        "gpt",
+        "adamw",
+        PARALLEL,
+        {**layout(2, 2, 1, 3), "sequence_parallel": True},
+        2,
+        {},
+    ),
+    # the experts placed on each rank held whole where they have one replica (dp2 x ep2), sharded over their
+    # two replicas at dp4 x ep2
+    "dp2ep2-mixtral-adamw-z3": (
+        2,
+        "mixtral",
+        "adamw",
+        PARALLEL,
+        {**layout(2, 1, 1, 3), "expert_parallel_size": 2},
+        2,
+        {"save_checkpoint": "split"},
+    ),
+    "dp4ep2-mixtral-adamw-z3": (
+        4,
+        "mixtral",
+        "adamw",
+        PARALLEL,
+        {**layout(4, 1, 1, 3), "expert_parallel_size": 2},
+        4,
+        {},
+    ),
 }
 #: ZeRO with ``save_distributed``: each rank writes only its own pieces of the optimizer state
 SHARDED_SAVES = {
@@ -175,6 +213,7 @@ REFERENCES = {  # name: (model, optimizer, steps, trainer)
     "gpt-adamw-10": ("gpt", "adamw", 10, {}),
     "encoder-sgdm": ("encoder", "sgdm", 5, {}),
     "demo-sgdm": ("demo", "sgdm", 5, {}),
+    "mixtral-adamw": ("mixtral", "adamw", 5, {}),
 }
 ASYNC = "tests.helpers.pp_models:AsyncRuleGPT"
 #: runs with a callback reading the weights in Lightning's hooks (``weight_reader``), validating every 2 steps
@@ -216,6 +255,10 @@ def runs(tmp_path_factory):
         "ddp2-z3-round-trip", "gpt", "sgdm", DDP, {"zero_stage": 3}, 2, 1, save_checkpoint=False
     )
     by_world[2].append({**round_trip, "probe": "tests.helpers.probes:full_state_round_trip"})
+    tp_round_trip = case(
+        "dp2tp2-z3-round-trip", "gpt", "sgdm", PARALLEL, layout(2, 2, 1, 3), 2, 1, save_checkpoint=False
+    )
+    by_world[4].append({**tp_round_trip, "probe": "tests.helpers.probes:full_state_round_trip"})
     for name, (world, kwargs) in SHARDED_SAVES.items():  # saved while each rank holds its pieces
         c = case(
             name, "gpt", "adamw", PARALLEL, {**kwargs, "save_distributed": True}, 2, save_checkpoint="split"
@@ -238,6 +281,8 @@ def runs(tmp_path_factory):
     later[2].append(case("resume-dp2-z3", "gpt", "adamw", DDP, {"zero_stage": 3}, 2, 10, ckpt_path=saved))
     saved_hsdp = str(tmp / "dist4" / "hsdp2x2-gpt-adamw-z3" / "last.ckpt")  # saved while sharded in pairs
     later[1].append(case("resume-dp1-from-hsdp", "gpt", "adamw", DDP, {}, 1, 10, ckpt_path=saved_hsdp))
+    saved_tp_z3 = str(tmp / "dist4" / "dp2tp2-gpt-adamw-z3" / "last.ckpt")  # saved sharded over tp and dp
+    later[1].append(case("resume-dp1-from-dp2tp2-z3", "gpt", "adamw", DDP, {}, 1, 10, ckpt_path=saved_tp_z3))
     for name in SHARDED_SAVES:  # read into one device, and into lp_ddp with ZeRO-2
         directory = str(tmp / "dist4" / name / "last.ckpt")
         later[1].append(case(f"resume-{name}-dp1", "gpt", "adamw", DDP, {}, 1, 10, ckpt_path=directory))
@@ -312,14 +357,25 @@ def test_memory_report_shows_the_shards(runs, name):
     stage = kwargs["zero_stage"]
     dp = kwargs.get("data_parallel_shard_size", dp)  # HSDP: 1/shard size, each shard held by its replicas
     if stage == 3:  # the parameters too: between steps every unit is freed, each rank keeps its shards
-        for row in rows.values():
-            whole = row["model_parameters"]
-            assert row["parameters"] == pytest.approx(whole / dp, rel=0.05)
-            assert row["gradients"] == pytest.approx(whole / dp, rel=0.05)
-            assert row["optimizer_state"] == pytest.approx(moments * whole / dp, rel=0.05)
+        for rank, row in rows.items():
+            # the rank's share by the parameters' shapes: the whole model under lp_ddp, its tensor-parallel
+            # slices and its experts otherwise; the experts placed on it sharded over their replicas (dp / ep
+            # of them: none to shard over at dp2 x ep2, where they stay whole)
+            found = results[name][rank]["probe"]
+            share, kept, experts = found["share"], found["kept_whole"], found["experts_sharded"]
+            replicas = dp // kwargs.get("expert_parallel_size", 1)
+            assert (experts > 0) == ("ep2" in name and replicas > 1), found
+            held = kept + experts / replicas + (share - kept - experts) / dp
+            assert row["parameters"] == pytest.approx(held, rel=0.05)
+            assert row["gradients"] == pytest.approx(held, rel=0.05)
+            assert row["optimizer_state"] == pytest.approx(moments * held, rel=0.05)
             if "data_parallel_shard_size" in kwargs:  # the expected column knows the shard size too
-                held = row["parameters"] + row["gradients"] + row["optimizer_state"]
-                assert row["expected_states"] == pytest.approx(held, rel=0.05)
+                states = row["parameters"] + row["gradients"] + row["optimizer_state"]
+                assert row["expected_states"] == pytest.approx(states, rel=0.05)
+            if "tp2" in name or "ep2" in name:
+                assert share < 0.6 * row["model_parameters"], (share, row["model_parameters"])
+            else:
+                assert share == pytest.approx(row["model_parameters"], rel=0.01)
         return
     for row in rows.values():
         held = row["parameters"]  # the rank's own share (tensor-parallel shards, a pipeline stage)
@@ -344,6 +400,7 @@ def test_memory_report_shows_the_shards(runs, name):
         ("resume-dp1-from-z3", 1),  # saved under zero_stage=3, loaded on one device
         ("resume-dp2-z3", 2),  # saved under zero_stage=1, loaded into zero_stage=3's shards
         ("resume-dp1-from-hsdp", 1),  # saved under zero_stage=3 sharded in pairs at dp=4, on one device
+        ("resume-dp1-from-dp2tp2-z3", 1),  # saved under dp2 x tp2 at zero_stage=3, loaded on one device
     ],
 )
 def test_zero_checkpoint_resumes_exactly_under_other_dp_sizes(runs, resumed, world):
@@ -421,7 +478,7 @@ def test_zero_3_full_state_is_read_and_loaded_while_sharded(runs):
     loaded is kept by each rank's shards: zeros read back as zeros, the first state loaded again reads back
     unchanged."""
     _, results = runs
-    for rank in results["ddp2-z3-round-trip"]:
+    for rank in [*results["ddp2-z3-round-trip"], *results["dp2tp2-z3-round-trip"]]:
         found = rank["probe"]
         assert found["keys"] and found["zeros_max"] == 0.0 and found["again_diff"] == 0.0, found
 

@@ -1,6 +1,6 @@
 """Clipping under ZeRO on real gloo processes, with a clip value that clips every step: in manual
 optimization the user's ``self.clip_gradients(opt, ..., "norm")`` clips by the whole model's norm, so
-``zero_stage`` 1, 2 and 3 (lp_ddp) equal ``zero_stage=0`` and one device (float64, 1e-10) under lp_ddp and dp2 x tp2;
+``zero_stage`` 1, 2 and 3 equal ``zero_stage=0`` and one device (float64, 1e-10) under lp_ddp and dp2 x tp2;
 in automatic optimization the strategy's step does under dp2 x pp2; and the full-file checkpoints of these
 runs (each tp and pp position's data-parallel rank 0 gathers the optimizer state) hold the single-device
 optimizer state. ``torch.nn.utils.clip_grad_norm_(self.parameters())``, which cannot see the pieces'
@@ -30,6 +30,7 @@ RUNS = {
     "ddp2-z3": (2, DDP, {"zero_stage": 3}),
     "dp2tp2-z1": (4, PARALLEL, layout(2, 2, 1, 1)),
     "dp2tp2-z2": (4, PARALLEL, layout(2, 2, 1, 2)),
+    "dp2tp2-z3": (4, PARALLEL, layout(2, 2, 1, 3)),
 }
 CLIP = {"gradient_clip_val": 0.05}
 
