@@ -41,10 +41,21 @@ from __future__ import annotations
 
 import sys
 import types
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Generator, Literal, Mapping, Optional, Sequence, Union, get_args
+from typing import (
+    Any,
+    Callable,
+    ContextManager,
+    Generator,
+    Literal,
+    Mapping,
+    Optional,
+    Sequence,
+    Union,
+    get_args,
+)
 
 import lightning.pytorch as pl
 import torch
@@ -82,6 +93,7 @@ from lightning_parallel.distributed.replicas import broadcast_module_states
 from lightning_parallel.distributed.sync_batchnorm import SyncBatchNormPlugin
 from lightning_parallel.distributed.watchdog import FailureWatchdog
 from lightning_parallel.distributed.zero import ZERO_STAGES, ShardedGradientReducer
+from lightning_parallel.distributed.zero3 import FullyShardedGradientReducer, ShardedParameters
 from lightning_parallel.every_rank import training_step_scope
 from lightning_parallel.materialize import (
     Cut,
@@ -154,6 +166,16 @@ def _zero_stage_problem(cls: type, stage: Any, prefix: str) -> Optional[str]:
         f"{cls.__name__} yet: it runs under lp_ddp; here use zero_stage "
         f"{', '.join(map(str, cls.zero_stages[:-1]))} or {cls.zero_stages[-1]} (optimizer state and gradients "
         "sharded)"
+    )
+
+
+def _zero3_save_problem(stage: Any, save_distributed: Any, prefix: str) -> Optional[str]:
+    """``save_distributed`` with ``zero_stage=3``, whose shards a distributed checkpoint cannot describe yet."""
+    if stage != 3 or save_distributed is not True:
+        return None
+    return (
+        f"{prefix}save_distributed=True with zero_stage=3 is not supported yet: use save_distributed=False "
+        "(a full checkpoint, gathered block by block, loadable in any layout) or zero_stage 1 or 2"
     )
 
 
@@ -278,6 +300,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self.compile = compile
         self._compiled_blocks: CompiledBlocks = []  # the blocks set-up compiled, and the forward each had
         self._optimizer_shards: dict[int, ShardedOptimizer] = {}  # id(optimizer) -> its sharding
+        self.sharded_parameters: Optional[ShardedParameters] = None  # zero_stage=3's units, once set up
         self._release_raw_clipping: Callable[[], None] = _nothing  # refuse_raw_clipping's, under ZeRO
         self._release_load_balancing: Callable[[], None] = _nothing  # load_balancing.install's undo
         self._checkpointed: list[str] = []  # the submodules whose forward set-up checkpointed
@@ -308,6 +331,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             if not values["zero_stage"] or cls.zero_refused is None
             else f"{prefix}zero_stage={values['zero_stage']!r} is not supported by {cls.__name__}: {cls.zero_refused}",
             _zero_stage_problem(cls, values["zero_stage"], prefix),
+            _zero3_save_problem(values["zero_stage"], values["save_distributed"], prefix),
         ]
 
     @classmethod
@@ -507,12 +531,16 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
 
     def make_reducer(self, named_params: list, **kwargs: Any) -> Optional[GradientReducer]:
         """The data-parallel gradient path over ``dp_group``: ``reducer_class``, or with ``zero_stage`` the
-        sharded one (``kwargs["whole"]``: parameters all-reduced, as ``ShardedGradientReducer`` says).
-        None where the group has one process: nothing is averaged, so no bucket, hook or collective runs."""
+        sharded one (``kwargs["whole"]``: parameters all-reduced, as ``ShardedGradientReducer`` says; at
+        stage 3 one bucket per unit of ``sharded_parameters``). None where the group has one process:
+        nothing is averaged, so no bucket, hook or collective runs."""
         self._reducer_arguments = (list(named_params), dict(kwargs))
         if group_size(self.dp_group) == 1:
             return None
         whole = kwargs.pop("whole", ())
+        if self.sharded_parameters is not None:
+            sharded = self.sharded_parameters
+            return FullyShardedGradientReducer(named_params, self.dp_group, sharded, whole=whole, **kwargs)
         if self.zero_stage:
             return ShardedGradientReducer(named_params, self.dp_group, self.zero_stage, whole, **kwargs)
         return self.reducer_class(named_params, group=self.dp_group, **kwargs)
@@ -535,6 +563,15 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             id(o): ShardedOptimizer(o, reducer.pieces(), bucketed, self.dp_group, self.own_parameters())
             for o in self.optimizers
         }
+
+    def held_parameters(self) -> list[Tensor]:
+        """Parameter memory held beside the module's own (``zero_stage=3``: this rank's shards)."""
+        return [] if self.sharded_parameters is None else self.sharded_parameters.held_tensors()
+
+    def parameters_gathered(self) -> ContextManager[None]:
+        """With ``zero_stage=3``, every unit gathered inside (a full state read or loaded; a collective), what a
+        load wrote kept by each rank's shards; otherwise nothing to do."""
+        return nullcontext() if self.sharded_parameters is None else self.sharded_parameters.gathered()
 
     def own_parameters(self) -> frozenset:
         """Ids of the parameters held whole that differ across the data-parallel ranks (kept out of ZeRO,

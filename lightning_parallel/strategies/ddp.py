@@ -29,7 +29,7 @@ from lightning_parallel.distributed.reducer import (
     resolve_comm_hook,
 )
 from lightning_parallel.distributed.replicas import broadcast_module_states
-from lightning_parallel.distributed.zero3 import FullyShardedGradientReducer, ShardedParameters
+from lightning_parallel.distributed.zero3 import ShardedParameters
 from lightning_parallel.materialize import has_meta_tensors
 from lightning_parallel.strategies.base import ParallelStrategyBase
 from lightning_parallel.strategies.checks import positive_int, positive_number, require
@@ -78,7 +78,7 @@ def _base_option(values: Mapping[str, Any], name: str, default: Any) -> Any:
 
 
 def _zero3_problem(values: Mapping[str, Any], prefix: str) -> Optional[str]:
-    """``reshard_after_forward`` and ``save_distributed`` against ``zero_stage``."""
+    """``reshard_after_forward`` against ``zero_stage``."""
     stage, reshard = _base_option(values, "zero_stage", 0), values["reshard_after_forward"]
     if not isinstance(reshard, bool):
         return f"{prefix}reshard_after_forward must be True or False, got {reshard!r} (default True)"
@@ -86,11 +86,6 @@ def _zero3_problem(values: Mapping[str, Any], prefix: str) -> Optional[str]:
         return (
             f"{prefix}reshard_after_forward=False keeps zero_stage=3's gathered blocks until their backward; "
             f"with zero_stage={stage} the parameters are whole anyway: leave it True, or use zero_stage=3"
-        )
-    if stage == 3 and _base_option(values, "save_distributed", False):
-        return (
-            f"{prefix}save_distributed=True with zero_stage=3 is not supported yet: use save_distributed=False "
-            "(a full checkpoint, gathered block by block, loadable in any layout) or zero_stage 1 or 2"
         )
     return None
 
@@ -187,7 +182,6 @@ class DDPStrategy(ParallelStrategyBase):
         self._ddp_comm_hook, self._ddp_comm_wrapper = ddp_comm_hook, ddp_comm_wrapper
         self._ddp_comm_state, self._model_averaging_period = ddp_comm_state, model_averaging_period
         self.reshard_after_forward = reshard_after_forward
-        self.sharded_parameters: Optional[ShardedParameters] = None  # zero_stage=3's units, once set up
         self._has_buffers = False
         self._sync_buffers_next = True  # torch DDP's require_forward_param_sync
 
@@ -270,29 +264,16 @@ class DDPStrategy(ParallelStrategyBase):
             gradient_as_bucket_view=self.gradient_as_bucket_view,
         )
 
-    def make_reducer(self, named_params: list, **kwargs: Any) -> Any:
-        """The base's; with ``zero_stage=3``, one gradient bucket per unit of the sharded parameters."""
-        if self.sharded_parameters is None:
-            return super().make_reducer(named_params, **kwargs)
-        self._reducer_arguments = (list(named_params), dict(kwargs))
-        return FullyShardedGradientReducer(named_params, self.dp_group, self.sharded_parameters, **kwargs)
-
     def full_model_state(self) -> dict[str, Any]:
         """With ``zero_stage=3``: every unit gathered (a collective), the state copied out, freed again."""
         if self.sharded_parameters is None:
             return super().full_model_state()
-        with self.sharded_parameters.gathered():
+        with self.parameters_gathered():
             return {k: v.clone() for k, v in super().full_model_state().items()}
 
     def load_full_model_state(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
-        if self.sharded_parameters is None:
-            return super().load_full_model_state(state_dict, strict=strict)
-        with self.sharded_parameters.gathered():  # every rank then keeps its range of what was loaded
+        with self.parameters_gathered():  # every rank then keeps its range of what was loaded
             super().load_full_model_state(state_dict, strict=strict)
-
-    def held_parameters(self) -> list[torch.Tensor]:
-        """Parameter memory held beside the module's own (``zero_stage=3``: this rank's shards)."""
-        return [] if self.sharded_parameters is None else self.sharded_parameters.held_tensors()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._forward(super().training_step, *args, **kwargs)

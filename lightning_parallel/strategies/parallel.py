@@ -64,11 +64,11 @@ from lightning_parallel.pipeline.schedules import SCHEDULES, SPLIT_BACKWARD, vir
 from lightning_parallel.strategies.axes import Axis
 from lightning_parallel.strategies.base import ParallelStrategyBase
 from lightning_parallel.strategies.checks import one_of, positive_int, require
-from lightning_parallel.strategies.data_parallel_axes import DataParallel, Zero
+from lightning_parallel.strategies.data_parallel_axes import DataParallel, Zero, ZeroParameters
 from lightning_parallel.strategies.expert_stages import ExpertParallel, Experts
 from lightning_parallel.strategies.options import level_problems
 from lightning_parallel.strategies.pipeline_async import AsyncPipelineMixin
-from lightning_parallel.strategies.pipeline_stages import Pipeline, PipelineStages
+from lightning_parallel.strategies.pipeline_stages import Pipeline, PipelineStages, zero3_stages_problem
 from lightning_parallel.strategies.plan_verification import PlanVerification
 from lightning_parallel.strategies.tensor_axis import TensorParallel
 from lightning_parallel.strategies.whole_model import (
@@ -157,6 +157,7 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
     """
 
     strategy_name = "lp_parallel"
+    zero_stages = (0, 1, 2, 3)  # 3: under pipeline stages (zero3_stages_problem)
     defers_init_by_default = True
     popen_only = "Lightning's spawn launcher hands back only rank 0's part of the model"
     size_options = {"data_parallel_size": "dp", "tensor_parallel_size": "tp", "pipeline_parallel_size": "pp"}
@@ -229,7 +230,19 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
         """The checks of the arguments declared here (``strategies.options.option_problems`` reads them)."""
         share, balance, split_points = values["require_sharded"], values["balance"], values["split_points"]
         sequence, pp = values["sequence_parallel"], values["pipeline_parallel_size"]
+        pipelined = 2 if "pp" in cls.always_applied else pp
+        zero_stage = values.get("zero_stage")  # a base option: absent from the constructor's if not given
         return [
+            None
+            if zero_stage != 3
+            else zero3_stages_problem(
+                cls.__name__,
+                values["schedule"],
+                pipelined,
+                values["tensor_parallel_size"],
+                values["expert_parallel_size"],
+                prefix,
+            ),
             *cls.expert_problems(values, prefix),
             None
             if isinstance(sequence, bool)
@@ -269,6 +282,9 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
     def check_before_launch(self) -> Any:
         """The layout, and what the schedule and sequence parallelism need of it, before any process starts."""
         shape = super().check_before_launch()
+        if self.zero_stage == 3:
+            pipelined = 2 if "pp" in self.always_applied else shape.pp
+            require([zero3_stages_problem(type(self).__name__, self.schedule, pipelined, shape.tp, shape.ep)])
         if shape.pp > 1 or "pp" in self.always_applied:
             require([self.stages_problem(shape.pp)])
             if self.sequence_parallel:
@@ -312,6 +328,7 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
             DataParallel(self, after_schedule=pipelined, overlapped=self.overlaps_reducer) if dp else None,
             Pipeline(self) if pipelined else None,
             Zero(self) if self.zero_stage and dp else None,
+            ZeroParameters(self) if self.zero_stage == 3 and dp and pipelined else None,
             Experts(self, after_schedule=pipelined) if shape.ep > 1 and shape.size("edp") > 1 else None,
             TensorParallel(self) if self.applies("tp", shape) else None,
             self.plan_verification if self.verify_plan and self.applies("tp", shape) else None,
@@ -348,6 +365,8 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
             self.apply_compile(self.block_stack)
         if self.pipelined and self.executor is None:
             self.wire_stages(self._stage_costs)
+        if self.pipelined:  # zero_stage=3: the stage's parameters cut into units before the dp path
+            self.sharded_parameters = self.shard_stage_parameters()
         # pipeline stages: a module replicated outside the block stack gets no gradient on some stages;
         # async averages a gradient finished a step earlier, and the schedules with several chunks or split
         # backwards average once after the schedule, not as gradients arrive in backward; the gradients
@@ -527,7 +546,10 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
         """The single-device state dict: the shards gathered over tp, the experts over ep, then the stages'
         parts over pp."""
         module = self.lightning_module
-        state = full_state_dict(module, self.tp_group) if self._is_sharded() else module.state_dict()
+        with self.parameters_gathered():  # zero_stage=3: the stage's units, copied out before they are freed
+            state = full_state_dict(module, self.tp_group) if self._is_sharded() else module.state_dict()
+            if self.sharded_parameters is not None:
+                state = {k: v.clone() for k, v in state.items()}
         state = gather_shards(module, state, self.ep_group, expert_pieces)
         return gather_parts(state, self.pp_group, self._full_keys) if self.pipelined else state
 
@@ -546,10 +568,11 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
                 )
             state_dict, strict = {k: v for k, v in state_dict.items() if k in local_keys}, False
         state_dict = cut_shards(module, state_dict, expert_pieces)
-        if self._is_sharded():
-            load_full_state_dict(module, state_dict, strict=strict)
-        else:
-            module.load_state_dict(state_dict, strict=strict)
+        with self.parameters_gathered():  # zero_stage=3: each rank then keeps its range of what was loaded
+            if self._is_sharded():
+                load_full_state_dict(module, state_dict, strict=strict)
+            else:
+                module.load_state_dict(state_dict, strict=strict)
 
     def one_device_copy(self, tree: nn.Module, state: Mapping[str, Any]) -> nn.Module:
         """``tree`` as on one device: whole layers and blocks, per-feature tensors whole, no process group."""

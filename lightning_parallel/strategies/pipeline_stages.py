@@ -54,8 +54,10 @@ from torch import Tensor
 
 from lightning_parallel.checkpointing.loss_check import check_finite_loss
 from lightning_parallel.distributed.collectives import start_gather_numbers
+from lightning_parallel.distributed.mesh import new_axis_group
 from lightning_parallel.distributed.p2p import OBJECT_TAG, PeerLink
 from lightning_parallel.distributed.replicas import broadcast_tensors, start_sum_at
+from lightning_parallel.distributed.zero3 import ShardedParameters
 from lightning_parallel.materialize import has_meta_tensors
 from lightning_parallel.module_names import find_block_stack
 from lightning_parallel.pipeline.channels import new_channel_groups
@@ -96,7 +98,41 @@ from lightning_parallel.step_effects import capture_logs, untouched
 from lightning_parallel.strategies.axes import Axis
 from lightning_parallel.strategies.checks import require
 
-__all__ = ["PipelineStages", "Pipeline"]
+__all__ = ["PipelineStages", "Pipeline", "zero3_stages_problem"]
+
+
+def zero3_stages_problem(
+    name: str, schedule: str, pp: Optional[int], tp: Optional[int], ep: Optional[int], prefix: str = ""
+) -> Optional[str]:
+    """What ``zero_stage=3`` does not run on under ``ParallelStrategy`` (the sizes None where not known yet,
+    ``pp`` None where the layout may or may not be pipelined): it shards a pipeline stage's parameters over
+    the stage's data-parallel replicas, under every flushing schedule."""
+    if pp == 1:
+        return (
+            f"{prefix}zero_stage=3 (parameters sharded over the data-parallel group) is not supported by {name} "
+            "without pipeline stages yet: it runs under lp_ddp and under pipeline stages "
+            f"({prefix}pipeline_parallel_size > 1); here use zero_stage 0, 1 or 2 (optimizer state and gradients "
+            "sharded)"
+        )
+    if schedule == "async":
+        return (
+            f"{prefix}zero_stage=3 with {prefix}schedule='async': the async schedule applies each batch's gradient "
+            "a step later, while the next batch's backwards run on a snapshot of the weights, so a stage would "
+            "hold two gathered versions of its parameters through every step and save nothing; use zero_stage 1 "
+            "or 2 (the async schedule runs with those), or a flushing schedule ('1f1b', 'gpipe', "
+            "'interleaved_1f1b', 'zb_h1', 'zbv') with zero_stage=3"
+        )
+    for size, axis, what in (
+        (tp, "tensor_parallel_size", "tensor-parallel shards"),
+        (ep, "expert_parallel_size", "experts"),
+    ):
+        if size is not None and size > 1:
+            return (
+                f"{prefix}zero_stage=3 with pipeline stages and {prefix}{axis}={size} is not supported yet (the "
+                f"{what} are not cut into the stage's units); use {prefix}{axis}=1 with zero_stage=3, or "
+                "zero_stage 1 or 2 with this layout"
+            )
+    return None
 
 
 class PipelineStages:
@@ -263,6 +299,20 @@ class PipelineStages:
         self._replicated = self.replicated_positions()
         if self.schedule == "async" and pp > 1:
             self.async_grads.reduce = self._replicated_gradient_reduce(module, self._replicated)
+
+    def shard_stage_parameters(self) -> Optional[ShardedParameters]:
+        """``zero_stage=3`` over data-parallel replicas: the stage's held blocks and the rest of what it holds
+        (one root unit: the modules replicated outside the stack) sharded over its replicas, gathered once
+        per schedule run (``_run``: the units stay gathered across the micro-batches). None otherwise."""
+        if self.zero_stage != 3 or self.mesh.shape.dp == 1:
+            return None
+        return ShardedParameters(
+            self.lightning_module,
+            self.dp_group,
+            new_axis_group(self.mesh.shape, "dp", self.global_rank),
+            blocks=self.partition.held_blocks(),
+            kept=True,
+        )
 
     def replicated_positions(self) -> list[int]:
         """Positions in ``module.parameters()`` of the trainable parameters outside the stack (every stage
@@ -447,7 +497,8 @@ class PipelineStages:
             if backward and self._deferred_bn is not None
             else nullcontext()
         )
-        with capture_logs(self.lightning_module) as logged, tracked, deferred:
+        gathered = self.sharded_parameters.step() if self.sharded_parameters is not None else nullcontext()
+        with capture_logs(self.lightning_module) as logged, tracked, deferred, gathered:
             result = self.executor.run(
                 actions,
                 microbatches,
