@@ -84,6 +84,30 @@ CATALOGUE = [
         ["save_distributed=True", "zero_stage=3", "save_distributed=False"],
     ),
     (
+        "zero-stage-3-async-pipeline",
+        lambda: lp.PipelineParallelStrategy(schedule="async", zero_stage=3),
+        ValueError,
+        ["zero_stage=3", "schedule='async'", "two gathered versions", "zero_stage 1", "'1f1b'"],
+    ),
+    (
+        "zero-stage-3-pipeline-with-tp",
+        lambda: lp.ParallelStrategy(zero_stage=3, pipeline_parallel_size=2, tensor_parallel_size=2),
+        ValueError,
+        ["zero_stage=3", "tensor_parallel_size=2", "tensor_parallel_size=1", "zero_stage 1 or 2"],
+    ),
+    (
+        "zero-stage-3-pipeline-with-ep",
+        lambda: lp.ParallelStrategy(zero_stage=3, pipeline_parallel_size=2, expert_parallel_size=2),
+        ValueError,
+        ["zero_stage=3", "expert_parallel_size=2", "expert_parallel_size=1", "zero_stage 1 or 2"],
+    ),
+    (
+        "zero-stage-3-pipeline-save-distributed",
+        lambda: lp.PipelineParallelStrategy(zero_stage=3, save_distributed=True),
+        ValueError,
+        ["save_distributed=True", "zero_stage=3", "save_distributed=False"],
+    ),
+    (
         "compile-not-a-setting",
         lambda: lp.TensorParallelStrategy(compile="max-autotune"),
         ValueError,
@@ -408,6 +432,21 @@ CATALOGUE = [
         ),
         ValueError,
         ["sequence_parallel=True with pipeline_parallel_size=2"],
+    ),
+    (
+        "zero-stage-3-without-stages-found-at-launch",
+        lambda: Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=lp.ParallelStrategy(data_parallel_size=2, pipeline_parallel_size=None, zero_stage=3),
+        ),
+        ValueError,
+        [
+            "zero_stage=3",
+            "ParallelStrategy without pipeline stages",
+            "pipeline_parallel_size > 1",
+            "0, 1 or 2",
+        ],
     ),
 ]
 

@@ -1,12 +1,13 @@
 """ZeRO (``zero_stage`` 1, 2 and 3) on real gloo processes: equal to one device in float64 (1e-10) with AdamW
 and with SGD with momentum, on the GPT-style model and the Hugging Face Llama-style zoo model, under lp_ddp (2
-and 4 processes; stage 3 there only, with and without ``reshard_after_forward``), tensor parallel dp2 x tp2
-(also with sequence parallelism) and pipeline dp2 x pp2 (1F1B and GPipe), and with activation checkpointing;
-the async pipeline equals its emulation; clipping, gradient accumulation,
-bf16-mixed and 16-mixed (a GradScaler) keep their meaning; the memory report shows 1/dp of the optimizer state
-(and of the gradients at stage 2, while stage 1 holds the gradient buckets and no more; at stage 3 of the
-parameters too); a checkpoint saved at dp=2 with ZeRO resumes exactly at dp=1, at dp=4, with ZeRO off and
-under stage 3, and one saved under stage 3 on one device."""
+and 4 processes, with and without ``reshard_after_forward`` at stage 3), tensor parallel dp2 x tp2 (also with
+sequence parallelism) and pipeline dp2 x pp2 (1F1B and GPipe; stage 3 under 1F1B, ZB-H1 and interleaved 1F1B),
+and with activation checkpointing; the async pipeline equals its emulation; clipping, gradient accumulation,
+bf16-mixed and 16-mixed (a GradScaler) keep their meaning; the memory report shows 1/dp of the optimizer
+state (and of the gradients at stage 2, while stage 1 holds the gradient buckets and no more; at stage 3 of
+the parameters too, of a pipeline stage's own); a checkpoint saved at dp=2 with ZeRO resumes exactly at dp=1,
+at dp=4, with ZeRO off and under stage 3 (lp_ddp and dp2 x pp2), and one saved under stage 3 (lp_ddp and
+dp2 x pp2) on one device."""
 
 from __future__ import annotations
 
@@ -38,11 +39,13 @@ SMALL_BUCKETS = {
 }  # several buckets; pieces straddle them
 MEMORY = "tests.helpers.probes:memory_report"
 F64 = {"precision": "64-true"}
+#: the models, and the GPT with 4 blocks (2 stages x 2 chunks per rank under interleaved 1F1B)
+ZERO_MODELS = {**MODELS, "gpt4": (MODELS["gpt"][0], {**MODELS["gpt"][1], "n_layer": 4})}
 
 
 def case(name: str, model: str, optimizer: str, strategy: str, kwargs: dict, dp: int, steps: int = 5, **more):
     """``model`` (built normally from the seed) with ``optimizer``, float64, a checkpoint at the end."""
-    target, model_kwargs = MODELS[model]
+    target, model_kwargs = ZERO_MODELS[model]
     trainer = {**F64, "max_steps": steps, **more.pop("trainer", {})}
     return {
         "name": name,
@@ -135,6 +138,18 @@ RUNS = {
         {},
     ),
     "ddp4-gpt-adamw-z3": (4, "gpt", "adamw", DDP, {"zero_stage": 3}, 4, {}),
+    # a pipeline stage's units gathered once per step, kept across its micro-batches
+    "dp2pp2-gpt-adamw-z3": (4, "gpt", "adamw", PARALLEL, layout(2, 1, 2, 3), 2, {}),
+    "dp2pp2-zbh1-llama-sgdm-z3": (4, "llama", "sgdm", PARALLEL, layout(2, 1, 2, 3, "zb_h1"), 2, {}),
+    "dp2pp2-interleaved-gpt4-sgdm-z3": (
+        4,
+        "gpt4",
+        "sgdm",
+        PARALLEL,
+        layout(2, 1, 2, 3, "interleaved_1f1b"),
+        2,
+        {},
+    ),
 }
 #: ZeRO with ``save_distributed``: each rank writes only its own pieces of the optimizer state
 SHARDED_SAVES = {
@@ -148,6 +163,7 @@ REFERENCES = {  # name: (model, optimizer, steps, trainer)
     "llama-sgdm": ("llama", "sgdm", 5, {}),
     "gpt-adamw-clip-accumulate": ("gpt", "adamw", 5, CLIP_ACCUMULATE),
     "gpt-adamw-10": ("gpt", "adamw", 10, {}),
+    "gpt4-sgdm": ("gpt4", "sgdm", 5, {}),
 }
 ASYNC = "tests.helpers.pp_models:AsyncRuleGPT"
 
@@ -194,6 +210,11 @@ def runs(tmp_path_factory):
     saved_z3 = str(tmp / "dist2" / "ddp2-gpt-adamw-z3" / "last.ckpt")  # saved while sharded, at dp=2
     later[1].append(case("resume-dp1-from-z3", "gpt", "adamw", DDP, {}, 1, 10, ckpt_path=saved_z3))
     later[2].append(case("resume-dp2-z3", "gpt", "adamw", DDP, {"zero_stage": 3}, 2, 10, ckpt_path=saved))
+    saved_pp_z3 = str(tmp / "dist4" / "dp2pp2-gpt-adamw-z3" / "last.ckpt")  # each stage's units sharded
+    later[1].append(case("resume-dp1-from-dp2pp2-z3", "gpt", "adamw", DDP, {}, 1, 10, ckpt_path=saved_pp_z3))
+    later[4].append(
+        case("resume-dp2pp2-z3", "gpt", "adamw", PARALLEL, layout(2, 1, 2, 3), 2, 10, ckpt_path=saved)
+    )
     for name in SHARDED_SAVES:  # read into one device, and into lp_ddp with ZeRO-2
         directory = str(tmp / "dist4" / name / "last.ckpt")
         later[1].append(case(f"resume-{name}-dp1", "gpt", "adamw", DDP, {}, 1, 10, ckpt_path=directory))
@@ -262,6 +283,15 @@ def test_memory_report_shows_the_shards(runs, name):
     assert len(rows) == world
     moments = 2 if optimizer == "adamw" else 1  # AdamW: exp_avg and exp_avg_sq; SGD: the momentum buffer
     stage = kwargs["zero_stage"]
+    if stage == 3 and "pp" in name:  # a stage's units: 1/dp of what the stage holds whole (its shapes)
+        for rank, row in rows.items():
+            whole = results[name][rank]["probe"]["shapes"]
+            assert row["parameters"] == pytest.approx(whole / dp, rel=0.05)
+            assert row["optimizer_state"] == pytest.approx(moments * whole / dp, rel=0.05)
+            # the blocks' gradients reduce-scattered; the modules every stage holds keep whole ones (all-reduced,
+            # then summed over the stages)
+            assert whole / dp < row["gradients"] < whole
+        return
     if stage == 3:  # the parameters too: between steps every unit is freed, each rank keeps its shards
         for row in rows.values():
             whole = row["model_parameters"]
@@ -291,6 +321,8 @@ def test_memory_report_shows_the_shards(runs, name):
         ("resume-dp4-z1", 4),
         ("resume-dp1-from-z3", 1),  # saved under zero_stage=3, loaded on one device
         ("resume-dp2-z3", 2),  # saved under zero_stage=1, loaded into zero_stage=3's shards
+        ("resume-dp1-from-dp2pp2-z3", 1),  # saved at dp2 x pp2 under zero_stage=3, loaded on one device
+        ("resume-dp2pp2-z3", 4),  # saved under zero_stage=1, loaded into the stages' zero_stage=3 shards
     ],
 )
 def test_zero_checkpoint_resumes_exactly_under_other_dp_sizes(runs, resumed, world):
