@@ -1,7 +1,7 @@
 """ZeRO (``zero_stage`` 1, 2 and 3) on real gloo processes: equal to one device in float64 (1e-10) with AdamW
 and with SGD with momentum, on the GPT-style model and the Hugging Face Llama-style zoo model, under lp_ddp (2
 and 4 processes, with and without ``reshard_after_forward`` at stage 3), tensor parallel dp2 x tp2 (also with
-sequence parallelism) and pipeline dp2 x pp2 (1F1B and GPipe; stage 3 under 1F1B, ZB-H1 and interleaved 1F1B),
+sequence parallelism) and pipeline dp2 x pp2 (1F1B and GPipe; stage 3 under 1F1B, ZB-H1, interleaved 1F1B and ZBV),
 and with activation checkpointing; the async pipeline equals its emulation; clipping, gradient accumulation,
 bf16-mixed and 16-mixed (a GradScaler) keep their meaning; the memory report shows 1/dp of the optimizer
 state (and of the gradients at stage 2, while stage 1 holds the gradient buckets and no more; at stage 3 of
@@ -150,6 +150,7 @@ RUNS = {
         2,
         {},
     ),
+    "dp2pp2-zbv-gpt4-adamw-z3": (4, "gpt4", "adamw", PARALLEL, layout(2, 1, 2, 3, "zbv"), 2, {}),
 }
 #: ZeRO with ``save_distributed``: each rank writes only its own pieces of the optimizer state
 SHARDED_SAVES = {
@@ -164,6 +165,7 @@ REFERENCES = {  # name: (model, optimizer, steps, trainer)
     "gpt-adamw-clip-accumulate": ("gpt", "adamw", 5, CLIP_ACCUMULATE),
     "gpt-adamw-10": ("gpt", "adamw", 10, {}),
     "gpt4-sgdm": ("gpt4", "sgdm", 5, {}),
+    "gpt4-adamw": ("gpt4", "adamw", 5, {}),
 }
 ASYNC = "tests.helpers.pp_models:AsyncRuleGPT"
 
