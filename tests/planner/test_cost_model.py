@@ -150,3 +150,14 @@ def test_experts_are_shared_out_over_ep_and_their_tokens_cross_by_all_to_all() -
 def test_zero_3_shards_the_parameters_too() -> None:
     peaks = [predict(model(), Layout(4, 1, 1, 8, zero_stage=z), cluster()).peak_bytes for z in (2, 3)]
     assert peaks[1] < peaks[0]
+
+
+def test_zero_3_under_pipeline_stages_holds_the_stage_gathered_through_the_step() -> None:
+    """Under pipeline stages a stage's units stay gathered across its micro-batches: between steps 1/dp of
+    its parameters, within the step all of them besides the shard, so the peak is stage 2's plus the shard."""
+    z2, z3 = (
+        predict(model(), Layout(2, 1, 2, 8, num_microbatches=2, zero_stage=z), cluster()) for z in (2, 3)
+    )
+    assert z3.states.parameters == pytest.approx(z2.states.parameters / 2)
+    assert z3.gathered_bytes == pytest.approx(z2.states.parameters)
+    assert z3.peak_bytes == pytest.approx(z2.peak_bytes + z2.states.parameters / 2)
