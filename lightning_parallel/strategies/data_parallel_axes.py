@@ -94,7 +94,8 @@ class Zero(Axis):
 class ZeroParameters(Axis):
     """ZeRO-3 (``zero_stage=3``, ``distributed.zero3.ShardedParameters``): once the step's gradients are in
     the pieces, every unit still gathered is freed; at teardown the module is gathered whole and its hooks
-    removed. A unit's gathers around its own forward and backward are module hooks, not step hooks."""
+    removed. A unit's gathers around its own forward and backward are module hooks, not step hooks (under
+    pipeline stages, every unit of the stage is gathered around the schedule's run: ``PipelineStages._run``)."""
 
     name = "zero_parameters"
 
