@@ -12,6 +12,8 @@ How a step runs (Lightning's closure is training_step -> zero_grad -> backward):
 - data parallel (``data_parallel_size > 1``): the backwards accumulate into the ``GradientReducer``'s
   buckets, whose all-reduces over the stage's replicas start during the stage's last backward of the
   step (only on the last step of a gradient-accumulation window); the ``DataParallel`` axis waits for them.
+  With ``zero_stage=3`` each replica keeps 1/dp of the stage's parameters (``shard_stage_parameters``), all
+  gathered when the schedule starts and kept across its micro-batches, freed when its backwards are done.
 - ``backward``: Lightning's backward of the returned loss touches no parameter; ``pre_backward`` puts
   the set-aside gradients back (added, for gradient accumulation); the gradients of the modules
   replicated outside the block stack are summed over the stages: with one replica on every micro-step
