@@ -90,12 +90,6 @@ CATALOGUE = [
         ["zero_stage=3", "schedule='async'", "two gathered versions", "zero_stage 1", "'1f1b'"],
     ),
     (
-        "zero-stage-3-pipeline-with-tp",
-        lambda: lp.ParallelStrategy(zero_stage=3, pipeline_parallel_size=2, tensor_parallel_size=2),
-        ValueError,
-        ["zero_stage=3", "tensor_parallel_size=2", "tensor_parallel_size=1", "zero_stage 1 or 2"],
-    ),
-    (
         "zero-stage-3-pipeline-with-ep",
         lambda: lp.ParallelStrategy(zero_stage=3, pipeline_parallel_size=2, expert_parallel_size=2),
         ValueError,

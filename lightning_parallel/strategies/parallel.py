@@ -239,7 +239,6 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
                 cls.__name__,
                 values["schedule"],
                 pipelined,
-                values["tensor_parallel_size"],
                 values["expert_parallel_size"],
                 prefix,
             ),
@@ -284,7 +283,7 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
         shape = super().check_before_launch()
         if self.zero_stage == 3:
             pipelined = 2 if "pp" in self.always_applied else shape.pp
-            require([zero3_stages_problem(type(self).__name__, self.schedule, pipelined, shape.tp, shape.ep)])
+            require([zero3_stages_problem(type(self).__name__, self.schedule, pipelined, shape.ep)])
         if shape.pp > 1 or "pp" in self.always_applied:
             require([self.stages_problem(shape.pp)])
             if self.sequence_parallel:

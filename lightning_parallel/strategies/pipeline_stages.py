@@ -104,11 +104,12 @@ __all__ = ["PipelineStages", "Pipeline", "zero3_stages_problem"]
 
 
 def zero3_stages_problem(
-    name: str, schedule: str, pp: Optional[int], tp: Optional[int], ep: Optional[int], prefix: str = ""
+    name: str, schedule: str, pp: Optional[int], ep: Optional[int], prefix: str = ""
 ) -> Optional[str]:
     """What ``zero_stage=3`` does not run on under ``ParallelStrategy`` (the sizes None where not known yet,
-    ``pp`` None where the layout may or may not be pipelined): it shards a pipeline stage's parameters over
-    the stage's data-parallel replicas, under every flushing schedule."""
+    ``pp`` None where the layout may or may not be pipelined): it shards a pipeline stage's parameters (its
+    tensor-parallel shards, under tp) over the stage's data-parallel replicas, under every flushing
+    schedule."""
     if pp == 1:
         return (
             f"{prefix}zero_stage=3 (parameters sharded over the data-parallel group) is not supported by {name} "
@@ -124,16 +125,12 @@ def zero3_stages_problem(
             "or 2 (the async schedule runs with those), or a flushing schedule ('1f1b', 'gpipe', "
             "'interleaved_1f1b', 'zb_h1', 'zbv') with zero_stage=3"
         )
-    for size, axis, what in (
-        (tp, "tensor_parallel_size", "tensor-parallel shards"),
-        (ep, "expert_parallel_size", "experts"),
-    ):
-        if size is not None and size > 1:
-            return (
-                f"{prefix}zero_stage=3 with pipeline stages and {prefix}{axis}={size} is not supported yet (the "
-                f"{what} are not cut into the stage's units); use {prefix}{axis}=1 with zero_stage=3, or "
-                "zero_stage 1 or 2 with this layout"
-            )
+    if ep is not None and ep > 1:
+        return (
+            f"{prefix}zero_stage=3 with pipeline stages and {prefix}expert_parallel_size={ep} is not supported yet "
+            f"(the experts are not cut into the stage's units); use {prefix}expert_parallel_size=1 with "
+            "zero_stage=3, or zero_stage 1 or 2 with this layout"
+        )
     return None
 
 

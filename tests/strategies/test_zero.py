@@ -1,7 +1,8 @@
 """ZeRO (``zero_stage`` 1, 2 and 3) on real gloo processes: equal to one device in float64 (1e-10) with AdamW
 and with SGD with momentum, on the GPT-style model and the Hugging Face Llama-style zoo model, under lp_ddp (2
 and 4 processes, with and without ``reshard_after_forward`` at stage 3), tensor parallel dp2 x tp2 (also with
-sequence parallelism) and pipeline dp2 x pp2 (1F1B and GPipe; stage 3 under 1F1B, ZB-H1, interleaved 1F1B and ZBV),
+sequence parallelism) and pipeline dp2 x pp2 (1F1B and GPipe; stage 3 under 1F1B, ZB-H1, interleaved 1F1B and ZBV,
+and at dp2 x tp2 x pp2),
 and with activation checkpointing; the async pipeline equals its emulation; clipping, gradient accumulation,
 bf16-mixed and 16-mixed (a GradScaler) keep their meaning; the memory report shows 1/dp of the optimizer
 state (and of the gradients at stage 2, while stage 1 holds the gradient buckets and no more; at stage 3 of
@@ -151,6 +152,7 @@ RUNS = {
         {},
     ),
     "dp2pp2-zbv-gpt4-adamw-z3": (4, "gpt4", "adamw", PARALLEL, layout(2, 1, 2, 3, "zbv"), 2, {}),
+    "dp2tp2pp2-gpt-adamw-z3": (8, "gpt", "adamw", PARALLEL, layout(2, 2, 2, 3), 2, {}),  # tp shards over dp
 }
 #: ZeRO with ``save_distributed``: each rank writes only its own pieces of the optimizer state
 SHARDED_SAVES = {
@@ -173,7 +175,7 @@ ASYNC = "tests.helpers.pp_models:AsyncRuleGPT"
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zero")
-    by_world: dict[int, list[dict]] = {1: [], 2: [], 4: []}
+    by_world: dict[int, list[dict]] = {1: [], 2: [], 4: [], 8: []}
     for name, (model, optimizer, steps, trainer) in REFERENCES.items():
         by_world[1].append(case(f"ref-{name}", model, optimizer, DDP, {}, 1, steps, trainer=trainer))
     emulation = case("async-emulation", "gpt", "sgdm", DDP, {}, 1, save_checkpoint=False)
