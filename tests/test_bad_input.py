@@ -60,18 +60,6 @@ CATALOGUE = [
         ["zero_stage=4", "0, 1, 2, 3"],
     ),
     (
-        "zero-stage-3-with-pipeline-preset",
-        lambda: lp.PipelineParallelStrategy(zero_stage=3),
-        ValueError,
-        ["zero_stage=3", "PipelineParallelStrategy", "pipeline_parallel_size=1", "zero_stage 1 or 2"],
-    ),
-    (
-        "zero-stage-3-with-pipeline-stages",
-        lambda: lp.ParallelStrategy(zero_stage=3, pipeline_parallel_size=2),
-        ValueError,
-        ["zero_stage=3", "pipeline_parallel_size=2", "not composed with pipeline stages"],
-    ),
-    (
         "zero-stage-3-save-distributed-parallel",
         lambda: lp.TensorParallelStrategy(zero_stage=3, save_distributed=True),
         ValueError,
@@ -86,6 +74,24 @@ CATALOGUE = [
     (
         "zero-stage-3-save-distributed",
         lambda: lp.DDPStrategy(zero_stage=3, save_distributed=True),
+        ValueError,
+        ["save_distributed=True", "zero_stage=3", "save_distributed=False"],
+    ),
+    (
+        "zero-stage-3-async-pipeline",
+        lambda: lp.PipelineParallelStrategy(schedule="async", zero_stage=3),
+        ValueError,
+        ["zero_stage=3", "schedule='async'", "two gathered versions", "zero_stage 1", "'1f1b'"],
+    ),
+    (
+        "zero-stage-3-pipeline-with-ep",
+        lambda: lp.ParallelStrategy(zero_stage=3, pipeline_parallel_size=2, expert_parallel_size=2),
+        ValueError,
+        ["zero_stage=3", "expert_parallel_size=2", "expert_parallel_size=1", "zero_stage 1 or 2"],
+    ),
+    (
+        "zero-stage-3-pipeline-save-distributed",
+        lambda: lp.PipelineParallelStrategy(zero_stage=3, save_distributed=True),
         ValueError,
         ["save_distributed=True", "zero_stage=3", "save_distributed=False"],
     ),
@@ -452,16 +458,6 @@ CATALOGUE = [
         ),
         ValueError,
         ["sequence_parallel=True with pipeline_parallel_size=2"],
-    ),
-    (
-        "zero-stage-3-with-inferred-pipeline-stages",
-        lambda: Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=lp.ParallelStrategy(data_parallel_size=1, pipeline_parallel_size=None, zero_stage=3),
-        ),
-        ValueError,
-        ["zero_stage=3", "pipeline_parallel_size=2", "not composed with pipeline stages"],
     ),
 ]
 

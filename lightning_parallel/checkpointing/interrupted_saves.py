@@ -151,7 +151,9 @@ def _restore(target: Path, entries: list[_Entry], finished: Callable[[Path], boo
         os.replace(source.path, target)
     except OSError as err:
         if isinstance(err, FileNotFoundError) or target.exists() or target.is_symlink():
-            return None  # another process of this run put one back first (the .tmp, while this one saw the .old)
+            return (
+                None  # another process of this run put one back first (the .tmp, while this one saw the .old)
+            )
         raise InterruptedSaveError(
             f"{target} is missing: a save was interrupted between its two renames, and the complete "
             f"checkpoint {source.path} could not be renamed back ({err}). Rename it to {target.name} by "

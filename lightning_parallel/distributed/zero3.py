@@ -26,6 +26,14 @@ One step, in the order the hooks run::
     step         the optimizer updates this rank's pieces, which are views of the shards: nothing is
                  gathered after the step (the next forward gathers)
 
+A pipeline stage (``kept=True``, over the blocks the stage holds) runs several forwards and backwards of
+each unit per step, one per micro-batch, interleaved with other micro-batches' by its schedule. Its units
+are gathered once, when the step's schedule starts (``step()``: every gather started, then waited for), and
+stay gathered across its micro-batches, split backwards' weight gradients included; they are freed once
+the schedule's backwards are done, while the gradients' reduce-scatters may still run. No block hook is
+installed: one all-gather per unit and step instead of two per unit and micro-batch, at the cost of the
+stage's parameters held whole during the schedule (torchtitan's choice under pipelines).
+
 The gathers run over a process group of their own, so that their order against the gradients'
 reduce-scatters (started from autograd hooks) cannot differ between ranks. Frozen parameters are not
 sharded (every rank holds them whole, as at stage 0), nor are those a strategy leaves out (under expert
@@ -181,9 +189,15 @@ def _refuse_shared(module: nn.Module, blocks: list[nn.Module]) -> None:
 
 class ShardedParameters:
     """The parameters of ``module`` sharded over ``group`` in units (see the module docstring), gathered over
-    ``gather_group``; ``leave_out``: trainable parameters in no unit here (held whole, or sharded by
-    another set). The hooks a strategy calls: ``before_forward`` / ``after_forward`` around its step,
-    ``after_backward``, ``gathered()`` around a full state read or load, ``teardown``."""
+    ``gather_group``. The hooks a strategy calls: ``before_forward`` / ``after_forward`` around its step
+    (``kept``: ``step()`` around a pipeline stage's schedule), ``after_backward``, ``gathered()`` around a
+    full state read or load, ``teardown``.
+
+    Args:
+        leave_out: trainable parameters in no unit here (held whole, or sharded by another set).
+        blocks: the blocks that are units (None: the module's block stack; a pipeline stage: those it holds).
+        kept: gathered for a whole step by ``step()``, with no hooks on the blocks (a pipeline stage).
+    """
 
     def __init__(
         self,
@@ -193,16 +207,18 @@ class ShardedParameters:
         reshard_after_forward: bool = True,
         stack_name: Optional[str] = None,
         leave_out: Iterable[nn.Parameter] = (),
+        blocks: Optional[Sequence[nn.Module]] = None,
+        kept: bool = False,
     ) -> None:
         self.group, self.gather_group = group, gather_group
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward, self.kept = reshard_after_forward, kept
         self._by_ranges = dist.get_backend(gather_group) == "gloo"
         self.gathers = 0  # units gathered so far (tests read how often reshard_after_forward gathers)
         self.prefetches = 0  # of those, started ahead of the unit's use (while another unit computes)
-        blocks = _blocks(module, stack_name)
+        blocks = _blocks(module, stack_name) if blocks is None else list(blocks)
         in_blocks = {p for block in blocks for p in block.parameters()}
-        kept = set(leave_out)
-        trainable = lambda ps: [p for p in ps if p.requires_grad and p not in kept]  # noqa: E731
+        left_out = set(leave_out)
+        trainable = lambda ps: [p for p in ps if p.requires_grad and p not in left_out]  # noqa: E731
         root = [p for p in trainable(dict.fromkeys(module.parameters())) if p not in in_blocks]
         in_root = set(root)
         _refuse_shared(module, blocks)
@@ -213,8 +229,8 @@ class ShardedParameters:
         ]
         self.root = _unit("", None, root, group) if root else None
         self._index = {id(unit): i for i, unit in enumerate(self.blocks)}
-        self._handles = [h for unit in self.blocks for h in self._hook(unit)]
-        if self.root is not None:  # a forward after a backward in the same step gathers the root again
+        self._handles = [] if kept else [h for unit in self.blocks for h in self._hook(unit)]
+        if self.root is not None and not kept:  # a forward after a backward in one step gathers the root
             owners = [m for m in module.modules() if any(p in in_root for p in m.parameters(recurse=False))]
             gather_root = partial(self._gather_before, self.root)
             self._handles += [m.register_forward_pre_hook(gather_root) for m in owners]
@@ -252,8 +268,12 @@ class ShardedParameters:
         unit.wait()
 
     def gather_all(self) -> None:
-        for unit in self.units():
-            self.gather(unit)
+        """Every unit gathered: all the gathers started, then waited for."""
+        units = self.units()
+        for unit in units:
+            self.start_gather(unit)
+        for unit in units:
+            unit.wait()
 
     def free_all(self) -> None:
         for unit in self.units():
@@ -277,6 +297,13 @@ class ShardedParameters:
             for unit in self.units():
                 stack.enter_context(unit.as_views())
             yield
+    def step(self) -> Generator[None, None, None]:
+        """Every unit gathered for a pipeline stage's schedule (its forwards and backwards), freed after."""
+        self.gather_all()
+        try:
+            yield
+        finally:
+            self.free_all()
 
     # ------------------------------------------------------------------ hooks
     def _hook(self, unit: ParameterUnit) -> list[Any]:
@@ -325,8 +352,10 @@ class ShardedParameters:
             self.free_all()
 
     def backward_done(self, unit: ParameterUnit) -> None:
-        """The unit's last gradient of this backward arrived: its parameters are not needed again."""
-        unit.free()
+        """The unit's last gradient of this backward arrived: its parameters are not needed again (``kept``:
+        until the schedule's other micro-batches are done, ``step()``)."""
+        if not self.kept:
+            unit.free()
 
     def after_backward(self) -> None:
         """What a backward left gathered (a unit with a parameter that got no gradient) is freed."""

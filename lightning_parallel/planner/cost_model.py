@@ -110,7 +110,7 @@ class Prediction:
     optimizer_s: float
     states: ModelStates
     activation_bytes: float
-    gathered_bytes: float = 0.0  # ZeRO 3: the gathered parameters of a unit and the one prefetched
+    gathered_bytes: float = 0.0  # ZeRO 3: a unit gathered and the one prefetched (pipelines: the stage)
 
     @property
     def peak_bytes(self) -> float:
@@ -260,6 +260,7 @@ def predict(model: ModelCost, layout: Layout, cluster: Cluster, precision: str =
     dp_link = cluster.link(layout.dp, layout.tp * layout.pp)
     edp = layout.dp // layout.ep
     worst_states, worst_activations, worst_comm, worst_elements = None, 0.0, 0.0, 0.0
+    worst_dense = 0.0
     for rank in range(layout.pp):
         dense, expert = _rank_elements(model, layout, chunks, held[rank])
         states = _add(
@@ -268,7 +269,7 @@ def predict(model: ModelCost, layout: Layout, cluster: Cluster, precision: str =
         )
         activations = _activations(model, layout, chunks, rank, held[rank])
         if worst_states is None or states.total + activations > worst_states.total + worst_activations:
-            worst_states, worst_activations = states, activations
+            worst_states, worst_activations, worst_dense = states, activations, dense
         window = _overlap_window(layout, chunks, held[rank])
         comm = _data_parallel_s(
             dense * state.gradient, layout, dp_link, window, len(chunks[held[rank][0]].blocks)
@@ -279,7 +280,9 @@ def predict(model: ModelCost, layout: Layout, cluster: Cluster, precision: str =
     optimizer_s = model.optimizer_step_s * worst_elements / whole / (layout.dp if layout.zero_stage else 1)
     assert worst_states is not None
     largest_unit = max(b.parameter_bytes for b in model.blocks) / layout.tp / model.parameter_itemsize
-    gathered = 2 * largest_unit * state.parameter if layout.zero_stage == 3 else 0.0
+    # zero_stage=3: two units in flight, or under pipeline stages the whole stage, gathered for its schedule
+    kept = worst_dense if layout.pp > 1 else 2 * largest_unit
+    gathered = kept * state.parameter if layout.zero_stage == 3 else 0.0
     step_s = max(pipeline_s + optimizer_s, _shared_cores_s(layout, cluster, busy, optimizer_s)) + worst_comm
     return Prediction(
         layout=layout,
@@ -335,7 +338,9 @@ def _data_parallel_s(gradient_bytes: float, layout: Layout, link, window: float,
     exposed = max(reduce - window, reduce / buckets)
     if layout.zero_stage in (1, 2):  # the updated ranges all-gathered after the step
         exposed += buckets * all_gather_s(gradient_bytes / buckets, n, link)
-    if layout.zero_stage == 3:  # each unit gathered for its forward and again for its backward, prefetched
+    if layout.zero_stage == 3 and layout.pp > 1:  # a stage's units gathered once, when its schedule starts
+        exposed += all_gather_s(gradient_bytes, n, link)
+    elif layout.zero_stage == 3:  # each unit gathered for its forward and again for its backward, prefetched
         gathers = 2 * max(1, units) * all_gather_s(gradient_bytes / max(1, units), n, link)
         exposed += gathers / max(1, units)
     return exposed

@@ -45,7 +45,17 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Generator, Literal, Mapping, Optional, Sequence, Union, get_args
+from typing import (
+    Any,
+    Callable,
+    Generator,
+    Literal,
+    Mapping,
+    Optional,
+    Sequence,
+    Union,
+    get_args,
+)
 
 import lightning.pytorch as pl
 import torch
@@ -197,8 +207,11 @@ def _shard_size_problem(cls: type, values: Mapping[str, Any], prefix: str) -> Op
             "checkpoint, loadable in any layout) or leave data_parallel_shard_size None"
         )
     return None
-def _zero3_save_problem(values: Mapping[str, Any], prefix: str) -> Optional[str]:
-    if values["zero_stage"] != 3 or not values["save_distributed"]:
+
+
+def _zero3_save_problem(stage: Any, save_distributed: Any, prefix: str) -> Optional[str]:
+    """``save_distributed`` with ``zero_stage=3``, whose shards a distributed checkpoint cannot describe yet."""
+    if stage != 3 or save_distributed is not True:
         return None
     return (
         f"{prefix}save_distributed=True with zero_stage=3 is not supported yet: use save_distributed=False "
@@ -372,7 +385,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             else f"{prefix}zero_stage={values['zero_stage']!r} is not supported by {cls.__name__}: {cls.zero_refused}",
             _zero_stage_problem(cls, values["zero_stage"], prefix),
             _shard_size_problem(cls, values, prefix),
-            _zero3_save_problem(values, prefix),
+            _zero3_save_problem(values["zero_stage"], values["save_distributed"], prefix),
         ]
 
     @classmethod
@@ -589,10 +602,9 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
 
     def make_reducer(self, named_params: list, **kwargs: Any) -> Optional[GradientReducer]:
         """The data-parallel gradient path over ``dp_group``: ``reducer_class``, or with ``zero_stage`` the
-        sharded one (``kwargs["whole"]``: parameters all-reduced, as ``ShardedGradientReducer`` says).
-        None where the group has one process: nothing is averaged, so no bucket, hook or collective runs.
-        With ``zero_stage=3`` (``shard_parameters`` called before), one bucket per unit of the sharded
-        parameters."""
+        sharded one (``kwargs["whole"]``: parameters all-reduced, as ``ShardedGradientReducer`` says; at
+        stage 3 one bucket per unit of ``sharded_parameters``). None where the group has one process:
+        nothing is averaged, so no bucket, hook or collective runs."""
         self._reducer_arguments = (list(named_params), dict(kwargs))
         if group_size(self.dp_group) == 1:
             return None
@@ -602,6 +614,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
                 named_params,
                 self.zero_group,
                 self.sharded_parameters,
+                whole=whole,
                 replicate_group=self.zero_replica_group,
                 **kwargs,
             )
@@ -623,18 +636,21 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         leave_out: Sequence[torch.nn.Parameter] = (),
         reshard_after_forward: bool = True,
         axis: str = "dp",
+        blocks: Optional[Sequence[torch.nn.Module]] = None,
+        kept: bool = False,
     ) -> Optional[ShardedParameters]:
         """With ``zero_stage=3`` and more than one rank along ``axis`` ("dp", or "edp": one expert's
         replicas): the module's trainable parameters (as this rank holds them, but ``leave_out``) sharded
         over it in units (``distributed.zero3``), gathered over a group of their own. Called once the
-        parameters are final, before the reducers are built; None where nothing is sharded."""
+        parameters are final, before the reducers are built; None where nothing is sharded. ``blocks`` and
+        ``kept``: ``ShardedParameters``'s (a pipeline stage's held blocks, gathered for the whole step)."""
         hsdp = axis == "dp" and self.zero_replica_group is not None  # within this rank's shard group
         group = self.zero_group if axis == "dp" else self.mesh.group(axis)
         if self.zero_stage != 3 or group_size(group) == 1:
             return None
         gather_group = new_axis_group(self.mesh.shape, "dp_shard" if hsdp else axis, self.global_rank)
         shards = ShardedParameters(
-            self.lightning_module, group, gather_group, reshard_after_forward, stack_name, leave_out
+            self.lightning_module, group, gather_group, reshard_after_forward, stack_name, leave_out, blocks, kept
         )
         self.parameter_shards.append(shards)
         return shards

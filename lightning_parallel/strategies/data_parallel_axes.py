@@ -95,7 +95,8 @@ class ZeroParameters(Axis):
     """ZeRO-3 (``zero_stage=3``, ``distributed.zero3.ShardedParameters``): the root unit gathered around the
     training step's forward (``strategy.sharded_forward``); once the step's gradients are in the pieces,
     every unit still gathered is freed; at teardown the module is gathered whole and its hooks removed. A
-    block's gathers around its own forward and backward are module hooks, not step hooks."""
+    block's gathers around its own forward and backward are module hooks, not step hooks (under pipeline
+    stages, every unit of the stage is gathered around the schedule's run: ``PipelineStages._run``)."""
 
     name = "zero_parameters"
 

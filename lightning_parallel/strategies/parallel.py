@@ -68,7 +68,7 @@ from lightning_parallel.strategies.data_parallel_axes import DataParallel, Zero,
 from lightning_parallel.strategies.expert_stages import ExpertParallel, Experts
 from lightning_parallel.strategies.options import level_problems
 from lightning_parallel.strategies.pipeline_async import AsyncPipelineMixin
-from lightning_parallel.strategies.pipeline_stages import Pipeline, PipelineStages
+from lightning_parallel.strategies.pipeline_stages import Pipeline, PipelineStages, zero3_stages_problem
 from lightning_parallel.strategies.plan_verification import PlanVerification
 from lightning_parallel.strategies.tensor_axis import TensorParallel
 from lightning_parallel.strategies.whole_model import (
@@ -105,11 +105,6 @@ __all__ = ["ParallelStrategy", "BALANCES"]
 BALANCES = ("parameters", "time")
 #: why a model the user compiled is compiled block by block under pipeline stages
 STAGE_ENDS_IN_FORWARD = "a stage ends inside forward, where a whole compiled step cannot stop"
-#: why zero_stage=3 is refused with pipeline stages
-Z3_WITH_PP = (
-    "zero_stage=3 (parameters sharded over dp) is not composed with pipeline stages yet; use "
-    "pipeline_parallel_size=1, or zero_stage 1 or 2 with pipeline stages"
-)
 SP_WITH_PP = (
     "sequence parallelism is not composed with pipeline stages (a stage's activations would be sent cut "
     "along the sequence); use pipeline_parallel_size=1 or sequence_parallel=False"
@@ -162,7 +157,7 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
     """
 
     strategy_name = "lp_parallel"
-    zero_stages = (0, 1, 2, 3)  # 3 without pipeline stages (zero3_problem)
+    zero_stages = (0, 1, 2, 3)  # 3: with and without pipeline stages (zero3_stages_problem)
     defers_init_by_default = True
     popen_only = "Lightning's spawn launcher hands back only rank 0's part of the model"
     size_options = {"data_parallel_size": "dp", "tensor_parallel_size": "tp", "pipeline_parallel_size": "pp"}
@@ -249,9 +244,19 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
         """The checks of the arguments declared here (``strategies.options.option_problems`` reads them)."""
         share, balance, split_points = values["require_sharded"], values["balance"], values["split_points"]
         sequence, pp = values["sequence_parallel"], values["pipeline_parallel_size"]
+        pipelined = 2 if "pp" in cls.always_applied else pp
+        zero_stage = values.get("zero_stage")  # a base option: absent from the constructor's if not given
         return [
+            None
+            if zero_stage != 3
+            else zero3_stages_problem(
+                cls.__name__,
+                values["schedule"],
+                pipelined,
+                values["expert_parallel_size"],
+                prefix,
+            ),
             *cls.expert_problems(values, prefix),
-            cls.zero3_problem(values.get("zero_stage", 0), pp, prefix),  # a base option, read here too
             None
             if isinstance(sequence, bool)
             else f"{prefix}sequence_parallel must be True or False, got {sequence!r}",
@@ -287,23 +292,13 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
     def tp_group(self) -> Optional[dist.ProcessGroup]:
         return self.mesh.group("tp") if self.mesh is not None else None
 
-    @classmethod
-    def zero3_problem(cls, stage: Any, pp: Optional[int], prefix: str = "") -> Optional[str]:
-        """``zero_stage=3`` with pipeline stages (``pp`` > 1, or a pipeline preset; None: not known yet)."""
-        if stage != 3 or ((pp is None or pp == 1) and "pp" not in cls.always_applied):
-            return None
-        if "pp" in cls.always_applied:
-            return (
-                f"{prefix}zero_stage=3 with {cls.__name__}: {Z3_WITH_PP} (lp_parallel or lp_tensor_parallel "
-                "run zero_stage=3 without pipeline stages)"
-            )
-        return f"{prefix}zero_stage=3 with pipeline_parallel_size={pp}: {Z3_WITH_PP}"
-
     def check_before_launch(self) -> Any:
         """The layout, and what the schedule, sequence parallelism and ``zero_stage=3`` need of it, before any
         process starts."""
         shape = super().check_before_launch()
-        require([self.zero3_problem(self.zero_stage, shape.pp)])
+        if self.zero_stage == 3:
+            pipelined = 2 if "pp" in self.always_applied else shape.pp
+            require([zero3_stages_problem(type(self).__name__, self.schedule, pipelined, shape.ep)])
         if shape.pp > 1 or "pp" in self.always_applied:
             require([self.stages_problem(shape.pp)])
             if self.sequence_parallel:
@@ -347,7 +342,7 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
             DataParallel(self, after_schedule=pipelined, overlapped=self.overlaps_reducer) if dp else None,
             Pipeline(self) if pipelined else None,
             Zero(self) if self.zero_stage and dp else None,
-            ZeroParameters(self) if self.zero_stage == 3 and dp and not pipelined else None,
+            ZeroParameters(self) if self.zero_stage == 3 and dp else None,
             Experts(self, after_schedule=pipelined) if shape.ep > 1 and shape.size("edp") > 1 else None,
             TensorParallel(self) if self.applies("tp", shape) else None,
             self.plan_verification if self.verify_plan and self.applies("tp", shape) else None,
@@ -384,6 +379,8 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
             self.apply_compile(self.block_stack)
         if self.pipelined and self.executor is None:
             self.wire_stages(self._stage_costs)
+        if self.pipelined:  # zero_stage=3: the stage's parameters cut into units before the dp path
+            self.shard_stage_parameters()
         # pipeline stages: a module replicated outside the block stack gets no gradient on some stages;
         # async averages a gradient finished a step earlier, and the schedules with several chunks or split
         # backwards average once after the schedule, not as gradients arrive in backward; the gradients
@@ -597,10 +594,11 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
                 )
             state_dict, strict = {k: v for k, v in state_dict.items() if k in local_keys}, False
         state_dict = cut_shards(module, state_dict, expert_pieces)
-        if self._is_sharded():
-            load_full_state_dict(module, state_dict, strict=strict)
-        else:
-            module.load_state_dict(state_dict, strict=strict)
+        with self.parameters_gathered():  # zero_stage=3: each rank then keeps its range of what was loaded
+            if self._is_sharded():
+                load_full_state_dict(module, state_dict, strict=strict)
+            else:
+                module.load_state_dict(state_dict, strict=strict)
 
     def one_device_copy(self, tree: nn.Module, state: Mapping[str, Any]) -> nn.Module:
         """``tree`` as on one device: whole layers and blocks, per-feature tensors whole, no process group."""

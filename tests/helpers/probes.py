@@ -126,6 +126,8 @@ def memory_report(trainer) -> dict:
     return {
         "tables": report.summary() if report is not None else {},
         "gathers": None if sharded is None else (sharded.gathers, sharded.prefetches),
+        # the bytes of the parameters this rank holds when they are whole (their shapes; ZeRO-3 keeps them)
+        "shapes": sum(p.numel() * p.element_size() for p in params),
         "outside": {
             "parameters": storages(params),
             "gradients": storages(p.grad for p in params if p.grad is not None),

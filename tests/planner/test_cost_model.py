@@ -183,3 +183,12 @@ def test_processes_sharing_cores_take_turns() -> None:
     shared = dataclasses.replace(cluster(devices=4), cores=2)
     assert predict(model(), layout, shared).step_s == pytest.approx(2 * alone)
     assert predict(model(), layout, dataclasses.replace(shared, cores=4)).step_s == pytest.approx(alone)
+def test_zero_3_under_pipeline_stages_holds_the_stage_gathered_through_the_step() -> None:
+    """Under pipeline stages a stage's units stay gathered across its micro-batches: between steps 1/dp of
+    its parameters, within the step all of them besides the shard, so the peak is stage 2's plus the shard."""
+    z2, z3 = (
+        predict(model(), Layout(2, 1, 2, 8, num_microbatches=2, zero_stage=z), cluster()) for z in (2, 3)
+    )
+    assert z3.states.parameters == pytest.approx(z2.states.parameters / 2)
+    assert z3.gathered_bytes == pytest.approx(z2.states.parameters)
+    assert z3.peak_bytes == pytest.approx(z2.peak_bytes + z2.states.parameters / 2)

@@ -27,6 +27,11 @@ from lightning_parallel.strategies.tensor_parallel import TensorParallelStrategy
             MeshShape(dp=4, pp=2, tp=2, ep=2),
             ["data_parallel", "pipeline", "experts", "tensor"],
         ),
+        (  # zero_stage=3 under pipeline stages: the stage's units freed once the pieces hold the gradients
+            {"zero_stage": 3, "pipeline_parallel_size": 2},
+            MeshShape(dp=2, pp=2),
+            ["data_parallel", "pipeline", "zero", "zero_parameters"],
+        ),
         ({"expert_parallel_size": 2}, MeshShape(dp=2, ep=2), ["data_parallel"]),  # one replica of each expert
         ({"zero_stage": 3}, MeshShape(dp=2, tp=2), ["data_parallel", "zero", "zero_parameters", "tensor"]),
         (

@@ -1,18 +1,19 @@
 """ZeRO (``zero_stage`` 1, 2 and 3) on real gloo processes: equal to one device in float64 (1e-10) with AdamW
 and with SGD with momentum, on the GPT-style model and the Hugging Face Llama-style zoo model, under lp_ddp (2
 and 4 processes; stage 3 with and without ``reshard_after_forward``), tensor parallel dp2 x tp2 (also with
-sequence parallelism; stage 3 included), pipeline dp2 x pp2 (1F1B and GPipe; stages 1 and 2), and expert
-parallel Mixtral at stage 3 (dp2 x ep2, and dp4 x ep2: the experts sharded over their two replicas), and
-with activation checkpointing; the async pipeline equals its emulation; clipping, gradient accumulation,
-bf16-mixed and 16-mixed (a GradScaler) keep their meaning; the memory report shows 1/dp of the optimizer state
-(and of the gradients at stage 2, while stage 1 holds the gradient buckets and no more; at stage 3 of the
-parameters too, of each rank's tensor-parallel share, its experts over their replicas); a checkpoint saved at
-dp=2 with ZeRO resumes exactly at dp=1, at dp=4, with ZeRO off and under stage 3, and ones saved under stage 3
-(lp_ddp, dp2 x tp2, HSDP) on one device; the full state is read and loaded while sharded (lp_ddp, dp2 x tp2).
-Stage 3 also on models we did not write (nn.TransformerEncoder, a whole nn.Transformer), under bf16-mixed and
-16-mixed, and with a callback reading the weights in Lightning's hooks while the units are freed
-(``weight_reader``). HSDP (``data_parallel_shard_size=2`` at dp=4: sharded within pairs of ranks, replicated
-across the pairs) equals one device at stages 2 and 3 and holds 1/2 (not 1/4) of the states."""
+sequence parallelism), pipeline dp2 x pp2 (1F1B and GPipe; stage 3 under 1F1B, ZB-H1, interleaved 1F1B and
+ZBV, and at dp2 x tp2 x pp2), and expert parallel Mixtral at stage 3 (dp2 x ep2, and dp4 x ep2: the experts
+sharded over their two replicas), and with activation checkpointing; the async pipeline equals its emulation;
+clipping, gradient accumulation, bf16-mixed and 16-mixed (a GradScaler) keep their meaning; the memory report
+shows 1/dp of the optimizer state (and of the gradients at stage 2, while stage 1 holds the gradient buckets and
+no more; at stage 3 of the parameters too: of each rank's tensor-parallel share, of a pipeline stage's own, its
+experts over their replicas); a checkpoint saved at dp=2 with ZeRO resumes exactly at dp=1, at dp=4, with ZeRO
+off and under stage 3 (lp_ddp and dp2 x pp2), and ones saved under stage 3 (lp_ddp, dp2 x tp2, dp2 x pp2, HSDP)
+on one device; the full state is read and loaded while sharded (lp_ddp, dp2 x tp2). Stage 3 also on models we
+did not write (nn.TransformerEncoder, a whole nn.Transformer), under bf16-mixed and 16-mixed, and with a
+callback reading the weights in Lightning's hooks while the units are freed (``weight_reader``). HSDP
+(``data_parallel_shard_size=2`` at dp=4: sharded within pairs of ranks, replicated across the pairs) equals one
+device at stages 2 and 3 and holds 1/2 (not 1/4) of the states."""
 
 from __future__ import annotations
 
@@ -55,11 +56,13 @@ MODELS = {
 #: (lightning.pytorch.demos.Transformer: its decoder's layers are the units, the encoder stays in the root)
 ZOO = "tests.helpers.zoo:ZooLM"
 MODELS = {**MODELS, "encoder": (ZOO, {"arch": "torch_encoder"}), "demo": (ZOO, {"arch": "lightning_demo"})}
+#: the models, and the GPT with 4 blocks (2 stages x 2 chunks per rank under interleaved 1F1B)
+ZERO_MODELS = {**MODELS, "gpt4": (MODELS["gpt"][0], {**MODELS["gpt"][1], "n_layer": 4})}
 
 
 def case(name: str, model: str, optimizer: str, strategy: str, kwargs: dict, dp: int, steps: int = 5, **more):
     """``model`` (built normally from the seed) with ``optimizer``, float64, a checkpoint at the end."""
-    target, model_kwargs = MODELS[model]
+    target, model_kwargs = ZERO_MODELS[model]
     trainer = {**F64, "max_steps": steps, **more.pop("trainer", {})}
     return {
         "name": name,
@@ -198,6 +201,20 @@ RUNS = {
         4,
         {},
     ),
+    # a pipeline stage's units gathered once per step, kept across its micro-batches
+    "dp2pp2-gpt-adamw-z3": (4, "gpt", "adamw", PARALLEL, layout(2, 1, 2, 3), 2, {}),
+    "dp2pp2-zbh1-llama-sgdm-z3": (4, "llama", "sgdm", PARALLEL, layout(2, 1, 2, 3, "zb_h1"), 2, {}),
+    "dp2pp2-interleaved-gpt4-sgdm-z3": (
+        4,
+        "gpt4",
+        "sgdm",
+        PARALLEL,
+        layout(2, 1, 2, 3, "interleaved_1f1b"),
+        2,
+        {},
+    ),
+    "dp2pp2-zbv-gpt4-adamw-z3": (4, "gpt4", "adamw", PARALLEL, layout(2, 1, 2, 3, "zbv"), 2, {}),
+    "dp2tp2pp2-gpt-adamw-z3": (8, "gpt", "adamw", PARALLEL, layout(2, 2, 2, 3), 2, {}),  # tp shards over dp
 }
 #: ZeRO with ``save_distributed``: each rank writes only its own pieces of the optimizer state
 SHARDED_SAVES = {
@@ -214,6 +231,8 @@ REFERENCES = {  # name: (model, optimizer, steps, trainer)
     "encoder-sgdm": ("encoder", "sgdm", 5, {}),
     "demo-sgdm": ("demo", "sgdm", 5, {}),
     "mixtral-adamw": ("mixtral", "adamw", 5, {}),
+    "gpt4-sgdm": ("gpt4", "sgdm", 5, {}),
+    "gpt4-adamw": ("gpt4", "adamw", 5, {}),
 }
 ASYNC = "tests.helpers.pp_models:AsyncRuleGPT"
 #: runs with a callback reading the weights in Lightning's hooks (``weight_reader``), validating every 2 steps
@@ -235,7 +254,7 @@ def reading_weights(c: dict) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zero")
-    by_world: dict[int, list[dict]] = {1: [], 2: [], 4: []}
+    by_world: dict[int, list[dict]] = {1: [], 2: [], 4: [], 8: []}
     for name, (model, optimizer, steps, trainer) in REFERENCES.items():
         by_world[1].append(case(f"ref-{name}", model, optimizer, DDP, {}, 1, steps, trainer=trainer))
     emulation = case("async-emulation", "gpt", "sgdm", DDP, {}, 1, save_checkpoint=False)
@@ -283,6 +302,11 @@ def runs(tmp_path_factory):
     later[1].append(case("resume-dp1-from-hsdp", "gpt", "adamw", DDP, {}, 1, 10, ckpt_path=saved_hsdp))
     saved_tp_z3 = str(tmp / "dist4" / "dp2tp2-gpt-adamw-z3" / "last.ckpt")  # saved sharded over tp and dp
     later[1].append(case("resume-dp1-from-dp2tp2-z3", "gpt", "adamw", DDP, {}, 1, 10, ckpt_path=saved_tp_z3))
+    saved_pp_z3 = str(tmp / "dist4" / "dp2pp2-gpt-adamw-z3" / "last.ckpt")  # each stage's units sharded
+    later[1].append(case("resume-dp1-from-dp2pp2-z3", "gpt", "adamw", DDP, {}, 1, 10, ckpt_path=saved_pp_z3))
+    later[4].append(
+        case("resume-dp2pp2-z3", "gpt", "adamw", PARALLEL, layout(2, 1, 2, 3), 2, 10, ckpt_path=saved)
+    )
     for name in SHARDED_SAVES:  # read into one device, and into lp_ddp with ZeRO-2
         directory = str(tmp / "dist4" / name / "last.ckpt")
         later[1].append(case(f"resume-{name}-dp1", "gpt", "adamw", DDP, {}, 1, 10, ckpt_path=directory))
@@ -356,6 +380,15 @@ def test_memory_report_shows_the_shards(runs, name):
     moments = 2 if optimizer == "adamw" else 1  # AdamW: exp_avg and exp_avg_sq; SGD: the momentum buffer
     stage = kwargs["zero_stage"]
     dp = kwargs.get("data_parallel_shard_size", dp)  # HSDP: 1/shard size, each shard held by its replicas
+    if stage == 3 and "pp" in name:  # a stage's units: 1/dp of what the stage holds whole (its shapes)
+        for rank, row in rows.items():
+            whole = results[name][rank]["probe"]["shapes"]
+            assert row["parameters"] == pytest.approx(whole / dp, rel=0.05)
+            assert row["optimizer_state"] == pytest.approx(moments * whole / dp, rel=0.05)
+            # the blocks' gradients reduce-scattered; the modules every stage holds keep whole ones (all-reduced,
+            # then summed over the stages)
+            assert whole / dp < row["gradients"] < whole
+        return
     if stage == 3:  # the parameters too: between steps every unit is freed, each rank keeps its shards
         for rank, row in rows.items():
             # the rank's share by the parameters' shapes: the whole model under lp_ddp, its tensor-parallel
@@ -401,6 +434,8 @@ def test_memory_report_shows_the_shards(runs, name):
         ("resume-dp2-z3", 2),  # saved under zero_stage=1, loaded into zero_stage=3's shards
         ("resume-dp1-from-hsdp", 1),  # saved under zero_stage=3 sharded in pairs at dp=4, on one device
         ("resume-dp1-from-dp2tp2-z3", 1),  # saved under dp2 x tp2 at zero_stage=3, loaded on one device
+        ("resume-dp1-from-dp2pp2-z3", 1),  # saved at dp2 x pp2 under zero_stage=3, loaded on one device
+        ("resume-dp2pp2-z3", 4),  # saved under zero_stage=1, loaded into the stages' zero_stage=3 shards
     ],
 )
 def test_zero_checkpoint_resumes_exactly_under_other_dp_sizes(runs, resumed, world):
