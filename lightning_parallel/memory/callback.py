@@ -186,11 +186,15 @@ def expected_states(trainer: Trainer, module: LightningModule) -> Optional[int]:
     its share is the floating-point parameters it holds (as the strategy placed them), over the strategy's
     data-parallel size and ``zero_stage``. None where that is not known: several optimizers, an optimizer
     without a formula, expert parallelism with ZeRO (the experts shard over fewer replicas), or a strategy
-    that shards what this report cannot read (Lightning's FSDP)."""
+    that shards what this report cannot read (Lightning's FSDP; parameters that are DTensors, as FSDP2's
+    ``fully_shard`` under Lightning's ``ModelParallelStrategy`` leaves them, whose ``numel`` is the whole
+    tensor's)."""
     strategy, optimizers = trainer.strategy, trainer.optimizers
     params = [p for p in module.parameters() if p.is_floating_point() and p.device.type != "meta"]
     mesh, stage = getattr(strategy, "mesh", None), getattr(strategy, "zero_stage", 0)
     if len(optimizers) != 1 or not params or "fsdp" in type(strategy).__name__.lower():
+        return None
+    if any(isinstance(getattr(p, "_local_tensor", None), torch.Tensor) for p in params):
         return None
     if stage and getattr(strategy, "expert_parallel_size", 1) > 1:
         return None
