@@ -56,6 +56,13 @@ CONFIGS = {
     "fsdp2": ("fsdp2", 3, True),
     "fsdp2_keep": ("fsdp2", 3, False),
 }
+#: layouts of 4 processes for the memory report's expected column against what it measures (named with
+#: ``--configs``): configuration -> (tensor-parallel size, pipeline-parallel size, zero_stage), dp = 2
+LAYOUTS = {
+    f"dp2x{axis}2_zero{z}": (2 if axis == "tp" else 1, 2 if axis == "pp" else 1, z)
+    for axis in ("tp", "pp")
+    for z in (0, 1, 2)
+}
 #: the sizes and run lengths of ``--tiny`` (a check that every side runs, in seconds) and ``--gpu``
 TINY = dict(width=32, layers=2, heads=2, block_size=16, batch_size=2, steps=3, warmup=1, rounds=1)
 GPU = dict(width=2048, layers=8, heads=16, block_size=1024, batch_size=4)
@@ -69,7 +76,7 @@ def build_model(config: str, args: argparse.Namespace):
     on the whole model (Lightning's docs: "Train models with billions of parameters", FSDP2)."""
     from lightning_parallel.models import CharGPT
 
-    keep = not CONFIGS[config][2]
+    keep = config in CONFIGS and not CONFIGS[config][2]
 
     class FullyShardedCharGPT(CharGPT):
         def configure_model(self) -> None:
@@ -80,7 +87,7 @@ def build_model(config: str, args: argparse.Namespace):
                 fully_shard(block, mesh=mesh, reshard_after_forward=not keep)
             fully_shard(self.model, mesh=mesh)
 
-    cls = FullyShardedCharGPT if CONFIGS[config][0] == "fsdp2" else CharGPT
+    cls = FullyShardedCharGPT if config in ("fsdp2", "fsdp2_keep") else CharGPT
     return cls(n_layer=args.layers, n_embd=args.width, n_head=args.heads, block_size=args.block_size)
 
 
@@ -89,6 +96,15 @@ def build_strategy(config: str, world_size: int):
 
     import lightning_parallel as lp
 
+    if config in LAYOUTS:
+        tp, pp, stage = LAYOUTS[config]
+        return lp.ParallelStrategy(
+            data_parallel_size=2,
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            zero_stage=stage,
+            num_microbatches=2,
+        )
     name, stage, reshard = CONFIGS[config]
     if name == "fsdp2":
         return ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
@@ -217,6 +233,28 @@ def report(records: list[dict], args: argparse.Namespace) -> None:
             ]
             print(f"| {world_size} | {config} | " + " | ".join(cells) + " |")
     criteria(records, args)
+    expected_table(records)
+
+
+def expected_table(records: list[dict]) -> None:
+    """Every run's parameters + gradients + optimizer state per rank against the memory report's expected
+    column (the ZeRO paper's formulas over the rank's share), the last round's."""
+    print(
+        "\n| processes | configuration | p+g+o per rank, MiB (measured) | expected, MiB | measured / expected |"
+    )
+    print("|" + "---|" * 5)
+    last = {(r["world_size"], r["config"]): r for r in records}
+    for (world_size, config), r in sorted(last.items()):
+        held = [sum(r[n][i] for n in STATES) for i in range(world_size)]
+        if r["expected_states"][0] is None:
+            continue
+        ratios = [h / e for h, e in zip(held, r["expected_states"])]
+        spread = lambda xs, f: "/".join(sorted({f(x) for x in xs}))  # noqa: E731
+        print(
+            f"| {world_size} | {config} | {spread(held, lambda x: f'{x / MIB:.2f}')} | "
+            f"{spread(r['expected_states'], lambda x: f'{x / MIB:.2f}')} | "
+            f"{min(ratios):.3f}-{max(ratios):.3f} |"
+        )
 
 
 def criteria(records: list[dict], args: argparse.Namespace) -> None:
@@ -255,7 +293,7 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--world-size", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=[*CONFIGS, *LAYOUTS])
     parser.add_argument("--batch-size", type=int, default=2, help="per process")
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--layers", type=int, default=4)
@@ -284,7 +322,7 @@ def run(args: argparse.Namespace) -> list[dict]:
                 f"here, --world-sizes {args.world_sizes}: pass --world-sizes up to the GPU count"
             )
     args.out = Path(tempfile.mkdtemp()) / "results.jsonl"
-    configs = [c for c in CONFIGS if c in args.configs]
+    configs = [c for c in [*CONFIGS, *LAYOUTS] if c in args.configs]
     for round_, config in interleaved(args.rounds, configs):
         for world_size in args.world_sizes:
             line = [*worker_args(args, MODEL_ARGS), "--config", config, "--world-size", str(world_size)]
