@@ -66,7 +66,16 @@ LAYOUTS = {
 #: the sizes and run lengths of ``--tiny`` (a check that every side runs, in seconds) and ``--gpu``
 TINY = dict(width=32, layers=2, heads=2, block_size=16, batch_size=2, steps=3, warmup=1, rounds=1)
 GPU = dict(width=2048, layers=8, heads=16, block_size=1024, batch_size=4)
-MODEL_ARGS = ("batch_size", "block_size", "layers", "width", "heads", "precision", "accelerator")
+MODEL_ARGS = (
+    "batch_size",
+    "block_size",
+    "layers",
+    "width",
+    "heads",
+    "precision",
+    "accelerator",
+    "bucket_cap_mb",
+)
 MIB = 2**20
 STATES = ("parameters", "gradients", "optimizer_state")
 
@@ -91,7 +100,7 @@ def build_model(config: str, args: argparse.Namespace):
     return cls(n_layer=args.layers, n_embd=args.width, n_head=args.heads, block_size=args.block_size)
 
 
-def build_strategy(config: str, world_size: int):
+def build_strategy(config: str, world_size: int, bucket_cap_mb: float = 25):
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     import lightning_parallel as lp
@@ -108,7 +117,7 @@ def build_strategy(config: str, world_size: int):
     name, stage, reshard = CONFIGS[config]
     if name == "fsdp2":
         return ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
-    return lp.DDPStrategy(zero_stage=stage, reshard_after_forward=reshard)
+    return lp.DDPStrategy(zero_stage=stage, reshard_after_forward=reshard, bucket_cap_mb=bucket_cap_mb)
 
 
 def unit_size():
@@ -144,7 +153,7 @@ def worker(args: argparse.Namespace) -> None:
     base = rss_bytes() or 0
     timer, report, units = step_timer(), lp.MemoryReport(), unit_size()
     model = build_model(args.config, args)
-    strategy = build_strategy(args.config, args.world_size)
+    strategy = build_strategy(args.config, args.world_size, args.bucket_cap_mb)
     trainer = Trainer(
         accelerator=args.accelerator,
         devices=args.world_size,
@@ -300,6 +309,9 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--precision", default="32-true")
+    parser.add_argument(
+        "--bucket-cap-mb", type=float, default=25, help="lp_ddp's gradient buckets (stages 0-2)"
+    )
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--tiny", action="store_true", help="a tiny model, a few steps: every side runs")
     parser.add_argument("--gpu", action="store_true", help="CUDA, NCCL, bf16-mixed, a larger model")
