@@ -159,6 +159,7 @@ class MemoryReport(Callback):
             held_gradients(trainer.strategy),
             held_parameters(trainer.strategy),
             expected_states(trainer, pl_module),
+            released_parameters(trainer.strategy),
         )
         self.tables[when] = _all_ranks(row)
         rank_zero_info(format_table(self.tables[when], f"{_TITLES[when]}; {self.counted_text()}"))
@@ -212,6 +213,13 @@ def held_parameters(strategy: Any) -> list[torch.Tensor]:
     """The parameter memory a strategy holds beside the module's parameters (ZeRO-3's shards)."""
     held = getattr(strategy, "held_parameters", None)
     return held() if callable(held) else []
+
+
+def released_parameters(strategy: Any) -> list[torch.Tensor]:
+    """Parameter storages whose pages the strategy handed back (ZeRO-3's freed units on the CPU)."""
+    sharded = getattr(strategy, "sharded_parameters", None)
+    released = getattr(sharded, "released_tensors", None)
+    return released() if callable(released) else []
 
 
 def report_of(trainer: Trainer) -> Optional[MemoryReport]:
