@@ -180,7 +180,7 @@ def worker(args: argparse.Namespace) -> None:
         "base_rss": bases,
         "final_loss": float(trainer.callback_metrics["train_loss"]),
     }
-    for name in (*STATES, "expected_states", "activations", "peak_rss", "cuda_max_allocated"):
+    for name in (*STATES, "expected_states", "activations", "setup_peak", "peak_rss", "cuda_max_allocated"):
         record[name] = [row[name] for row in rows]
     append_record(args.out, record)
 
