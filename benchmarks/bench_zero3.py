@@ -13,7 +13,10 @@ same batch, steps and seed, under torchrun, one thread per process:
 - ``fsdp2`` / ``fsdp2_keep``: Lightning's ``ModelParallelStrategy(data_parallel_size=N,
   tensor_parallel_size=1)`` with ``fully_shard`` written in ``configure_model`` as Lightning's docs write it:
   one call per ``Block`` on the mesh's data-parallel dimension, then one on the whole model
-  (``reshard_after_forward`` True / False on the blocks).
+  (``reshard_after_forward`` True / False on the blocks);
+- named only with ``--configs`` (4 processes): ``dp2xtp2_zero0``-``2`` and ``dp2xpp2_zero0``-``2``,
+  ``lp_parallel`` at dp2 x tp2 and dp2 x pp2 (1F1B), for the table of the memory report's expected column
+  against what it measures (every run's, printed last). ``--bucket-cap-mb``: lp_ddp's gradient buckets.
 
 Memory per rank comes from ``lightning_parallel.MemoryReport`` as a callback at the end of ``fit`` (between
 steps: unique storages of the parameters, gradients and what the strategy holds besides, the optimizer
