@@ -4,11 +4,12 @@
         [--steps 3] [--width 384] [--layers 8] [--heads 6] [--seq 256] [--batch 8] [--recompute true]
 
 Two CPU processes (Lightning's launcher, one thread each), tp = 2, the package's GPT with the written
-``char_gpt`` plan, AdamW, float32. Each rank prints, per training step, the peak resident memory (``VmHWM``,
-lowered to the resident memory at each phase's start) of the forward, backward, clipping and optimizer step,
-in MiB, then the memory report's table (``--recompute``: the strategy's ``activation_checkpointing``, true,
-selective or false). With glibc, ``MALLOC_MMAP_THRESHOLD_`` fixed makes freed tensors leave the resident set, so the
-figures follow what is allocated rather than what the heap retained.
+``char_gpt`` plan, AdamW, float32 (``--recompute``: the strategy's ``activation_checkpointing``, true,
+selective or false). Each rank prints, per training step, the peak resident memory (``VmHWM``, lowered to
+the resident memory at each phase's start) of the forward, backward, clipping and optimizer step, in MiB,
+then the memory report's table (whose peak RSS is therefore the last phase's). With glibc,
+``MALLOC_MMAP_THRESHOLD_`` fixed makes freed tensors leave the resident set, so the figures follow what is
+allocated rather than what the heap retained.
 """
 
 from __future__ import annotations
