@@ -1,13 +1,15 @@
 """Peak resident memory per rank with and without sequence parallelism, phase by phase.
 
     MALLOC_MMAP_THRESHOLD_=131072 python benchmarks/bench_sequence_parallel_memory.py true   # and false
-        [--steps 3] [--width 384] [--layers 8] [--heads 6] [--seq 256] [--batch 8]
+        [--steps 3] [--width 384] [--layers 8] [--heads 6] [--seq 256] [--batch 8] [--recompute true]
 
 Two CPU processes (Lightning's launcher, one thread each), tp = 2, the package's GPT with the written
-``char_gpt`` plan, AdamW, float32. Each rank prints, per training step, the peak resident memory (``VmHWM``,
-lowered to the resident memory at each phase's start) of the forward, backward, clipping and optimizer step,
-in MiB. With glibc, ``MALLOC_MMAP_THRESHOLD_`` fixed makes freed tensors leave the resident set, so the
-figures follow what is allocated rather than what the heap retained.
+``char_gpt`` plan, AdamW, float32 (``--recompute``: the strategy's ``activation_checkpointing``, true,
+selective or false). Each rank prints, per training step, the peak resident memory (``VmHWM``, lowered to
+the resident memory at each phase's start) of the forward, backward, clipping and optimizer step, in MiB,
+then the memory report's table (whose peak RSS is therefore the last phase's). With glibc,
+``MALLOC_MMAP_THRESHOLD_`` fixed makes freed tensors leave the resident set, so the figures follow what is
+allocated rather than what the heap retained.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def main() -> None:
         ("batch", 8),
     ):
         parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--recompute", choices=["true", "selective", "false"], default="false")
     args = parser.parse_args()
     os.chdir(REPO)
     torch.set_num_threads(1)
@@ -80,7 +83,9 @@ def main() -> None:
         vocab_size=128, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.width
     )
     strategy = TensorParallelStrategy(
-        plan=str(REPO / "conf/plan/char_gpt.yaml"), sequence_parallel=args.sequence_parallel == "true"
+        plan=str(REPO / "conf/plan/char_gpt.yaml"),
+        sequence_parallel=args.sequence_parallel == "true",
+        activation_checkpointing={"true": True, "false": False}.get(args.recompute, args.recompute),
     )
     trainer = Trainer(
         accelerator="cpu",
@@ -88,7 +93,7 @@ def main() -> None:
         strategy=strategy,
         max_steps=args.steps,
         **QUIET_TRAINER,
-        callbacks=[Phases(f"sequence_parallel={args.sequence_parallel}")],
+        callbacks=[Phases(f"sequence_parallel={args.sequence_parallel} recompute={args.recompute}")],
     )
     data = TokenData(batch_size=args.batch, n=8 * args.batch, block_size=args.seq, vocab_size=128)
     trainer.fit(model, datamodule=data)

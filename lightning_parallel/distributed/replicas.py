@@ -1,7 +1,9 @@
 """Keeping replicas' parameters and buffers identical: broadcasts of whole modules, coalesced.
 
-One flat tensor per dtype and device is broadcast instead of one collective per tensor: a model with
-hundreds of small tensors would otherwise pay hundreds of latencies.
+Small tensors are broadcast as one flat tensor per dtype and device, of at most ``BROADCAST_BYTES``, instead
+of one collective per tensor (a model with hundreds of small tensors would otherwise pay hundreds of
+latencies); large ones alone, in place: one flat copy of the whole model doubled the set-up's peak memory
+(every rank held the model twice while its parameters were made equal to rank 0's).
 """
 
 from __future__ import annotations
@@ -14,12 +16,36 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 __all__ = [
+    "ALONE_BYTES",
+    "BROADCAST_BYTES",
     "broadcast_tensors",
     "broadcast_module_states",
     "global_rank",
     "start_gradient_sum",
     "start_sum_at",
 ]
+
+
+#: a tensor of this size or more is broadcast alone, in place; smaller ones are coalesced into flat copies of
+#: at most ``BROADCAST_BYTES``
+ALONE_BYTES = 2**20
+BROADCAST_BYTES = 16 * 2**20
+
+
+def _coalesced(tensors: list[Tensor]) -> list[list[Tensor]]:
+    """``tensors`` in runs: each one of ``ALONE_BYTES`` or more alone, the smaller ones together up to
+    ``BROADCAST_BYTES`` a run."""
+    alone = [[t] for t in tensors if t.numel() * t.element_size() >= ALONE_BYTES]
+    runs: list[list[Tensor]] = [[]]
+    size = 0
+    for t in (t for t in tensors if t.numel() * t.element_size() < ALONE_BYTES):
+        nbytes = t.numel() * t.element_size()
+        if runs[-1] and size + nbytes > BROADCAST_BYTES:
+            runs.append([])
+            size = 0
+        runs[-1].append(t)
+        size += nbytes
+    return alone + [run for run in runs if run]
 
 
 def global_rank(group: Optional[dist.ProcessGroup], group_rank: int) -> int:
@@ -34,7 +60,10 @@ def broadcast_tensors(
     by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = defaultdict(list)
     for t in tensors:
         by_kind[(t.dtype, t.device)].append(t)
-    for same in by_kind.values():
+    for same in (run for kind in by_kind.values() for run in _coalesced(kind)):
+        if len(same) == 1 and same[0].is_contiguous():  # alone: in place, no copy
+            dist.broadcast(same[0].detach(), src=global_rank(group, src), group=group)
+            continue
         flat = torch.cat([t.detach().reshape(-1) for t in same])
         dist.broadcast(flat, src=global_rank(group, src), group=group)
         offset = 0

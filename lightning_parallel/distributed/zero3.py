@@ -46,6 +46,7 @@ layers' slices, replicated norms), and the units shard those over the data-paral
 
 from __future__ import annotations
 
+import mmap
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -57,7 +58,7 @@ from torch import Tensor, nn
 
 from lightning_parallel.compat import all_gather_single, tree_flatten
 from lightning_parallel.distributed.reducer import _Bucket
-from lightning_parallel.distributed.zero import ShardedGradientReducer, all_gather_by_ranges
+from lightning_parallel.distributed.zero import MAPPED_BYTES, ShardedGradientReducer, all_gather_by_ranges
 from lightning_parallel.module_names import find_block_stack
 
 __all__ = ["ParameterUnit", "ShardedParameters", "FullyShardedGradientReducer"]
@@ -77,6 +78,7 @@ class ParameterUnit:
     rank: int
     gathered: bool = True
     work: Any = None  # the gather in flight (prefetched), waited for before the unit is used or freed
+    mapped: Optional[mmap.mmap] = None  # on the CPU: the memory mapping ``full`` lies in (``_flat_buffer``)
     views: list[Tensor] = field(init=False, repr=False)
     placeholders: list[Tensor] = field(init=False, repr=False)
 
@@ -102,12 +104,21 @@ class ParameterUnit:
             self.present(self.views)
 
     def free(self) -> None:
-        """The flat buffer's memory released; the parameters present their placeholders meanwhile."""
+        """The gathered parameters' memory handed back (a mapped buffer's pages released, else the storage
+        resized to nothing); the parameters present their placeholders meanwhile."""
         self.wait()
         if self.gathered:
             self.present(self.placeholders)
-            self.full.untyped_storage().resize_(0)
+            if self.mapped is not None:
+                self.mapped.madvise(mmap.MADV_DONTNEED)
+            else:
+                self.full.untyped_storage().resize_(0)
             self.gathered = False
+
+    def allocate(self) -> None:
+        """The flat buffer's memory back before a gather (a mapped buffer's pages come back as written)."""
+        if self.mapped is None:
+            self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
 
     def present(self, tensors: list[Tensor]) -> None:
         """Each parameter's ``.data`` set to its tensor in ``tensors`` (same shape, dtype and device)."""
@@ -142,7 +153,7 @@ def _unit(name: str, module: Optional[nn.Module], params: list[nn.Parameter], gr
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     numel = sum(p.numel() for p in params)
     size = -(-numel // world)
-    full = torch.zeros(size * world, dtype=params[0].dtype, device=params[0].device)
+    full, mapped = _flat_buffer(size * world, params[0].dtype, params[0].device)
     offset = 0
     with torch.no_grad():
         for p in params:
@@ -151,7 +162,20 @@ def _unit(name: str, module: Optional[nn.Module], params: list[nn.Parameter], gr
             p.data = view.view_as(p)
             offset += p.numel()
     shard = full[rank * size : (rank + 1) * size].clone()
-    return ParameterUnit(name, module, params, full, shard, rank)
+    return ParameterUnit(name, module, params, full, shard, rank, mapped=mapped)
+
+
+def _flat_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Optional[mmap.mmap]]:
+    """A unit's zeroed flat buffer and, on the CPU from ``MAPPED_BYTES`` on, the memory mapping it lies in.
+    A unit is freed and gathered again twice a step; through the allocator, glibc serves such sizes from its
+    heap once a large block has been freed (its mmap threshold rises to the freed size), and the freed
+    units' pages stayed resident there: ZeRO-3's peak resident memory was above ZeRO-1's at dp=4. A mapping
+    of its own releases its pages when freed (``madvise``) and keeps its address, so the views stay valid."""
+    nbytes = numel * dtype.itemsize
+    if device.type != "cpu" or nbytes < MAPPED_BYTES:
+        return torch.zeros(numel, dtype=dtype, device=device), None
+    mapped = mmap.mmap(-1, nbytes)
+    return torch.frombuffer(mapped, dtype=dtype, count=numel), mapped
 
 
 def _blocks(module: nn.Module, stack_name: Optional[str]) -> list[nn.Module]:
@@ -245,6 +269,11 @@ class ShardedParameters:
         """What this rank holds of the parameters between steps (the memory report's)."""
         return [unit.shard for unit in self.units()]
 
+    def released_tensors(self) -> list[Tensor]:
+        """The flat buffers of the units freed now whose memory is mapped: their storage keeps its size but
+        holds no pages (the memory report leaves them out)."""
+        return [unit.full for unit in self.units() if unit.mapped is not None and not unit.gathered]
+
     # ------------------------------------------------------------------ gather and free
     def start_gather(self, unit: ParameterUnit) -> bool:
         """The unit's flat buffer allocated again and the gather of every rank's range into it started;
@@ -252,7 +281,7 @@ class ShardedParameters:
         if unit.gathered or unit.work is not None:
             return False
         full = unit.full
-        full.untyped_storage().resize_(full.numel() * full.element_size())
+        unit.allocate()
         own = unit.own()
         own.copy_(unit.shard)
         if self._by_ranges:

@@ -159,6 +159,7 @@ class MemoryReport(Callback):
             held_gradients(trainer.strategy),
             held_parameters(trainer.strategy),
             expected_states(trainer, pl_module),
+            released_parameters(trainer.strategy),
         )
         self.tables[when] = _all_ranks(row)
         rank_zero_info(format_table(self.tables[when], f"{_TITLES[when]}; {self.counted_text()}"))
@@ -187,11 +188,15 @@ def expected_states(trainer: Trainer, module: LightningModule) -> Optional[int]:
     its share is the floating-point parameters it holds (as the strategy placed them), over the strategy's
     data-parallel size (HSDP: its shard size) and ``zero_stage``. None where that is not known: several
     optimizers, an optimizer without a formula, expert parallelism with ZeRO (the experts shard over fewer
-    replicas), or a strategy that shards what this report cannot read (Lightning's FSDP)."""
+    replicas), or a strategy that shards what this report cannot read (Lightning's FSDP; parameters that are
+    DTensors, as FSDP2's ``fully_shard`` under Lightning's ``ModelParallelStrategy`` leaves them, whose
+    ``numel`` is the whole tensor's)."""
     strategy, optimizers = trainer.strategy, trainer.optimizers
     params = [p for p in module.parameters() if p.is_floating_point() and p.device.type != "meta"]
     mesh, stage = getattr(strategy, "mesh", None), getattr(strategy, "zero_stage", 0)
     if len(optimizers) != 1 or not params or "fsdp" in type(strategy).__name__.lower():
+        return None
+    if any(isinstance(getattr(p, "_local_tensor", None), torch.Tensor) for p in params):
         return None
     if stage and getattr(strategy, "expert_parallel_size", 1) > 1:
         return None
@@ -209,6 +214,13 @@ def held_parameters(strategy: Any) -> list[torch.Tensor]:
     """The parameter memory a strategy holds beside the module's parameters (ZeRO-3's shards)."""
     held = getattr(strategy, "held_parameters", None)
     return held() if callable(held) else []
+
+
+def released_parameters(strategy: Any) -> list[torch.Tensor]:
+    """Parameter storages whose pages the strategy handed back (ZeRO-3's freed units on the CPU)."""
+    sharded = getattr(strategy, "sharded_parameters", None)
+    released = getattr(sharded, "released_tensors", None)
+    return released() if callable(released) else []
 
 
 def report_of(trainer: Trainer) -> Optional[MemoryReport]:

@@ -16,10 +16,19 @@ from lightning_parallel.memory.accounting import (
     optimizer_state_tensors,
     peak_rss_bytes,
     rss_bytes,
+    storage_id,
     unique_storage_bytes,
 )
 
-__all__ = ["RankMemory", "SetupFigures", "measure_rank", "format_table", "as_dicts", "headline"]
+__all__ = [
+    "RankMemory",
+    "SetupFigures",
+    "measure_rank",
+    "parameter_bytes",
+    "format_table",
+    "as_dicts",
+    "headline",
+]
 
 MIB = 2**20
 
@@ -72,18 +81,20 @@ def measure_rank(
     held_gradients: Iterable[Tensor] = (),
     held_parameters: Iterable[Tensor] = (),
     expected_states: Optional[int] = None,
+    released_parameters: Iterable[Tensor] = (),
 ) -> RankMemory:
     """This rank's row, measured now: the tensors it holds, and the process's memory. ``held_gradients``:
     gradient memory the strategy holds beside the ``.grad`` of the parameters (its buckets, ZeRO's shards);
     ``held_parameters``: parameter memory beside the module's (ZeRO-3's shards); ``expected_states``: what
-    the formulas expect of the parameters, gradients and optimizer state together."""
+    the formulas expect of the parameters, gradients and optimizer state together; ``released_parameters``:
+    storages whose pages the strategy handed back (ZeRO-3's freed units on the CPU), not counted."""
     params = list(module.parameters())
     cuda = cuda_allocated(device) or {}
     return RankMemory(
         rank=rank,
         device=str(device),
         model_parameters=model.bytes_as(floating_dtype(params)),
-        parameters=unique_storage_bytes([*params, *held_parameters]),
+        parameters=parameter_bytes(params, held_parameters, released_parameters),
         gradients=unique_storage_bytes([*gradients(params), *held_gradients]),
         optimizer_state=unique_storage_bytes(optimizer_state_tensors(optimizers)),
         activations=activations,
@@ -96,6 +107,14 @@ def measure_rank(
         cuda_max_reserved=cuda.get("max_reserved"),
         expected_states=expected_states,
     )
+
+
+def parameter_bytes(
+    params: Iterable[Tensor], held: Iterable[Tensor] = (), released: Iterable[Tensor] = ()
+) -> int:
+    """Bytes of the distinct storages of ``params`` and ``held``, leaving out those of ``released``."""
+    gone = {storage_id(t) for t in released}
+    return unique_storage_bytes([t for t in [*params, *held] if storage_id(t) not in gone])
 
 
 #: the table's columns: field -> heading

@@ -58,3 +58,16 @@ def test_the_reports_expected_column_reads_the_strategys_layout() -> None:
     assert expected_states(trainer, module) == 110 * (4 + 4) + 110 * 8 // 2
     trainer.optimizers = [torch.optim.LBFGS(module.parameters())]
     assert expected_states(trainer, module) is None
+
+
+def test_no_expected_states_for_dtensor_parameters() -> None:
+    """FSDP2's ``fully_shard`` (under Lightning's ``ModelParallelStrategy``) leaves DTensor parameters whose
+    ``numel`` is the whole tensor's: the column would read the unsharded states, so it is left empty. A
+    parameter with a local tensor (what the report reads of a DTensor) stands in for one."""
+    module = nn.Linear(10, 10)
+    trainer = SimpleNamespace(
+        strategy=SimpleNamespace(), optimizers=[torch.optim.AdamW(module.parameters())], world_size=1
+    )
+    assert expected_states(trainer, module) == 110 * 16
+    module.weight._local_tensor = torch.zeros(50)
+    assert expected_states(trainer, module) is None
