@@ -112,6 +112,36 @@ def _unit(name: str, module: Optional[nn.Module], params: list[nn.Parameter], gr
     return ParameterUnit(name, module, params, full, shard, rank)
 
 
+def _unit_on_meta(
+    name: str, module: Optional[nn.Module], params: list[nn.Parameter], group: Any, device: torch.device
+) -> ParameterUnit:
+    """A freed unit over ``params`` (meta parameters of a module built on meta) laid out as ``_unit`` lays
+    out real ones: new parameters on ``device``, views of a flat buffer that is never filled (freed at once),
+    and this rank's shard, zeros until ``ShardedParameters.place`` writes the values into it. The caller puts
+    the new parameters in the module in the meta ones' place."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    numel = sum(p.numel() for p in params)
+    size = -(-numel // world)
+    full = torch.empty(size * world, dtype=params[0].dtype, device=device)  # never written: no pages touched
+    views, offset = [], 0
+    for p in params:
+        param = nn.Parameter(torch.empty(0, dtype=full.dtype, device=device))
+        param.data = full[offset : offset + p.numel()].view(p.shape)  # as _unit: a version counter of its own
+        views.append(param)
+        offset += p.numel()
+    full.untyped_storage().resize_(0)
+    shard = torch.zeros(size, dtype=full.dtype, device=device)
+    return ParameterUnit(name, module, views, full, shard, rank, gathered=False)
+
+
+def _put_in_place(module: nn.Module, new: dict[nn.Parameter, nn.Parameter]) -> None:
+    """Every registry entry of ``module`` holding a key of ``new`` made to hold its value (ties kept)."""
+    for m in module.modules():
+        for attr, p in m._parameters.items():
+            if p is not None and p in new:
+                m._parameters[attr] = new[p]
+
+
 def _refuse_shared(module: nn.Module, blocks: list[nn.Module]) -> None:
     """A parameter is in one unit: one tied across two blocks, or between a block and a module outside
     the blocks, would be gathered and freed by either, so it is refused with its names."""
@@ -145,6 +175,7 @@ class ShardedParameters:
         gather_group: Any,
         reshard_after_forward: bool = True,
         stack_name: Optional[str] = None,
+        device: Optional[torch.device] = None,
     ) -> None:
         self.group, self.gather_group = group, gather_group
         self.reshard_after_forward = reshard_after_forward
@@ -158,12 +189,19 @@ class ShardedParameters:
         root = [p for p in trainable(dict.fromkeys(module.parameters())) if p not in in_blocks]
         in_root = set(root)
         _refuse_shared(module, blocks)
+        make = _unit if device is None else partial(_unit_on_meta, device=device)
         self.blocks = [
-            _unit(str(i), block, trainable(block.parameters()), group)
+            make(str(i), block, trainable(block.parameters()), group)
             for i, block in enumerate(blocks)
             if trainable(block.parameters())
         ]
-        self.root = _unit("", None, root, group) if root else None
+        self.root = make("", None, root, group) if root else None
+        # built on meta: each new parameter's unit and offset, until place() has written its values
+        self._unplaced: dict[nn.Parameter, tuple[ParameterUnit, int]] = {}
+        self._by_name: dict[str, nn.Parameter] = {}
+        if device is not None:
+            metas = [trainable(block.parameters()) for block in blocks if trainable(block.parameters())]
+            in_root = set(self._replace_meta_parameters(module, [*metas, root]))
         self._index = {id(unit): i for i, unit in enumerate(self.blocks)}
         self._handles = [h for unit in self.blocks for h in self._hook(unit)]
         if self.root is not None:  # a forward after a backward in the same step gathers the root again
@@ -172,6 +210,51 @@ class ShardedParameters:
             self._handles += [m.register_forward_pre_hook(gather_root) for m in owners]
         for unit in self.units():
             unit.free()
+
+    # ------------------------------------------------------------------ set-up of a model built on meta
+    def _replace_meta_parameters(
+        self, module: nn.Module, metas: list[list[nn.Parameter]]
+    ) -> list[nn.Parameter]:
+        """The units' new parameters put in ``module`` in place of the meta ones (``metas``: each unit's, in
+        ``self.blocks`` then root order), each noted by every name with its unit and offset for ``place``.
+        Returns the root unit's new parameters."""
+        new: dict[nn.Parameter, nn.Parameter] = {}
+        for unit, old in zip([*self.blocks, *([self.root] if self.root is not None else [])], metas):
+            offset = 0
+            for meta, p in zip(old, unit.params):
+                new[meta], self._unplaced[p] = p, (unit, offset)
+                offset += p.numel()
+        _put_in_place(module, new)
+        self._by_name = {
+            n: p for n, p in module.named_parameters(remove_duplicate=False) if p in self._unplaced
+        }
+        return [] if self.root is None else self.root.params
+
+    def place(self, name: str, value: Tensor) -> bool:
+        """Write this rank's range of the full ``value`` of parameter ``name`` into its unit's shard (set-up
+        of a model built on meta); False when ``name`` is not a parameter of a unit."""
+        p = self._by_name.get(name)
+        if p is None:
+            return False
+        where = self._unplaced.pop(p, None)
+        if where is not None:  # else written already, under another of its names
+            unit, offset = where
+            start, stop = unit.rank * unit.size, (unit.rank + 1) * unit.size
+            first, last = max(offset, start), min(offset + p.numel(), stop)
+            if first < last:
+                flat = value.reshape(-1)[first - offset : last - offset]
+                with torch.no_grad():
+                    unit.shard[first - start : last - start].copy_(flat.to(unit.shard.dtype))
+        return True
+
+    def check_placed(self) -> None:
+        """Raises naming the parameters built on meta that ``place`` gave no values."""
+        waiting = set(self._unplaced)
+        missing = [n for n, p in self._by_name.items() if p in waiting]
+        if missing:
+            raise RuntimeError(
+                f"zero_stage=3 set-up gave no values to {missing[:5]} (of {len(missing)}): a bug, please report it"
+            )
 
     def units(self) -> list[ParameterUnit]:
         """Every unit, in the order backward completes them: the blocks last to first, then the root."""

@@ -85,6 +85,7 @@ from lightning_parallel.distributed.zero import ZERO_STAGES, ShardedGradientRedu
 from lightning_parallel.every_rank import training_step_scope
 from lightning_parallel.materialize import (
     Cut,
+    Place,
     WeightSource,
     capture,
     describe_loaded,
@@ -460,12 +461,15 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             return
         super().model_to_device()
 
-    def set_up_share(self, parallelize: Callable[[], Optional[Cut]] = lambda: None) -> None:
+    def set_up_share(
+        self, parallelize: Callable[[], Optional[Cut]] = lambda: None, place: Optional[Place] = None
+    ) -> None:
         """Set up this rank's share of the module without holding the whole on the device: its tensors are
         taken out (meta left in place), ``parallelize()`` splits the meta module and returns how a rank cuts
         a full tensor (None: keeps it whole), then what the rank still holds is allocated on its device and
         filled one module at a time: from a checkpoint given before set-up, the module's real tensors (rank
-        0's, one at a time), or its initializers, run on the host from rank 0's random state."""
+        0's, one at a time), or its initializers, run on the host from rank 0's random state. Tensors that
+        ``parallelize()`` placed itself get their values through ``place`` (``materialize``)."""
         module = self.lightning_module
         rng_state = shared_rng_state(self._setup_rng_state)
         captured = capture(module)
@@ -474,7 +478,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         if checkpoint is None and self.initial_weights is not None:
             checkpoint = open_weights(self.initial_weights, self.initial_weights_prefix)
             rank_zero_info(describe_loaded(captured, checkpoint, self.initial_weights))
-        materialize(module, captured, self.root_device, rng_state, cut, checkpoint)
+        materialize(module, captured, self.root_device, rng_state, cut, checkpoint, place)
 
     def load_full_model_state(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """A checkpoint read before set-up into a module built on meta is kept, and set-up reads each

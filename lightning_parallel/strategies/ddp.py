@@ -241,8 +241,14 @@ class DDPStrategy(ParallelStrategyBase):
 
     def configure_parallelism(self) -> None:
         module = self.lightning_module
+        shards_parameters = self.zero_stage == 3 and group_size(self.dp_group) > 1
+        self.sharded_parameters = None
         if has_meta_tensors(module) or self.initial_weights is not None:  # every rank makes the same values
-            self.set_up_share()
+            if shards_parameters:  # each rank allocates and fills only its shard of each unit
+                self.set_up_share(self._shard_parameters_on_meta, self._place_in_shards)
+                self.sharded_parameters.check_placed()
+            else:
+                self.set_up_share()
         elif self.init_sync:
             broadcast_module_states(module, src=0, group=self.dp_group)
         self.apply_activation_checkpointing()
@@ -252,13 +258,8 @@ class DDPStrategy(ParallelStrategyBase):
         # buffers broadcast from rank 0 before a forward, as torch DDP does: only where there are replicas
         self._has_buffers = group_size(self.dp_group) > 1 and any(True for _ in module.buffers())
         self._sync_buffers_next = True
-        if self.zero_stage == 3 and group_size(self.dp_group) > 1:
-            self.sharded_parameters = ShardedParameters(
-                module,
-                self.dp_group,
-                new_axis_group(self.mesh.shape, "dp", self.global_rank),
-                self.reshard_after_forward,
-            )
+        if shards_parameters and self.sharded_parameters is None:
+            self.sharded_parameters = self._shard_parameters()
         self.reducer = self.make_reducer(
             list(module.named_parameters()),
             bucket_cap_mb=self.bucket_cap_mb,
@@ -269,6 +270,22 @@ class DDPStrategy(ParallelStrategyBase):
             static_graph=self.static_graph,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
         )
+
+    def _shard_parameters(self, device: Optional[torch.device] = None) -> ShardedParameters:
+        """``zero_stage=3``'s units over the dp group (``device``: of a module built on meta)."""
+        gather_group = new_axis_group(self.mesh.shape, "dp", self.global_rank)
+        return ShardedParameters(
+            self.lightning_module, self.dp_group, gather_group, self.reshard_after_forward, device=device
+        )
+
+    def _shard_parameters_on_meta(self) -> None:
+        """``set_up_share``'s parallelize: the units laid out on the meta module, each rank's shards
+        allocated on its device (filled by ``_place_in_shards``); the other tensors stay whole."""
+        self.sharded_parameters = self._shard_parameters(self.root_device)
+
+    def _place_in_shards(self, name: str, value: torch.Tensor) -> bool:
+        assert self.sharded_parameters is not None
+        return self.sharded_parameters.place(name, value)
 
     def make_reducer(self, named_params: list, **kwargs: Any) -> Any:
         """The base's; with ``zero_stage=3``, one gradient bucket per unit of the sharded parameters."""
