@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_parallel.compat import all_gather_single, tree_flatten
+from lightning_parallel.distributed.optimizer_shards import StatePieces
 from lightning_parallel.distributed.reducer import _Bucket
 from lightning_parallel.distributed.zero import ShardedGradientReducer, all_gather_by_ranges
 from lightning_parallel.module_names import find_block_stack
@@ -110,6 +111,13 @@ def _unit(name: str, module: Optional[nn.Module], params: list[nn.Parameter], gr
             offset += p.numel()
     shard = full[rank * size : (rank + 1) * size].clone()
     return ParameterUnit(name, module, params, full, shard, rank)
+
+
+def _overlap(unit: ParameterUnit, rank: int, offset: int, numel: int) -> tuple[int, int]:
+    """The elements ``(start, stop)`` of the parameter at ``offset`` in ``unit``'s flat buffer (of ``numel``
+    elements) that rank ``rank``'s range holds; ``start >= stop``: none."""
+    first = rank * unit.size
+    return max(first, offset) - offset, min(first + unit.size, offset + numel) - offset
 
 
 def _unit_on_meta(
@@ -239,12 +247,13 @@ class ShardedParameters:
         where = self._unplaced.pop(p, None)
         if where is not None:  # else written already, under another of its names
             unit, offset = where
-            start, stop = unit.rank * unit.size, (unit.rank + 1) * unit.size
-            first, last = max(offset, start), min(offset + p.numel(), stop)
-            if first < last:
-                flat = value.reshape(-1)[first - offset : last - offset]
+            start, stop = _overlap(unit, unit.rank, offset, p.numel())
+            if start < stop:
+                into = offset + start - unit.rank * unit.size
                 with torch.no_grad():
-                    unit.shard[first - start : last - start].copy_(flat.to(unit.shard.dtype))
+                    unit.shard[into : into + stop - start].copy_(
+                        value.reshape(-1)[start:stop].to(unit.shard.dtype)
+                    )
         return True
 
     def check_placed(self) -> None:
@@ -255,6 +264,27 @@ class ShardedParameters:
             raise RuntimeError(
                 f"zero_stage=3 set-up gave no values to {missing[:5]} (of {len(missing)}): a bug, please report it"
             )
+
+    # ------------------------------------------------------------------ sharded checkpoints
+    def state_pieces(self, module: nn.Module) -> dict[str, Optional[StatePieces]]:
+        """Each parameter of a unit by every name in ``module``, as this rank holds it: its elements in this
+        rank's shard (views, so a sharded checkpoint writes from and reads into the shards directly) and
+        every rank's span of it; None for a parameter this rank holds no element of."""
+        pieces: dict[nn.Parameter, Optional[StatePieces]] = {}
+        world = dist.get_world_size(self.group)
+        for unit in self.units():
+            offset = 0
+            for p in unit.params:
+                spans = [_overlap(unit, r, offset, p.numel()) for r in range(world)]
+                start, stop = spans[unit.rank]
+                held = unit.shard[
+                    offset + start - unit.rank * unit.size : offset + stop - unit.rank * unit.size
+                ]
+                spans = [(a, b) for a, b in spans if a < b]
+                pieces[p] = StatePieces(held, start, spans, p.shape) if start < stop else None
+                offset += p.numel()
+        named = module.named_parameters(remove_duplicate=False)
+        return {n: pieces[p] for n, p in named if p in pieces}
 
     def units(self) -> list[ParameterUnit]:
         """Every unit, in the order backward completes them: the blocks last to first, then the root."""

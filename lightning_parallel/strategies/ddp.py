@@ -22,6 +22,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostL
 
 from lightning_parallel.distributed.collectives import group_size
 from lightning_parallel.distributed.mesh import new_axis_group
+from lightning_parallel.distributed.optimizer_shards import StatePieces
 from lightning_parallel.distributed.reducer import (
     COMM_HOOKS,
     CommHook,
@@ -78,7 +79,7 @@ def _base_option(values: Mapping[str, Any], name: str, default: Any) -> Any:
 
 
 def _zero3_problem(values: Mapping[str, Any], prefix: str) -> Optional[str]:
-    """``reshard_after_forward`` and ``save_distributed`` against ``zero_stage``."""
+    """``reshard_after_forward`` against ``zero_stage``."""
     stage, reshard = _base_option(values, "zero_stage", 0), values["reshard_after_forward"]
     if not isinstance(reshard, bool):
         return f"{prefix}reshard_after_forward must be True or False, got {reshard!r} (default True)"
@@ -86,11 +87,6 @@ def _zero3_problem(values: Mapping[str, Any], prefix: str) -> Optional[str]:
         return (
             f"{prefix}reshard_after_forward=False keeps zero_stage=3's gathered blocks until their backward; "
             f"with zero_stage={stage} the parameters are whole anyway: leave it True, or use zero_stage=3"
-        )
-    if stage == 3 and _base_option(values, "save_distributed", False):
-        return (
-            f"{prefix}save_distributed=True with zero_stage=3 is not supported yet: use save_distributed=False "
-            "(a full checkpoint, gathered block by block, loadable in any layout) or zero_stage 1 or 2"
         )
     return None
 
@@ -302,10 +298,18 @@ class DDPStrategy(ParallelStrategyBase):
             return {k: v.clone() for k, v in super().full_model_state().items()}
 
     def load_full_model_state(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
-        if self.sharded_parameters is None:
+        """With ``zero_stage=3`` and parameters of the units in ``state_dict``: every unit gathered, loaded,
+        and each rank's range kept (a sharded checkpoint reads them into the shards itself)."""
+        if self.sharded_parameters is None or not self.model_state_pieces().keys() & state_dict.keys():
             return super().load_full_model_state(state_dict, strict=strict)
         with self.sharded_parameters.gathered():  # every rank then keeps its range of what was loaded
             super().load_full_model_state(state_dict, strict=strict)
+
+    def model_state_pieces(self) -> dict[str, Optional[StatePieces]]:
+        """``zero_stage=3``: each parameter of a unit as this rank's range of it (a sharded checkpoint's)."""
+        if self.sharded_parameters is None:
+            return {}
+        return self.sharded_parameters.state_pieces(self.lightning_module)
 
     def held_parameters(self) -> list[torch.Tensor]:
         """Parameter memory held beside the module's own (``zero_stage=3``: this rank's shards)."""

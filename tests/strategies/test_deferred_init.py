@@ -2,8 +2,8 @@
 is created on the meta device, each rank materializes only its share from the modules' own initializers,
 and the same seed gives the same training in every layout (float64, 5 steps, 1e-10): lp_ddp on one
 process, tensor parallel, both synchronous pipelines, the 2-D layouts and lp_ddp with zero_stage=3 (each
-rank fills only its shard of each unit, from initializers, a full checkpoint or pretrained weights), on a GPT-style model and on
-the Hugging Face Llama-style zoo model."""
+rank fills only its shard of each unit, from initializers, a full checkpoint or pretrained weights), on a
+GPT-style model and on the Hugging Face Llama-style zoo model."""
 
 from __future__ import annotations
 
@@ -207,7 +207,13 @@ def test_a_rank_holds_its_share_after_set_up(deferred, layout):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "name",
-    ["resume-full-tp2", "resume-full-1f1b", "resume-full-dp2_z3", "resume-sharded-1f1b", "resume-sharded-tp2"],
+    [
+        "resume-full-tp2",
+        "resume-full-1f1b",
+        "resume-full-dp2_z3",
+        "resume-sharded-1f1b",
+        "resume-sharded-tp2",
+    ],
 )
 def test_checkpoints_load_straight_into_the_shards_and_resume_exactly(deferred, name):
     tmp, _ = deferred

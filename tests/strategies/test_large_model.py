@@ -1,6 +1,7 @@
 """A model larger than a rank's share, on real processes: set-up never holds more than the rank's share
-(plus one module at a time), under tensor parallel, a pipeline, dp2 x tp2 and lp_ddp with zero_stage=3. GPT-style, 1.13 GB of float32 parameters (width 1536, 10 blocks), one SGD
-step; memory is the resident memory measured in each rank (``tests.helpers.worker.SetupMemory``)."""
+(plus one module at a time), under tensor parallel, a pipeline, dp2 x tp2 and lp_ddp with zero_stage=3.
+GPT-style, 1.13 GB of float32 parameters (width 1536, 10 blocks), one SGD step; memory is the resident
+memory measured in each rank (``tests.helpers.worker.SetupMemory``)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,10 @@ def large(tmp_path_factory):
     results = {}
     results.update(
         run_distributed(
-            [case("tp2", True), case("1f1b", True), case("tp2", False), case("dp2_z3", True)], 2, tmp, timeout=600
+            [case("tp2", True), case("1f1b", True), case("tp2", False), case("dp2_z3", True)],
+            2,
+            tmp,
+            timeout=600,
         )
     )
     results.update(run_distributed([case("dp2_tp2", True)], 4, tmp, timeout=600))
