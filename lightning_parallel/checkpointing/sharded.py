@@ -192,7 +192,11 @@ def _as_pieces(pieces: StatePieces, layout: ShardLayout | None) -> Any:
     properties = TensorProperties(dtype=flat.dtype, requires_grad=False)
     metadata = ShardedTensorMetadata(everyone, torch.Size(full), properties)
     spec = EnumerableShardingSpec(everyone)  # the boxes as they are (torch would infer a placed chunking)
-    return ShardedTensorBase._init_from_local_shards_and_global_metadata(local, metadata, spec)
+    sharded = ShardedTensorBase._init_from_local_shards_and_global_metadata(local, metadata, spec)
+    # a load destination too (ZeRO-3's parameters): DCP's load planner asks its size(), which torch's
+    # sharded ops dispatch with the tensor's process group, unused by such queries
+    sharded._process_group = None
+    return sharded
 
 
 # ---------------------------------------------------------------------------------------------- load
