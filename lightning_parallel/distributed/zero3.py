@@ -90,14 +90,18 @@ class ParameterUnit:
             self.shard.copy_(self.own())
 
 
-def _unit(name: str, module: Optional[nn.Module], params: list[nn.Parameter], group: Any) -> ParameterUnit:
-    """A unit over ``params``, which become views of its flat buffer (gathered: it holds their values)."""
+def _refuse_mixed(name: str, params: list[nn.Parameter]) -> None:
     dtypes = {p.dtype for p in params}
     if len(dtypes) != 1 or len({p.device for p in params}) != 1:
         raise ValueError(
             f"zero_stage=3 flattens each unit's parameters into one buffer; unit {name or '(root)'!r} mixes "
             f"dtypes or devices ({sorted(map(str, dtypes))}); give its parameters one dtype and device"
         )
+
+
+def _unit(name: str, module: Optional[nn.Module], params: list[nn.Parameter], group: Any) -> ParameterUnit:
+    """A unit over ``params``, which become views of its flat buffer (gathered: it holds their values)."""
+    _refuse_mixed(name, params)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     numel = sum(p.numel() for p in params)
     size = -(-numel // world)
@@ -127,6 +131,7 @@ def _unit_on_meta(
     out real ones: new parameters on ``device``, views of a flat buffer that is never filled (freed at once),
     and this rank's shard, zeros until ``ShardedParameters.place`` writes the values into it. The caller puts
     the new parameters in the module in the meta ones' place."""
+    _refuse_mixed(name, params)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     numel = sum(p.numel() for p in params)
     size = -(-numel // world)
