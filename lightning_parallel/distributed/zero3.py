@@ -27,6 +27,10 @@ One step, in the order the hooks run::
 The gathers run over a process group of their own, so that their order against the gradients'
 reduce-scatters (started from autograd hooks) cannot differ between ranks. Frozen parameters are not
 sharded (every rank holds them whole, as at stage 0).
+
+A module built on meta is laid out in units there (``device``): each rank allocates only its shards, and
+set-up writes its range of each parameter's full value into them (``place``). A sharded checkpoint writes
+and reads each parameter's range in this rank's shard (``state_pieces``).
 """
 
 from __future__ import annotations
