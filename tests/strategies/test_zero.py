@@ -211,6 +211,12 @@ def runs(tmp_path_factory):
                 ckpt_path=directory,
             )
             later[2].append(resumed)
+    z3_directory = str(tmp / "dist2" / "ddp2-gpt-adamw-z3-sharded" / "last.ckpt")  # read as ranges at dp=4
+    later[4].append(
+        case(
+            "resume-z3-sharded-dp4-z3", "gpt", "adamw", DDP, {"zero_stage": 3}, 4, 10, ckpt_path=z3_directory
+        )
+    )
     for world, cases in later.items():
         results.update(run_distributed(cases, world_size=world, tmp_path=tmp / "later", timeout=400))
     return tmp, results
@@ -330,7 +336,7 @@ def test_sharded_zero_checkpoint_is_written_in_pieces_and_resumes_exactly(runs, 
     """``save_distributed`` with ZeRO: a moment of a parameter (and at stage 3 the parameter itself) is
     written as pieces by both data-parallel ranks (not gathered and written by one), the directory
     consolidates into the single-device optimizer state and parameters, and it resumes exactly on one device
-    and under lp_ddp with ZeRO-2 and ZeRO-3."""
+    and under lp_ddp with ZeRO-2 and ZeRO-3 (the stage-3 directory also at dp=4)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     from lightning_parallel.checkpointing.sharded import consolidate
@@ -362,6 +368,7 @@ def test_sharded_zero_checkpoint_is_written_in_pieces_and_resumes_exactly(runs, 
         (f"resume-{name}-dp1", 1),
         (f"resume-{name}-dp2-z2", 2),
         (f"resume-{name}-dp2-z3", 2),
+        *([("resume-z3-sharded-dp4-z3", 4)] if "z3" in name else []),
     ):
         full = torch.load(tmp / "later" / f"dist{world}" / resumed / "last.ckpt", weights_only=False)
         assert full["global_step"] == 10, resumed
