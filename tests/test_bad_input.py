@@ -72,12 +72,6 @@ CATALOGUE = [
         ["reshard_after_forward=False", "zero_stage=2", "zero_stage=3"],
     ),
     (
-        "zero-stage-3-save-distributed",
-        lambda: lp.DDPStrategy(zero_stage=3, save_distributed=True),
-        ValueError,
-        ["save_distributed=True", "zero_stage=3", "save_distributed=False"],
-    ),
-    (
         "zero-stage-3-async-pipeline",
         lambda: lp.PipelineParallelStrategy(schedule="async", zero_stage=3),
         ValueError,

@@ -96,7 +96,7 @@ class Checkpointer(CheckpointContract):
     # ------------------------------------------------------------------ save
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self.prepare_checkpoint()
-        return self.lightning_module.state_dict() if self.save_distributed else self.full_model_state()
+        return self.local_model_state() if self.save_distributed else self.full_model_state()
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         return (

@@ -8,7 +8,8 @@ The checkpoint hooks (``checkpointer.py``) read and write a strategy only throug
 - how it **loads a full state** (``load_full_model_state``, ``load_full_optimizer_state``): each rank takes
   its part;
 - which **shards it owns** (``shard_layouts``: a state-dict key or parameter name -> the slice of the full
-  tensor this rank holds; keys absent are held whole) and the optimizer state it owns
+  tensor this rank holds; keys absent are held whole; ``model_state_pieces``: the parameters it holds as a
+  range of the flattened tensor, ZeRO-3's) and the optimizer state it owns
   (``local_optimizer_state`` by parameter name, cut as ``optimizer_state_layouts`` says: by default like its
   parameter, so a strategy that shards optimizer state alone states only those two);
 - a **network held in the hyperparameters** as one device holds it (``one_device_copy``);
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
@@ -28,6 +29,7 @@ from torch import nn
 
 from lightning_parallel.checkpointing.by_name import state_by_name
 from lightning_parallel.checkpointing.one_device import one_device_copy
+from lightning_parallel.distributed.optimizer_shards import StatePieces
 
 __all__ = ["CheckpointContract", "ShardLayout", "check_keys"]
 
@@ -111,6 +113,19 @@ class CheckpointContract:
     def shard_layouts(self) -> dict[str, ShardLayout]:
         """state_dict key / parameter name -> the slice of the full tensor this rank holds."""
         return {}
+
+    def model_state_pieces(self) -> dict[str, Optional[StatePieces]]:
+        """state_dict keys this rank holds as a range of the flattened tensor (ZeRO-3's parameters), each as
+        ``StatePieces`` over the rank's own memory (None: the rank holds none of it); keys absent are held as
+        the module holds them."""
+        return {}
+
+    def local_model_state(self) -> dict[str, Any]:
+        """This rank's own model tensors (a sharded checkpoint's): the module's ``state_dict``, with the keys
+        of ``model_state_pieces`` as those pieces (left out where the rank holds none)."""
+        pieces = self.model_state_pieces()
+        state = {k: pieces.get(k, v) for k, v in self.lightning_module.state_dict().items()}
+        return {k: v for k, v in state.items() if v is not None}
 
     def local_optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """This rank's optimizer state by parameter name: ``{"state": {name: {...}}, "groups": [...]}``."""

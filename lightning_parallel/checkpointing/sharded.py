@@ -192,7 +192,11 @@ def _as_pieces(pieces: StatePieces, layout: ShardLayout | None) -> Any:
     properties = TensorProperties(dtype=flat.dtype, requires_grad=False)
     metadata = ShardedTensorMetadata(everyone, torch.Size(full), properties)
     spec = EnumerableShardingSpec(everyone)  # the boxes as they are (torch would infer a placed chunking)
-    return ShardedTensorBase._init_from_local_shards_and_global_metadata(local, metadata, spec)
+    sharded = ShardedTensorBase._init_from_local_shards_and_global_metadata(local, metadata, spec)
+    # a load destination too (ZeRO-3's parameters): DCP's load planner asks its size(), which torch's
+    # sharded ops dispatch with the tensor's process group, unused by such queries
+    sharded._process_group = None
+    return sharded
 
 
 # ---------------------------------------------------------------------------------------------- load
@@ -260,7 +264,10 @@ def _dcp_state(strategy: Any, checkpoint: dict[str, Any]) -> tuple[dict[str, Any
     params = dict(strategy.lightning_module.named_parameters())
     state: dict[str, Any] = {}
     for key, tensor in checkpoint.pop("state_dict").items():
-        state[_MODEL + key] = _as_dtensor(tensor, layouts[key], meshes) if key in layouts else tensor
+        if isinstance(tensor, StatePieces):  # ZeRO-3: this rank's range of the parameter
+            state[_MODEL + key] = _as_pieces(tensor, layouts.get(key))
+        else:
+            state[_MODEL + key] = _as_dtensor(tensor, layouts[key], meshes) if key in layouts else tensor
     groups = []
     for i, by_name in enumerate(checkpoint.pop("optimizer_states", [])):
         for name, entry in by_name["state"].items():
@@ -328,8 +335,14 @@ def load_sharded(
     layouts, meshes = strategy.shard_layouts(), {}
     dest: dict[str, Any] = {}
     local: dict[str, Tensor] = {}
+    pieces = strategy.model_state_pieces()  # read straight into the rank's own range (ZeRO-3)
     for key, tensor in module.state_dict().items():
-        if _MODEL + key in md:
+        if _MODEL + key not in md:
+            continue
+        if key in pieces:
+            if pieces[key] is not None:
+                dest[_MODEL + key] = _as_pieces(pieces[key], layouts.get(key))
+        else:
             dest[_MODEL + key], local[key] = _destination(
                 tensor, md[_MODEL + key], layouts.get(key), key, meshes
             )
@@ -341,7 +354,7 @@ def load_sharded(
         for i, optimizer in enumerate((strategy.optimizers or [])[: len(saved_states)])
     ]
     load_dcp(dest, path, weights_only)
-    strategy.load_full_model_state(local, strict=strict)
+    strategy.load_full_model_state(local, strict=strict and not pieces)  # strict: checked above
     for optimizer, saved, targets in optim_targets:
         optimizer.load_state_dict(_local_optimizer_state(optimizer, module, saved, targets, dest))
 

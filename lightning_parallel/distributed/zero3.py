@@ -42,6 +42,10 @@ their replicas shards them, leaving out the rest).
 
 The module may be a rank's tensor-parallel share: its parameters are whatever this rank holds (sharded
 layers' slices, replicated norms), and the units shard those over the data-parallel group.
+
+A module built on meta is laid out in units there (``device``): each rank allocates only its shards, and
+set-up writes its range of each parameter's full value into them (``place``). A sharded checkpoint writes
+and reads each parameter's range in this rank's shard (``state_pieces``).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_parallel.compat import all_gather_single, tree_flatten
+from lightning_parallel.distributed.optimizer_shards import StatePieces
 from lightning_parallel.distributed.reducer import _Bucket
 from lightning_parallel.distributed.zero import MAPPED_BYTES, ShardedGradientReducer, all_gather_by_ranges
 from lightning_parallel.module_names import find_block_stack
@@ -142,14 +147,18 @@ class ParameterUnit:
             self.shard.copy_(self.own())
 
 
-def _unit(name: str, module: Optional[nn.Module], params: list[nn.Parameter], group: Any) -> ParameterUnit:
-    """A unit over ``params``, which become views of its flat buffer (gathered: it holds their values)."""
+def _refuse_mixed(name: str, params: list[nn.Parameter]) -> None:
     dtypes = {p.dtype for p in params}
     if len(dtypes) != 1 or len({p.device for p in params}) != 1:
         raise ValueError(
             f"zero_stage=3 flattens each unit's parameters into one buffer; unit {name or '(root)'!r} mixes "
             f"dtypes or devices ({sorted(map(str, dtypes))}); give its parameters one dtype and device"
         )
+
+
+def _unit(name: str, module: Optional[nn.Module], params: list[nn.Parameter], group: Any) -> ParameterUnit:
+    """A unit over ``params``, which become views of its flat buffer (gathered: it holds their values)."""
+    _refuse_mixed(name, params)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     numel = sum(p.numel() for p in params)
     size = -(-numel // world)
@@ -190,6 +199,46 @@ def _blocks(module: nn.Module, stack_name: Optional[str]) -> list[nn.Module]:
     return list(stack)
 
 
+def _overlap(unit: ParameterUnit, rank: int, offset: int, numel: int) -> tuple[int, int]:
+    """The elements ``(start, stop)`` of the parameter at ``offset`` in ``unit``'s flat buffer (of ``numel``
+    elements) that rank ``rank``'s range holds; ``start >= stop``: none."""
+    first = rank * unit.size
+    return max(first, offset) - offset, min(first + unit.size, offset + numel) - offset
+
+
+def _unit_on_meta(
+    name: str, module: Optional[nn.Module], params: list[nn.Parameter], group: Any, device: torch.device
+) -> ParameterUnit:
+    """A freed unit over ``params`` (meta parameters of a module built on meta) laid out as ``_unit`` lays
+    out real ones: new parameters on ``device``, views of a flat buffer that is never filled (freed at once),
+    and this rank's shard, zeros until ``ShardedParameters.place`` writes the values into it. The caller puts
+    the new parameters in the module in the meta ones' place."""
+    _refuse_mixed(name, params)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    numel = sum(p.numel() for p in params)
+    size = -(-numel // world)
+    full = torch.empty(size * world, dtype=params[0].dtype, device=device)  # never written: no pages touched
+    views, offset = [], 0
+    for p in params:
+        param = nn.Parameter(torch.empty(0, dtype=full.dtype, device=device))
+        param.data = full[offset : offset + p.numel()].view(p.shape)  # as _unit: a version counter of its own
+        views.append(param)
+        offset += p.numel()
+    full.untyped_storage().resize_(0)
+    shard = torch.zeros(size, dtype=full.dtype, device=device)
+    unit = ParameterUnit(name, module, views, full, shard, rank, gathered=False)
+    unit.present(unit.placeholders)  # freed: a read finds the placeholders, never the released buffer
+    return unit
+
+
+def _put_in_place(module: nn.Module, new: dict[nn.Parameter, nn.Parameter]) -> None:
+    """Every registry entry of ``module`` holding a key of ``new`` made to hold its value (ties kept)."""
+    for m in module.modules():
+        for attr, p in m._parameters.items():
+            if p is not None and p in new:
+                m._parameters[attr] = new[p]
+
+
 def _refuse_shared(module: nn.Module, blocks: list[nn.Module]) -> None:
     """A parameter is in one unit: one tied across two blocks, or between a block and a module outside
     the blocks, would be gathered and freed by either, so it is refused with its names."""
@@ -221,6 +270,8 @@ class ShardedParameters:
         leave_out: trainable parameters in no unit here (held whole, or sharded by another set).
         blocks: the blocks that are units (None: the module's block stack; a pipeline stage: those it holds).
         kept: gathered for a whole step by ``step()``, with no hooks on the blocks (a pipeline stage).
+        device: of a module built on meta: the units laid out there, each rank allocating only its shards on
+            ``device`` (filled by ``place``).
     """
 
     def __init__(
@@ -233,6 +284,7 @@ class ShardedParameters:
         leave_out: Iterable[nn.Parameter] = (),
         blocks: Optional[Sequence[nn.Module]] = None,
         kept: bool = False,
+        device: Optional[torch.device] = None,
     ) -> None:
         self.group, self.gather_group = group, gather_group
         self.reshard_after_forward, self.kept = reshard_after_forward, kept
@@ -246,12 +298,19 @@ class ShardedParameters:
         root = [p for p in trainable(dict.fromkeys(module.parameters())) if p not in in_blocks]
         in_root = set(root)
         _refuse_shared(module, blocks)
+        make = _unit if device is None else partial(_unit_on_meta, device=device)
         self.blocks = [
-            _unit(str(i), block, trainable(block.parameters()), group)
+            make(str(i), block, trainable(block.parameters()), group)
             for i, block in enumerate(blocks)
             if trainable(block.parameters())
         ]
-        self.root = _unit("", None, root, group) if root else None
+        self.root = make("", None, root, group) if root else None
+        # built on meta: each new parameter's unit and offset, until place() has written its values
+        self._unplaced: dict[nn.Parameter, tuple[ParameterUnit, int]] = {}
+        self._by_name: dict[str, nn.Parameter] = {}
+        if device is not None:
+            metas = [trainable(block.parameters()) for block in blocks if trainable(block.parameters())]
+            in_root = set(self._replace_meta_parameters(module, [*metas, root]))
         self._index = {id(unit): i for i, unit in enumerate(self.blocks)}
         self._handles = [] if kept else [h for unit in self.blocks for h in self._hook(unit)]
         if self.root is not None and not kept:  # a forward after a backward in one step gathers the root
@@ -260,6 +319,73 @@ class ShardedParameters:
             self._handles += [m.register_forward_pre_hook(gather_root) for m in owners]
         for unit in self.units():
             unit.free()
+
+    # ------------------------------------------------------------------ set-up of a model built on meta
+    def _replace_meta_parameters(
+        self, module: nn.Module, metas: list[list[nn.Parameter]]
+    ) -> list[nn.Parameter]:
+        """The units' new parameters put in ``module`` in place of the meta ones (``metas``: each unit's, in
+        ``self.blocks`` then root order), each noted by every name with its unit and offset for ``place``.
+        Returns the root unit's new parameters."""
+        new: dict[nn.Parameter, nn.Parameter] = {}
+        for unit, old in zip([*self.blocks, *([self.root] if self.root is not None else [])], metas):
+            offset = 0
+            for meta, p in zip(old, unit.params):
+                new[meta], self._unplaced[p] = p, (unit, offset)
+                offset += p.numel()
+        _put_in_place(module, new)
+        self._by_name = {
+            n: p for n, p in module.named_parameters(remove_duplicate=False) if p in self._unplaced
+        }
+        return [] if self.root is None else self.root.params
+
+    def place(self, name: str, value: Tensor) -> bool:
+        """Write this rank's range of the full ``value`` of parameter ``name`` into its unit's shard (set-up
+        of a model built on meta); False when ``name`` is not a parameter of a unit."""
+        p = self._by_name.get(name)
+        if p is None:
+            return False
+        where = self._unplaced.pop(p, None)
+        if where is not None:  # else written already, under another of its names
+            unit, offset = where
+            start, stop = _overlap(unit, unit.rank, offset, p.numel())
+            if start < stop:
+                into = offset + start - unit.rank * unit.size
+                with torch.no_grad():
+                    unit.shard[into : into + stop - start].copy_(
+                        value.reshape(-1)[start:stop].to(unit.shard.dtype)
+                    )
+        return True
+
+    def check_placed(self) -> None:
+        """Raises naming the parameters built on meta that ``place`` gave no values."""
+        waiting = set(self._unplaced)
+        missing = [n for n, p in self._by_name.items() if p in waiting]
+        if missing:
+            raise RuntimeError(
+                f"zero_stage=3 set-up gave no values to {missing[:5]} (of {len(missing)}): a bug, please report it"
+            )
+
+    # ------------------------------------------------------------------ sharded checkpoints
+    def state_pieces(self, module: nn.Module) -> dict[str, Optional[StatePieces]]:
+        """Each parameter of a unit by every name in ``module``, as this rank holds it: its elements in this
+        rank's shard (views, so a sharded checkpoint writes from and reads into the shards directly) and
+        every rank's span of it; None for a parameter this rank holds no element of."""
+        pieces: dict[nn.Parameter, Optional[StatePieces]] = {}
+        world = dist.get_world_size(self.group)
+        for unit in self.units():
+            offset = 0
+            for p in unit.params:
+                spans = [_overlap(unit, r, offset, p.numel()) for r in range(world)]
+                start, stop = spans[unit.rank]
+                held = unit.shard[
+                    offset + start - unit.rank * unit.size : offset + stop - unit.rank * unit.size
+                ]
+                spans = [(a, b) for a, b in spans if a < b]
+                pieces[p] = StatePieces(held, start, spans, p.shape) if start < stop else None
+                offset += p.numel()
+        named = module.named_parameters(remove_duplicate=False)
+        return {n: pieces[p] for n, p in named if p in pieces}
 
     def units(self) -> list[ParameterUnit]:
         """Every unit, in the order backward completes them: the blocks last to first, then the root."""

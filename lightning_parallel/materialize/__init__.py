@@ -11,13 +11,14 @@ gives the same full weights in any layout.
 
 from lightning_parallel.materialize.constructors import recording_constructors
 from lightning_parallel.materialize.initializers import UninitializedTensorError, initializer_for
-from lightning_parallel.materialize.share import Cut, describe_loaded, materialize, shared_rng_state
+from lightning_parallel.materialize.share import Cut, Place, describe_loaded, materialize, shared_rng_state
 from lightning_parallel.materialize.tensors import Captured, Slot, capture, has_meta_tensors
 from lightning_parallel.materialize.weights import WeightSource, open_weights
 
 __all__ = [
     "Captured",
     "Cut",
+    "Place",
     "Slot",
     "UninitializedTensorError",
     "WeightSource",

@@ -14,10 +14,12 @@ from torch import Tensor, nn
 from lightning_parallel.materialize.initializers import initialized_copy
 from lightning_parallel.materialize.tensors import Captured, Slot, own_tensors
 
-__all__ = ["Cut", "describe_loaded", "materialize", "release_freed_host_memory", "shared_rng_state"]
+__all__ = ["Cut", "Place", "describe_loaded", "materialize", "release_freed_host_memory", "shared_rng_state"]
 
 #: (full name, full tensor) -> what this rank keeps of it
 Cut = Callable[[str, Tensor], Tensor]
+#: (full name, full tensor) -> whether it wrote what this rank keeps of a tensor it placed itself
+Place = Callable[[str, Tensor], bool]
 
 
 def _distributed() -> bool:
@@ -130,11 +132,14 @@ def materialize(
     rng_state: Tensor,
     cut: Optional[Cut] = None,
     checkpoint: Optional[Mapping[str, Tensor]] = None,
+    place: Optional[Place] = None,
 ) -> None:
     """Allocate on ``device`` every meta tensor that ``module`` (parallelized after ``capture``) still
-    registers, and write each from its full value (``full_values``) through ``cut`` (default: whole).
-    Raises if a tensor gets no value. On the meta device the share stays as it is, unfilled: the set-up
-    run for its placement alone (``planner/at_scale.py``) reads shapes, not values."""
+    registers, and write each from its full value (``full_values``) through ``cut`` (default: whole); a
+    tensor that parallelizing already put on the device (ZeRO-3's sharded parameters) is handed to
+    ``place`` by its names instead. Raises if an allocated tensor gets no value. On the meta device the
+    share stays as it is, unfilled: the set-up run for its placement alone (``planner/at_scale.py``) reads
+    shapes, not values."""
     if device.type == "meta":
         return
     local = _allocate(module, device)
@@ -147,6 +152,8 @@ def materialize(
                 if target is not None and pending.pop(id(target), None) is not None:
                     value = cut(name, full) if cut is not None else full
                     target.copy_(value.to(dtype=target.dtype).reshape(target.shape))
+                elif target is None and place is not None and place(name, full):
+                    break
             del full
     if pending:
         missing = [n for n, t in local.items() if id(t) in pending]

@@ -103,6 +103,7 @@ from lightning_parallel.distributed.zero3 import FullyShardedGradientReducer, Sh
 from lightning_parallel.every_rank import training_step_scope
 from lightning_parallel.materialize import (
     Cut,
+    Place,
     WeightSource,
     capture,
     describe_loaded,
@@ -209,9 +210,10 @@ def _shard_size_problem(cls: type, values: Mapping[str, Any], prefix: str) -> Op
     return None
 
 
-def _zero3_save_problem(stage: Any, save_distributed: Any, prefix: str) -> Optional[str]:
-    """``save_distributed`` with ``zero_stage=3``, whose shards a distributed checkpoint cannot describe yet."""
-    if stage != 3 or save_distributed is not True:
+def _zero3_save_problem(cls: type, stage: Any, save_distributed: Any, prefix: str) -> Optional[str]:
+    """``save_distributed`` with ``zero_stage=3`` where the strategy's checkpoint cannot write its parameters'
+    ranges yet (``saves_parameter_pieces``)."""
+    if stage != 3 or save_distributed is not True or cls.saves_parameter_pieces:
         return None
     return (
         f"{prefix}save_distributed=True with zero_stage=3 is not supported yet: use save_distributed=False "
@@ -278,6 +280,9 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
     zero_stages: tuple[int, ...] = (0, 1, 2)
     #: ``data_parallel_shard_size`` (HSDP) is wired (ZeRO's groups are ``zero_group`` / ``zero_replica_group``)
     shards_within_data_parallel = False
+    #: ``save_distributed=True`` with ``zero_stage=3`` writes each rank's ranges of the parameters
+    #: (``model_state_pieces``), as lp_ddp's checkpoint does
+    saves_parameter_pieces = False
     #: the data-parallel gradient path without optimizer sharding (a benchmark swaps the bucket collective)
     reducer_class: type[GradientReducer] = GradientReducer
     #: why only ``start_method="popen"`` works, where the others would hand back rank 0's part only
@@ -385,7 +390,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             else f"{prefix}zero_stage={values['zero_stage']!r} is not supported by {cls.__name__}: {cls.zero_refused}",
             _zero_stage_problem(cls, values["zero_stage"], prefix),
             _shard_size_problem(cls, values, prefix),
-            _zero3_save_problem(values["zero_stage"], values["save_distributed"], prefix),
+            _zero3_save_problem(cls, values["zero_stage"], values["save_distributed"], prefix),
         ]
 
     @classmethod
@@ -555,12 +560,15 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             return
         super().model_to_device()
 
-    def set_up_share(self, parallelize: Callable[[], Optional[Cut]] = lambda: None) -> None:
+    def set_up_share(
+        self, parallelize: Callable[[], Optional[Cut]] = lambda: None, place: Optional[Place] = None
+    ) -> None:
         """Set up this rank's share of the module without holding the whole on the device: its tensors are
         taken out (meta left in place), ``parallelize()`` splits the meta module and returns how a rank cuts
         a full tensor (None: keeps it whole), then what the rank still holds is allocated on its device and
         filled one module at a time: from a checkpoint given before set-up, the module's real tensors (rank
-        0's, one at a time), or its initializers, run on the host from rank 0's random state."""
+        0's, one at a time), or its initializers, run on the host from rank 0's random state. Tensors that
+        ``parallelize()`` placed itself get their values through ``place`` (``materialize``)."""
         module = self.lightning_module
         rng_state = shared_rng_state(self._setup_rng_state)
         captured = capture(module)
@@ -569,7 +577,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         if checkpoint is None and self.initial_weights is not None:
             checkpoint = open_weights(self.initial_weights, self.initial_weights_prefix)
             rank_zero_info(describe_loaded(captured, checkpoint, self.initial_weights))
-        materialize(module, captured, self.root_device, rng_state, cut, checkpoint)
+        materialize(module, captured, self.root_device, rng_state, cut, checkpoint, place)
 
     def load_full_model_state(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """A checkpoint read before set-up into a module built on meta is kept, and set-up reads each
@@ -638,19 +646,29 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         axis: str = "dp",
         blocks: Optional[Sequence[torch.nn.Module]] = None,
         kept: bool = False,
+        device: Optional[torch.device] = None,
     ) -> Optional[ShardedParameters]:
         """With ``zero_stage=3`` and more than one rank along ``axis`` ("dp", or "edp": one expert's
         replicas): the module's trainable parameters (as this rank holds them, but ``leave_out``) sharded
         over it in units (``distributed.zero3``), gathered over a group of their own. Called once the
         parameters are final, before the reducers are built; None where nothing is sharded. ``blocks`` and
-        ``kept``: ``ShardedParameters``'s (a pipeline stage's held blocks, gathered for the whole step)."""
+        ``kept``: ``ShardedParameters``'s (a pipeline stage's held blocks, gathered for the whole step);
+        ``device``: of a module built on meta, each rank allocating only its shards there."""
         hsdp = axis == "dp" and self.zero_replica_group is not None  # within this rank's shard group
         group = self.zero_group if axis == "dp" else self.mesh.group(axis)
         if self.zero_stage != 3 or group_size(group) == 1:
             return None
         gather_group = new_axis_group(self.mesh.shape, "dp_shard" if hsdp else axis, self.global_rank)
         shards = ShardedParameters(
-            self.lightning_module, group, gather_group, reshard_after_forward, stack_name, leave_out, blocks, kept
+            self.lightning_module,
+            group,
+            gather_group,
+            reshard_after_forward,
+            stack_name,
+            leave_out,
+            blocks,
+            kept,
+            device,
         )
         self.parameter_shards.append(shards)
         return shards

@@ -21,6 +21,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
 
 from lightning_parallel.distributed.collectives import group_size
+from lightning_parallel.distributed.optimizer_shards import StatePieces
 from lightning_parallel.distributed.reducer import (
     COMM_HOOKS,
     CommHook,
@@ -146,6 +147,7 @@ class DDPStrategy(ParallelStrategyBase):
 
     strategy_name = "lp_ddp"
     zero_stages = (0, 1, 2, 3)
+    saves_parameter_pieces = True
     shards_within_data_parallel = True
 
     def __init__(
@@ -234,8 +236,14 @@ class DDPStrategy(ParallelStrategyBase):
 
     def configure_parallelism(self) -> None:
         module = self.lightning_module
+        shards_parameters = self.zero_stage == 3 and group_size(self.zero_group) > 1
+        self.parameter_shards = []
         if has_meta_tensors(module) or self.initial_weights is not None:  # every rank makes the same values
-            self.set_up_share()
+            if shards_parameters:  # each rank allocates and fills only its shard of each unit
+                self.set_up_share(self._shard_parameters_on_meta, self._place_in_shards)
+                self.sharded_parameters.check_placed()
+            else:
+                self.set_up_share()
         elif self.init_sync:
             broadcast_module_states(module, src=0, group=self.dp_group)
         self.apply_activation_checkpointing()
@@ -245,7 +253,8 @@ class DDPStrategy(ParallelStrategyBase):
         # buffers broadcast from rank 0 before a forward, as torch DDP does: only where there are replicas
         self._has_buffers = group_size(self.dp_group) > 1 and any(True for _ in module.buffers())
         self._sync_buffers_next = True
-        self.shard_parameters(reshard_after_forward=self.reshard_after_forward)
+        if shards_parameters and self.sharded_parameters is None:
+            self.shard_parameters(reshard_after_forward=self.reshard_after_forward)
         self.reducer = self.make_reducer(
             list(module.named_parameters()),
             bucket_cap_mb=self.bucket_cap_mb,
@@ -257,13 +266,32 @@ class DDPStrategy(ParallelStrategyBase):
             gradient_as_bucket_view=self.gradient_as_bucket_view,
         )
 
+    def _shard_parameters_on_meta(self) -> None:
+        """``set_up_share``'s parallelize: the units laid out on the meta module, each rank's shards
+        allocated on its device (filled by ``_place_in_shards``); the other tensors stay whole."""
+        self.shard_parameters(reshard_after_forward=self.reshard_after_forward, device=self.root_device)
+
+    def _place_in_shards(self, name: str, value: torch.Tensor) -> bool:
+        assert self.sharded_parameters is not None
+        return self.sharded_parameters.place(name, value)
+
     def full_model_state(self) -> dict[str, Any]:
         """With ``zero_stage=3``: every unit gathered (a collective), the state copied out, freed again."""
         return self.read_gathered(super().full_model_state)
 
     def load_full_model_state(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
-        with self.parameters_gathered():  # zero_stage=3: every rank then keeps its range of what was loaded
+        """With ``zero_stage=3`` and parameters of the units in ``state_dict``: every unit gathered, loaded,
+        and each rank's range kept (a sharded checkpoint reads them into the shards itself)."""
+        if self.sharded_parameters is None or not self.model_state_pieces().keys() & state_dict.keys():
+            return super().load_full_model_state(state_dict, strict=strict)
+        with self.parameters_gathered():  # every rank then keeps its range of what was loaded
             super().load_full_model_state(state_dict, strict=strict)
+
+    def model_state_pieces(self) -> dict[str, Optional[StatePieces]]:
+        """``zero_stage=3``: each parameter of a unit as this rank's range of it (a sharded checkpoint's)."""
+        if self.sharded_parameters is None:
+            return {}
+        return self.sharded_parameters.state_pieces(self.lightning_module)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._forward(super().training_step, *args, **kwargs)

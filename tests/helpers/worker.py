@@ -58,7 +58,7 @@ def reset_peak_resident() -> None:
 class SetupMemory(Callback):
     """The peak resident memory from before the model is built to the first training step and to the end of
     training, and the bytes of the parameters the rank holds at the first step (unique storages, meta
-    excluded)."""
+    excluded; the strategy's own shards of them included)."""
 
     def __init__(self, rss_before: int) -> None:
         self.rss_before = rss_before
@@ -72,7 +72,8 @@ class SetupMemory(Callback):
         if self.peak_at_first_step is None:
             self.peak_at_first_step = peak_rss_bytes()
             self.rss_at_first_step = rss_bytes()
-            self.parameter_bytes = unique_storage_bytes(pl_module.parameters())
+            held = getattr(trainer.strategy, "held_parameters", list)()  # zero_stage=3's shards
+            self.parameter_bytes = unique_storage_bytes([*pl_module.parameters(), *held])
 
     def figures(self) -> dict:
         growth = None if self.peak_at_first_step is None else self.peak_at_first_step - self.rss_before

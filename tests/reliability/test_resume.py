@@ -14,7 +14,8 @@ the 2 ranks form one replica).
   (``checkpointing/preemption.py``), so both save ``last.ckpt`` at step 6 and stop cleanly; the resumed run continues
   exactly.
 - lp_tensor_parallel (tp=2, one replica: both ranks see the same batch): resumes mid-epoch.
-- lp_ddp with ``zero_stage=2`` mid-epoch, and with ``zero_stage=1`` from a sharded checkpoint.
+- lp_ddp with ``zero_stage=2`` and ``zero_stage=3`` mid-epoch, and with ``zero_stage=1`` and
+  ``zero_stage=3`` (each rank's shards of the parameters too) from a sharded checkpoint.
 - lp_pipeline_1f1b (2 stages, loss on the last stage only) mid-epoch; lp_pipeline_gpipe from an
   epoch-end checkpoint; lp_pipeline_async (no flush: the unapplied gradient travels) mid-epoch;
   lp_pipeline_interleaved (two chunks per rank) and lp_pipeline_zb (split backwards) mid-epoch.
@@ -96,6 +97,22 @@ CASES = {
         "every": 2,
         "kill": [9, 1, "SIGKILL"],
         "ckpt_step": 8,
+    },
+    # stage 3: the parameters sharded too, gathered block by block into the full checkpoint
+    "lp_ddp_zero3": {
+        "strategy": "lp_ddp",
+        "strategy_kwargs": {"zero_stage": 3},
+        "every": 2,
+        "kill": [9, 0, "SIGKILL"],
+        "ckpt_step": 8,
+    },
+    "lp_ddp_zero3_sharded": {
+        "strategy": "lp_ddp",
+        "strategy_kwargs": {"zero_stage": 3},
+        "every": 4,
+        "kill": [10, 1, "SIGKILL"],
+        "ckpt_step": 8,
+        "sharded": True,
     },
     "lp_ddp_zero1_sharded": {
         "strategy": "lp_ddp",

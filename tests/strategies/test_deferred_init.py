@@ -1,8 +1,9 @@
 """Deferred initialization on real processes: a model built under ``trainer.init_module(empty_init=True)``
 is created on the meta device, each rank materializes only its share from the modules' own initializers,
 and the same seed gives the same training in every layout (float64, 5 steps, 1e-10): lp_ddp on one
-process, tensor parallel, both synchronous pipelines and the 2-D layouts, on a GPT-style model and on
-the Hugging Face Llama-style zoo model."""
+process, tensor parallel, both synchronous pipelines, the 2-D layouts and lp_ddp with zero_stage=3 (each
+rank fills only its shard of each unit, from initializers, a full checkpoint or pretrained weights), on a
+GPT-style model and on the Hugging Face Llama-style zoo model."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ LAYOUTS = {  # name: (world size, strategy class, its arguments, data-parallel s
     "gpipe": (2, PP, {"schedule": "gpipe", "num_microbatches": 2}, 1),
     "dp2_tp2": (4, TP, {"plan": "auto", "data_parallel_size": 2}, 2),
     "dp2_pp2": (4, PP, {"schedule": "1f1b", "num_microbatches": 2, "data_parallel_size": 2}, 2),
+    "dp2_z3": (2, DDP, {"zero_stage": 3}, 2),  # each rank fills only its shard of each unit
 }
 
 
@@ -111,7 +113,7 @@ def deferred(tmp_path_factory):
         cases[2].append({**case("gpt", f"{layout}-no-room", strategy, kwargs, dp), "callbacks": [no_room]})
         cases[2][-1].update(split_after_fit=True, forward_after_fit=False)
     full = tmp / "dist1" / "gpt-ddp1" / "last.ckpt"
-    cases[2] += [resumed("resume-full-tp2", "tp2", full), resumed("resume-full-1f1b", "1f1b", full)]
+    cases[2] += [resumed(f"resume-full-{layout}", layout, full) for layout in ("tp2", "1f1b", "dp2_z3")]
     for layout in ("tp2", "1f1b"):  # the network built in configure_model: on meta by default
         _, strategy, kwargs, dp = LAYOUTS[layout]
         built_late = case("gpt", f"configure-{layout}", strategy, kwargs, dp)
@@ -127,6 +129,7 @@ def deferred(tmp_path_factory):
         {**case("llama", "pretrained-initial", DDP, weights, 1, steps=0)},
     ]
     cases[2].append(case("llama", "pretrained-tp2", TP, {"plan": "auto", **weights}, 1))
+    cases[2].append(case("llama", "pretrained-dp2_z3", DDP, {"zero_stage": 3, **weights}, 2))
     results = {}
     for world, group in cases.items():
         results.update(run_distributed(group, world_size=world, tmp_path=tmp, timeout=500))
@@ -188,7 +191,7 @@ def test_initial_weights_come_from_the_initializers(deferred, model):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", ["tp2", "1f1b", "dp2_tp2"])
+@pytest.mark.parametrize("layout", ["tp2", "1f1b", "dp2_tp2", "dp2_z3"])
 def test_a_rank_holds_its_share_after_set_up(deferred, layout):
     tmp, results = deferred
     full = sum(
@@ -203,7 +206,14 @@ def test_a_rank_holds_its_share_after_set_up(deferred, layout):
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
-    "name", ["resume-full-tp2", "resume-full-1f1b", "resume-sharded-1f1b", "resume-sharded-tp2"]
+    "name",
+    [
+        "resume-full-tp2",
+        "resume-full-1f1b",
+        "resume-full-dp2_z3",
+        "resume-sharded-1f1b",
+        "resume-sharded-tp2",
+    ],
 )
 def test_checkpoints_load_straight_into_the_shards_and_resume_exactly(deferred, name):
     tmp, _ = deferred
@@ -225,6 +235,7 @@ def test_pretrained_weights_are_read_into_the_shards(deferred):
         assert torch.equal(initial[name], tensor), name
     reference = _full(tmp, 1, "llama-pretrained-ddp1")
     assert_params_close(_full(tmp, 2, "llama-pretrained-tp2"), reference, atol=1e-10)
+    assert_params_close(_full(tmp, 2, "llama-pretrained-dp2_z3"), reference, atol=1e-10)
     assert max_param_diff(initial, reference) > 1e-3
 
 

@@ -1,6 +1,7 @@
 """A model larger than a rank's share, on real processes: set-up never holds more than the rank's share
-(plus one module at a time). GPT-style, 1.13 GB of float32 parameters (width 1536, 10 blocks), one SGD
-step; memory is the resident memory measured in each rank (``tests.helpers.worker.SetupMemory``)."""
+(plus one module at a time), under tensor parallel, a pipeline, dp2 x tp2 and lp_ddp with zero_stage=3.
+GPT-style, 1.13 GB of float32 parameters (width 1536, 10 blocks), one SGD step; memory is the resident
+memory measured in each rank (``tests.helpers.worker.SetupMemory``)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ LAYOUTS = {  # name: (world size, strategy class, its arguments, data-parallel s
     "tp2": (2, TP, {"plan": "auto"}, 1),
     "1f1b": (2, PP, {"schedule": "1f1b", "num_microbatches": 2}, 1),
     "dp2_tp2": (4, TP, {"plan": "auto", "data_parallel_size": 2}, 2),
+    "dp2_z3": (2, "lightning_parallel:DDPStrategy", {"zero_stage": 3}, 2),  # each rank fills its shards only
 }
 
 
@@ -48,7 +50,12 @@ def large(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("large")
     results = {}
     results.update(
-        run_distributed([case("tp2", True), case("1f1b", True), case("tp2", False)], 2, tmp, timeout=600)
+        run_distributed(
+            [case("tp2", True), case("1f1b", True), case("tp2", False), case("dp2_z3", True)],
+            2,
+            tmp,
+            timeout=600,
+        )
     )
     results.update(run_distributed([case("dp2_tp2", True)], 4, tmp, timeout=600))
     results.update(run_distributed([case("one", True)], 1, tmp, timeout=600))
@@ -56,7 +63,7 @@ def large(tmp_path_factory):
 
 
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("layout", ["tp2", "1f1b", "dp2_tp2"])
+@pytest.mark.parametrize("layout", ["tp2", "1f1b", "dp2_tp2", "dp2_z3"])
 def test_deferred_set_up_peaks_below_60_percent_of_the_model(large, layout):
     for rank, figures in enumerate(large[f"{layout}-deferred"]):
         setup = figures["setup_memory"]
@@ -76,7 +83,7 @@ def test_a_normally_built_model_is_freed_once_cut(large):
 
 
 @pytest.mark.timeout(1500)
-@pytest.mark.parametrize("layout", ["tp2", "1f1b", "dp2_tp2"])
+@pytest.mark.parametrize("layout", ["tp2", "1f1b", "dp2_tp2", "dp2_z3"])
 def test_a_step_peaks_below_one_process_on_the_same_per_rank_batch(large, layout):
     one = large["one-deferred"][0]["setup_memory"]["peak_at_end"]
     for rank, figures in enumerate(large[f"{layout}-deferred"]):

@@ -216,10 +216,12 @@ RUNS = {
     "dp2pp2-zbv-gpt4-adamw-z3": (4, "gpt4", "adamw", PARALLEL, layout(2, 1, 2, 3, "zbv"), 2, {}),
     "dp2tp2pp2-gpt-adamw-z3": (8, "gpt", "adamw", PARALLEL, layout(2, 2, 2, 3), 2, {}),  # tp shards over dp
 }
-#: ZeRO with ``save_distributed``: each rank writes only its own pieces of the optimizer state
+#: ZeRO with ``save_distributed``: each rank writes only its own pieces of the optimizer state (and at stage 3
+#: of the parameters): name: (world, strategy, kwargs)
 SHARDED_SAVES = {
-    "dp2tp2-gpt-adamw-z1-sharded": (4, layout(2, 2, 1, 1)),
-    "dp2pp2-gpt-adamw-z2-sharded": (4, layout(2, 1, 2, 2)),
+    "dp2tp2-gpt-adamw-z1-sharded": (4, PARALLEL, layout(2, 2, 1, 1)),
+    "dp2pp2-gpt-adamw-z2-sharded": (4, PARALLEL, layout(2, 1, 2, 2)),
+    "ddp2-gpt-adamw-z3-sharded": (2, DDP, {"zero_stage": 3}),
 }
 REFERENCES = {  # name: (model, optimizer, steps, trainer)
     "gpt-adamw": ("gpt", "adamw", 5, {}),
@@ -278,9 +280,9 @@ def runs(tmp_path_factory):
         "dp2tp2-z3-round-trip", "gpt", "sgdm", PARALLEL, layout(2, 2, 1, 3), 2, 1, save_checkpoint=False
     )
     by_world[4].append({**tp_round_trip, "probe": "tests.helpers.probes:full_state_round_trip"})
-    for name, (world, kwargs) in SHARDED_SAVES.items():  # saved while each rank holds its pieces
+    for name, (world, strategy, kwargs) in SHARDED_SAVES.items():  # saved while each rank holds its pieces
         c = case(
-            name, "gpt", "adamw", PARALLEL, {**kwargs, "save_distributed": True}, 2, save_checkpoint="split"
+            name, "gpt", "adamw", strategy, {**kwargs, "save_distributed": True}, 2, save_checkpoint="split"
         )
         by_world[world].append(c)
     async_run = case("async-dp2pp2-z1", "gpt", "sgdm", PARALLEL, layout(2, 1, 2, 1, "async"), 2)
@@ -307,12 +309,27 @@ def runs(tmp_path_factory):
     later[4].append(
         case("resume-dp2pp2-z3", "gpt", "adamw", PARALLEL, layout(2, 1, 2, 3), 2, 10, ckpt_path=saved)
     )
-    for name in SHARDED_SAVES:  # read into one device, and into lp_ddp with ZeRO-2
-        directory = str(tmp / "dist4" / name / "last.ckpt")
+    for name, (world, *_) in SHARDED_SAVES.items():  # read into one device, lp_ddp with ZeRO-2 and ZeRO-3
+        directory = str(tmp / f"dist{world}" / name / "last.ckpt")
         later[1].append(case(f"resume-{name}-dp1", "gpt", "adamw", DDP, {}, 1, 10, ckpt_path=directory))
-        later[2].append(
-            case(f"resume-{name}-dp2-z2", "gpt", "adamw", DDP, {"zero_stage": 2}, 2, 10, ckpt_path=directory)
+        for stage in (2, 3):
+            resumed = case(
+                f"resume-{name}-dp2-z{stage}",
+                "gpt",
+                "adamw",
+                DDP,
+                {"zero_stage": stage},
+                2,
+                10,
+                ckpt_path=directory,
+            )
+            later[2].append(resumed)
+    z3_directory = str(tmp / "dist2" / "ddp2-gpt-adamw-z3-sharded" / "last.ckpt")  # read as ranges at dp=4
+    later[4].append(
+        case(
+            "resume-z3-sharded-dp4-z3", "gpt", "adamw", DDP, {"zero_stage": 3}, 4, 10, ckpt_path=z3_directory
         )
+    )
     for world, cases in later.items():
         results.update(run_distributed(cases, world_size=world, tmp_path=tmp / "later", timeout=400))
     return tmp, results
@@ -461,21 +478,27 @@ def test_zero_checkpoint_holds_the_single_device_optimizer_state(runs):
 @pytest.mark.timeout(1500)
 @pytest.mark.parametrize("name", list(SHARDED_SAVES))
 def test_sharded_zero_checkpoint_is_written_in_pieces_and_resumes_exactly(runs, name):
-    """``save_distributed`` with ZeRO: a moment of a parameter is written as pieces by both data-parallel
-    ranks (not gathered and written by one), the directory consolidates into the single-device optimizer
-    state, and it resumes exactly on one device and under lp_ddp with ZeRO-2."""
+    """``save_distributed`` with ZeRO: a moment of a parameter (and at stage 3 the parameter itself) is
+    written as pieces by both data-parallel ranks (not gathered and written by one), the directory
+    consolidates into the single-device optimizer state and parameters, and it resumes exactly on one device
+    and under lp_ddp with ZeRO-2 and ZeRO-3 (the stage-3 directory also at dp=4)."""
     from torch.distributed.checkpoint import FileSystemReader
 
     from lightning_parallel.checkpointing.sharded import consolidate
 
     tmp, _ = runs
-    directory = tmp / "dist4" / name / "last.ckpt"
+    world = SHARDED_SAVES[name][0]
+    directory = tmp / f"dist{world}" / name / "last.ckpt"
     metadata = FileSystemReader(str(directory)).read_metadata()
     writers: dict[str, set] = {}
     for index, info in metadata.storage_data.items():
-        if index.fqn.startswith("optimizer_states/") and index.fqn.endswith("/exp_avg"):
+        moment = index.fqn.startswith("optimizer_states/") and index.fqn.endswith("/exp_avg")
+        if moment or ("z3" in name and index.fqn.startswith("state_dict/")):
             writers.setdefault(index.fqn, set()).add(info.relative_path)
     assert writers and max(len(files) for files in writers.values()) >= 2, writers
+    if "z3" in name:  # a parameter as pieces too, each written by the rank that holds it
+        model = {fqn: files for fqn, files in writers.items() if fqn.startswith("state_dict/")}
+        assert model and max(len(files) for files in model.values()) >= 2, model
     consolidate(directory, tmp / f"{name}.ckpt")
     ours = torch.load(tmp / f"{name}.ckpt", weights_only=False)["optimizer_states"][0]
     theirs = saved_checkpoint(tmp, 1, "ref-gpt-adamw")["optimizer_states"][0]
@@ -483,8 +506,15 @@ def test_sharded_zero_checkpoint_is_written_in_pieces_and_resumes_exactly(runs, 
     for index, state in theirs["state"].items():
         for key, value in state.items():
             torch.testing.assert_close(ours["state"][index][key], value, atol=1e-10, rtol=0)
+    parameters = torch.load(tmp / f"{name}.ckpt", weights_only=False)["state_dict"]
+    assert_params_close(parameters, saved_checkpoint(tmp, 1, "ref-gpt-adamw")["state_dict"], atol=1e-10)
     expected = runs[1]["ref-gpt-adamw-10"][0]["state_dict"]
-    for resumed, world in ((f"resume-{name}-dp1", 1), (f"resume-{name}-dp2-z2", 2)):
+    for resumed, world in (
+        (f"resume-{name}-dp1", 1),
+        (f"resume-{name}-dp2-z2", 2),
+        (f"resume-{name}-dp2-z3", 2),
+        *([("resume-z3-sharded-dp4-z3", 4)] if "z3" in name else []),
+    ):
         full = torch.load(tmp / "later" / f"dist{world}" / resumed / "last.ckpt", weights_only=False)
         assert full["global_step"] == 10, resumed
         assert_params_close(full["state_dict"], expected, atol=1e-10)
