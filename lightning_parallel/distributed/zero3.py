@@ -396,9 +396,12 @@ class ShardedParameters:
         return [unit.shard for unit in self.units()]
 
     def released_tensors(self) -> list[Tensor]:
-        """The flat buffers of the units freed now whose memory is mapped: their storage keeps its size but
-        holds no pages (the memory report leaves them out)."""
-        return [unit.full for unit in self.units() if unit.mapped is not None and not unit.gathered]
+        """What the memory report leaves out of the parameters: the flat buffers of the units freed now whose
+        memory is mapped (their storage keeps its size but holds no pages), and the placeholders the freed
+        units' parameters present (one element each, not the model's memory)."""
+        freed = [unit for unit in self.units() if not unit.gathered]
+        mapped = [unit.full for unit in freed if unit.mapped is not None]
+        return [*mapped, *(unit.placeholders[0] for unit in freed if unit.placeholders)]
 
     # ------------------------------------------------------------------ gather and free
     def start_gather(self, unit: ParameterUnit) -> bool:
@@ -452,6 +455,8 @@ class ShardedParameters:
             for unit in self.units():
                 stack.enter_context(unit.as_views())
             yield
+
+    @contextmanager
     def step(self) -> Generator[None, None, None]:
         """Every unit gathered for a pipeline stage's schedule (its forwards and backwards), freed after."""
         self.gather_all()

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_parallel.distributed.mesh import MeshShape
 from lightning_parallel.memory.callback import expected_states
 from lightning_parallel.memory.expected import (
     block_activation_bytes,
@@ -51,7 +52,7 @@ def test_block_activations_after_korthikanti() -> None:
 
 def test_the_reports_expected_column_reads_the_strategys_layout() -> None:
     module = nn.Linear(10, 10)  # 110 elements
-    strategy = SimpleNamespace(mesh=SimpleNamespace(shape=SimpleNamespace(dp=2)), zero_stage=1)
+    strategy = SimpleNamespace(mesh=SimpleNamespace(shape=MeshShape(dp=2)), zero_stage=1)
     trainer = SimpleNamespace(
         strategy=strategy, optimizers=[torch.optim.AdamW(module.parameters())], world_size=2
     )
