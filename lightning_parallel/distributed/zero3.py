@@ -291,6 +291,7 @@ class ShardedParameters:
         self._by_ranges = dist.get_backend(gather_group) == "gloo"
         self.gathers = 0  # units gathered so far (tests read how often reshard_after_forward gathers)
         self.prefetches = 0  # of those, started ahead of the unit's use (while another unit computes)
+        self._gathered_depth = 0  # how many gathered() contexts are open
         blocks = _blocks(module, stack_name) if blocks is None else list(blocks)
         in_blocks = {p for block in blocks for p in block.parameters()}
         left_out = set(leave_out)
@@ -439,11 +440,21 @@ class ShardedParameters:
 
     @contextmanager
     def gathered(self) -> Generator[None, None, None]:
-        """Every unit gathered inside (a full state read or loaded); what a load wrote is kept."""
+        """Every unit gathered inside (a full state read or loaded); what a load wrote is kept. Nested, only
+        the outermost gathers, keeps and frees (an inner one would free what the outer still reads)."""
+        if self._gathered_depth:
+            self._gathered_depth += 1
+            try:
+                yield
+            finally:
+                self._gathered_depth -= 1
+            return
         self.gather_all()
+        self._gathered_depth = 1
         try:
             yield
         finally:
+            self._gathered_depth = 0
             for unit in self.units():
                 unit.keep_own()
             self.free_all()

@@ -594,11 +594,10 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
                 )
             state_dict, strict = {k: v for k, v in state_dict.items() if k in local_keys}, False
         state_dict = cut_shards(module, state_dict, expert_pieces)
-        with self.parameters_gathered():  # zero_stage=3: each rank then keeps its range of what was loaded
-            if self._is_sharded():
-                load_full_state_dict(module, state_dict, strict=strict)
-            else:
-                module.load_state_dict(state_dict, strict=strict)
+        if self._is_sharded():
+            load_full_state_dict(module, state_dict, strict=strict)
+        else:
+            module.load_state_dict(state_dict, strict=strict)
 
     def one_device_copy(self, tree: nn.Module, state: Mapping[str, Any]) -> nn.Module:
         """``tree`` as on one device: whole layers and blocks, per-feature tensors whole, no process group."""
