@@ -404,6 +404,11 @@ class ShardedParameters:
         mapped = [unit.full for unit in freed if unit.mapped is not None]
         return [*mapped, *(unit.placeholders[0] for unit in freed if unit.placeholders)]
 
+    def flat_buffers(self) -> list[Tensor]:
+        """Every unit's flat buffer: the storage of the parameters while gathered (autograd saves views of it,
+        which are parameters, not activations)."""
+        return [unit.full for unit in self.units()]
+
     # ------------------------------------------------------------------ gather and free
     def start_gather(self, unit: ParameterUnit) -> bool:
         """The unit's flat buffer allocated again and the gather of every rank's range into it started;

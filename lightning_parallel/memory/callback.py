@@ -116,7 +116,9 @@ class MemoryReport(Callback):
             return
         if self._setup is None:
             self._read_setup(trainer.strategy.root_device)
-            self.counter.ignore([*pl_module.parameters(), *pl_module.buffers()])
+            self.counter.ignore(
+                [*pl_module.parameters(), *pl_module.buffers(), *gathered_parameters(trainer.strategy)]
+            )
             self.counter.start()
             self.counted = (trainer.global_step, trainer.global_step)
         if trainer.global_step >= 1 and AFTER_SETUP not in self.tables:
@@ -214,6 +216,12 @@ def held_parameters(strategy: Any) -> list[torch.Tensor]:
     """The parameter memory a strategy holds beside the module's parameters (ZeRO-3's shards)."""
     held = getattr(strategy, "held_parameters", None)
     return held() if callable(held) else []
+
+
+def gathered_parameters(strategy: Any) -> list[torch.Tensor]:
+    """The storages ZeRO-3's parameters lie in while gathered (its units' flat buffers): saved by autograd,
+    they are parameters, not activations."""
+    return [t for shards in getattr(strategy, "parameter_shards", ()) for t in shards.flat_buffers()]
 
 
 def released_parameters(strategy: Any) -> list[torch.Tensor]:
