@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 from lightning_parallel.distributed.rendezvous import HostedStore
 
-__all__ = ["ProcessResults", "start_processes", "run_processes"]
+__all__ = ["ProcessResults", "start_processes", "run_processes", "local_rank_envs"]
 
 #: seconds between looks at the processes: what a caller waits, at most, after the last one exits (a test
 #: session makes hundreds of launches)
@@ -31,6 +31,25 @@ class ProcessResults:
     codes: list[int]  # -9: killed here (time limit, or grace period after a peer failed)
     outputs: list[str]
     seconds: float
+
+
+def local_rank_envs(world: int, **extra: str) -> list[dict[str, str]]:
+    """Each rank's environment for ``world`` processes on this machine, as torchrun sets it (``RANK``,
+    ``LOCAL_RANK``, ``WORLD_SIZE``, ``NODE_RANK``), the working directory first on ``PYTHONPATH`` so the
+    ranks import what the launcher imports, plus ``extra``."""
+    pythonpath = os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])
+    return [
+        dict(
+            os.environ,
+            WORLD_SIZE=str(world),
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            NODE_RANK="0",
+            PYTHONPATH=pythonpath,
+            **extra,
+        )
+        for rank in range(world)
+    ]
 
 
 def start_processes(

@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_parallel.processes import run_processes
+from lightning_parallel.processes import local_rank_envs, run_processes
 
 __all__ = ["verify", "main"]
 
@@ -109,18 +109,7 @@ def _worker(spec_path: str) -> None:
 def _launch(spec: dict, nprocs: int, workdir: Path, timeout: float) -> dict:
     path = workdir / f"spec{nprocs}.json"
     path.write_text(json.dumps(spec))
-    envs = [
-        dict(
-            os.environ,
-            WORLD_SIZE=str(nprocs),
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            NODE_RANK="0",
-            OMP_NUM_THREADS="1",
-            PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
-        )
-        for rank in range(nprocs)
-    ]
+    envs = local_rank_envs(nprocs, OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "lightning_parallel.cli.verify", "--worker", str(path)]
     run_processes(
         [command] * nprocs,

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 import yaml
 
 from lightning_parallel.planner.cluster import Cluster
-from lightning_parallel.processes import run_processes
+from lightning_parallel.processes import local_rank_envs, run_processes
 
 __all__ = ["CALIBRATED", "calibrate_here", "cluster_yaml", "main"]
 
@@ -69,18 +69,7 @@ def calibrate_here(
     with tempfile.TemporaryDirectory(prefix="lp-calibrate-") as tmp:
         path = output or str(Path(tmp) / "calibrated.yml")
         path = str(Path(path).resolve())
-        pythonpath = os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])
-        envs = [
-            dict(
-                os.environ,
-                WORLD_SIZE=str(devices),
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                NODE_RANK="0",
-                PYTHONPATH=pythonpath,
-            )
-            for rank in range(devices)
-        ]
+        envs = local_rank_envs(devices)
         command = [sys.executable, "-m", MODULE, "--worker", path, "--backend", backend]
         run_processes([command] * devices, envs, timeout, Path(tmp), grace=2.0, rendezvous=True)
         return Cluster.load(path)
