@@ -141,8 +141,6 @@ def unit_size():
 
 
 def worker(args: argparse.Namespace) -> None:
-    import statistics
-
     import torch
     from lightning.pytorch import Trainer, seed_everything
 
@@ -167,11 +165,21 @@ def worker(args: argparse.Namespace) -> None:
         callbacks=[timer, report, units],
     )
     trainer.fit(model, datamodule=data)
-    rows = report.summary()["end_of_fit"]
     bases: list = [None] * args.world_size
     torch.distributed.all_gather_object(bases, base)
-    if not trainer.is_global_zero:
-        return
+    if trainer.is_global_zero:
+        append_record(args.out, fit_record(args, trainer, timer, report, units, bases))
+    # Lightning's ModelParallelStrategy leaves the process group up; a gloo group alive at interpreter
+    # exit can abort the process ("terminate called without an active exception").
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def fit_record(args: argparse.Namespace, trainer, timer, report, units, bases: list) -> dict:
+    """Rank 0's record of one fit: step and CPU times, and every rank's memory rows."""
+    import statistics
+
+    rows = report.summary()["end_of_fit"]
     record = {
         "config": args.config,
         "world_size": args.world_size,
@@ -185,7 +193,7 @@ def worker(args: argparse.Namespace) -> None:
     }
     for name in (*STATES, "expected_states", "activations", "setup_peak", "peak_rss", "cuda_max_allocated"):
         record[name] = [row[name] for row in rows]
-    append_record(args.out, record)
+    return record
 
 
 def peak(record: dict, args: argparse.Namespace) -> float:
