@@ -213,7 +213,7 @@ def _has_values(p: Tensor) -> bool:
 @dataclass
 class StepResult:
     losses: list[Tensor] = field(default_factory=list)  # last stage: each micro-batch's (unweighted) loss
-    outputs: list[Any] = field(default_factory=list)  # last stage: what the step function returned
+    outputs: list[Any] = field(default_factory=list)  # last stage, forward only: what the step function returned
     output: Any = None  # last stage, forward only: ``outputs`` merged as the whole batch's
     peak_held: int = 0  # most (micro-batch, chunk) activations this rank held at once (forward done,
     # backward, or its weight part, not yet)
@@ -340,11 +340,11 @@ class StageExecutor:
                 if backward:
                     held = len(produced) + len(self.in_flight) + len(self._weights_due)
                     result.peak_held = max(result.peak_held, held)
-                if ends:
+                if ends and backward:  # the loss alone is kept: what else the step returned goes
+                    produced[key] = loss_of(produced[key])  # with its graph (a split one's at its W)
+                    result.losses.append(produced[key].detach())
+                elif ends:
                     result.outputs.append(produced[key])
-                    if backward:
-                        produced[key] = loss_of(produced[key])
-                        result.losses.append(produced[key].detach())
                 if not backward:
                     produced.pop(key), inputs.pop(key)
             elif action.kind == "W" and backward:
@@ -358,6 +358,7 @@ class StageExecutor:
                 else:
                     output, used = produced.pop(key), inputs.pop(key)
                 self._backward(action, output, used, weights[key[0]])
+                del output, used  # a split backward's graph (its saved tensors) goes at its W, not later
         if result.outputs and not backward:
             result.output = merge_microbatches(result.outputs)
         if backward:  # forward-only runs (validation) leave training's in-flight graphs alone
