@@ -213,7 +213,7 @@ def _has_values(p: Tensor) -> bool:
 @dataclass
 class StepResult:
     losses: list[Tensor] = field(default_factory=list)  # last stage: each micro-batch's (unweighted) loss
-    outputs: list[Any] = field(default_factory=list)  # last stage, forward only: what the step function returned
+    outputs: list[Any] = field(default_factory=list)  # last stage, forward only: what each step returned
     output: Any = None  # last stage, forward only: ``outputs`` merged as the whole batch's
     peak_held: int = 0  # most (micro-batch, chunk) activations this rank held at once (forward done,
     # backward, or its weight part, not yet)

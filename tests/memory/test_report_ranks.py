@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lightning_parallel.pipeline.schedules import activation_bound
 from lightning_parallel.processes import run_processes
 from tests.helpers.harness import REPO, distributed_command
 
@@ -43,6 +44,8 @@ CASES = [
     case("lp_ddp-batch32", MLP, lp("DDPStrategy"), batch=32),
     case("lp_tensor_parallel", MLP, lp("TensorParallelStrategy", plan=PLAN), dp=1),
     case("lp_pipeline_1f1b", SEQ, lp(PP, schedule="1f1b", num_microbatches=4), dp=1),
+    case("lp_pipeline_gpipe", SEQ, lp(PP, schedule="gpipe", num_microbatches=4), dp=1),
+    case("lp_pipeline_zb_h1", SEQ, lp(PP, schedule="zb_h1", num_microbatches=4), dp=1),
     case(
         "lp_pipeline_async", SEQ, lp(PP, schedule="async", num_microbatches=4), dp=1, optimizer=SGD_MOMENTUM
     ),
@@ -138,3 +141,21 @@ def test_rank_zero_prints_each_table_once_per_fit(runs) -> None:
         assert rank0.count(f"Memory per rank, {when}") == len(CASES + ZERO_CASES), when
         assert f"Memory per rank, {when}" not in rank1
     assert "activations" in rank0 and "set-up peak" in rank0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(450)
+def test_zero_bubble_holds_the_schedule_s_bound_of_micro_batches(runs) -> None:
+    """ZB-H1 keeps a micro-batch's saved activations from its forward to its W, no longer: on each stage
+    ``activation_bound`` micro-batches (2 of 4 on both here). A stage's activations are a part shared by
+    the micro-batches (the batch they are views of) plus a part per micro-batch held, both read off GPipe
+    (all 4 held) and 1F1B (``p - stage``)."""
+    p, m = 2, 4
+    for rank in range(p):
+        held = {
+            s: runs[0][f"lp_pipeline_{s}"][rank]["tables"]["end_of_fit"][rank]["activations"]
+            for s in ("gpipe", "1f1b", "zb_h1")
+        }
+        each = (held["gpipe"] - held["1f1b"]) / (m - activation_bound("1f1b", p, m, rank))
+        expected = held["gpipe"] - each * (m - activation_bound("zb_h1", p, m, rank))
+        assert abs(held["zb_h1"] - expected) <= 0.05 * expected, (rank, held, expected)
