@@ -10,22 +10,29 @@ its cluster, and the throughput its authors reported.
   FSDP 8 x TP 8 x PP 8, full activation checkpointing, local batch 32, sequence 8192; 1F1B at 100 tokens/s
   per GPU, interleaved 1F1B at 128.
 
-Block costs from shapes (``transformer_cost``): a block's forward is its matrix products' FLOPs at the
-cluster's rate (Megatron's count: ``24 b s h^2 + 4 b s^2 h`` for a GPT block; the projections' own widths
-for a gated, grouped-query Llama block), its backward twice that; its activations Korthikanti et al.'s
-``s b h (34 + 5 a s / h)`` bytes in 16-bit; the logit layer (``2 b s h V`` forward) outside the stack.
+Block costs from shapes (``transformer_cost``): a block's forward is its matrix products' FLOPs at a
+matrix-product rate (Megatron's count: ``24 b s h^2 + 4 b s^2 h`` for a GPT block; the projections' own
+widths for a gated, grouped-query Llama block) plus, with ``DeviceRates``' memory terms, its memory-bound
+work (norms, dropout, softmax, GeLU, biases, residual adds) at the device's memory bandwidth, its backward
+twice that; its activations Korthikanti et al.'s ``s b h (34 + 5 a s / h)`` bytes in 16-bit; the logit
+layer (``2 b s h V`` forward) outside the stack. The memory-bound share falls as blocks widen (its bytes
+grow as ``h``, the FLOPs as ``h^2``), which is why wider models reach a higher share of the peak.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
+from lightning_parallel.memory.expected import block_activation_bytes
 from lightning_parallel.planner.cluster import Cluster
 from lightning_parallel.planner.cost_model import BlockCost, ModelCost, Prediction, predict
 from lightning_parallel.planner.layout import Layout
 
 __all__ = [
+    "DeviceRates",
+    "A100_MEMORY_BANDWIDTH",
+    "fit_device_rates",
     "TransformerShape",
     "PublishedRun",
     "transformer_cost",
@@ -36,6 +43,26 @@ __all__ = [
     "achieved_rate",
     "predict_run",
 ]
+
+
+#: the A100 80GB SXM's memory bandwidth, bytes/s (NVIDIA A100 datasheet: 2,039 GB/s)
+A100_MEMORY_BANDWIDTH = 2.039e12
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    """How fast a device runs a block: its matrix products at ``matmul_flops`` per second, and its
+    memory-bound work as ``traffic`` bytes moved through memory per byte the block saves for backward (the
+    saved tensors are those element-wise operations' outputs) at ``bandwidth`` bytes per second. Without
+    ``traffic`` a block is its FLOPs at one rate."""
+
+    matmul_flops: float
+    bandwidth: float = 1.0
+    traffic: float = 0.0
+
+    def seconds(self, flops: float, saved_bytes: float) -> float:
+        """The time of work of ``flops`` matrix-product FLOPs that saves ``saved_bytes`` for backward."""
+        return flops / self.matmul_flops + self.traffic * saved_bytes / self.bandwidth
 
 
 @dataclass(frozen=True)
@@ -86,28 +113,39 @@ class TransformerShape:
         return self.layers * self.block_parameters() + self.other_parameters()
 
 
-def transformer_cost(shape: TransformerShape, flops: float, itemsize: int = 2) -> ModelCost:
-    """The ``ModelCost`` of ``shape`` at one sample, its blocks timed from their FLOPs at ``flops`` per
-    second (backward twice the forward), bytes in ``itemsize``-byte elements (16-bit: 2)."""
-    s, h, a = shape.seq, shape.hidden, shape.heads
-    forward = shape.block_forward_flops(1) / flops
+def transformer_cost(
+    shape: TransformerShape, rates: Union[float, DeviceRates], itemsize: int = 2, tensor_parallel: int = 1
+) -> ModelCost:
+    """The ``ModelCost`` of ``shape`` at one sample, its blocks timed by ``rates`` (a FLOP rate alone, or
+    ``DeviceRates``), backward twice the forward, bytes in ``itemsize``-byte elements (16-bit: 2).
+
+    The cost model divides a block's time by the tensor-parallel degree. The memory-bound work is the bytes
+    a rank saves (``block_activation_bytes`` at ``tensor_parallel`` without sequence parallelism: the norms,
+    dropouts and residual, 10 of 34 sbh, run whole on every rank as in Megatron-LM of 2021), so its time
+    enters ``forward_s`` times ``tensor_parallel``: each rank then gets all of it."""
+    rates = rates if isinstance(rates, DeviceRates) else DeviceRates(rates)
+    s, h, a, t = shape.seq, shape.hidden, shape.heads, tensor_parallel
+    activations, attention = s * h * (34 + 5 * a * s / h) * itemsize / 2, 5 * a * s * s * itemsize / 2
+    per_rank = block_activation_bytes(activations, attention, s * h * itemsize, t, False, False)
+    forward = rates.seconds(shape.block_forward_flops(1), 0.0) + t * rates.seconds(0.0, per_rank)
     block = BlockCost(
         forward_s=forward,
         backward_s=2 * forward,
-        activation_bytes=s * h * (34 + 5 * a * s / h) * itemsize / 2,
+        activation_bytes=activations,
         parameter_bytes=shape.block_parameters() * itemsize,
         output_bytes=s * h * itemsize,
-        attention_bytes=5 * a * s * s * itemsize / 2,
-        attention_s=4 * s * s * h / flops,
+        attention_bytes=attention,
+        attention_s=rates.seconds(4 * s * s * h, 0.0),
     )
-    logits = 2 * s * h * shape.vocab / flops
+    logit_bytes = 2 * s * shape.vocab * itemsize
+    logits = rates.seconds(2 * s * h * shape.vocab, logit_bytes)
     return ModelCost(
         blocks=[block] * shape.layers,
         other_parameter_bytes=shape.other_parameters() * itemsize,
         batch_size=1,
         other_forward_s=logits,
         other_backward_s=2 * logits,
-        other_activation_bytes=2 * s * shape.vocab * itemsize,
+        other_activation_bytes=logit_bytes,
         parameter_itemsize=itemsize,
         optimizer="adam",
         tokens_per_sample=s,
@@ -222,16 +260,57 @@ def megatron_flops_per_step(shape: TransformerShape, batch: int) -> float:
     return 96 * b * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
 
 
-def predict_run(run: PublishedRun, cluster: Cluster, flops: Optional[float] = None) -> Prediction:
-    """The run's prediction on ``cluster``, its blocks at ``flops`` per second (default the cluster's)."""
-    cost = transformer_cost(run.shape, flops or cluster.flops)
+def predict_run(
+    run: PublishedRun, cluster: Cluster, rates: Union[float, DeviceRates, None] = None
+) -> Prediction:
+    """The run's prediction on ``cluster``, its blocks timed by ``rates`` (default the cluster's FLOP rate)."""
+    cost = transformer_cost(run.shape, rates or cluster.flops, tensor_parallel=run.layout.tp)
     return predict(cost, run.layout, cluster, precision="paper")
 
 
-def predicted_tflops_per_gpu(run: PublishedRun, cluster: Cluster, flops: Optional[float] = None) -> float:
+def predicted_tflops_per_gpu(
+    run: PublishedRun, cluster: Cluster, rates: Union[float, DeviceRates, None] = None
+) -> float:
     """The throughput per GPU the paper would have reported for the predicted step (its own FLOP count)."""
-    step = predict_run(run, cluster, flops).step_s
+    step = predict_run(run, cluster, rates).step_s
     return megatron_flops_per_step(run.shape, run.layout.global_batch) / step / run.layout.devices / 1e12
+
+
+def fit_device_rates(
+    runs: Sequence[PublishedRun], cluster: Cluster, bandwidth: float, iterations: int = 4
+) -> DeviceRates:
+    """The matrix-product rate and the memory traffic per saved byte (``DeviceRates``, at ``bandwidth``) at
+    which ``runs`` are predicted nearest their reported throughput: least squares of the steps' relative
+    errors. The step is linear in (1 / rate, traffic) where no bubble or overlap changes with them (runs
+    without pipeline stages); Gauss-Newton from 60% of the peak and 1 byte per saved byte."""
+    inverse, traffic = 1 / (0.6 * cluster.flops), 1.0
+    for _ in range(iterations):
+        rows = []
+        for run in runs:
+            goal = megatron_flops_per_step(run.shape, run.layout.global_batch) / run.reported / 1e12
+            goal /= run.layout.devices  # the reported step, seconds
+
+            def step(u: float, k: float) -> float:
+                return predict_run(run, cluster, DeviceRates(1 / u, bandwidth, k)).step_s / goal
+
+            here = step(inverse, traffic)
+            d_inverse = (step(inverse * 1.01, traffic) - here) / (0.01 * inverse)
+            d_traffic = (step(inverse, traffic + 0.01) - here) / 0.01
+            rows.append((d_inverse, d_traffic, 1 - here))
+        inverse_step, traffic_step = _least_squares_2(rows)
+        inverse, traffic = inverse + inverse_step, max(traffic + traffic_step, 0.0)
+    return DeviceRates(1 / inverse, bandwidth, traffic)
+
+
+def _least_squares_2(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """(x, y) minimising the sum of (a x + b y - c)^2 over rows (a, b, c): the 2 x 2 normal equations."""
+    aa = sum(a * a for a, _, _ in rows)
+    ab = sum(a * b for a, b, _ in rows)
+    bb = sum(b * b for _, b, _ in rows)
+    ac = sum(a * c for a, _, c in rows)
+    bc = sum(b * c for _, b, c in rows)
+    det = aa * bb - ab * ab
+    return (ac * bb - bc * ab) / det, (bc * aa - ac * ab) / det
 
 
 def achieved_rate(run: PublishedRun, cluster: Cluster, target: Union[float, None] = None) -> float:
