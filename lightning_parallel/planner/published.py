@@ -280,7 +280,8 @@ def fit_device_rates(
     runs: Sequence[PublishedRun], cluster: Cluster, bandwidth: float, iterations: int = 4
 ) -> DeviceRates:
     """The matrix-product rate and the memory traffic per saved byte (``DeviceRates``, at ``bandwidth``) at
-    which ``runs`` are predicted nearest their reported throughput: least squares of the steps' relative
+    which ``runs`` (Megatron's rows: TFLOP/s per GPU by its equation 3) are predicted nearest their reported
+    throughput: least squares of the steps' relative
     errors. The step is linear in (1 / rate, traffic) where no bubble or overlap changes with them (runs
     without pipeline stages); Gauss-Newton from 60% of the peak and 1 byte per saved byte."""
     inverse, traffic = 1 / (0.6 * cluster.flops), 1.0
