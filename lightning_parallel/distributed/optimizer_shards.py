@@ -16,6 +16,9 @@ unsharded form and keeps this rank's pieces. So every checkpoint path (full file
 pipeline gathers, sharded directories) sees an ordinary optimizer, and a checkpoint loads under another
 data-parallel size or with ZeRO off.
 
+The groups are cut into pieces once: a group added later (``add_param_group``) or a parameter appended to
+one is refused at the next step (``sharded()``), since its parameters would not be updated.
+
 The model's parameters hold no gradient under ZeRO (the pieces do), so torch's clipping functions called
 on them would clip nothing: ``refuse_raw_clipping`` makes such a call raise, naming
 ``self.clip_gradients``, which clips the pieces by the whole model's norm.
