@@ -3,7 +3,8 @@
 
 - on rank 0 alone (``if trainer.is_global_zero``), a forward (a sample) and ``state_dict()`` (what
   ``torch.save(pl_module.state_dict(), ...)`` under ``rank_zero_only`` reads): each either works (one device,
-  ZeRO off) or raises; the error, its type and how long it took are recorded, and training goes on;
+  ZeRO off) or raises; the error, its type and how long it took are recorded, and training goes on (left out
+  with ``attempt=False``);
 - then every rank enters ``trainer.strategy.parameters_gathered()`` (where the strategy has it), and inside it
   the forward runs (on rank 0 alone, ``forward="rank0"``; on every rank, ``"every"``: a tensor-parallel model's
   forward is itself a collective; ``"none"``: not at all) and rank 0 keeps the output and a copy of
@@ -37,8 +38,8 @@ def _attempt(call) -> dict:
 
 
 class UserCode(Callback):
-    def __init__(self, dirpath: str, every: int = 2, forward: str = "rank0") -> None:
-        self.dirpath, self.every, self.forward = Path(dirpath), every, forward
+    def __init__(self, dirpath: str, every: int = 2, forward: str = "rank0", attempt: bool = True) -> None:
+        self.dirpath, self.every, self.forward, self.attempt = Path(dirpath), every, forward, attempt
         self.attempts: list[dict] = []  # rank 0's calls outside parameters_gathered()
         self.outputs: list[torch.Tensor] = []  # rank 0's forward inside it
         self.states: list[dict[str, torch.Tensor]] = []  # rank 0's state_dict() inside it
@@ -51,7 +52,7 @@ class UserCode(Callback):
             return
         prompt = self._prompt(pl_module)
         with torch.no_grad():
-            if trainer.is_global_zero:
+            if trainer.is_global_zero and self.attempt:
                 self.attempts.append(
                     {
                         "forward": _attempt(lambda: pl_module(prompt)),
