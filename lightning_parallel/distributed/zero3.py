@@ -34,6 +34,14 @@ the schedule's backwards are done, while the gradients' reduce-scatters may stil
 installed: one all-gather per unit and step instead of two per unit and micro-batch, at the cost of the
 stage's parameters held whole during the schedule (torchtitan's choice under pipelines).
 
+User code in a hook or callback (which may run on some ranks only: a sample under ``rank_zero_only``) never
+starts a gather: a block's hook gathers only inside the calls every rank makes (``every_rank.every_rank_runs``:
+the training step, its backward, the evaluation step), and elsewhere raises ``OffStepGatherError``, naming
+``gathered()`` (the strategy's ``parameters_gathered()``), inside which the hooks neither gather nor free, so
+one rank may run the module alone. A ``state_dict()`` called from outside the package while a unit is freed
+raises likewise rather than return its NaN placeholders, and so does a pipeline stage's forward outside its
+schedule.
+
 The gathers run over a process group of their own, so that their order against the gradients'
 reduce-scatters (started from autograd hooks) cannot differ between ranks. Frozen parameters are not
 sharded (every rank holds them whole, as at stage 0), nor are those a strategy leaves out (under expert
@@ -83,9 +91,9 @@ def _unit_label(unit: "ParameterUnit") -> str:
 
 def _off_step_message(unit: "ParameterUnit", use: str, where: str) -> str:
     return (
-        f"zero_stage=3: a {use} of {_unit_label(unit)} ran {where} (in a hook or callback), while its parameters are "
-        "sharded over the data-parallel ranks. Gathering them is a collective every data-parallel rank must "
-        "join, and such code may run on some ranks only (rank_zero_only, `if trainer.is_global_zero`), where "
+        f"zero_stage=3: a {use} of {_unit_label(unit)} ran {where} (in a hook or callback), while its "
+        "parameters are sharded over the data-parallel ranks. Gathering them is a collective every "
+        "data-parallel rank must join, and such code may run on some ranks only (rank_zero_only, `if trainer.is_global_zero`), where "
         "the gather would wait for ranks that never come. Enter `with trainer.strategy.parameters_gathered():` "
         "on every rank around it (a collective; inside it the parameters are whole, and a forward that "
         "involves only this rank may run on one rank alone), or use zero_stage 1 or 2"
@@ -569,7 +577,8 @@ class ShardedParameters:
         ``rank_zero_only``) leaves the other ranks out of, which would hang."""
         if unit.gathered or unit.work is not None or self._gathered_depth or every_rank_runs():
             return
-        raise OffStepGatherError(_off_step_message(unit, use, "outside the strategy's training and evaluation steps"))
+        where = "outside the strategy's training and evaluation steps"
+        raise OffStepGatherError(_off_step_message(unit, use, where))
 
     def _refuse_freed(self, unit: ParameterUnit, module: nn.Module, args: Any) -> None:
         """Before a forward of a pipeline stage's unit (``kept``): raises if it is freed, that is outside the

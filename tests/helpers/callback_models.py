@@ -5,7 +5,8 @@ block) for ``BackboneFinetuning``, an optimizer over the parameters that require
 a learning rate that halves every epoch (a scheduler for ``LearningRateMonitor`` and
 ``StochasticWeightAveraging`` to read or replace); ``AsyncCallbackGPT`` is it trained on one process by the
 async pipeline's rule at the pipeline's timing (``pp_models.AsyncSteps``). ``RankZeroSample`` is what users
-write to look at the model during training: a forward on rank 0 alone at each epoch's end.
+write to look at the model during training: a forward on rank 0 alone at each epoch's end; ``GatheredSample`` is
+it inside ``strategy.parameters_gathered()``, entered on every rank, as written for ``zero_stage=3``.
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ experts over their replicas); a checkpoint saved at dp=2 with ZeRO resumes exact
 off and under stage 3 (lp_ddp and dp2 x pp2), and ones saved under stage 3 (lp_ddp, dp2 x tp2, dp2 x pp2, HSDP)
 on one device; the full state is read and loaded while sharded (lp_ddp, dp2 x tp2). Stage 3 also on models we
 did not write (nn.TransformerEncoder, a whole nn.Transformer), under bf16-mixed and 16-mixed, and with a
-callback reading the weights in Lightning's hooks while the units are freed (``weight_reader``). HSDP
+callback reading the weights in Lightning's hooks while the units are freed (``weight_reader``), and with one
+running the model and reading ``state_dict()`` there (``zero3_user_code``: refused at once on rank 0 alone,
+one device's values inside ``parameters_gathered()``; lp_ddp, dp2 x tp2, dp2 x pp2). HSDP
 (``data_parallel_shard_size=2`` at dp=4: sharded within pairs of ranks, replicated across the pairs) equals one
 device at stages 2 and 3 and holds 1/2 (not 1/4) of the states."""
 
