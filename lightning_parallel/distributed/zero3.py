@@ -93,10 +93,11 @@ def _off_step_message(unit: "ParameterUnit", use: str, where: str) -> str:
     return (
         f"zero_stage=3: a {use} of {_unit_label(unit)} ran {where} (in a hook or callback), while its "
         "parameters are sharded over the data-parallel ranks. Gathering them is a collective every "
-        "data-parallel rank must join, and such code may run on some ranks only (rank_zero_only, `if trainer.is_global_zero`), where "
-        "the gather would wait for ranks that never come. Enter `with trainer.strategy.parameters_gathered():` "
-        "on every rank around it (a collective; inside it the parameters are whole, and a forward that "
-        "involves only this rank may run on one rank alone), or use zero_stage 1 or 2"
+        "data-parallel rank must join, and such code may run on some ranks only (rank_zero_only, "
+        "`if trainer.is_global_zero`), where the gather would wait for ranks that never come. Enter "
+        "`with trainer.strategy.parameters_gathered():` on every rank around it (a collective; inside it the "
+        "parameters are whole, and a forward that involves only this rank may run on one rank alone), or use "
+        "zero_stage 1 or 2"
     )
 
 
