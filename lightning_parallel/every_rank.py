@@ -34,7 +34,9 @@ import torch
 __all__ = ["every_rank_forward", "every_rank_runs", "every_rank_scope", "training_step_scope"]
 
 _steps = 0  # > 0 while a strategy's training step or backward runs
-_joined = 0  # > 0 while a strategy hook that Lightning calls on every rank runs (training_step_scope included)
+_joined = (
+    0  # > 0 while a strategy hook that Lightning calls on every rank runs (training_step_scope included)
+)
 
 
 @contextmanager

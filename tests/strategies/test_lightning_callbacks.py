@@ -241,7 +241,10 @@ def test_callbacks_equal_one_device_or_are_refused(runs2, one_device, strategy, 
     check_equal(kind, strategy, ranks, reference(references, strategy, kind))
     if kind == "monitors":
         check_step_checkpoints(tmp, 2, strategy, one)
-    if kind == "monitors" and strategy in (*WHOLE_MODEL, *GATHERED):  # the sample on rank 0 only, as on one device
+    if kind == "monitors" and strategy in (
+        *WHOLE_MODEL,
+        *GATHERED,
+    ):  # the sample on rank 0 only, as on one device
         assert ranks[0]["probe"]["samples"] == reference(references, strategy, kind)["probe"]["samples"]
         assert ranks[1]["probe"]["samples"] == [[]]
 

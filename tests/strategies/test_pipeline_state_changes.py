@@ -226,7 +226,9 @@ REFUSED = [
     (  # a param group added during fit under ZeRO: refused at the next optimizer step (its parameters
         # were never updated)
         {
-            **case("zero-group", "tests.helpers.state_changes:HeadLaterGPT", TOKENS, None, None, {"n_layer": 2}),
+            **case(
+                "zero-group", "tests.helpers.state_changes:HeadLaterGPT", TOKENS, None, None, {"n_layer": 2}
+            ),
             "callbacks": [{"class": "tests.helpers.state_changes:AddHeadGroup", "kwargs": {"at": 2}}],
             "dp_size": 2,
             "strategy": {"class": DDP, "kwargs": {"zero_stage": 3}},

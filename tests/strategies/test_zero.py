@@ -260,7 +260,10 @@ def running_user_code(c: dict) -> dict:
     forward = USER_CODE.get(c["name"])
     if forward is None:
         return c
-    code = {"class": "tests.helpers.zero3_user_code:UserCode", "kwargs": {"dirpath": "user_code", "forward": forward}}
+    code = {
+        "class": "tests.helpers.zero3_user_code:UserCode",
+        "kwargs": {"dirpath": "user_code", "forward": forward},
+    }
     return {**c, "callbacks": [*c.get("callbacks", []), code]}
 
 
