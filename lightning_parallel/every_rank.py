@@ -14,6 +14,11 @@ module does on one device:
   outside the step a forward in training mode normalizes with its own input's statistics, as a BatchNorm on
   one device does with that input.
 
+Whether a call at all is one every rank joins, whatever the grad mode (``every_rank_runs``: the training step,
+the backward, and the evaluation step), is what ZeRO-3 asks before it gathers a block's parameters from a
+module hook: elsewhere (a hook or callback) it refuses rather than start a collective some ranks may never
+join (``distributed/zero3.py``).
+
 A leaf (it imports nothing of the package): the strategies mark the step (``training_step_scope``), the
 layers ask. One counter for the process, not per thread: a CUDA backward (and the recompute inside it)
 runs on autograd's device threads while the main thread waits in the step.
@@ -26,9 +31,23 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["every_rank_forward", "training_step_scope"]
+__all__ = ["every_rank_forward", "every_rank_runs", "every_rank_scope", "training_step_scope"]
 
 _steps = 0  # > 0 while a strategy's training step or backward runs
+_joined = (
+    0  # > 0 while a strategy hook that Lightning calls on every rank runs (training_step_scope included)
+)
+
+
+@contextmanager
+def every_rank_scope() -> Iterator[None]:
+    """Mark the block as a strategy hook that Lightning calls on every rank (an evaluation step; nestable)."""
+    global _joined
+    _joined += 1
+    try:
+        yield
+    finally:
+        _joined -= 1
 
 
 @contextmanager
@@ -37,7 +56,8 @@ def training_step_scope() -> Iterator[None]:
     global _steps
     _steps += 1
     try:
-        yield
+        with every_rank_scope():
+            yield
     finally:
         _steps -= 1
 
@@ -46,3 +66,9 @@ def every_rank_forward() -> bool:
     """True inside a strategy's training step or backward while gradients are recorded: a forward every rank
     of the run takes part in."""
     return _steps > 0 and torch.is_grad_enabled()
+
+
+def every_rank_runs() -> bool:
+    """True inside a strategy hook that Lightning calls on every rank (training step, backward, evaluation
+    step), in any grad mode; False in the user's hooks and callbacks, which may run on some ranks only."""
+    return _joined > 0

@@ -16,6 +16,9 @@ unsharded form and keeps this rank's pieces. So every checkpoint path (full file
 pipeline gathers, sharded directories) sees an ordinary optimizer, and a checkpoint loads under another
 data-parallel size or with ZeRO off.
 
+The groups are cut into pieces once: a group added later (``add_param_group``) or a parameter appended to
+one is refused at the next step (``sharded()``), since its parameters would not be updated.
+
 The model's parameters hold no gradient under ZeRO (the pieces do), so torch's clipping functions called
 on them would clip nothing: ``refuse_raw_clipping`` makes such a call raise, naming
 ``self.clip_gradients``, which clips the pieces by the whole model's norm.
@@ -108,6 +111,7 @@ class ShardedOptimizer:
         self.optimizer, self.group, self.own_group = optimizer, group, own_group
         piece_of = {piece.param: piece for piece in pieces}
         self.model_groups = [list(g["params"]) for g in optimizer.param_groups]
+        self._group_sizes = [len(params) for params in self.model_groups]  # as made: what sharded() checks
         self.shapes = [p.shape for params in self.model_groups for p in params]
         # what the optimizer holds inside a step, and for each: (model index, its piece or None if whole)
         self.shard_groups: list[list[nn.Parameter]] = []
@@ -126,6 +130,7 @@ class ShardedOptimizer:
         self.held_parameters: list[nn.Parameter] = [p for held in self.shard_groups for p in held]
         self.own_indices = {j for j, p in enumerate(p for g in self.model_groups for p in g) if id(p) in own}
         earlier = type(optimizer).state_dict(optimizer) if optimizer.state else None
+        self._swap(self.model_groups)  # the groups hold these lists from now on (sharded() checks them)
         optimizer.state_dict = self.state_dict  # type: ignore[method-assign]
         optimizer.load_state_dict = self.load_state_dict  # type: ignore[method-assign]
         if earlier is not None:
@@ -133,12 +138,29 @@ class ShardedOptimizer:
 
     @contextmanager
     def sharded(self) -> Generator[None, None, None]:
-        """The optimizer's groups hold this rank's pieces (a step and its hooks run inside)."""
+        """The optimizer's groups hold this rank's pieces (a step and its hooks run inside). Raises if its
+        groups changed since it was made (``add_param_group``, a parameter appended to a group)."""
+        self._refuse_changed_groups()
         self._swap(self.shard_groups)
         try:
             yield
         finally:
             self._swap(self.model_groups)
+
+    def _refuse_changed_groups(self) -> None:
+        groups = self.optimizer.param_groups
+        same = len(groups) == len(self.model_groups) and all(
+            g["params"] is params and len(params) == size
+            for g, params, size in zip(groups, self.model_groups, self._group_sizes)
+        )
+        if not same:
+            raise ValueError(
+                f"zero_stage: the optimizer's parameter groups changed after set-up ({len(self.model_groups)} "
+                f"groups then, {len(groups)} now: add_param_group, or a parameter added to a group). ZeRO cut "
+                "each group into this rank's pieces once, at set-up, and a parameter added since would not be "
+                "updated. Make every group in configure_optimizers (a group's parameters may stay frozen "
+                "until you unfreeze them, under zero_stage=0), or use zero_stage=0."
+            )
 
     def _swap(self, groups: list[list[nn.Parameter]]) -> None:
         for group, params in zip(self.optimizer.param_groups, groups):

@@ -34,6 +34,14 @@ the schedule's backwards are done, while the gradients' reduce-scatters may stil
 installed: one all-gather per unit and step instead of two per unit and micro-batch, at the cost of the
 stage's parameters held whole during the schedule (torchtitan's choice under pipelines).
 
+User code in a hook or callback (which may run on some ranks only: a sample under ``rank_zero_only``) never
+starts a gather: a block's hook gathers only inside the calls every rank makes (``every_rank.every_rank_runs``:
+the training step, its backward, the evaluation step), and elsewhere raises ``OffStepGatherError``, naming
+``gathered()`` (the strategy's ``parameters_gathered()``), inside which the hooks neither gather nor free, so
+one rank may run the module alone. A ``state_dict()`` called from outside the package while a unit is freed
+raises likewise rather than return its NaN placeholders, and so does a pipeline stage's forward outside its
+schedule.
+
 The gathers run over a process group of their own, so that their order against the gradients'
 reduce-scatters (started from autograd hooks) cannot differ between ranks. Frozen parameters are not
 sharded (every rank holds them whole, as at stage 0), nor are those a strategy leaves out (under expert
@@ -51,6 +59,8 @@ and reads each parameter's range in this rank's shard (``state_pieces``).
 from __future__ import annotations
 
 import mmap
+import os
+import sys
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -64,9 +74,31 @@ from lightning_parallel.compat import all_gather_single, tree_flatten
 from lightning_parallel.distributed.optimizer_shards import StatePieces
 from lightning_parallel.distributed.reducer import _Bucket
 from lightning_parallel.distributed.zero import MAPPED_BYTES, ShardedGradientReducer, all_gather_by_ranges
+from lightning_parallel.every_rank import every_rank_runs
 from lightning_parallel.module_names import find_block_stack
 
-__all__ = ["ParameterUnit", "ShardedParameters", "FullyShardedGradientReducer"]
+__all__ = ["FullyShardedGradientReducer", "OffStepGatherError", "ParameterUnit", "ShardedParameters"]
+
+
+class OffStepGatherError(RuntimeError):
+    """A unit's parameters were needed by a forward or backward that not every rank may run (a hook or a
+    callback), outside ``gathered()``."""
+
+
+def _unit_label(unit: "ParameterUnit") -> str:
+    return f"block {unit.name}" if unit.module is not None else "the modules outside the block stack"
+
+
+def _off_step_message(unit: "ParameterUnit", use: str, where: str) -> str:
+    return (
+        f"zero_stage=3: a {use} of {_unit_label(unit)} ran {where} (in a hook or callback), while its "
+        "parameters are sharded over the data-parallel ranks. Gathering them is a collective every "
+        "data-parallel rank must join, and such code may run on some ranks only (rank_zero_only, "
+        "`if trainer.is_global_zero`), where the gather would wait for ranks that never come. Enter "
+        "`with trainer.strategy.parameters_gathered():` on every rank around it (a collective; inside it the "
+        "parameters are whole, and a forward that involves only this rank may run on one rank alone), or use "
+        "zero_stage 1 or 2"
+    )
 
 
 @dataclass
@@ -145,6 +177,19 @@ class ParameterUnit:
         """The gathered values of this rank's range into its shard (after the parameters were loaded)."""
         with torch.no_grad():
             self.shard.copy_(self.own())
+
+
+_PACKAGE = os.path.dirname(os.path.dirname(__file__)) + os.sep  # as the code objects name their files
+_TORCH_MODULE = nn.Module.__init__.__code__.co_filename
+
+
+def _called_by_package() -> bool:
+    """Whether the ``state_dict()`` running now was called by this package's code: the first frame out of
+    torch's ``Module`` methods (its recursion into the children included) lies in the package."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename in (_TORCH_MODULE, __file__):
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_filename.startswith(_PACKAGE)
 
 
 def _refuse_mixed(name: str, params: list[nn.Parameter]) -> None:
@@ -313,13 +358,45 @@ class ShardedParameters:
             metas = [trainable(block.parameters()) for block in blocks if trainable(block.parameters())]
             in_root = set(self._replace_meta_parameters(module, [*metas, root]))
         self._index = {id(unit): i for i, unit in enumerate(self.blocks)}
-        self._handles = [] if kept else [h for unit in self.blocks for h in self._hook(unit)]
-        if self.root is not None and not kept:  # a forward after a backward in one step gathers the root
+        self._handles = [h for unit in self.blocks for h in self._hook(unit)]
+        if self.root is not None:  # a forward after a backward in one step gathers the root
             owners = [m for m in module.modules() if any(p in in_root for p in m.parameters(recurse=False))]
-            gather_root = partial(self._gather_before, self.root)
-            self._handles += [m.register_forward_pre_hook(gather_root) for m in owners]
+            before = self._refuse_freed if kept else self._gather_before
+            self._handles += [m.register_forward_pre_hook(partial(before, self.root)) for m in owners]
+        self._handles += self._guard_state_dicts(module)
         for unit in self.units():
             unit.free()
+
+    def _guard_state_dicts(self, module: nn.Module) -> list[Any]:
+        """A ``state_dict()`` pre-hook on every module holding a unit's parameter (itself or below it):
+        ``_refuse_placeholder_read``."""
+        unit_of = {p: unit for unit in self.units() for p in unit.params}
+        handles = []
+        for m in module.modules():
+            units = list({id(unit_of[p]): unit_of[p] for p in m.parameters() if p in unit_of}.values())
+            if units:
+                hook = partial(self._refuse_placeholder_read, units)
+                handles.append(m.register_state_dict_pre_hook(hook))
+        return handles
+
+    def _refuse_placeholder_read(self, units: list[ParameterUnit], module: nn.Module, *args: Any) -> None:
+        """Before ``module.state_dict()``: raises if one of ``units`` below it is freed (its parameters NaN
+        placeholders) and the call comes from outside this package and ``gathered()`` (a user's callback,
+        ``torch.save(pl_module.state_dict())`` under ``rank_zero_only``). The package's own reads of a
+        freed module's state read its names and shapes only, or gather first."""
+        if self._gathered_depth or all(unit.gathered or unit.work is not None for unit in units):
+            return
+        if _called_by_package():
+            return
+        freed = [_unit_label(u) for u in units if not u.gathered]
+        raise OffStepGatherError(
+            f"zero_stage=3: {type(module).__name__}.state_dict() read while the parameters of "
+            f"{', '.join(freed[:4])}{' ...' if len(freed) > 4 else ''} are sharded over the data-parallel "
+            "ranks: it would hold NaN placeholders of their shapes, not their values. Read it inside `with "
+            "trainer.strategy.parameters_gathered():`, entered on every rank (a collective; inside it any rank "
+            "may read or save alone), or save with trainer.save_checkpoint(path) on every rank (one device's "
+            "state)"
+        )
 
     # ------------------------------------------------------------------ set-up of a model built on meta
     def _replace_meta_parameters(
@@ -445,8 +522,10 @@ class ShardedParameters:
 
     @contextmanager
     def gathered(self) -> Generator[None, None, None]:
-        """Every unit gathered inside (a full state read or loaded); what a load wrote is kept. Nested, only
-        the outermost gathers, keeps and frees (an inner one would free what the outer still reads)."""
+        """Every unit gathered inside (a full state read or loaded, a forward in a hook); what a load wrote is
+        kept. A collective: every rank enters it; inside, the hooks neither gather nor free, so any rank may
+        run the module alone. Nested, only the outermost gathers, keeps and frees (an inner one would free
+        what the outer still reads)."""
         if self._gathered_depth:
             self._gathered_depth += 1
             try:
@@ -485,14 +564,33 @@ class ShardedParameters:
     def _hook(self, unit: ParameterUnit) -> list[Any]:
         module = unit.module
         assert module is not None
+        if self.kept:  # gathered by step(): a forward outside it finds the unit freed
+            return [module.register_forward_pre_hook(partial(self._refuse_freed, unit))]
         return [
             module.register_forward_pre_hook(partial(self._gather_before, unit)),
             module.register_forward_hook(partial(self._after_block, unit)),
         ]
 
+    def _refuse_off_step(self, unit: ParameterUnit, use: str) -> None:
+        """Raises if ``unit`` would be gathered from a module hook outside the calls every rank makes
+        (``every_rank.every_rank_runs``: the training step, its backward, the evaluation step) and outside
+        ``gathered()``: there its gather is a collective that code running on some ranks only (a callback under
+        ``rank_zero_only``) leaves the other ranks out of, which would hang."""
+        if unit.gathered or unit.work is not None or self._gathered_depth or every_rank_runs():
+            return
+        where = "outside the strategy's training and evaluation steps"
+        raise OffStepGatherError(_off_step_message(unit, use, where))
+
+    def _refuse_freed(self, unit: ParameterUnit, module: nn.Module, args: Any) -> None:
+        """Before a forward of a pipeline stage's unit (``kept``): raises if it is freed, that is outside the
+        schedule's run (``step()``) and ``gathered()``, where its parameters are NaN placeholders."""
+        if not unit.gathered and unit.work is None and not self._gathered_depth:
+            raise OffStepGatherError(_off_step_message(unit, "forward", "outside the pipeline's schedule"))
+
     def _gather_before(self, unit: ParameterUnit, module: nn.Module, args: Any) -> None:
         """Before a unit's forward: the unit gathered, and the next block's gather started (prefetch: at
         most one unit in flight while this one computes)."""
+        self._refuse_off_step(unit, "forward")
         self.gather(unit)
         self._prefetch(unit, +1)
 
@@ -508,12 +606,13 @@ class ShardedParameters:
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
             for t in tensors:
                 t.register_hook(partial(self._before_block_backward, unit))
-        if self.reshard_after_forward or not training:
+        if (self.reshard_after_forward or not training) and not self._gathered_depth:
             unit.free()
 
     def _before_block_backward(self, unit: ParameterUnit, grad: Tensor) -> None:
         """The block's backward comes next: gathered, and the block before it (whose backward follows)
         started."""
+        self._refuse_off_step(unit, "backward")
         self.gather(unit)
         self._prefetch(unit, -1)
 
@@ -530,7 +629,7 @@ class ShardedParameters:
     def backward_done(self, unit: ParameterUnit) -> None:
         """The unit's last gradient of this backward arrived: its parameters are not needed again (``kept``:
         until the schedule's other micro-batches are done, ``step()``)."""
-        if not self.kept:
+        if not self.kept and not self._gathered_depth:
             unit.free()
 
     def after_backward(self) -> None:

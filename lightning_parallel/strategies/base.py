@@ -100,7 +100,7 @@ from lightning_parallel.distributed.sync_batchnorm import SyncBatchNormPlugin
 from lightning_parallel.distributed.watchdog import FailureWatchdog
 from lightning_parallel.distributed.zero import ZERO_STAGES, ShardedGradientReducer
 from lightning_parallel.distributed.zero3 import FullyShardedGradientReducer, ShardedParameters
-from lightning_parallel.every_rank import training_step_scope
+from lightning_parallel.every_rank import every_rank_scope, training_step_scope
 from lightning_parallel.materialize import (
     Cut,
     Place,
@@ -459,7 +459,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             fixed, per_batch = self.trainable_set_fixed(), self.accumulation_refused()
             require(
                 [
-                    split_model_refusal(callbacks, name, shape),
+                    split_model_refusal(callbacks, name, shape, self.zero_stage),
                     finetuning_refusal(callbacks, name, fixed),
                     accumulation_refusal(callbacks, name, per_batch),
                 ]
@@ -685,8 +685,9 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
 
     @contextmanager
     def parameters_gathered(self) -> Generator[None, None, None]:
-        """Every unit gathered inside under ``zero_stage=3`` (a collective): a full state read or loaded, each
-        rank keeping its range of what a load wrote."""
+        """Every unit gathered inside under ``zero_stage=3``, and nothing otherwise: a full state read or
+        loaded, each rank keeping its range of what a load wrote, or the model run in a hook or callback (a
+        sample on rank 0 alone inside it). A collective: every rank enters it at the same point."""
         with ExitStack() as stack:
             for shards in self.parameter_shards:
                 stack.enter_context(shards.gathered())
@@ -705,7 +706,8 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         return [t for shards in self.parameter_shards for t in shards.held_tensors()]
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.sharded_forward():
+        """Lightning's, on every rank: ``zero_stage=3``'s blocks may gather their parameters inside."""
+        with every_rank_scope(), self.sharded_forward():
             return super().validation_step(*args, **kwargs)
 
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:

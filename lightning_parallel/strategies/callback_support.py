@@ -1,12 +1,13 @@
 """Lightning callbacks that a layout cannot run, named before training with the reason: SWA on a split model
-(tensor-parallel shards, pipeline stages, experts placed over ranks), a finetuning callback where the
-layout fixes at set-up which parameters train, and a gradient accumulation schedule where it takes one
-update per batch.
+(tensor-parallel shards, pipeline stages, experts placed over ranks, parameters sharded by ``zero_stage=3``),
+a finetuning callback where the layout fixes at set-up which parameters train, and a gradient accumulation
+schedule where it takes one update per batch.
 
 ``StochasticWeightAveraging`` copies the whole LightningModule in its ``setup`` hook, before the strategy
 splits it, then averages that copy's parameters with the module's by position (``zip``) and copies them
 back at the end. On a split model this rank holds part of the parameters, in other shapes: the pairs are
-different tensors, and the average is wrong where it does not fail.
+different tensors, and the average is wrong where it does not fail. Under ``zero_stage=3`` the module's
+parameters are NaN placeholders between steps: the average is NaN, and the copy back fails at the end of fit.
 """
 
 from __future__ import annotations
@@ -26,21 +27,24 @@ __all__ = ["accumulation_refusal", "finetuning_refusal", "split_model_refusal"]
 SPLITTING_AXES = {"tp": "tensor_parallel_size", "pp": "pipeline_parallel_size", "ep": "expert_parallel_size"}
 
 
-def split_model_refusal(callbacks: Iterable[object], strategy: str, shape: MeshShape) -> Optional[str]:
-    """Why ``strategy``, on a mesh of ``shape``, refuses one of the trainer's ``callbacks``; None when it
-    refuses none (also whenever no axis of ``shape`` splits the model)."""
-    split = ", ".join(
-        f"{name}={shape.size(axis)}" for axis, name in SPLITTING_AXES.items() if shape.size(axis) > 1
-    )
+def split_model_refusal(
+    callbacks: Iterable[object], strategy: str, shape: MeshShape, zero_stage: int = 0
+) -> Optional[str]:
+    """Why ``strategy``, on a mesh of ``shape`` with ``zero_stage``, refuses one of the trainer's
+    ``callbacks``; None when it refuses none (also whenever no axis of ``shape`` splits the model and the
+    parameters are not sharded: ``zero_stage=3`` over more than one data-parallel rank splits them too)."""
+    split = [f"{name}={shape.size(axis)}" for axis, name in SPLITTING_AXES.items() if shape.size(axis) > 1]
+    if zero_stage == 3 and shape.dp > 1:
+        split.append("zero_stage=3, whose parameters are NaN placeholders between steps")
     if not split:
         return None
     for callback in callbacks:
         if isinstance(callback, StochasticWeightAveraging):
             return (
                 f"{strategy} does not support the StochasticWeightAveraging callback with a split model "
-                f"({split}): the callback copies the whole module before the split and averages its parameters "
-                "by position with this rank's part of the model, which pairs different tensors. Use lp_ddp "
-                "(the whole model on every rank), or remove the callback."
+                f"({', '.join(split)}): the callback copies the whole module before the split and averages its "
+                "parameters by position with what this rank holds of the model, which are other tensors. Use "
+                "lp_ddp with zero_stage 0, 1 or 2 (the whole model on every rank), or remove the callback."
             )
     return None
 

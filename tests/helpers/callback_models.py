@@ -5,10 +5,13 @@ block) for ``BackboneFinetuning``, an optimizer over the parameters that require
 a learning rate that halves every epoch (a scheduler for ``LearningRateMonitor`` and
 ``StochasticWeightAveraging`` to read or replace); ``AsyncCallbackGPT`` is it trained on one process by the
 async pipeline's rule at the pipeline's timing (``pp_models.AsyncSteps``). ``RankZeroSample`` is what users
-write to look at the model during training: a forward on rank 0 alone at each epoch's end.
+write to look at the model during training: a forward on rank 0 alone at each epoch's end; ``GatheredSample`` is
+it inside ``strategy.parameters_gathered()``, entered on every rank, as written for ``zero_stage=3``.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 from lightning.pytorch import Callback
@@ -25,6 +28,7 @@ __all__ = [
     "CallbackGPT",
     "ValidatedTokens",
     "RankZeroSample",
+    "GatheredSample",
     "accumulate_from_epoch_1",
     "samples",
     "callback_report",
@@ -94,3 +98,14 @@ def callback_report(trainer) -> dict:
         "epoch": trainer.current_epoch,
         "param_groups": [len(o.param_groups) for o in trainer.optimizers],
     }
+
+
+class GatheredSample(RankZeroSample):
+    """``RankZeroSample`` as a user writes it under ``zero_stage=3``: every rank enters the strategy's
+    ``parameters_gathered()`` (a collective), and inside it rank 0 alone runs the model. On a strategy
+    without it (one device) the sample runs as it is."""
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        gathered = getattr(trainer.strategy, "parameters_gathered", contextlib.nullcontext)
+        with gathered():
+            super().on_train_epoch_end(trainer, pl_module)

@@ -1,7 +1,8 @@
 """User code that changes a model after the strategy set it up, or that runs modules outside the block
 stack: a callback that freezes a block and unfreezes it later (what ``BackboneFinetuning`` does), a GPT
 with a tensor tied across blocks, a GPT with a `backbone` for Lightning's BackboneFinetuning, a network
-with BatchNorm before and after its block stack."""
+with BatchNorm before and after its block stack, and a param group added during fit (``HeadLaterGPT``,
+``AddHeadGroup``)."""
 
 from __future__ import annotations
 
@@ -97,3 +98,24 @@ class AddAdapter(Callback):
     def on_train_start(self, trainer, pl_module) -> None:
         width = pl_module.model.blocks[0].mlp.fc.in_features
         pl_module.model.blocks[0].mlp.adapter = nn.Linear(width, width, bias=False)
+
+
+class HeadLaterGPT(SmallGPT):
+    """``SmallGPT`` whose optimizer first takes every parameter but the output head's (trainable all along);
+    ``AddHeadGroup`` gives the head a param group of its own later."""
+
+    def configure_optimizers(self):
+        head = set(self.model.head.parameters())
+        return torch.optim.SGD([p for p in self.parameters() if p not in head], lr=self.hparams.lr)
+
+
+class AddHeadGroup(Callback):
+    """``optimizer.add_param_group`` with the model's output head at training step ``at``, as a user's
+    callback (or ``BackboneFinetuning``) adds a group during fit."""
+
+    def __init__(self, at: int = 2) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.at:
+            trainer.optimizers[0].add_param_group({"params": list(pl_module.model.head.parameters())})

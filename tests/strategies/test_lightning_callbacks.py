@@ -3,14 +3,15 @@
 Three fits per strategy, each with callbacks that do not interfere: ``EarlyStopping`` (stops after epoch 1),
 ``ModelCheckpoint(every_n_train_steps=3)``, ``LearningRateMonitor`` and ``GradientAccumulationScheduler`` (2
 batches per step from epoch 1) in one, with a rank-zero-only sample under lp_ddp (on a split model a forward
-on rank 0 alone is a collective the other ranks never join); ``StochasticWeightAveraging`` (from epoch 1) in
+on rank 0 alone is a collective the other ranks never join; under lp_ddp with ``zero_stage=3`` the sample runs
+inside ``parameters_gathered()``, entered on every rank); ``StochasticWeightAveraging`` (from epoch 1) in
 the second; ``BackboneFinetuning`` (the first block frozen, unfrozen at epoch 1) in the third. Each equals one
 device (the gathered parameters, the step checkpoints, the stop, the learning rates, the samples) or is
 refused before training with its reason. The async pipeline (PipeDream-2BW) is compared with its rule on one
 process at its own timing (``AsyncCallbackGPT``), and runs ``GradientAccumulationScheduler`` in a fourth fit
 of its own, where it is refused (one update per batch). lp_ddp, lp_tensor_parallel and the pipeline schedules
 run on 2 processes (one launch); lp_parallel at 2x2x2 on 8 (one launch). BackboneFinetuning is refused under
-tensor parallelism and the async pipeline (docs/changing_state.md).
+ZeRO, tensor parallelism and the async pipeline, and SWA under zero_stage=3 (docs/changing_state.md).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from tests.helpers.harness import assert_params_close, run_distributed, run_sing
 MODEL = "tests.helpers.callback_models:CallbackGPT"
 STRATEGIES_2 = {
     "ddp": ("lightning_parallel:DDPStrategy", {}),
+    "ddp-z3": ("lightning_parallel:DDPStrategy", {"zero_stage": 3}),
     "tp": ("lightning_parallel:TensorParallelStrategy", {"tensor_parallel_size": 2, "plan": "auto"}),
     **{
         schedule: (
@@ -47,7 +49,7 @@ STRATEGIES_8 = {
         },
     )
 }
-DP = {"ddp": 2, "2x2x2": 2}  # data-parallel size of each (the others: 1)
+DP = {"ddp": 2, "ddp-z3": 2, "2x2x2": 2}  # data-parallel size of each (the others: 1)
 
 
 def callback(name: str, **kwargs) -> dict:
@@ -77,6 +79,9 @@ EMULATION = "tests.helpers.callback_models:AsyncCallbackGPT"
 
 SAMPLE = {"class": "tests.helpers.callback_models:RankZeroSample"}
 WHOLE_MODEL = (None, "ddp")  # where a forward on rank 0 alone is the model's forward (no collective inside)
+#: the sample inside strategy.parameters_gathered(), entered on every rank: zero_stage=3's parameters whole
+GATHERED_SAMPLE = {"class": "tests.helpers.callback_models:GatheredSample"}
+GATHERED = ("ddp-z3",)
 
 
 def kinds(strategy: str | None) -> dict:
@@ -87,6 +92,8 @@ def case(kind: str, strategy: str | None, dp: int = 1, may_refuse: bool = False)
     callbacks, epochs = kinds(strategy)[kind]
     if kind == "monitors" and strategy in WHOLE_MODEL:
         callbacks = [*callbacks, SAMPLE]
+    if kind == "monitors" and strategy in GATHERED:
+        callbacks = [*callbacks, GATHERED_SAMPLE]
     c = {
         "name": f"{kind}-{strategy or 'one-device'}",
         "model": MODEL,
@@ -113,11 +120,11 @@ def emulation(kind: str) -> dict:
 
 
 PIPELINES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "async")
-SPLIT = ("tp", *PIPELINES, "2x2x2")  # the strategies whose model is split: SWA refused
-# where BackboneFinetuning is refused at set-up: the tensor-parallel gradient sums are fixed at set-up, and
-# the async pipeline applies a batch's gradient a step later (docs/changing_state.md); everywhere else it
-# equals one device
-BACKBONE_REFUSED = ("tp", "async", "2x2x2")
+SPLIT = ("ddp-z3", "tp", *PIPELINES, "2x2x2")  # the strategies whose model is split: SWA refused
+# where BackboneFinetuning is refused at set-up: ZeRO cuts the trainable parameters into pieces once, the
+# tensor-parallel gradient sums are fixed at set-up, and the async pipeline applies a batch's gradient a step
+# later (docs/changing_state.md); everywhere else it equals one device
+BACKBONE_REFUSED = ("ddp-z3", "tp", "async", "2x2x2")
 
 
 def refused(kind: str, strategy: str) -> bool:
@@ -227,13 +234,17 @@ def test_callbacks_equal_one_device_or_are_refused(runs2, one_device, strategy, 
                 "does not support the StochasticWeightAveraging callback with a split model"
                 in rank["refused"]
             )
+            assert strategy != "ddp-z3" or "zero_stage=3" in rank["refused"]
         return
     if kind == "backbone" and strategy in BACKBONE_REFUSED:
         return check_backbone_refused(ranks)
     check_equal(kind, strategy, ranks, reference(references, strategy, kind))
     if kind == "monitors":
         check_step_checkpoints(tmp, 2, strategy, one)
-    if kind == "monitors" and strategy in WHOLE_MODEL:  # the sample on rank 0 only, as on one device
+    if kind == "monitors" and strategy in (
+        *WHOLE_MODEL,
+        *GATHERED,
+    ):  # the sample on rank 0 only, as on one device
         assert ranks[0]["probe"]["samples"] == reference(references, strategy, kind)["probe"]["samples"]
         assert ranks[1]["probe"]["samples"] == [[]]
 

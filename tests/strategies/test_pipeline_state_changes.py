@@ -4,7 +4,8 @@ schedule on 2 real gloo processes (2 stages, float64), against one process:
 - a block frozen and unfrozen later (a callback, as ``BackboneFinetuning`` does: frozen before set-up or
   after it, trainable again from step 2) trains as on one device under 1f1b and the split backwards of
   zb_h1 and zbv, and under lp_ddp (the gradient buckets rebuilt); under ZeRO it is refused, naming the
-  parameters, under tensor parallelism refused at set-up, and an adapter added after set-up is refused;
+  parameters (at zero_stage=3, frozen while the units are freed), and so is a param group added during fit;
+  under tensor parallelism refused at set-up, and an adapter added after set-up is refused;
   Lightning's ``BackboneFinetuning`` trains and saves as on one device (its param group added on the stage
   that holds the backbone only);
 - a BatchNorm before the block stack (run by every chunk's forward) and one after it update their
@@ -213,13 +214,26 @@ BACKBONE_FINETUNING = {
     "kwargs": {"unfreeze_backbone_at_epoch": 1},
 }
 REFUSED = [
-    (  # a callback of the user's: refused when it unfreezes, naming the parameters
+    (  # a callback of the user's: refused when it freezes (after set-up, while zero_stage=3's units are
+        # freed), naming the parameters
         {
-            **case("zero", GPT, TOKENS, None, None, {"n_layer": 2}, [unfreezing("setup")]),
+            **case("zero", GPT, TOKENS, None, None, {"n_layer": 2}, [unfreezing("fit_start")]),
             "dp_size": 2,
-            "strategy": {"class": DDP, "kwargs": {"zero_stage": 1}},
+            "strategy": {"class": DDP, "kwargs": {"zero_stage": 3}},
         },
-        ["zero_stage=1", "unfrozen: model.blocks.0.ln1.weight", "Set requires_grad before fit"],
+        ["zero_stage=3", "frozen: model.blocks.0.ln1.weight", "Set requires_grad before fit"],
+    ),
+    (  # a param group added during fit under ZeRO: refused at the next optimizer step (its parameters
+        # were never updated)
+        {
+            **case(
+                "zero-group", "tests.helpers.state_changes:HeadLaterGPT", TOKENS, None, None, {"n_layer": 2}
+            ),
+            "callbacks": [{"class": "tests.helpers.state_changes:AddHeadGroup", "kwargs": {"at": 2}}],
+            "dp_size": 2,
+            "strategy": {"class": DDP, "kwargs": {"zero_stage": 3}},
+        },
+        ["optimizer's parameter groups changed after set-up", "1 groups then, 2 now", "configure_optimizers"],
     ),
     (  # Lightning's finetuning callback: refused at set-up
         {

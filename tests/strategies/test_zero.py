@@ -11,7 +11,9 @@ experts over their replicas); a checkpoint saved at dp=2 with ZeRO resumes exact
 off and under stage 3 (lp_ddp and dp2 x pp2), and ones saved under stage 3 (lp_ddp, dp2 x tp2, dp2 x pp2, HSDP)
 on one device; the full state is read and loaded while sharded (lp_ddp, dp2 x tp2). Stage 3 also on models we
 did not write (nn.TransformerEncoder, a whole nn.Transformer), under bf16-mixed and 16-mixed, and with a
-callback reading the weights in Lightning's hooks while the units are freed (``weight_reader``). HSDP
+callback reading the weights in Lightning's hooks while the units are freed (``weight_reader``), and with one
+running the model and reading ``state_dict()`` there (``zero3_user_code``: refused at once on rank 0 alone,
+one device's values inside ``parameters_gathered()``; lp_ddp, dp2 x tp2, dp2 x pp2). HSDP
 (``data_parallel_shard_size=2`` at dp=4: sharded within pairs of ranks, replicated across the pairs) equals one
 device at stages 2 and 3 and holds 1/2 (not 1/4) of the states."""
 
@@ -241,6 +243,30 @@ ASYNC = "tests.helpers.pp_models:AsyncRuleGPT"
 READ_WEIGHTS = {"ref-gpt-sgdm", "ddp2-gpt-sgdm-z3"}
 
 
+#: runs with a callback running the model and reading state_dict() in a hook (``zero3_user_code.UserCode``):
+#: name -> where its forward inside parameters_gathered() runs (rank 0 alone; every rank: a tensor-parallel
+#: forward is a collective itself; none: a pipeline stage's forward outside the schedule is not the model's)
+USER_CODE = {
+    "ref-gpt-sgdm": "rank0",
+    "ref-gpt-adamw": "rank0",
+    "ddp2-gpt-sgdm-z3": "rank0",
+    "dp2tp2-gpt-adamw-z3": "every",
+    "dp2pp2-gpt-adamw-z3": "none",
+}
+
+
+def running_user_code(c: dict) -> dict:
+    """``c`` with ``UserCode`` where ``USER_CODE`` names it (it changes nothing of what trains)."""
+    forward = USER_CODE.get(c["name"])
+    if forward is None:
+        return c
+    code = {
+        "class": "tests.helpers.zero3_user_code:UserCode",
+        "kwargs": {"dirpath": "user_code", "forward": forward},
+    }
+    return {**c, "callbacks": [*c.get("callbacks", []), code]}
+
+
 def reading_weights(c: dict) -> dict:
     """``c`` with ``WeightReader`` and a validation loop (validation does not change what trains)."""
     if c["name"] not in READ_WEIGHTS:
@@ -289,7 +315,7 @@ def runs(tmp_path_factory):
     by_world[4].append({**async_run, "model_kwargs": sgd})
     results = {}
     for world, cases in by_world.items():
-        cases = [reading_weights(c) for c in cases]
+        cases = [running_user_code(reading_weights(c)) for c in cases]
         results.update(run_distributed(cases, world_size=world, tmp_path=tmp, timeout=600))
     saved = str(tmp / "dist2" / "ddp2-gpt-adamw-z1" / "last.ckpt")  # ZeRO-1 at dp=2, several buckets
     later = {
@@ -566,3 +592,41 @@ def test_zero_3_weights_read_in_hooks(runs):
         assert len(found["steps"]) == len(reference["steps"]) == 5
         for step, expected in zip(found["steps"], reference["steps"]):
             assert_params_close(step, expected, atol=1e-10)
+
+
+def user_code_found(tmp, world: int, name: str) -> dict:
+    return torch.load(tmp / f"dist{world}" / name / "user_code" / "user-code-rank0.pt", weights_only=False)
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("name", [n for n in USER_CODE if not n.startswith("ref-")])
+def test_zero_3_user_code_in_hooks_gets_the_values_or_a_prompt_error(runs, name):
+    """What users run in a hook under zero_stage=3 (``UserCode``, after steps 2 and 4): on rank 0 alone, a
+    forward and ``state_dict()`` raise at once, naming ``parameters_gathered()`` (before, the forward waited in
+    a gather the other ranks never joined until failure_timeout, and ``state_dict()`` returned NaN
+    placeholders), and training goes on as on one device; inside ``parameters_gathered()``, entered on every
+    rank, the forward gives one device's output (on rank 0 alone under lp_ddp, on every rank at dp2 x tp2) and
+    ``state_dict()`` one device's weights (lp_ddp; this rank's share, with no NaN, where the model is split)."""
+    tmp, _ = runs
+    world, model, optimizer, *_ = RUNS[name]
+    reference = user_code_found(tmp, 1, f"ref-{model}-{optimizer}")
+    found = user_code_found(tmp, world, name)
+    assert len(found["attempts"]) == len(reference["attempts"]) == 2
+    for attempt, expected in zip(found["attempts"], reference["attempts"]):
+        for call in ("forward", "state_dict"):
+            assert expected[call]["error"] is None
+            kind, message = attempt[call]["error"]
+            assert kind == "OffStepGatherError" and "zero_stage=3" in message, message
+            assert "trainer.strategy.parameters_gathered()" in message, message
+            assert attempt[call]["seconds"] < 1.0, attempt
+    if USER_CODE[name] == "none":
+        assert found["outputs"] == []
+    else:
+        assert len(found["outputs"]) == len(reference["outputs"]) == 2
+        for output, expected in zip(found["outputs"], reference["outputs"]):
+            assert (output - expected).abs().max().item() <= 1e-10
+    assert len(found["states"]) == 2
+    for state, expected in zip(found["states"], reference["states"]):
+        assert not any(v.isnan().any() for v in state.values() if v.is_floating_point())
+        if world == 2:  # lp_ddp: the whole model
+            assert_params_close(state, expected, atol=1e-10)
