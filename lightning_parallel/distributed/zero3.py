@@ -614,6 +614,7 @@ class FullyShardedGradientReducer(ShardedGradientReducer):
         **kwargs: Any,
     ) -> None:
         self.sharded = sharded
+        self._aside: dict[int, Tensor] = {}  # id(bucket) -> accumulating micro-batches' sum (``_set_aside``)
         units = sharded.units()
         self._unit_of = {p: unit for unit in units for p in unit.params}
         trainable = {p for _, p in named_params if p.requires_grad}
@@ -636,8 +637,34 @@ class FullyShardedGradientReducer(ShardedGradientReducer):
         """Whether the bucket's gradients (in the gathered parameters' dtype) are reduced in another dtype,
         or received in another than the shards': then they are cast around the reduce-scatter."""
         unit = self._unit_of[bucket.params[0]]
-        reduce = self.sharded.dtypes.reduce or unit.shard.dtype
+        reduce = self._reduce_dtype(unit)
         return not self._shard_of[id(bucket)].whole and (unit.full.dtype != reduce or reduce != unit.shard.dtype)
+
+    def _reduce_dtype(self, unit: ParameterUnit) -> torch.dtype:
+        return self.sharded.dtypes.reduce or unit.shard.dtype
+
+    def finish_sync(self) -> None:
+        if not self.sync_enabled:
+            self._set_aside()
+        super().finish_sync()
+
+    def _set_aside(self) -> None:
+        """After an accumulating micro-batch's backward (no sync): each bucket whose gradients are in another
+        dtype than the reduce dtype added into a sum of its own in the reduce dtype and zeroed, so that the
+        micro-batches add up in the reduce dtype (FSDP2's accumulated gradient), not the gathered one."""
+        for bucket in self.buckets:
+            unit = self._unit_of[bucket.params[0]]
+            if not bucket.buffer.numel() or bucket.buffer.dtype == self._reduce_dtype(unit):
+                continue
+            aside = self._aside.get(id(bucket))
+            if aside is None:
+                self._aside[id(bucket)] = bucket.buffer.to(self._reduce_dtype(unit))
+            else:
+                aside.add_(bucket.buffer)
+            bucket.buffer.zero_()
+
+    def gradient_tensors(self) -> list[Tensor]:
+        return [*super().gradient_tensors(), *self._aside.values()]
 
     def _seeds(self, bucket: _Bucket, shard: BucketShard) -> bool:
         return super()._seeds(bucket, shard) and not self._casts(bucket)
@@ -651,7 +678,8 @@ class FullyShardedGradientReducer(ShardedGradientReducer):
         shard, unit = self._shard_of[id(bucket)], self._unit_of[bucket.params[0]]
         if not bucket.buffer.numel():  # no gradient of this bucket on this rank
             self._open(bucket)
-        send = bucket.buffer.to(self.sharded.dtypes.reduce or unit.shard.dtype)
+        aside = self._aside.pop(id(bucket), None)  # the accumulating micro-batches' sum
+        send = bucket.buffer.to(self._reduce_dtype(unit)) if aside is None else aside.add_(bucket.buffer)
         send.div_(self.world_size * self.replicas)
         received = send.new_empty(shard.size)
         if self._by_ranges:

@@ -42,25 +42,30 @@ def z3(**kwargs) -> dict:
 
 #: a real GradScaler on the CPU, starting at a scale that overflows float16 (steps skipped, the scale halved)
 FP16 = {"fp16_cpu": True, "fp16_init_scale": 2.0**22, "trainer": {"precision": None, "max_steps": 8}}
+#: FSDP2 with MixedPrecisionPolicy(bfloat16, float32), fully_shard per block under ModelParallelStrategy
+FSDP2 = {
+    **case(
+        "fsdp2-bf16",
+        {
+            "class": "lightning.pytorch.strategies:ModelParallelStrategy",
+            "kwargs": {"data_parallel_size": 2, "tensor_parallel_size": 1},
+        },
+        callbacks=[],
+    ),
+    "model": "tests.helpers.unit_dtypes:FSDP2GPT",
+    "no_state_dict": True,
+    "probe": "tests.helpers.unit_dtypes:fsdp2_full_state",
+}
+ACCUMULATE = {"precision": "bf16-mixed", "max_steps": 5, "accumulate_grad_batches": 2}
 CASES = [
     case("z0-bf16", {"class": DDP, "kwargs": {}}),
     case("z3-bf16", z3(), **PROBE),  # the defaults: gathered in bfloat16, reduced in float32
     case("z3-bf16-f32-gather", z3(param_dtype="float32"), **PROBE),
     case("z3-bf16-bf16-reduce", z3(reduce_dtype="bfloat16"), **PROBE),
     case("z3-f32", z3(), "32-true", **PROBE),
-    {
-        **case(
-            "fsdp2-bf16",
-            {
-                "class": "lightning.pytorch.strategies:ModelParallelStrategy",
-                "kwargs": {"data_parallel_size": 2, "tensor_parallel_size": 1},
-            },
-            callbacks=[],
-        ),
-        "model": "tests.helpers.unit_dtypes:FSDP2GPT",
-        "no_state_dict": True,
-        "probe": "tests.helpers.unit_dtypes:fsdp2_full_state",
-    },
+    FSDP2,
+    case("z3-bf16-accumulate", z3(), trainer=ACCUMULATE),
+    {**FSDP2, "name": "fsdp2-bf16-accumulate", "trainer": ACCUMULATE},
     case("z0-fp16", {"class": DDP, "kwargs": {}}, **FP16, **PROBE),
     case("z3-fp16", z3(), **FP16, **PROBE),
 ]
@@ -118,6 +123,17 @@ def test_bf16_gather_equals_fsdp2_and_stays_within_bf16_of_float32(runs):
     assert 1e-5 < to_plain and mean <= 1e-4, f"bfloat16 gathers moved the weights by {mean:.2e} on average"
     # gathered in float32, autocast casts per op as plain lp_ddp does: float32 round-off only
     assert max_param_diff(f32_gather, plain) <= 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_bf16_gather_accumulates_in_the_reduce_dtype_as_fsdp2(runs):
+    """Under ``accumulate_grad_batches=2`` the micro-batches' bfloat16 gradients add up in float32 (FSDP2's
+    accumulated gradient), not in bfloat16: equal to FSDP2 but for the order of two float32 sums."""
+    ours, fsdp2 = params(runs, "z3-bf16-accumulate"), params(runs, "fsdp2-bf16-accumulate")
+    diff = max_param_diff(ours, fsdp2)
+    assert diff <= 1e-6, f"accumulated ZeRO-3 in bfloat16 differs from FSDP2's by {diff:.2e}"
+    assert max_param_diff(ours, params(runs, "z3-bf16")) > 1e-3  # accumulation changed the run
 
 
 @pytest.mark.slow
