@@ -43,6 +43,12 @@ their replicas shards them, leaving out the rest).
 The module may be a rank's tensor-parallel share: its parameters are whatever this rank holds (sharded
 layers' slices, replicated norms), and the units shard those over the data-parallel group.
 
+With a ``param_dtype`` (``zero3_dtypes``: by default autocast's dtype under ``bf16-mixed`` / ``16-mixed``) the
+flat buffer is in that dtype and the shards stay in the parameters' own: a gather casts this rank's shard into
+its range, the gradients (in that dtype) are cast to the reduce dtype for the reduce-scatter and what a rank
+receives to the shards' dtype. A full state read or load and the module given back at teardown gather in the
+shards' dtype (``retype``), so checkpoints hold the master weights.
+
 A module built on meta is laid out in units there (``device``): each rank allocates only its shards, and
 set-up writes its range of each parameter's full value into them (``place``). A sharded checkpoint writes
 and reads each parameter's range in this rank's shard (``state_pieces``).
