@@ -163,6 +163,13 @@ def _initial_weights_problem(value: Any, prefix: str) -> Optional[str]:
     return None
 
 
+#: why a model the user compiled whole is compiled block by block under zero_stage=3
+ZERO3_GATHERS_IN_FORWARD = (
+    "zero_stage=3 gathers each block's parameters in hooks around its forward and backward, collectives a "
+    "whole compiled step would break its graph at, once per block"
+)
+
+
 def _raw_clipping_refused(zero_stage: int) -> str:
     return (
         f"zero_stage={zero_stage}: the model's parameters hold no gradient (each data-parallel rank holds the "
@@ -810,6 +817,8 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         module = self.lightning_module
         if self._compiled_blocks or not self.compiles(module):
             return  # compiled by an earlier set-up of the split module it still holds
+        if whole_cannot is None and self.zero_stage == 3 and self.mesh_shape().dp > 1:
+            whole_cannot = ZERO3_GATHERS_IN_FORWARD
         why_whole = self.per_block_refused()
         if blocks is None and why_whole is None:
             try:
