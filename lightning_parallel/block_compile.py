@@ -91,7 +91,8 @@ def apply_block_compile(
 ) -> CompiledBlocks:
     """Compile each of ``blocks`` (``what`` names them for the message) when ``option`` asks it, or when the
     user compiled ``module`` and ``whole_cannot`` says why its whole-step compile cannot run here (pipeline
-    stages). Where the user's own compile moves onto the blocks, a warning says once what runs eagerly."""
+    stages, zero_stage=3's gathers). Where the user's own compile moves onto the blocks, a warning says once
+    what runs eagerly."""
     user = compiled_by_lightning(module)
     if option is False and not (user and whole_cannot):
         return []
@@ -100,7 +101,7 @@ def apply_block_compile(
         rank_zero_info(f"compile: {what} compiled; training_step and the rest of forward run eagerly")
         return compiled
     rank_zero_warn(
-        f"{'pipeline stages' if whole_cannot else 'compile=True'} under torch.compile: the model's compile, its "
+        f"{'a whole compiled step' if whole_cannot else 'compile=True'} under torch.compile: the model's compile, its "
         f"settings kept, moves onto {what}; training_step and the rest of forward run eagerly "
         f"({whole_cannot or 'compile=True compiles block by block'})"
     )

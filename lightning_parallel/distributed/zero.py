@@ -267,7 +267,7 @@ class ShardedGradientReducer(GradientReducer):
         does). The buffer is divided by ``world_size`` before the reduce-scatter, so the range then receives
         what it held plus the new average, as ``.grad`` accumulates (exact for a power-of-two size)."""
         shard = self._shard_of[id(bucket)]
-        if shard.whole or not self.syncs_since_step or shard.grad is None:
+        if not self._seeds(bucket, shard):
             bucket.buffer.zero_()
         else:
             own = self._own(bucket.buffer, shard)
@@ -276,6 +276,11 @@ class ShardedGradientReducer(GradientReducer):
             bucket.buffer[(self.rank + 1) * shard.size :].zero_()
         for p, view in zip(bucket.params, bucket.views):
             p.grad = view
+
+    def _seeds(self, bucket: _Bucket, shard: BucketShard) -> bool:
+        """Whether ``_start`` puts what this rank's range received since the step into the bucket (ZeRO-3's
+        cast gradients add it after the reduce-scatter instead)."""
+        return not shard.whole and bool(self.syncs_since_step) and shard.grad is not None
 
     def _open(self, bucket: _Bucket, arrived: Optional[nn.Parameter] = None) -> None:
         """Stage 2: allocate and start the bucket's buffer at its first gradient of a backward (``arrived``,
@@ -396,7 +401,9 @@ class ShardedGradientReducer(GradientReducer):
             for piece in shard.pieces:
                 if shard.whole:
                     g = piece.param.grad
-                    piece.shard.grad = None if g is None else g.detach().reshape(-1)[piece.start : piece.stop]
+                    grad = None if g is None else g.detach().reshape(-1)[piece.start : piece.stop]
+                    # ZeRO-3 with a param_dtype: the pieces (of the shards) are in another dtype
+                    piece.shard.grad = None if grad is None else grad.to(piece.shard.dtype)
                 elif piece.param in unused or shard.grad is None:
                     piece.shard.grad = None
                 else:

@@ -51,6 +51,12 @@ their replicas shards them, leaving out the rest).
 The module may be a rank's tensor-parallel share: its parameters are whatever this rank holds (sharded
 layers' slices, replicated norms), and the units shard those over the data-parallel group.
 
+With a ``param_dtype`` (``zero3_dtypes``: by default autocast's dtype under ``bf16-mixed`` / ``16-mixed``) the
+flat buffer is in that dtype and the shards stay in the parameters' own: a gather casts this rank's shard into
+its range, the gradients (in that dtype) are cast to the reduce dtype for the reduce-scatter and what a rank
+receives to the shards' dtype. A full state read or load and the module given back at teardown gather in the
+shards' dtype (``retype``), so checkpoints hold the master weights.
+
 A module built on meta is laid out in units there (``device``): each rank allocates only its shards, and
 set-up writes its range of each parameter's full value into them (``place``). A sharded checkpoint writes
 and reads each parameter's range in this rank's shard (``state_pieces``).
@@ -70,10 +76,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_parallel.compat import all_gather_single, tree_flatten
+from lightning_parallel.compat import all_gather_single, reduce_scatter_single, tree_flatten
 from lightning_parallel.distributed.optimizer_shards import StatePieces
 from lightning_parallel.distributed.reducer import _Bucket
-from lightning_parallel.distributed.zero import MAPPED_BYTES, ShardedGradientReducer, all_gather_by_ranges
+from lightning_parallel.distributed.zero import (
+    MAPPED_BYTES,
+    BucketShard,
+    ShardedGradientReducer,
+    _reduce_scatter_by_ranges,
+    _Works,
+    all_gather_by_ranges,
+)
+from lightning_parallel.distributed.zero3_dtypes import UnitDtypes
 from lightning_parallel.every_rank import every_rank_runs
 from lightning_parallel.module_names import find_block_stack
 
@@ -120,10 +134,18 @@ class ParameterUnit:
     placeholders: list[Tensor] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        # what each parameter presents: its view of ``full`` while gathered, a placeholder while freed
-        self.views = [p.data for p in self.params]
+        self._lay_out()
+
+    def _lay_out(self) -> None:
+        """What each parameter presents (its view of ``full`` while gathered, a placeholder while freed),
+        presented now."""
+        self.views, offset = [], 0
+        for p in self.params:
+            self.views.append(self.full[offset : offset + p.numel()].view(p.shape))
+            offset += p.numel()
         released = torch.full((), float("nan"), dtype=self.full.dtype, device=self.full.device)
         self.placeholders = [released.expand(p.shape) for p in self.params]
+        self.present(self.views if self.gathered else self.placeholders)
 
     @property
     def size(self) -> int:
@@ -146,11 +168,25 @@ class ParameterUnit:
         self.wait()
         if self.gathered:
             self.present(self.placeholders)
-            if self.mapped is not None:
-                self.mapped.madvise(mmap.MADV_DONTNEED)
-            else:
-                self.full.untyped_storage().resize_(0)
+            self._release()
             self.gathered = False
+
+    def _release(self) -> None:
+        if self.mapped is not None:
+            self.mapped.madvise(mmap.MADV_DONTNEED)
+        else:
+            self.full.untyped_storage().resize_(0)
+
+    def retype(self, dtype: torch.dtype) -> None:
+        """The unit freed and its flat buffer made anew in ``dtype`` (``param_dtype``: gathered in the shards'
+        dtype for a full state read or load and when the module is given back, in the compute dtype for
+        training): the parameters present views and placeholders of that dtype."""
+        if self.full.dtype == dtype:
+            return
+        self.free()
+        self.full, self.mapped = _flat_buffer(self.full.numel(), dtype, self.full.device)
+        self._lay_out()  # views of the memory, before it is released
+        self._release()
 
     def allocate(self) -> None:
         """The flat buffer's memory back before a gather (a mapped buffer's pages come back as written)."""
@@ -201,21 +237,26 @@ def _refuse_mixed(name: str, params: list[nn.Parameter]) -> None:
         )
 
 
-def _unit(name: str, module: Optional[nn.Module], params: list[nn.Parameter], group: Any) -> ParameterUnit:
-    """A unit over ``params``, which become views of its flat buffer (gathered: it holds their values)."""
+def _unit(
+    name: str, module: Optional[nn.Module], params: list[nn.Parameter], group: Any, dtype: Optional[torch.dtype]
+) -> ParameterUnit:
+    """A unit over ``params``, which become views of its flat buffer in ``dtype`` (None: theirs; gathered:
+    it holds their values, cast); the shard keeps this rank's range in their own dtype."""
     _refuse_mixed(name, params)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     numel = sum(p.numel() for p in params)
     size = -(-numel // world)
-    full, mapped = _flat_buffer(size * world, params[0].dtype, params[0].device)
+    full, mapped = _flat_buffer(size * world, dtype or params[0].dtype, params[0].device)
+    shard = torch.zeros(size, dtype=params[0].dtype, device=params[0].device)
     offset = 0
     with torch.no_grad():
         for p in params:
-            view = full[offset : offset + p.numel()]
-            view.copy_(p.detach().reshape(-1))
-            p.data = view.view_as(p)
+            flat = p.detach().reshape(-1)
+            full[offset : offset + p.numel()].copy_(flat)
+            start, stop = _span(size, rank, offset, p.numel())
+            if start < stop:
+                shard[offset + start - rank * size : offset + stop - rank * size].copy_(flat[start:stop])
             offset += p.numel()
-    shard = full[rank * size : (rank + 1) * size].clone()
     return ParameterUnit(name, module, params, full, shard, rank, mapped=mapped)
 
 
@@ -244,25 +285,35 @@ def _blocks(module: nn.Module, stack_name: Optional[str]) -> list[nn.Module]:
     return list(stack)
 
 
+def _span(size: int, rank: int, offset: int, numel: int) -> tuple[int, int]:
+    """The elements ``(start, stop)`` of the parameter at ``offset`` in a flat buffer of ranges of ``size``
+    (of ``numel`` elements) that rank ``rank``'s range holds; ``start >= stop``: none."""
+    first = rank * size
+    return max(first, offset) - offset, min(first + size, offset + numel) - offset
+
+
 def _overlap(unit: ParameterUnit, rank: int, offset: int, numel: int) -> tuple[int, int]:
-    """The elements ``(start, stop)`` of the parameter at ``offset`` in ``unit``'s flat buffer (of ``numel``
-    elements) that rank ``rank``'s range holds; ``start >= stop``: none."""
-    first = rank * unit.size
-    return max(first, offset) - offset, min(first + unit.size, offset + numel) - offset
+    """``_span`` in ``unit``'s flat buffer."""
+    return _span(unit.size, rank, offset, numel)
 
 
 def _unit_on_meta(
-    name: str, module: Optional[nn.Module], params: list[nn.Parameter], group: Any, device: torch.device
+    name: str,
+    module: Optional[nn.Module],
+    params: list[nn.Parameter],
+    group: Any,
+    dtype: Optional[torch.dtype],
+    device: torch.device,
 ) -> ParameterUnit:
     """A freed unit over ``params`` (meta parameters of a module built on meta) laid out as ``_unit`` lays
     out real ones: new parameters on ``device``, views of a flat buffer that is never filled (freed at once),
     and this rank's shard, zeros until ``ShardedParameters.place`` writes the values into it. The caller puts
-    the new parameters in the module in the meta ones' place."""
+    the new parameters in the module in the meta ones' place. ``dtype``: as ``_unit``'s."""
     _refuse_mixed(name, params)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     numel = sum(p.numel() for p in params)
     size = -(-numel // world)
-    full = torch.empty(size * world, dtype=params[0].dtype, device=device)  # never written: no pages touched
+    full = torch.empty(size * world, dtype=dtype or params[0].dtype, device=device)  # never written: no pages
     views, offset = [], 0
     for p in params:
         param = nn.Parameter(torch.empty(0, dtype=full.dtype, device=device))
@@ -270,10 +321,8 @@ def _unit_on_meta(
         views.append(param)
         offset += p.numel()
     full.untyped_storage().resize_(0)
-    shard = torch.zeros(size, dtype=full.dtype, device=device)
-    unit = ParameterUnit(name, module, views, full, shard, rank, gathered=False)
-    unit.present(unit.placeholders)  # freed: a read finds the placeholders, never the released buffer
-    return unit
+    shard = torch.zeros(size, dtype=params[0].dtype, device=device)
+    return ParameterUnit(name, module, views, full, shard, rank, gathered=False)  # presents placeholders
 
 
 def _put_in_place(module: nn.Module, new: dict[nn.Parameter, nn.Parameter]) -> None:
@@ -317,6 +366,8 @@ class ShardedParameters:
         kept: gathered for a whole step by ``step()``, with no hooks on the blocks (a pipeline stage).
         device: of a module built on meta: the units laid out there, each rank allocating only its shards on
             ``device`` (filled by ``place``).
+        dtypes: the gathered parameters' and the reduced gradients' dtypes (``zero3_dtypes``); the shards keep
+            the parameters' own.
     """
 
     def __init__(
@@ -330,8 +381,9 @@ class ShardedParameters:
         blocks: Optional[Sequence[nn.Module]] = None,
         kept: bool = False,
         device: Optional[torch.device] = None,
+        dtypes: UnitDtypes = UnitDtypes(),
     ) -> None:
-        self.group, self.gather_group = group, gather_group
+        self.group, self.gather_group, self.dtypes = group, gather_group, dtypes
         self.reshard_after_forward, self.kept = reshard_after_forward, kept
         self._by_ranges = dist.get_backend(gather_group) == "gloo"
         self.gathers = 0  # units gathered so far (tests read how often reshard_after_forward gathers)
@@ -346,11 +398,11 @@ class ShardedParameters:
         _refuse_shared(module, blocks)
         make = _unit if device is None else partial(_unit_on_meta, device=device)
         self.blocks = [
-            make(str(i), block, trainable(block.parameters()), group)
+            make(str(i), block, trainable(block.parameters()), group, dtypes.param)
             for i, block in enumerate(blocks)
             if trainable(block.parameters())
         ]
-        self.root = make("", None, root, group) if root else None
+        self.root = make("", None, root, group, dtypes.param) if root else None
         # built on meta: each new parameter's unit and offset, until place() has written its values
         self._unplaced: dict[nn.Parameter, tuple[ParameterUnit, int]] = {}
         self._by_name: dict[str, nn.Parameter] = {}
@@ -508,8 +560,16 @@ class ShardedParameters:
         self.start_gather(unit)
         unit.wait()
 
-    def gather_all(self) -> None:
-        """Every unit gathered: all the gathers started, then waited for."""
+    def _retype(self, master: bool) -> None:
+        """Every unit's flat buffer in the shards' dtype (``master``) or in ``dtypes.param``."""
+        for unit in self.units():
+            unit.retype(unit.shard.dtype if master else self.dtypes.param or unit.shard.dtype)
+
+    def gather_all(self, master: bool = False) -> None:
+        """Every unit gathered: all the gathers started, then waited for; ``master``: in the shards' dtype
+        (a full state read or loaded, the module given back), not the compute dtype."""
+        if master:
+            self._retype(master=True)
         units = self.units()
         for unit in units:
             self.start_gather(unit)
@@ -533,7 +593,7 @@ class ShardedParameters:
             finally:
                 self._gathered_depth -= 1
             return
-        self.gather_all()
+        self.gather_all(master=True)
         self._gathered_depth = 1
         try:
             yield
@@ -542,6 +602,7 @@ class ShardedParameters:
             for unit in self.units():
                 unit.keep_own()
             self.free_all()
+            self._retype(master=False)
 
     @contextmanager
     def as_views(self) -> Generator[None, None, None]:
@@ -641,7 +702,7 @@ class ShardedParameters:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self.gather_all()
+        self.gather_all(master=True)
 
 
 class FullyShardedGradientReducer(ShardedGradientReducer):
@@ -658,6 +719,7 @@ class FullyShardedGradientReducer(ShardedGradientReducer):
         **kwargs: Any,
     ) -> None:
         self.sharded = sharded
+        self._aside: dict[int, Tensor] = {}  # id(bucket) -> accumulating micro-batches' sum (``_set_aside``)
         units = sharded.units()
         self._unit_of = {p: unit for unit in units for p in unit.params}
         trainable = {p for _, p in named_params if p.requires_grad}
@@ -674,6 +736,67 @@ class FullyShardedGradientReducer(ShardedGradientReducer):
 
     def _piece_view(self, bucket: _Bucket, p: nn.Parameter, start: int, stop: int, offset: int) -> Tensor:
         return self._unit_of[p].shard[offset : offset + stop - start]
+
+    # ------------------------------------------------------------------ dtypes (``zero3_dtypes``)
+    def _casts(self, bucket: _Bucket) -> bool:
+        """Whether the bucket's gradients (in the gathered parameters' dtype) are reduced in another dtype,
+        or received in another than the shards': then they are cast around the reduce-scatter."""
+        unit = self._unit_of[bucket.params[0]]
+        reduce = self._reduce_dtype(unit)
+        return not self._shard_of[id(bucket)].whole and (unit.full.dtype != reduce or reduce != unit.shard.dtype)
+
+    def _reduce_dtype(self, unit: ParameterUnit) -> torch.dtype:
+        return self.sharded.dtypes.reduce or unit.shard.dtype
+
+    def finish_sync(self) -> None:
+        if not self.sync_enabled:
+            self._set_aside()
+        super().finish_sync()
+
+    def _set_aside(self) -> None:
+        """After an accumulating micro-batch's backward (no sync): each bucket whose gradients are in another
+        dtype than the reduce dtype added into a sum of its own in the reduce dtype and zeroed, so that the
+        micro-batches add up in the reduce dtype (FSDP2's accumulated gradient), not the gathered one."""
+        for bucket in self.buckets:
+            unit = self._unit_of[bucket.params[0]]
+            if not bucket.buffer.numel() or bucket.buffer.dtype == self._reduce_dtype(unit):
+                continue
+            aside = self._aside.get(id(bucket))
+            if aside is None:
+                self._aside[id(bucket)] = bucket.buffer.to(self._reduce_dtype(unit))
+            else:
+                aside.add_(bucket.buffer)
+            bucket.buffer.zero_()
+
+    def gradient_tensors(self) -> list[Tensor]:
+        return [*super().gradient_tensors(), *self._aside.values()]
+
+    def _seeds(self, bucket: _Bucket, shard: BucketShard) -> bool:
+        return super()._seeds(bucket, shard) and not self._casts(bucket)
+
+    def _reduce_bucket(self, bucket: _Bucket) -> Any:
+        """ZeRO-2's reduce-scatter; a bucket that ``_casts`` is cast to the reduce dtype first, received in
+        it, then written (or, in a later synchronised backward before the step, added) into the shards'
+        dtype, as FSDP2 does with a ``reduce_dtype``."""
+        if not self._casts(bucket):
+            return super()._reduce_bucket(bucket)
+        shard, unit = self._shard_of[id(bucket)], self._unit_of[bucket.params[0]]
+        if not bucket.buffer.numel():  # no gradient of this bucket on this rank
+            self._open(bucket)
+        aside = self._aside.pop(id(bucket), None)  # the accumulating micro-batches' sum
+        send = bucket.buffer.to(self._reduce_dtype(unit)) if aside is None else aside.add_(bucket.buffer)
+        send.div_(self.world_size * self.replicas)
+        received = send.new_empty(shard.size)
+        if self._by_ranges:
+            work: Any = _reduce_scatter_by_ranges(received, send, self.group)
+        else:
+            work = reduce_scatter_single()(received, send, group=self.group, async_op=True)
+        accumulate = bool(self.syncs_since_step) and shard.grad is not None
+        if shard.grad is None:
+            shard.grad = unit.shard.new_empty(shard.size)
+        into = shard.grad.add_ if accumulate else shard.grad.copy_
+        self._in_flight.append(bucket)
+        return _Works([self._across_replicas(work, received)], lambda: into(received))
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
         super()._on_grad_ready(p)

@@ -100,6 +100,7 @@ from lightning_parallel.distributed.sync_batchnorm import SyncBatchNormPlugin
 from lightning_parallel.distributed.watchdog import FailureWatchdog
 from lightning_parallel.distributed.zero import ZERO_STAGES, ShardedGradientReducer
 from lightning_parallel.distributed.zero3 import FullyShardedGradientReducer, ShardedParameters
+from lightning_parallel.distributed.zero3_dtypes import dtype_option_problem, unit_dtypes, unit_dtypes_problem
 from lightning_parallel.every_rank import every_rank_scope, training_step_scope
 from lightning_parallel.materialize import (
     Cut,
@@ -160,6 +161,13 @@ def _initial_weights_problem(value: Any, prefix: str) -> Optional[str]:
             "them, a torch file (a checkpoint or a state dict), or a mapping of names to tensors"
         )
     return None
+
+
+#: why a model the user compiled whole is compiled block by block under zero_stage=3
+ZERO3_GATHERS_IN_FORWARD = (
+    "zero_stage=3 gathers each block's parameters in hooks around its forward and backward, collectives a "
+    "whole compiled step would break its graph at, once per block"
+)
 
 
 def _raw_clipping_refused(zero_stage: int) -> str:
@@ -264,6 +272,14 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             within a group, each shard then all-reduced across the groups, parameters gathered within a group
             only; each rank keeps 1/data_parallel_shard_size of the sharded state. None (default): shard over
             all data-parallel ranks. Must divide the data-parallel size.
+        param_dtype: with ``zero_stage=3``, the dtype each unit's parameters are gathered and computed in
+            ("bfloat16", "float16", "float32", "float64"; FSDP2's ``MixedPrecisionPolicy.param_dtype``); the
+            shards, the optimizer and its state keep the parameters' own dtype. None (default): autocast's
+            dtype under ``bf16-mixed`` / ``16-mixed`` (half the bytes gathered and held), the parameters'
+            own under the true precisions, where another is refused (``distributed.zero3_dtypes``).
+        reduce_dtype: with ``zero_stage=3``, the dtype the gradients are reduce-scattered in (cast to it
+            before, to the shards' dtype after). None (default): the parameters' own (float32 under the mixed
+            precisions).
         compile: per-block ``torch.compile`` (``block_compile``): False (off), True (torch.compile's
             defaults) or its keyword arguments as a mapping (``{"backend": "inductor", "mode": ...}``). Each
             block of the block stack this rank holds is compiled on its own after the parallelisms and the
@@ -313,6 +329,8 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         activation_checkpointing: Spec = False,
         zero_stage: int = 0,
         data_parallel_shard_size: Optional[int] = None,
+        param_dtype: Optional[str] = None,
+        reduce_dtype: Optional[str] = None,
         compile: CompileOption = False,
         **unknown: Any,
     ) -> None:
@@ -353,6 +371,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.zero_stage = zero_stage
         self.data_parallel_shard_size = data_parallel_shard_size
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.compile = compile
         self._compiled_blocks: CompiledBlocks = []  # the blocks set-up compiled, and the forward each had
         self._optimizer_shards: dict[int, ShardedOptimizer] = {}  # id(optimizer) -> its sharding
@@ -391,6 +410,8 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             _zero_stage_problem(cls, values["zero_stage"], prefix),
             _shard_size_problem(cls, values, prefix),
             _zero3_save_problem(cls, values["zero_stage"], values["save_distributed"], prefix),
+            dtype_option_problem(f"{prefix}param_dtype", values["param_dtype"], values["zero_stage"]),
+            dtype_option_problem(f"{prefix}reduce_dtype", values["reduce_dtype"], values["zero_stage"]),
         ]
 
     @classmethod
@@ -427,8 +448,14 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
 
     # ----------------------------------------------------------------- layout
     def check_before_launch(self) -> MeshShape:
-        """What can be checked once the number of processes is known, before any starts: the layout."""
+        """What can be checked once the number of processes is known, before any starts: the layout, and
+        ``param_dtype`` / ``reduce_dtype`` against the precision plugin the Trainer gave."""
+        require([unit_dtypes_problem(self.param_dtype, self.reduce_dtype, self._precision())])
         return self.mesh_shape()
+
+    def _precision(self) -> Any:
+        """Lightning's precision of the plugin (e.g. "bf16-mixed"; "32-true" before the Trainer gives one)."""
+        return getattr(self.precision_plugin, "precision", None)
 
     def mesh_shape(self) -> MeshShape:
         """The (dp, pp, tp) layout of this run from ``size_options`` (and HSDP's shard size); raises, naming
@@ -669,6 +696,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             blocks,
             kept,
             device,
+            unit_dtypes(self.param_dtype, self.reduce_dtype, self._precision()),
         )
         self.parameter_shards.append(shards)
         return shards
@@ -791,6 +819,8 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         module = self.lightning_module
         if self._compiled_blocks or not self.compiles(module):
             return  # compiled by an earlier set-up of the split module it still holds
+        if whole_cannot is None and self.zero_stage == 3 and self.mesh_shape().dp > 1:
+            whole_cannot = ZERO3_GATHERS_IN_FORWARD
         why_whole = self.per_block_refused()
         if blocks is None and why_whole is None:
             try:

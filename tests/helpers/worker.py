@@ -205,7 +205,8 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
     ):  # Lightning turns 16-mixed into bf16 on CPU; this keeps fp16 and a real GradScaler
         from lightning.pytorch.plugins.precision import MixedPrecision
 
-        trainer_kwargs["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))]
+        scaler = torch.amp.GradScaler("cpu", init_scale=case.get("fp16_init_scale", 2.0**16))
+        trainer_kwargs["plugins"] = [MixedPrecision("16-mixed", "cpu", scaler=scaler)]
     if case.get("csv_logger"):  # for callbacks that need a logger (LearningRateMonitor)
         from lightning.pytorch.loggers import CSVLogger
 
@@ -238,7 +239,9 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
                 **fit_kwargs,
             )
         except Exception as error:
-            if case.get("expect_error"):  # the fit must fail: its error and what trained before it are the result
+            if case.get(
+                "expect_error"
+            ):  # the fit must fail: its error and what trained before it are the result
                 return {"error": f"{type(error).__name__}: {error}", "losses": recorder.losses}
             if not case.get("may_refuse"):
                 raise

@@ -40,6 +40,7 @@ STRATEGIES = {
     "lp_ddp": (MLP, DDP, {}, 2),
     "lp_ddp-zero1": (MLP, DDP, {"zero_stage": 1}, 2),
     "lp_ddp-zero2": (MLP, DDP, {"zero_stage": 2}, 2),
+    "lp_ddp-zero3": (GPT, DDP, {"zero_stage": 3}, 2),  # compiled block by block: the gathers are hooks
     "tp-mlp": (MLP, TP, {"plan": str(REPO / "conf/plan/mlp.yaml")}, 1),
     "tp-gpt": (GPT, TP, {"plan": CHAR_GPT}, 1),
     "tp-gpt-auto": (GPT, TP, {"plan": "auto"}, 1),
@@ -71,6 +72,7 @@ BLOCKS = {
 
 # where part of a compiled model runs eagerly, set-up says so once (rank 0's warnings)
 EAGER_PARTS = {
+    "lp_ddp-zero3",
     "tp-gpt-sp",
     "pp-1f1b",
     "pp-zb_h1",

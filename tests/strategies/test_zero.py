@@ -295,9 +295,8 @@ def runs(tmp_path_factory):
         trainer = {**f32, "precision": None if precision == "fp16" else precision}  # fp16: the plugin's
         for zero in (0, 2, 3):
             name = f"ddp2-gpt-adamw-{precision}-z{zero}"
-            by_world[2].append(
-                case(name, "gpt", "adamw", DDP, {"zero_stage": zero}, 2, trainer=trainer, **extra)
-            )
+            kwargs = {"zero_stage": zero, **({"param_dtype": "float32"} if zero == 3 else {})}
+            by_world[2].append(case(name, "gpt", "adamw", DDP, kwargs, 2, trainer=trainer, **extra))
     round_trip = case(
         "ddp2-z3-round-trip", "gpt", "sgdm", DDP, {"zero_stage": 3}, 2, 1, save_checkpoint=False
     )
@@ -390,7 +389,8 @@ def test_mixed_precision_keeps_its_meaning(runs, precision, stage):
     bf16-mixed, ZeRO-2 and ZeRO-3 train as plain lp_ddp does, to float32 round-off (1e-5 after 5 AdamW
     steps of lr 1e-2: the float32 master weights and gradients are the same; only the order of the
     float32 sums in the reduce-scatter differs from the all-reduce's). Under ZeRO-3 the parameters are
-    gathered in float32 and autocast casts them per op, as for plain lp_ddp."""
+    gathered in float32 here (``param_dtype="float32"``) and autocast casts them per op, as for plain lp_ddp;
+    the default, gathered in the compute dtype, is tested in ``test_zero3_dtypes.py``."""
     tmp, results = runs
     sharded = saved_checkpoint(tmp, 2, f"ddp2-gpt-adamw-{precision}-z{stage}")["state_dict"]
     plain = saved_checkpoint(tmp, 2, f"ddp2-gpt-adamw-{precision}-z0")["state_dict"]
