@@ -340,6 +340,10 @@ class ShardedParameters:
         }
         return [] if self.root is None else self.root.params
 
+    def holds(self, name: str) -> bool:
+        """Whether ``name`` is a parameter of a unit built on meta (``place`` writes its values)."""
+        return name in self._by_name
+
     def place(self, name: str, value: Tensor) -> bool:
         """Write this rank's range of the full ``value`` of parameter ``name`` into its unit's shard (set-up
         of a model built on meta); False when ``name`` is not a parameter of a unit."""

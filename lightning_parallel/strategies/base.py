@@ -91,6 +91,7 @@ from lightning_parallel.distributed.mesh import (
 )
 from lightning_parallel.distributed.optimizer_shards import (
     ShardedOptimizer,
+    StatePieces,
     refuse_raw_clipping,
     sharding_problem,
 )
@@ -210,17 +211,6 @@ def _shard_size_problem(cls: type, values: Mapping[str, Any], prefix: str) -> Op
     return None
 
 
-def _zero3_save_problem(cls: type, stage: Any, save_distributed: Any, prefix: str) -> Optional[str]:
-    """``save_distributed`` with ``zero_stage=3`` where the strategy's checkpoint cannot write its parameters'
-    ranges yet (``saves_parameter_pieces``)."""
-    if stage != 3 or save_distributed is not True or cls.saves_parameter_pieces:
-        return None
-    return (
-        f"{prefix}save_distributed=True with zero_stage=3 is not supported yet: use save_distributed=False "
-        "(a full checkpoint, gathered block by block, loadable in any layout) or zero_stage 1 or 2"
-    )
-
-
 def _nothing() -> None:
     """The release of a refusal never installed (a function, not a lambda: the strategy pickles for spawn)."""
 
@@ -280,9 +270,6 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
     zero_stages: tuple[int, ...] = (0, 1, 2)
     #: ``data_parallel_shard_size`` (HSDP) is wired (ZeRO's groups are ``zero_group`` / ``zero_replica_group``)
     shards_within_data_parallel = False
-    #: ``save_distributed=True`` with ``zero_stage=3`` writes each rank's ranges of the parameters
-    #: (``model_state_pieces``), as lp_ddp's checkpoint does
-    saves_parameter_pieces = False
     #: the data-parallel gradient path without optimizer sharding (a benchmark swaps the bucket collective)
     reducer_class: type[GradientReducer] = GradientReducer
     #: why only ``start_method="popen"`` works, where the others would hand back rank 0's part only
@@ -390,7 +377,6 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             else f"{prefix}zero_stage={values['zero_stage']!r} is not supported by {cls.__name__}: {cls.zero_refused}",
             _zero_stage_problem(cls, values["zero_stage"], prefix),
             _shard_size_problem(cls, values, prefix),
-            _zero3_save_problem(cls, values["zero_stage"], values["save_distributed"], prefix),
         ]
 
     @classmethod
@@ -699,6 +685,12 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             return read()
         with self.parameters_gathered():
             return {k: v.clone() if isinstance(v, Tensor) else v for k, v in read().items()}
+
+    def model_state_pieces(self) -> dict[str, Optional[StatePieces]]:
+        """``zero_stage=3``: each parameter of a unit (of every set: the experts' too) as this rank's range of
+        it, what a sharded checkpoint writes and reads."""
+        module = self.lightning_module
+        return {k: v for shards in self.parameter_shards for k, v in shards.state_pieces(module).items()}
 
     def held_parameters(self) -> list[torch.Tensor]:
         """Parameter memory held beside the module's own (``zero_stage=3``: this rank's shards)."""
