@@ -90,10 +90,16 @@ CATALOGUE = [
         ["data_parallel_shard_size", "at least 2", "got 1", "None (all of them)"],
     ),
     (
-        "hsdp-not-wired",
-        lambda: lp.TensorParallelStrategy(zero_stage=2, data_parallel_shard_size=2),
+        "hsdp-with-pipeline-stages",
+        lambda: lp.PipelineParallelStrategy(zero_stage=2, data_parallel_shard_size=2),
         ValueError,
-        ["data_parallel_shard_size=2", "TensorParallelStrategy", "lp_ddp", "leave it None"],
+        ["data_parallel_shard_size=2", "pipeline_parallel_size=2", "pipeline_parallel_size=1", "leave"],
+    ),
+    (
+        "hsdp-with-experts",
+        lambda: lp.ParallelStrategy(zero_stage=3, data_parallel_shard_size=2, expert_parallel_size=2),
+        ValueError,
+        ["expert_parallel_size=2", "data_parallel_shard_size=2", "HSDP", "expert_parallel_size=1"],
     ),
     (
         "hsdp-save-distributed",

@@ -197,7 +197,10 @@ def _shard_size_problem(cls: type, values: Mapping[str, Any], prefix: str) -> Op
             f"per node) or None (all of them), got {shard!r}"
         )
     if not cls.shards_within_data_parallel:
-        return f"{name}={shard} (HSDP) is not supported by {cls.__name__} yet: it runs under lp_ddp; leave it None"
+        return (
+            f"{name}={shard} (HSDP) is not supported by {cls.__name__} yet: it runs under lp_ddp and lp_parallel "
+            "(without pipeline stages); leave it None"
+        )
     if stage not in (1, 2, 3):
         return (
             f"{name}={shard} shards ZeRO's state within groups of {shard} ranks, and zero_stage={stage!r} shards "
@@ -248,7 +251,8 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             1/dp of the parameters, each block gathered for its forward and backward,
             ``distributed.zero3``: lp_ddp, and lp_parallel, where each rank's tensor-parallel and pipeline
             share is sharded over dp). Needs an elementwise ``torch.optim`` optimizer (SGD, Adam, AdamW, ...).
-        data_parallel_shard_size: HSDP (lp_ddp only, with ``zero_stage``): ZeRO shards over groups of this
+        data_parallel_shard_size: HSDP (lp_ddp, and lp_parallel without pipeline stages or experts; with
+            ``zero_stage``): ZeRO shards over groups of this
             many neighbouring data-parallel ranks (the "shard" dimension of FSDP2's 2-D mesh; on several
             machines, the devices per node) and replicates across the groups: gradients reduce-scattered
             within a group, each shard then all-reduced across the groups, parameters gathered within a group

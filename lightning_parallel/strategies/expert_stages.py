@@ -44,6 +44,7 @@ Cut = Callable[[str, torch.Tensor], torch.Tensor]
 #: the options expert parallelism does not compose with yet: name -> (its value that is off, what it is)
 EP_REFUSED = {
     "save_distributed": (False, "sharded checkpoints"),
+    "data_parallel_shard_size": (None, "HSDP (ZeRO within groups of the data-parallel ranks)"),
     "sequence_parallel": (
         False,
         "sequence parallelism (each tp rank would route its own part of the sequence)",

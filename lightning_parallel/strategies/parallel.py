@@ -69,7 +69,12 @@ from lightning_parallel.strategies.data_parallel_axes import DataParallel, Zero,
 from lightning_parallel.strategies.expert_stages import ExpertParallel, Experts
 from lightning_parallel.strategies.options import level_problems
 from lightning_parallel.strategies.pipeline_async import AsyncPipelineMixin
-from lightning_parallel.strategies.pipeline_stages import Pipeline, PipelineStages, zero3_stages_problem
+from lightning_parallel.strategies.pipeline_stages import (
+    Pipeline,
+    PipelineStages,
+    hsdp_stages_problem,
+    zero3_stages_problem,
+)
 from lightning_parallel.strategies.plan_verification import PlanVerification
 from lightning_parallel.strategies.tensor_axis import TensorParallel
 from lightning_parallel.strategies.whole_model import (
@@ -159,6 +164,7 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
 
     strategy_name = "lp_parallel"
     zero_stages = (0, 1, 2, 3)  # 3: with and without pipeline stages (zero3_stages_problem)
+    shards_within_data_parallel = True  # HSDP: without pipeline stages (hsdp_stages_problem)
     defers_init_by_default = True
     popen_only = "Lightning's spawn launcher hands back only rank 0's part of the model"
     size_options = {"data_parallel_size": "dp", "tensor_parallel_size": "tp", "pipeline_parallel_size": "pp"}
@@ -251,6 +257,7 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
             None
             if zero_stage != 3
             else zero3_stages_problem(cls.__name__, values["schedule"], pipelined, prefix),
+            hsdp_stages_problem(values.get("data_parallel_shard_size"), pipelined, prefix),
             *cls.expert_problems(values, prefix),
             None
             if isinstance(sequence, bool)
@@ -291,8 +298,9 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
         """The layout, and what the schedule, sequence parallelism and ``zero_stage=3`` need of it, before any
         process starts."""
         shape = super().check_before_launch()
+        pipelined = 2 if "pp" in self.always_applied else shape.pp
+        require([hsdp_stages_problem(self.data_parallel_shard_size, pipelined)])
         if self.zero_stage == 3:
-            pipelined = 2 if "pp" in self.always_applied else shape.pp
             require([zero3_stages_problem(type(self).__name__, self.schedule, pipelined)])
         if shape.pp > 1 or "pp" in self.always_applied:
             require([self.stages_problem(shape.pp)])

@@ -98,7 +98,7 @@ from lightning_parallel.step_effects import capture_logs, untouched
 from lightning_parallel.strategies.axes import Axis
 from lightning_parallel.strategies.checks import require
 
-__all__ = ["PipelineStages", "Pipeline", "zero3_stages_problem"]
+__all__ = ["PipelineStages", "Pipeline", "hsdp_stages_problem", "zero3_stages_problem"]
 
 
 def zero3_stages_problem(name: str, schedule: str, pp: Optional[int], prefix: str = "") -> Optional[str]:
@@ -117,6 +117,19 @@ def zero3_stages_problem(name: str, schedule: str, pp: Optional[int], prefix: st
             "'interleaved_1f1b', 'zb_h1', 'zbv') with zero_stage=3"
         )
     return None
+
+
+def hsdp_stages_problem(shard: Optional[int], pp: Optional[int], prefix: str = "") -> Optional[str]:
+    """``data_parallel_shard_size`` (HSDP) with pipeline stages (``pp`` None: not known yet, checked once it
+    is): HSDP is wired for the data-parallel path without stages (lp_ddp, lp_parallel beside tp) only."""
+    if shard is None or pp is None or pp == 1:
+        return None
+    return (
+        f"{prefix}data_parallel_shard_size={shard} (HSDP) with pipeline stages ({prefix}pipeline_parallel_size="
+        f"{pp}) is not supported yet: the stages' data-parallel path shards over all of a stage's replicas; use "
+        "pipeline_parallel_size=1 (HSDP beside tensor parallelism), or leave data_parallel_shard_size None (ZeRO "
+        "over every replica of the stage)"
+    )
 
 
 class PipelineStages:

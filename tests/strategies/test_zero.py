@@ -235,6 +235,8 @@ RUNS = {
     ),
     "dp2pp2-zbv-gpt4-adamw-z3": (4, "gpt4", "adamw", PARALLEL, layout(2, 1, 2, 3, "zbv"), 2, {}),
     "dp2tp2pp2-gpt-adamw-z3": (8, "gpt", "adamw", PARALLEL, layout(2, 2, 2, 3), 2, {}),  # tp shards over dp
+    # HSDP beside tensor parallelism: each rank's tp slices sharded within pairs of dp ranks, replicated across them
+    "hsdp2x2tp2-gpt-adamw-z3": (8, "gpt", "adamw", PARALLEL, {**layout(4, 2, 1, 3), **HSDP_2X2}, 4, {}),
 }
 #: ZeRO with ``save_distributed``: each rank writes only its own pieces of the optimizer state (and at stage 3
 #: of the parameters): name: (world, strategy, kwargs)
