@@ -60,12 +60,6 @@ CATALOGUE = [
         ["zero_stage=4", "0, 1, 2, 3"],
     ),
     (
-        "zero-stage-3-save-distributed-parallel",
-        lambda: lp.TensorParallelStrategy(zero_stage=3, save_distributed=True),
-        ValueError,
-        ["save_distributed=True", "zero_stage=3", "save_distributed=False"],
-    ),
-    (
         "reshard-after-forward-without-zero-3",
         lambda: lp.DDPStrategy(zero_stage=2, reshard_after_forward=False),
         ValueError,
@@ -76,18 +70,6 @@ CATALOGUE = [
         lambda: lp.PipelineParallelStrategy(schedule="async", zero_stage=3),
         ValueError,
         ["zero_stage=3", "schedule='async'", "two gathered versions", "zero_stage 1", "'1f1b'"],
-    ),
-    (
-        "zero-stage-3-pipeline-with-ep",
-        lambda: lp.ParallelStrategy(zero_stage=3, pipeline_parallel_size=2, expert_parallel_size=2),
-        ValueError,
-        ["zero_stage=3", "expert_parallel_size=2", "expert_parallel_size=1", "zero_stage 1 or 2"],
-    ),
-    (
-        "zero-stage-3-pipeline-save-distributed",
-        lambda: lp.PipelineParallelStrategy(zero_stage=3, save_distributed=True),
-        ValueError,
-        ["save_distributed=True", "zero_stage=3", "save_distributed=False"],
     ),
     (
         "compile-not-a-setting",
@@ -108,10 +90,16 @@ CATALOGUE = [
         ["data_parallel_shard_size", "at least 2", "got 1", "None (all of them)"],
     ),
     (
-        "hsdp-not-wired",
-        lambda: lp.TensorParallelStrategy(zero_stage=2, data_parallel_shard_size=2),
+        "hsdp-with-pipeline-stages",
+        lambda: lp.PipelineParallelStrategy(zero_stage=2, data_parallel_shard_size=2),
         ValueError,
-        ["data_parallel_shard_size=2", "TensorParallelStrategy", "lp_ddp", "leave it None"],
+        ["data_parallel_shard_size=2", "pipeline_parallel_size=2", "pipeline_parallel_size=1", "leave"],
+    ),
+    (
+        "hsdp-with-experts",
+        lambda: lp.ParallelStrategy(zero_stage=3, data_parallel_shard_size=2, expert_parallel_size=2),
+        ValueError,
+        ["expert_parallel_size=2", "data_parallel_shard_size=2", "HSDP", "expert_parallel_size=1"],
     ),
     (
         "hsdp-save-distributed",

@@ -469,6 +469,10 @@ class ShardedParameters:
         }
         return [] if self.root is None else self.root.params
 
+    def holds(self, name: str) -> bool:
+        """Whether ``name`` is a parameter of a unit built on meta (``place`` writes its values)."""
+        return name in self._by_name
+
     def place(self, name: str, value: Tensor) -> bool:
         """Write this rank's range of the full ``value`` of parameter ``name`` into its unit's shard (set-up
         of a model built on meta); False when ``name`` is not a parameter of a unit."""
@@ -488,8 +492,9 @@ class ShardedParameters:
         return True
 
     def check_placed(self) -> None:
-        """Raises naming the parameters built on meta that ``place`` gave no values."""
-        waiting = set(self._unplaced)
+        """Raises naming the parameters built on meta that ``place`` gave no values (those laid out on the meta
+        device itself stay unfilled: a set-up for the placement alone, ``planner/at_scale.py``)."""
+        waiting = {p for p in self._unplaced if not p.is_meta}
         missing = [n for n, p in self._by_name.items() if p in waiting]
         if missing:
             raise RuntimeError(

@@ -91,6 +91,7 @@ from lightning_parallel.distributed.mesh import (
 )
 from lightning_parallel.distributed.optimizer_shards import (
     ShardedOptimizer,
+    StatePieces,
     refuse_raw_clipping,
     sharding_problem,
 )
@@ -204,7 +205,10 @@ def _shard_size_problem(cls: type, values: Mapping[str, Any], prefix: str) -> Op
             f"per node) or None (all of them), got {shard!r}"
         )
     if not cls.shards_within_data_parallel:
-        return f"{name}={shard} (HSDP) is not supported by {cls.__name__} yet: it runs under lp_ddp; leave it None"
+        return (
+            f"{name}={shard} (HSDP) is not supported by {cls.__name__} yet: it runs under lp_ddp and lp_parallel "
+            "(without pipeline stages); leave it None"
+        )
     if stage not in (1, 2, 3):
         return (
             f"{name}={shard} shards ZeRO's state within groups of {shard} ranks, and zero_stage={stage!r} shards "
@@ -216,17 +220,6 @@ def _shard_size_problem(cls: type, values: Mapping[str, Any], prefix: str) -> Op
             "checkpoint, loadable in any layout) or leave data_parallel_shard_size None"
         )
     return None
-
-
-def _zero3_save_problem(cls: type, stage: Any, save_distributed: Any, prefix: str) -> Optional[str]:
-    """``save_distributed`` with ``zero_stage=3`` where the strategy's checkpoint cannot write its parameters'
-    ranges yet (``saves_parameter_pieces``)."""
-    if stage != 3 or save_distributed is not True or cls.saves_parameter_pieces:
-        return None
-    return (
-        f"{prefix}save_distributed=True with zero_stage=3 is not supported yet: use save_distributed=False "
-        "(a full checkpoint, gathered block by block, loadable in any layout) or zero_stage 1 or 2"
-    )
 
 
 def _nothing() -> None:
@@ -266,7 +259,8 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             1/dp of the parameters, each block gathered for its forward and backward,
             ``distributed.zero3``: lp_ddp, and lp_parallel, where each rank's tensor-parallel and pipeline
             share is sharded over dp). Needs an elementwise ``torch.optim`` optimizer (SGD, Adam, AdamW, ...).
-        data_parallel_shard_size: HSDP (lp_ddp only, with ``zero_stage``): ZeRO shards over groups of this
+        data_parallel_shard_size: HSDP (lp_ddp, and lp_parallel without pipeline stages or experts; with
+            ``zero_stage``): ZeRO shards over groups of this
             many neighbouring data-parallel ranks (the "shard" dimension of FSDP2's 2-D mesh; on several
             machines, the devices per node) and replicates across the groups: gradients reduce-scattered
             within a group, each shard then all-reduced across the groups, parameters gathered within a group
@@ -296,9 +290,6 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
     zero_stages: tuple[int, ...] = (0, 1, 2)
     #: ``data_parallel_shard_size`` (HSDP) is wired (ZeRO's groups are ``zero_group`` / ``zero_replica_group``)
     shards_within_data_parallel = False
-    #: ``save_distributed=True`` with ``zero_stage=3`` writes each rank's ranges of the parameters
-    #: (``model_state_pieces``), as lp_ddp's checkpoint does
-    saves_parameter_pieces = False
     #: the data-parallel gradient path without optimizer sharding (a benchmark swaps the bucket collective)
     reducer_class: type[GradientReducer] = GradientReducer
     #: why only ``start_method="popen"`` works, where the others would hand back rank 0's part only
@@ -409,7 +400,6 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             else f"{prefix}zero_stage={values['zero_stage']!r} is not supported by {cls.__name__}: {cls.zero_refused}",
             _zero_stage_problem(cls, values["zero_stage"], prefix),
             _shard_size_problem(cls, values, prefix),
-            _zero3_save_problem(cls, values["zero_stage"], values["save_distributed"], prefix),
             dtype_option_problem(f"{prefix}param_dtype", values["param_dtype"], values["zero_stage"]),
             dtype_option_problem(f"{prefix}reduce_dtype", values["reduce_dtype"], values["zero_stage"]),
         ]
@@ -728,6 +718,12 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             return read()
         with self.parameters_gathered():
             return {k: v.clone() if isinstance(v, Tensor) else v for k, v in read().items()}
+
+    def model_state_pieces(self) -> dict[str, Optional[StatePieces]]:
+        """``zero_stage=3``: each parameter of a unit (of every set: the experts' too) as this rank's range of
+        it, what a sharded checkpoint writes and reads."""
+        module = self.lightning_module
+        return {k: v for shards in self.parameter_shards for k, v in shards.state_pieces(module).items()}
 
     def held_parameters(self) -> list[torch.Tensor]:
         """Parameter memory held beside the module's own (``zero_stage=3``: this rank's shards)."""

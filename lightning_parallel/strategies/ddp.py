@@ -21,7 +21,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState
 
 from lightning_parallel.distributed.collectives import group_size
-from lightning_parallel.distributed.optimizer_shards import StatePieces
 from lightning_parallel.distributed.reducer import (
     COMM_HOOKS,
     CommHook,
@@ -147,7 +146,6 @@ class DDPStrategy(ParallelStrategyBase):
 
     strategy_name = "lp_ddp"
     zero_stages = (0, 1, 2, 3)
-    saves_parameter_pieces = True
     shards_within_data_parallel = True
 
     def __init__(
@@ -286,12 +284,6 @@ class DDPStrategy(ParallelStrategyBase):
             return super().load_full_model_state(state_dict, strict=strict)
         with self.parameters_gathered():  # every rank then keeps its range of what was loaded
             super().load_full_model_state(state_dict, strict=strict)
-
-    def model_state_pieces(self) -> dict[str, Optional[StatePieces]]:
-        """``zero_stage=3``: each parameter of a unit as this rank's range of it (a sharded checkpoint's)."""
-        if self.sharded_parameters is None:
-            return {}
-        return self.sharded_parameters.state_pieces(self.lightning_module)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._forward(super().training_step, *args, **kwargs)

@@ -44,6 +44,7 @@ Cut = Callable[[str, torch.Tensor], torch.Tensor]
 #: the options expert parallelism does not compose with yet: name -> (its value that is off, what it is)
 EP_REFUSED = {
     "save_distributed": (False, "sharded checkpoints"),
+    "data_parallel_shard_size": (None, "HSDP (ZeRO within groups of the data-parallel ranks)"),
     "sequence_parallel": (
         False,
         "sequence parallelism (each tp rank would route its own part of the sequence)",
@@ -132,9 +133,9 @@ class ExpertParallel:
 
     def split_expert_gradients(self, module: nn.Module) -> list[tuple[str, nn.Parameter]]:
         """On the final parameters: the experts' gradients divided by ep and, with replicas, averaged over
-        them by ``expert_reducer`` (``zero_stage=3`` without pipeline stages: the experts sharded over their
-        replicas in units of their own, reduce-scattered per unit); returns the other parameters, for the dp
-        reducer."""
+        them by ``expert_reducer`` (``zero_stage=3``: the experts sharded over their replicas in units of their
+        own, a pipeline stage's gathered for its schedule as its other units are, reduce-scattered per unit);
+        returns the other parameters, for the dp reducer."""
         experts = {id(t) for t, _, _ in expert_pieces(module).values()}
         scale_expert_gradients(module)
         self.expert_reducer = None
@@ -142,11 +143,8 @@ class ExpertParallel:
             named = [(n, p) for n, p in module.named_parameters() if id(p) in experts]
             group, hooks = self.mesh.group("edp"), not self.pipelined
             others = [p for p in module.parameters() if id(p) not in experts]
-            shards = (
-                None
-                if self.pipelined
-                else self.shard_parameters(self.block_stack, leave_out=others, axis="edp")
-            )
+            stage = {"blocks": self.partition.held_blocks(), "kept": True} if self.pipelined else {}
+            shards = self.shard_parameters(self.block_stack, leave_out=others, axis="edp", **stage)
             if shards is not None:
                 self.expert_reducer = FullyShardedGradientReducer(named, group, shards, hooks=hooks)
             else:
@@ -160,8 +158,8 @@ class ExpertParallel:
 
     def own_parameters(self) -> frozenset:
         """The experts placed on this rank: under ZeRO they stay out of the dp reducer's shards (their
-        gradients take the edp path), each rank's optimizer holding their whole state (``zero_stage=3``
-        without pipeline stages: their pieces, sharded over their replicas by the experts' reducer)."""
+        gradients take the edp path), each rank's optimizer holding their whole state (``zero_stage=3``: their
+        pieces, sharded over their replicas by the experts' reducer)."""
         module = self.lightning_module
         return (
             frozenset(id(t) for t, _, _ in expert_pieces(module).values())

@@ -52,6 +52,7 @@ from lightning_parallel.distributed.mesh import MeshShape
 from lightning_parallel.distributed.reducer import GradientReducer
 from lightning_parallel.distributed.zero import ShardedGradientReducer
 from lightning_parallel.every_rank import training_step_scope
+from lightning_parallel.materialize import Cut
 from lightning_parallel.memory.accounting import available_host_bytes
 from lightning_parallel.memory.saved import can_stack
 from lightning_parallel.moe.expert_parallel import experts_left_to_expert_parallel
@@ -68,7 +69,12 @@ from lightning_parallel.strategies.data_parallel_axes import DataParallel, Zero,
 from lightning_parallel.strategies.expert_stages import ExpertParallel, Experts
 from lightning_parallel.strategies.options import level_problems
 from lightning_parallel.strategies.pipeline_async import AsyncPipelineMixin
-from lightning_parallel.strategies.pipeline_stages import Pipeline, PipelineStages, zero3_stages_problem
+from lightning_parallel.strategies.pipeline_stages import (
+    Pipeline,
+    PipelineStages,
+    hsdp_stages_problem,
+    zero3_stages_problem,
+)
 from lightning_parallel.strategies.plan_verification import PlanVerification
 from lightning_parallel.strategies.tensor_axis import TensorParallel
 from lightning_parallel.strategies.whole_model import (
@@ -158,6 +164,7 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
 
     strategy_name = "lp_parallel"
     zero_stages = (0, 1, 2, 3)  # 3: with and without pipeline stages (zero3_stages_problem)
+    shards_within_data_parallel = True  # HSDP: without pipeline stages (hsdp_stages_problem)
     defers_init_by_default = True
     popen_only = "Lightning's spawn launcher hands back only rank 0's part of the model"
     size_options = {"data_parallel_size": "dp", "tensor_parallel_size": "tp", "pipeline_parallel_size": "pp"}
@@ -249,13 +256,8 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
         return [
             None
             if zero_stage != 3
-            else zero3_stages_problem(
-                cls.__name__,
-                values["schedule"],
-                pipelined,
-                values["expert_parallel_size"],
-                prefix,
-            ),
+            else zero3_stages_problem(cls.__name__, values["schedule"], pipelined, prefix),
+            hsdp_stages_problem(values.get("data_parallel_shard_size"), pipelined, prefix),
             *cls.expert_problems(values, prefix),
             None
             if isinstance(sequence, bool)
@@ -296,9 +298,10 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
         """The layout, and what the schedule, sequence parallelism and ``zero_stage=3`` need of it, before any
         process starts."""
         shape = super().check_before_launch()
+        pipelined = 2 if "pp" in self.always_applied else shape.pp
+        require([hsdp_stages_problem(self.data_parallel_shard_size, pipelined)])
         if self.zero_stage == 3:
-            pipelined = 2 if "pp" in self.always_applied else shape.pp
-            require([zero3_stages_problem(type(self).__name__, self.schedule, pipelined, shape.ep)])
+            require([zero3_stages_problem(type(self).__name__, self.schedule, pipelined)])
         if shape.pp > 1 or "pp" in self.always_applied:
             require([self.stages_problem(shape.pp)])
             if self.sequence_parallel:
@@ -379,8 +382,7 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
             self.apply_compile(self.block_stack)
         if self.pipelined and self.executor is None:
             self.wire_stages(self._stage_costs)
-        if self.pipelined:  # zero_stage=3: the stage's parameters cut into units before the dp path
-            self.shard_stage_parameters()
+        self.shard_over_dp()  # zero_stage=3, where set-up has not (an earlier fit's split): before the dp path
         # pipeline stages: a module replicated outside the block stack gets no gradient on some stages;
         # async averages a gradient finished a step earlier, and the schedules with several chunks or split
         # backwards average once after the schedule, not as gradients arrive in backward; the gradients
@@ -388,9 +390,6 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
         params = list(module.parameters())
         hooks = not self.pipelined or self.overlaps_reducer
         sums = installed_gradient_sums(module)
-        if not self.pipelined:  # zero_stage=3: this rank's tp share sharded over dp (its experts: over edp)
-            own = self.own_parameters()
-            self.shard_parameters(self.block_stack, leave_out=[p for p in params if id(p) in own])
         self.reducer = self.make_reducer(
             self.split_expert_gradients(module),
             find_unused_parameters=self.pipelined,
@@ -472,15 +471,39 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
                     self._stage_costs,
                     chunks=[global_stage(self.schedule, pp, stage, c, v) for c in range(v)],
                 )
+            self.shard_over_dp(self.root_device)  # zero_stage=3: each rank allocates only its shards
+            made.append(cut)
             return cut
 
-        self.set_up_share(parallelize)
+        made: list[Optional[Cut]] = []  # parallelize's cut, which place reads
+
+        def place(name: str, full: torch.Tensor) -> bool:
+            shards, cut = self.sharded_parameters, made[0]
+            if shards is None or not shards.holds(name):
+                return False
+            return shards.place(name, full if cut is None else cut(name, full))
+
+        self.set_up_share(parallelize, place)
+        if self.sharded_parameters is not None:
+            self.sharded_parameters.check_placed()
         if shards:
             install_gradient_sums(module, self.resolved, self.tp_group)
             if self.resolved.sequence is not None:
                 self.sequence = apply_sequence_parallel(
                     module, self.resolved.sequence, self.tp_group, compiled=self.compiles(module)
                 )
+
+    def shard_over_dp(self, device: Optional[torch.device] = None) -> None:
+        """``zero_stage=3``, once (set-up shards the meta module, ``device`` where each rank allocates only its
+        shards): this rank's tensor-parallel share sharded over dp in units, a pipeline stage's held blocks
+        kept gathered for its schedule; its experts left to their own replicas' set
+        (``split_expert_gradients``)."""
+        if self.sharded_parameters is not None:
+            return
+        own = self.own_parameters()
+        experts = [p for p in self.lightning_module.parameters() if id(p) in own]
+        stage = {"blocks": self.partition.held_blocks(), "kept": True} if self.pipelined else {}
+        self.shard_parameters(self.block_stack, leave_out=experts, device=device, **stage)
 
     def per_block_refused(self) -> Optional[str]:
         """Under sequence parallelism: its hooks record by name where each module runs, so each block would

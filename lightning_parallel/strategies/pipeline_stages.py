@@ -12,7 +12,7 @@ How a step runs (Lightning's closure is training_step -> zero_grad -> backward):
 - data parallel (``data_parallel_size > 1``): the backwards accumulate into the ``GradientReducer``'s
   buckets, whose all-reduces over the stage's replicas start during the stage's last backward of the
   step (only on the last step of a gradient-accumulation window); the ``DataParallel`` axis waits for them.
-  With ``zero_stage=3`` each replica keeps 1/dp of the stage's parameters (``shard_stage_parameters``), all
+  With ``zero_stage=3`` each replica keeps 1/dp of the stage's parameters (``ParallelStrategy.shard_over_dp``), all
   gathered when the schedule starts and kept across its micro-batches, freed when its backwards are done.
 - ``backward``: Lightning's backward of the returned loss touches no parameter; ``pre_backward`` puts
   the set-aside gradients back (added, for gradient accumulation); the gradients of the modules
@@ -41,7 +41,7 @@ stage writes only its own tensors (``checkpointing.sharded``).
 from __future__ import annotations
 
 import statistics
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
@@ -58,7 +58,6 @@ from lightning_parallel.checkpointing.loss_check import check_finite_loss
 from lightning_parallel.distributed.collectives import start_gather_numbers
 from lightning_parallel.distributed.p2p import OBJECT_TAG, PeerLink
 from lightning_parallel.distributed.replicas import broadcast_tensors, start_sum_at
-from lightning_parallel.distributed.zero3 import ShardedParameters
 from lightning_parallel.materialize import has_meta_tensors
 from lightning_parallel.module_names import find_block_stack
 from lightning_parallel.pipeline.channels import new_channel_groups
@@ -99,16 +98,14 @@ from lightning_parallel.step_effects import capture_logs, untouched
 from lightning_parallel.strategies.axes import Axis
 from lightning_parallel.strategies.checks import require
 
-__all__ = ["PipelineStages", "Pipeline", "zero3_stages_problem"]
+__all__ = ["PipelineStages", "Pipeline", "hsdp_stages_problem", "zero3_stages_problem"]
 
 
-def zero3_stages_problem(
-    name: str, schedule: str, pp: Optional[int], ep: Optional[int], prefix: str = ""
-) -> Optional[str]:
-    """What ``zero_stage=3`` does not run on under ``ParallelStrategy`` with pipeline stages (the sizes None
-    where not known yet, ``pp`` None where the layout may or may not be pipelined): it shards a pipeline
-    stage's parameters (its tensor-parallel shards, under tp) over the stage's data-parallel replicas, under
-    every flushing schedule."""
+def zero3_stages_problem(name: str, schedule: str, pp: Optional[int], prefix: str = "") -> Optional[str]:
+    """What ``zero_stage=3`` does not run on under ``ParallelStrategy`` with pipeline stages (``pp`` None
+    where the layout may or may not be pipelined): it shards a pipeline stage's parameters (its
+    tensor-parallel shards, under tp; its experts over their own replicas, under ep) over the stage's
+    data-parallel replicas, under every flushing schedule."""
     if pp == 1:  # pp None: not known yet, refused once it is (ParallelStrategy.check_before_launch)
         return None
     if schedule == "async" and pp is not None:
@@ -119,13 +116,20 @@ def zero3_stages_problem(
             "or 2 (the async schedule runs with those), or a flushing schedule ('1f1b', 'gpipe', "
             "'interleaved_1f1b', 'zb_h1', 'zbv') with zero_stage=3"
         )
-    if ep is not None and ep > 1 and pp is not None:
-        return (
-            f"{prefix}zero_stage=3 with pipeline stages and {prefix}expert_parallel_size={ep} is not supported yet "
-            f"(the experts are not cut into the stage's units); use {prefix}expert_parallel_size=1 with "
-            "zero_stage=3, or zero_stage 1 or 2 with this layout"
-        )
     return None
+
+
+def hsdp_stages_problem(shard: Optional[int], pp: Optional[int], prefix: str = "") -> Optional[str]:
+    """``data_parallel_shard_size`` (HSDP) with pipeline stages (``pp`` None: not known yet, checked once it
+    is): HSDP is wired for the data-parallel path without stages (lp_ddp, lp_parallel beside tp) only."""
+    if shard is None or pp is None or pp == 1:
+        return None
+    return (
+        f"{prefix}data_parallel_shard_size={shard} (HSDP) with pipeline stages ({prefix}pipeline_parallel_size="
+        f"{pp}) is not supported yet: the stages' data-parallel path shards over all of a stage's replicas; use "
+        "pipeline_parallel_size=1 (HSDP beside tensor parallelism), or leave data_parallel_shard_size None (ZeRO "
+        "over every replica of the stage)"
+    )
 
 
 class PipelineStages:
@@ -292,12 +296,6 @@ class PipelineStages:
         self._replicated = self.replicated_positions()
         if self.schedule == "async" and pp > 1:
             self.async_grads.reduce = self._replicated_gradient_reduce(module, self._replicated)
-
-    def shard_stage_parameters(self) -> Optional[ShardedParameters]:
-        """``zero_stage=3`` over data-parallel replicas: the stage's held blocks and the rest of what it holds
-        (one root unit: the modules replicated outside the stack) sharded over its replicas, gathered once
-        per schedule run (``_run``: the units stay gathered across the micro-batches). None otherwise."""
-        return self.shard_parameters(blocks=self.partition.held_blocks(), kept=True)
 
     def replicated_positions(self) -> list[int]:
         """Positions in ``module.parameters()`` of the trainable parameters outside the stack (every stage
@@ -482,7 +480,10 @@ class PipelineStages:
             if backward and self._deferred_bn is not None
             else nullcontext()
         )
-        gathered = self.sharded_parameters.step() if self.sharded_parameters is not None else nullcontext()
+        # zero_stage=3: every set of units (the experts' too) gathered for the schedule
+        gathered = ExitStack()
+        for shards in self.parameter_shards:
+            gathered.enter_context(shards.step())
         with capture_logs(self.lightning_module) as logged, tracked, deferred, gathered:
             result = self.executor.run(
                 actions,

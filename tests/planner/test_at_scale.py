@@ -177,3 +177,19 @@ def test_llama_70b_at_64_and_512_ranks():
     elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     print(f"Llama-70B at 64 and 512 ranks: {elapsed:.1f} s ({cpu:.1f} s of CPU)")
     assert cpu < 120, f"the set-up at 64 and 512 ranks took {cpu:.0f} s of CPU, more than 2 minutes"
+
+
+def test_zero_3_under_tensor_parallelism_is_set_up_at_scale():
+    """dp 4 x tp 2 at zero_stage=3: set-up lays the units out on the meta module and leaves them unfilled
+    (a placement alone); each rank's gradients are 1/4 of its tensor-parallel share."""
+    make = functools.partial(
+        ParallelStrategy,
+        data_parallel_size=4,
+        tensor_parallel_size=2,
+        plan=str(LLAMA_PLAN),
+        require_sharded=0,
+        zero_stage=3,
+    )
+    build = functools.partial(ZooLM, "hf_llama", width=16, layers=4, heads=4)
+    for s in set_up_at_scale(build, make, 8):
+        assert s.gradient_bytes * 4 == s.parameter_bytes, s

@@ -32,6 +32,11 @@ from lightning_parallel.strategies.tensor_parallel import TensorParallelStrategy
             MeshShape(dp=2, pp=2),
             ["data_parallel", "pipeline", "zero", "zero_parameters"],
         ),
+        (  # and the experts sharded over their replicas, a second set of the stage's units
+            {"zero_stage": 3, "pipeline_parallel_size": 2, "expert_parallel_size": 2},
+            MeshShape(dp=4, pp=2, ep=2),
+            ["data_parallel", "pipeline", "zero", "zero_parameters", "experts"],
+        ),
         ({"expert_parallel_size": 2}, MeshShape(dp=2, ep=2), ["data_parallel"]),  # one replica of each expert
         ({"zero_stage": 3}, MeshShape(dp=2, tp=2), ["data_parallel", "zero", "zero_parameters", "tensor"]),
         (

@@ -1,9 +1,9 @@
-"""Deferred initialization on real processes: a model built under ``trainer.init_module(empty_init=True)``
-is created on the meta device, each rank materializes only its share from the modules' own initializers,
-and the same seed gives the same training in every layout (float64, 5 steps, 1e-10): lp_ddp on one
-process, tensor parallel, both synchronous pipelines, the 2-D layouts and lp_ddp with zero_stage=3 (each
-rank fills only its shard of each unit, from initializers, a full checkpoint or pretrained weights), on a
-GPT-style model and on the Hugging Face Llama-style zoo model."""
+"""Deferred initialization on real processes: a model built under ``trainer.init_module(empty_init=True)`` is
+created on the meta device, each rank materializes only its share from the modules' own initializers, and the same
+seed gives the same training in every layout (float64, 5 steps, 1e-10): lp_ddp on one process, tensor parallel,
+both synchronous pipelines, the 2-D layouts, lp_ddp with zero_stage=3 (each rank fills only its shard of each
+unit, from initializers, a full checkpoint or pretrained weights) and dp2 x pp2 with zero_stage=3 (each rank fills
+only its shard of its stage's units), on a GPT-style model and on the Hugging Face Llama-style zoo model."""
 
 from __future__ import annotations
 
@@ -35,6 +35,13 @@ LAYOUTS = {  # name: (world size, strategy class, its arguments, data-parallel s
     "dp2_tp2": (4, TP, {"plan": "auto", "data_parallel_size": 2}, 2),
     "dp2_pp2": (4, PP, {"schedule": "1f1b", "num_microbatches": 2, "data_parallel_size": 2}, 2),
     "dp2_z3": (2, DDP, {"zero_stage": 3}, 2),  # each rank fills only its shard of each unit
+    # each rank fills only its shard of its stage's units
+    "dp2_pp2_z3": (
+        4,
+        PP,
+        {"schedule": "1f1b", "num_microbatches": 2, "data_parallel_size": 2, "zero_stage": 3},
+        2,
+    ),
 }
 
 
@@ -191,7 +198,7 @@ def test_initial_weights_come_from_the_initializers(deferred, model):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("layout", ["tp2", "1f1b", "dp2_tp2", "dp2_z3"])
+@pytest.mark.parametrize("layout", ["tp2", "1f1b", "dp2_tp2", "dp2_z3", "dp2_pp2_z3"])
 def test_a_rank_holds_its_share_after_set_up(deferred, layout):
     tmp, results = deferred
     full = sum(

@@ -1,19 +1,19 @@
-"""ZeRO (``zero_stage`` 1, 2 and 3) on real gloo processes: equal to one device in float64 (1e-10) with AdamW
-and with SGD with momentum, on the GPT-style model and the Hugging Face Llama-style zoo model, under lp_ddp (2
-and 4 processes; stage 3 with and without ``reshard_after_forward``), tensor parallel dp2 x tp2 (also with
-sequence parallelism), pipeline dp2 x pp2 (1F1B and GPipe; stage 3 under 1F1B, ZB-H1, interleaved 1F1B and
-ZBV, and at dp2 x tp2 x pp2), and expert parallel Mixtral at stage 3 (dp2 x ep2, and dp4 x ep2: the experts
-sharded over their two replicas), and with activation checkpointing; the async pipeline equals its emulation;
-clipping, gradient accumulation, bf16-mixed and 16-mixed (a GradScaler) keep their meaning; the memory report
-shows 1/dp of the optimizer state (and of the gradients at stage 2, while stage 1 holds the gradient buckets and
-no more; at stage 3 of the parameters too: of each rank's tensor-parallel share, of a pipeline stage's own, its
-experts over their replicas); a checkpoint saved at dp=2 with ZeRO resumes exactly at dp=1, at dp=4, with ZeRO
-off and under stage 3 (lp_ddp and dp2 x pp2), and ones saved under stage 3 (lp_ddp, dp2 x tp2, dp2 x pp2, HSDP)
-on one device; the full state is read and loaded while sharded (lp_ddp, dp2 x tp2). Stage 3 also on models we
-did not write (nn.TransformerEncoder, a whole nn.Transformer), under bf16-mixed and 16-mixed, and with a
-callback reading the weights in Lightning's hooks while the units are freed (``weight_reader``), and with one
-running the model and reading ``state_dict()`` there (``zero3_user_code``: refused at once on rank 0 alone,
-one device's values inside ``parameters_gathered()``; lp_ddp, dp2 x tp2, dp2 x pp2). HSDP
+"""ZeRO (``zero_stage`` 1, 2 and 3) on real gloo processes: equal to one device in float64 (1e-10) with AdamW and with
+SGD with momentum, on the GPT-style model and the Hugging Face Llama-style zoo model, under lp_ddp (2 and 4
+processes; stage 3 with and without ``reshard_after_forward``), tensor parallel dp2 x tp2 (also with sequence
+parallelism), pipeline dp2 x pp2 (1F1B and GPipe; stage 3 under 1F1B, ZB-H1, interleaved 1F1B and ZBV, and at dp2 x
+tp2 x pp2), and expert parallel Mixtral at stage 3 (dp2 x ep2, and dp4 x ep2: the experts sharded over their two
+replicas; with pipeline stages at dp2 x ep2 x pp2 and dp4 x ep2 x pp2), and with activation checkpointing; the
+async pipeline equals its emulation; clipping, gradient accumulation, bf16-mixed and 16-mixed (a GradScaler) keep
+their meaning; the memory report shows 1/dp of the optimizer state (and of the gradients at stage 2, while stage 1
+holds the gradient buckets and no more; at stage 3 of the parameters too: of each rank's tensor-parallel share, of
+a pipeline stage's own, its experts over their replicas); a checkpoint saved at dp=2 with ZeRO resumes exactly at
+dp=1, at dp=4, with ZeRO off and under stage 3 (lp_ddp and dp2 x pp2), and ones saved under stage 3 (lp_ddp, dp2 x
+tp2, dp2 x pp2, HSDP) on one device; the full state is read and loaded while sharded (lp_ddp, dp2 x tp2). Stage 3
+also on models we did not write (nn.TransformerEncoder, a whole nn.Transformer), under bf16-mixed and 16-mixed, and
+with a callback reading the weights in Lightning's hooks while the units are freed (``weight_reader``), and with
+one running the model and reading ``state_dict()`` there (``zero3_user_code``: refused at once on rank 0 alone, one
+device's values inside ``parameters_gathered()``; lp_ddp, dp2 x tp2, dp2 x pp2). HSDP
 (``data_parallel_shard_size=2`` at dp=4: sharded within pairs of ranks, replicated across the pairs) equals one
 device at stages 2 and 3 and holds 1/2 (not 1/4) of the states."""
 
@@ -203,6 +203,26 @@ RUNS = {
         4,
         {},
     ),
+    # under pipeline stages: the experts held whole at dp2 x ep2 x pp2, sharded over their two replicas (a
+    # second set of the stage's units) at dp4 x ep2 x pp2
+    "dp2ep2pp2-mixtral-adamw-z3": (
+        4,
+        "mixtral",
+        "adamw",
+        PARALLEL,
+        {**layout(2, 1, 2, 3), "expert_parallel_size": 2},
+        2,
+        {},
+    ),
+    "dp4ep2pp2-mixtral-adamw-z3": (
+        8,
+        "mixtral",
+        "adamw",
+        PARALLEL,
+        {**layout(4, 1, 2, 3), "expert_parallel_size": 2},
+        4,
+        {},
+    ),
     # a pipeline stage's units gathered once per step, kept across its micro-batches
     "dp2pp2-gpt-adamw-z3": (4, "gpt", "adamw", PARALLEL, layout(2, 1, 2, 3), 2, {}),
     "dp2pp2-zbh1-llama-sgdm-z3": (4, "llama", "sgdm", PARALLEL, layout(2, 1, 2, 3, "zb_h1"), 2, {}),
@@ -217,6 +237,8 @@ RUNS = {
     ),
     "dp2pp2-zbv-gpt4-adamw-z3": (4, "gpt4", "adamw", PARALLEL, layout(2, 1, 2, 3, "zbv"), 2, {}),
     "dp2tp2pp2-gpt-adamw-z3": (8, "gpt", "adamw", PARALLEL, layout(2, 2, 2, 3), 2, {}),  # tp shards over dp
+    # HSDP beside tensor parallelism: each rank's tp slices sharded within pairs of dp ranks, replicated across them
+    "hsdp2x2tp2-gpt-adamw-z3": (8, "gpt", "adamw", PARALLEL, {**layout(4, 2, 1, 3), **HSDP_2X2}, 4, {}),
 }
 #: ZeRO with ``save_distributed``: each rank writes only its own pieces of the optimizer state (and at stage 3
 #: of the parameters): name: (world, strategy, kwargs)
@@ -224,6 +246,9 @@ SHARDED_SAVES = {
     "dp2tp2-gpt-adamw-z1-sharded": (4, PARALLEL, layout(2, 2, 1, 1)),
     "dp2pp2-gpt-adamw-z2-sharded": (4, PARALLEL, layout(2, 1, 2, 2)),
     "ddp2-gpt-adamw-z3-sharded": (2, DDP, {"zero_stage": 3}),
+    # each rank's range of its tensor-parallel slice, of its stage's parameters
+    "dp2tp2-gpt-adamw-z3-sharded": (4, PARALLEL, layout(2, 2, 1, 3)),
+    "dp2pp2-gpt-adamw-z3-sharded": (4, PARALLEL, layout(2, 1, 2, 3)),
 }
 REFERENCES = {  # name: (model, optimizer, steps, trainer)
     "gpt-adamw": ("gpt", "adamw", 5, {}),
@@ -423,14 +448,18 @@ def test_memory_report_shows_the_shards(runs, name):
     moments = 2 if optimizer == "adamw" else 1  # AdamW: exp_avg and exp_avg_sq; SGD: the momentum buffer
     stage = kwargs["zero_stage"]
     dp = kwargs.get("data_parallel_shard_size", dp)  # HSDP: 1/shard size, each shard held by its replicas
+    replicas = dp // kwargs.get("expert_parallel_size", 1)  # of each expert (none to shard over at dp2 x ep2)
     if stage == 3 and "pp" in name:  # a stage's units: 1/dp of what the stage holds whole (its shapes)
         for rank, row in rows.items():
-            whole = results[name][rank]["probe"]["shapes"]
-            assert row["parameters"] == pytest.approx(whole / dp, rel=0.05)
-            assert row["optimizer_state"] == pytest.approx(moments * whole / dp, rel=0.05)
+            found = results[name][rank]["probe"]
+            whole, kept, experts = found["shapes"], found["kept_whole"], found["experts_sharded"]
+            assert (experts > 0) == ("ep2" in name and replicas > 1), found
+            held = kept + experts / replicas + (whole - kept - experts) / dp
+            assert row["parameters"] == pytest.approx(held, rel=0.05)
+            assert row["optimizer_state"] == pytest.approx(moments * held, rel=0.05)
             # the blocks' gradients reduce-scattered; the modules every stage holds keep whole ones (all-reduced,
             # then summed over the stages)
-            assert whole / dp < row["gradients"] < whole
+            assert held < row["gradients"] < whole
         return
     if stage == 3:  # the parameters too: between steps every unit is freed, each rank keeps its shards
         for rank, row in rows.items():
@@ -439,7 +468,6 @@ def test_memory_report_shows_the_shards(runs, name):
             # of them: none to shard over at dp2 x ep2, where they stay whole)
             found = results[name][rank]["probe"]
             share, kept, experts = found["share"], found["kept_whole"], found["experts_sharded"]
-            replicas = dp // kwargs.get("expert_parallel_size", 1)
             assert (experts > 0) == ("ep2" in name and replicas > 1), found
             held = kept + experts / replicas + (share - kept - experts) / dp
             assert row["parameters"] == pytest.approx(held, rel=0.05)
