@@ -10,6 +10,8 @@ rank's, so every rank fits the same numbers, and a size's time the fastest run's
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -24,6 +26,7 @@ from lightning_parallel.memory.saved import SavedTensorCounter
 from lightning_parallel.module_names import find_block_stack
 from lightning_parallel.pipeline.profile import capture_block_inputs, requiring_grad, time_block_passes
 from lightning_parallel.planner.cluster import Cluster, Link
+from lightning_parallel.planner.collective_time import ring_figures
 
 __all__ = [
     "COLLECTIVES",
@@ -42,8 +45,9 @@ __all__ = [
 
 #: what is timed: each takes a tensor of the size's bytes per rank
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
-#: bytes per rank of each timed call: from latency-bound to bandwidth-bound, a few milliseconds on gloo
-SIZES = (2**10, 2**14, 2**18, 2**20, 2**22)
+#: bytes per rank of each timed call: from latency-bound to bandwidth-bound, a few milliseconds on gloo;
+#: 128 KiB to 1 MiB are the sizes of small models' tensor-parallel activations (a block's output)
+SIZES = (2**10, 2**14, 2**17, 2**18, 2**19, 2**20, 2**22)
 
 #: the least latency (seconds) and seconds per byte a fit gives
 FLOOR = (1e-9, 1e-15)
@@ -161,13 +165,23 @@ def calibrate_collectives(
 
 
 def cluster_from_fits(
-    fits: dict[str, CollectiveFit], devices: int, memory: float, flops: float, name: str = "calibrated"
+    fits: dict[str, CollectiveFit],
+    devices: int,
+    memory: float,
+    flops: float,
+    name: str = "calibrated",
+    backend: str = "nccl",
 ) -> Cluster:
-    """One node of ``devices``, its link the point-to-point fit: a message each way at once, so its bytes
-    per second are the link's each way per device, and its latency a message's."""
+    """One node of ``devices``, its link the point-to-point fit (a message each way at once, so its bytes
+    per second are the link's each way per device, and its latency a message's) and each collective's own
+    fit as the ring model's figures (``collective_time.ring_figures``): the cost model then gives each
+    collective as it was measured over these ``devices`` ranks."""
     p2p = fits["send_recv"]
-    link = Link(bandwidth=1.0 / p2p.seconds_per_byte, latency=p2p.latency)
-    return Cluster(name, 1, devices, memory, flops, within_node=link, between_nodes=link)
+    measured = tuple(
+        (n, *ring_figures(n, devices, fit.latency, fit.seconds_per_byte)) for n, fit in sorted(fits.items())
+    )
+    link = Link(bandwidth=1.0 / p2p.seconds_per_byte, latency=p2p.latency, collectives=measured)
+    return Cluster(name, 1, devices, memory, flops, within_node=link, between_nodes=link, backend=backend)
 
 
 def time_model_blocks(
@@ -234,6 +248,10 @@ def calibrate(
         memory = float(torch.cuda.get_device_properties(device).total_memory)
     else:  # the host's memory, shared by the ranks on it
         memory = float(available_host_bytes() or 0) / dist.get_world_size(group)
-    cluster = cluster_from_fits(fits, dist.get_world_size(group), memory, device_flops(device))
+    cluster = cluster_from_fits(
+        fits, dist.get_world_size(group), memory, device_flops(device), backend=dist.get_backend(group)
+    )
+    if device.type == "cpu":  # the processes share the host's cores
+        cluster = dataclasses.replace(cluster, cores=len(os.sched_getaffinity(0)))
     blocks = time_model_blocks(module, run_step, block_stack) if module is not None else []
     return Calibration(cluster, fits, blocks)

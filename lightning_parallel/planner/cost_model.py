@@ -73,6 +73,26 @@ class BlockCost:
     attention_bytes: float = 0.0
     attention_s: float = 0.0
     expert_parameter_bytes: float = 0.0
+    fixed_s: float = 0.0
+
+    def seconds(self, scale: float, tp: int) -> tuple[float, float]:
+        """Forward and backward seconds at ``scale`` times the measured batch, split over ``tp`` ranks:
+        ``fixed_s`` (the part of forward + backward that does not shrink with the batch, each operator's
+        dispatch: every tp rank runs every operator) shared between them as their times are, the rest
+        scaled and divided."""
+        return block_seconds(self.forward_s, self.backward_s, self.fixed_s, scale, tp)
+
+
+def block_seconds(forward_s: float, backward_s: float, fixed_s: float, scale: float, tp: int) -> tuple[float, float]:
+    """``BlockCost.seconds``: each pass's batch-independent share of ``fixed_s`` plus the rest of it times
+    ``scale / tp``."""
+    total = forward_s + backward_s
+    fixed = min(fixed_s, total) / total if total > 0 else 0.0
+
+    def one(t: float) -> float:
+        return t * fixed + t * (1 - fixed) * scale / tp
+
+    return one(forward_s), one(backward_s)
 
 
 @dataclass(frozen=True)
@@ -143,16 +163,14 @@ def _chunks(model: ModelCost, layout: Layout, cluster: Cluster) -> list[_Chunk]:
         start += count
         forward = backward = 0.0
         for b in blocks:
-            size = b.output_bytes * scale
-            if layout.sequence_parallel:  # an all-gather and a reduce-scatter for each of f and g
-                comm = 2 * (all_gather_s(size, tp, tp_link) + reduce_scatter_s(size, tp, tp_link))
-            else:
-                comm = 2 * all_reduce_s(size, tp, tp_link)
+            comm = tensor_parallel_s(b.output_bytes * scale, tp, tp_link, layout.sequence_parallel, cluster.backend)
             if b.expert_parameter_bytes:
-                comm += 2 * all_to_all_s(size / (tp if layout.sequence_parallel else 1), ep, ep_link)
-            rerun = {True: b.forward_s, "selective": b.attention_s, False: 0.0}[layout.recompute]
-            forward += b.forward_s * scale / tp + comm
-            backward += (b.backward_s + rerun) * scale / tp + comm * (2 if layout.recompute is True else 1)
+                size = b.output_bytes * scale / (tp if layout.sequence_parallel else 1)
+                comm += 2 * all_to_all_s(size, ep, ep_link)
+            block_forward, block_backward = b.seconds(scale, tp)
+            rerun = {True: block_forward, "selective": b.attention_s * scale / tp, False: 0.0}[layout.recompute]
+            forward += block_forward + comm
+            backward += block_backward + rerun + comm * (2 if layout.recompute is True else 1)
         last = g == n - 1
         if last:
             forward += model.other_forward_s * scale / tp
@@ -165,6 +183,17 @@ def _chunks(model: ModelCost, layout: Layout, cluster: Cluster) -> list[_Chunk]:
             backward += 0.0 if g == 0 else message
         chunks.append(_Chunk(forward, backward, blocks, last))
     return chunks
+
+
+def tensor_parallel_s(size: float, tp: int, link, sequence_parallel: bool, backend: str) -> float:
+    """A block's tensor-parallel collectives in one pass (Megatron's f and g) on its ``size``-byte output:
+    two all-reduces, or under sequence parallelism an all-gather and a reduce-scatter for each, which on
+    gloo the package runs as an all-reduce of the whole tensor each (``collectives._on_host``)."""
+    if not sequence_parallel:
+        return 2 * all_reduce_s(size, tp, link)
+    if backend == "gloo":
+        return 4 * all_reduce_s(size, tp, link)
+    return 2 * (all_gather_s(size, tp, link) + reduce_scatter_s(size, tp, link))
 
 
 def _pipeline(
@@ -270,7 +299,7 @@ def predict(model: ModelCost, layout: Layout, cluster: Cluster, precision: str =
         activations = _activations(model, layout, chunks, rank, held[rank])
         if worst_states is None or states.total + activations > worst_states.total + worst_activations:
             worst_states, worst_activations, worst_dense = states, activations, dense
-        window = _overlap_window(layout, chunks, held[rank])
+        window = _overlap_window(layout, chunks, held[rank]) if _spare_cores(layout, cluster) else 0.0
         comm = _data_parallel_s(
             dense * state.gradient, layout, dp_link, window, len(chunks[held[rank][0]].blocks)
         )
@@ -283,7 +312,8 @@ def predict(model: ModelCost, layout: Layout, cluster: Cluster, precision: str =
     # zero_stage=3: two units in flight, or under pipeline stages the whole stage, gathered for its schedule
     kept = worst_dense if layout.pp > 1 else 2 * largest_unit
     gathered = kept * state.parameter if layout.zero_stage == 3 else 0.0
-    step_s = max(pipeline_s + optimizer_s, _shared_cores_s(layout, cluster, busy, optimizer_s)) + worst_comm
+    shared_s = _shared_cores_s(layout, cluster, busy, optimizer_s + worst_comm)
+    step_s = max(pipeline_s + optimizer_s + worst_comm, shared_s)
     return Prediction(
         layout=layout,
         step_s=step_s,
@@ -297,16 +327,23 @@ def predict(model: ModelCost, layout: Layout, cluster: Cluster, precision: str =
     )
 
 
-def _shared_cores_s(layout: Layout, cluster: Cluster, busy: list[float], optimizer_s: float) -> float:
+def _shared_cores_s(layout: Layout, cluster: Cluster, busy: list[float], per_process_s: float) -> float:
     """The least time a node's CPU cores need for its processes' work when they share ``cluster.cores``
-    (0: devices of their own, no bound): every rank's busy seconds and optimizer step, over the cores.
-    The step is at least this and at least the schedule's own span (a rank idle in the bubble leaves its
-    core to the others)."""
+    (0: devices of their own, no bound): every rank's busy seconds, and each process's ``per_process_s``
+    (its optimizer step and data-parallel collectives), over the cores. The step is at least this and at
+    least the schedule's own span (a rank idle in the bubble leaves its core to the others)."""
     processes = min(layout.devices, cluster.devices_per_node)
     if not cluster.cores or processes <= cluster.cores:
         return 0.0
     replicas = processes / layout.pp  # each pipeline rank's dp x tp copies on the node
-    return (replicas * sum(busy) + processes * optimizer_s) / cluster.cores
+    return (replicas * sum(busy) + processes * per_process_s) / cluster.cores
+
+
+def _spare_cores(layout: Layout, cluster: Cluster) -> bool:
+    """Whether a node has cores its processes do not compute on. On a CPU box whose processes fill its
+    cores, a collective started during the backward does not run beside it: gloo's copies, sums and the
+    loopback transfers run on the same cores, so the data-parallel collectives add their time whole."""
+    return not cluster.cores or min(layout.devices, cluster.devices_per_node) < cluster.cores
 
 
 def _add(a: ModelStates, b: ModelStates) -> ModelStates:
@@ -331,6 +368,8 @@ def _data_parallel_s(gradient_bytes: float, layout: Layout, link, window: float,
     if n <= 1 or gradient_bytes <= 0:
         return 0.0
     buckets = max(1, math.ceil(gradient_bytes / BUCKET_BYTES))
+    if layout.zero_stage == 3 and layout.pp == 1:  # a reduce-scatter of each unit's gradients
+        buckets = max(1, units)
     if layout.zero_stage == 0:
         reduce = buckets * all_reduce_s(gradient_bytes / buckets, n, link)
     else:
@@ -342,5 +381,5 @@ def _data_parallel_s(gradient_bytes: float, layout: Layout, link, window: float,
         exposed += all_gather_s(gradient_bytes, n, link)
     elif layout.zero_stage == 3:  # each unit gathered for its forward and again for its backward, prefetched
         gathers = 2 * max(1, units) * all_gather_s(gradient_bytes / max(1, units), n, link)
-        exposed += gathers / max(1, units)
+        exposed += gathers / max(1, units) if window > 0 else gathers  # no window: no core to overlap on
     return exposed
