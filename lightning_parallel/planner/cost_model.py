@@ -74,13 +74,20 @@ class BlockCost:
     attention_s: float = 0.0
     expert_parameter_bytes: float = 0.0
     fixed_s: float = 0.0
+    tp_s: tuple[tuple[int, float], ...] = ()
 
     def seconds(self, scale: float, tp: int) -> tuple[float, float]:
-        """Forward and backward seconds at ``scale`` times the measured batch, split over ``tp`` ranks:
+        """Forward and backward seconds at ``scale`` times the measured batch on one of ``tp`` ranks:
         ``fixed_s`` (the part of forward + backward that does not shrink with the batch, each operator's
         dispatch: every tp rank runs every operator) shared between them as their times are, the rest
-        scaled and divided."""
-        return block_seconds(self.forward_s, self.backward_s, self.fixed_s, scale, tp)
+        scaled, and divided by ``tp``, or where ``tp_s`` has it, the forward + backward measured on one
+        rank's shard of the block at ``tp`` (``(tp, seconds)``: the unsplit operators and the sharded
+        layers' own work included, their collectives not)."""
+        measured = dict(self.tp_s).get(tp)
+        if measured is None or tp == 1:
+            return block_seconds(self.forward_s, self.backward_s, self.fixed_s, scale, tp)
+        share = measured / (self.forward_s + self.backward_s)
+        return block_seconds(self.forward_s * share, self.backward_s * share, self.fixed_s, scale, 1)
 
 
 def block_seconds(forward_s: float, backward_s: float, fixed_s: float, scale: float, tp: int) -> tuple[float, float]:
@@ -112,6 +119,15 @@ class ModelCost:
     optimizer: str = "adamw"
     tokens_per_sample: int = 1
     name: str = "model"
+    other_tp_s: tuple[tuple[int, float], ...] = ()
+
+    def other_seconds(self, scale: float, tp: int) -> tuple[float, float]:
+        """The rest's forward and backward seconds at ``scale`` times the batch on one of ``tp`` ranks: its
+        measured ``1/tp`` share, or as ``other_tp_s`` measured it on one rank's shard (``(tp, seconds)``)."""
+        whole = self.other_forward_s + self.other_backward_s
+        measured = dict(self.other_tp_s).get(tp) if tp > 1 else None
+        share = 1 / tp if measured is None or whole <= 0 else measured / whole
+        return self.other_forward_s * share * scale, self.other_backward_s * share * scale
 
     @property
     def parameter_bytes(self) -> float:
@@ -173,8 +189,9 @@ def _chunks(model: ModelCost, layout: Layout, cluster: Cluster) -> list[_Chunk]:
             backward += block_backward + rerun + comm * (2 if layout.recompute is True else 1)
         last = g == n - 1
         if last:
-            forward += model.other_forward_s * scale / tp
-            backward += model.other_backward_s * scale / tp
+            other_forward, other_backward = model.other_seconds(scale, tp)
+            forward += other_forward
+            backward += other_backward
         if layout.pp > 1:
             message = p2p_s(
                 blocks[-1].output_bytes * scale / (tp if layout.sequence_parallel else 1), pp_link

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -103,9 +103,12 @@ def measure_model(
     optimizer_kind: str,
     tokens_per_sample: int = 1,
     repeats: int = 3,
+    tensor_parallel: Sequence[int] = (),
 ) -> ModelCost:
     """The ``ModelCost`` of ``module`` at ``batch_size`` samples: ``step()`` runs its forward and returns
-    the loss (every block called once, in order); ``optimizer`` steps its parameters (timed once warm)."""
+    the loss (every block called once, in order); ``optimizer`` steps its parameters (timed once warm).
+    For each size of ``tensor_parallel``, the blocks and the whole step are timed again on one rank's
+    shard of the module (``_sharded_seconds``)."""
     stack_name, stack = find_block_stack(module)
     blocks = list(stack)
     clock = _clock(module)
@@ -144,6 +147,13 @@ def measure_model(
     del loss
     optimizer_s = _median_seconds(optimizer.step, repeats, clock)
     other_s = max(0.0, whole_s - sum(times))
+    other_tp = []
+    for tp in tensor_parallel:
+        sharded = _sharded_seconds(module, step, tp, repeats, clock)
+        if sharded is not None:
+            tp_times, tp_whole = sharded
+            costs = [dataclasses.replace(c, tp_s=(*c.tp_s, (tp, t))) for c, t in zip(costs, tp_times)]
+            other_tp.append((tp, max(0.0, tp_whole - sum(tp_times))))
     block_bytes = sum(b.parameter_bytes for b in costs)
     return ModelCost(
         blocks=costs,
@@ -157,7 +167,35 @@ def measure_model(
         optimizer=optimizer_kind,
         tokens_per_sample=tokens_per_sample,
         name=f"{type(module).__name__} ({stack_name}: {len(blocks)} blocks)",
+        other_tp_s=tuple(other_tp),
     )
+
+
+def _sharded_seconds(
+    module: nn.Module, step: Callable[[], Tensor], tp: int, repeats: int, clock: Callable[[], float]
+) -> Optional[tuple[list[float], float]]:
+    """Each block's forward + backward seconds and the whole step's on tensor-parallel rank 0's shard at
+    ``tp`` (the automatic plan, ``tensor.dry_run.as_rank_zero``: no communication): what one rank computes,
+    with the operators no plan splits (norms, residuals) and the sharded layers' own work. None where the
+    automatic plan cannot split the module ``tp`` ways."""
+    from lightning_parallel.tensor import resolve
+    from lightning_parallel.tensor.dry_run import as_rank_zero
+
+    try:
+        resolved = resolve(module, "auto", tp, run=step)
+    except Exception:  # noqa: BLE001 - no plan at this size: the cost model divides by tp instead
+        return None
+
+    def whole_step() -> None:
+        module.zero_grad(set_to_none=True)
+        step().backward()
+
+    with as_rank_zero(module, resolved):
+        blocks = list(find_block_stack(module)[1])
+        times = time_blocks(blocks, capture_block_inputs(blocks, step), repeats, clock)
+        whole = _median_seconds(whole_step, repeats, clock)
+    module.zero_grad(set_to_none=True)
+    return times, whole
 
 
 def flop_times(model: ModelCost, flops: float) -> ModelCost:
