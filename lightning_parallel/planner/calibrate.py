@@ -37,6 +37,7 @@ __all__ = [
     "BlockTiming",
     "CollectiveFit",
     "calibrate_collectives",
+    "scheduler_slice",
     "cluster_from_fits",
     "device_flops",
     "fit_alpha_beta",
@@ -210,6 +211,44 @@ def time_model_blocks(
     return timings
 
 
+def _spin(stop: Any) -> None:
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    while not stop.is_set():
+        pass
+
+
+def scheduler_slice(seconds: float = 1.0, gap_s: float = 50e-6) -> float:
+    """The scheduler's time slice on this host, in seconds: this process and a spinning one are pinned to
+    one core, and the median length of this process's runs between the gaps (another process's turn) is
+    how long the scheduler lets a process run while another waits. Linux only (``sched_setaffinity``)."""
+    import multiprocessing
+    import statistics
+
+    core = min(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    context = multiprocessing.get_context("fork")  # the spinner imports nothing
+    stop = context.Event()
+    spinner = context.Process(target=_spin, args=(stop,), daemon=True)
+    spinner.start()
+    os.sched_setaffinity(0, {core})
+    runs: list[float] = []
+    try:
+        time.sleep(0.05)  # the spinner started and pinned
+        start = last = time.perf_counter()
+        end = start + seconds
+        while last < end:
+            now = time.perf_counter()
+            if now - last > gap_s:
+                runs.append(last - start)
+                start = now
+            last = now
+    finally:
+        os.sched_setaffinity(0, before)
+        stop.set()
+        spinner.join()
+    return statistics.median(runs[1:]) if len(runs) > 2 else 0.0
+
+
 @dataclass(frozen=True)
 class Calibration:
     """What the machine at hand measured: its cluster, each collective's fit, and the blocks' timings."""
@@ -251,7 +290,8 @@ def calibrate(
     cluster = cluster_from_fits(
         fits, dist.get_world_size(group), memory, device_flops(device), backend=dist.get_backend(group)
     )
-    if device.type == "cpu":  # the processes share the host's cores
-        cluster = dataclasses.replace(cluster, cores=len(os.sched_getaffinity(0)))
+    if device.type == "cpu":  # the processes share the host's cores, taking turns when they outnumber them
+        slice_s = scheduler_slice() if dist.get_rank(group) == 0 else 0.0
+        cluster = dataclasses.replace(cluster, cores=len(os.sched_getaffinity(0)), slice_s=slice_s)
     blocks = time_model_blocks(module, run_step, block_stack) if module is not None else []
     return Calibration(cluster, fits, blocks)

@@ -57,7 +57,9 @@ class Cluster:
     ``cores``: on a CPU box, the cores a node's devices (processes, one thread each) share, so that more
     processes than cores run no faster in all; 0 where every device computes on its own (GPUs).
     ``backend``: the process groups' backend; on ``gloo`` the package's sequence-parallel all-gather and
-    reduce-scatter are each an all-reduce of the whole tensor (``distributed.collectives._on_host``)."""
+    reduce-scatter are each an all-reduce of the whole tensor (``distributed.collectives._on_host``).
+    ``slice_s``: on such a box, the scheduler's time slice: how long a process runs before another
+    runnable one on its core takes its turn (``calibrate.scheduler_slice``)."""
 
     name: str
     nodes: int
@@ -68,6 +70,7 @@ class Cluster:
     between_nodes: Link
     cores: int = 0
     backend: str = "nccl"
+    slice_s: float = 0.0
 
     @property
     def devices(self) -> int:
@@ -87,8 +90,9 @@ class Cluster:
         values = dict(values)
         for key in ("within_node", "between_nodes"):  # numbers as floats: YAML reads 4.5e11 as text
             values[key] = Link.from_mapping(values[key])
-        for key in ("memory", "flops"):
-            values[key] = float(values[key])
+        for key in ("memory", "flops", "slice_s"):
+            if key in values:
+                values[key] = float(values[key])
         return cls(**values)
 
     def as_mapping(self) -> dict:

@@ -163,6 +163,7 @@ class _Chunk:
     backward: float
     blocks: tuple[BlockCost, ...]
     last: bool
+    calls: int = 0  # blocking collectives and messages of one micro-batch's forward and backward
 
 
 def _chunks(model: ModelCost, layout: Layout, cluster: Cluster) -> list[_Chunk]:
@@ -174,11 +175,15 @@ def _chunks(model: ModelCost, layout: Layout, cluster: Cluster) -> list[_Chunk]:
     tp_link, ep_link = cluster.link(tp), cluster.link(ep, tp * layout.pp)
     pp_link = cluster.link(layout.pp, tp)
     chunks, start = [], 0
+    per_pass = (4 if layout.sequence_parallel and cluster.backend == "gloo" else 2) if tp > 1 else 0
     for g, count in enumerate(counts):
         blocks = tuple(model.blocks[start : start + count])
         start += count
         forward = backward = 0.0
+        calls = len(blocks) * per_pass * (3 if layout.recompute is True else 2)
         for b in blocks:
+            if b.expert_parameter_bytes and ep > 1:
+                calls += 4
             comm = tensor_parallel_s(b.output_bytes * scale, tp, tp_link, layout.sequence_parallel, cluster.backend)
             if b.expert_parameter_bytes:
                 size = b.output_bytes * scale / (tp if layout.sequence_parallel else 1)
@@ -198,7 +203,8 @@ def _chunks(model: ModelCost, layout: Layout, cluster: Cluster) -> list[_Chunk]:
             )
             forward += 0.0 if last else message
             backward += 0.0 if g == 0 else message
-        chunks.append(_Chunk(forward, backward, blocks, last))
+            calls += (0 if last else 1) + (0 if g == 0 else 1)
+        chunks.append(_Chunk(forward, backward, blocks, last, calls))
     return chunks
 
 
@@ -330,7 +336,9 @@ def predict(model: ModelCost, layout: Layout, cluster: Cluster, precision: str =
     kept = worst_dense if layout.pp > 1 else 2 * largest_unit
     gathered = kept * state.parameter if layout.zero_stage == 3 else 0.0
     shared_s = _shared_cores_s(layout, cluster, busy, optimizer_s + worst_comm)
-    step_s = max(pipeline_s + optimizer_s + worst_comm, shared_s)
+    calls = max(layout.num_microbatches * sum(chunks[g].calls for g in h) for h in held)
+    calls += _data_parallel_calls(layout, model, len(chunks[held[0][0]].blocks))
+    step_s = max(pipeline_s + optimizer_s + worst_comm, shared_s) + calls * turn_wait_s(layout, cluster)
     return Prediction(
         layout=layout,
         step_s=step_s,
@@ -354,6 +362,29 @@ def _shared_cores_s(layout: Layout, cluster: Cluster, busy: list[float], per_pro
         return 0.0
     replicas = processes / layout.pp  # each pipeline rank's dp x tp copies on the node
     return (replicas * sum(busy) + processes * per_process_s) / cluster.cores
+
+
+def turn_wait_s(layout: Layout, cluster: Cluster) -> float:
+    """The wait of one blocking collective or message where a node's processes outnumber its cores: the
+    peer it waits for is one of ``processes / cores`` processes taking turns on a core, and runs after the
+    others' turns, ``cluster.slice_s`` each (the scheduler's time slice, measured by the calibration):
+    ``(processes / cores - 1) x slice_s``. 0 with a core per process or devices of their own."""
+    processes = min(layout.devices, cluster.devices_per_node)
+    if not cluster.cores or processes <= cluster.cores:
+        return 0.0
+    return (processes / cluster.cores - 1) * cluster.slice_s
+
+
+def _data_parallel_calls(layout: Layout, model: ModelCost, units: int) -> int:
+    """The data-parallel collectives a rank waits on in a step: each bucket's reduce (ZeRO 1/2 and the
+    post-step all-gather: two), ZeRO-3's two gathers and one reduce per unit (one gather under pipeline
+    stages)."""
+    if layout.dp <= 1:
+        return 0
+    buckets = max(1, math.ceil(model.parameter_bytes / layout.tp / layout.pp / BUCKET_BYTES))
+    if layout.zero_stage == 3:
+        return buckets + 1 if layout.pp > 1 else 3 * max(1, units)
+    return buckets * (2 if layout.zero_stage else 1)
 
 
 def _spare_cores(layout: Layout, cluster: Cluster) -> bool:

@@ -120,3 +120,17 @@ def test_zero_3_gathers_every_unit_where_nothing_overlaps() -> None:
     assert predict(cost, layout, box).data_parallel_s == pytest.approx(gathers + reduces)
     spare = dataclasses.replace(box, cores=0)
     assert predict(cost, layout, spare).data_parallel_s == pytest.approx(gathers / 4 + reduces / 4)
+
+
+def test_processes_outnumbering_cores_wait_a_turn_at_each_collective() -> None:
+    """4 tp2 processes on 2 cores: each of the 8 blocks' 2 + 2 all-reduces, and the dp all-reduce, waits
+    one other process's slice (4 / 2 - 1); with a core each, nothing waits."""
+    cost = ModelCost([BlockCost(1.0, 2.0, 0.0, 4.0)] * 8, 0.0, 2)
+    layout = Layout(dp=2, tp=2, pp=1, global_batch=4)
+    free = Link(float("inf"), 0.0)
+    box = Cluster("b", 1, 4, 1e12, 1e15, free, free, cores=4, slice_s=1e-3)
+    alone = predict(cost, layout, box).step_s
+    shared = dataclasses.replace(box, cores=2)
+    work = 4 * 8 * 1.5 / 2  # 4 processes' 8 blocks of 1.5 s (half the batch, half the block) on 2 cores
+    assert predict(cost, layout, shared).step_s == pytest.approx(work + (8 * 4 + 1) * 1e-3)
+    assert alone == pytest.approx(8 * 1.5)
