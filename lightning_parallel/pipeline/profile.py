@@ -71,11 +71,12 @@ def time_blocks(
     inputs: Sequence[tuple[tuple, dict]],
     repeats: int = 3,
     clock: Callable[[], float] = time.perf_counter,
+    pick: Callable[[Any], float] = statistics.median,
 ) -> list[float]:
-    """Median seconds of forward + backward of each block alone on its captured inputs, read on ``clock``
-    (wall time; the planner reads a CPU process's own CPU time, ``time.thread_time``, which other processes'
-    load does not add to)."""
-    return [statistics.median(f + b for f, b in runs) for runs in _passes(blocks, inputs, repeats, clock)]
+    """Seconds of forward + backward of each block alone on its captured inputs, read on ``clock`` (wall
+    time; the planner reads a CPU process's own CPU time, ``time.thread_time``), the ``pick`` of the
+    repeats (the median; the planner takes the fastest, as other processes' load only adds time)."""
+    return [pick([f + b for f, b in runs]) for runs in _passes(blocks, inputs, repeats, clock)]
 
 
 def time_block_passes(

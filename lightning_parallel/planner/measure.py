@@ -16,7 +16,6 @@ calibration (``planner.calibrate``) produces the same ``ModelCost`` on the real 
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -56,13 +55,14 @@ def _saved_bytes(module: nn.Module, run: Callable[[], Any]) -> tuple[int, Any]:
     return counter.live, out
 
 
-def _median_seconds(run: Callable[[], None], repeats: int, clock: Callable[[], float]) -> float:
+def _fastest_seconds(run: Callable[[], None], repeats: int, clock: Callable[[], float]) -> float:
+    """The fastest of ``repeats`` runs after a warm-up: other processes' load on the machine only adds."""
     samples = []
     for _ in range(repeats + 1):
         start = clock()
         run()
         samples.append(clock() - start)
-    return statistics.median(samples[1:])
+    return min(samples[1:])
 
 
 def _clock(module: nn.Module) -> Callable[[], float]:
@@ -113,12 +113,12 @@ def measure_model(
     blocks = list(stack)
     clock = _clock(module)
     inputs = capture_block_inputs(blocks, step)
-    times = time_blocks(blocks, inputs, repeats, clock)
+    times = time_blocks(blocks, inputs, repeats, clock, min)
     rows = max(1, batch_size // 4)
     quarter, cut = _first_rows(inputs, batch_size, rows)
     fixed = [0.0] * len(blocks)
     if cut and rows < batch_size:
-        small = time_blocks(blocks, quarter, repeats, clock)
+        small = time_blocks(blocks, quarter, repeats, clock, min)
         fixed = [fixed_seconds(t, s, batch_size, rows) for t, s in zip(times, small)]
     costs = []
     for block, (args, kwargs), seconds, fixed_s in zip(blocks, inputs, times, fixed):
@@ -142,10 +142,10 @@ def measure_model(
         optimizer.zero_grad(set_to_none=True)
         step().backward()
 
-    whole_s = _median_seconds(whole_step, repeats, clock)
+    whole_s = _fastest_seconds(whole_step, repeats, clock)
     total_saved, loss = _saved_bytes(module, step)
     del loss
-    optimizer_s = _median_seconds(optimizer.step, repeats, clock)
+    optimizer_s = _fastest_seconds(optimizer.step, repeats, clock)
     other_s = max(0.0, whole_s - sum(times))
     other_tp = []
     for tp in tensor_parallel:
@@ -192,8 +192,8 @@ def _sharded_seconds(
 
     with as_rank_zero(module, resolved):
         blocks = list(find_block_stack(module)[1])
-        times = time_blocks(blocks, capture_block_inputs(blocks, step), repeats, clock)
-        whole = _median_seconds(whole_step, repeats, clock)
+        times = time_blocks(blocks, capture_block_inputs(blocks, step), repeats, clock, min)
+        whole = _fastest_seconds(whole_step, repeats, clock)
     module.zero_grad(set_to_none=True)
     return times, whole
 
