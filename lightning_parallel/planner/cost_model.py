@@ -2,13 +2,15 @@
 
 Pure: no process, no tensor. What it models, in the order a step runs (docs/planner.md):
 
-- compute: each block's forward and backward split ``1/tp``, scaled linearly from the measured batch to the
-  micro-batch; the blocks cut into ``pp x v`` chunks as the pipeline cuts them (``partition.balance`` over
-  parameter counts, ``balance="parameters"``, the default); the rest of the model (embedding, head, loss)
+- compute: each block's forward and backward on one tp rank (as timed on its shard, else ``1/tp``), its
+  batch-independent share kept and the rest scaled linearly from the measured batch to the micro-batch;
+  the blocks cut into ``pp x v`` chunks as the pipeline cuts them (``partition.balance`` over parameter
+  counts, ``balance="parameters"``, the default); the rest of the model (embedding, head, loss)
   on the last stage. Full recompute runs each block's forward again in its backward; selective recompute
   its attention core;
 - tensor parallelism: two all-reduces per block forward and two backward (Megatron's f and g), or as
-  many all-gathers and reduce-scatters under sequence parallelism, on the critical path;
+  many all-gathers and reduce-scatters under sequence parallelism (on gloo all-reduces), on the critical
+  path; every collective at its calibrated figures where the link has them;
 - expert parallelism: an all-to-all to dispatch and one to combine per expert block, forward and backward;
 - the pipeline: one message per chunk boundary each way, then the schedule's own clock
   (``schedules.expected_bubbles``): each rank's busy time over its busy share. The async schedule has no
@@ -16,7 +18,10 @@ Pure: no process, no tensor. What it models, in the order a step runs (docs/plan
 - data parallelism: the gradients' ring all-reduce (ZeRO 1/2: reduce-scatter, then the parameters'
   all-gather after the step; ZeRO 3 also gathers each unit's parameters in forward and backward). The
   reduce overlaps the last backward (the whole backward without pipeline stages) where the reducer's hooks
-  start it during that backward (``schedules.OVERLAPPED``); the post-step all-gather never overlaps;
+  start it during that backward (``schedules.OVERLAPPED``) and a core is spare; the post-step all-gather
+  never overlaps;
+- processes outnumbering a CPU box's cores: the step at least their work over the cores, and each blocking
+  collective waiting for its peer's turn (``turn_wait_s``);
 - the optimizer step on the rank's share of the state.
 
 Memory: ``memory.expected``'s model states of the busiest rank's share, and its chunks' activations times
