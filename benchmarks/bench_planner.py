@@ -4,6 +4,7 @@
     python benchmarks/bench_planner.py --tiny          # 2 layouts of 2 processes, a 2-block model: seconds
     python benchmarks/bench_planner.py --layouts "dp2 tp1 pp1" "dp1 tp1 pp2 1f1b m4"   # a subset, by name
     python benchmarks/bench_planner.py --steps 20 --warmup 5 --json out.json
+    python benchmarks/bench_planner.py --records runs.jsonl --cost cost.json   # re-predict saved runs
 
 For each layout (``LAYOUTS``: DDP, ZeRO 1, 2 and 3, tensor parallelism with and without sequence
 parallelism, each pipeline schedule, 2-D and 3-D, full recompute), the benchmark puts beside each other:
@@ -11,7 +12,8 @@ parallelism, each pipeline schedule, 2-D and 3-D, full recompute), the benchmark
 - **predicted**: ``planner.cost_model.predict`` of the layout on this machine (``cpu_2core``'s cluster
   file, one process per device, the devices sharing its cores), from a ``ModelCost`` measured once in this
   process the way the planner's command measures it (``planner.command.model_cost``: each block timed
-  alone on its captured inputs, its saved activations counted; one thread, as each worker has);
+  alone on its captured inputs in CPU time, on the batch and a quarter of it, and on tp2's shard, its
+  saved activations counted; one thread, as each worker has), or read with ``--cost``;
 - **measured**: a real ``Trainer.fit`` of the same ``CharGPT`` on the embedded corpus under torchrun (gloo,
   one thread per process), ``lp_ddp`` for the layouts without model parallelism (ZeRO 3 is lp_ddp's),
   ``lp_parallel`` (``Layout.strategy_options``) for the others.
@@ -153,20 +155,39 @@ def measured_peak(rows: list[dict]) -> tuple[int, dict]:
     return total(busiest), busiest
 
 
-def predictions(layouts: list[Layout], shape: dict, global_batch: int) -> tuple[Any, list[Any]]:
-    """The model measured here (one thread, as a worker has) and each layout's prediction on this box."""
+def measure_cost(layouts: list[Layout], shape: dict, global_batch: int, saved: Optional[str] = None) -> Any:
+    """The model's ``ModelCost`` measured here (one thread, as a worker has; each tensor-parallel size of
+    ``layouts`` timed on one rank's shard), or read from ``saved`` where that file exists (else written
+    there): the step times of ``--records`` re-predicted against the block times of one quiet moment."""
     import torch
 
-    from lightning_parallel.planner.cluster import Cluster
     from lightning_parallel.planner.command import EMBEDDED, model_cost
-    from lightning_parallel.planner.cost_model import predict
+    from lightning_parallel.planner.cost_model import BlockCost, ModelCost
 
+    if saved and Path(saved).is_file():
+        values = json.loads(Path(saved).read_text())
+        blocks = [BlockCost(**{**b, "tp_s": tuple(map(tuple, b["tp_s"]))}) for b in values.pop("blocks")]
+        return ModelCost(blocks=blocks, **{**values, "other_tp_s": tuple(map(tuple, values["other_tp_s"]))})
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        cost = model_cost(EMBEDDED[0], shape, None, global_batch // 2, repeats=3)
+        sizes = sorted({layout.tp for layout in layouts if layout.tp > 1})
+        cost = model_cost(EMBEDDED[0], shape, None, global_batch // 2, repeats=5, tensor_parallel=sizes)
     finally:
         torch.set_num_threads(threads)
+    if saved:
+        Path(saved).write_text(json.dumps(dataclasses.asdict(cost), indent=1))
+    return cost
+
+
+def predictions(
+    layouts: list[Layout], shape: dict, global_batch: int, saved: Optional[str] = None
+) -> tuple[Any, list[Any]]:
+    """The model's cost (``measure_cost``) and each layout's prediction on this box."""
+    from lightning_parallel.planner.cluster import Cluster
+    from lightning_parallel.planner.cost_model import predict
+
+    cost = measure_cost(layouts, shape, global_batch, saved)
     machine = Cluster.load("cpu_2core")
     out = []
     for layout in layouts:
@@ -238,7 +259,7 @@ def run(args: argparse.Namespace) -> dict:
             raise SystemExit(f"--layouts {unknown} are not among the benchmark's: {list(names)}")
         layouts = [names[n] for n in args.layouts]
     global_batch = layouts[0].global_batch
-    cost, predicted = predictions(layouts, shape, global_batch)
+    cost, predicted = predictions(layouts, shape, global_batch, args.cost)
     out = Path(args.records) if args.records else Path(tempfile.mkdtemp()) / "results.jsonl"
     done = {r["layout"] for r in read_records(out)}
     for layout in [layout for layout in layouts if layout.name() not in done]:
@@ -289,6 +310,10 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--json", help="write the summary, records and predictions here")
     parser.add_argument(
         "--records", help="the runs' JSON lines file: layouts already in it are not run again (predict only)"
+    )
+    parser.add_argument(
+        "--cost",
+        help="the measured ModelCost as JSON: read from this file where it exists, else measured and written",
     )
     args = parser.parse_args(argv)
     args.steps = args.steps if args.steps is not None else (2 if args.tiny else 8)

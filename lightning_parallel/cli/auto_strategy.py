@@ -164,7 +164,13 @@ def _plan(cfg: DictConfig, world: int, build: Build) -> dict[str, Any]:
     from lightning_parallel.planner.constraints import keeps
     from lightning_parallel.planner.layouts import Plan, plan_layouts
     from lightning_parallel.planner.measure import flop_times
-    from lightning_parallel.planner.planning import cluster_for, is_this_machine, module_cost, threads_of
+    from lightning_parallel.planner.planning import (
+        cluster_for,
+        is_this_machine,
+        module_cost,
+        tensor_parallel_sizes,
+        threads_of,
+    )
 
     planner, fixed = cfg.planner, fixed_options(cfg.strategy)
     try:
@@ -176,7 +182,8 @@ def _plan(cfg: DictConfig, world: int, build: Build) -> dict[str, Any]:
     module, data = build(cfg.model, "model"), build(cfg.data, "data")
     try:
         with threads_of(world if here else None):
-            cost = module_cost(module, data, repeats=planner.repeats)
+            sizes = tensor_parallel_sizes(world) if here else ()
+            cost = module_cost(module, data, repeats=planner.repeats, tensor_parallel=sizes)
     except ValueError as err:  # no block stack, no batch to time: the planner cannot measure this model
         raise ConfigError.of(
             [f"strategy=auto: the planner times the model's blocks, and cannot: {err}"]

@@ -67,10 +67,16 @@ def capture_block_inputs(
 
 
 def time_blocks(
-    blocks: Sequence[nn.Module], inputs: Sequence[tuple[tuple, dict]], repeats: int = 3
+    blocks: Sequence[nn.Module],
+    inputs: Sequence[tuple[tuple, dict]],
+    repeats: int = 3,
+    clock: Callable[[], float] = time.perf_counter,
+    pick: Callable[[Any], float] = statistics.median,
 ) -> list[float]:
-    """Median seconds of forward + backward of each block alone on its captured inputs."""
-    return [statistics.median(f + b for f, b in runs) for runs in _passes(blocks, inputs, repeats)]
+    """Seconds of forward + backward of each block alone on its captured inputs, read on ``clock`` (wall
+    time; the planner reads a CPU process's own CPU time, ``time.thread_time``), the ``pick`` of the
+    repeats (the median; the planner takes the fastest, as other processes' load only adds time)."""
+    return [pick([f + b for f, b in runs]) for runs in _passes(blocks, inputs, repeats, clock)]
 
 
 def time_block_passes(
@@ -84,7 +90,10 @@ def time_block_passes(
 
 
 def _passes(
-    blocks: Sequence[nn.Module], inputs: Sequence[tuple[tuple, dict]], repeats: int
+    blocks: Sequence[nn.Module],
+    inputs: Sequence[tuple[tuple, dict]],
+    repeats: int,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> list[list[tuple[float, float]]]:
     """Each block's ``repeats`` (forward, backward of the sum of its outputs) seconds, after one run that
     warms up (allocations, lazy init) and is dropped."""
@@ -93,15 +102,15 @@ def _passes(
         samples = []
         for _ in range(repeats + 1):
             a, k = requiring_grad(args), requiring_grad(kwargs)
-            start = time.perf_counter()
+            start = clock()
             out = block(*a, **k)
             _synchronize(out)
-            middle = time.perf_counter()
+            middle = clock()
             total = sum(t.float().sum() for t in _tensors(out) if t.requires_grad)
             if isinstance(total, Tensor):
                 total.backward()
             _synchronize(out)
-            samples.append((middle - start, time.perf_counter() - middle))
+            samples.append((middle - start, clock() - middle))
         times.append(samples[1:])
     return times
 

@@ -10,6 +10,8 @@ rank's, so every rank fits the same numbers, and a size's time the fastest run's
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -24,6 +26,7 @@ from lightning_parallel.memory.saved import SavedTensorCounter
 from lightning_parallel.module_names import find_block_stack
 from lightning_parallel.pipeline.profile import capture_block_inputs, requiring_grad, time_block_passes
 from lightning_parallel.planner.cluster import Cluster, Link
+from lightning_parallel.planner.collective_time import ring_figures
 
 __all__ = [
     "COLLECTIVES",
@@ -34,6 +37,7 @@ __all__ = [
     "BlockTiming",
     "CollectiveFit",
     "calibrate_collectives",
+    "scheduler_slice",
     "cluster_from_fits",
     "device_flops",
     "fit_alpha_beta",
@@ -42,8 +46,9 @@ __all__ = [
 
 #: what is timed: each takes a tensor of the size's bytes per rank
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
-#: bytes per rank of each timed call: from latency-bound to bandwidth-bound, a few milliseconds on gloo
-SIZES = (2**10, 2**14, 2**18, 2**20, 2**22)
+#: bytes per rank of each timed call: from latency-bound to bandwidth-bound, a few milliseconds on gloo;
+#: 128 KiB to 1 MiB are the sizes of small models' tensor-parallel activations (a block's output)
+SIZES = (2**10, 2**14, 2**17, 2**18, 2**19, 2**20, 2**22)
 
 #: the least latency (seconds) and seconds per byte a fit gives
 FLOOR = (1e-9, 1e-15)
@@ -161,13 +166,23 @@ def calibrate_collectives(
 
 
 def cluster_from_fits(
-    fits: dict[str, CollectiveFit], devices: int, memory: float, flops: float, name: str = "calibrated"
+    fits: dict[str, CollectiveFit],
+    devices: int,
+    memory: float,
+    flops: float,
+    name: str = "calibrated",
+    backend: str = "nccl",
 ) -> Cluster:
-    """One node of ``devices``, its link the point-to-point fit: a message each way at once, so its bytes
-    per second are the link's each way per device, and its latency a message's."""
+    """One node of ``devices``, its link the point-to-point fit (a message each way at once, so its bytes
+    per second are the link's each way per device, and its latency a message's) and each collective's own
+    fit as the ring model's figures (``collective_time.ring_figures``): the cost model then gives each
+    collective as it was measured over these ``devices`` ranks."""
     p2p = fits["send_recv"]
-    link = Link(bandwidth=1.0 / p2p.seconds_per_byte, latency=p2p.latency)
-    return Cluster(name, 1, devices, memory, flops, within_node=link, between_nodes=link)
+    measured = tuple(
+        (n, *ring_figures(n, devices, fit.latency, fit.seconds_per_byte)) for n, fit in sorted(fits.items())
+    )
+    link = Link(bandwidth=1.0 / p2p.seconds_per_byte, latency=p2p.latency, collectives=measured)
+    return Cluster(name, 1, devices, memory, flops, within_node=link, between_nodes=link, backend=backend)
 
 
 def time_model_blocks(
@@ -194,6 +209,44 @@ def time_model_blocks(
         params = sum(p.numel() * p.element_size() for p in block.parameters())
         timings.append(BlockTiming(f"{name}.{i}", forward_s, backward_s, saved, params))
     return timings
+
+
+def _spin(stop: Any) -> None:
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    while not stop.is_set():
+        pass
+
+
+def scheduler_slice(seconds: float = 1.0, gap_s: float = 50e-6) -> float:
+    """The scheduler's time slice on this host, in seconds: this process and a spinning one are pinned to
+    one core, and the median length of this process's runs between the gaps (another process's turn) is
+    how long the scheduler lets a process run while another waits. Linux only (``sched_setaffinity``)."""
+    import multiprocessing
+    import statistics
+
+    core = min(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    context = multiprocessing.get_context("fork")  # the spinner imports nothing
+    stop = context.Event()
+    spinner = context.Process(target=_spin, args=(stop,), daemon=True)
+    spinner.start()
+    os.sched_setaffinity(0, {core})
+    runs: list[float] = []
+    try:
+        time.sleep(0.05)  # the spinner started and pinned
+        start = last = time.perf_counter()
+        end = start + seconds
+        while last < end:
+            now = time.perf_counter()
+            if now - last > gap_s:
+                runs.append(last - start)
+                start = now
+            last = now
+    finally:
+        os.sched_setaffinity(0, before)
+        stop.set()
+        spinner.join()
+    return statistics.median(runs[1:]) if len(runs) > 2 else 0.0
 
 
 @dataclass(frozen=True)
@@ -234,6 +287,11 @@ def calibrate(
         memory = float(torch.cuda.get_device_properties(device).total_memory)
     else:  # the host's memory, shared by the ranks on it
         memory = float(available_host_bytes() or 0) / dist.get_world_size(group)
-    cluster = cluster_from_fits(fits, dist.get_world_size(group), memory, device_flops(device))
+    cluster = cluster_from_fits(
+        fits, dist.get_world_size(group), memory, device_flops(device), backend=dist.get_backend(group)
+    )
+    if device.type == "cpu":  # the processes share the host's cores, taking turns when they outnumber them
+        slice_s = scheduler_slice() if dist.get_rank(group) == 0 else 0.0
+        cluster = dataclasses.replace(cluster, cores=len(os.sched_getaffinity(0)), slice_s=slice_s)
     blocks = time_model_blocks(module, run_step, block_stack) if module is not None else []
     return Calibration(cluster, fits, blocks)

@@ -38,7 +38,7 @@ def cluster_yaml(cluster: Cluster, fits: dict) -> str:
         f"#   {name}: latency {fit.latency:.3g} s, {1 / fit.seconds_per_byte:.3g} bytes/s"
         for name, fit in fits.items()
     ]
-    return "\n".join(lines) + "\n" + yaml.safe_dump(dataclasses.asdict(cluster), sort_keys=False)
+    return "\n".join(lines) + "\n" + yaml.safe_dump(cluster.as_mapping(), sort_keys=False)
 
 
 def _worker(output: str, backend: str) -> None:

@@ -5,7 +5,7 @@ calibration. The cost model reads nothing else about the hardware."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Mapping, Union
 
@@ -20,10 +20,34 @@ SHIPPED = Path(__file__).parent / "clusters"
 @dataclass(frozen=True)
 class Link:
     """One kind of link between two devices: bytes per second each way per device, and the latency of one
-    message in seconds."""
+    message in seconds. ``collectives``: ``(name, bandwidth, latency)`` of collectives measured on this link
+    (the calibration's fits, as the ring model's figures: ``collective_time`` reproduces each measured call
+    with them), in place of the message figures for that collective."""
 
     bandwidth: float
     latency: float
+    collectives: tuple[tuple[str, float, float], ...] = ()
+
+    def of(self, collective: str) -> "Link":
+        """The figures of ``collective`` on this link: its measured ones, else the message's."""
+        for name, bandwidth, latency in self.collectives:
+            if name == collective:
+                return replace(self, bandwidth=bandwidth, latency=latency, collectives=())
+        return self
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "Link":
+        measured = values.get("collectives") or {}
+        collectives = tuple(
+            (name, float(fit["bandwidth"]), float(fit["latency"])) for name, fit in sorted(measured.items())
+        )
+        return cls(float(values["bandwidth"]), float(values["latency"]), collectives)
+
+    def as_mapping(self) -> dict:
+        out: dict = {"bandwidth": self.bandwidth, "latency": self.latency}
+        if self.collectives:
+            out["collectives"] = {n: {"bandwidth": b, "latency": a} for n, b, a in self.collectives}
+        return out
 
 
 @dataclass(frozen=True)
@@ -31,7 +55,11 @@ class Cluster:
     """``nodes`` machines of ``devices_per_node`` devices, each with ``memory`` bytes and ``flops`` dense
     floating-point operations per second in the compute dtype (used only for blocks that were not timed).
     ``cores``: on a CPU box, the cores a node's devices (processes, one thread each) share, so that more
-    processes than cores run no faster in all; 0 where every device computes on its own (GPUs)."""
+    processes than cores run no faster in all; 0 where every device computes on its own (GPUs).
+    ``backend``: the process groups' backend; on ``gloo`` the package's sequence-parallel all-gather and
+    reduce-scatter are each an all-reduce of the whole tensor (``distributed.collectives._on_host``).
+    ``slice_s``: on such a box, the scheduler's time slice: how long a process runs before another
+    runnable one on its core takes its turn (``calibrate.scheduler_slice``)."""
 
     name: str
     nodes: int
@@ -41,6 +69,8 @@ class Cluster:
     within_node: Link
     between_nodes: Link
     cores: int = 0
+    backend: str = "nccl"
+    slice_s: float = 0.0
 
     @property
     def devices(self) -> int:
@@ -59,10 +89,17 @@ class Cluster:
             raise ValueError(f"unknown cluster keys {unknown}; the keys are {sorted(known)}")
         values = dict(values)
         for key in ("within_node", "between_nodes"):  # numbers as floats: YAML reads 4.5e11 as text
-            values[key] = Link(**{k: float(v) for k, v in values[key].items()})
-        for key in ("memory", "flops"):
-            values[key] = float(values[key])
+            values[key] = Link.from_mapping(values[key])
+        for key in ("memory", "flops", "slice_s"):
+            if key in values:
+                values[key] = float(values[key])
         return cls(**values)
+
+    def as_mapping(self) -> dict:
+        """The keys ``from_mapping`` reads (a cluster YAML's)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out.update(within_node=self.within_node.as_mapping(), between_nodes=self.between_nodes.as_mapping())
+        return out
 
     @classmethod
     def load(cls, path: Union[str, Path]) -> "Cluster":

@@ -20,7 +20,13 @@ from typing import Optional
 
 from lightning_parallel.planner.layouts import NO_FIT, Plan, plan_layouts
 from lightning_parallel.planner.measure import flop_times
-from lightning_parallel.planner.planning import cluster_for, is_this_machine, model_cost, threads_of
+from lightning_parallel.planner.planning import (
+    cluster_for,
+    is_this_machine,
+    model_cost,
+    tensor_parallel_sizes,
+    threads_of,
+)
 
 __all__ = ["main", "format_plan", "EMBEDDED"]
 
@@ -122,8 +128,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     kwargs = {**kwargs, **json.loads(args.kwargs)} if args.kwargs else kwargs
     global_batch = args.global_batch or 8 * args.devices
     timing = args.timing or ("measured" if is_this_machine(cluster) else "flops")
-    with threads_of(args.devices if timing == "measured" else None):
-        cost = model_cost(target, kwargs, args.data, 8, args.repeats)
+    measured = timing == "measured"
+    with threads_of(args.devices if measured else None):
+        sizes = tensor_parallel_sizes(args.devices) if measured else ()
+        cost = model_cost(target, kwargs, args.data, 8, args.repeats, sizes)
     if timing == "flops":
         cost = flop_times(cost, cluster.flops)
     memory = args.memory_gb * GIB if args.memory_gb else None

@@ -2,13 +2,15 @@
 
 Pure: no process, no tensor. What it models, in the order a step runs (docs/planner.md):
 
-- compute: each block's forward and backward split ``1/tp``, scaled linearly from the measured batch to the
-  micro-batch; the blocks cut into ``pp x v`` chunks as the pipeline cuts them (``partition.balance`` over
-  parameter counts, ``balance="parameters"``, the default); the rest of the model (embedding, head, loss)
+- compute: each block's forward and backward on one tp rank (as timed on its shard, else ``1/tp``), its
+  batch-independent share kept and the rest scaled linearly from the measured batch to the micro-batch;
+  the blocks cut into ``pp x v`` chunks as the pipeline cuts them (``partition.balance`` over parameter
+  counts, ``balance="parameters"``, the default); the rest of the model (embedding, head, loss)
   on the last stage. Full recompute runs each block's forward again in its backward; selective recompute
   its attention core;
 - tensor parallelism: two all-reduces per block forward and two backward (Megatron's f and g), or as
-  many all-gathers and reduce-scatters under sequence parallelism, on the critical path;
+  many all-gathers and reduce-scatters under sequence parallelism (on gloo all-reduces), on the critical
+  path; every collective at its calibrated figures where the link has them;
 - expert parallelism: an all-to-all to dispatch and one to combine per expert block, forward and backward;
 - the pipeline: one message per chunk boundary each way, then the schedule's own clock
   (``schedules.expected_bubbles``): each rank's busy time over its busy share. The async schedule has no
@@ -16,7 +18,10 @@ Pure: no process, no tensor. What it models, in the order a step runs (docs/plan
 - data parallelism: the gradients' ring all-reduce (ZeRO 1/2: reduce-scatter, then the parameters'
   all-gather after the step; ZeRO 3 also gathers each unit's parameters in forward and backward). The
   reduce overlaps the last backward (the whole backward without pipeline stages) where the reducer's hooks
-  start it during that backward (``schedules.OVERLAPPED``); the post-step all-gather never overlaps;
+  start it during that backward (``schedules.OVERLAPPED``) and a core is spare; the post-step all-gather
+  never overlaps;
+- processes outnumbering a CPU box's cores: the step at least their work over the cores, and each blocking
+  collective waiting for its peer's turn (``turn_wait_s``);
 - the optimizer step on the rank's share of the state.
 
 Memory: ``memory.expected``'s model states of the busiest rank's share, and its chunks' activations times
@@ -73,6 +78,33 @@ class BlockCost:
     attention_bytes: float = 0.0
     attention_s: float = 0.0
     expert_parameter_bytes: float = 0.0
+    fixed_s: float = 0.0
+    tp_s: tuple[tuple[int, float], ...] = ()
+
+    def seconds(self, scale: float, tp: int) -> tuple[float, float]:
+        """Forward and backward seconds at ``scale`` times the measured batch on one of ``tp`` ranks:
+        ``fixed_s`` (the part of forward + backward that does not shrink with the batch, each operator's
+        dispatch: every tp rank runs every operator) shared between them as their times are, the rest
+        scaled, and divided by ``tp``, or where ``tp_s`` has it, the forward + backward measured on one
+        rank's shard of the block at ``tp`` (``(tp, seconds)``: the unsplit operators and the sharded
+        layers' own work included, their collectives not)."""
+        measured = dict(self.tp_s).get(tp)
+        if measured is None or tp == 1:
+            return block_seconds(self.forward_s, self.backward_s, self.fixed_s, scale, tp)
+        share = measured / (self.forward_s + self.backward_s)
+        return block_seconds(self.forward_s * share, self.backward_s * share, self.fixed_s, scale, 1)
+
+
+def block_seconds(forward_s: float, backward_s: float, fixed_s: float, scale: float, tp: int) -> tuple[float, float]:
+    """``BlockCost.seconds``: each pass's batch-independent share of ``fixed_s`` plus the rest of it times
+    ``scale / tp``."""
+    total = forward_s + backward_s
+    fixed = min(fixed_s, total) / total if total > 0 else 0.0
+
+    def one(t: float) -> float:
+        return t * fixed + t * (1 - fixed) * scale / tp
+
+    return one(forward_s), one(backward_s)
 
 
 @dataclass(frozen=True)
@@ -92,6 +124,15 @@ class ModelCost:
     optimizer: str = "adamw"
     tokens_per_sample: int = 1
     name: str = "model"
+    other_tp_s: tuple[tuple[int, float], ...] = ()
+
+    def other_seconds(self, scale: float, tp: int) -> tuple[float, float]:
+        """The rest's forward and backward seconds at ``scale`` times the batch on one of ``tp`` ranks: its
+        measured ``1/tp`` share, or as ``other_tp_s`` measured it on one rank's shard (``(tp, seconds)``)."""
+        whole = self.other_forward_s + self.other_backward_s
+        measured = dict(self.other_tp_s).get(tp) if tp > 1 else None
+        share = 1 / tp if measured is None or whole <= 0 else measured / whole
+        return self.other_forward_s * share * scale, self.other_backward_s * share * scale
 
     @property
     def parameter_bytes(self) -> float:
@@ -127,6 +168,7 @@ class _Chunk:
     backward: float
     blocks: tuple[BlockCost, ...]
     last: bool
+    calls: int = 0  # blocking collectives and messages of one micro-batch's forward and backward
 
 
 def _chunks(model: ModelCost, layout: Layout, cluster: Cluster) -> list[_Chunk]:
@@ -138,33 +180,48 @@ def _chunks(model: ModelCost, layout: Layout, cluster: Cluster) -> list[_Chunk]:
     tp_link, ep_link = cluster.link(tp), cluster.link(ep, tp * layout.pp)
     pp_link = cluster.link(layout.pp, tp)
     chunks, start = [], 0
+    per_pass = (4 if layout.sequence_parallel and cluster.backend == "gloo" else 2) if tp > 1 else 0
     for g, count in enumerate(counts):
         blocks = tuple(model.blocks[start : start + count])
         start += count
         forward = backward = 0.0
+        calls = len(blocks) * per_pass * (3 if layout.recompute is True else 2)
         for b in blocks:
-            size = b.output_bytes * scale
-            if layout.sequence_parallel:  # an all-gather and a reduce-scatter for each of f and g
-                comm = 2 * (all_gather_s(size, tp, tp_link) + reduce_scatter_s(size, tp, tp_link))
-            else:
-                comm = 2 * all_reduce_s(size, tp, tp_link)
+            if b.expert_parameter_bytes and ep > 1:
+                calls += 4
+            comm = tensor_parallel_s(b.output_bytes * scale, tp, tp_link, layout.sequence_parallel, cluster.backend)
             if b.expert_parameter_bytes:
-                comm += 2 * all_to_all_s(size / (tp if layout.sequence_parallel else 1), ep, ep_link)
-            rerun = {True: b.forward_s, "selective": b.attention_s, False: 0.0}[layout.recompute]
-            forward += b.forward_s * scale / tp + comm
-            backward += (b.backward_s + rerun) * scale / tp + comm * (2 if layout.recompute is True else 1)
+                size = b.output_bytes * scale / (tp if layout.sequence_parallel else 1)
+                comm += 2 * all_to_all_s(size, ep, ep_link)
+            block_forward, block_backward = b.seconds(scale, tp)
+            rerun = {True: block_forward, "selective": b.attention_s * scale / tp, False: 0.0}[layout.recompute]
+            forward += block_forward + comm
+            backward += block_backward + rerun + comm * (2 if layout.recompute is True else 1)
         last = g == n - 1
         if last:
-            forward += model.other_forward_s * scale / tp
-            backward += model.other_backward_s * scale / tp
+            other_forward, other_backward = model.other_seconds(scale, tp)
+            forward += other_forward
+            backward += other_backward
         if layout.pp > 1:
             message = p2p_s(
                 blocks[-1].output_bytes * scale / (tp if layout.sequence_parallel else 1), pp_link
             )
             forward += 0.0 if last else message
             backward += 0.0 if g == 0 else message
-        chunks.append(_Chunk(forward, backward, blocks, last))
+            calls += (0 if last else 1) + (0 if g == 0 else 1)
+        chunks.append(_Chunk(forward, backward, blocks, last, calls))
     return chunks
+
+
+def tensor_parallel_s(size: float, tp: int, link, sequence_parallel: bool, backend: str) -> float:
+    """A block's tensor-parallel collectives in one pass (Megatron's f and g) on its ``size``-byte output:
+    two all-reduces, or under sequence parallelism an all-gather and a reduce-scatter for each, which on
+    gloo the package runs as an all-reduce of the whole tensor each (``collectives._on_host``)."""
+    if not sequence_parallel:
+        return 2 * all_reduce_s(size, tp, link)
+    if backend == "gloo":
+        return 4 * all_reduce_s(size, tp, link)
+    return 2 * (all_gather_s(size, tp, link) + reduce_scatter_s(size, tp, link))
 
 
 def _pipeline(
@@ -270,7 +327,7 @@ def predict(model: ModelCost, layout: Layout, cluster: Cluster, precision: str =
         activations = _activations(model, layout, chunks, rank, held[rank])
         if worst_states is None or states.total + activations > worst_states.total + worst_activations:
             worst_states, worst_activations, worst_dense = states, activations, dense
-        window = _overlap_window(layout, chunks, held[rank])
+        window = _overlap_window(layout, chunks, held[rank]) if _spare_cores(layout, cluster) else 0.0
         comm = _data_parallel_s(
             dense * state.gradient, layout, dp_link, window, len(chunks[held[rank][0]].blocks)
         )
@@ -283,7 +340,10 @@ def predict(model: ModelCost, layout: Layout, cluster: Cluster, precision: str =
     # zero_stage=3: two units in flight, or under pipeline stages the whole stage, gathered for its schedule
     kept = worst_dense if layout.pp > 1 else 2 * largest_unit
     gathered = kept * state.parameter if layout.zero_stage == 3 else 0.0
-    step_s = max(pipeline_s + optimizer_s, _shared_cores_s(layout, cluster, busy, optimizer_s)) + worst_comm
+    shared_s = _shared_cores_s(layout, cluster, busy, optimizer_s + worst_comm)
+    calls = max(layout.num_microbatches * sum(chunks[g].calls for g in h) for h in held)
+    calls += _data_parallel_calls(layout, model, len(chunks[held[0][0]].blocks))
+    step_s = max(pipeline_s + optimizer_s + worst_comm, shared_s) + calls * turn_wait_s(layout, cluster)
     return Prediction(
         layout=layout,
         step_s=step_s,
@@ -297,16 +357,46 @@ def predict(model: ModelCost, layout: Layout, cluster: Cluster, precision: str =
     )
 
 
-def _shared_cores_s(layout: Layout, cluster: Cluster, busy: list[float], optimizer_s: float) -> float:
+def _shared_cores_s(layout: Layout, cluster: Cluster, busy: list[float], per_process_s: float) -> float:
     """The least time a node's CPU cores need for its processes' work when they share ``cluster.cores``
-    (0: devices of their own, no bound): every rank's busy seconds and optimizer step, over the cores.
-    The step is at least this and at least the schedule's own span (a rank idle in the bubble leaves its
-    core to the others)."""
+    (0: devices of their own, no bound): every rank's busy seconds, and each process's ``per_process_s``
+    (its optimizer step and data-parallel collectives), over the cores. The step is at least this and at
+    least the schedule's own span (a rank idle in the bubble leaves its core to the others)."""
     processes = min(layout.devices, cluster.devices_per_node)
     if not cluster.cores or processes <= cluster.cores:
         return 0.0
     replicas = processes / layout.pp  # each pipeline rank's dp x tp copies on the node
-    return (replicas * sum(busy) + processes * optimizer_s) / cluster.cores
+    return (replicas * sum(busy) + processes * per_process_s) / cluster.cores
+
+
+def turn_wait_s(layout: Layout, cluster: Cluster) -> float:
+    """The wait of one blocking collective or message where a node's processes outnumber its cores: the
+    peer it waits for is one of ``processes / cores`` processes taking turns on a core, and runs after the
+    others' turns, ``cluster.slice_s`` each (the scheduler's time slice, measured by the calibration):
+    ``(processes / cores - 1) x slice_s``. 0 with a core per process or devices of their own."""
+    processes = min(layout.devices, cluster.devices_per_node)
+    if not cluster.cores or processes <= cluster.cores:
+        return 0.0
+    return (processes / cluster.cores - 1) * cluster.slice_s
+
+
+def _data_parallel_calls(layout: Layout, model: ModelCost, units: int) -> int:
+    """The data-parallel collectives a rank waits on in a step: each bucket's reduce (ZeRO 1/2 and the
+    post-step all-gather: two), ZeRO-3's two gathers and one reduce per unit (one gather under pipeline
+    stages)."""
+    if layout.dp <= 1:
+        return 0
+    buckets = max(1, math.ceil(model.parameter_bytes / layout.tp / layout.pp / BUCKET_BYTES))
+    if layout.zero_stage == 3:
+        return buckets + 1 if layout.pp > 1 else 3 * max(1, units)
+    return buckets * (2 if layout.zero_stage else 1)
+
+
+def _spare_cores(layout: Layout, cluster: Cluster) -> bool:
+    """Whether a node has cores its processes do not compute on. On a CPU box whose processes fill its
+    cores, a collective started during the backward does not run beside it: gloo's copies, sums and the
+    loopback transfers run on the same cores, so the data-parallel collectives add their time whole."""
+    return not cluster.cores or min(layout.devices, cluster.devices_per_node) < cluster.cores
 
 
 def _add(a: ModelStates, b: ModelStates) -> ModelStates:
@@ -331,6 +421,8 @@ def _data_parallel_s(gradient_bytes: float, layout: Layout, link, window: float,
     if n <= 1 or gradient_bytes <= 0:
         return 0.0
     buckets = max(1, math.ceil(gradient_bytes / BUCKET_BYTES))
+    if layout.zero_stage == 3 and layout.pp == 1:  # a reduce-scatter of each unit's gradients
+        buckets = max(1, units)
     if layout.zero_stage == 0:
         reduce = buckets * all_reduce_s(gradient_bytes / buckets, n, link)
     else:
@@ -342,5 +434,5 @@ def _data_parallel_s(gradient_bytes: float, layout: Layout, link, window: float,
         exposed += all_gather_s(gradient_bytes, n, link)
     elif layout.zero_stage == 3:  # each unit gathered for its forward and again for its backward, prefetched
         gathers = 2 * max(1, units) * all_gather_s(gradient_bytes / max(1, units), n, link)
-        exposed += gathers / max(1, units)
+        exposed += gathers / max(1, units) if window > 0 else gathers  # no window: no core to overlap on
     return exposed

@@ -2,6 +2,12 @@
 inputs (``pipeline.profile``, as ``balance="time"`` does), its saved activations counted
 (``memory.saved``), and the rest of the step (embedding, head, loss) and one optimizer step timed whole.
 
+On a CPU the times are this thread's CPU seconds (``time.thread_time``; the ranks run one thread each):
+what a rank computes, which other processes' load on the machine does not add to, where wall time would
+measure the load. Each block is also timed on a quarter of the batch: the part of its time that does not
+shrink with the batch (``BlockCost.fixed_s``, each operator's dispatch) is what the two times' line gives
+at no samples.
+
 For a cluster that is not this machine, ``flop_times`` replaces the times by a FLOP estimate at the
 cluster's rate (2 flops per parameter per token forward, 4 backward); the bytes stay as measured. The
 calibration (``planner.calibrate``) produces the same ``ModelCost`` on the real devices.
@@ -10,11 +16,11 @@ calibration (``planner.calibrate``) produces the same ``ModelCost`` on the real 
 from __future__ import annotations
 
 import dataclasses
-import statistics
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from lightning_parallel.memory.saved import SavedTensorCounter
@@ -22,7 +28,7 @@ from lightning_parallel.module_names import find_block_stack
 from lightning_parallel.pipeline.profile import capture_block_inputs, time_blocks
 from lightning_parallel.planner.cost_model import BlockCost, ModelCost
 
-__all__ = ["measure_model", "flop_times", "BACKWARD_SHARE"]
+__all__ = ["measure_model", "flop_times", "fixed_seconds", "BACKWARD_SHARE"]
 
 #: the share of a block's measured forward + backward time that is its backward (two matmuls for each of
 #: the forward's one: the input's gradient and the weights')
@@ -49,13 +55,44 @@ def _saved_bytes(module: nn.Module, run: Callable[[], Any]) -> tuple[int, Any]:
     return counter.live, out
 
 
-def _median_seconds(run: Callable[[], None], repeats: int) -> float:
+def _fastest_seconds(run: Callable[[], None], repeats: int, clock: Callable[[], float]) -> float:
+    """The fastest of ``repeats`` runs after a warm-up: other processes' load on the machine only adds."""
     samples = []
     for _ in range(repeats + 1):
-        start = time.perf_counter()
+        start = clock()
         run()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples[1:])
+        samples.append(clock() - start)
+    return min(samples[1:])
+
+
+def _clock(module: nn.Module) -> Callable[[], float]:
+    """CPU seconds of this thread for a module on the CPU (its ops run on the calling thread), wall seconds
+    on an accelerator."""
+    on_cpu = all(p.device.type == "cpu" for p in module.parameters())
+    return time.thread_time if on_cpu else time.perf_counter
+
+
+def fixed_seconds(whole_s: float, part_s: float, batch: int, part: int) -> float:
+    """The batch-independent seconds of a block timed ``whole_s`` on ``batch`` samples and ``part_s`` on
+    ``part``: the line through the two times at no samples, kept within ``[0, whole_s]``."""
+    if part >= batch:
+        return 0.0
+    per_sample = (whole_s - part_s) / (batch - part)
+    return min(max(whole_s - per_sample * batch, 0.0), whole_s)
+
+
+def _first_rows(value: Any, batch: int, rows: int) -> tuple[Any, bool]:
+    """``value`` with every tensor whose first dimension is ``batch`` cut to its first ``rows``; whether any
+    was."""
+    cut = []
+
+    def first(t: Tensor) -> Tensor:
+        if t.dim() and t.shape[0] == batch:
+            cut.append(True)
+            return t[:rows]
+        return t
+
+    return apply_to_collection(value, Tensor, first), bool(cut)
 
 
 def measure_model(
@@ -66,15 +103,25 @@ def measure_model(
     optimizer_kind: str,
     tokens_per_sample: int = 1,
     repeats: int = 3,
+    tensor_parallel: Sequence[int] = (),
 ) -> ModelCost:
     """The ``ModelCost`` of ``module`` at ``batch_size`` samples: ``step()`` runs its forward and returns
-    the loss (every block called once, in order); ``optimizer`` steps its parameters (timed once warm)."""
+    the loss (every block called once, in order); ``optimizer`` steps its parameters (timed once warm).
+    For each size of ``tensor_parallel``, the blocks and the whole step are timed again on one rank's
+    shard of the module (``_sharded_seconds``)."""
     stack_name, stack = find_block_stack(module)
     blocks = list(stack)
+    clock = _clock(module)
     inputs = capture_block_inputs(blocks, step)
-    times = time_blocks(blocks, inputs, repeats)
+    times = time_blocks(blocks, inputs, repeats, clock, min)
+    rows = max(1, batch_size // 4)
+    quarter, cut = _first_rows(inputs, batch_size, rows)
+    fixed = [0.0] * len(blocks)
+    if cut and rows < batch_size:
+        small = time_blocks(blocks, quarter, repeats, clock, min)
+        fixed = [fixed_seconds(t, s, batch_size, rows) for t, s in zip(times, small)]
     costs = []
-    for block, (args, kwargs), seconds in zip(blocks, inputs, times):
+    for block, (args, kwargs), seconds, fixed_s in zip(blocks, inputs, times, fixed):
         args = tuple(
             a.detach().requires_grad_(True) if isinstance(a, Tensor) and a.is_floating_point() else a
             for a in args
@@ -87,6 +134,7 @@ def measure_model(
                 activation_bytes=saved,
                 parameter_bytes=sum(p.nbytes for p in block.parameters()),
                 output_bytes=_bytes(out),
+                fixed_s=fixed_s,
             )
         )
 
@@ -94,11 +142,18 @@ def measure_model(
         optimizer.zero_grad(set_to_none=True)
         step().backward()
 
-    whole_s = _median_seconds(whole_step, repeats)
+    whole_s = _fastest_seconds(whole_step, repeats, clock)
     total_saved, loss = _saved_bytes(module, step)
     del loss
-    optimizer_s = _median_seconds(optimizer.step, repeats)
+    optimizer_s = _fastest_seconds(optimizer.step, repeats, clock)
     other_s = max(0.0, whole_s - sum(times))
+    other_tp = []
+    for tp in tensor_parallel:
+        sharded = _sharded_seconds(module, step, tp, repeats, clock)
+        if sharded is not None:
+            tp_times, tp_whole = sharded
+            costs = [dataclasses.replace(c, tp_s=(*c.tp_s, (tp, t))) for c, t in zip(costs, tp_times)]
+            other_tp.append((tp, max(0.0, tp_whole - sum(tp_times))))
     block_bytes = sum(b.parameter_bytes for b in costs)
     return ModelCost(
         blocks=costs,
@@ -112,7 +167,35 @@ def measure_model(
         optimizer=optimizer_kind,
         tokens_per_sample=tokens_per_sample,
         name=f"{type(module).__name__} ({stack_name}: {len(blocks)} blocks)",
+        other_tp_s=tuple(other_tp),
     )
+
+
+def _sharded_seconds(
+    module: nn.Module, step: Callable[[], Tensor], tp: int, repeats: int, clock: Callable[[], float]
+) -> Optional[tuple[list[float], float]]:
+    """Each block's forward + backward seconds and the whole step's on tensor-parallel rank 0's shard at
+    ``tp`` (the automatic plan, ``tensor.dry_run.as_rank_zero``: no communication): what one rank computes,
+    with the operators no plan splits (norms, residuals) and the sharded layers' own work. None where the
+    automatic plan cannot split the module ``tp`` ways."""
+    from lightning_parallel.tensor import resolve
+    from lightning_parallel.tensor.dry_run import as_rank_zero
+
+    try:
+        resolved = resolve(module, "auto", tp, run=step)
+    except Exception:  # noqa: BLE001 - no plan at this size: the cost model divides by tp instead
+        return None
+
+    def whole_step() -> None:
+        module.zero_grad(set_to_none=True)
+        step().backward()
+
+    with as_rank_zero(module, resolved):
+        blocks = list(find_block_stack(module)[1])
+        times = time_blocks(blocks, capture_block_inputs(blocks, step), repeats, clock, min)
+        whole = _fastest_seconds(whole_step, repeats, clock)
+    module.zero_grad(set_to_none=True)
+    return times, whole
 
 
 def flop_times(model: ModelCost, flops: float) -> ModelCost:
@@ -126,7 +209,7 @@ def flop_times(model: ModelCost, flops: float) -> ModelCost:
 
     blocks: Sequence[BlockCost] = [
         dataclasses.replace(
-            b, forward_s=seconds(b.parameter_bytes, 2), backward_s=seconds(b.parameter_bytes, 4)
+            b, forward_s=seconds(b.parameter_bytes, 2), backward_s=seconds(b.parameter_bytes, 4), fixed_s=0.0
         )
         for b in model.blocks
     ]

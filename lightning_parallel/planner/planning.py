@@ -13,7 +13,7 @@ import dataclasses
 import os
 import warnings
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from hydra.utils import get_object
@@ -25,7 +25,7 @@ from lightning_parallel.planner.cluster import Cluster
 from lightning_parallel.planner.cost_model import ModelCost
 from lightning_parallel.planner.measure import measure_model
 
-__all__ = ["cluster_for", "is_this_machine", "model_cost", "module_cost", "threads_of"]
+__all__ = ["cluster_for", "is_this_machine", "model_cost", "module_cost", "tensor_parallel_sizes", "threads_of"]
 
 
 def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
@@ -69,24 +69,39 @@ def _sample_step(
     return step, len(first), tokens
 
 
-def module_cost(module: Any, datamodule: Any = None, batch_size: int = 8, repeats: int = 2) -> ModelCost:
+def module_cost(
+    module: Any, datamodule: Any = None, batch_size: int = 8, repeats: int = 2, tensor_parallel: Sequence[int] = ()
+) -> ModelCost:
     """``module`` measured on this machine (median of ``repeats``) on the first training batch of
-    ``datamodule`` (else ``batch_size`` samples of its own making); its weights take an optimizer step."""
+    ``datamodule`` (else ``batch_size`` samples of its own making); its weights take an optimizer step. Its
+    blocks are timed again on one rank's shard for each size of ``tensor_parallel``."""
     optimizer = _first_optimizer(module.configure_optimizers())
     step, samples, tokens = _sample_step(module, datamodule, batch_size)
     with warnings.catch_warnings():  # self.log outside a Trainer
         warnings.simplefilter("ignore")
-        return measure_model(module, step, samples, optimizer, optimizer_kind(optimizer), tokens, repeats)
+        return measure_model(
+            module, step, samples, optimizer, optimizer_kind(optimizer), tokens, repeats, tensor_parallel
+        )
 
 
 def model_cost(
-    target: str, kwargs: dict, data: Optional[str], batch_size: int, repeats: int = 2
+    target: str,
+    kwargs: dict,
+    data: Optional[str],
+    batch_size: int,
+    repeats: int = 2,
+    tensor_parallel: Sequence[int] = (),
 ) -> ModelCost:
     """The module built from ``target`` with ``kwargs`` (and the data module ``data``, built without
-    arguments), measured on this machine (median of ``repeats``)."""
+    arguments), measured on this machine (median of ``repeats``; ``tensor_parallel``: ``module_cost``'s)."""
     module = get_object(target.replace(":", "."))(**kwargs)
     datamodule = get_object(data.replace(":", "."))() if data is not None else None
-    return module_cost(module, datamodule, batch_size, repeats)
+    return module_cost(module, datamodule, batch_size, repeats, tensor_parallel)
+
+
+def tensor_parallel_sizes(devices: int) -> tuple[int, ...]:
+    """The tensor-parallel sizes whose shards the planner times for ``devices``: every divisor above 1."""
+    return tuple(n for n in range(2, devices + 1) if devices % n == 0)
 
 
 @contextmanager

@@ -26,7 +26,7 @@ from lightning_parallel.tensor.layers import FEATURE_SHARDS
 from lightning_parallel.tensor.plan import ResolvedPlan, apply_plan
 from lightning_parallel.tensor.sequence import apply_sequence_parallel
 
-__all__ = ["DryRunFailure", "dry_run"]
+__all__ = ["DryRunFailure", "dry_run", "as_rank_zero"]
 
 
 class DryRunFailure(Exception):
@@ -37,7 +37,10 @@ class DryRunFailure(Exception):
 
 
 @contextmanager
-def _as_rank_zero(module: nn.Module, resolved: ResolvedPlan) -> Iterator[None]:
+def as_rank_zero(module: nn.Module, resolved: ResolvedPlan) -> Iterator[None]:
+    """``module`` with its planned layers swapped for tensor-parallel rank 0's shards over a
+    ``SimulatedGroup`` (no communication), put back as it was on leaving: the dry run's, and what the
+    planner times one rank's share of the blocks on."""
     held = [
         (name.rpartition(".")[0], name.rpartition(".")[2], p)
         for name, p in module.named_parameters(remove_duplicate=False)
@@ -84,7 +87,7 @@ def dry_run(
     """None if ``run()`` works with ``module`` sharded as ``resolved`` says (seen from rank 0), else where
     and how it failed; on fake tensors (the shards are cut from fakes too), or with ``fake=False`` on
     the real ones. The module is left as it was."""
-    with fake_step(module, run) if fake else nullcontext(run) as step, _as_rank_zero(module, resolved):
+    with fake_step(module, run) if fake else nullcontext(run) as step, as_rank_zero(module, resolved):
         names = {id(m): n for n, m in module.named_modules()}
         try:
             step()
