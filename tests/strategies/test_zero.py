@@ -58,6 +58,17 @@ ZOO = "tests.helpers.zoo:ZooLM"
 MODELS = {**MODELS, "encoder": (ZOO, {"arch": "torch_encoder"}), "demo": (ZOO, {"arch": "lightning_demo"})}
 #: the models, and the GPT with 4 blocks (2 stages x 2 chunks per rank under interleaved 1F1B)
 ZERO_MODELS = {**MODELS, "gpt4": (MODELS["gpt"][0], {**MODELS["gpt"][1], "n_layer": 4})}
+#: manual optimization, two forwards and backwards (each on half the batch) before one step: the GPT (its
+#: attention keys without a bias: a reference of its own) and the zoo's, whose reference is the automatic run
+TWO_BACKWARDS_ZOO = "tests.helpers.manual_zoo:TwoBackwardsZooLM"
+ZERO_MODELS = {
+    **ZERO_MODELS,
+    "gpt2b": ("tests.helpers.tp_models:TwoBackwardsGPT", MODELS["gpt"][1]),
+    "llama2b": (TWO_BACKWARDS_ZOO, MODELS["llama"][1]),
+    "mixtral2b": (TWO_BACKWARDS_ZOO, MODELS["mixtral"][1]),
+}
+#: the one-device run a model's runs are compared with, where it is another model's (the same updates)
+REFERENCE_MODEL = {"llama2b": "llama", "mixtral2b": "mixtral"}
 
 
 def case(name: str, model: str, optimizer: str, strategy: str, kwargs: dict, dp: int, steps: int = 5, **more):
@@ -215,6 +226,114 @@ RUNS = {
     ),
     "dp2pp2-zbv-gpt4-adamw-z3": (4, "gpt4", "adamw", PARALLEL, layout(2, 1, 2, 3, "zbv"), 2, {}),
     "dp2tp2pp2-gpt-adamw-z3": (8, "gpt", "adamw", PARALLEL, layout(2, 2, 2, 3), 2, {}),  # tp shards over dp
+    # stage 3 composed with recompute (a recomputed forward gathers its unit again), accumulation with clipping
+    # (one reduce-scatter per micro-step, the norm over every shard), manual optimization (two backwards per
+    # step) and kept units (reshard_after_forward=False), under each axis
+    "dp2tp2-gpt-adamw-z3-recompute": (
+        4,
+        "gpt",
+        "adamw",
+        PARALLEL,
+        {**layout(2, 2, 1, 3), "activation_checkpointing": True},
+        2,
+        {},
+    ),
+    "dp2tp2-llama-sgdm-z3-selective": (
+        4,
+        "llama",
+        "sgdm",
+        PARALLEL,
+        {**layout(2, 2, 1, 3), "activation_checkpointing": "selective"},
+        2,
+        {},
+    ),
+    "dp2tp2-gpt-adamw-z3-clip-accumulate": (
+        4,
+        "gpt",
+        "adamw",
+        PARALLEL,
+        layout(2, 2, 1, 3),
+        2,
+        {"trainer": CLIP_ACCUMULATE},
+    ),
+    "dp2tp2-gpt2b-adamw-z3-manual": (4, "gpt2b", "adamw", PARALLEL, layout(2, 2, 1, 3), 2, {}),
+    "dp2tp2-llama2b-adamw-z3-manual-kept": (
+        4,
+        "llama2b",
+        "adamw",
+        PARALLEL,
+        {**layout(2, 2, 1, 3), "reshard_after_forward": False},
+        2,
+        {},
+    ),
+    "dp2pp2-gpt-adamw-z3-recompute": (
+        4,
+        "gpt",
+        "adamw",
+        PARALLEL,
+        {**layout(2, 1, 2, 3), "activation_checkpointing": True},
+        2,
+        {},
+    ),
+    "dp2pp2-interleaved-gpt4-sgdm-z3-selective": (
+        4,
+        "gpt4",
+        "sgdm",
+        PARALLEL,
+        {**layout(2, 1, 2, 3, "interleaved_1f1b"), "activation_checkpointing": "selective"},
+        2,
+        {},
+    ),
+    "dp2pp2-gpt-adamw-z3-clip-accumulate": (
+        4,
+        "gpt",
+        "adamw",
+        PARALLEL,
+        layout(2, 1, 2, 3),
+        2,
+        {"trainer": CLIP_ACCUMULATE},
+    ),
+    "dp2pp2-interleaved-gpt4-adamw-z3-clip-accumulate": (
+        4,
+        "gpt4",
+        "adamw",
+        PARALLEL,
+        layout(2, 1, 2, 3, "interleaved_1f1b"),
+        2,
+        {"trainer": CLIP_ACCUMULATE},
+    ),
+    "dp2ep2-mixtral-adamw-z3-recompute-kept": (
+        2,
+        "mixtral",
+        "adamw",
+        PARALLEL,
+        {
+            **layout(2, 1, 1, 3),
+            "expert_parallel_size": 2,
+            "activation_checkpointing": True,
+            "reshard_after_forward": False,
+        },
+        2,
+        {},
+    ),
+    "dp2ep2-mixtral-adamw-z3-selective-clip-accumulate": (
+        2,
+        "mixtral",
+        "adamw",
+        PARALLEL,
+        {**layout(2, 1, 1, 3), "expert_parallel_size": 2, "activation_checkpointing": "selective"},
+        2,
+        {"trainer": CLIP_ACCUMULATE},
+    ),
+    "dp2ep2-mixtral2b-adamw-z3-manual": (
+        2,
+        "mixtral2b",
+        "adamw",
+        PARALLEL,
+        {**layout(2, 1, 1, 3), "expert_parallel_size": 2},
+        2,
+        {},
+    ),
 }
 #: ZeRO with ``save_distributed``: each rank writes only its own pieces of the optimizer state (and at stage 3
 #: of the parameters): name: (world, strategy, kwargs)
@@ -235,6 +354,9 @@ REFERENCES = {  # name: (model, optimizer, steps, trainer)
     "mixtral-adamw": ("mixtral", "adamw", 5, {}),
     "gpt4-sgdm": ("gpt4", "sgdm", 5, {}),
     "gpt4-adamw": ("gpt4", "adamw", 5, {}),
+    "gpt4-adamw-clip-accumulate": ("gpt4", "adamw", 5, CLIP_ACCUMULATE),
+    "mixtral-adamw-clip-accumulate": ("mixtral", "adamw", 5, CLIP_ACCUMULATE),
+    "gpt2b-adamw": ("gpt2b", "adamw", 5, {}),
 }
 ASYNC = "tests.helpers.pp_models:AsyncRuleGPT"
 #: runs with a callback reading the weights in Lightning's hooks (``weight_reader``), validating every 2 steps
@@ -340,7 +462,7 @@ def runs(tmp_path_factory):
 def test_zero_equals_one_device(runs, name):
     tmp, results = runs
     world, model, optimizer, *_ = RUNS[name]
-    reference = f"ref-{model}-{optimizer}" + ("-clip-accumulate" if "clip" in name else "")
+    reference = f"ref-{REFERENCE_MODEL.get(model, model)}-{optimizer}" + ("-clip-accumulate" if "clip" in name else "")
     expected = results[reference][0]["state_dict"]
     full = saved_checkpoint(tmp, world, name)["state_dict"]
     assert_params_close(full, expected, atol=1e-10)
