@@ -11,7 +11,10 @@ experts over their replicas); a checkpoint saved at dp=2 with ZeRO resumes exact
 off and under stage 3 (lp_ddp and dp2 x pp2), and ones saved under stage 3 (lp_ddp, dp2 x tp2, dp2 x pp2, HSDP)
 on one device; the full state is read and loaded while sharded (lp_ddp, dp2 x tp2). Stage 3 also on models we
 did not write (nn.TransformerEncoder, a whole nn.Transformer), under bf16-mixed and 16-mixed, and with a
-callback reading the weights in Lightning's hooks while the units are freed (``weight_reader``). HSDP
+callback reading the weights in Lightning's hooks while the units are freed (``weight_reader``). Stage 3 composed
+under each axis (dp2 x tp2, dp2 x pp2 under 1F1B and interleaved 1F1B, Mixtral dp2 x ep2 and dp4 x ep2) with full
+and selective recompute, ``accumulate_grad_batches=2`` with clipping by norm, manual optimization with two
+backwards per step, and ``reshard_after_forward=False`` (where there are no pipeline stages). HSDP
 (``data_parallel_shard_size=2`` at dp=4: sharded within pairs of ranks, replicated across the pairs) equals one
 device at stages 2 and 3 and holds 1/2 (not 1/4) of the states."""
 
@@ -227,16 +230,16 @@ RUNS = {
     "dp2pp2-zbv-gpt4-adamw-z3": (4, "gpt4", "adamw", PARALLEL, layout(2, 1, 2, 3, "zbv"), 2, {}),
     "dp2tp2pp2-gpt-adamw-z3": (8, "gpt", "adamw", PARALLEL, layout(2, 2, 2, 3), 2, {}),  # tp shards over dp
     # stage 3 composed with recompute (a recomputed forward gathers its unit again), accumulation with clipping
-    # (one reduce-scatter per micro-step, the norm over every shard), manual optimization (two backwards per
-    # step) and kept units (reshard_after_forward=False), under each axis
-    "dp2tp2-gpt-adamw-z3-recompute": (
+    # (each micro-step's gradient reduce-scattered once into the shards, the norm over every shard), manual
+    # optimization (two backwards per step) and kept units (reshard_after_forward=False), under each axis
+    "dp2tp2-gpt-adamw-z3-recompute-clip-accumulate": (
         4,
         "gpt",
         "adamw",
         PARALLEL,
         {**layout(2, 2, 1, 3), "activation_checkpointing": True},
         2,
-        {},
+        {"trainer": CLIP_ACCUMULATE},
     ),
     "dp2tp2-llama-sgdm-z3-selective": (
         4,
@@ -247,74 +250,33 @@ RUNS = {
         2,
         {},
     ),
-    "dp2tp2-gpt-adamw-z3-clip-accumulate": (
-        4,
-        "gpt",
-        "adamw",
-        PARALLEL,
-        layout(2, 2, 1, 3),
-        2,
-        {"trainer": CLIP_ACCUMULATE},
-    ),
     "dp2tp2-gpt2b-adamw-z3-manual": (4, "gpt2b", "adamw", PARALLEL, layout(2, 2, 1, 3), 2, {}),
-    "dp2tp2-llama2b-adamw-z3-manual-kept": (
+    "dp2tp2-llama-sgdm-z3-kept": (
         4,
-        "llama2b",
-        "adamw",
+        "llama",
+        "sgdm",
         PARALLEL,
         {**layout(2, 2, 1, 3), "reshard_after_forward": False},
         2,
         {},
     ),
-    "dp2pp2-gpt-adamw-z3-recompute": (
+    "dp2pp2-gpt-adamw-z3-recompute-clip-accumulate": (
         4,
         "gpt",
         "adamw",
         PARALLEL,
         {**layout(2, 1, 2, 3), "activation_checkpointing": True},
         2,
-        {},
+        {"trainer": CLIP_ACCUMULATE},
     ),
-    "dp2pp2-interleaved-gpt4-sgdm-z3-selective": (
+    "dp2pp2-interleaved-gpt4-adamw-z3-selective-clip-accumulate": (
         4,
         "gpt4",
-        "sgdm",
+        "adamw",
         PARALLEL,
         {**layout(2, 1, 2, 3, "interleaved_1f1b"), "activation_checkpointing": "selective"},
         2,
-        {},
-    ),
-    "dp2pp2-gpt-adamw-z3-clip-accumulate": (
-        4,
-        "gpt",
-        "adamw",
-        PARALLEL,
-        layout(2, 1, 2, 3),
-        2,
         {"trainer": CLIP_ACCUMULATE},
-    ),
-    "dp2pp2-interleaved-gpt4-adamw-z3-clip-accumulate": (
-        4,
-        "gpt4",
-        "adamw",
-        PARALLEL,
-        layout(2, 1, 2, 3, "interleaved_1f1b"),
-        2,
-        {"trainer": CLIP_ACCUMULATE},
-    ),
-    "dp2ep2-mixtral-adamw-z3-recompute-kept": (
-        2,
-        "mixtral",
-        "adamw",
-        PARALLEL,
-        {
-            **layout(2, 1, 1, 3),
-            "expert_parallel_size": 2,
-            "activation_checkpointing": True,
-            "reshard_after_forward": False,
-        },
-        2,
-        {},
     ),
     "dp2ep2-mixtral-adamw-z3-selective-clip-accumulate": (
         2,
@@ -333,6 +295,21 @@ RUNS = {
         {**layout(2, 1, 1, 3), "expert_parallel_size": 2},
         2,
         {},
+    ),
+    # the experts sharded over their two replicas too: recomputed, kept, accumulated and clipped
+    "dp4ep2-mixtral-adamw-z3-recompute-kept-clip-accumulate": (
+        4,
+        "mixtral",
+        "adamw",
+        PARALLEL,
+        {
+            **layout(4, 1, 1, 3),
+            "expert_parallel_size": 2,
+            "activation_checkpointing": True,
+            "reshard_after_forward": False,
+        },
+        4,
+        {"trainer": CLIP_ACCUMULATE},
     ),
 }
 #: ZeRO with ``save_distributed``: each rank writes only its own pieces of the optimizer state (and at stage 3
@@ -472,10 +449,11 @@ def test_zero_equals_one_device(runs, name):
 
 
 @pytest.mark.timeout(1500)
-def test_clipping_and_accumulation_changed_the_run(runs):
+@pytest.mark.parametrize("model", ["gpt", "gpt4", "mixtral"])
+def test_clipping_and_accumulation_changed_the_run(runs, model):
     _, results = runs
-    clipped = results["ref-gpt-adamw-clip-accumulate"][0]["state_dict"]
-    assert max_param_diff(clipped, results["ref-gpt-adamw"][0]["state_dict"]) > 1e-4
+    clipped = results[f"ref-{model}-adamw-clip-accumulate"][0]["state_dict"]
+    assert max_param_diff(clipped, results[f"ref-{model}-adamw"][0]["state_dict"]) > 1e-4
 
 
 @pytest.mark.timeout(1500)
@@ -650,13 +628,17 @@ def test_reshard_after_forward_gathers_each_block_again_for_its_backward(runs):
     forward every block but the first is prefetched, and so in backward every block but the last when they
     were freed after forward."""
     _, results = runs
-    default, default_prefetched = results["ddp2-llama-sgdm-z3"][0]["probe"]["gathers"]
-    kept, kept_prefetched = results["ddp2-llama-adamw-z3-kept"][0]["probe"]["gathers"]
     target, kwargs = MODELS["llama"]
     blocks, steps = len(find_block_stack(load_object(target)(**kwargs))[1]), 5
-    assert default - kept == steps * blocks, (default, kept)
-    assert kept_prefetched == steps * (blocks - 1)
-    assert default_prefetched == 2 * steps * (blocks - 1)
+    for default_run, kept_run in (
+        ("ddp2-llama-sgdm-z3", "ddp2-llama-adamw-z3-kept"),
+        ("dp2tp2-llama-sgdm-z3", "dp2tp2-llama-sgdm-z3-kept"),  # lp_parallel: each rank's tp share
+    ):
+        default, default_prefetched = results[default_run][0]["probe"]["gathers"]
+        kept, kept_prefetched = results[kept_run][0]["probe"]["gathers"]
+        assert default - kept == steps * blocks, (default_run, default, kept)
+        assert kept_prefetched == steps * (blocks - 1), kept_run
+        assert default_prefetched == 2 * steps * (blocks - 1), default_run
 
 
 @pytest.mark.timeout(1500)
