@@ -130,8 +130,8 @@ def zero3_stages_problem(
             f"{prefix}reshard_after_forward=False with pipeline stages: a stage gathers its units once when its "
             "schedule starts and keeps them across all its micro-batches' forwards and backwards, freeing them "
             "only when the step's backwards are done, so there is no freeing after a forward to turn off; leave "
-            f"{prefix}reshard_after_forward=True (it has no effect on a stage's units) or use "
-            f"{prefix}pipeline_parallel_size=1"
+            f"{prefix}reshard_after_forward=True (it has no effect on a stage's units), or keep blocks to their "
+            f"backward without pipeline stages (lp_parallel with {prefix}pipeline_parallel_size=1, or lp_ddp)"
         )
     if ep is not None and ep > 1 and pp is not None:
         return (
