@@ -181,12 +181,12 @@ def test_two_replicas_of_two_stages(dp2pp2, schedule):
     assert [r["votes"] for r in dp2pp2[schedule]] == [[True, True, False]] * 4
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("world, dp, zero_stage", [(2, 1, 0), (4, 2, 3)])  # also with parameters sharded
 def test_manual_optimization_is_refused_before_training(tmp_path, world, dp, zero_stage):
-    run = launch(tmp_path, world, dp, ["1f1b"], manual=True, timeout=90, zero_stage=zero_stage)
+    run = launch(tmp_path, world, dp, ["1f1b"], manual=True, timeout=45 * world, zero_stage=zero_stage)
     assert all(code not in (0, -9) for code in run.codes), run.codes  # failed by itself, not killed
     for output in run.outputs:
         assert "automatic_optimization=False" in output and "lp_ddp / lp_tensor_parallel" in output
         assert "without an input from the previous stage" not in output
-    assert run.seconds < 60
+    assert run.seconds < 30 * world  # the processes' start (imports) and set-up, no training
