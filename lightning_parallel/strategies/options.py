@@ -15,15 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = [
-    "TRAINER_SUPPLIED",
-    "Option",
-    "defaults",
-    "given",
-    "level_problems",
-    "option_problems",
-    "options",
-]
+__all__ = ["TRAINER_SUPPLIED", "Option", "defaults", "given", "level_problems", "option_problems", "options"]
 
 #: constructor arguments that are objects the Trainer (or the user's code) passes, not configuration
 TRAINER_SUPPLIED = (
