@@ -517,7 +517,10 @@ def test_memory_report_shows_the_shards(runs, name):
             assert (experts > 0) == ("ep2" in name and replicas > 1), found
             held = kept + experts / replicas + (share - kept - experts) / dp
             assert row["parameters"] == pytest.approx(held, rel=0.05)
-            assert row["gradients"] == pytest.approx(held, rel=0.05)
+            # manual optimization: the user's zero_grad after the step drops the .grad of what is held whole (as
+            # on one device); the reducer's received ranges of the shards stay allocated
+            grads = held - kept if "manual" in name else held
+            assert row["gradients"] == pytest.approx(grads, rel=0.05)
             assert row["optimizer_state"] == pytest.approx(moments * held, rel=0.05)
             if "data_parallel_shard_size" in kwargs:  # the expected column knows the shard size too
                 states = row["parameters"] + row["gradients"] + row["optimizer_state"]
