@@ -66,6 +66,24 @@ CATALOGUE = [
         ["reshard_after_forward=False", "zero_stage=2", "zero_stage=3"],
     ),
     (
+        "reshard-after-forward-under-pipeline-stages",
+        lambda: lp.PipelineParallelStrategy(schedule="interleaved_1f1b", zero_stage=3, reshard_after_forward=False),
+        ValueError,
+        ["reshard_after_forward=False with pipeline stages", "keeps them across", "pipeline_parallel_size=1"],
+    ),
+    (
+        "reshard-after-forward-under-parallel-stages",
+        lambda: lp.ParallelStrategy(pipeline_parallel_size=2, zero_stage=3, reshard_after_forward=False),
+        ValueError,
+        ["reshard_after_forward=False with pipeline stages", "reshard_after_forward=True"],
+    ),
+    (
+        "reshard-after-forward-not-a-bool",
+        lambda: lp.TensorParallelStrategy(zero_stage=3, reshard_after_forward="no"),
+        ValueError,
+        ["reshard_after_forward must be True or False", "'no'"],
+    ),
+    (
         "zero-stage-3-async-pipeline",
         lambda: lp.PipelineParallelStrategy(schedule="async", zero_stage=3),
         ValueError,

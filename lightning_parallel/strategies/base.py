@@ -222,6 +222,18 @@ def _shard_size_problem(cls: type, values: Mapping[str, Any], prefix: str) -> Op
     return None
 
 
+def _reshard_problem(stage: Any, reshard: Any, prefix: str) -> Optional[str]:
+    """``reshard_after_forward`` against ``zero_stage`` (the pipelines' refusal: ``zero3_stages_problem``)."""
+    if not isinstance(reshard, bool):
+        return f"{prefix}reshard_after_forward must be True or False, got {reshard!r} (default True)"
+    if not reshard and stage != 3:
+        return (
+            f"{prefix}reshard_after_forward=False keeps zero_stage=3's gathered blocks until their backward; "
+            f"with zero_stage={stage} the parameters are whole anyway: leave it True, or use zero_stage=3"
+        )
+    return None
+
+
 def _nothing() -> None:
     """The release of a refusal never installed (a function, not a lambda: the strategy pickles for spawn)."""
 
@@ -259,6 +271,11 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             1/dp of the parameters, each block gathered for its forward and backward,
             ``distributed.zero3``: lp_ddp, and lp_parallel, where each rank's tensor-parallel and pipeline
             share is sharded over dp). Needs an elementwise ``torch.optim`` optimizer (SGD, Adam, AdamW, ...).
+        reshard_after_forward: with ``zero_stage=3``, free each block's gathered parameters after its
+            forward and gather them again for its backward (True); False keeps them from the forward to
+            the end of its backward (one gather per step, more memory held during the step). Refused where it
+            means nothing: below zero_stage=3, and under pipeline stages, whose units are kept gathered across
+            the micro-batches of a step already.
         data_parallel_shard_size: HSDP (lp_ddp, and lp_parallel without pipeline stages or experts; with
             ``zero_stage``): ZeRO shards over groups of this
             many neighbouring data-parallel ranks (the "shard" dimension of FSDP2's 2-D mesh; on several
@@ -319,6 +336,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         initial_weights_prefix: str = "",
         activation_checkpointing: Spec = False,
         zero_stage: int = 0,
+        reshard_after_forward: bool = True,
         data_parallel_shard_size: Optional[int] = None,
         param_dtype: Optional[str] = None,
         reduce_dtype: Optional[str] = None,
@@ -361,6 +379,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self.memory_report = memory_report
         self.activation_checkpointing = activation_checkpointing
         self.zero_stage = zero_stage
+        self.reshard_after_forward = reshard_after_forward
         self.data_parallel_shard_size = data_parallel_shard_size
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.compile = compile
@@ -402,6 +421,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             _shard_size_problem(cls, values, prefix),
             dtype_option_problem(f"{prefix}param_dtype", values["param_dtype"], values["zero_stage"]),
             dtype_option_problem(f"{prefix}reduce_dtype", values["reduce_dtype"], values["zero_stage"]),
+            _reshard_problem(values["zero_stage"], values["reshard_after_forward"], prefix),
         ]
 
     @classmethod
@@ -659,7 +679,6 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self,
         stack_name: Optional[str] = None,
         leave_out: Sequence[torch.nn.Parameter] = (),
-        reshard_after_forward: bool = True,
         axis: str = "dp",
         blocks: Optional[Sequence[torch.nn.Module]] = None,
         kept: bool = False,
@@ -667,7 +686,8 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
     ) -> Optional[ShardedParameters]:
         """With ``zero_stage=3`` and more than one rank along ``axis`` ("dp", or "edp": one expert's
         replicas): the module's trainable parameters (as this rank holds them, but ``leave_out``) sharded
-        over it in units (``distributed.zero3``), gathered over a group of their own. Called once the
+        over it in units (``distributed.zero3``), gathered over a group of their own, each block freed after
+        its forward or kept until its backward as ``reshard_after_forward`` says. Called once the
         parameters are final, before the reducers are built; None where nothing is sharded. ``blocks`` and
         ``kept``: ``ShardedParameters``'s (a pipeline stage's held blocks, gathered for the whole step);
         ``device``: of a module built on meta, each rank allocating only its shards there."""
@@ -680,7 +700,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             self.lightning_module,
             group,
             gather_group,
-            reshard_after_forward,
+            self.reshard_after_forward,
             stack_name,
             leave_out,
             blocks,

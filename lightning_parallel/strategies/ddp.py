@@ -31,7 +31,7 @@ from lightning_parallel.distributed.replicas import broadcast_module_states
 from lightning_parallel.materialize import has_meta_tensors
 from lightning_parallel.strategies.base import ParallelStrategyBase
 from lightning_parallel.strategies.checks import positive_int, positive_number, require
-from lightning_parallel.strategies.options import level_problems
+from lightning_parallel.strategies.options import given, level_problems
 
 __all__ = ["DDPStrategy", "NOT_APPLICABLE"]
 
@@ -70,27 +70,9 @@ UNUSED_PREFIX = (
 )
 
 
-def _base_option(values: Mapping[str, Any], name: str, default: Any) -> Any:
-    """A base option's value: in ``values``, or in ``kwargs`` while constructing."""
-    return values[name] if name in values else values.get("kwargs", {}).get(name, default)
-
-
-def _zero3_problem(values: Mapping[str, Any], prefix: str) -> Optional[str]:
-    """``reshard_after_forward`` against ``zero_stage``."""
-    stage, reshard = _base_option(values, "zero_stage", 0), values["reshard_after_forward"]
-    if not isinstance(reshard, bool):
-        return f"{prefix}reshard_after_forward must be True or False, got {reshard!r} (default True)"
-    if not reshard and stage != 3:
-        return (
-            f"{prefix}reshard_after_forward=False keeps zero_stage=3's gathered blocks until their backward; "
-            f"with zero_stage={stage} the parameters are whole anyway: leave it True, or use zero_stage=3"
-        )
-    return None
-
-
 def _zero_problem(values: Mapping[str, Any], prefix: str) -> Optional[str]:
     """``zero_stage`` (a base option: in ``kwargs`` while constructing) with what only all-reduce supports."""
-    stage = _base_option(values, "zero_stage", 0)
+    stage = given(values, "zero_stage", 0)
     if not stage:
         return None
     clashes = [
@@ -137,9 +119,6 @@ class DDPStrategy(ParallelStrategyBase):
         ddp_comm_wrapper: wraps the hook, as torch's ``fp16_compress_wrapper(hook)``.
         model_averaging_period: with ``ddp_comm_state=PostLocalSGDState(...)`` and torch's
             ``post_localSGD_hook``: average the parameters every this many steps (Lightning's post-local SGD).
-        reshard_after_forward: with ``zero_stage=3``, free each block's gathered parameters after its
-            forward and gather them again for its backward (True); False keeps them from the forward to
-            the end of its backward (one gather per step, more memory held during the step).
         **kwargs: process plumbing, as for Lightning's ``DDPStrategy`` (``start_method``, ``timeout``,
             ``process_group_backend``, ...).
     """
@@ -161,7 +140,6 @@ class DDPStrategy(ParallelStrategyBase):
         ddp_comm_state: Any = None,
         ddp_comm_wrapper: Optional[Callable[[CommHook], CommHook]] = None,
         model_averaging_period: Optional[int] = None,
-        reshard_after_forward: bool = True,
         **kwargs: Any,
     ) -> None:
         refused = [f"{k} ({NOT_APPLICABLE[k]})" for k in kwargs if k in NOT_APPLICABLE]
@@ -180,7 +158,6 @@ class DDPStrategy(ParallelStrategyBase):
         # Lightning's names: its ``setup`` starts the model averager and its ``optimizer_step`` runs it
         self._ddp_comm_hook, self._ddp_comm_wrapper = ddp_comm_hook, ddp_comm_wrapper
         self._ddp_comm_state, self._model_averaging_period = ddp_comm_state, model_averaging_period
-        self.reshard_after_forward = reshard_after_forward
         self._has_buffers = False
         self._sync_buffers_next = True  # torch DDP's require_forward_param_sync
 
@@ -214,7 +191,6 @@ class DDPStrategy(ParallelStrategyBase):
                 "(torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook), or leave it None"
             ),
             _zero_problem(values, prefix),
-            _zero3_problem(values, prefix),
             None
             if period is not None or not post_local_sgd
             else (
@@ -252,7 +228,7 @@ class DDPStrategy(ParallelStrategyBase):
         self._has_buffers = group_size(self.dp_group) > 1 and any(True for _ in module.buffers())
         self._sync_buffers_next = True
         if shards_parameters and self.sharded_parameters is None:
-            self.shard_parameters(reshard_after_forward=self.reshard_after_forward)
+            self.shard_parameters()
         self.reducer = self.make_reducer(
             list(module.named_parameters()),
             bucket_cap_mb=self.bucket_cap_mb,
@@ -267,7 +243,7 @@ class DDPStrategy(ParallelStrategyBase):
     def _shard_parameters_on_meta(self) -> None:
         """``set_up_share``'s parallelize: the units laid out on the meta module, each rank's shards
         allocated on its device (filled by ``_place_in_shards``); the other tensors stay whole."""
-        self.shard_parameters(reshard_after_forward=self.reshard_after_forward, device=self.root_device)
+        self.shard_parameters(device=self.root_device)
 
     def _place_in_shards(self, name: str, value: torch.Tensor) -> bool:
         assert self.sharded_parameters is not None

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["TRAINER_SUPPLIED", "Option", "defaults", "level_problems", "option_problems", "options"]
+__all__ = ["TRAINER_SUPPLIED", "Option", "defaults", "given", "level_problems", "option_problems", "options"]
 
 #: constructor arguments that are objects the Trainer (or the user's code) passes, not configuration
 TRAINER_SUPPLIED = (
@@ -73,6 +73,12 @@ def options(cls: type, configurable: bool = True) -> list[Option]:
 def defaults(cls: type) -> dict[str, Any]:
     """Option name -> the constructor's default, for every configurable option of ``cls``."""
     return {o.name: o.default for o in options(cls)}
+
+
+def given(values: Mapping[str, Any], name: str, default: Any) -> Any:
+    """A base class's option as a subclass's own checks see it: in ``values`` (``option_problems`` merges every
+    option), or in the ``kwargs`` a subclass constructor passes up (its ``locals()``), else ``default``."""
+    return values[name] if name in values else values.get("kwargs", {}).get(name, default)
 
 
 def level_problems(level: type, cls: type, values: Mapping[str, Any], prefix: str = "") -> list[str]:

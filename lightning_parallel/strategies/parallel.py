@@ -67,7 +67,7 @@ from lightning_parallel.strategies.base import ParallelStrategyBase
 from lightning_parallel.strategies.checks import one_of, positive_int, require
 from lightning_parallel.strategies.data_parallel_axes import DataParallel, Zero, ZeroParameters
 from lightning_parallel.strategies.expert_stages import ExpertParallel, Experts
-from lightning_parallel.strategies.options import level_problems
+from lightning_parallel.strategies.options import given, level_problems
 from lightning_parallel.strategies.pipeline_async import AsyncPipelineMixin
 from lightning_parallel.strategies.pipeline_stages import (
     Pipeline,
@@ -252,11 +252,16 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
         share, balance, split_points = values["require_sharded"], values["balance"], values["split_points"]
         sequence, pp = values["sequence_parallel"], values["pipeline_parallel_size"]
         pipelined = 2 if "pp" in cls.always_applied else pp
-        zero_stage = values.get("zero_stage")  # a base option: absent from the constructor's if not given
         return [
             None
-            if zero_stage != 3
-            else zero3_stages_problem(cls.__name__, values["schedule"], pipelined, prefix),
+            if given(values, "zero_stage", 0) != 3
+            else zero3_stages_problem(
+                cls.__name__,
+                values["schedule"],
+                pipelined,
+                given(values, "reshard_after_forward", True),
+                prefix,
+            ),
             hsdp_stages_problem(values.get("data_parallel_shard_size"), pipelined, prefix),
             *cls.expert_problems(values, prefix),
             None
@@ -301,7 +306,13 @@ class ParallelStrategy(ExpertParallel, PipelineStages, AsyncPipelineMixin, Paral
         pipelined = 2 if "pp" in self.always_applied else shape.pp
         require([hsdp_stages_problem(self.data_parallel_shard_size, pipelined)])
         if self.zero_stage == 3:
-            require([zero3_stages_problem(type(self).__name__, self.schedule, pipelined)])
+            require(
+                [
+                    zero3_stages_problem(
+                        type(self).__name__, self.schedule, pipelined, self.reshard_after_forward
+                    )
+                ]
+            )
         if shape.pp > 1 or "pp" in self.always_applied:
             require([self.stages_problem(shape.pp)])
             if self.sequence_parallel:

@@ -101,11 +101,14 @@ from lightning_parallel.strategies.checks import require
 __all__ = ["PipelineStages", "Pipeline", "hsdp_stages_problem", "zero3_stages_problem"]
 
 
-def zero3_stages_problem(name: str, schedule: str, pp: Optional[int], prefix: str = "") -> Optional[str]:
+def zero3_stages_problem(
+    name: str, schedule: str, pp: Optional[int], reshard_after_forward: Any = True, prefix: str = ""
+) -> Optional[str]:
     """What ``zero_stage=3`` does not run on under ``ParallelStrategy`` with pipeline stages (``pp`` None
     where the layout may or may not be pipelined): it shards a pipeline stage's parameters (its
     tensor-parallel shards, under tp; its experts over their own replicas, under ep) over the stage's
-    data-parallel replicas, under every flushing schedule."""
+    data-parallel replicas, under every flushing schedule, its units kept gathered across the step's
+    micro-batches (``reshard_after_forward=False`` asks for what a stage does anyway)."""
     if pp == 1:  # pp None: not known yet, refused once it is (ParallelStrategy.check_before_launch)
         return None
     if schedule == "async" and pp is not None:
@@ -115,6 +118,14 @@ def zero3_stages_problem(name: str, schedule: str, pp: Optional[int], prefix: st
             "hold two gathered versions of its parameters through every step and save nothing; use zero_stage 1 "
             "or 2 (the async schedule runs with those), or a flushing schedule ('1f1b', 'gpipe', "
             "'interleaved_1f1b', 'zb_h1', 'zbv') with zero_stage=3"
+        )
+    if reshard_after_forward is False and pp is not None:
+        return (
+            f"{prefix}reshard_after_forward=False with pipeline stages: a stage gathers its units once when its "
+            "schedule starts and keeps them across all its micro-batches' forwards and backwards, freeing them "
+            "only when the step's backwards are done, so there is no freeing after a forward to turn off; leave "
+            f"{prefix}reshard_after_forward=True (it has no effect on a stage's units), or keep blocks to their "
+            f"backward without pipeline stages (lp_parallel with {prefix}pipeline_parallel_size=1, or lp_ddp)"
         )
     return None
 

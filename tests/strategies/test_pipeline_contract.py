@@ -1,8 +1,8 @@
 """Lightning's contract for a user's steps under the pipelines, on real processes (gloo, 2 stages; and 2
 replicas x 2 stages): collectives inside validation_step / test_step / training_step span the replicas
 and give what ``ddp`` gives over those replicas, prediction writers and ``trainer.predict`` get the
-predictions on every stage, and manual optimization is refused before training. The runs have time limits
-well below the suite's, so a hang fails fast."""
+predictions on every stage, and manual optimization is refused before training (also at dp2 x pp2 with
+zero_stage=3). The runs have time limits well below the suite's, so a hang fails fast."""
 
 import json
 import sys
@@ -18,9 +18,13 @@ SCHEDULES = ["gpipe", "1f1b", "async"]
 GLOBAL_BATCH, MICROBATCHES = 8, 2  # as in the script
 
 
-def launch(tmp_path, world, dp, schedules, manual=False, timeout=150):
+def launch(tmp_path, world, dp, schedules, manual=False, timeout=150, zero_stage=0):
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"out": str(tmp_path), "dp": dp, "schedules": schedules, "manual": manual}))
+    spec.write_text(
+        json.dumps(
+            {"out": str(tmp_path), "dp": dp, "schedules": schedules, "manual": manual, "zero_stage": zero_stage}
+        )
+    )
     envs = [worker_env(r, world) for r in range(world)]
     return start_processes(
         [[sys.executable, SCRIPT, str(spec)]] * world, envs, timeout, tmp_path, grace=5, rendezvous=True
@@ -177,11 +181,12 @@ def test_two_replicas_of_two_stages(dp2pp2, schedule):
     assert [r["votes"] for r in dp2pp2[schedule]] == [[True, True, False]] * 4
 
 
-@pytest.mark.timeout(120)
-def test_manual_optimization_is_refused_before_training(tmp_path):
-    run = launch(tmp_path, world=2, dp=1, schedules=["1f1b"], manual=True, timeout=90)
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world, dp, zero_stage", [(2, 1, 0), (4, 2, 3)])  # also with parameters sharded
+def test_manual_optimization_is_refused_before_training(tmp_path, world, dp, zero_stage):
+    run = launch(tmp_path, world, dp, ["1f1b"], manual=True, timeout=45 * world, zero_stage=zero_stage)
     assert all(code not in (0, -9) for code in run.codes), run.codes  # failed by itself, not killed
     for output in run.outputs:
         assert "automatic_optimization=False" in output and "lp_ddp / lp_tensor_parallel" in output
         assert "without an input from the previous stage" not in output
-    assert run.seconds < 60
+    assert run.seconds < 30 * world  # the processes' start (imports) and set-up, no training

@@ -2,7 +2,7 @@
 
     python pipeline_contract.py SPEC.json
 
-SPEC: {"out": folder, "dp": replicas, "schedules": [...], "manual": false}. The test starts one process
+SPEC: {"out": folder, "dp": replicas, "schedules": [...], "manual": false, "zero_stage": 0}. The test starts one process
 per rank with RANK/WORLD_SIZE/... set (processes created externally, as under torchrun). Per schedule:
 validate, test and predict (with two prediction writers) on the initial weights, then a short fit with
 validation. Each rank saves what its steps saw to OUT/<schedule>/rank<r>.pt, with the plain module's
@@ -123,7 +123,7 @@ def _cpu(value):
     return move_data_to_device(value, torch.device("cpu"))
 
 
-def run(schedule: str, dp: int, world: int, manual: bool, out: Path) -> dict:
+def run(schedule: str, dp: int, world: int, manual: bool, out: Path, zero_stage: int = 0) -> dict:
     seed_everything(0)
     model = CollectiveNet(manual=manual)
     dataset = data()
@@ -133,7 +133,11 @@ def run(schedule: str, dp: int, world: int, manual: bool, out: Path) -> dict:
     writers = [Writer("batch"), Writer("epoch")]
     kept = KeepValidationOutputs()
     strategy = PipelineParallelStrategy(
-        schedule=schedule, num_microbatches=MICROBATCHES, data_parallel_size=dp, timeline_step=None
+        schedule=schedule,
+        num_microbatches=MICROBATCHES,
+        data_parallel_size=dp,
+        timeline_step=None,
+        zero_stage=zero_stage,
     )
     trainer = Trainer(
         accelerator="cpu",
@@ -189,7 +193,8 @@ def main(spec_path: str) -> None:
     for schedule in spec["schedules"]:
         out = Path(spec["out"]) / schedule
         out.mkdir(parents=True, exist_ok=True)
-        torch.save(run(schedule, spec["dp"], world, spec.get("manual", False), out), out / f"rank{rank}.pt")
+        result = run(schedule, spec["dp"], world, spec.get("manual", False), out, spec.get("zero_stage", 0))
+        torch.save(result, out / f"rank{rank}.pt")
 
 
 if __name__ == "__main__":
