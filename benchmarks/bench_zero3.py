@@ -6,7 +6,12 @@
     python benchmarks/bench_zero3.py --gpu                 # one rank per GPU, NCCL, bf16-mixed (needs >= 2 GPUs)
 
 Every side is a real ``Trainer.fit`` of the same ``CharGPT`` (AdamW, float32 states) on the embedded corpus,
-same batch, steps and seed, under torchrun, one thread per process:
+same batch, steps and seed, under torchrun, one thread per process. Stage 3 builds it on meta
+(``trainer.init_module(empty_init=True)``: each rank materialises only its shard of each unit, from the
+modules' own initializers, so its initial weights, and loss, differ from the others'), as a user who wants
+its memory saving would; the other sides hold the whole model anyway and build it as Lightning does by
+default (real tensors, before ``fit``). The criterion on the peak at dp=4 wants a model whose states
+dominate: ``--layers 32 --width 512 --batch-size 1`` (docs/benchmarks.md).
 
 - ``zero0`` .. ``zero3``: ``lp_ddp`` with ``zero_stage`` 0-3; ``zero3_keep``: stage 3 with
   ``reshard_after_forward=False`` (each block kept gathered from its forward to its backward);

@@ -13,7 +13,8 @@ One step, in the order the strategy drives it::
                     its range only, overlapped with the rest of backward (stage 1: into the bucket's
                     own slice for that range, so the gradients hold the bucket's memory and no more;
                     stage 2: into a range of its own, the bucket allocated at its first gradient and
-                    freed as soon as its reduce-scatter is done, at most ``IN_FLIGHT`` in flight)
+                    freed as soon as its reduce-scatter is done, at most ``IN_FLIGHT`` in flight; a
+                    freed buffer is the next bucket's of its size, ``SPARES``)
     shard_gradients the pieces' ``.grad`` become views of the received range; the model's ``.grad`` were
                     dropped after the reduce-scatter (they held this rank's local sums)
     optimizer step  on the pieces only (clipping, hooks and the LR schedulers see the pieces)
