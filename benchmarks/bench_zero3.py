@@ -6,7 +6,12 @@
     python benchmarks/bench_zero3.py --gpu                 # one rank per GPU, NCCL, bf16-mixed (needs >= 2 GPUs)
 
 Every side is a real ``Trainer.fit`` of the same ``CharGPT`` (AdamW, float32 states) on the embedded corpus,
-same batch, steps and seed, under torchrun, one thread per process:
+same batch, steps and seed, under torchrun, one thread per process. Stage 3 builds it on meta
+(``trainer.init_module(empty_init=True)``: each rank materialises only its shard of each unit, from the
+modules' own initializers, so its initial weights, and loss, differ from the others'), as a user who wants
+its memory saving would; the other sides hold the whole model anyway and build it as Lightning does by
+default (real tensors, before ``fit``). The criterion on the peak at dp=4 wants a model whose states
+dominate: ``--layers 32 --width 512 --batch-size 1`` (docs/benchmarks.md).
 
 - ``zero0`` .. ``zero3``: ``lp_ddp`` with ``zero_stage`` 0-3; ``zero3_keep``: stage 3 with
   ``reshard_after_forward=False`` (each block kept gathered from its forward to its backward);
@@ -103,6 +108,14 @@ def build_model(config: str, args: argparse.Namespace):
     return cls(n_layer=args.layers, n_embd=args.width, n_head=args.heads, block_size=args.block_size)
 
 
+def builds_on_meta(config: str) -> bool:
+    """Whether a side builds its model on the meta device, as its users would for the memory saving: stage
+    3 under ``trainer.init_module(empty_init=True)`` (each rank then materialises only its shard of each
+    unit); the other sides hold the whole model anyway, and are built as Lightning builds by default (real
+    tensors, before ``fit``)."""
+    return config in CONFIGS and CONFIGS[config][0] == "lp_ddp" and CONFIGS[config][1] == 3
+
+
 def build_strategy(config: str, world_size: int, bucket_cap_mb: float = 25):
     from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -153,7 +166,6 @@ def worker(args: argparse.Namespace) -> None:
     data = CharCorpusData(batch_size=args.batch_size, block_size=args.block_size)
     base = rss_bytes() or 0
     timer, report, units = step_timer(), lp.MemoryReport(), unit_size()
-    model = build_model(args.config, args)
     strategy = build_strategy(args.config, args.world_size, args.bucket_cap_mb)
     trainer = Trainer(
         accelerator=args.accelerator,
@@ -164,6 +176,11 @@ def worker(args: argparse.Namespace) -> None:
         **QUIET_TRAINER,
         callbacks=[timer, report, units],
     )
+    if builds_on_meta(args.config):
+        with trainer.init_module(empty_init=True):
+            model = build_model(args.config, args)
+    else:
+        model = build_model(args.config, args)
     trainer.fit(model, datamodule=data)
     bases: list = [None] * args.world_size
     torch.distributed.all_gather_object(bases, base)
