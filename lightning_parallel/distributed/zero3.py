@@ -332,16 +332,17 @@ def _unit_on_meta(
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     numel = sum(p.numel() for p in params)
     size = -(-numel // world)
-    full = torch.empty(size * world, dtype=dtype or params[0].dtype, device=device)  # never written: no pages
+    full, mapped = _flat_buffer(size * world, dtype or params[0].dtype, device)  # released once laid out
     views, offset = [], 0
     for p in params:
         param = nn.Parameter(torch.empty(0, dtype=full.dtype, device=device))
         param.data = full[offset : offset + p.numel()].view(p.shape)  # as _unit: a version counter of its own
         views.append(param)
         offset += p.numel()
-    full.untyped_storage().resize_(0)
     shard = torch.zeros(size, dtype=params[0].dtype, device=device)
-    return ParameterUnit(name, module, views, full, shard, rank, gathered=False)  # presents placeholders
+    unit = ParameterUnit(name, module, views, full, shard, rank, gathered=False, mapped=mapped)  # placeholders
+    unit._release()
+    return unit
 
 
 def _put_in_place(module: nn.Module, new: dict[nn.Parameter, nn.Parameter]) -> None:
