@@ -203,6 +203,7 @@ def fit_record(args: argparse.Namespace, trainer, timer, report, units, bases: l
         "round": args.round,
         "step_ms": statistics.median(timer.times[args.warmup :]) * 1e3,
         "cpu_ms": statistics.median(timer.cpu_times[args.warmup :]) * 1e3,
+        "step_faults": statistics.median(timer.faults[args.warmup :]),
         "model_parameters": rows[0]["model_parameters"],
         "largest_unit": units.largest,
         "base_rss": bases,

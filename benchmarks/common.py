@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -73,22 +74,26 @@ def torchrun(script: str, nprocs: int, args: list[str], timeout: float = 600) ->
 
 
 def step_timer():
-    """A Lightning callback that records the wall time (``times``) and the process's CPU time
-    (``cpu_times``, all its threads) of every training step: on a shared machine the CPU time is the
-    steadier measure of the work a step does."""
+    """A Lightning callback that records the wall time (``times``), the process's CPU time (``cpu_times``,
+    all its threads) and its minor page faults (``faults``) of every training step: on a shared machine the
+    CPU time is the steadier measure of the work a step does, and the faults show memory handed back to the
+    system and faulted in again within a step."""
     from lightning.pytorch import Callback
 
     class StepTimer(Callback):
         def __init__(self) -> None:
             self.times: list[float] = []
             self.cpu_times: list[float] = []
+            self.faults: list[int] = []
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
             self.start, self.start_cpu = time.perf_counter(), time.process_time()
+            self.start_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.times.append(time.perf_counter() - self.start)
             self.cpu_times.append(time.process_time() - self.start_cpu)
+            self.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - self.start_faults)
 
     return StepTimer()
 

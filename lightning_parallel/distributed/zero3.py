@@ -79,6 +79,7 @@ from torch import Tensor, nn
 
 from lightning_parallel.compat import all_gather_single, reduce_scatter_single, tree_flatten
 from lightning_parallel.distributed.optimizer_shards import StatePieces
+from lightning_parallel.distributed.page_pool import PagePool
 from lightning_parallel.distributed.reducer import _Bucket
 from lightning_parallel.distributed.zero import (
     MAPPED_BYTES,
@@ -131,6 +132,8 @@ class ParameterUnit:
     gathered: bool = True
     work: Any = None  # the gather in flight (prefetched), waited for before the unit is used or freed
     mapped: Optional[mmap.mmap] = None  # on the CPU: the memory mapping ``full`` lies in (``_flat_buffer``)
+    pool: Optional[PagePool] = None  # where a mapped buffer's pages go when freed and come from when gathered
+    taken: bool = field(default=False, repr=False)  # whether the mapped buffer's pages were taken from ``pool``
     views: list[Tensor] = field(init=False, repr=False)
     placeholders: list[Tensor] = field(init=False, repr=False)
 
@@ -163,18 +166,23 @@ class ParameterUnit:
             self.work, self.gathered = None, True
             self.present(self.views)
 
-    def free(self) -> None:
-        """The gathered parameters' memory handed back (a mapped buffer's pages released, else the storage
-        resized to nothing); the parameters present their placeholders meanwhile."""
+    def free(self, keep_pages: bool = False) -> None:
+        """The gathered parameters' memory handed back (a mapped buffer's pages released, or with
+        ``keep_pages`` kept by the pool for the next unit gathered; else the storage resized to nothing); the
+        parameters present their placeholders meanwhile."""
         self.wait()
         if self.gathered:
             self.present(self.placeholders)
-            self._release()
+            self._release(keep_pages)
             self.gathered = False
 
-    def _release(self) -> None:
+    def _release(self, keep_pages: bool = False) -> None:
         if self.mapped is not None:
-            self.mapped.madvise(mmap.MADV_DONTNEED)
+            kept = keep_pages and self.taken and self.pool is not None
+            kept = kept and self.pool.give(self.full.data_ptr(), len(self.mapped))
+            if not kept:
+                self.mapped.madvise(mmap.MADV_DONTNEED)
+            self.taken = False
         else:
             self.full.untyped_storage().resize_(0)
 
@@ -190,9 +198,13 @@ class ParameterUnit:
         self._release()
 
     def allocate(self) -> None:
-        """The flat buffer's memory back before a gather (a mapped buffer's pages come back as written)."""
+        """The flat buffer's memory back before a gather (a mapped buffer's pages: a freed unit's moved onto it
+        by the pool, else they come back as written)."""
         if self.mapped is None:
             self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        elif self.pool is not None and not self.taken:
+            self.pool.take(self.full.data_ptr(), len(self.mapped))
+            self.taken = True
 
     def present(self, tensors: list[Tensor]) -> None:
         """Each parameter's ``.data`` set to its tensor in ``tensors`` (same shape, dtype and device)."""
@@ -266,11 +278,13 @@ def _flat_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[
     A unit is freed and gathered again twice a step; through the allocator, glibc serves such sizes from its
     heap once a large block has been freed (its mmap threshold rises to the freed size), and the freed
     units' pages stayed resident there: ZeRO-3's peak resident memory was above ZeRO-1's at dp=4. A mapping
-    of its own releases its pages when freed (``madvise``) and keeps its address, so the views stay valid."""
+    of its own releases its pages when freed (``madvise``, or hands them to the next unit gathered through a
+    ``PagePool``) and keeps its address, so the views stay valid. Private: a shared anonymous mapping's pages
+    stay allocated after ``madvise`` (shared memory), only unmapped from the process."""
     nbytes = numel * dtype.itemsize
     if device.type != "cpu" or nbytes < MAPPED_BYTES:
         return torch.zeros(numel, dtype=dtype, device=device), None
-    mapped = mmap.mmap(-1, nbytes)
+    mapped = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
     return torch.frombuffer(mapped, dtype=dtype, count=numel), mapped
 
 
@@ -332,7 +346,7 @@ def _unit_on_meta(
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     numel = sum(p.numel() for p in params)
     size = -(-numel // world)
-    full, mapped = _flat_buffer(size * world, dtype or params[0].dtype, device)  # released once laid out
+    full, mapped = _flat_buffer(size * world, dtype or params[0].dtype, device)  # as _unit's, freed below
     views, offset = [], 0
     for p in params:
         param = nn.Parameter(torch.empty(0, dtype=full.dtype, device=device))
@@ -340,8 +354,8 @@ def _unit_on_meta(
         views.append(param)
         offset += p.numel()
     shard = torch.zeros(size, dtype=params[0].dtype, device=device)
-    unit = ParameterUnit(name, module, views, full, shard, rank, gathered=False, mapped=mapped)  # placeholders
-    unit._release()
+    unit = ParameterUnit(name, module, views, full, shard, rank, mapped=mapped)
+    unit.free()  # laid out first: a view of a storage resized to nothing is refused
     return unit
 
 
@@ -438,8 +452,10 @@ class ShardedParameters:
         self._handles += self._guard_state_dicts(module)
         if any(unit.full.device.type == "cpu" for unit in self.units()):
             map_large_host_blocks()
+        self.pages = PagePool()  # the freed units' pages, for the next gathers of the step
         for unit in self.units():
             unit.free()
+            unit.pool = self.pages
 
     def _guard_state_dicts(self, module: nn.Module) -> list[Any]:
         """A ``state_dict()`` pre-hook on every module holding a unit's parameter (itself or below it):
@@ -604,8 +620,11 @@ class ShardedParameters:
             unit.wait()
 
     def free_all(self) -> None:
+        """Every unit freed, and the pages the pool kept handed back (a step's end: nothing more is resident
+        between steps than the shards)."""
         for unit in self.units():
             unit.free()
+        self.pages.release()
 
     @contextmanager
     def gathered(self) -> Generator[None, None, None]:
@@ -688,6 +707,17 @@ class ShardedParameters:
         if index is not None and 0 <= index + step < len(self.blocks):
             self.prefetches += self.start_gather(self.blocks[index + step])
 
+    def _gathered_next(self, unit: ParameterUnit, step: int) -> bool:
+        """Whether a block's gather follows ``unit``'s free (``step`` +1 forward, -1 backward), with
+        ``reshard_after_forward``: the prefetch of the block two places on, or after a training forward's last
+        blocks the backward's first two gathers, which the freed pages are kept for (``PagePool``: what the
+        backward's start holds anyway). Otherwise (the last blocks of an evaluation forward or of a backward,
+        the blocks kept from forward to backward) they are handed back."""
+        index = self._index.get(id(unit))
+        if not self.reshard_after_forward or index is None:
+            return False
+        return (step > 0 and torch.is_grad_enabled()) or 0 <= index + 2 * step < len(self.blocks)
+
     def _after_block(self, unit: ParameterUnit, module: nn.Module, args: Any, output: Any) -> None:
         training = torch.is_grad_enabled()
         if training:
@@ -695,7 +725,7 @@ class ShardedParameters:
             for t in tensors:
                 t.register_hook(partial(self._before_block_backward, unit))
         if (self.reshard_after_forward or not training) and not self._gathered_depth:
-            unit.free()
+            unit.free(keep_pages=self._gathered_next(unit, +1))
 
     def _before_block_backward(self, unit: ParameterUnit, grad: Tensor) -> None:
         """The block's backward comes next: gathered, and the block before it (whose backward follows)
@@ -718,7 +748,7 @@ class ShardedParameters:
         """The unit's last gradient of this backward arrived: its parameters are not needed again (``kept``:
         until the schedule's other micro-batches are done, ``step()``)."""
         if not self.kept and not self._gathered_depth:
-            unit.free()
+            unit.free(keep_pages=self._gathered_next(unit, -1))
 
     def after_backward(self) -> None:
         """What a backward left gathered (a unit with a parameter that got no gradient) is freed."""
@@ -730,6 +760,7 @@ class ShardedParameters:
             handle.remove()
         self._handles = []
         self.gather_all(master=True)
+        self.pages.release()
 
 
 class FullyShardedGradientReducer(ShardedGradientReducer):
