@@ -20,7 +20,7 @@ def test_the_slow_block_is_measured_slow_and_moves_the_cut():
     blocks = list(model.net)
     inputs = capture_block_inputs(blocks, lambda: model(x))
     assert torch.equal(inputs[0][0][0], x)
-    times = time_blocks(blocks, inputs)
+    times = time_blocks(blocks, inputs, repeats=7, pick=min)  # the fastest: another process's load only adds
     assert times[3] > 3 * times[1] and times[3] > 3 * times[2]  # 20x the work; fixed costs blur the ratio
     assert balance(block_parameters(model.net), 2) == [2, 3]
     assert balance(times, 2) == [3, 2]
@@ -35,7 +35,7 @@ def test_the_forward_and_the_backward_are_timed_apart():
     model = UnevenTimeNet().double()
     x = torch.randn(4, 16, dtype=torch.float64)
     blocks = list(model.net)
-    passes = time_block_passes(blocks, capture_block_inputs(blocks, lambda: model(x)))
+    passes = time_block_passes(blocks, capture_block_inputs(blocks, lambda: model(x)), repeats=9)
     assert len(passes) == len(blocks) and all(f > 0 and b > 0 for f, b in passes)
     (f1, b1), (f3, b3) = passes[1], passes[3]
     assert f3 > 3 * f1 and b3 > 3 * b1  # 20x the work in each
