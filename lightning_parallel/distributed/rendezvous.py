@@ -36,6 +36,7 @@ class HostedStore:
         self, world_size: int, host: str = "127.0.0.1", timeout: timedelta = timedelta(minutes=30)
     ) -> None:
         self.host = host
+        self.world_size = world_size
         self._store: Optional[dist.TCPStore] = dist.TCPStore(
             host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False
         )

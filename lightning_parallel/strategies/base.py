@@ -141,7 +141,11 @@ from lightning_parallel.strategies.checks import (
 )
 from lightning_parallel.strategies.data_parallel_axes import DataParallel, Zero, ZeroParameters
 from lightning_parallel.strategies.global_batch import describe_global_batch
-from lightning_parallel.strategies.launcher import HydraSafeSubprocessLauncher, failure_exit_fn
+from lightning_parallel.strategies.launcher import (
+    HydraSafeSubprocessLauncher,
+    failure_exit_fn,
+    launching_store,
+)
 from lightning_parallel.strategies.options import level_problems, options
 
 __all__ = ["ParallelStrategyBase"]
@@ -509,6 +513,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             self._process_group_backend,
             timeout=self._timeout,
             device_id=self.root_device if bind else None,
+            **self._launching_store(),
         )
         self.mesh = build_mesh(shape)
         destroy_process_groups_at_exit()
@@ -516,6 +521,17 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             self._watchdog = FailureWatchdog(
                 self.global_rank, self.world_size, timeout=self.failure_timeout, exit_fn=failure_exit_fn()
             ).start()
+
+    def _launching_store(self) -> dict[str, Any]:
+        """``init_process_group``'s ``store`` where this process launched the run's ranks and hosts its store:
+        its own connection, made before the children started (``launcher.launching_store``), so that a
+        child lost before the rendezvous fails this rank at once whenever it happens; else nothing (the
+        ``env://`` rendezvous)."""
+        store = launching_store()
+        if store is None:
+            return {}
+        store.set_timeout(self._timeout)
+        return {"store": torch.distributed.PrefixStore("default_pg", store)}
 
     @property
     def dp_group(self) -> Optional[torch.distributed.ProcessGroup]:

@@ -20,7 +20,10 @@ process, i.e. the whole sweep. This launcher differs in these ways:
   error, failing ``__init__``) fails the job at once instead of blocking rank 0 in the rendezvous
   until the process-group timeout (30 minutes); one that dies after that mark, before the process group
   is formed (a failing device set-up), makes the observer close the store this process hosts, which
-  ends rank 0's rendezvous at once: the run raises ``RankFailedError`` naming the rank and its exit code;
+  ends rank 0's rendezvous at once: the run raises ``RankFailedError`` naming the rank and its exit code.
+  Rank 0 connects to that store before it starts the children (``launching_store``, given to
+  ``init_process_group`` by the strategy), so this holds also when the child dies before rank 0 reaches
+  the rendezvous: a client that first connects after the close retries until the process-group timeout;
 - before the run looks for ``ckpt_path="last"``, the strategy's ``recover_interrupted_saves`` puts back a
   checkpoint that a killed sharded save left under a hidden name (``checkpointing/interrupted_saves.py``);
 - on one node with children to start, unless ``MASTER_PORT`` is set, the launching process binds the
@@ -66,6 +69,7 @@ from lightning_parallel.distributed.rendezvous import AGENT_STORE_ENV, HostedSto
 __all__ = [
     "HydraSafeSubprocessLauncher",
     "finish_job",
+    "launching_store",
     "failure_exit_fn",
     "install",
     "child_command",
@@ -120,6 +124,8 @@ class _JobState:
         self.observer: Optional[_Observer] = None
         self.ready_dir: Optional[str] = None
         self.store: Optional[HostedStore] = None
+        # this process's own connection to ``store``, made before the children start (see launching_store)
+        self.connection: Optional[torch.distributed.Store] = None
 
 
 _ACTIVE: Optional[_JobState] = None
@@ -190,6 +196,30 @@ def _abort_rendezvous(state: _JobState) -> None:
         state.store.close()
 
 
+def _connect(store: HostedStore) -> torch.distributed.Store:
+    """This process's client of the store it hosts, made as torch's ``env://`` rendezvous makes it for a
+    rank of a hosted ("agent") store. Connected before any child starts, so that ``_abort_rendezvous``
+    always fails it at once: a client that first connects after the store closed retries until the
+    process-group timeout."""
+    with _env(agent_store_env(AGENT_STORE_ENV)):
+        connection, _, _ = next(torch.distributed.rendezvous("env://", rank=0, world_size=store.world_size))
+    return connection
+
+
+def launching_store() -> Optional[torch.distributed.Store]:
+    """For the first process group of a launch, in the process that launched it and hosts its store: this
+    process's connection to that store, made before the children started (once; None elsewhere, and for a
+    group made again later in the run, which connects through ``env://``). Pass it to
+    ``init_process_group`` as ``PrefixStore("default_pg", store)``, the prefix the ``env://`` path adds,
+    so that this rank meets the children's keys."""
+    with _LOCK:
+        state = _ACTIVE
+        if state is None or state.connection is None:
+            return None
+        connection, state.connection = state.connection, None
+    return connection
+
+
 def _kill(procs: Sequence[subprocess.Popen], grace: float = 0.0) -> None:
     deadline = time.monotonic() + grace
     for proc in procs:
@@ -239,6 +269,7 @@ def finish_job(wait_timeout: float = 60.0, job_failed: bool = False) -> None:
         _destroy_process_group()
     _kill(state.procs, grace=5.0 if job_failed else wait_timeout)
     _destroy_process_group()
+    state.connection = None
     if state.store is not None:
         state.store.close()
     for key, value in state.env_before.items():
@@ -262,6 +293,18 @@ def _restore(key: str, value: Optional[str]) -> None:
 
 
 @contextmanager
+def _env(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in ``os.environ`` for the block; afterwards the variables are as they were."""
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            _restore(key, value)
+
+
+@contextmanager
 def _client_of_hosted_store(state: Optional[_JobState]) -> Iterator[None]:
     """While a run is in progress in the process that hosts its job's store, a (re)made process group
     joins that store as a client (torch's ``TORCHELASTIC_USE_AGENT_STORE``, and the restart count that torch
@@ -269,14 +312,8 @@ def _client_of_hosted_store(state: Optional[_JobState]) -> Iterator[None]:
     if state is None or state.store is None:
         yield
         return
-    switch = agent_store_env(AGENT_STORE_ENV)
-    before = {key: os.environ.get(key) for key in switch}
-    os.environ.update(switch)
-    try:
+    with _env(agent_store_env(AGENT_STORE_ENV)):
         yield
-    finally:
-        for key, value in before.items():
-            _restore(key, value)
 
 
 def _end_failed_launch() -> None:
@@ -447,6 +484,7 @@ class HydraSafeSubprocessLauncher(_SubprocessScriptLauncher):
             os.environ.update(state.store.env())
             if hasattr(env, "_main_port"):  # LightningEnvironment keeps the first port it read
                 env._main_port = state.store.port
+            state.connection = _connect(state.store)
         os.environ["MASTER_ADDR"] = env.main_address
         os.environ["MASTER_PORT"] = str(env.main_port)
         os.environ["NODE_RANK"] = str(env.node_rank())

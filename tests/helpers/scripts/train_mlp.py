@@ -5,7 +5,9 @@
 Started directly (Lightning's launcher makes the other ranks), or by torchrun / srun. With
 ``LP_TEST_CHILD_EXIT_BEFORE_RENDEZVOUS=<code>``, a rank started by our launcher exits with that code after
 its "ready" mark, where it would join the process group (a failing device set-up), and writes when it
-did into ``child_exit_time`` in its working folder.
+did into ``child_exit_time`` in its working folder. With ``LP_TEST_LAUNCHER_LATE_S=<seconds>`` beside it, the
+launching process reaches the rendezvous that much later (a slow device set-up): the child's exit is then
+seen before this process has connected to the store it hosts.
 """
 
 import os
@@ -35,8 +37,17 @@ def exit_before_rendezvous(code: int) -> None:
         Path("child_exit_time").write_text(str(time.time()))
         os._exit(code)
 
+    late = float(os.environ.get("LP_TEST_LAUNCHER_LATE_S", "0"))
+    join = base._init_dist_connection
+
+    def join_late(*args, **kwargs) -> None:
+        time.sleep(late)
+        join(*args, **kwargs)
+
     if is_launched_rank():
         base._init_dist_connection = exit_now
+    elif late:
+        base._init_dist_connection = join_late
 
 
 def main(strategy: str, devices: int, num_nodes: int, out: str) -> None:
