@@ -53,7 +53,8 @@ def release_destroyed_default_groups() -> int:
         if module is None or not (name == "torch.distributed" or name.startswith("torch.distributed.")):
             continue
         for value in list(vars(module).values()):
-            if isinstance(value, types.FunctionType) and value.__module__ == name:
+            # type(), not isinstance(): some module attributes warn when their __class__ is read
+            if type(value) is types.FunctionType and value.__module__ == name:
                 released += _release_defaults(value)
     return released
 
@@ -62,13 +63,14 @@ def _release_defaults(function: types.FunctionType) -> int:
     """Replace the process groups among ``function``'s default arguments by None; how many there were."""
     defaults = function.__defaults__ or ()
     keyword = function.__kwdefaults__ or {}
-    held = sum(isinstance(v, dist.ProcessGroup) for v in (*defaults, *keyword.values()))
+    held = sum(_is_group(v) for v in (*defaults, *keyword.values()))
     if held:
-        function.__defaults__ = (
-            tuple(None if isinstance(v, dist.ProcessGroup) else v for v in defaults) or None
-        )
+        function.__defaults__ = tuple(None if _is_group(v) else v for v in defaults) or None
         if keyword:
-            function.__kwdefaults__ = {
-                k: None if isinstance(v, dist.ProcessGroup) else v for k, v in keyword.items()
-            }
+            function.__kwdefaults__ = {k: None if _is_group(v) else v for k, v in keyword.items()}
     return held
+
+
+def _is_group(value: object) -> bool:
+    """A process group, found by its type alone (reading ``__class__`` of some objects warns)."""
+    return issubclass(type(value), dist.ProcessGroup)
