@@ -1,6 +1,7 @@
 """The memory report on 2 real gloo processes inside ``Trainer.fit``: its figures against this rank's own
 count, the saved activations (counted, scaling with the batch, not hidden by the async pipeline's hook),
-and the tables that rank 0 alone prints, once per fit and moment, whichever of strategy or callback reports."""
+and the tables that rank 0 alone prints, once per fit and moment, whichever of strategy or callback reports;
+and that none of it keeps a process group (its gloo threads) alive after ``destroy_process_group``."""
 
 from __future__ import annotations
 
