@@ -45,4 +45,3 @@ def test_hsdp_axes_divide_the_data_parallel_axis():
     assert MeshShape(dp=8, dp_shard=4).all_axis_groups("dp_replicate") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     whole = MeshShape(dp=4)
     assert not whole.replicates_shards and whole.all_axis_groups("dp_shard") == whole.all_axis_groups("dp")
-
