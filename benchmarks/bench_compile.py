@@ -39,6 +39,7 @@ from common import (  # noqa: E402
     QUIET_TRAINER,
     append_record,
     benchmark_parser,
+    end_worker,
     interleaved,
     llama_lm,
     median_of,
@@ -251,7 +252,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse()
     if args.worker:
-        return worker(args)
+        worker(args)
+        end_worker()
 
     args.out = Path(tempfile.mkdtemp()) / "results.jsonl"
     shared = worker_args(args, ("backend", "layers", "width", "seq", "batch", "precision"))

@@ -17,7 +17,15 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import QUIET_TRAINER, append_record, benchmark_parser, read_records, step_timer, torchrun  # noqa: E402
+from common import (  # noqa: E402
+    QUIET_TRAINER,
+    append_record,
+    benchmark_parser,
+    end_worker,
+    read_records,
+    step_timer,
+    torchrun,
+)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -91,7 +99,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=128)
     args = parser.parse_args()
     if args.worker:
-        return worker(args)
+        worker(args)
+        end_worker()
 
     out = Path(tempfile.mkdtemp()) / "results.jsonl"
     for round_ in range(args.rounds):

@@ -30,6 +30,7 @@ from common import (  # noqa: E402
     QUIET_TRAINER,
     append_record,
     benchmark_parser,
+    end_worker,
     interleaved,
     median_of,
     median_ratio,
@@ -111,7 +112,8 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=512)
     args = parser.parse_args()
     if args.worker:
-        return worker(args)
+        worker(args)
+        end_worker()
 
     args.out = Path(tempfile.mkdtemp()) / "results.jsonl"
     shared = worker_args(args, ("batch_size", "block_size", "microbatches", "layers", "width"))

@@ -38,6 +38,7 @@ from common import (  # noqa: E402
     QUIET_TRAINER,
     append_record,
     benchmark_parser,
+    end_worker,
     interleaved,
     read_records,
     step_timer,
@@ -154,7 +155,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     args = parser.parse_args()
     if args.worker:
-        return worker(args)
+        worker(args)
+        end_worker()
 
     out = Path(tempfile.mkdtemp()) / "results.jsonl"
     args.out = out

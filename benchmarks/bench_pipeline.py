@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     append_record,
     benchmark_parser,
+    end_worker,
     interleaved,
     median_of,
     median_ratio,
@@ -289,7 +290,6 @@ def torch_pipelining(args: argparse.Namespace) -> None:
     for (kind, chunk), values in per_step.items():
         record[cost_key(kind, chunk)] = statistics.median(values[args.warmup :]) * 1e3
     append_record(args.out, record)
-    dist.destroy_process_group()
 
 
 def record_timeline(stages: list, schedule, rank: int):
@@ -446,7 +446,8 @@ def main() -> None:
     global RANKS
     RANKS = args.stages
     if args.worker:
-        return ours(args) if args.impl == "ours" else torch_pipelining(args)
+        ours(args) if args.impl == "ours" else torch_pipelining(args)
+        end_worker()
     for schedule in args.schedules:
         pieces = RANKS * chunks_per_rank(schedule, args)
         if args.layers % pieces:

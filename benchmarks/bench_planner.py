@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import QUIET_TRAINER, append_record, read_records, step_timer, torchrun  # noqa: E402
+from common import QUIET_TRAINER, append_record, end_worker, read_records, step_timer, torchrun  # noqa: E402
 
 from lightning_parallel.planner.layout import Layout  # noqa: E402
 
@@ -325,6 +325,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse(argv)
     if args.worker:
         worker(args)
+        end_worker()
     else:
         run(args)
 

@@ -40,6 +40,7 @@ from common import (  # noqa: E402
     QUIET_TRAINER,
     append_record,
     benchmark_parser,
+    end_worker,
     interleaved,
     median_of,
     median_ratio,
@@ -195,7 +196,8 @@ def main() -> None:
     parser.add_argument("--json", default="", help="also write the rows and the raw records to this file")
     args = parser.parse_args()
     if args.worker:
-        return worker(args)
+        worker(args)
+        end_worker()
 
     configs = [c for c in CONFIGS if not (args.no_pipeline and CONFIGS[c][0] == "1f1b")]
     args.out = Path(tempfile.mkdtemp()) / "results.jsonl"

@@ -37,6 +37,7 @@ from common import (  # noqa: E402
     QUIET_TRAINER,
     append_record,
     benchmark_parser,
+    end_worker,
     median_of,
     median_ratio,
     read_records,
@@ -206,7 +207,6 @@ def collectives(args: argparse.Namespace) -> None:
             append_record(
                 args.out, {"collective": name, "world_size": world, "ms": ms, "rss_growth": max(grown)}
             )
-    dist.destroy_process_group()
 
 
 def launch(config: str, world_size: int, round_: int, out: Path, args: argparse.Namespace) -> None:
@@ -328,7 +328,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.worker:
-        return collectives(args) if args.config == "collectives" else worker(args)
+        collectives(args) if args.config == "collectives" else worker(args)
+        end_worker()
     if args.collectives:
         return time_collectives(args)
 

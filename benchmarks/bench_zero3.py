@@ -45,6 +45,7 @@ from common import (  # noqa: E402
     QUIET_TRAINER,
     append_record,
     benchmark_parser,
+    end_worker,
     interleaved,
     median_of,
     median_ratio,
@@ -186,10 +187,6 @@ def worker(args: argparse.Namespace) -> None:
     torch.distributed.all_gather_object(bases, base)
     if trainer.is_global_zero:
         append_record(args.out, fit_record(args, trainer, timer, report, units, bases))
-    # Lightning's ModelParallelStrategy leaves the process group up; a gloo group alive at interpreter
-    # exit can abort the process ("terminate called without an active exception").
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
 
 
 def fit_record(args: argparse.Namespace, trainer, timer, report, units, bases: list) -> dict:
@@ -377,7 +374,8 @@ def run(args: argparse.Namespace) -> list[dict]:
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse(argv)
     if args.worker:
-        return worker(args)
+        worker(args)
+        end_worker()
     report(run(args), args)
 
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # the benchmarks import the package from this checkout
@@ -30,6 +31,7 @@ __all__ = [
     "QUIET_TRAINER",
     "benchmark_parser",
     "torchrun",
+    "end_worker",
     "step_timer",
     "worker_args",
     "interleaved",
@@ -71,6 +73,25 @@ def torchrun(script: str, nprocs: int, args: list[str], timeout: float = 600) ->
     )
     if done.returncode:
         raise RuntimeError(f"benchmark worker failed:\n{done.stderr[-3000:]}")
+
+
+def end_worker() -> NoReturn:
+    """End a worker rank once its work is done (records written): destroy the process group and leave with
+    ``os._exit(0)``, after flushing stdout and stderr, without interpreter finalization.
+
+    A process group that something still references outlives ``destroy_process_group``, and its gloo threads
+    with it: Lightning's ``ModelParallelStrategy`` leaves its ``DeviceMesh`` (two groups) in torch's DTensor
+    caches (sharding propagation, the redistribute planner), which nothing here can release. Torn down
+    during finalization, such a group can abort the finished rank (SIGABRT, "terminate called without an
+    active exception"), which torchrun reports as a failed run."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def step_timer():

@@ -20,13 +20,12 @@ form a replica group (``"dp_replicate"``, ``dp / dp_shard`` ranks, which all-red
 
 from __future__ import annotations
 
-import atexit
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch.distributed as dist
 
-__all__ = ["destroy_process_groups_at_exit", "HSDP_AXES", "MeshShape", "Mesh", "build_mesh", "new_axis_group"]
+__all__ = ["HSDP_AXES", "MeshShape", "Mesh", "build_mesh", "new_axis_group"]
 
 #: the groups of HSDP (``MeshShape.dp_shard``): where ZeRO shards, and across which it replicates
 HSDP_AXES = ("dp_shard", "dp_replicate")
@@ -166,23 +165,3 @@ def new_axis_group(shape: MeshShape, axis: str, rank: int) -> dist.ProcessGroup:
         if rank in ranks:
             mine = group
     return mine
-
-
-_DESTROY_REGISTERED = False
-
-
-def destroy_process_groups_at_exit() -> None:
-    """Destroy every process group when the interpreter exits, if nothing did before. Gloo's worker
-    threads must end while the interpreter is alive: a group left to the C++ destructors at exit can abort
-    a rank that finished its work (SIGABRT, "terminate called without an active exception"), which a
-    launcher then reports as a failed run. Registered once per process; a no-op after an explicit
-    ``destroy_process_group``."""
-    global _DESTROY_REGISTERED
-    if not _DESTROY_REGISTERED:
-        atexit.register(_destroy_if_initialized)
-        _DESTROY_REGISTERED = True
-
-
-def _destroy_if_initialized() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()

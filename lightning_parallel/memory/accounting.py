@@ -119,12 +119,16 @@ def optimizer_state_tensors(optimizers: Iterable[Any]) -> Iterator[Tensor]:
 
 def _holding_state(optimizer: Any) -> Any:
     """The optimizer whose ``state`` holds the tensors: torch's ``ZeroRedundancyOptimizer`` keeps this rank's
-    in its local optimizer, ``optim``, and leaves its own ``state`` empty."""
-    if torch.distributed.is_available():
-        from torch.distributed.optim import ZeroRedundancyOptimizer
+    in its local optimizer, ``optim``, and leaves its own ``state`` empty.
 
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
-            return optimizer.optim
+    Looked up among the imported modules, never imported here: importing
+    ``torch.distributed.optim`` once a process group exists stores the default group in a default
+    argument (``zero_redundancy_optimizer._broadcast_object(group=dist.group.WORLD)``), which keeps that
+    group and its gloo threads alive after ``destroy_process_group``. An optimizer of that class exists
+    only if its module was imported."""
+    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    if module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer):
+        return optimizer.optim
     return optimizer
 
 

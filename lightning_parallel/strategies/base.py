@@ -82,13 +82,8 @@ from lightning_parallel.checkpointing.contract import check_keys, unwrapped
 from lightning_parallel.checkpointing.loss_check import FiniteLossCheck, training_loss
 from lightning_parallel.compat import compiled_by_lightning
 from lightning_parallel.distributed.collectives import clip_grad_norm_counted, group_size, share_found_inf
-from lightning_parallel.distributed.mesh import (
-    Mesh,
-    MeshShape,
-    build_mesh,
-    destroy_process_groups_at_exit,
-    new_axis_group,
-)
+from lightning_parallel.distributed.group_exit import destroy_process_groups_at_exit
+from lightning_parallel.distributed.mesh import Mesh, MeshShape, build_mesh, new_axis_group
 from lightning_parallel.distributed.optimizer_shards import (
     ShardedOptimizer,
     StatePieces,

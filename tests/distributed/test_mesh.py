@@ -45,24 +45,3 @@ def test_hsdp_axes_divide_the_data_parallel_axis():
     assert MeshShape(dp=8, dp_shard=4).all_axis_groups("dp_replicate") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     whole = MeshShape(dp=4)
     assert not whole.replicates_shards and whole.all_axis_groups("dp_shard") == whole.all_axis_groups("dp")
-
-
-def test_process_groups_are_destroyed_before_the_interpreter_exits(tmp_path):
-    """A gloo group left to the C++ destructors at exit can abort a finished rank (SIGABRT): the strategy
-    registers its destruction at exit. A handler registered earlier runs later and sees it gone."""
-    import subprocess
-    import sys
-
-    from tests.helpers.harness import REPO, free_port
-
-    code = f"""
-import atexit, torch.distributed as dist
-atexit.register(lambda: print("initialized at exit:", dist.is_initialized()))
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-from lightning_parallel.distributed.mesh import destroy_process_groups_at_exit
-destroy_process_groups_at_exit()
-destroy_process_groups_at_exit()  # once per process, however often it is called
-"""
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert "initialized at exit: False" in done.stdout

@@ -33,6 +33,7 @@ __all__ = [
     "forked_commands",
     "run_program",
     "run_processes",
+    "gloo_threads_left",
     "max_param_diff",
     "assert_params_close",
     "assert_given_back_whole",
@@ -120,24 +121,32 @@ def run_program(command: list[str], cwd: Path, timeout: float, world_size: int =
 
 
 def distributed_command(
-    cases: Iterable[dict], world_size: int, tmp_path: Path
+    cases: Iterable[dict], world_size: int, tmp_path: Path, threads_after_destroy: bool = False
 ) -> tuple[list[list[str]], list[dict], Path]:
-    """Commands and environments of ``world_size`` worker processes that run ``cases``."""
+    """Commands and environments of ``world_size`` worker processes that run ``cases``; with
+    ``threads_after_destroy``, each rank then destroys the process group and records the threads it has
+    left (``gloo_threads_left``)."""
     cases = list(cases)
     out = tmp_path / f"dist{world_size}"
     out.mkdir(parents=True, exist_ok=True)
     spec = out / "spec.json"
-    spec.write_text(json.dumps({"cases": cases, "out": str(out)}))
+    spec.write_text(
+        json.dumps({"cases": cases, "out": str(out), "threads_after_destroy": threads_after_destroy})
+    )
     cmd = [sys.executable, "-m", "tests.helpers.worker", str(spec)]
     return forked_commands(cmd, world_size), [worker_env(r, world_size) for r in range(world_size)], out
 
 
 def run_distributed(
-    cases: Iterable[dict], world_size: int, tmp_path: Path, timeout: float = 240.0
+    cases: Iterable[dict],
+    world_size: int,
+    tmp_path: Path,
+    timeout: float = 240.0,
+    threads_after_destroy: bool = False,
 ) -> dict[str, list[dict]]:
     """Run ``cases`` on ``world_size`` processes; returns {case name: [rank 0 result, rank 1 result, ...]}."""
     cases = list(cases)
-    commands, envs, out = distributed_command(cases, world_size, tmp_path)
+    commands, envs, out = distributed_command(cases, world_size, tmp_path, threads_after_destroy)
     run_processes(commands, envs, timeout, out, rendezvous=True)
     return {
         c["name"]: [
@@ -145,6 +154,15 @@ def run_distributed(
         ]
         for c in cases
     }
+
+
+def gloo_threads_left(tmp_path: Path, world_size: int) -> list[list[str]]:
+    """Each rank's gloo threads (``gloo_tcp_loop``, ``pt_gloo_runloop``) still running after its run of
+    ``run_distributed(..., threads_after_destroy=True)`` destroyed the process group and collected garbage:
+    a process group something still holds, which would live on into interpreter exit."""
+    out = tmp_path / f"dist{world_size}"
+    ranks = [json.loads((out / f"threads_rank{r}.json").read_text()) for r in range(world_size)]
+    return [[name for name in names if "gloo" in name] for names in ranks]
 
 
 def max_param_diff(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:

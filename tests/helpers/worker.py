@@ -27,7 +27,7 @@ from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning_parallel.materialize.share import release_freed_host_memory
 from lightning_parallel.memory.accounting import peak_rss_bytes, rss_bytes, unique_storage_bytes
 
-__all__ = ["run_case", "load_object"]
+__all__ = ["run_case", "load_object", "threads_after_destroy"]
 
 
 def load_object(path: str) -> Any:
@@ -282,6 +282,16 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
     return result
 
 
+def threads_after_destroy() -> list[str]:
+    """The names of this process's OS threads once the process group is destroyed and garbage is collected:
+    whatever still holds a process group keeps its gloo threads (``gloo_tcp_loop``, ``pt_gloo_runloop``)
+    running into interpreter exit, where their teardown can abort the process."""
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    gc.collect()
+    return [(Path("/proc/self/task") / t / "comm").read_text().strip() for t in os.listdir("/proc/self/task")]
+
+
 def main(spec_path: str) -> None:
     torch.set_num_threads(1)
     spec = json.loads(Path(spec_path).read_text())
@@ -291,6 +301,8 @@ def main(spec_path: str) -> None:
         out_dir = Path(spec["out"]) / case["name"]
         out_dir.mkdir(parents=True, exist_ok=True)
         torch.save(run_case(case, world_size, out_dir), out_dir / f"rank{rank}.pt")
+    if spec.get("threads_after_destroy"):
+        (Path(spec["out"]) / f"threads_rank{rank}.json").write_text(json.dumps(threads_after_destroy()))
 
 
 if __name__ == "__main__":

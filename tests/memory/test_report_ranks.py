@@ -1,6 +1,7 @@
 """The memory report on 2 real gloo processes inside ``Trainer.fit``: its figures against this rank's own
 count, the saved activations (counted, scaling with the batch, not hidden by the async pipeline's hook),
-and the tables that rank 0 alone prints, once per fit and moment, whichever of strategy or callback reports."""
+and the tables that rank 0 alone prints, once per fit and moment, whichever of strategy or callback reports;
+and that none of it keeps a process group (its gloo threads) alive after ``destroy_process_group``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from lightning_parallel.pipeline.schedules import activation_bound
 from lightning_parallel.processes import run_processes
-from tests.helpers.harness import REPO, distributed_command
+from tests.helpers.harness import REPO, distributed_command, gloo_threads_left
 
 MLP = "tests.helpers.models:MLP"
 SEQ = "tests.helpers.pp_models:SequentialNet"
@@ -55,14 +56,15 @@ CASES = [
 ]
 CHECKED = ("parameters", "gradients", "optimizer_state")
 #: fitted in the same processes; only their expected column is checked (ZeRO's gradients live in its shards)
-ZERO_CASES = [case(f"lp_ddp-zero{z}", MLP, lp("DDPStrategy", zero_stage=z)) for z in (1, 2)]
+ZERO_CASES = [case(f"lp_ddp-zero{z}", MLP, lp("DDPStrategy", zero_stage=z)) for z in (1, 2, 3)]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Every case fitted in the same 2 processes: {name: [rank 0's probe, rank 1's]}, and each rank's output."""
+    """Every case fitted in the same 2 processes: {name: [rank 0's probe, rank 1's]}, each rank's output, and
+    the gloo threads each rank had left once it destroyed the process group at the end."""
     tmp_path = tmp_path_factory.mktemp("memory")
-    commands, envs, out = distributed_command(CASES + ZERO_CASES, 2, tmp_path)
+    commands, envs, out = distributed_command(CASES + ZERO_CASES, 2, tmp_path, threads_after_destroy=True)
     outputs = run_processes(commands, envs, 400, out, rendezvous=True)
     results = {
         c["name"]: [
@@ -74,7 +76,7 @@ def runs(tmp_path_factory):
         for rank, probe in enumerate(probes):
             row = probe["tables"]["end_of_fit"][rank]
             print(name, rank, {c: (row[c], probe["outside"][c]) for c in CHECKED}, row["activations"])
-    return results, outputs
+    return results, outputs, gloo_threads_left(tmp_path, 2)
 
 
 @pytest.mark.slow
@@ -159,3 +161,13 @@ def test_zero_bubble_holds_the_schedule_s_bound_of_micro_batches(runs) -> None:
         each = (held["gpipe"] - held["1f1b"]) / (m - activation_bound("1f1b", p, m, rank))
         expected = held["gpipe"] - each * (m - activation_bound("zb_h1", p, m, rank))
         assert abs(held["zb_h1"] - expected) <= 0.05 * expected, (rank, held, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(450)
+def test_no_process_group_outlives_destroy_process_group(runs) -> None:
+    """After fits with every strategy and the report (lp_ddp at ZeRO 0-3, tensor parallel, pipelines,
+    Lightning's ddp), ``destroy_process_group`` and a garbage collection end every gloo thread: nothing
+    the package did keeps a process group alive into interpreter exit, where a gloo thread's teardown can
+    abort a rank that finished ("terminate called without an active exception")."""
+    assert runs[2] == [[], []], f"gloo threads left on each rank: {runs[2]}"
