@@ -30,6 +30,7 @@ from tests.helpers.harness import (
     UNTRUSTED,
     assert_given_back_whole,
     assert_params_close,
+    gloo_threads_left,
     max_param_diff,
     run_distributed,
     saved_checkpoint,
@@ -439,7 +440,11 @@ def runs(tmp_path_factory):
     results = {}
     for world, cases in by_world.items():
         cases = [running_user_code(reading_weights(c)) for c in cases]
-        results.update(run_distributed(cases, world_size=world, tmp_path=tmp, timeout=600))
+        results.update(
+            run_distributed(
+                cases, world_size=world, tmp_path=tmp, timeout=600, threads_after_destroy=world > 1
+            )
+        )
     saved = str(tmp / "dist2" / "ddp2-gpt-adamw-z1" / "last.ckpt")  # ZeRO-1 at dp=2, several buckets
     later = {
         1: [case("resume-dp1-z1", "gpt", "adamw", DDP, {"zero_stage": 1}, 1, 10, ckpt_path=saved)],
@@ -482,6 +487,16 @@ def runs(tmp_path_factory):
     for world, cases in later.items():
         results.update(run_distributed(cases, world_size=world, tmp_path=tmp / "later", timeout=400))
     return tmp, results
+
+
+@pytest.mark.timeout(1500)
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_no_process_group_outlives_destroy_process_group(runs, world):
+    """After each world's runs (every ZeRO stage, tp, pp and ep layouts, HSDP, sharded saves), each rank
+    destroys the process group and collects garbage: no gloo thread may be left (a group something still
+    holds would be torn down at interpreter exit, where it can abort a rank that finished)."""
+    tmp, _ = runs
+    assert gloo_threads_left(tmp, world) == [[]] * world
 
 
 @pytest.mark.timeout(1500)
