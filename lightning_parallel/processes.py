@@ -86,15 +86,23 @@ def start_processes(
                 break
             time.sleep(POLL_S)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+        for p in procs:  # each process's whole session: what it started too, also after it exited itself
+            _kill_session(p.pid)
             p.wait()
         for h in handles:
             h.close()
     return ProcessResults(
         [p.returncode for p in procs], [log.read_text() for log in logs], time.monotonic() - start
     )
+
+
+def _kill_session(pid: int) -> None:
+    """SIGKILL to every process left in the session that ``pid`` leads (``start_new_session``): the process,
+    if it still runs, and what it started, e.g. torchrun's ranks when torchrun itself has exited."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:  # nothing of it is left
+        pass
 
 
 def run_processes(
