@@ -8,14 +8,7 @@ import time
 import pytest
 
 from lightning_parallel.processes import start_processes
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+from tests.helpers.harness import process_alive
 
 
 @pytest.mark.timeout(60)
@@ -28,6 +21,6 @@ def test_a_process_that_exited_leaves_nothing_it_started(tmp_path, code):
     assert result.codes == [code]
     child = int((tmp_path / "child.pid").read_text())
     deadline = time.monotonic() + 5
-    while _alive(child) and time.monotonic() < deadline:
+    while process_alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(child), f"the child {child} of the exited process still runs"
+    assert not process_alive(child), f"the child {child} of the exited process still runs"

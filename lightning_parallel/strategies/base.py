@@ -526,7 +526,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         if store is None:
             return {}
         store.set_timeout(self._timeout)
-        return {"store": torch.distributed.PrefixStore("default_pg", store)}
+        return {"store": store}
 
     @property
     def dp_group(self) -> Optional[torch.distributed.ProcessGroup]:

@@ -207,17 +207,17 @@ def _connect(store: HostedStore) -> torch.distributed.Store:
 
 
 def launching_store() -> Optional[torch.distributed.Store]:
-    """For the first process group of a launch, in the process that launched it and hosts its store: this
-    process's connection to that store, made before the children started (once; None elsewhere, and for a
-    group made again later in the run, which connects through ``env://``). Pass it to
-    ``init_process_group`` as ``PrefixStore("default_pg", store)``, the prefix the ``env://`` path adds,
-    so that this rank meets the children's keys."""
+    """For the first process group of a launch, in the process that launched it and hosts its store: the
+    ``store`` to give ``init_process_group``, this process's connection to that store, made before the
+    children started (once; None elsewhere, and for a group made again later in the run, which connects
+    through ``env://``). Under the prefix the ``env://`` path adds (``default_pg``), so that this rank
+    meets the children's keys."""
     with _LOCK:
         state = _ACTIVE
         if state is None or state.connection is None:
             return None
         connection, state.connection = state.connection, None
-    return connection
+    return torch.distributed.PrefixStore("default_pg", connection)
 
 
 def _kill(procs: Sequence[subprocess.Popen], grace: float = 0.0) -> None:

@@ -24,6 +24,7 @@ from tests.helpers.worker import run_case
 
 __all__ = [
     "free_port",
+    "process_alive",
     "run_single",
     "run_single_once",
     "training_key",
@@ -52,6 +53,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process with ``pid`` exists (a zombie not yet reaped counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def run_single(case: dict, tmp_path: Path) -> dict:

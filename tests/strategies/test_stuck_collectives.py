@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from lightning_parallel.distributed.rendezvous import HostedStore
-from tests.helpers.harness import REPO, distributed_command, run_processes, start_processes
+from tests.helpers.harness import REPO, distributed_command, process_alive, run_processes, start_processes
 from tests.helpers.one_sided import STUCK_MARKER_ENV
 
 FAILURE_TIMEOUT = 5.0
@@ -123,14 +123,6 @@ def test_a_rank_that_finished_a_run_may_start_the_next_one_late(tmp_path):
     assert not any(NEVER_JOINED in o for o in outputs)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def _wait_for(path: Path, procs: list[subprocess.Popen], seconds: float) -> None:
     deadline = time.monotonic() + seconds
     while not path.exists():
@@ -219,7 +211,7 @@ def test_under_lightnings_launcher_the_launching_process_and_its_children_end(tm
             stuck = time.monotonic()
             proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
-        while _alive(pids[1]) and time.monotonic() - stuck < 60:
+        while process_alive(pids[1]) and time.monotonic() - stuck < 60:
             time.sleep(0.1)
         took = time.monotonic() - stuck
     finally:
@@ -227,10 +219,10 @@ def test_under_lightnings_launcher_the_launching_process_and_its_children_end(tm
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         for pid in pids[1:]:
-            if _alive(pid):
+            if process_alive(pid):
                 os.kill(pid, signal.SIGKILL)
     output = (tmp_path / "launcher.log").read_text()
-    assert not _alive(pids[1]), "rank 1 outlived the launching process"
+    assert not process_alive(pids[1]), "rank 1 outlived the launching process"
     print(f"ended {took:.1f} s after the {'signal' if ending == 'sigterm' else 'one-sided call'}")
     if ending == "sigterm":
         assert took < 8, f"took {took:.1f} s after SIGTERM"
