@@ -15,6 +15,7 @@ dominate: ``--layers 32 --width 512 --batch-size 1`` (docs/benchmarks.md).
 
 - ``zero0`` .. ``zero3``: ``lp_ddp`` with ``zero_stage`` 0-3; ``zero3_keep``: stage 3 with
   ``reshard_after_forward=False`` (each block kept gathered from its forward to its backward);
+  ``zero3_heap``: stage 3 with ``release_host_memory=False`` (glibc's heap policy left as it is);
 - ``fsdp2`` / ``fsdp2_keep``: Lightning's ``ModelParallelStrategy(data_parallel_size=N,
   tensor_parallel_size=1)`` with ``fully_shard`` written in ``configure_model`` as Lightning's docs write it:
   one call per ``Block`` on the mesh's data-parallel dimension, then one on the whole model
@@ -55,15 +56,16 @@ from common import (  # noqa: E402
     worker_args,
 )
 
-#: configuration -> (strategy, zero_stage, reshard_after_forward)
+#: configuration -> (strategy, zero_stage, reshard_after_forward, release_host_memory)
 CONFIGS = {
-    "zero0": ("lp_ddp", 0, True),
-    "zero1": ("lp_ddp", 1, True),
-    "zero2": ("lp_ddp", 2, True),
-    "zero3": ("lp_ddp", 3, True),
-    "zero3_keep": ("lp_ddp", 3, False),
-    "fsdp2": ("fsdp2", 3, True),
-    "fsdp2_keep": ("fsdp2", 3, False),
+    "zero0": ("lp_ddp", 0, True, True),
+    "zero1": ("lp_ddp", 1, True, True),
+    "zero2": ("lp_ddp", 2, True, True),
+    "zero3": ("lp_ddp", 3, True, True),
+    "zero3_heap": ("lp_ddp", 3, True, False),
+    "zero3_keep": ("lp_ddp", 3, False, True),
+    "fsdp2": ("fsdp2", 3, True, True),
+    "fsdp2_keep": ("fsdp2", 3, False, True),
 }
 #: layouts of 4 processes for the memory report's expected column against what it measures (named with
 #: ``--configs``): configuration -> (tensor-parallel size, pipeline-parallel size, zero_stage), dp = 2
@@ -131,10 +133,15 @@ def build_strategy(config: str, world_size: int, bucket_cap_mb: float = 25):
             zero_stage=stage,
             num_microbatches=2,
         )
-    name, stage, reshard = CONFIGS[config]
+    name, stage, reshard, release = CONFIGS[config]
     if name == "fsdp2":
         return ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)
-    return lp.DDPStrategy(zero_stage=stage, reshard_after_forward=reshard, bucket_cap_mb=bucket_cap_mb)
+    return lp.DDPStrategy(
+        zero_stage=stage,
+        reshard_after_forward=reshard,
+        release_host_memory=release,
+        bucket_cap_mb=bucket_cap_mb,
+    )
 
 
 def unit_size():
@@ -305,7 +312,7 @@ def criteria(records: list[dict], args: argparse.Namespace) -> None:
         found = {
             c: [r for r in records if r["config"] == c and r["world_size"] == world_size] for c in CONFIGS
         }
-        for config in ("zero3", "zero3_keep"):
+        for config in ("zero3", "zero3_heap", "zero3_keep"):
             if not (found[config] and found["zero0"] and found["zero1"]):
                 continue
             mine, zero0 = found[config][-1], found["zero0"][-1]

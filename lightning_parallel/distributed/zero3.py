@@ -14,8 +14,8 @@ One step, in the order the hooks run::
     forward      a block's forward pre-hook gathers it (its shard into its range, an all-gather of the
                  ranges; the next block's gather is started then, so it runs while this one computes:
                  at most one unit in flight); its forward hook frees it again (``reshard_after_forward``;
-                 False keeps it until its backward; an evaluation forward always frees) and hooks its
-                 outputs. The root unit is
+                 False keeps it until its backward, and so does the last block, whose backward is the
+                 first; an evaluation forward always frees) and hooks its outputs. The root unit is
                  gathered by the strategy before the step (and by the forward pre-hook of every module that
                  owns one of its parameters: a second forward after a backward) and kept through backward.
     backward     the first gradient of a block's outputs gathers it again (before any of its backward
@@ -299,7 +299,10 @@ def map_large_host_blocks() -> None:
     copy, or a step a large gradient, the activations and gradients of every later step come from its
     heap, whose freed holes stay resident below what lives above them. ZeRO-3 holds little between steps,
     so those holes were most of what it added: at dp=4, 32 blocks of width 384, 145 MiB of a 501 MiB peak
-    above the runtime (docs/memory.md). Process-wide, as ``MALLOC_MMAP_THRESHOLD_`` would set it."""
+    above the runtime (docs/memory.md). The price: each such block is faulted in page by page whenever it is
+    allocated again (on a 2-core VM, about 45 ms of a 600 ms step at dp=2, docs/benchmarks.md), which the
+    strategies' ``release_host_memory=False`` avoids. Process-wide, as ``MALLOC_MMAP_THRESHOLD_`` would set
+    it, and for the rest of the process (glibc's own adjusting threshold cannot be restored)."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, MAPPED_BYTES)
     except (OSError, AttributeError):
@@ -402,6 +405,7 @@ class ShardedParameters:
             ``device`` (filled by ``place``).
         dtypes: the gathered parameters' and the reduced gradients' dtypes (``zero3_dtypes``); the shards keep
             the parameters' own.
+        release_host_memory: on the CPU, ``map_large_host_blocks`` (False: glibc's heap policy left as it is).
     """
 
     def __init__(
@@ -416,6 +420,7 @@ class ShardedParameters:
         kept: bool = False,
         device: Optional[torch.device] = None,
         dtypes: UnitDtypes = UnitDtypes(),
+        release_host_memory: bool = True,
     ) -> None:
         self.group, self.gather_group, self.dtypes = group, gather_group, dtypes
         self.reshard_after_forward, self.kept = reshard_after_forward, kept
@@ -450,7 +455,7 @@ class ShardedParameters:
             before = self._refuse_freed if kept else self._gather_before
             self._handles += [m.register_forward_pre_hook(partial(before, self.root)) for m in owners]
         self._handles += self._guard_state_dicts(module)
-        if any(unit.full.device.type == "cpu" for unit in self.units()):
+        if release_host_memory and any(unit.full.device.type == "cpu" for unit in self.units()):
             map_large_host_blocks()
         self.pages = PagePool()  # the freed units' pages, for the next gathers of the step
         for unit in self.units():
@@ -724,8 +729,16 @@ class ShardedParameters:
             tensors = [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.requires_grad]
             for t in tensors:
                 t.register_hook(partial(self._before_block_backward, unit))
-        if (self.reshard_after_forward or not training) and not self._gathered_depth:
+        if self._frees_after_forward(unit, training) and not self._gathered_depth:
             unit.free(keep_pages=self._gathered_next(unit, +1))
+
+    def _frees_after_forward(self, unit: ParameterUnit, training: bool) -> bool:
+        """Whether a block is freed after its forward: always after an evaluation forward; after a training
+        forward as ``reshard_after_forward`` says, except the last block of the stack, whose backward comes
+        first (torchtitan keeps it too): freeing it would gather it again at once."""
+        if not training:
+            return True
+        return self.reshard_after_forward and self._index.get(id(unit)) != len(self.blocks) - 1
 
     def _before_block_backward(self, unit: ParameterUnit, grad: Tensor) -> None:
         """The block's backward comes next: gathered, and the block before it (whose backward follows)
@@ -735,9 +748,14 @@ class ShardedParameters:
         self._prefetch(unit, -1)
 
     def before_forward(self) -> None:
-        """Before a step's forward: the root unit gathered (it is used before and after the blocks)."""
+        """Before a step's forward: the root unit gathered (it is used before and after the blocks), the first
+        block's gather started behind it."""
         if self.root is not None:
-            self.gather(self.root)
+            self.start_gather(self.root)
+        if self.blocks and not self.kept:
+            self.prefetches += self.start_gather(self.blocks[0])
+        if self.root is not None:
+            self.root.wait()
 
     def after_forward(self) -> None:
         """After a step's forward: an evaluation step (no backward to come) frees what it gathered."""

@@ -221,15 +221,27 @@ def _shard_size_problem(cls: type, values: Mapping[str, Any], prefix: str) -> Op
     return None
 
 
-def _reshard_problem(stage: Any, reshard: Any, prefix: str) -> Optional[str]:
-    """``reshard_after_forward`` against ``zero_stage`` (the pipelines' refusal: ``zero3_stages_problem``)."""
-    if not isinstance(reshard, bool):
-        return f"{prefix}reshard_after_forward must be True or False, got {reshard!r} (default True)"
-    if not reshard and stage != 3:
-        return (
-            f"{prefix}reshard_after_forward=False keeps zero_stage=3's gathered blocks until their backward; "
-            f"with zero_stage={stage} the parameters are whole anyway: leave it True, or use zero_stage=3"
-        )
+#: the switches of zero_stage=3 (default True) -> what False does, and why it means nothing below stage 3
+ZERO3_SWITCHES = {
+    "reshard_after_forward": (
+        "keeps zero_stage=3's gathered blocks until their backward",
+        "the parameters are whole anyway",
+    ),
+    "release_host_memory": (
+        "leaves glibc's heap policy as it is for zero_stage=3's host memory",
+        "nothing is sharded that would release memory",
+    ),
+}
+
+
+def _zero3_switch_problem(name: str, stage: Any, value: Any, prefix: str) -> Optional[str]:
+    """A switch of ``ZERO3_SWITCHES`` against ``zero_stage`` (the pipelines' refusal of
+    ``reshard_after_forward``: ``zero3_stages_problem``)."""
+    if not isinstance(value, bool):
+        return f"{prefix}{name} must be True or False, got {value!r} (default True)"
+    if not value and stage != 3:
+        does, moot = ZERO3_SWITCHES[name]
+        return f"{prefix}{name}=False {does}; with zero_stage={stage} {moot}: leave it True, or use zero_stage=3"
     return None
 
 
@@ -271,10 +283,17 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             ``distributed.zero3``: lp_ddp, and lp_parallel, where each rank's tensor-parallel and pipeline
             share is sharded over dp). Needs an elementwise ``torch.optim`` optimizer (SGD, Adam, AdamW, ...).
         reshard_after_forward: with ``zero_stage=3``, free each block's gathered parameters after its
-            forward and gather them again for its backward (True); False keeps them from the forward to
-            the end of its backward (one gather per step, more memory held during the step). Refused where it
+            forward and gather them again for its backward (True; the last block, whose backward comes
+            first, is kept); False keeps them from the forward to the end of its backward (one gather per
+            step, more memory held during the step). Refused where it
             means nothing: below zero_stage=3, and under pipeline stages, whose units are kept gathered across
             the micro-batches of a step already.
+        release_host_memory: with ``zero_stage=3`` on the CPU, glibc serves every block of 1 MiB or more from
+            a mapping of its own, handed back to the system when freed, process-wide from set-up on (True):
+            the freed gathers and gradients never stay resident in its heap, for the lowest peak resident
+            memory, at a page fault per 4 KiB each time such memory is used again. False leaves glibc's
+            policy as it is: fewer faults and a faster step, a higher peak (docs/benchmarks.md, ZeRO-3).
+            No effect on GPUs.
         data_parallel_shard_size: HSDP (lp_ddp, and lp_parallel without pipeline stages or experts; with
             ``zero_stage``): ZeRO shards over groups of this
             many neighbouring data-parallel ranks (the "shard" dimension of FSDP2's 2-D mesh; on several
@@ -336,6 +355,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         activation_checkpointing: Spec = False,
         zero_stage: int = 0,
         reshard_after_forward: bool = True,
+        release_host_memory: bool = True,
         data_parallel_shard_size: Optional[int] = None,
         param_dtype: Optional[str] = None,
         reduce_dtype: Optional[str] = None,
@@ -379,6 +399,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.zero_stage = zero_stage
         self.reshard_after_forward = reshard_after_forward
+        self.release_host_memory = release_host_memory
         self.data_parallel_shard_size = data_parallel_shard_size
         self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
         self.compile = compile
@@ -420,7 +441,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             _shard_size_problem(cls, values, prefix),
             dtype_option_problem(f"{prefix}param_dtype", values["param_dtype"], values["zero_stage"]),
             dtype_option_problem(f"{prefix}reduce_dtype", values["reduce_dtype"], values["zero_stage"]),
-            _reshard_problem(values["zero_stage"], values["reshard_after_forward"], prefix),
+            *(_zero3_switch_problem(name, values["zero_stage"], values[name], prefix) for name in ZERO3_SWITCHES),
         ]
 
     @classmethod
@@ -718,6 +739,7 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             kept,
             device,
             unit_dtypes(self.param_dtype, self.reduce_dtype, self._precision()),
+            self.release_host_memory,
         )
         self.parameter_shards.append(shards)
         return shards

@@ -388,3 +388,27 @@ def forwards_set_on_modules(trainer) -> list[str]:
     """After fit: the modules whose ``forward`` is still set on the instance (a compile or a recompute that
     set-up applied and did not take off)."""
     return [n for n, m in trainer.lightning_module.named_modules() if "forward" in m.__dict__]
+
+
+def host_blocks_mapped(_trainer) -> bool:
+    """Whether glibc serves a block of 2 MiB from a mapping of its own now, after an 8 MiB block was freed:
+    with its own adjusting threshold (raised by that free) it comes from the heap; with the threshold that
+    ``zero_stage=3``'s ``release_host_memory`` fixes at 1 MiB, from a mapping (``mallinfo2().hblks``)."""
+    import ctypes
+
+    import torch
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd")] + [
+            (name, ctypes.c_size_t) for name in ("usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+        ]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+    freed = torch.empty(2 * 2**20)  # 8 MiB
+    del freed
+    before = libc.mallinfo2().hblks
+    held = torch.empty(2**19)  # 2 MiB
+    mapped = libc.mallinfo2().hblks > before
+    del held
+    return mapped

@@ -697,10 +697,10 @@ def test_sharded_zero_checkpoint_is_written_in_pieces_and_resumes_exactly(runs, 
 @pytest.mark.timeout(1500)
 def test_reshard_after_forward_gathers_each_block_again_for_its_backward(runs):
     """zero_stage=3 gathers a block for its forward and, freed after it (the default), again for its
-    backward; ``reshard_after_forward=False`` keeps it from the forward to its backward: per training step
-    the default gathers every block once more. The next block's gather starts while one computes: in
-    forward every block but the first is prefetched, and so in backward every block but the last when they
-    were freed after forward."""
+    backward (all but the last block, whose backward comes first); ``reshard_after_forward=False`` keeps
+    each from the forward to its backward: per training step the default gathers every block but the last
+    once more. The next block's gather starts while one computes: in forward every block (the first behind
+    the root unit's gather), and in backward every block but the last."""
     _, results = runs
     target, kwargs = MODELS["llama"]
     blocks, steps = len(find_block_stack(load_object(target)(**kwargs))[1]), 5
@@ -710,9 +710,9 @@ def test_reshard_after_forward_gathers_each_block_again_for_its_backward(runs):
     ):
         default, default_prefetched = results[default_run][0]["probe"]["gathers"]
         kept, kept_prefetched = results[kept_run][0]["probe"]["gathers"]
-        assert default - kept == steps * blocks, (default_run, default, kept)
-        assert kept_prefetched == steps * (blocks - 1), kept_run
-        assert default_prefetched == 2 * steps * (blocks - 1), default_run
+        assert default - kept == steps * (blocks - 1), (default_run, default, kept)
+        assert kept_prefetched == steps * blocks, kept_run
+        assert default_prefetched == steps * (2 * blocks - 1), default_run
 
 
 @pytest.mark.timeout(1500)
