@@ -75,7 +75,7 @@ def time_blocks(
 ) -> list[float]:
     """Seconds of forward + backward of each block alone on its captured inputs, read on ``clock`` (wall
     time; the planner reads a CPU process's own CPU time, ``time.thread_time``), the ``pick`` of the
-    repeats (the median; the planner takes the fastest, as other processes' load only adds time)."""
+    repeats (the median)."""
     return [pick([f + b for f, b in runs]) for runs in _passes(blocks, inputs, repeats, clock)]
 
 

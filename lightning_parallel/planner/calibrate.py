@@ -38,6 +38,7 @@ __all__ = [
     "CollectiveFit",
     "calibrate_collectives",
     "scheduler_slice",
+    "shared_compute",
     "cluster_from_fits",
     "device_flops",
     "fit_alpha_beta",
@@ -249,6 +250,43 @@ def scheduler_slice(seconds: float = 1.0, gap_s: float = 50e-6) -> float:
     return statistics.median(runs[1:]) if len(runs) > 2 else 0.0
 
 
+def _compute_sample(size: int = 256, repeats: int = 9) -> float:
+    """The median CPU seconds of this thread for one pass of a small two-layer MLP, forward and backward
+    (a block's work at the sizes the CPU box trains), after a warm-up pass."""
+    torch.manual_seed(0)
+    x = torch.randn(4 * size, size)
+    w1 = torch.randn(size, 4 * size, requires_grad=True)
+    w2 = torch.randn(4 * size, size, requires_grad=True)
+    samples = []
+    for _ in range(repeats + 1):
+        start = time.thread_time()
+        (torch.nn.functional.gelu(x @ w1) @ w2).sum().backward()
+        samples.append(time.thread_time() - start)
+    return sorted(samples[1:])[repeats // 2]
+
+
+def shared_compute(group: Any = None, rounds: int = 5) -> float:
+    """How many times longer a rank's compute takes on a CPU box while every rank of ``group`` computes at
+    once than alone (``Cluster.shared_compute``): rank 0 times a small MLP pass alone while the others wait,
+    then every rank times it at once; the median of ``rounds`` such ratios on rank 0 (one ratio varied from
+    1.0 to 1.1 on the 2-core box), given to every rank. One thread per rank."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    ratios = []
+    try:
+        for _ in range(rounds):
+            alone = _compute_sample() if dist.get_rank(group) == 0 else 0.0
+            dist.barrier(group=group)
+            together = _compute_sample()
+            dist.barrier(group=group)
+            ratios.append(together / alone if alone > 0 else 1.0)
+    finally:
+        torch.set_num_threads(threads)
+    ratio = torch.tensor([sorted(ratios)[rounds // 2]], dtype=torch.float64)
+    dist.broadcast(ratio, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return max(1.0, float(ratio))
+
+
 @dataclass(frozen=True)
 class Calibration:
     """What the machine at hand measured: its cluster, each collective's fit, and the blocks' timings."""
@@ -292,6 +330,8 @@ def calibrate(
     )
     if device.type == "cpu":  # the processes share the host's cores, taking turns when they outnumber them
         slice_s = scheduler_slice() if dist.get_rank(group) == 0 else 0.0
-        cluster = dataclasses.replace(cluster, cores=len(os.sched_getaffinity(0)), slice_s=slice_s)
+        cluster = dataclasses.replace(
+            cluster, cores=len(os.sched_getaffinity(0)), slice_s=slice_s, shared_compute=shared_compute(group)
+        )
     blocks = time_model_blocks(module, run_step, block_stack) if module is not None else []
     return Calibration(cluster, fits, blocks)

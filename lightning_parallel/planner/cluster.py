@@ -59,7 +59,9 @@ class Cluster:
     ``backend``: the process groups' backend; on ``gloo`` the package's sequence-parallel all-gather and
     reduce-scatter are each an all-reduce of the whole tensor (``distributed.collectives._on_host``).
     ``slice_s``: on such a box, the scheduler's time slice: how long a process runs before another
-    runnable one on its core takes its turn (``calibrate.scheduler_slice``)."""
+    runnable one on its core takes its turn (``calibrate.scheduler_slice``). ``shared_compute``: on such a
+    box, how many times longer a rank's compute takes while every core runs a rank than alone (their caches
+    and memory bandwidth are shared; ``calibrate.shared_compute``); 1.0 where each device computes alone."""
 
     name: str
     nodes: int
@@ -71,6 +73,7 @@ class Cluster:
     cores: int = 0
     backend: str = "nccl"
     slice_s: float = 0.0
+    shared_compute: float = 1.0
 
     @property
     def devices(self) -> int:
@@ -90,7 +93,7 @@ class Cluster:
         values = dict(values)
         for key in ("within_node", "between_nodes"):  # numbers as floats: YAML reads 4.5e11 as text
             values[key] = Link.from_mapping(values[key])
-        for key in ("memory", "flops", "slice_s"):
+        for key in ("memory", "flops", "slice_s", "shared_compute"):
             if key in values:
                 values[key] = float(values[key])
         return cls(**values)

@@ -21,7 +21,8 @@ Pure: no process, no tensor. What it models, in the order a step runs (docs/plan
   start it during that backward (``schedules.OVERLAPPED``) and a core is spare; the post-step all-gather
   never overlaps;
 - processes outnumbering a CPU box's cores: the step at least their work over the cores, and each blocking
-  collective waiting for its peer's turn (``turn_wait_s``);
+  collective waiting for its peer's turn (``turn_wait_s``); processes computing on several of its cores at
+  once: each computes slower, as the box's ``shared_compute`` measured (``compute_scale``);
 - the optimizer step on the rank's share of the state.
 
 Memory: ``memory.expected``'s model states of the busiest rank's share, and its chunks' activations times
@@ -55,7 +56,7 @@ from lightning_parallel.planner.collective_time import (
 )
 from lightning_parallel.planner.layout import Layout
 
-__all__ = ["BlockCost", "ModelCost", "Prediction", "predict", "BUCKET_BYTES"]
+__all__ = ["BlockCost", "ModelCost", "Prediction", "predict", "compute_scale", "BUCKET_BYTES"]
 
 #: lp_ddp's gradient bucket size (``bucket_cap_mb=25``): a reduce's latency is paid per bucket
 BUCKET_BYTES = 25 * 2**20
@@ -176,6 +177,7 @@ def _chunks(model: ModelCost, layout: Layout, cluster: Cluster) -> list[_Chunk]:
     n = layout.pp * layout.virtual_stages
     counts = _balance(tuple(b.parameter_bytes for b in model.blocks), n)
     scale = layout.microbatch / model.batch_size
+    slower = compute_scale(layout, cluster)
     tp, ep = layout.tp, layout.ep
     tp_link, ep_link = cluster.link(tp), cluster.link(ep, tp * layout.pp)
     pp_link = cluster.link(layout.pp, tp)
@@ -193,15 +195,16 @@ def _chunks(model: ModelCost, layout: Layout, cluster: Cluster) -> list[_Chunk]:
             if b.expert_parameter_bytes:
                 size = b.output_bytes * scale / (tp if layout.sequence_parallel else 1)
                 comm += 2 * all_to_all_s(size, ep, ep_link)
-            block_forward, block_backward = b.seconds(scale, tp)
-            rerun = {True: block_forward, "selective": b.attention_s * scale / tp, False: 0.0}[layout.recompute]
+            block_forward, block_backward = (t * slower for t in b.seconds(scale, tp))
+            selective = b.attention_s * scale / tp * slower
+            rerun = {True: block_forward, "selective": selective, False: 0.0}[layout.recompute]
             forward += block_forward + comm
             backward += block_backward + rerun + comm * (2 if layout.recompute is True else 1)
         last = g == n - 1
         if last:
             other_forward, other_backward = model.other_seconds(scale, tp)
-            forward += other_forward
-            backward += other_backward
+            forward += other_forward * slower
+            backward += other_backward * slower
         if layout.pp > 1:
             message = p2p_s(
                 blocks[-1].output_bytes * scale / (tp if layout.sequence_parallel else 1), pp_link
@@ -335,6 +338,7 @@ def predict(model: ModelCost, layout: Layout, cluster: Cluster, precision: str =
         worst_comm, worst_elements = max(worst_comm, comm), max(worst_elements, dense + expert)
     whole = model.parameter_bytes / model.parameter_itemsize
     optimizer_s = model.optimizer_step_s * worst_elements / whole / (layout.dp if layout.zero_stage else 1)
+    optimizer_s *= compute_scale(layout, cluster)
     assert worst_states is not None
     largest_unit = max(b.parameter_bytes for b in model.blocks) / layout.tp / model.parameter_itemsize
     # zero_stage=3: two units in flight, or under pipeline stages the whole stage, gathered for its schedule
@@ -369,6 +373,17 @@ def _shared_cores_s(layout: Layout, cluster: Cluster, busy: list[float], per_pro
     return (replicas * sum(busy) + processes * per_process_s) / cluster.cores
 
 
+def compute_scale(layout: Layout, cluster: Cluster) -> float:
+    """How many times longer a rank computes than it did alone when timed: on a CPU box whose ``cores`` its
+    processes share, ``cluster.shared_compute`` with every core running one, in proportion to the other
+    cores they occupy below that; 1.0 with one process or devices of their own."""
+    processes = min(layout.devices, cluster.devices_per_node)
+    if cluster.cores < 2 or processes < 2:
+        return 1.0
+    others = min(processes, cluster.cores) - 1
+    return 1.0 + (cluster.shared_compute - 1.0) * others / (cluster.cores - 1)
+
+
 def turn_wait_s(layout: Layout, cluster: Cluster) -> float:
     """The wait of one blocking collective or message where a node's processes outnumber its cores: the
     peer it waits for is one of ``processes / cores`` processes taking turns on a core, and runs after the
@@ -382,13 +397,13 @@ def turn_wait_s(layout: Layout, cluster: Cluster) -> float:
 
 def _data_parallel_calls(layout: Layout, model: ModelCost, units: int) -> int:
     """The data-parallel collectives a rank waits on in a step: each bucket's reduce (ZeRO 1/2 and the
-    post-step all-gather: two), ZeRO-3's two gathers and one reduce per unit (one gather under pipeline
-    stages)."""
+    post-step all-gather: two), ZeRO-3's two gathers and one reduce per unit, the last unit gathered once
+    (one gather under pipeline stages)."""
     if layout.dp <= 1:
         return 0
     buckets = max(1, math.ceil(model.parameter_bytes / layout.tp / layout.pp / BUCKET_BYTES))
     if layout.zero_stage == 3:
-        return buckets + 1 if layout.pp > 1 else 3 * max(1, units)
+        return buckets + 1 if layout.pp > 1 else 3 * max(1, units) - 1
     return buckets * (2 if layout.zero_stage else 1)
 
 
@@ -432,7 +447,8 @@ def _data_parallel_s(gradient_bytes: float, layout: Layout, link, window: float,
         exposed += buckets * all_gather_s(gradient_bytes / buckets, n, link)
     if layout.zero_stage == 3 and layout.pp > 1:  # a stage's units gathered once, when its schedule starts
         exposed += all_gather_s(gradient_bytes, n, link)
-    elif layout.zero_stage == 3:  # each unit gathered for its forward and again for its backward, prefetched
-        gathers = 2 * max(1, units) * all_gather_s(gradient_bytes / max(1, units), n, link)
+    elif layout.zero_stage == 3:  # each unit gathered for its forward and again for its backward (the last
+        # kept between them), prefetched
+        gathers = (2 * max(1, units) - 1) * all_gather_s(gradient_bytes / max(1, units), n, link)
         exposed += gathers / max(1, units) if window > 0 else gathers  # no window: no core to overlap on
     return exposed

@@ -4,9 +4,12 @@ inputs (``pipeline.profile``, as ``balance="time"`` does), its saved activations
 
 On a CPU the times are this thread's CPU seconds (``time.thread_time``; the ranks run one thread each):
 what a rank computes, which other processes' load on the machine does not add to, where wall time would
-measure the load. Each block is also timed on a quarter of the batch: the part of its time that does not
-shrink with the batch (``BlockCost.fixed_s``, each operator's dispatch) is what the two times' line gives
-at no samples.
+measure the load. Each time is the median of its repeats, as a run's step time is the median of its steps
+(the fastest repeat was 0.91x the median on the 2-core box). What ranks computing at once on shared cores
+add is the cluster's ``shared_compute``.
+
+Each block is also timed on a quarter of the batch: the part of its time that does not shrink with the
+batch (``BlockCost.fixed_s``, each operator's dispatch) is what the two times' line gives at no samples.
 
 For a cluster that is not this machine, ``flop_times`` replaces the times by a FLOP estimate at the
 cluster's rate (2 flops per parameter per token forward, 4 backward); the bytes stay as measured. The
@@ -16,6 +19,7 @@ calibration (``planner.calibrate``) produces the same ``ModelCost`` on the real 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from typing import Any, Callable, Optional, Sequence
 
@@ -55,14 +59,14 @@ def _saved_bytes(module: nn.Module, run: Callable[[], Any]) -> tuple[int, Any]:
     return counter.live, out
 
 
-def _fastest_seconds(run: Callable[[], None], repeats: int, clock: Callable[[], float]) -> float:
-    """The fastest of ``repeats`` runs after a warm-up: other processes' load on the machine only adds."""
+def _typical_seconds(run: Callable[[], None], repeats: int, clock: Callable[[], float]) -> float:
+    """The median of ``repeats`` runs after a warm-up."""
     samples = []
     for _ in range(repeats + 1):
         start = clock()
         run()
         samples.append(clock() - start)
-    return min(samples[1:])
+    return statistics.median(samples[1:])
 
 
 def _clock(module: nn.Module) -> Callable[[], float]:
@@ -113,12 +117,12 @@ def measure_model(
     blocks = list(stack)
     clock = _clock(module)
     inputs = capture_block_inputs(blocks, step)
-    times = time_blocks(blocks, inputs, repeats, clock, min)
+    times = time_blocks(blocks, inputs, repeats, clock)
     rows = max(1, batch_size // 4)
     quarter, cut = _first_rows(inputs, batch_size, rows)
     fixed = [0.0] * len(blocks)
     if cut and rows < batch_size:
-        small = time_blocks(blocks, quarter, repeats, clock, min)
+        small = time_blocks(blocks, quarter, repeats, clock)
         fixed = [fixed_seconds(t, s, batch_size, rows) for t, s in zip(times, small)]
     costs = []
     for block, (args, kwargs), seconds, fixed_s in zip(blocks, inputs, times, fixed):
@@ -142,10 +146,10 @@ def measure_model(
         optimizer.zero_grad(set_to_none=True)
         step().backward()
 
-    whole_s = _fastest_seconds(whole_step, repeats, clock)
+    whole_s = _typical_seconds(whole_step, repeats, clock)
     total_saved, loss = _saved_bytes(module, step)
     del loss
-    optimizer_s = _fastest_seconds(optimizer.step, repeats, clock)
+    optimizer_s = _typical_seconds(optimizer.step, repeats, clock)
     other_s = max(0.0, whole_s - sum(times))
     other_tp = []
     for tp in tensor_parallel:
@@ -192,8 +196,8 @@ def _sharded_seconds(
 
     with as_rank_zero(module, resolved):
         blocks = list(find_block_stack(module)[1])
-        times = time_blocks(blocks, capture_block_inputs(blocks, step), repeats, clock, min)
-        whole = _fastest_seconds(whole_step, repeats, clock)
+        times = time_blocks(blocks, capture_block_inputs(blocks, step), repeats, clock)
+        whole = _typical_seconds(whole_step, repeats, clock)
     module.zero_grad(set_to_none=True)
     return times, whole
 

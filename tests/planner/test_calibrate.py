@@ -68,6 +68,7 @@ def calibrate_program(out: Path) -> None:
         "link": [result.cluster.within_node.bandwidth, result.cluster.within_node.latency],
         "devices": result.cluster.devices,
         "flops": result.cluster.flops,
+        "shared_compute": result.cluster.shared_compute,
         "blocks": [b.__dict__ for b in result.blocks],
     }
     (out / f"rank{rank}.json").write_text(json.dumps(report))
@@ -103,6 +104,9 @@ def test_calibration_on_two_gloo_processes(tmp_path):
     assert cluster.within_node.bandwidth == pytest.approx(bandwidth, rel=1e-12)
     assert cluster.within_node.latency == pytest.approx(latency, rel=1e-12)
     assert reports[0]["devices"] == 2 and reports[0]["flops"] > 0
+    # both ranks computing at once on the box's cores: every rank has rank 0's ratio, at least 1, in the file
+    assert reports[0]["shared_compute"] == reports[1]["shared_compute"] >= 1.0
+    assert cluster.shared_compute == pytest.approx(reports[0]["shared_compute"], rel=1e-12)
     blocks = reports[0]["blocks"]
     assert [b["name"] for b in blocks] == ["blocks.0", "blocks.1", "blocks.2"]
     for b in blocks:

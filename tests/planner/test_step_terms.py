@@ -21,6 +21,7 @@ from lightning_parallel.planner.cost_model import (
     BlockCost,
     ModelCost,
     block_seconds,
+    compute_scale,
     predict,
     tensor_parallel_s,
 )
@@ -110,13 +111,14 @@ def test_no_overlap_where_the_processes_fill_the_cores() -> None:
 
 
 def test_zero_3_gathers_every_unit_where_nothing_overlaps() -> None:
-    """ZeRO-3 without pipeline stages: each unit's parameters gathered for its forward and its backward and
-    its gradients reduce-scattered; with a core to spare only the first gather and the last reduce show."""
+    """ZeRO-3 without pipeline stages: each unit's parameters gathered for its forward and its backward (the
+    last unit kept between them) and its gradients reduce-scattered; with a core to spare only a unit's
+    share of the gathers and the last reduce show."""
     unit = 2**20
     cost = ModelCost([BlockCost(1.0, 100.0, 0.0, unit)] * 4, 0.0, 1)
     layout = Layout(dp=2, tp=1, pp=1, global_batch=2, zero_stage=3)
     box = Cluster("b", 1, 2, 1e12, 1e15, LINK, LINK, cores=2)
-    gathers, reduces = 8 * all_gather_s(unit, 2, LINK), 4 * reduce_scatter_s(unit, 2, LINK)
+    gathers, reduces = 7 * all_gather_s(unit, 2, LINK), 4 * reduce_scatter_s(unit, 2, LINK)
     assert predict(cost, layout, box).data_parallel_s == pytest.approx(gathers + reduces)
     spare = dataclasses.replace(box, cores=0)
     assert predict(cost, layout, spare).data_parallel_s == pytest.approx(gathers / 4 + reduces / 4)
@@ -134,3 +136,21 @@ def test_processes_outnumbering_cores_wait_a_turn_at_each_collective() -> None:
     work = 4 * 8 * 1.5 / 2  # 4 processes' 8 blocks of 1.5 s (half the batch, half the block) on 2 cores
     assert predict(cost, layout, shared).step_s == pytest.approx(work + (8 * 4 + 1) * 1e-3)
     assert alone == pytest.approx(8 * 1.5)
+
+
+def test_ranks_computing_at_once_on_shared_cores_compute_slower() -> None:
+    """A box whose ranks slow each other by 1.2 when both of its 2 cores compute: 2 processes' blocks and
+    optimizer step take 1.2 times as long; one process, or devices of their own, are not slowed; 3
+    processes on 4 cores occupy 2 of the 3 other cores."""
+    cost = ModelCost([BlockCost(1.0, 2.0, 0.0, 4.0)] * 4, 0.0, 2, optimizer_step_s=0.5)
+    free = Link(float("inf"), 0.0)
+    box = Cluster("b", 1, 2, 1e12, 1e15, free, free, cores=2, shared_compute=1.2)
+    dp2 = Layout(dp=2, tp=1, pp=1, global_batch=4)
+    alone = predict(cost, dp2, dataclasses.replace(box, shared_compute=1.0))
+    shared = predict(cost, dp2, box)
+    assert shared.pipeline_s == pytest.approx(1.2 * alone.pipeline_s)
+    assert shared.optimizer_s == pytest.approx(1.2 * alone.optimizer_s)
+    assert compute_scale(Layout(dp=1, tp=1, pp=1, global_batch=2), box) == 1.0
+    assert compute_scale(dp2, dataclasses.replace(box, cores=0)) == 1.0
+    four = dataclasses.replace(box, devices_per_node=4, cores=4)
+    assert compute_scale(Layout(dp=3, tp=1, pp=1, global_batch=3), four) == pytest.approx(1 + 0.2 * 2 / 3)
