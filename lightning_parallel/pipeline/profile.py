@@ -22,7 +22,14 @@ import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
-__all__ = ["capture_block_inputs", "time_blocks", "time_block_passes", "average_over_ranks", "requiring_grad"]
+__all__ = [
+    "capture_block_inputs",
+    "time_blocks",
+    "time_block_passes",
+    "average_over_ranks",
+    "requiring_grad",
+    "tensors_in",
+]
 
 
 class _StopForward(BaseException):
@@ -106,7 +113,7 @@ def _passes(
             out = block(*a, **k)
             _synchronize(out)
             middle = clock()
-            total = sum(t.float().sum() for t in _tensors(out) if t.requires_grad)
+            total = sum(t.float().sum() for t in tensors_in(out) if t.requires_grad)
             if isinstance(total, Tensor):
                 total.backward()
             _synchronize(out)
@@ -124,13 +131,14 @@ def average_over_ranks(times: Sequence[float], group: Any = None) -> list[float]
     return (t / dist.get_world_size(group)).tolist()
 
 
-def _tensors(value: Any) -> list[Tensor]:
+def tensors_in(value: Any) -> list[Tensor]:
+    """The tensors in ``value`` (nested tuples, lists and dicts), in order."""
     if isinstance(value, Tensor):
         return [value]
     if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
+        return [t for v in value for t in tensors_in(v)]
     if isinstance(value, dict):
-        return [t for v in value.values() for t in _tensors(v)]
+        return [t for v in value.values() for t in tensors_in(v)]
     return []
 
 
@@ -145,5 +153,5 @@ def requiring_grad(value: Any) -> Any:
 
 
 def _synchronize(value: Any) -> None:
-    if any(t.is_cuda for t in _tensors(value)):
+    if any(t.is_cuda for t in tensors_in(value)):
         torch.cuda.synchronize()

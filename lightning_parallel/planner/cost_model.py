@@ -4,6 +4,7 @@ Pure: no process, no tensor. What it models, in the order a step runs (docs/plan
 
 - compute: each block's forward and backward on one tp rank (as timed on its shard, else ``1/tp``), its
   batch-independent share kept and the rest scaled linearly from the measured batch to the micro-batch;
+  under ZB-H1 and ZBV the backward as its measured split into two passes costs (``split_backward``);
   the blocks cut into ``pp x v`` chunks as the pipeline cuts them (``partition.balance`` over parameter
   counts, ``balance="parameters"``, the default); the rest of the model (embedding, head, loss)
   on the last stage. Full recompute runs each block's forward again in its backward; selective recompute
@@ -45,7 +46,13 @@ from lightning_parallel.memory.expected import (
 )
 from lightning_parallel.pipeline.partition import balance
 from lightning_parallel.pipeline.placement import global_stage
-from lightning_parallel.pipeline.schedules import OVERLAPPED, activation_bound, expected_bubbles, schedule
+from lightning_parallel.pipeline.schedules import (
+    OVERLAPPED,
+    SPLIT_BACKWARD,
+    activation_bound,
+    expected_bubbles,
+    schedule,
+)
 from lightning_parallel.planner.cluster import Cluster
 from lightning_parallel.planner.collective_time import (
     all_gather_s,
@@ -112,7 +119,9 @@ def block_seconds(forward_s: float, backward_s: float, fixed_s: float, scale: fl
 class ModelCost:
     """A model's blocks and the rest: ``other_*`` is outside the block stack (embeddings, final norm, head,
     loss), run on the last stage and held on every stage. ``optimizer_step_s``: one optimizer step over the
-    whole model on one device. ``parameter_itemsize``: the bytes of one parameter element as measured."""
+    whole model on one device. ``parameter_itemsize``: the bytes of one parameter element as measured.
+    ``split_backward``: the blocks' backward run split in two (the input gradients, then the weights';
+    ZB-H1, ZBV) over their time as one backward, as measured."""
 
     blocks: Sequence[BlockCost]
     other_parameter_bytes: float
@@ -126,6 +135,7 @@ class ModelCost:
     tokens_per_sample: int = 1
     name: str = "model"
     other_tp_s: tuple[tuple[int, float], ...] = ()
+    split_backward: float = 1.0
 
     def other_seconds(self, scale: float, tp: int) -> tuple[float, float]:
         """The rest's forward and backward seconds at ``scale`` times the batch on one of ``tp`` ranks: its
@@ -178,6 +188,7 @@ def _chunks(model: ModelCost, layout: Layout, cluster: Cluster) -> list[_Chunk]:
     counts = _balance(tuple(b.parameter_bytes for b in model.blocks), n)
     scale = layout.microbatch / model.batch_size
     slower = compute_scale(layout, cluster)
+    split = model.split_backward if layout.schedule in SPLIT_BACKWARD and layout.pp > 1 else 1.0
     tp, ep = layout.tp, layout.ep
     tp_link, ep_link = cluster.link(tp), cluster.link(ep, tp * layout.pp)
     pp_link = cluster.link(layout.pp, tp)
@@ -196,6 +207,7 @@ def _chunks(model: ModelCost, layout: Layout, cluster: Cluster) -> list[_Chunk]:
                 size = b.output_bytes * scale / (tp if layout.sequence_parallel else 1)
                 comm += 2 * all_to_all_s(size, ep, ep_link)
             block_forward, block_backward = (t * slower for t in b.seconds(scale, tp))
+            block_backward *= split
             selective = b.attention_s * scale / tp * slower
             rerun = {True: block_forward, "selective": selective, False: 0.0}[layout.recompute]
             forward += block_forward + comm

@@ -29,10 +29,11 @@ from torch import Tensor, nn
 
 from lightning_parallel.memory.saved import SavedTensorCounter
 from lightning_parallel.module_names import find_block_stack
-from lightning_parallel.pipeline.profile import capture_block_inputs, time_blocks
+from lightning_parallel.pipeline.profile import capture_block_inputs, requiring_grad, tensors_in, time_blocks
+from lightning_parallel.pipeline.split_backward import backward_input
 from lightning_parallel.planner.cost_model import BlockCost, ModelCost
 
-__all__ = ["measure_model", "flop_times", "fixed_seconds", "BACKWARD_SHARE"]
+__all__ = ["measure_model", "flop_times", "fixed_seconds", "split_backward_ratio", "BACKWARD_SHARE"]
 
 #: the share of a block's measured forward + backward time that is its backward (two matmuls for each of
 #: the forward's one: the input's gradient and the weights')
@@ -74,6 +75,37 @@ def _clock(module: nn.Module) -> Callable[[], float]:
     on an accelerator."""
     on_cpu = all(p.device.type == "cpu" for p in module.parameters())
     return time.thread_time if on_cpu else time.perf_counter
+
+
+def split_backward_ratio(
+    blocks: Sequence[nn.Module], inputs: Sequence[tuple[tuple, dict]], repeats: int, clock: Callable[[], float]
+) -> float:
+    """The blocks' backward split in two as the zero-bubble schedules run it (``split_backward``: the input
+    gradients, then the weights'), over the same backward run whole: the medians of ``repeats`` (after a
+    warm-up), each over all the blocks on their captured inputs. 1.0 where a block cannot be split."""
+
+    def backward_seconds(split: bool) -> float:
+        total = 0.0
+        for block, (args, kwargs) in zip(blocks, inputs):
+            a = requiring_grad(args)
+            outputs = [t for t in tensors_in(block(*a, **requiring_grad(kwargs))) if t.requires_grad]
+            grads = [torch.ones_like(t) for t in outputs]
+            start = clock()
+            if split:
+                backward_input(outputs, grads, [t for t in tensors_in(a) if t.requires_grad]).run()
+            else:
+                torch.autograd.backward(outputs, grads)
+            total += clock() - start
+        block_params = [p for block in blocks for p in block.parameters()]
+        for p in block_params:
+            p.grad = None
+        return total
+
+    try:
+        whole, split = ([backward_seconds(s) for _ in range(repeats + 1)][1:] for s in (False, True))
+    except RuntimeError:  # a block whose backward cannot run twice: the schedules refuse it anyway
+        return 1.0
+    return statistics.median(split) / statistics.median(whole)
 
 
 def fixed_seconds(whole_s: float, part_s: float, batch: int, part: int) -> float:
@@ -159,6 +191,7 @@ def measure_model(
             costs = [dataclasses.replace(c, tp_s=(*c.tp_s, (tp, t))) for c, t in zip(costs, tp_times)]
             other_tp.append((tp, max(0.0, tp_whole - sum(tp_times))))
     block_bytes = sum(b.parameter_bytes for b in costs)
+    split = split_backward_ratio(blocks, inputs, repeats, clock)
     return ModelCost(
         blocks=costs,
         other_parameter_bytes=sum(p.nbytes for p in module.parameters()) - block_bytes,
@@ -172,6 +205,7 @@ def measure_model(
         tokens_per_sample=tokens_per_sample,
         name=f"{type(module).__name__} ({stack_name}: {len(blocks)} blocks)",
         other_tp_s=tuple(other_tp),
+        split_backward=split,
     )
 
 

@@ -1,6 +1,7 @@
 """balance="time": block times measured on captured inputs, with nothing in training changed."""
 
 import random
+import time
 
 import numpy as np
 import pytest
@@ -96,3 +97,15 @@ def test_untouched_restores_metrics_updated_in_place():
     with untouched(module):
         module.seen.update(torch.tensor(16.0))  # SumMetric adds in place
     assert float(module.seen.compute()) == 3.0
+
+
+def test_a_split_backward_is_timed_against_the_whole() -> None:
+    """The planner's ratio of a split backward (input gradients, then weights') to one backward, on real
+    blocks: positive, and the blocks' parameters hold no gradient after it."""
+    from lightning_parallel.planner.measure import split_backward_ratio
+
+    blocks = [nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16)) for _ in range(2)]
+    inputs = [((torch.randn(8, 16),), {}) for _ in blocks]
+    ratio = split_backward_ratio(blocks, inputs, repeats=3, clock=time.perf_counter)
+    assert ratio > 0
+    assert all(p.grad is None for block in blocks for p in block.parameters())

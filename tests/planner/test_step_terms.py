@@ -154,3 +154,19 @@ def test_ranks_computing_at_once_on_shared_cores_compute_slower() -> None:
     assert compute_scale(dp2, dataclasses.replace(box, cores=0)) == 1.0
     four = dataclasses.replace(box, devices_per_node=4, cores=4)
     assert compute_scale(Layout(dp=3, tp=1, pp=1, global_batch=3), four) == pytest.approx(1 + 0.2 * 2 / 3)
+
+
+def test_the_zero_bubble_schedules_pay_their_measured_split_backward() -> None:
+    """A model whose blocks' backward takes 1.5x as long split in two: ZB-H1 and ZBV on 2 stages predict
+    their schedules on blocks whose backward is 1.5x as long; 1F1B, and ZB-H1 on one stage, are unchanged."""
+    free = Link(float("inf"), 0.0)
+    gpus = Cluster("g", 1, 2, 1e12, 1e15, free, free)
+    whole = ModelCost([BlockCost(1.0, 2.0, 0.0, 4.0)] * 4, 0.0, 4)
+    split = dataclasses.replace(whole, split_backward=1.5)
+    slower = ModelCost([BlockCost(1.0, 3.0, 0.0, 4.0)] * 4, 0.0, 4)
+    for schedule, v in (("zb_h1", 1), ("zbv", 2)):
+        layout = Layout(1, 1, 2, 4, schedule=schedule, num_microbatches=4, virtual_stages=v)
+        assert predict(split, layout, gpus).step_s == pytest.approx(predict(slower, layout, gpus).step_s)
+        assert predict(split, layout, gpus).step_s > predict(whole, layout, gpus).step_s
+    one_f_one_b = Layout(1, 1, 2, 4, schedule="1f1b", num_microbatches=4)
+    assert predict(split, one_f_one_b, gpus).step_s == predict(whole, one_f_one_b, gpus).step_s
