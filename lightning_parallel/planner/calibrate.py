@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -262,7 +263,7 @@ def _compute_sample(size: int = 256, repeats: int = 9) -> float:
         start = time.thread_time()
         (torch.nn.functional.gelu(x @ w1) @ w2).sum().backward()
         samples.append(time.thread_time() - start)
-    return sorted(samples[1:])[repeats // 2]
+    return statistics.median(samples[1:])
 
 
 def shared_compute(group: Any = None, rounds: int = 5) -> float:

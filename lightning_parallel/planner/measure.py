@@ -96,15 +96,14 @@ def split_backward_ratio(
             else:
                 torch.autograd.backward(outputs, grads)
             total += clock() - start
-        block_params = [p for block in blocks for p in block.parameters()]
-        for p in block_params:
-            p.grad = None
+        for block in blocks:
+            block.zero_grad(set_to_none=True)
         return total
 
     try:
         whole, split = ([backward_seconds(s) for _ in range(repeats + 1)][1:] for s in (False, True))
-    except RuntimeError:  # a block whose backward cannot run twice: the schedules refuse it anyway
-        return 1.0
+    except (RuntimeError, ValueError):  # a block the split refuses (a reentrant checkpoint) or that cannot
+        return 1.0  # run its backward twice: the zero-bubble schedules refuse it too
     return statistics.median(split) / statistics.median(whole)
 
 

@@ -109,3 +109,23 @@ def test_a_split_backward_is_timed_against_the_whole() -> None:
     ratio = split_backward_ratio(blocks, inputs, repeats=3, clock=time.perf_counter)
     assert ratio > 0
     assert all(p.grad is None for block in blocks for p in block.parameters())
+
+
+def test_a_block_the_split_refuses_gives_a_ratio_of_one() -> None:
+    """A block under a reentrant checkpoint, whose backward the split refuses (``ValueError``): the planner's
+    measurement reports no split cost rather than failing the whole plan."""
+    from torch.utils.checkpoint import checkpoint
+
+    from lightning_parallel.planner.measure import split_backward_ratio
+
+    class Reentrant(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=True)
+
+    blocks = [Reentrant(), Reentrant()]
+    inputs = [((torch.randn(8, 16),), {}) for _ in blocks]
+    assert split_backward_ratio(blocks, inputs, repeats=2, clock=time.perf_counter) == 1.0
