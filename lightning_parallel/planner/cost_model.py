@@ -24,7 +24,8 @@ Pure: no process, no tensor. What it models, in the order a step runs (docs/plan
 - processes outnumbering a CPU box's cores: the step at least their work over the cores, and each blocking
   collective waiting for its peer's turn (``turn_wait_s``); processes computing on several of its cores at
   once: each computes slower, as the box's ``shared_compute`` measured (``compute_scale``);
-- the optimizer step on the rank's share of the state.
+- the optimizer step on the rank's share of the state, and Lightning's own work around a step
+  (``ModelCost.step_overhead_s``), on every rank.
 
 Memory: ``memory.expected``'s model states of the busiest rank's share, and its chunks' activations times
 the micro-batches its schedule keeps in flight (``schedules.activation_bound``).
@@ -121,7 +122,9 @@ class ModelCost:
     loss), run on the last stage and held on every stage. ``optimizer_step_s``: one optimizer step over the
     whole model on one device. ``parameter_itemsize``: the bytes of one parameter element as measured.
     ``split_backward``: the blocks' backward run split in two (the input gradients, then the weights';
-    ZB-H1, ZBV) over their time as one backward, as measured."""
+    ZB-H1, ZBV) over their time as one backward, as measured. ``step_overhead_s``: what a Lightning training
+    step on one process spends beside the module's own work and the optimizer step (its loop, hooks,
+    logging, the optimizer's closure), the same on a rank of any layout."""
 
     blocks: Sequence[BlockCost]
     other_parameter_bytes: float
@@ -136,6 +139,7 @@ class ModelCost:
     name: str = "model"
     other_tp_s: tuple[tuple[int, float], ...] = ()
     split_backward: float = 1.0
+    step_overhead_s: float = 0.0
 
     def other_seconds(self, scale: float, tp: int) -> tuple[float, float]:
         """The rest's forward and backward seconds at ``scale`` times the batch on one of ``tp`` ranks: its
@@ -351,15 +355,16 @@ def predict(model: ModelCost, layout: Layout, cluster: Cluster, precision: str =
     whole = model.parameter_bytes / model.parameter_itemsize
     optimizer_s = model.optimizer_step_s * worst_elements / whole / (layout.dp if layout.zero_stage else 1)
     optimizer_s *= compute_scale(layout, cluster)
+    per_process_s = optimizer_s + worst_comm + model.step_overhead_s * compute_scale(layout, cluster)
     assert worst_states is not None
     largest_unit = max(b.parameter_bytes for b in model.blocks) / layout.tp / model.parameter_itemsize
     # zero_stage=3: two units in flight, or under pipeline stages the whole stage, gathered for its schedule
     kept = worst_dense if layout.pp > 1 else 2 * largest_unit
     gathered = kept * state.parameter if layout.zero_stage == 3 else 0.0
-    shared_s = _shared_cores_s(layout, cluster, busy, optimizer_s + worst_comm)
+    shared_s = _shared_cores_s(layout, cluster, busy, per_process_s)
     calls = max(layout.num_microbatches * sum(chunks[g].calls for g in h) for h in held)
     calls += _data_parallel_calls(layout, model, len(chunks[held[0][0]].blocks))
-    step_s = max(pipeline_s + optimizer_s + worst_comm, shared_s) + calls * turn_wait_s(layout, cluster)
+    step_s = max(pipeline_s + per_process_s, shared_s) + calls * turn_wait_s(layout, cluster)
     return Prediction(
         layout=layout,
         step_s=step_s,
@@ -376,8 +381,9 @@ def predict(model: ModelCost, layout: Layout, cluster: Cluster, precision: str =
 def _shared_cores_s(layout: Layout, cluster: Cluster, busy: list[float], per_process_s: float) -> float:
     """The least time a node's CPU cores need for its processes' work when they share ``cluster.cores``
     (0: devices of their own, no bound): every rank's busy seconds, and each process's ``per_process_s``
-    (its optimizer step and data-parallel collectives), over the cores. The step is at least this and at
-    least the schedule's own span (a rank idle in the bubble leaves its core to the others)."""
+    (its optimizer step, data-parallel collectives and Lightning's work around the step), over the cores.
+    The step is at least this and at least the schedule's own span (a rank idle in the bubble leaves its
+    core to the others)."""
     processes = min(layout.devices, cluster.devices_per_node)
     if not cluster.cores or processes <= cluster.cores:
         return 0.0

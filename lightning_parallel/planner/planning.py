@@ -23,7 +23,7 @@ from lightning_parallel.memory.expected import optimizer_kind
 from lightning_parallel.planner.calibration_run import CALIBRATED, calibrate_here
 from lightning_parallel.planner.cluster import Cluster
 from lightning_parallel.planner.cost_model import ModelCost
-from lightning_parallel.planner.measure import measure_model
+from lightning_parallel.planner.measure import lightning_step_seconds, measure_model, step_overhead
 
 __all__ = ["cluster_for", "is_this_machine", "model_cost", "module_cost", "tensor_parallel_sizes", "threads_of"]
 
@@ -38,10 +38,10 @@ def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
 
 def _sample_step(
     module: Any, datamodule: Any, batch_size: int
-) -> tuple[Callable[[], torch.Tensor], int, int]:
-    """A step returning a loss to time, its batch's samples, and tokens per sample: ``training_step`` on the
-    first training batch of ``datamodule`` (or of random tokens for the embedded GPT), else ``forward`` on
-    the module's ``example_input_array`` (its outputs summed)."""
+) -> tuple[Callable[[], torch.Tensor], int, int, Any]:
+    """A step returning a loss to time, its batch's samples, tokens per sample, and the training batch:
+    ``training_step`` on the first training batch of ``datamodule`` (or of random tokens for the embedded
+    GPT), else ``forward`` on the module's ``example_input_array`` (its outputs summed; no training batch)."""
     if datamodule is not None:
         datamodule.setup("fit")
         batch = next(iter(datamodule.train_dataloader()))
@@ -53,7 +53,7 @@ def _sample_step(
         )
     elif getattr(module, "example_input_array", None) is not None:
         example = module.example_input_array
-        return lambda: module(example).float().sum(), len(example), 1
+        return lambda: module(example).float().sum(), len(example), 1, None
     else:
         raise ValueError(
             f"{type(module).__name__}: give --data package.module:DataModule (its first training batch is "
@@ -66,22 +66,25 @@ def _sample_step(
         loss = module.training_step(batch, 0)
         return loss["loss"] if isinstance(loss, dict) else loss
 
-    return step, len(first), tokens
+    return step, len(first), tokens, batch
 
 
 def module_cost(
     module: Any, datamodule: Any = None, batch_size: int = 8, repeats: int = 2, tensor_parallel: Sequence[int] = ()
 ) -> ModelCost:
     """``module`` measured on this machine (median of ``repeats``) on the first training batch of
-    ``datamodule`` (else ``batch_size`` samples of its own making); its weights take an optimizer step. Its
-    blocks are timed again on one rank's shard for each size of ``tensor_parallel``."""
+    ``datamodule`` (else ``batch_size`` samples of its own making); its weights take optimizer steps. Its
+    blocks are timed again on one rank's shard for each size of ``tensor_parallel``, and a few steps of it
+    under a one-device ``Trainer.fit`` give Lightning's own work around a step (``step_overhead``)."""
     optimizer = _first_optimizer(module.configure_optimizers())
-    step, samples, tokens = _sample_step(module, datamodule, batch_size)
-    with warnings.catch_warnings():  # self.log outside a Trainer
+    step, samples, tokens, batch = _sample_step(module, datamodule, batch_size)
+    with warnings.catch_warnings():  # self.log outside a Trainer; the Trainer's own on a short fit
         warnings.simplefilter("ignore")
-        return measure_model(
+        cost = measure_model(
             module, step, samples, optimizer, optimizer_kind(optimizer), tokens, repeats, tensor_parallel
         )
+        whole_step = lightning_step_seconds(module, batch, repeats) if batch is not None else None
+    return step_overhead(cost, whole_step)
 
 
 def model_cost(

@@ -4,18 +4,21 @@ their reasons, and the best layout's overrides, which lp-train's config composes
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from hydra import compose, initialize_config_dir
 
 from lightning_parallel.config import problems, register_configs
+from lightning_parallel.models.gpt import CharGPT
 from lightning_parallel.planner.calibrate import COLLECTIVES, CollectiveFit, cluster_from_fits
 from lightning_parallel.planner.calibration_run import cluster_yaml
 from lightning_parallel.planner.cluster import Cluster
 from lightning_parallel.planner.command import main
 from lightning_parallel.planner.cost_model import predict
 from lightning_parallel.planner.layout import Layout
-from lightning_parallel.planner.planning import cluster_for, model_cost
+from lightning_parallel.planner.measure import flop_times
+from lightning_parallel.planner.planning import cluster_for, model_cost, module_cost
 from tests.cli.lp import REPO
 
 SMALL = json.dumps({"n_layer": 4, "n_embd": 32, "block_size": 16})
@@ -61,3 +64,22 @@ def test_a_calibration_file_is_the_cluster_planned_on(tmp_path, capsys) -> None:
     assert "on 4 of calibrated-gloo-4 (1 x 4)" in printed and "block times measured" in printed
     with pytest.raises(SystemExit, match="calibrated over 4 processes, not 2: calibrate again"):
         main(["--devices", "2", "--cluster", str(path)])
+
+
+class _BusyHook(CharGPT):
+    """The embedded model with 30 ms of CPU work in a hook each step: Lightning runs it, the module's
+    forward, backward and optimizer step timed alone do not."""
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        start = time.thread_time()
+        while time.thread_time() - start < 0.03:
+            pass
+
+
+def test_the_work_lightning_does_around_a_step_is_measured_on_a_real_fit() -> None:
+    """A one-device ``Trainer.fit`` of the module gives the step's work beyond its measured parts: the 30 ms
+    hook and Lightning's own loop; the module without the hook pays only the loop."""
+    plain = module_cost(CharGPT(**json.loads(SMALL)), batch_size=4, repeats=3)
+    busy = module_cost(_BusyHook(**json.loads(SMALL)), batch_size=4, repeats=3)
+    assert 0 < plain.step_overhead_s < 0.03 <= busy.step_overhead_s
+    assert flop_times(busy, 1e12).step_overhead_s == 0.0  # measured on this host, not the cluster's

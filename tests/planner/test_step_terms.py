@@ -24,6 +24,7 @@ from lightning_parallel.planner.cost_model import (
     compute_scale,
     predict,
     tensor_parallel_s,
+    turn_wait_s,
 )
 from lightning_parallel.planner.layout import Layout
 from lightning_parallel.planner.measure import fixed_seconds
@@ -170,3 +171,28 @@ def test_the_zero_bubble_schedules_pay_their_measured_split_backward() -> None:
         assert predict(split, layout, gpus).step_s > predict(whole, layout, gpus).step_s
     one_f_one_b = Layout(1, 1, 2, 4, schedule="1f1b", num_microbatches=4)
     assert predict(split, one_f_one_b, gpus).step_s == predict(whole, one_f_one_b, gpus).step_s
+
+
+def test_lightning_s_work_around_a_step_is_charged_once_on_every_rank() -> None:
+    """0.5 s of Lightning's work a step: with devices of their own each rank pays it once, whatever the
+    layout; on 2 cores shared by 2 ranks computing at 1.2x, it is paid at 1.2x; on 2 cores shared by 4
+    processes it is in the cores' work, once per process."""
+    free = Link(float("inf"), 0.0)
+    gpus = Cluster("g", 1, 4, 1e12, 1e15, free, free)
+    bare = ModelCost([BlockCost(1.0, 2.0, 0.0, 4.0)] * 4, 0.0, 4, optimizer_step_s=0.25)
+    loop = dataclasses.replace(bare, step_overhead_s=0.5)
+    layouts = [
+        Layout(2, 1, 1, 4),
+        Layout(1, 2, 1, 4),
+        Layout(1, 1, 2, 4, schedule="1f1b", num_microbatches=4),
+        Layout(2, 1, 1, 4, zero_stage=3),
+    ]
+    for layout in layouts:
+        assert predict(loop, layout, gpus).step_s == pytest.approx(predict(bare, layout, gpus).step_s + 0.5)
+    box = dataclasses.replace(gpus, devices_per_node=2, cores=2, shared_compute=1.2)
+    dp2 = Layout(2, 1, 1, 4)
+    assert predict(loop, dp2, box).step_s == pytest.approx(predict(bare, dp2, box).step_s + 0.6)
+    four = dataclasses.replace(gpus, cores=2)
+    dp4 = Layout(4, 1, 1, 4)
+    work = 4 * (4 * 3.0 / 4 + 0.25 * 1.0 + 0.5) / 2  # 4 processes' quarter-batch blocks, optimizer, loop
+    assert predict(loop, dp4, four).step_s == pytest.approx(work + turn_wait_s(dp4, four))
