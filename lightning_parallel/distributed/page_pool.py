@@ -17,6 +17,11 @@ stay within the most that units used at once since the last ``release`` (the uni
 prefetched, kept until the backward), else they are handed back to the system. ``release`` (a step's end)
 hands back every kept page, so between steps nothing more is resident than without the pool. Where the
 kernel lacks ``MREMAP_DONTUNMAP`` (Linux < 5.7) the pool hands every page back, as ``madvise`` did.
+
+``host_mapping`` makes those mappings, and asks the kernel for transparent huge pages in them
+(``MADV_HUGEPAGE``): a fresh 28 MiB range then faults in 14 pages of 2 MiB, not 7,168 of 4 KiB (8 against 25
+ms to fill one on the 2-core VM, loaded). Where the system's THP setting is ``never`` the advice changes
+nothing.
 """
 
 from __future__ import annotations
@@ -25,11 +30,24 @@ import ctypes
 import mmap
 from typing import Optional
 
-__all__ = ["PagePool"]
+__all__ = ["PagePool", "host_mapping"]
 
 _MREMAP_MAYMOVE, _MREMAP_FIXED, _MREMAP_DONTUNMAP = 1, 2, 4
 _FAILED = ctypes.c_void_p(-1).value
 _PAGE = mmap.PAGESIZE
+
+
+def host_mapping(nbytes: int) -> mmap.mmap:
+    """A private anonymous mapping of ``nbytes``, advised to the kernel for transparent huge pages: what a
+    buffer whose pages are handed back when freed (``madvise(MADV_DONTNEED)``, ``munmap``) and faulted in
+    again at its next use lies in. Private: a shared anonymous mapping's pages stay allocated after
+    ``madvise`` (shared memory), only unmapped from the process."""
+    mapped = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    try:
+        mapped.madvise(mmap.MADV_HUGEPAGE)
+    except (AttributeError, OSError):  # not Linux, or a kernel without transparent huge pages
+        pass
+    return mapped
 
 
 def _libc() -> Optional[ctypes.CDLL]:

@@ -44,7 +44,6 @@ compression, PowerSGD) are all-reduce hooks and are refused by the strategies.
 
 from __future__ import annotations
 
-import mmap
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
@@ -54,6 +53,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_parallel.compat import all_gather_single, foreach_copy_, reduce_scatter_single
+from lightning_parallel.distributed.page_pool import host_mapping
 from lightning_parallel.distributed.reducer import GradientReducer, _Bucket
 
 __all__ = ["Piece", "BucketShard", "ShardedGradientReducer", "ZERO_STAGES", "all_gather_by_ranges"]
@@ -148,7 +148,7 @@ def _scratch(numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     nbytes = numel * dtype.itemsize
     if device.type != "cpu" or nbytes < MAPPED_BYTES:
         return torch.empty(numel, dtype=dtype, device=device)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=numel)
+    return torch.frombuffer(host_mapping(nbytes), dtype=dtype, count=numel)
 
 
 @dataclass

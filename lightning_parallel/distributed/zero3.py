@@ -79,7 +79,7 @@ from torch import Tensor, nn
 
 from lightning_parallel.compat import all_gather_single, reduce_scatter_single, tree_flatten
 from lightning_parallel.distributed.optimizer_shards import StatePieces
-from lightning_parallel.distributed.page_pool import PagePool
+from lightning_parallel.distributed.page_pool import PagePool, host_mapping
 from lightning_parallel.distributed.reducer import _Bucket
 from lightning_parallel.distributed.zero import (
     MAPPED_BYTES,
@@ -279,12 +279,12 @@ def _flat_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[
     heap once a large block has been freed (its mmap threshold rises to the freed size), and the freed
     units' pages stayed resident there: ZeRO-3's peak resident memory was above ZeRO-1's at dp=4. A mapping
     of its own releases its pages when freed (``madvise``, or hands them to the next unit gathered through a
-    ``PagePool``) and keeps its address, so the views stay valid. Private: a shared anonymous mapping's pages
-    stay allocated after ``madvise`` (shared memory), only unmapped from the process."""
+    ``PagePool``) and keeps its address, so the views stay valid (``page_pool.host_mapping``: its pages
+    faulted in 2 MiB at a time where the kernel gives transparent huge pages)."""
     nbytes = numel * dtype.itemsize
     if device.type != "cpu" or nbytes < MAPPED_BYTES:
         return torch.zeros(numel, dtype=dtype, device=device), None
-    mapped = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    mapped = host_mapping(nbytes)
     return torch.frombuffer(mapped, dtype=dtype, count=numel), mapped
 
 
