@@ -14,7 +14,7 @@ batch (``BlockCost.fixed_s``, each operator's dispatch) is what the two times' l
 A Lightning step does more than the parts timed alone: its loop, hooks, logging and the optimizer's
 closure. ``lightning_step_seconds`` times a few steps of the module under a one-device ``Trainer.fit`` on
 the same batch, and the planner charges what they take beyond the parts as ``ModelCost.step_overhead_s``
-(about 5 ms a step at batch 4, 8 and 16 for the embedded CharGPT: a fixed cost, not a share of the work).
+(for the embedded CharGPT 8 x 128 a few ms a step, about the same at batch 4, 8 and 16: a fixed cost).
 
 For a cluster that is not this machine, ``flop_times`` replaces the times by a FLOP estimate at the
 cluster's rate (2 flops per parameter per token forward, 4 backward); the bytes stay as measured. The
@@ -250,11 +250,11 @@ def _sharded_seconds(
     return times, whole
 
 
-def lightning_step_seconds(module: Any, batch: Any, repeats: int) -> Optional[float]:
+def lightning_step_seconds(module: Any, batch: Any, steps: int = 10, warmup: int = 3) -> Optional[float]:
     """The median CPU seconds of a training step of the LightningModule ``module`` under a one-device
-    ``Trainer.fit`` on ``batch`` (``repeats`` steps after a warm-up), from the start of each training batch to
-    its end as a run's step is timed; None where the module is not on the CPU. The fit steps ``module``'s
-    weights: the planner measures a module of its own."""
+    ``Trainer.fit`` on ``batch`` (``steps`` steps after ``warmup``; the first steps run slower), from the
+    start of each training batch to its end as a run's step is timed; None where the module is not on the
+    CPU. The fit steps ``module``'s weights: the planner measures a module of its own."""
     if any(p.device.type != "cpu" for p in module.parameters()):
         return None
     from lightning.pytorch import Callback, Trainer
@@ -276,7 +276,7 @@ def lightning_step_seconds(module: Any, batch: Any, repeats: int) -> Optional[fl
         Trainer(
             accelerator="cpu",
             devices=1,
-            max_steps=repeats + 1,
+            max_steps=warmup + steps,
             callbacks=[clock],
             logger=False,
             enable_checkpointing=False,
@@ -284,10 +284,10 @@ def lightning_step_seconds(module: Any, batch: Any, repeats: int) -> Optional[fl
             enable_model_summary=False,
             num_sanity_val_steps=0,
             limit_val_batches=0,
-        ).fit(module, train_dataloaders=DataLoader([batch] * (repeats + 1), batch_size=None))
+        ).fit(module, train_dataloaders=DataLoader([batch] * (warmup + steps), batch_size=None))
     finally:
         quiet.setLevel(level)
-    return statistics.median(clock.seconds[1:])
+    return statistics.median(clock.seconds[warmup:])
 
 
 def step_overhead(model: ModelCost, lightning_step_s: Optional[float]) -> ModelCost:

@@ -83,7 +83,7 @@ def module_cost(
         cost = measure_model(
             module, step, samples, optimizer, optimizer_kind(optimizer), tokens, repeats, tensor_parallel
         )
-        whole_step = lightning_step_seconds(module, batch, repeats) if batch is not None else None
+        whole_step = lightning_step_seconds(module, batch) if batch is not None else None
     return step_overhead(cost, whole_step)
 
 

@@ -78,8 +78,9 @@ class _BusyHook(CharGPT):
 
 def test_the_work_lightning_does_around_a_step_is_measured_on_a_real_fit() -> None:
     """A one-device ``Trainer.fit`` of the module gives the step's work beyond its measured parts: the 30 ms
-    hook and Lightning's own loop; the module without the hook pays only the loop."""
+    hook and Lightning's own loop; the module without the hook pays only the loop (a few ms, within the
+    parts' timing noise: not checked above 0)."""
     plain = module_cost(CharGPT(**json.loads(SMALL)), batch_size=4, repeats=3)
     busy = module_cost(_BusyHook(**json.loads(SMALL)), batch_size=4, repeats=3)
-    assert 0 < plain.step_overhead_s < 0.03 <= busy.step_overhead_s
+    assert plain.step_overhead_s < 0.03 <= busy.step_overhead_s
     assert flop_times(busy, 1e12).step_overhead_s == 0.0  # measured on this host, not the cluster's
