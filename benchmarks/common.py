@@ -17,14 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # the benchmarks import the package from this checkout
     sys.path.insert(0, str(REPO))
 
-#: Trainer arguments of a timed run: nothing written or printed, no validation
-QUIET_TRAINER = dict(
-    logger=False,
-    enable_checkpointing=False,
-    enable_progress_bar=False,
-    enable_model_summary=False,
-    limit_val_batches=0,
-)
+from lightning_parallel.quiet_trainer import QUIET_TRAINER  # noqa: E402 - a timed run writes and prints nothing
 
 __all__ = [
     "REPO",

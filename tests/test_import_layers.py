@@ -20,7 +20,17 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 # part may import the parts of lower layers, never those of its own layer or of a higher one.
 LAYERS: list[tuple[str, ...]] = [
     ("compat", "recompute_state", "every_rank"),
-    ("step_effects", "module_names", "parameter_set", "memory", "materialize", "models", "data", "block_compile"),
+    (
+        "step_effects",
+        "module_names",
+        "parameter_set",
+        "memory",
+        "materialize",
+        "models",
+        "data",
+        "block_compile",
+        "quiet_trainer",
+    ),
     ("distributed",),
     ("checkpointing", "processes", "step_traffic"),
     ("moe",),

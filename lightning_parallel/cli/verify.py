@@ -47,6 +47,7 @@ def _worker(spec_path: str) -> None:
     from lightning.pytorch import Callback, Trainer, seed_everything
 
     import lightning_parallel  # noqa: F401  (registers strategy names)
+    from lightning_parallel.quiet_trainer import QUIET_TRAINER
     from lightning_parallel.strategies.reference import SingleDeviceReferenceStrategy
 
     torch.set_num_threads(1)
@@ -91,13 +92,8 @@ def _worker(spec_path: str) -> None:
         strategy=strategy,
         precision=spec["precision"],
         max_steps=spec["steps"],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
         callbacks=[record],
+        **QUIET_TRAINER,
     )
     trainer.fit(model, datamodule=data)
     if rank == 0:

@@ -56,7 +56,14 @@ from lightning_parallel.compat import all_gather_single, foreach_copy_, reduce_s
 from lightning_parallel.distributed.page_pool import host_mapping
 from lightning_parallel.distributed.reducer import GradientReducer, _Bucket
 
-__all__ = ["Piece", "BucketShard", "ShardedGradientReducer", "ZERO_STAGES", "all_gather_by_ranges"]
+__all__ = [
+    "Piece",
+    "BucketShard",
+    "ShardedGradientReducer",
+    "ZERO_STAGES",
+    "all_gather_by_ranges",
+    "reduce_scatter_by_ranges",
+]
 
 #: 0: off; 1: optimizer state sharded; 2: gradients too; 3: parameters too (``zero3.py``)
 ZERO_STAGES = (0, 1, 2, 3)
@@ -123,7 +130,7 @@ def _ranges(buffer: Tensor, group: Optional[dist.ProcessGroup]) -> list[tuple[in
     return [(global_rank(r), buffer[r * size : (r + 1) * size]) for r in ranks]
 
 
-def _reduce_scatter_by_ranges(output: Tensor, buffer: Tensor, group: Optional[dist.ProcessGroup]) -> _Works:
+def reduce_scatter_by_ranges(output: Tensor, buffer: Tensor, group: Optional[dist.ProcessGroup]) -> _Works:
     """A reduce-scatter as one in-place reduce per rank's range (gloo): gloo's own reduce-scatter left
     tens of MiB to the allocator in every call (docs/benchmarks.md, the collectives), reduces leave none."""
     ranges = _ranges(buffer, group)
@@ -134,7 +141,7 @@ def _reduce_scatter_by_ranges(output: Tensor, buffer: Tensor, group: Optional[di
 
 def all_gather_by_ranges(buffer: Tensor, group: Optional[dist.ProcessGroup]) -> _Works:
     """An in-place all-gather of ``buffer``'s ranges (this rank's filled in already) as one broadcast per
-    rank (gloo, as ``ZeroRedundancyOptimizer`` does; see ``_reduce_scatter_by_ranges``)."""
+    rank (gloo, as ``ZeroRedundancyOptimizer`` does; see ``reduce_scatter_by_ranges``)."""
     return _Works(
         [dist.broadcast(part, src=rank, group=group, async_op=True) for rank, part in _ranges(buffer, group)]
     )
@@ -210,7 +217,7 @@ class ShardedGradientReducer(GradientReducer):
         self.rank = dist.get_rank(group)
         self.replicate_group = replicate_group
         self.replicas = 1 if replicate_group is None else dist.get_world_size(replicate_group)
-        # gloo: collectives made of per-rank reduces and broadcasts (``_reduce_scatter_by_ranges``)
+        # gloo: collectives made of per-rank reduces and broadcasts (``reduce_scatter_by_ranges``)
         self._by_ranges = dist.get_backend(group) == "gloo"
         self._whole = set(whole)
         if replicate_group is not None and self._whole:
@@ -360,7 +367,7 @@ class ShardedGradientReducer(GradientReducer):
             shard.grad = _scratch(shard.size, bucket.buffer.dtype, bucket.buffer.device)
         bucket.buffer.div_(self.world_size * self.replicas)
         if self._by_ranges:
-            work: Any = _reduce_scatter_by_ranges(shard.grad, bucket.buffer, self.group)
+            work: Any = reduce_scatter_by_ranges(shard.grad, bucket.buffer, self.group)
         else:
             work = reduce_scatter_single()(shard.grad, bucket.buffer, group=self.group, async_op=True)
         if self.stage == 2:

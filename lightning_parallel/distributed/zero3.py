@@ -85,9 +85,9 @@ from lightning_parallel.distributed.zero import (
     MAPPED_BYTES,
     BucketShard,
     ShardedGradientReducer,
-    _reduce_scatter_by_ranges,
     _Works,
     all_gather_by_ranges,
+    reduce_scatter_by_ranges,
 )
 from lightning_parallel.distributed.zero3_dtypes import UnitDtypes
 from lightning_parallel.every_rank import every_rank_runs
@@ -864,7 +864,7 @@ class FullyShardedGradientReducer(ShardedGradientReducer):
         send.div_(self.world_size * self.replicas)
         received = send.new_empty(shard.size)
         if self._by_ranges:
-            work: Any = _reduce_scatter_by_ranges(received, send, self.group)
+            work: Any = reduce_scatter_by_ranges(received, send, self.group)
         else:
             work = reduce_scatter_single()(received, send, group=self.group, async_op=True)
         accumulate = bool(self.syncs_since_step) and shard.grad is not None

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_parallel.compat import all_gather_single, reduce_scatter_single
-from lightning_parallel.distributed.zero import _reduce_scatter_by_ranges, all_gather_by_ranges
+from lightning_parallel.distributed.zero import all_gather_by_ranges, reduce_scatter_by_ranges
 from lightning_parallel.memory.accounting import available_host_bytes
 from lightning_parallel.memory.saved import SavedTensorCounter
 from lightning_parallel.module_names import find_block_stack
@@ -119,7 +119,7 @@ def _call(name: str, nbytes: int, group: Any) -> Callable[[], None]:
     if name == "reduce_scatter":
         out = x.new_empty(n // world)
         if by_ranges:
-            return lambda: _reduce_scatter_by_ranges(out, x, group).wait()
+            return lambda: reduce_scatter_by_ranges(out, x, group).wait()
         return lambda: reduce_scatter_single()(out, x, group=group)
     if name == "all_to_all":
         out = torch.empty_like(x)

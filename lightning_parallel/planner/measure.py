@@ -39,6 +39,7 @@ from lightning_parallel.module_names import find_block_stack
 from lightning_parallel.pipeline.profile import capture_block_inputs, requiring_grad, tensors_in, time_blocks
 from lightning_parallel.pipeline.split_backward import backward_input
 from lightning_parallel.planner.cost_model import BlockCost, ModelCost
+from lightning_parallel.quiet_trainer import QUIET_TRAINER
 
 __all__ = [
     "measure_model",
@@ -278,12 +279,7 @@ def lightning_step_seconds(module: Any, batch: Any, steps: int = 10, warmup: int
             devices=1,
             max_steps=warmup + steps,
             callbacks=[clock],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
-            limit_val_batches=0,
+            **QUIET_TRAINER,
         ).fit(module, train_dataloaders=DataLoader([batch] * (warmup + steps), batch_size=None))
     finally:
         quiet.setLevel(level)

@@ -178,17 +178,14 @@ def run_case(case: dict, world_size: int, out_dir: Path) -> dict:
     global_batch = data_kwargs.pop("global_batch_size", 8)
     dp_size = case.get("dp_size", world_size)  # processes that share one batch do not divide it
     data = load_object(case["data"])(batch_size=global_batch // dp_size, **data_kwargs)
+    from lightning_parallel.quiet_trainer import QUIET_TRAINER
+
     recorder = LossRecorder()
     trainer_kwargs = dict(
         accelerator="cpu",
         devices=world_size,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
         callbacks=[recorder],
+        **QUIET_TRAINER,
     )
     trainer_kwargs.update(case.get("trainer", {}))
     for cb in case.get(
