@@ -14,10 +14,11 @@ One step, in the order the hooks run::
     forward      a block's forward pre-hook gathers it (its shard into its range, an all-gather of the
                  ranges; the next block's gather is started then, so it runs while this one computes:
                  at most one unit in flight); its forward hook frees it again (``reshard_after_forward``;
-                 False keeps it until its backward, and so does the last block, whose backward is the
-                 first; an evaluation forward always frees) and hooks its outputs. The root unit is
-                 gathered by the strategy before the step (and by the forward pre-hook of every module that
-                 owns one of its parameters: a second forward after a backward) and kept through backward.
+                 False keeps it until its backward, and so do the last two blocks, which the backward's
+                 start holds anyway: ``KEPT_FOR_BACKWARD``; an evaluation forward always frees) and hooks
+                 its outputs. The root unit is gathered by the strategy before the step (and by the forward
+                 pre-hook of every module that owns one of its parameters: a second forward after a
+                 backward) and kept through backward.
     backward     the first gradient of a block's outputs gathers it again (before any of its backward
                  runs, so a recomputed forward finds it too; the gather of the block before it is started
                  then); its gradients accumulate in a bucket of the
@@ -93,7 +94,13 @@ from lightning_parallel.distributed.zero3_dtypes import UnitDtypes
 from lightning_parallel.every_rank import every_rank_runs
 from lightning_parallel.module_names import find_block_stack
 
-__all__ = ["FullyShardedGradientReducer", "OffStepGatherError", "ParameterUnit", "ShardedParameters"]
+__all__ = [
+    "FullyShardedGradientReducer",
+    "KEPT_FOR_BACKWARD",
+    "OffStepGatherError",
+    "ParameterUnit",
+    "ShardedParameters",
+]
 
 
 class OffStepGatherError(RuntimeError):
@@ -287,6 +294,12 @@ def _flat_buffer(numel: int, dtype: torch.dtype, device: torch.device) -> tuple[
     mapped = host_mapping(nbytes)
     return torch.frombuffer(mapped, dtype=dtype, count=numel), mapped
 
+
+#: the last blocks that ``reshard_after_forward`` keeps gathered from their forward to their backward: the
+#: backward's start holds them anyway (the last block, whose backward is the first, and the block before
+#: it, whose gather that backward starts at once), so freeing them would lower no peak and gather them again
+#: (torchtitan keeps the last block)
+KEPT_FOR_BACKWARD = 2
 
 #: glibc's ``mallopt`` parameter for its mmap threshold
 M_MMAP_THRESHOLD = -3
@@ -734,11 +747,11 @@ class ShardedParameters:
 
     def _frees_after_forward(self, unit: ParameterUnit, training: bool) -> bool:
         """Whether a block is freed after its forward: always after an evaluation forward; after a training
-        forward as ``reshard_after_forward`` says, except the last block of the stack, whose backward comes
-        first (torchtitan keeps it too): freeing it would gather it again at once."""
+        forward as ``reshard_after_forward`` says, except the last ``KEPT_FOR_BACKWARD`` blocks of the stack."""
         if not training:
             return True
-        return self.reshard_after_forward and self._index.get(id(unit)) != len(self.blocks) - 1
+        index = self._index.get(id(unit))
+        return self.reshard_after_forward and (index is None or index < len(self.blocks) - KEPT_FOR_BACKWARD)
 
     def _before_block_backward(self, unit: ParameterUnit, grad: Tensor) -> None:
         """The block's backward comes next: gathered, and the block before it (whose backward follows)

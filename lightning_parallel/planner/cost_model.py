@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Sequence, Union
 
+from lightning_parallel.distributed.zero3 import KEPT_FOR_BACKWARD
 from lightning_parallel.memory.expected import (
     ModelStates,
     block_activation_bytes,
@@ -64,7 +65,7 @@ from lightning_parallel.planner.collective_time import (
 )
 from lightning_parallel.planner.layout import Layout
 
-__all__ = ["BlockCost", "ModelCost", "Prediction", "predict", "compute_scale", "BUCKET_BYTES"]
+__all__ = ["BlockCost", "ModelCost", "Prediction", "predict", "compute_scale", "zero3_gathers", "BUCKET_BYTES"]
 
 #: lp_ddp's gradient bucket size (``bucket_cap_mb=25``): a reduce's latency is paid per bucket
 BUCKET_BYTES = 25 * 2**20
@@ -415,14 +416,21 @@ def turn_wait_s(layout: Layout, cluster: Cluster) -> float:
 
 def _data_parallel_calls(layout: Layout, model: ModelCost, units: int) -> int:
     """The data-parallel collectives a rank waits on in a step: each bucket's reduce (ZeRO 1/2 and the
-    post-step all-gather: two), ZeRO-3's two gathers and one reduce per unit, the last unit gathered once
-    (one gather under pipeline stages)."""
+    post-step all-gather: two), ZeRO-3's reduce per unit and its gathers (``zero3_gathers``; one gather under
+    pipeline stages)."""
     if layout.dp <= 1:
         return 0
     buckets = max(1, math.ceil(model.parameter_bytes / layout.tp / layout.pp / BUCKET_BYTES))
     if layout.zero_stage == 3:
-        return buckets + 1 if layout.pp > 1 else 3 * max(1, units) - 1
+        return buckets + 1 if layout.pp > 1 else max(1, units) + zero3_gathers(units)
     return buckets * (2 if layout.zero_stage else 1)
+
+
+def zero3_gathers(units: int) -> int:
+    """ZeRO-3's unit gathers in a step without pipeline stages: each block for its forward and again for its
+    backward, but the last ``KEPT_FOR_BACKWARD``, kept gathered between them."""
+    units = max(1, units)
+    return 2 * units - min(units, KEPT_FOR_BACKWARD)
 
 
 def _spare_cores(layout: Layout, cluster: Cluster) -> bool:
@@ -465,8 +473,7 @@ def _data_parallel_s(gradient_bytes: float, layout: Layout, link, window: float,
         exposed += buckets * all_gather_s(gradient_bytes / buckets, n, link)
     if layout.zero_stage == 3 and layout.pp > 1:  # a stage's units gathered once, when its schedule starts
         exposed += all_gather_s(gradient_bytes, n, link)
-    elif layout.zero_stage == 3:  # each unit gathered for its forward and again for its backward (the last
-        # kept between them), prefetched
-        gathers = (2 * max(1, units) - 1) * all_gather_s(gradient_bytes / max(1, units), n, link)
+    elif layout.zero_stage == 3:  # each unit gathered for its forward and again for its backward, prefetched
+        gathers = zero3_gathers(units) * all_gather_s(gradient_bytes / max(1, units), n, link)
         exposed += gathers / max(1, units) if window > 0 else gathers  # no window: no core to overlap on
     return exposed

@@ -283,11 +283,11 @@ class ParallelStrategyBase(Checkpointer, _LightningDDPStrategy):
             ``distributed.zero3``: lp_ddp, and lp_parallel, where each rank's tensor-parallel and pipeline
             share is sharded over dp). Needs an elementwise ``torch.optim`` optimizer (SGD, Adam, AdamW, ...).
         reshard_after_forward: with ``zero_stage=3``, free each block's gathered parameters after its
-            forward and gather them again for its backward (True; the last block, whose backward comes
-            first, is kept); False keeps them from the forward to the end of its backward (one gather per
-            step, more memory held during the step). Refused where it
-            means nothing: below zero_stage=3, and under pipeline stages, whose units are kept gathered across
-            the micro-batches of a step already.
+            forward and gather them again for its backward (True; the last two blocks, which the
+            backward's start holds anyway, are kept: ``zero3.KEPT_FOR_BACKWARD``); False keeps them from the
+            forward to the end of its backward (one gather per step, more memory held during the step).
+            Refused where it means nothing: below zero_stage=3, and under pipeline stages, whose units are kept
+            gathered across the micro-batches of a step already.
         release_host_memory: with ``zero_stage=3`` on the CPU, glibc serves every block of 1 MiB or more from
             a mapping of its own, handed back to the system when freed, process-wide from set-up on (True):
             the freed gathers and gradients never stay resident in its heap, for the lowest peak resident

@@ -113,13 +113,13 @@ def test_no_overlap_where_the_processes_fill_the_cores() -> None:
 
 def test_zero_3_gathers_every_unit_where_nothing_overlaps() -> None:
     """ZeRO-3 without pipeline stages: each unit's parameters gathered for its forward and its backward (the
-    last unit kept between them) and its gradients reduce-scattered; with a core to spare only a unit's
+    last two units kept between them) and its gradients reduce-scattered; with a core to spare only a unit's
     share of the gathers and the last reduce show."""
     unit = 2**20
     cost = ModelCost([BlockCost(1.0, 100.0, 0.0, unit)] * 4, 0.0, 1)
     layout = Layout(dp=2, tp=1, pp=1, global_batch=2, zero_stage=3)
     box = Cluster("b", 1, 2, 1e12, 1e15, LINK, LINK, cores=2)
-    gathers, reduces = 7 * all_gather_s(unit, 2, LINK), 4 * reduce_scatter_s(unit, 2, LINK)
+    gathers, reduces = 6 * all_gather_s(unit, 2, LINK), 4 * reduce_scatter_s(unit, 2, LINK)
     assert predict(cost, layout, box).data_parallel_s == pytest.approx(gathers + reduces)
     spare = dataclasses.replace(box, cores=0)
     assert predict(cost, layout, spare).data_parallel_s == pytest.approx(gathers / 4 + reduces / 4)
