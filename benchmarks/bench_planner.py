@@ -5,12 +5,14 @@
     python benchmarks/bench_planner.py --layouts "dp2 tp1 pp1" "dp1 tp1 pp2 1f1b m4"   # a subset, by name
     python benchmarks/bench_planner.py --steps 20 --warmup 5 --json out.json
     python benchmarks/bench_planner.py --records runs.jsonl --cost cost.json   # re-predict saved runs
+    python benchmarks/bench_planner.py --calibrate box.yaml   # predicted on this box calibrated now
 
 For each layout (``LAYOUTS``: DDP, ZeRO 1, 2 and 3, tensor parallelism with and without sequence
 parallelism, each pipeline schedule, 2-D and 3-D, full recompute), the benchmark puts beside each other:
 
 - **predicted**: ``planner.cost_model.predict`` of the layout on this machine (``cpu_2core``'s cluster
-  file, one process per device, the devices sharing its cores), from a ``ModelCost`` measured once in this
+  file, or with ``--calibrate`` the box calibrated at the start; one process per device, the devices
+  sharing its cores), from a ``ModelCost`` measured once in this
   process the way the planner's command measures it (``planner.command.model_cost``: each block timed
   alone on its captured inputs in CPU time, on the batch and a quarter of it, and on tp2's shard, its
   saved activations counted; one thread, as each worker has), or read with ``--cost``;
@@ -180,15 +182,28 @@ def measure_cost(layouts: list[Layout], shape: dict, global_batch: int, saved: O
     return cost
 
 
-def predictions(
-    layouts: list[Layout], shape: dict, global_batch: int, saved: Optional[str] = None
-) -> tuple[Any, list[Any]]:
-    """The model's cost (``measure_cost``) and each layout's prediction on this box."""
+def this_box(calibrated: Optional[str] = None) -> Any:
+    """The cluster the layouts are predicted on: ``cpu_2core``'s file, or with ``calibrated`` this box
+    calibrated now over 2 processes (``planner.calibration_run``, as ``lp-train strategy=auto
+    planner.calibrate=true`` does) and written there, or read from there where that file exists."""
+    from lightning_parallel.planner.calibration_run import calibrate_here
     from lightning_parallel.planner.cluster import Cluster
+
+    if calibrated is None:
+        return Cluster.load("cpu_2core")
+    if Path(calibrated).is_file():
+        return Cluster.load(calibrated)
+    return calibrate_here(2, output=calibrated)
+
+
+def predictions(
+    layouts: list[Layout], shape: dict, global_batch: int, saved: Optional[str] = None, calibrated: Optional[str] = None
+) -> tuple[Any, list[Any]]:
+    """The model's cost (``measure_cost``) and each layout's prediction on this box (``this_box``)."""
     from lightning_parallel.planner.cost_model import predict
 
+    machine = this_box(calibrated)
     cost = measure_cost(layouts, shape, global_batch, saved)
-    machine = Cluster.load("cpu_2core")
     out = []
     for layout in layouts:
         cluster = dataclasses.replace(machine, devices_per_node=max(layout.devices, machine.devices_per_node))
@@ -259,7 +274,7 @@ def run(args: argparse.Namespace) -> dict:
             raise SystemExit(f"--layouts {unknown} are not among the benchmark's: {list(names)}")
         layouts = [names[n] for n in args.layouts]
     global_batch = layouts[0].global_batch
-    cost, predicted = predictions(layouts, shape, global_batch, args.cost)
+    cost, predicted = predictions(layouts, shape, global_batch, args.cost, args.calibrate)
     out = Path(args.records) if args.records else Path(tempfile.mkdtemp()) / "results.jsonl"
     done = {r["layout"] for r in read_records(out)}
     for layout in [layout for layout in layouts if layout.name() not in done]:
@@ -314,6 +329,11 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument(
         "--cost",
         help="the measured ModelCost as JSON: read from this file where it exists, else measured and written",
+    )
+    parser.add_argument(
+        "--calibrate",
+        help="a cluster YAML: this box calibrated now and written there (read where that file exists); "
+        "default: cpu_2core's file",
     )
     args = parser.parse_args(argv)
     args.steps = args.steps if args.steps is not None else (2 if args.tiny else 8)

@@ -45,6 +45,7 @@ __all__ = [
     "calibrate_collectives",
     "scheduler_slice",
     "shared_compute",
+    "wake_up",
     "cluster_from_fits",
     "device_flops",
     "fit_alpha_beta",
@@ -298,6 +299,52 @@ def shared_compute(group: Any = None, rounds: int = 5) -> float:
     return max(1.0, float(ratio))
 
 
+def _interleaved_seconds(compute: Callable[[], None], collective: Callable[[], None], group: Any, calls: int) -> float:
+    """Seconds per iteration of ``calls`` iterations of ``compute`` then ``collective``, started together."""
+    dist.barrier(group=group)
+    start = time.perf_counter()
+    for _ in range(calls):
+        compute()
+        collective()
+    return (time.perf_counter() - start) / calls
+
+
+def wake_up(group: Any = None, nbytes: int = 2**16, calls: int = 50, rounds: int = 5) -> float:
+    """What a blocking collective costs a CPU rank between two computations beyond its own time
+    (``Cluster.wake_s``): every rank runs ``calls`` times a small matrix product then an all-reduce of
+    ``nbytes``, and each alone as often; the excess per call of the first over the sum of the others. A rank
+    waiting in a collective leaves its core idle, and waking it when the data arrives is what a tight loop
+    of collectives, whose threads never sleep, does not pay. The median of ``rounds``, the slowest rank's,
+    given to every rank; one thread per rank."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    a = torch.randn(256, 256)
+    x = torch.ones(nbytes // 4)
+
+    def compute() -> None:
+        for _ in range(4):  # about 1 ms on one core of the 2-core box
+            a @ a
+
+    def collective() -> None:
+        dist.all_reduce(x, group=group)
+
+    def nothing() -> None:
+        pass
+
+    excess = []
+    try:
+        for _ in range(rounds):
+            both = _interleaved_seconds(compute, collective, group, calls)
+            alone = _interleaved_seconds(compute, nothing, group, calls)
+            alone += _interleaved_seconds(nothing, collective, group, calls)
+            excess.append(both - alone)
+    finally:
+        torch.set_num_threads(threads)
+    found = torch.tensor([statistics.median(excess)], dtype=torch.float64)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
+    return max(0.0, float(found))
+
+
 @dataclass(frozen=True)
 class Calibration:
     """What the machine at hand measured: its cluster, each collective's fit, and the blocks' timings."""
@@ -342,7 +389,11 @@ def calibrate(
     if device.type == "cpu":  # the processes share the host's cores, taking turns when they outnumber them
         slice_s = scheduler_slice() if dist.get_rank(group) == 0 else 0.0
         cluster = dataclasses.replace(
-            cluster, cores=len(os.sched_getaffinity(0)), slice_s=slice_s, shared_compute=shared_compute(group)
+            cluster,
+            cores=len(os.sched_getaffinity(0)),
+            slice_s=slice_s,
+            shared_compute=shared_compute(group),
+            wake_s=wake_up(group),
         )
     blocks = time_model_blocks(module, run_step, block_stack) if module is not None else []
     return Calibration(cluster, fits, blocks)

@@ -61,7 +61,10 @@ class Cluster:
     ``slice_s``: on such a box, the scheduler's time slice: how long a process runs before another
     runnable one on its core takes its turn (``calibrate.scheduler_slice``). ``shared_compute``: on such a
     box, how many times longer a rank's compute takes while every core runs a rank than alone (their caches
-    and memory bandwidth are shared; ``calibrate.shared_compute``); 1.0 where each device computes alone."""
+    and memory bandwidth are shared; ``calibrate.shared_compute``); 1.0 where each device computes alone.
+    ``wake_s``: on such a box with a core per process, what each blocking collective or message between a
+    step's computations costs beyond its own time: the waiting rank's core idles and is woken when the data
+    arrives (``calibrate.wake_up``); 0 where it was not measured."""
 
     name: str
     nodes: int
@@ -74,6 +77,7 @@ class Cluster:
     backend: str = "nccl"
     slice_s: float = 0.0
     shared_compute: float = 1.0
+    wake_s: float = 0.0
 
     @property
     def devices(self) -> int:
@@ -93,7 +97,7 @@ class Cluster:
         values = dict(values)
         for key in ("within_node", "between_nodes"):  # numbers as floats: YAML reads 4.5e11 as text
             values[key] = Link.from_mapping(values[key])
-        for key in ("memory", "flops", "slice_s", "shared_compute"):
+        for key in ("memory", "flops", "slice_s", "shared_compute", "wake_s"):
             if key in values:
                 values[key] = float(values[key])
         return cls(**values)

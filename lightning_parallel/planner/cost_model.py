@@ -22,8 +22,9 @@ Pure: no process, no tensor. What it models, in the order a step runs (docs/plan
   start it during that backward (``schedules.OVERLAPPED``) and a core is spare; the post-step all-gather
   never overlaps;
 - processes outnumbering a CPU box's cores: the step at least their work over the cores, and each blocking
-  collective waiting for its peer's turn (``turn_wait_s``); processes computing on several of its cores at
-  once: each computes slower, as the box's ``shared_compute`` measured (``compute_scale``);
+  collective waiting for its peer's turn (``call_wait_s``); with a core per process, each blocking
+  collective waking its rank's idle core (``Cluster.wake_s``); processes computing on several of its cores
+  at once: each computes slower, as the box's ``shared_compute`` measured (``compute_scale``);
 - the optimizer step on the rank's share of the state, and Lightning's own work around a step
   (``ModelCost.step_overhead_s``), on every rank.
 
@@ -365,7 +366,7 @@ def predict(model: ModelCost, layout: Layout, cluster: Cluster, precision: str =
     shared_s = _shared_cores_s(layout, cluster, busy, per_process_s)
     calls = max(layout.num_microbatches * sum(chunks[g].calls for g in h) for h in held)
     calls += _data_parallel_calls(layout, model, len(chunks[held[0][0]].blocks))
-    step_s = max(pipeline_s + per_process_s, shared_s) + calls * turn_wait_s(layout, cluster)
+    step_s = max(pipeline_s + per_process_s, shared_s) + calls * call_wait_s(layout, cluster)
     return Prediction(
         layout=layout,
         step_s=step_s,
@@ -403,14 +404,18 @@ def compute_scale(layout: Layout, cluster: Cluster) -> float:
     return 1.0 + (cluster.shared_compute - 1.0) * others / (cluster.cores - 1)
 
 
-def turn_wait_s(layout: Layout, cluster: Cluster) -> float:
-    """The wait of one blocking collective or message where a node's processes outnumber its cores: the
-    peer it waits for is one of ``processes / cores`` processes taking turns on a core, and runs after the
-    others' turns, ``cluster.slice_s`` each (the scheduler's time slice, measured by the calibration):
-    ``(processes / cores - 1) x slice_s``. 0 with a core per process or devices of their own."""
+def call_wait_s(layout: Layout, cluster: Cluster) -> float:
+    """The wait of one blocking collective or message beyond its own time. Where a node's processes
+    outnumber its cores, the peer it waits for is one of ``processes / cores`` processes taking turns on a
+    core, and runs after the others' turns, ``cluster.slice_s`` each (the scheduler's time slice, measured
+    by the calibration): ``(processes / cores - 1) x slice_s``. With a core per process the waiting rank's
+    core idles, and waking it costs ``cluster.wake_s`` (measured by the calibration; 0 for devices of their
+    own, whose waits the collectives' own times hold)."""
     processes = min(layout.devices, cluster.devices_per_node)
-    if not cluster.cores or processes <= cluster.cores:
+    if not cluster.cores:
         return 0.0
+    if processes <= cluster.cores:
+        return cluster.wake_s if processes > 1 else 0.0
     return (processes / cluster.cores - 1) * cluster.slice_s
 
 

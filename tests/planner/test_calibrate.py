@@ -75,6 +75,7 @@ def calibrate_program(out: Path) -> None:
         "devices": result.cluster.devices,
         "flops": result.cluster.flops,
         "shared_compute": result.cluster.shared_compute,
+        "wake_s": result.cluster.wake_s,
         "blocks": [b.__dict__ for b in result.blocks],
     }
     (out / f"rank{rank}.json").write_text(json.dumps(report))
@@ -113,6 +114,9 @@ def test_calibration_on_two_gloo_processes(tmp_path):
     # both ranks computing at once on the box's cores: every rank has rank 0's ratio, at least 1, in the file
     assert reports[0]["shared_compute"] == reports[1]["shared_compute"] >= 1.0
     assert cluster.shared_compute == pytest.approx(reports[0]["shared_compute"], rel=1e-12)
+    # a collective between computations: every rank has the slowest rank's excess per call, in the file
+    assert reports[0]["wake_s"] == reports[1]["wake_s"] and 0.0 <= reports[0]["wake_s"] < 0.05
+    assert cluster.wake_s == pytest.approx(reports[0]["wake_s"], rel=1e-12)
     blocks = reports[0]["blocks"]
     assert [b["name"] for b in blocks] == ["blocks.0", "blocks.1", "blocks.2"]
     for b in blocks:

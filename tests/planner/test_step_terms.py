@@ -21,10 +21,10 @@ from lightning_parallel.planner.cost_model import (
     BlockCost,
     ModelCost,
     block_seconds,
+    call_wait_s,
     compute_scale,
     predict,
     tensor_parallel_s,
-    turn_wait_s,
 )
 from lightning_parallel.planner.layout import Layout
 from lightning_parallel.planner.measure import fixed_seconds
@@ -139,6 +139,22 @@ def test_processes_outnumbering_cores_wait_a_turn_at_each_collective() -> None:
     assert alone == pytest.approx(8 * 1.5)
 
 
+def test_a_core_per_process_pays_its_wake_up_at_each_collective() -> None:
+    """2 tp2 processes on 2 cores whose idle core takes 1 ms to wake: each of the 8 blocks' 2 + 2
+    all-reduces costs 1 ms more; 4 processes on the 2 cores wait their turn instead (no core idles), and
+    devices of their own, or one process, pay neither."""
+    cost = ModelCost([BlockCost(1.0, 2.0, 0.0, 4.0)] * 8, 0.0, 2)
+    free = Link(float("inf"), 0.0)
+    box = Cluster("b", 1, 2, 1e12, 1e15, free, free, cores=2, wake_s=1e-3)
+    tp2 = Layout(dp=1, tp=2, pp=1, global_batch=2)
+    awake = dataclasses.replace(box, wake_s=0.0)
+    assert predict(cost, tp2, box).step_s == pytest.approx(predict(cost, tp2, awake).step_s + 8 * 4 * 1e-3)
+    four = dataclasses.replace(box, devices_per_node=4, slice_s=2e-3)
+    assert call_wait_s(Layout(dp=2, tp=2, pp=1, global_batch=4), four) == pytest.approx(2e-3)
+    assert call_wait_s(tp2, dataclasses.replace(box, cores=0)) == 0.0
+    assert call_wait_s(Layout(dp=1, tp=1, pp=1, global_batch=2), box) == 0.0
+
+
 def test_ranks_computing_at_once_on_shared_cores_compute_slower() -> None:
     """A box whose ranks slow each other by 1.2 when both of its 2 cores compute: 2 processes' blocks and
     optimizer step take 1.2 times as long; one process, or devices of their own, are not slowed; 3
@@ -195,4 +211,4 @@ def test_lightning_s_work_around_a_step_is_charged_once_on_every_rank() -> None:
     four = dataclasses.replace(gpus, cores=2)
     dp4 = Layout(4, 1, 1, 4)
     work = 4 * (4 * 3.0 / 4 + 0.25 * 1.0 + 0.5) / 2  # 4 processes' quarter-batch blocks, optimizer, loop
-    assert predict(loop, dp4, four).step_s == pytest.approx(work + turn_wait_s(dp4, four))
+    assert predict(loop, dp4, four).step_s == pytest.approx(work + call_wait_s(dp4, four))
