@@ -34,8 +34,9 @@ parameters column reads the shards between steps). Neither counts the process's 
 or allocator slack (the report's RSS columns), so the memory side does not depend on the machine's load.
 
 The table prints the absolute % errors and their medians, and the layout ranked first by prediction
-against the fastest measured one (how much slower it measured). On a machine shared with other jobs the
-step times measure the load, not the model; the memory does not.
+against the fastest measured one (how much slower it measured). After the runs the blocks are timed again
+(``drift``): how far the machine's speed moved between the profile the predictions used and the runs' end.
+On a machine shared with other jobs the step times measure the load, not the model; the memory does not.
 """
 
 from __future__ import annotations
@@ -285,14 +286,29 @@ def run(args: argparse.Namespace) -> dict:
             torchrun(__file__, layout.devices, line, timeout=args.timeout)
         except Exception as error:  # noqa: BLE001 - a failed layout is a row of the table, not the end
             print(f"  {layout.name()} failed: {str(error)[-1500:]}", flush=True)
+    ran = len(done) < len(layouts)
     records = read_records(out)
     text, summary = table(layouts, predicted, records)
     print(f"\n{cost.name}, global batch {global_batch}, {args.warmup} warm-up + {args.steps} timed steps\n")
     print(text)
+    if ran and not args.tiny:
+        summary["drift"] = drift(cost, measure_cost(layouts, shape, global_batch))
     result = {"summary": summary, "records": records, "predicted": _predicted_dicts(layouts, predicted)}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result
+
+
+def drift(before: Any, after: Any) -> float:
+    """How much slower the blocks timed after the runs were than those the predictions used (printed): on a
+    shared machine its speed moves during the runs, and the step errors with it."""
+    seconds = lambda cost: sum(b.forward_s + b.backward_s for b in cost.blocks)  # noqa: E731
+    moved = seconds(after) / seconds(before) - 1
+    print(
+        f"the blocks timed again after the runs: {seconds(after) * 1e3:.0f} ms against "
+        f"{seconds(before) * 1e3:.0f} ms for the predictions ({moved:+.1%}: the machine's speed moved by that much)"
+    )
+    return moved
 
 
 def _predicted_dicts(layouts: list[Layout], predicted: list[Any]) -> list[dict]:
