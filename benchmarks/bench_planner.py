@@ -143,6 +143,7 @@ def worker(args: argparse.Namespace) -> None:
             {
                 "layout": layout.name(),
                 "step_s": statistics.median(timer.times[args.warmup :]),
+                "cost": json.loads(args.run_cost),
                 "rows": [
                     {k: r[k] for k in ("rank", "parameters", "gradients", "optimizer_state", "activations")}
                     for r in rows
@@ -165,12 +166,9 @@ def measure_cost(layouts: list[Layout], shape: dict, global_batch: int, saved: O
     import torch
 
     from lightning_parallel.planner.command import EMBEDDED, model_cost
-    from lightning_parallel.planner.cost_model import BlockCost, ModelCost
 
     if saved and Path(saved).is_file():
-        values = json.loads(Path(saved).read_text())
-        blocks = [BlockCost(**{**b, "tp_s": tuple(map(tuple, b["tp_s"]))}) for b in values.pop("blocks")]
-        return ModelCost(blocks=blocks, **{**values, "other_tp_s": tuple(map(tuple, values["other_tp_s"]))})
+        return cost_from_dict(json.loads(Path(saved).read_text()))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -181,6 +179,15 @@ def measure_cost(layouts: list[Layout], shape: dict, global_batch: int, saved: O
     if saved:
         Path(saved).write_text(json.dumps(dataclasses.asdict(cost), indent=1))
     return cost
+
+
+def cost_from_dict(values: dict) -> Any:
+    """The ``ModelCost`` that ``dataclasses.asdict`` wrote (a ``--cost`` file, a record's ``cost``)."""
+    from lightning_parallel.planner.cost_model import BlockCost, ModelCost
+
+    values = dict(values)
+    blocks = [BlockCost(**{**b, "tp_s": tuple(map(tuple, b["tp_s"]))}) for b in values.pop("blocks")]
+    return ModelCost(blocks=blocks, **{**values, "other_tp_s": tuple(map(tuple, values["other_tp_s"]))})
 
 
 def this_box(calibrated: Optional[str] = None) -> Any:
@@ -197,35 +204,40 @@ def this_box(calibrated: Optional[str] = None) -> Any:
     return calibrate_here(2, output=calibrated)
 
 
-def predictions(
-    layouts: list[Layout], shape: dict, global_batch: int, saved: Optional[str] = None, calibrated: Optional[str] = None
-) -> tuple[Any, list[Any]]:
-    """The model's cost (``measure_cost``) and each layout's prediction on this box (``this_box``)."""
+def predict_on(machine: Any, cost: Any, layout: Layout) -> Any:
+    """``layout`` predicted on ``machine`` (its processes all on this box, sharing its cores)."""
     from lightning_parallel.planner.cost_model import predict
 
-    machine = this_box(calibrated)
-    cost = measure_cost(layouts, shape, global_batch, saved)
-    out = []
-    for layout in layouts:
-        cluster = dataclasses.replace(machine, devices_per_node=max(layout.devices, machine.devices_per_node))
-        out.append(predict(cost, layout, cluster))
-    return cost, out
+    cluster = dataclasses.replace(machine, devices_per_node=max(layout.devices, machine.devices_per_node))
+    return predict(cost, layout, cluster)
 
 
 def _error(predicted: float, measured: float) -> float:
     return abs(predicted - measured) / measured
 
 
-def table(layouts: list[Layout], predicted: list[Any], records: list[dict]) -> tuple[str, dict]:
-    """The comparison table and its summary figures (medians, ranked first vs fastest measured)."""
+def table(
+    layouts: list[Layout], planned: list[Any], records: list[dict], machine: Any, fixed_cost: bool = False
+) -> tuple[str, dict]:
+    """The comparison table and its summary figures (medians, ranked first vs fastest measured).
+
+    ``planned``: each layout predicted from one profile, the planner's own (its ranking). The error
+    columns compare each run with its layout predicted from the profile taken just before that run, as
+    ``lp-train strategy=auto`` plans and then trains (a record's ``cost``), or with ``fixed_cost`` (or no
+    such profile) the planned prediction."""
     found = {r["layout"]: r for r in records}
+    predicted = [
+        p if fixed_cost or "cost" not in found.get(layout.name(), {}) else
+        predict_on(machine, cost_from_dict(found[layout.name()]["cost"]), layout)
+        for layout, p in zip(layouts, planned)
+    ]
     head = (
         "| layout | processes | predicted step | measured step | error | predicted peak/rank | measured "
         "peak/rank | error | predicted p+g+o | measured p+g+o | predicted act. | measured act. |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     rows, time_errors, memory_errors = [], [], []
-    for layout, p in zip(layouts, predicted):
+    for layout, p, first_p in zip(layouts, predicted, planned):
         record = found.get(layout.name())
         if record is None:
             lines.append(f"| {layout.name()} | {layout.devices} | {p.step_s * 1e3:.0f} ms | (failed) |")
@@ -236,7 +248,7 @@ def table(layouts: list[Layout], predicted: list[Any], records: list[dict]) -> t
         te, me = _error(p.step_s, record["step_s"]), _error(predicted_peak, peak)
         time_errors.append(te)
         memory_errors.append(me)
-        rows.append((layout.name(), p.step_s, record["step_s"]))
+        rows.append((layout.name(), first_p.step_s, record["step_s"]))
         lines.append(
             f"| {layout.name()} | {layout.devices} | {p.step_s * 1e3:.0f} ms | {record['step_s'] * 1e3:.0f} ms "
             f"| {te:.1%} | {predicted_peak / MIB:.2f} MiB | {peak / MIB:.2f} MiB | {me:.1%} "
@@ -275,25 +287,29 @@ def run(args: argparse.Namespace) -> dict:
             raise SystemExit(f"--layouts {unknown} are not among the benchmark's: {list(names)}")
         layouts = [names[n] for n in args.layouts]
     global_batch = layouts[0].global_batch
-    cost, predicted = predictions(layouts, shape, global_batch, args.cost, args.calibrate)
+    machine = this_box(args.calibrate)
+    cost = measure_cost(layouts, shape, global_batch, args.cost)
+    planned = [predict_on(machine, cost, layout) for layout in layouts]
     out = Path(args.records) if args.records else Path(tempfile.mkdtemp()) / "results.jsonl"
     done = {r["layout"] for r in read_records(out)}
     for layout in [layout for layout in layouts if layout.name() not in done]:
         print(f"running {layout.name()} on {layout.devices} processes", flush=True)
+        profile = measure_cost(layouts, shape, global_batch) if args.profile == "each" else cost
         line = ["--out", str(out), "--steps", str(args.steps), "--warmup", str(args.warmup)]
         line += ["--layout", json.dumps(dataclasses.asdict(layout)), "--model", json.dumps(shape)]
+        line += ["--run-cost", json.dumps(dataclasses.asdict(profile))]
         try:
             torchrun(__file__, layout.devices, line, timeout=args.timeout)
         except Exception as error:  # noqa: BLE001 - a failed layout is a row of the table, not the end
             print(f"  {layout.name()} failed: {str(error)[-1500:]}", flush=True)
     ran = len(done) < len(layouts)
     records = read_records(out)
-    text, summary = table(layouts, predicted, records)
+    text, summary = table(layouts, planned, records, machine, fixed_cost=args.profile == "once")
     print(f"\n{cost.name}, global batch {global_batch}, {args.warmup} warm-up + {args.steps} timed steps\n")
     print(text)
     if ran and not args.tiny:
         summary["drift"] = drift(cost, measure_cost(layouts, shape, global_batch))
-    result = {"summary": summary, "records": records, "predicted": _predicted_dicts(layouts, predicted)}
+    result = {"summary": summary, "records": records, "predicted": _predicted_dicts(layouts, planned)}
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result
@@ -333,6 +349,7 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
     parser.add_argument("--layout", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--run-cost", help=argparse.SUPPRESS)
     parser.add_argument("--tiny", action="store_true", help="2 layouts of 2 processes, a 2-block model")
     parser.add_argument("--layouts", nargs="+", help="layouts by name (Layout.name()), default all")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 8, tiny 2)")
@@ -345,6 +362,14 @@ def parse(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument(
         "--cost",
         help="the measured ModelCost as JSON: read from this file where it exists, else measured and written",
+    )
+    parser.add_argument(
+        "--profile",
+        choices=("each", "once"),
+        default="each",
+        help="each (default): each run's step compared with its layout predicted from the model's profile "
+        "taken just before that run, as lp-train strategy=auto profiles then trains; once: from the one "
+        "profile the ranking uses (the only one where --records are re-predicted)",
     )
     parser.add_argument(
         "--calibrate",

@@ -58,6 +58,9 @@ COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send
 #: 128 KiB to 1 MiB are the sizes of small models' tensor-parallel activations (a block's output)
 SIZES = (2**10, 2**14, 2**17, 2**18, 2**19, 2**20, 2**22)
 
+#: bytes per rank of the all-reduce ``wake_up`` times between computations: a small model's block output
+WAKE_BYTES = 2**19
+
 #: the least latency (seconds) and seconds per byte a fit gives
 FLOOR = (1e-9, 1e-15)
 
@@ -309,20 +312,31 @@ def _interleaved_seconds(compute: Callable[[], None], collective: Callable[[], N
     return (time.perf_counter() - start) / calls
 
 
-def wake_up(group: Any = None, nbytes: int = 2**16, calls: int = 50, rounds: int = 5) -> float:
-    """What a blocking collective costs a CPU rank between two computations beyond its own time
-    (``Cluster.wake_s``): every rank runs ``calls`` times a small matrix product then an all-reduce of
-    ``nbytes``, and each alone as often; the excess per call of the first over the sum of the others. A rank
-    waiting in a collective leaves its core idle, and waking it when the data arrives is what a tight loop
-    of collectives, whose threads never sleep, does not pay. The median of ``rounds``, the slowest rank's,
-    given to every rank; one thread per rank."""
+def wake_up(
+    group: Any = None,
+    nbytes: int = WAKE_BYTES,
+    calls: int = 200,
+    rounds: int = 5,
+    own_s: Optional[float] = None,
+) -> float:
+    """What a blocking collective costs a CPU rank between two computations beyond its fitted time
+    (``Cluster.wake_s``): every rank runs ``calls`` times about 2.5 ms of matrix products (a block's pass at
+    the sizes the CPU box trains) then an all-reduce of ``nbytes``, and the products alone as often; the
+    mean excess per call over ``own_s``, the all-reduce's time as the collectives' fit gives it (default:
+    its median run, as the fits take their samples).
+
+    This is every cost of such a call that its back-to-back timing misses: the waiting rank's idle core
+    woken when the data arrives; on a virtual machine whose idle cores halt, the calls (one in five on the
+    2-core VM) whose wake-up waits for a timer tick (about 4 ms: a median misses them, a step pays their
+    mean); and the peers' jitter, each call waiting for the slower rank's computation. The median of
+    ``rounds``, the slowest rank's, given to every rank; one thread per rank."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     a = torch.randn(256, 256)
     x = torch.ones(nbytes // 4)
 
     def compute() -> None:
-        for _ in range(4):  # about 1 ms on one core of the 2-core box
+        for _ in range(10):  # about 2.5 ms on one core of the 2-core box
             a @ a
 
     def collective() -> None:
@@ -333,11 +347,10 @@ def wake_up(group: Any = None, nbytes: int = 2**16, calls: int = 50, rounds: int
 
     excess = []
     try:
+        own = _timed(collective, group, repeats=9) if own_s is None else own_s
         for _ in range(rounds):
             both = _interleaved_seconds(compute, collective, group, calls)
-            alone = _interleaved_seconds(compute, nothing, group, calls)
-            alone += _interleaved_seconds(nothing, collective, group, calls)
-            excess.append(both - alone)
+            excess.append(both - _interleaved_seconds(compute, nothing, group, calls) - own)
     finally:
         torch.set_num_threads(threads)
     found = torch.tensor([statistics.median(excess)], dtype=torch.float64)
@@ -393,7 +406,7 @@ def calibrate(
             cores=len(os.sched_getaffinity(0)),
             slice_s=slice_s,
             shared_compute=shared_compute(group),
-            wake_s=wake_up(group),
+            wake_s=wake_up(group, own_s=fits["all_reduce"].predict(WAKE_BYTES)),
         )
     blocks = time_model_blocks(module, run_step, block_stack) if module is not None else []
     return Calibration(cluster, fits, blocks)

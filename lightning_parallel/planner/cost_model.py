@@ -365,7 +365,7 @@ def predict(model: ModelCost, layout: Layout, cluster: Cluster, precision: str =
     gathered = kept * state.parameter if layout.zero_stage == 3 else 0.0
     shared_s = _shared_cores_s(layout, cluster, busy, per_process_s)
     calls = max(layout.num_microbatches * sum(chunks[g].calls for g in h) for h in held)
-    calls += _data_parallel_calls(layout, model, len(chunks[held[0][0]].blocks))
+    calls += _data_parallel_calls(layout, model)
     step_s = max(pipeline_s + per_process_s, shared_s) + calls * call_wait_s(layout, cluster)
     return Prediction(
         layout=layout,
@@ -408,26 +408,28 @@ def call_wait_s(layout: Layout, cluster: Cluster) -> float:
     """The wait of one blocking collective or message beyond its own time. Where a node's processes
     outnumber its cores, the peer it waits for is one of ``processes / cores`` processes taking turns on a
     core, and runs after the others' turns, ``cluster.slice_s`` each (the scheduler's time slice, measured
-    by the calibration): ``(processes / cores - 1) x slice_s``. With a core per process the waiting rank's
-    core idles, and waking it costs ``cluster.wake_s`` (measured by the calibration; 0 for devices of their
-    own, whose waits the collectives' own times hold)."""
+    by the calibration), the turn under way half done on average: ``(processes / cores - 1) x slice_s / 2``.
+    With a core per process the waiting rank's core idles: what that costs a call beyond its fitted time,
+    the wake-up and the peers' jitter, is ``cluster.wake_s`` (measured by the calibration; 0 for devices of
+    their own, whose waits the collectives' own times hold)."""
     processes = min(layout.devices, cluster.devices_per_node)
     if not cluster.cores:
         return 0.0
     if processes <= cluster.cores:
         return cluster.wake_s if processes > 1 else 0.0
-    return (processes / cluster.cores - 1) * cluster.slice_s
+    return (processes / cluster.cores - 1) * cluster.slice_s / 2
 
 
-def _data_parallel_calls(layout: Layout, model: ModelCost, units: int) -> int:
-    """The data-parallel collectives a rank waits on in a step: each bucket's reduce (ZeRO 1/2 and the
-    post-step all-gather: two), ZeRO-3's reduce per unit and its gathers (``zero3_gathers``; one gather under
-    pipeline stages)."""
+def _data_parallel_calls(layout: Layout, model: ModelCost) -> int:
+    """The data-parallel collectives a rank blocks on in a step: each bucket's reduce, waited for after the
+    backward (ZeRO 1/2 and the post-step all-gather: two). ZeRO-3 blocks on its first unit's gather and on
+    its reductions' end: each later unit's gather is started a unit ahead and each unit's reduce-scatter
+    while the backward goes on (under pipeline stages, the stage's one gather and its buckets' reduces)."""
     if layout.dp <= 1:
         return 0
     buckets = max(1, math.ceil(model.parameter_bytes / layout.tp / layout.pp / BUCKET_BYTES))
     if layout.zero_stage == 3:
-        return buckets + 1 if layout.pp > 1 else max(1, units) + zero3_gathers(units)
+        return buckets + 1 if layout.pp > 1 else 2
     return buckets * (2 if layout.zero_stage else 1)
 
 

@@ -127,7 +127,8 @@ def test_zero_3_gathers_every_unit_where_nothing_overlaps() -> None:
 
 def test_processes_outnumbering_cores_wait_a_turn_at_each_collective() -> None:
     """4 tp2 processes on 2 cores: each of the 8 blocks' 2 + 2 all-reduces, and the dp all-reduce, waits
-    one other process's slice (4 / 2 - 1); with a core each, nothing waits."""
+    for the other process on its peer's core (4 / 2 - 1) to finish its slice, half of it on average; with a
+    core each, nothing waits."""
     cost = ModelCost([BlockCost(1.0, 2.0, 0.0, 4.0)] * 8, 0.0, 2)
     layout = Layout(dp=2, tp=2, pp=1, global_batch=4)
     free = Link(float("inf"), 0.0)
@@ -135,7 +136,7 @@ def test_processes_outnumbering_cores_wait_a_turn_at_each_collective() -> None:
     alone = predict(cost, layout, box).step_s
     shared = dataclasses.replace(box, cores=2)
     work = 4 * 8 * 1.5 / 2  # 4 processes' 8 blocks of 1.5 s (half the batch, half the block) on 2 cores
-    assert predict(cost, layout, shared).step_s == pytest.approx(work + (8 * 4 + 1) * 1e-3)
+    assert predict(cost, layout, shared).step_s == pytest.approx(work + (8 * 4 + 1) * 1e-3 / 2)
     assert alone == pytest.approx(8 * 1.5)
 
 
@@ -150,9 +151,23 @@ def test_a_core_per_process_pays_its_wake_up_at_each_collective() -> None:
     awake = dataclasses.replace(box, wake_s=0.0)
     assert predict(cost, tp2, box).step_s == pytest.approx(predict(cost, tp2, awake).step_s + 8 * 4 * 1e-3)
     four = dataclasses.replace(box, devices_per_node=4, slice_s=2e-3)
-    assert call_wait_s(Layout(dp=2, tp=2, pp=1, global_batch=4), four) == pytest.approx(2e-3)
+    assert call_wait_s(Layout(dp=2, tp=2, pp=1, global_batch=4), four) == pytest.approx(1e-3)
     assert call_wait_s(tp2, dataclasses.replace(box, cores=0)) == 0.0
     assert call_wait_s(Layout(dp=1, tp=1, pp=1, global_batch=2), box) == 0.0
+
+
+def test_zero_3_blocks_on_its_first_gather_and_its_reductions_end() -> None:
+    """ZeRO-3 on 2 processes that fill their 2 cores: of its 6 gathers and 4 reduce-scatters (4 units) only
+    the first unit's gather and the wait for the reductions block the rank, so it pays 2 wake-ups, as plain
+    data parallelism pays 1 (its bucket's reduce) and ZeRO-1 2 (the reduce and the post-step gather)."""
+    cost = ModelCost([BlockCost(1.0, 2.0, 0.0, 4.0)] * 4, 0.0, 2)
+    free = Link(float("inf"), 0.0)
+    box = Cluster("b", 1, 2, 1e12, 1e15, free, free, cores=2, wake_s=1e-3)
+    awake = dataclasses.replace(box, wake_s=0.0)
+    for zero_stage, calls in ((0, 1), (1, 2), (3, 2)):
+        dp2 = Layout(dp=2, tp=1, pp=1, global_batch=2, zero_stage=zero_stage)
+        extra = predict(cost, dp2, box).step_s - predict(cost, dp2, awake).step_s
+        assert extra == pytest.approx(calls * 1e-3), zero_stage
 
 
 def test_ranks_computing_at_once_on_shared_cores_compute_slower() -> None:
