@@ -143,11 +143,11 @@ def worker(args: argparse.Namespace) -> None:
             {
                 "layout": layout.name(),
                 "step_s": statistics.median(timer.times[args.warmup :]),
-                "cost": json.loads(args.run_cost),
                 "rows": [
                     {k: r[k] for k in ("rank", "parameters", "gradients", "optimizer_state", "activations")}
                     for r in rows
                 ],
+                **({"cost": json.loads(args.run_cost)} if args.run_cost else {}),
             },
         )
 
@@ -187,7 +187,8 @@ def cost_from_dict(values: dict) -> Any:
 
     values = dict(values)
     blocks = [BlockCost(**{**b, "tp_s": tuple(map(tuple, b["tp_s"]))}) for b in values.pop("blocks")]
-    return ModelCost(blocks=blocks, **{**values, "other_tp_s": tuple(map(tuple, values["other_tp_s"]))})
+    pairs = {k: tuple(map(tuple, values[k])) for k in ("other_tp_s", "other_tp_calls") if k in values}
+    return ModelCost(blocks=blocks, **{**values, **pairs})
 
 
 def this_box(calibrated: Optional[str] = None) -> Any:

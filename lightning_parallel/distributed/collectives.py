@@ -20,7 +20,8 @@ advanced there (a trace runs once for many steps). Eagerly the operators are unc
 Every function takes the ``group`` to talk over (None = the whole world). A group of size one makes every
 operator the identity and issues no collective. A ``SimulatedGroup`` stands for a group in a one-process dry
 run: shapes are those of one of its ranks, nothing is sent, values mean nothing. ``COUNTS`` tallies the
-collectives issued, by kind, so benchmarks can compare against the Megatron count without a profiler.
+collectives issued, by kind, so benchmarks can compare against the Megatron count without a profiler;
+``SIMULATED`` those a dry run stood in for (the planner counts a step's tensor-parallel calls with it).
 """
 
 from __future__ import annotations
@@ -60,12 +61,14 @@ __all__ = [
     "group_rank",
     "start_gather_numbers",
     "COUNTS",
+    "SIMULATED",
     "SimulatedGroup",
     "all_to_all_rows",
     "exchange_counts",
 ]
 
 COUNTS: Counter = Counter()
+SIMULATED: Counter = Counter()
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,8 @@ def _traced_all_reduce(tensor: Tensor, group: Optional[dist.ProcessGroup]) -> Te
 def all_reduce_sum(tensor: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
     """Sum ``tensor`` over ``group`` in place (no autograd); returns it."""
     if isinstance(group, SimulatedGroup):
+        if group.size > 1:
+            SIMULATED["all_reduce"] += 1
         return tensor
     if group_size(group) > 1 and torch.compiler.is_compiling():
         return tensor.copy_(_traced_all_reduce(tensor, group))
@@ -163,6 +168,7 @@ def all_gather_dim(tensor: Tensor, group: Optional[dist.ProcessGroup], dim: int 
     if size == 1:
         return tensor
     if isinstance(group, SimulatedGroup):
+        SIMULATED["all_gather"] += 1
         return torch.cat([tensor] * size, dim=dim)
     _count("all_gather")
     if _on_host(group):  # summed in place into the result: its only whole-size buffer (``_on_host``)
@@ -188,6 +194,7 @@ def reduce_scatter_dim(tensor: Tensor, group: Optional[dist.ProcessGroup], dim: 
     if size == 1:
         return tensor
     if isinstance(group, SimulatedGroup):
+        SIMULATED["reduce_scatter"] += 1
         return _split(tensor, group, dim)
     if tensor.shape[dim] % size:
         raise ValueError(f"cannot split dimension {dim} of size {tensor.shape[dim]} into {size} equal parts")
@@ -215,6 +222,7 @@ def all_gather_list(tensor: Tensor, group: Optional[dist.ProcessGroup]) -> list[
     if group_size(group) == 1:
         return [tensor]
     if isinstance(group, SimulatedGroup):
+        SIMULATED["all_gather"] += 1
         return [tensor] * group.size
     _count("all_gather")
     tensor = tensor.contiguous()

@@ -10,8 +10,10 @@ Pure: no process, no tensor. What it models, in the order a step runs (docs/plan
   on the last stage. Full recompute runs each block's forward again in its backward; selective recompute
   its attention core;
 - tensor parallelism: two all-reduces per block forward and two backward (Megatron's f and g), or as
-  many all-gathers and reduce-scatters under sequence parallelism (on gloo all-reduces), on the critical
-  path; every collective at its calibrated figures where the link has them;
+  many all-gathers and reduce-scatters under sequence parallelism (on gloo all-reduces) and a backward
+  all-gather of each region's saved input, and the rest's collectives as counted on a shard
+  (``ModelCost.other_tp_calls``), on the critical path; every collective at its calibrated figures where
+  the link has them;
 - expert parallelism: an all-to-all to dispatch and one to combine per expert block, forward and backward;
 - the pipeline: one message per chunk boundary each way, then the schedule's own clock
   (``schedules.expected_bubbles``): each rank's busy time over its busy share. The async schedule has no
@@ -126,7 +128,9 @@ class ModelCost:
     ``split_backward``: the blocks' backward run split in two (the input gradients, then the weights';
     ZB-H1, ZBV) over their time as one backward, as measured. ``step_overhead_s``: what a Lightning training
     step on one process spends beside the module's own work and the optimizer step (its loop, hooks,
-    logging, the optimizer's closure), the same on a rank of any layout."""
+    logging, the optimizer's closure), the same on a rank of any layout. ``other_tp_calls``: the rest's
+    tensor-parallel collectives in a step (a vocabulary-parallel embedding's, the head's), as counted on one
+    rank's shard (``(tp, calls)``)."""
 
     blocks: Sequence[BlockCost]
     other_parameter_bytes: float
@@ -142,6 +146,7 @@ class ModelCost:
     other_tp_s: tuple[tuple[int, float], ...] = ()
     split_backward: float = 1.0
     step_overhead_s: float = 0.0
+    other_tp_calls: tuple[tuple[int, int], ...] = ()
 
     def other_seconds(self, scale: float, tp: int) -> tuple[float, float]:
         """The rest's forward and backward seconds at ``scale`` times the batch on one of ``tp`` ranks: its
@@ -200,15 +205,17 @@ def _chunks(model: ModelCost, layout: Layout, cluster: Cluster) -> list[_Chunk]:
     pp_link = cluster.link(layout.pp, tp)
     chunks, start = [], 0
     per_pass = (4 if layout.sequence_parallel and cluster.backend == "gloo" else 2) if tp > 1 else 0
+    regathers = 2 if layout.sequence_parallel and tp > 1 else 0  # a region's saved input, gathered again
     for g, count in enumerate(counts):
         blocks = tuple(model.blocks[start : start + count])
         start += count
         forward = backward = 0.0
-        calls = len(blocks) * per_pass * (3 if layout.recompute is True else 2)
+        calls = len(blocks) * (per_pass * (3 if layout.recompute is True else 2) + regathers)
         for b in blocks:
             if b.expert_parameter_bytes and ep > 1:
                 calls += 4
             comm = tensor_parallel_s(b.output_bytes * scale, tp, tp_link, layout.sequence_parallel, cluster.backend)
+            regather = regathers * sequence_gather_s(b.output_bytes * scale, tp, tp_link, cluster.backend)
             if b.expert_parameter_bytes:
                 size = b.output_bytes * scale / (tp if layout.sequence_parallel else 1)
                 comm += 2 * all_to_all_s(size, ep, ep_link)
@@ -217,12 +224,14 @@ def _chunks(model: ModelCost, layout: Layout, cluster: Cluster) -> list[_Chunk]:
             selective = b.attention_s * scale / tp * slower
             rerun = {True: block_forward, "selective": selective, False: 0.0}[layout.recompute]
             forward += block_forward + comm
-            backward += block_backward + rerun + comm * (2 if layout.recompute is True else 1)
+            backward += block_backward + rerun + comm * (2 if layout.recompute is True else 1) + regather
         last = g == n - 1
         if last:
             other_forward, other_backward = model.other_seconds(scale, tp)
-            forward += other_forward * slower
+            other_calls = dict(model.other_tp_calls).get(tp, 0) if tp > 1 else 0
+            forward += other_forward * slower + other_calls * all_reduce_s(blocks[-1].output_bytes * scale, tp, tp_link)
             backward += other_backward * slower
+            calls += other_calls
         if layout.pp > 1:
             message = p2p_s(
                 blocks[-1].output_bytes * scale / (tp if layout.sequence_parallel else 1), pp_link
@@ -243,6 +252,11 @@ def tensor_parallel_s(size: float, tp: int, link, sequence_parallel: bool, backe
     if backend == "gloo":
         return 4 * all_reduce_s(size, tp, link)
     return 2 * (all_gather_s(size, tp, link) + reduce_scatter_s(size, tp, link))
+
+
+def sequence_gather_s(size: float, tp: int, link, backend: str) -> float:
+    """One all-gather of a ``size``-byte sequence-parallel activation (on gloo an all-reduce of the whole)."""
+    return all_reduce_s(size, tp, link) if backend == "gloo" else all_gather_s(size, tp, link)
 
 
 def _pipeline(

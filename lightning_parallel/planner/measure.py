@@ -34,6 +34,7 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
+from lightning_parallel.distributed.collectives import SIMULATED
 from lightning_parallel.memory.saved import SavedTensorCounter
 from lightning_parallel.module_names import find_block_stack
 from lightning_parallel.pipeline.profile import capture_block_inputs, requiring_grad, tensors_in, time_blocks
@@ -198,13 +199,14 @@ def measure_model(
     del loss
     optimizer_s = _typical_seconds(optimizer.step, repeats, clock)
     other_s = max(0.0, whole_s - sum(times))
-    other_tp = []
+    other_tp, other_calls = [], []
     for tp in tensor_parallel:
         sharded = _sharded_seconds(module, step, tp, repeats, clock)
         if sharded is not None:
-            tp_times, tp_whole = sharded
+            tp_times, tp_whole, calls = sharded
             costs = [dataclasses.replace(c, tp_s=(*c.tp_s, (tp, t))) for c, t in zip(costs, tp_times)]
             other_tp.append((tp, max(0.0, tp_whole - sum(tp_times))))
+            other_calls.append((tp, max(0, calls)))
     block_bytes = sum(b.parameter_bytes for b in costs)
     split = split_backward_ratio(blocks, inputs, repeats, clock)
     return ModelCost(
@@ -220,17 +222,19 @@ def measure_model(
         tokens_per_sample=tokens_per_sample,
         name=f"{type(module).__name__} ({stack_name}: {len(blocks)} blocks)",
         other_tp_s=tuple(other_tp),
+        other_tp_calls=tuple(other_calls),
         split_backward=split,
     )
 
 
 def _sharded_seconds(
     module: nn.Module, step: Callable[[], Tensor], tp: int, repeats: int, clock: Callable[[], float]
-) -> Optional[tuple[list[float], float]]:
+) -> Optional[tuple[list[float], float, int]]:
     """Each block's forward + backward seconds and the whole step's on tensor-parallel rank 0's shard at
     ``tp`` (the automatic plan, ``tensor.dry_run.as_rank_zero``: no communication): what one rank computes,
-    with the operators no plan splits (norms, residuals) and the sharded layers' own work. None where the
-    automatic plan cannot split the module ``tp`` ways."""
+    with the operators no plan splits (norms, residuals) and the sharded layers' own work; and the step's
+    tensor-parallel collectives outside the blocks (a vocabulary-parallel embedding's, the head's), counted
+    as the dry run stands in for them. None where the automatic plan cannot split the module ``tp`` ways."""
     from lightning_parallel.tensor import resolve
     from lightning_parallel.tensor.dry_run import as_rank_zero
 
@@ -245,10 +249,27 @@ def _sharded_seconds(
 
     with as_rank_zero(module, resolved):
         blocks = list(find_block_stack(module)[1])
-        times = time_blocks(blocks, capture_block_inputs(blocks, step), repeats, clock)
+        inputs = capture_block_inputs(blocks, step)
+        times = time_blocks(blocks, inputs, repeats, clock)
         whole = _typical_seconds(whole_step, repeats, clock)
+        step_calls = _simulated_calls(whole_step)
+        block_calls = _simulated_calls(lambda: _blocks_forward_backward(blocks, inputs))
     module.zero_grad(set_to_none=True)
-    return times, whole
+    return times, whole, step_calls - block_calls
+
+
+def _simulated_calls(run: Callable[[], None]) -> int:
+    """The collectives a dry run of ``run`` stood in for (``collectives.SIMULATED``)."""
+    SIMULATED.clear()
+    run()
+    return sum(SIMULATED.values())
+
+
+def _blocks_forward_backward(blocks: Sequence[nn.Module], inputs: Sequence[tuple[tuple, dict]]) -> None:
+    """Each block's forward on its captured inputs, and its backward of its outputs' sum."""
+    for block, (args, kwargs) in zip(blocks, inputs):
+        outputs = [t for t in tensors_in(block(*requiring_grad(args), **requiring_grad(kwargs))) if t.requires_grad]
+        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
 
 
 def lightning_step_seconds(module: Any, batch: Any, steps: int = 10, warmup: int = 3) -> Optional[float]:

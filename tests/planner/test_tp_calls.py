@@ -1,0 +1,69 @@
+"""The tensor-parallel collectives the cost model charges a step: the blocks' (Megatron's f and g, two per
+block and pass) and the rest's, which the planner counts on one rank's shard in a dry run
+(``ModelCost.other_tp_calls``), against the collectives 2 real gloo ranks issue in a step of the same model
+with the same automatic plan (``collectives.COUNTS``).
+
+The per-rank program is this module itself (``python -m tests.planner.test_tp_calls OUT``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.helpers.harness import REPO, run_program
+
+SHAPE = {"n_layer": 2, "n_embd": 32, "n_head": 4, "block_size": 16}
+BATCH = 4
+
+
+def _model_and_step():
+    from lightning_parallel.models.gpt import CharGPT
+    from lightning_parallel.planner.planning import _sample_step
+
+    torch.manual_seed(0)
+    model = CharGPT(**SHAPE)
+    step, *_ = _sample_step(model, None, BATCH)
+    return model, step
+
+
+def rank_program(out: Path) -> None:
+    from lightning_parallel.distributed.collectives import COUNTS
+    from lightning_parallel.tensor import resolve
+    from lightning_parallel.tensor.plan import apply_plan
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    model, step = _model_and_step()
+    resolved = resolve(model, "auto", 2, run=step)
+    apply_plan(model, resolved, None, dist.get_rank())
+    step().backward()  # a first step: anything lazy happens here
+    COUNTS.clear()
+    step().backward()
+    (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(sum(COUNTS.values())))
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.filterwarnings("ignore:You are trying to `self.log")
+def test_a_step_issues_the_collectives_the_planner_counts(tmp_path):
+    from lightning_parallel.planner.measure import measure_model
+
+    model, step = _model_and_step()
+    optimizer = torch.optim.AdamW(model.parameters())
+    cost = measure_model(model, step, BATCH, optimizer, "adamw", repeats=1, tensor_parallel=[2])
+    other = dict(cost.other_tp_calls)[2]
+    assert other > 0  # the vocabulary-parallel embedding's all-reduce, at least
+    run_program([sys.executable, "-m", "tests.planner.test_tp_calls", str(tmp_path)], tmp_path, timeout=90)
+    issued = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert issued[0] == issued[1] == SHAPE["n_layer"] * 2 * 2 + other
+
+
+if __name__ == "__main__":
+    os.chdir(REPO)
+    rank_program(Path(sys.argv[1]))
