@@ -12,10 +12,12 @@ parallelism, each pipeline schedule, 2-D and 3-D, full recompute), the benchmark
 
 - **predicted**: ``planner.cost_model.predict`` of the layout on this machine (``cpu_2core``'s cluster
   file, or with ``--calibrate`` the box calibrated at the start; one process per device, the devices
-  sharing its cores), from a ``ModelCost`` measured once in this
-  process the way the planner's command measures it (``planner.command.model_cost``: each block timed
-  alone on its captured inputs in CPU time, on the batch and a quarter of it, and on tp2's shard, its
-  saved activations counted; one thread, as each worker has), or read with ``--cost``;
+  sharing its cores), from a ``ModelCost`` measured in this process the way the planner's command
+  measures it (``planner.command.model_cost``: each block timed alone on its captured inputs in CPU time,
+  on the batch and a quarter of it, and on tp2's shard, its saved activations counted; one thread, as
+  each worker has): made again just before each layout runs and kept in its record (``--profile each``,
+  the default, as ``lp-train strategy=auto`` profiles and then trains), or the one made at the start
+  (``--profile once``), or read with ``--cost``. The ranking always uses the one made at the start;
 - **measured**: a real ``Trainer.fit`` of the same ``CharGPT`` on the embedded corpus under torchrun (gloo,
   one thread per process), ``lp_ddp`` for the layouts without model parallelism (ZeRO 3 is lp_ddp's),
   ``lp_parallel`` (``Layout.strategy_options``) for the others.
