@@ -204,8 +204,10 @@ def _chunks(model: ModelCost, layout: Layout, cluster: Cluster) -> list[_Chunk]:
     tp_link, ep_link = cluster.link(tp), cluster.link(ep, tp * layout.pp)
     pp_link = cluster.link(layout.pp, tp)
     chunks, start = [], 0
-    per_pass = (4 if layout.sequence_parallel and cluster.backend == "gloo" else 2) if tp > 1 else 0
-    regathers = 2 if layout.sequence_parallel and tp > 1 else 0  # a region's saved input, gathered again
+    # blocking calls per block and pass: f and g, or under sequence parallelism an all-gather and a
+    # reduce-scatter for each; and in the backward each region's saved input gathered again
+    per_pass = (4 if layout.sequence_parallel else 2) if tp > 1 else 0
+    regathers = 2 if layout.sequence_parallel and tp > 1 else 0
     for g, count in enumerate(counts):
         blocks = tuple(model.blocks[start : start + count])
         start += count
@@ -214,8 +216,9 @@ def _chunks(model: ModelCost, layout: Layout, cluster: Cluster) -> list[_Chunk]:
         for b in blocks:
             if b.expert_parameter_bytes and ep > 1:
                 calls += 4
-            comm = tensor_parallel_s(b.output_bytes * scale, tp, tp_link, layout.sequence_parallel, cluster.backend)
-            regather = regathers * sequence_gather_s(b.output_bytes * scale, tp, tp_link, cluster.backend)
+            output = b.output_bytes * scale
+            comm = tensor_parallel_s(output, tp, tp_link, layout.sequence_parallel, cluster.backend)
+            regather = regathers * sequence_collective_s("all_gather", output, tp, tp_link, cluster.backend)
             if b.expert_parameter_bytes:
                 size = b.output_bytes * scale / (tp if layout.sequence_parallel else 1)
                 comm += 2 * all_to_all_s(size, ep, ep_link)
@@ -245,18 +248,19 @@ def _chunks(model: ModelCost, layout: Layout, cluster: Cluster) -> list[_Chunk]:
 
 def tensor_parallel_s(size: float, tp: int, link, sequence_parallel: bool, backend: str) -> float:
     """A block's tensor-parallel collectives in one pass (Megatron's f and g) on its ``size``-byte output:
-    two all-reduces, or under sequence parallelism an all-gather and a reduce-scatter for each, which on
-    gloo the package runs as an all-reduce of the whole tensor each (``collectives._on_host``)."""
+    two all-reduces, or under sequence parallelism an all-gather and a reduce-scatter for each."""
     if not sequence_parallel:
         return 2 * all_reduce_s(size, tp, link)
+    gather = sequence_collective_s("all_gather", size, tp, link, backend)
+    return 2 * (gather + sequence_collective_s("reduce_scatter", size, tp, link, backend))
+
+
+def sequence_collective_s(kind: str, size: float, tp: int, link, backend: str) -> float:
+    """One ``kind`` ("all_gather" or "reduce_scatter") of a ``size``-byte sequence-parallel activation, which
+    on gloo the package runs as an all-reduce of the whole tensor (``collectives._on_host``)."""
     if backend == "gloo":
-        return 4 * all_reduce_s(size, tp, link)
-    return 2 * (all_gather_s(size, tp, link) + reduce_scatter_s(size, tp, link))
-
-
-def sequence_gather_s(size: float, tp: int, link, backend: str) -> float:
-    """One all-gather of a ``size``-byte sequence-parallel activation (on gloo an all-reduce of the whole)."""
-    return all_reduce_s(size, tp, link) if backend == "gloo" else all_gather_s(size, tp, link)
+        return all_reduce_s(size, tp, link)
+    return {"all_gather": all_gather_s, "reduce_scatter": reduce_scatter_s}[kind](size, tp, link)
 
 
 def _pipeline(

@@ -158,16 +158,18 @@ def test_a_core_per_process_pays_its_wake_up_at_each_collective() -> None:
 
 def test_tensor_parallel_calls_are_the_blocks_and_the_rest_counted() -> None:
     """tp2 on 2 cores whose blocking calls cost 1 ms each beyond their time: 8 blocks' 2 + 2 all-reduces and
-    the rest's 3 counted calls; under sequence parallelism on gloo 4 + 4 a block (each all-gather and
-    reduce-scatter an all-reduce) and 2 more in its backward, its regions' saved inputs gathered again."""
+    the rest's 3 counted calls; under sequence parallelism 4 + 4 a block (an all-gather and a reduce-scatter
+    for each, on gloo all-reduces, whichever the backend) and 2 more in its backward, its regions' saved
+    inputs gathered again."""
     free = Link(float("inf"), 0.0)
-    box = Cluster("b", 1, 2, 1e12, 1e15, free, free, cores=2, wake_s=1e-3, backend="gloo")
     cost = ModelCost([BlockCost(1.0, 2.0, 0.0, 4.0)] * 8, 0.0, 2, other_tp_calls=((2, 3),))
-    awake = dataclasses.replace(box, wake_s=0.0)
-    for sp, calls in ((False, 8 * 4 + 3), (True, 8 * 10 + 3)):
-        tp2 = Layout(dp=1, tp=2, pp=1, global_batch=2, sequence_parallel=sp)
-        extra = predict(cost, tp2, box).step_s - predict(cost, tp2, awake).step_s
-        assert extra == pytest.approx(calls * 1e-3), sp
+    for backend in ("gloo", "nccl"):
+        box = Cluster("b", 1, 2, 1e12, 1e15, free, free, cores=2, wake_s=1e-3, backend=backend)
+        awake = dataclasses.replace(box, wake_s=0.0)
+        for sp, calls in ((False, 8 * 4 + 3), (True, 8 * 10 + 3)):
+            tp2 = Layout(dp=1, tp=2, pp=1, global_batch=2, sequence_parallel=sp)
+            extra = predict(cost, tp2, box).step_s - predict(cost, tp2, awake).step_s
+            assert extra == pytest.approx(calls * 1e-3), (backend, sp)
 
 
 def test_zero_3_blocks_on_its_first_gather_and_its_reductions_end() -> None:
