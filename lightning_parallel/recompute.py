@@ -45,6 +45,7 @@ from lightning_parallel.compat import (
     create_selective_checkpoint_contexts,
     selective_op_outputs,
 )
+from lightning_parallel.kv_cache import caching_configs
 from lightning_parallel.memory.saved import SavedHooks, can_stack, counting, record_saved
 from lightning_parallel.module_names import find_block_stack, match_pattern
 from lightning_parallel.pipeline.partition import held_elsewhere
@@ -174,11 +175,9 @@ def _no_kv_cache(module: nn.Module) -> None:
     """Turn off the key/value cache of each Hugging Face model in ``module`` (``config.use_cache``), as
     Hugging Face's own gradient checkpointing does: a cache filled in the forward is filled again by the
     recompute, which then attends over the keys twice. Training reads no cache; ``generate`` asks for one."""
-    for name, sub in module.named_modules():
-        config = getattr(sub, "config", None)
-        if getattr(config, "use_cache", False) is True:
-            config.use_cache = False
-            log.info("activation checkpointing: %s.config.use_cache set to False", name or type(sub).__name__)
+    for name, config in caching_configs(module):
+        config.use_cache = False
+        log.info("activation checkpointing: %s.config.use_cache set to False", name or type(module).__name__)
 
 
 def remove_activation_checkpointing(module: nn.Module, names: Optional[Sequence[str]] = None) -> None:

@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
     (
         "step_effects",
         "module_names",
+        "kv_cache",
         "parameter_set",
         "memory",
         "materialize",

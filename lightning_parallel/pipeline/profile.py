@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from contextlib import nullcontext
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
+
+from lightning_parallel.kv_cache import kv_cache_off
 
 __all__ = [
     "capture_block_inputs",
@@ -37,10 +40,12 @@ class _StopForward(BaseException):
 
 
 def capture_block_inputs(
-    blocks: Sequence[nn.Module], run_step: Callable[[], Any]
+    blocks: Sequence[nn.Module], run_step: Callable[[], Any], model: Optional[nn.Module] = None
 ) -> list[tuple[tuple, dict]]:
     """Run ``run_step`` (which must call every block once, in order) and return each block's detached
-    (args, kwargs)."""
+    (args, kwargs). ``model``: the module ``run_step`` runs, whose Hugging Face key/value caches are off
+    meanwhile (``kv_cache.kv_cache_off``): a cache captured in a block's arguments would grow with each timed
+    call and keep the graph of the call before."""
     captured: list[tuple[tuple, dict]] = [((), {})] * len(blocks)
     seen = [False] * len(blocks)
 
@@ -57,7 +62,7 @@ def capture_block_inputs(
     handles = [b.register_forward_pre_hook(pre_hook(i), with_kwargs=True) for i, b in enumerate(blocks)]
     handles.append(blocks[-1].register_forward_hook(last_hook))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), kv_cache_off(model) if model is not None else nullcontext():
             run_step()
     except _StopForward:
         pass

@@ -209,7 +209,7 @@ def time_model_blocks(
     saves in one more forward (not timed)."""
     name, stack = find_block_stack(module, block_stack)
     blocks = list(stack)
-    inputs = capture_block_inputs(blocks, run_step)
+    inputs = capture_block_inputs(blocks, run_step, module)
     passes = time_block_passes(blocks, inputs, repeats)
     timings = []
     for i, (block, (args, kwargs), (forward_s, backward_s)) in enumerate(zip(blocks, inputs, passes)):

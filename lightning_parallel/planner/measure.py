@@ -164,7 +164,7 @@ def measure_model(
     stack_name, stack = find_block_stack(module)
     blocks = list(stack)
     clock = _clock(module)
-    inputs = capture_block_inputs(blocks, step)
+    inputs = capture_block_inputs(blocks, step, module)
     times = time_blocks(blocks, inputs, repeats, clock)
     rows = max(1, batch_size // 4)
     quarter, cut = _first_rows(inputs, batch_size, rows)
@@ -249,7 +249,7 @@ def _sharded_seconds(
 
     with as_rank_zero(module, resolved):
         blocks = list(find_block_stack(module)[1])
-        inputs = capture_block_inputs(blocks, step)
+        inputs = capture_block_inputs(blocks, step, module)
         times = time_blocks(blocks, inputs, repeats, clock)
         whole = _typical_seconds(whole_step, repeats, clock)
         step_calls = _simulated_calls(whole_step)

@@ -354,7 +354,7 @@ class PipelineStages:
                 ) from error
             sample = split_microbatches(self.batch_to_device(batch), self.num_microbatches)[0]
             with capture_logs(module, log_objects=False):
-                inputs = capture_block_inputs(list(stack), lambda: module.training_step(sample, 0))
+                inputs = capture_block_inputs(list(stack), lambda: module.training_step(sample, 0), module)
             times = time_blocks(list(stack), inputs)
         return average_over_ranks(times)
 

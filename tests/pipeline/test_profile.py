@@ -129,3 +129,21 @@ def test_a_block_the_split_refuses_gives_a_ratio_of_one() -> None:
     blocks = [Reentrant(), Reentrant()]
     inputs = [((torch.randn(8, 16),), {}) for _ in blocks]
     assert split_backward_ratio(blocks, inputs, repeats=2, clock=time.perf_counter) == 1.0
+
+
+def test_a_hugging_face_models_blocks_are_timed_with_its_cache_off_and_on_again_after():
+    """A Llama whose config has use_cache=True: captured with its cache on, each decoder layer would get the
+    step's cache object, which every timed call grows (and the second backward fails); with the model given,
+    the cache is off while the step runs and on again after."""
+    from tests.helpers.tp_models import TokenData
+    from tests.helpers.zoo import ZooLM
+
+    torch.manual_seed(0)
+    model = ZooLM(arch="hf_llama", width=16, layers=2)
+    x, y = next(iter(TokenData().train_dataloader()))
+    blocks = list(model.model.model.layers)
+    assert model.model.config.use_cache is True
+    inputs = capture_block_inputs(blocks, lambda: model.loss((x, y)), model)
+    assert model.model.config.use_cache is True
+    times = time_blocks(blocks, inputs, repeats=3)
+    assert len(times) == 2 and all(t > 0 for t in times)

@@ -1,7 +1,7 @@
 """The model zoo (``tests/helpers/zoo.py``) under the pipeline strategies, on real processes: every family
 under gpipe, 1f1b and zb_h1 (split backwards; Mixtral's experts too) on 2 stages, and three under
-interleaved_1f1b and zbv (two chunks per rank), equals single-device training (float64, 5 SGD steps,
-1e-10); async
+interleaved_1f1b and zbv (two chunks per rank), and Llama and Mixtral with their stages balanced by
+measured time, equals single-device training (float64, 5 SGD steps, 1e-10); async
 follows its rule (a one-process emulation); ``nn.TransformerEncoder`` validates on every stage; and
 dp=2 x pp=2 on Llama. The blocks a stage does not hold stay the model's own objects, so code that
 reads them (``nn.TransformerEncoder.forward`` reads ``layers[0].self_attn``) runs on every stage."""
@@ -45,6 +45,9 @@ SYNC_2 = [
     for arch in ARCHITECTURES
     for schedule in ("gpipe", "1f1b", "zb_h1")
 ] + [case("mixtral-zb_h1", "mixtral", "zb_h1")]
+# balance="time" times each block on the arguments it was called with in a sample step: a Hugging Face
+# model's key/value cache among them (use_cache=True, the configs' default) must not carry over between calls
+SYNC_2 += [case(f"{arch}-1f1b-time", arch, "1f1b", balance="time") for arch in ("hf_llama", "mixtral")]
 for _arch in ("torch_encoder", "hf_gpt2", "hf_bert"):  # two chunks per rank: 4 blocks for 2 ranks
     for _schedule in ("interleaved_1f1b", "zbv"):
         _c = case(f"{_arch}-{_schedule}", _arch, _schedule)
