@@ -188,9 +188,11 @@ def cost_from_dict(values: dict) -> Any:
     from lightning_parallel.planner.cost_model import BlockCost, ModelCost
 
     values = dict(values)
-    blocks = [BlockCost(**{**b, "tp_s": tuple(map(tuple, b["tp_s"]))}) for b in values.pop("blocks")]
-    pairs = {k: tuple(map(tuple, values[k])) for k in ("other_tp_s", "other_tp_calls") if k in values}
-    return ModelCost(blocks=blocks, **{**values, **pairs})
+    def pairs(fields: dict, names: tuple[str, ...]) -> dict:  # JSON's lists back to the tuples of pairs
+        return {**fields, **{k: tuple(map(tuple, fields[k])) for k in names if k in fields}}
+
+    blocks = [BlockCost(**pairs(b, ("tp_s", "tp_calls"))) for b in values.pop("blocks")]
+    return ModelCost(blocks=blocks, **pairs(values, ("other_tp_s", "other_tp_calls")))
 
 
 def this_box(calibrated: Optional[str] = None) -> Any:

@@ -70,6 +70,9 @@ from lightning_parallel.planner.layout import Layout
 
 __all__ = ["BlockCost", "ModelCost", "Prediction", "predict", "compute_scale", "zero3_gathers", "BUCKET_BYTES"]
 
+#: the tensor-parallel regions of a transformer block where they were not counted: attention and the MLP
+TRANSFORMER_REGIONS = 2
+
 #: lp_ddp's gradient bucket size (``bucket_cap_mb=25``): a reduce's latency is paid per bucket
 BUCKET_BYTES = 25 * 2**20
 
@@ -81,7 +84,9 @@ class BlockCost:
     ``output_bytes``: its output (the next block's input): what a stage boundary sends and what tensor
     parallelism all-reduces. ``attention_bytes`` / ``attention_s``: the parts of ``activation_bytes`` /
     ``forward_s`` that are the attention core (what selective recompute drops and reruns); 0 if unknown.
-    ``expert_parameter_bytes``: the part of ``parameter_bytes`` in experts (shared out over ep)."""
+    ``expert_parameter_bytes``: the part of ``parameter_bytes`` in experts (shared out over ep).
+    ``tp_calls``: its tensor-parallel collectives in a forward and backward on one rank's shard at each tp,
+    as counted (``regions``)."""
 
     forward_s: float
     backward_s: float
@@ -93,6 +98,14 @@ class BlockCost:
     expert_parameter_bytes: float = 0.0
     fixed_s: float = 0.0
     tp_s: tuple[tuple[int, float], ...] = ()
+    tp_calls: tuple[tuple[int, int], ...] = ()
+
+    def regions(self, tp: int) -> float:
+        """The block's tensor-parallel regions at ``tp``: each a pair of Megatron's f and g, one collective in
+        the forward and one in the backward, so half the collectives counted in its forward and backward on
+        one rank's shard (``tp_calls``, ``(tp, calls)``), else two (attention and MLP, as Megatron splits a
+        transformer block)."""
+        return dict(self.tp_calls).get(tp, 2 * TRANSFORMER_REGIONS) / 2
 
     def seconds(self, scale: float, tp: int) -> tuple[float, float]:
         """Forward and backward seconds at ``scale`` times the measured batch on one of ``tp`` ranks:
@@ -190,7 +203,7 @@ class _Chunk:
     backward: float
     blocks: tuple[BlockCost, ...]
     last: bool
-    calls: int = 0  # blocking collectives and messages of one micro-batch's forward and backward
+    calls: float = 0.0  # blocking collectives and messages of one micro-batch's forward and backward
 
 
 def _chunks(model: ModelCost, layout: Layout, cluster: Cluster) -> list[_Chunk]:
@@ -204,30 +217,31 @@ def _chunks(model: ModelCost, layout: Layout, cluster: Cluster) -> list[_Chunk]:
     tp_link, ep_link = cluster.link(tp), cluster.link(ep, tp * layout.pp)
     pp_link = cluster.link(layout.pp, tp)
     chunks, start = [], 0
-    # blocking calls per block and pass: f and g, or under sequence parallelism an all-gather and a
-    # reduce-scatter for each; and in the backward each region's saved input gathered again
-    per_pass = (4 if layout.sequence_parallel else 2) if tp > 1 else 0
-    regathers = 2 if layout.sequence_parallel and tp > 1 else 0
+    sp = layout.sequence_parallel
+    passes = 3 if layout.recompute is True else 2  # full recompute runs each region's forward collective again
     for g, count in enumerate(counts):
         blocks = tuple(model.blocks[start : start + count])
         start += count
-        forward = backward = 0.0
-        calls = len(blocks) * (per_pass * (3 if layout.recompute is True else 2) + regathers)
+        forward = backward = calls = 0.0
         for b in blocks:
+            # blocking calls a region has in a pass: f or g, or under sequence parallelism an all-gather and a
+            # reduce-scatter; and in the backward under sequence parallelism its saved input gathered again
+            regions = b.regions(tp) if tp > 1 else 0
+            calls += regions * ((2 if sp else 1) * passes + (1 if sp else 0))
             if b.expert_parameter_bytes and ep > 1:
                 calls += 4
             output = b.output_bytes * scale
-            comm = tensor_parallel_s(output, tp, tp_link, layout.sequence_parallel, cluster.backend)
-            regather = regathers * sequence_collective_s("all_gather", output, tp, tp_link, cluster.backend)
+            comm = tensor_parallel_s(output, tp, tp_link, sp, cluster.backend, regions)
+            regather = sequence_collective_s("all_gather", output, tp, tp_link, cluster.backend) if sp else 0.0
             if b.expert_parameter_bytes:
-                size = b.output_bytes * scale / (tp if layout.sequence_parallel else 1)
+                size = output / (tp if sp else 1)
                 comm += 2 * all_to_all_s(size, ep, ep_link)
             block_forward, block_backward = (t * slower for t in b.seconds(scale, tp))
             block_backward *= split
             selective = b.attention_s * scale / tp * slower
             rerun = {True: block_forward, "selective": selective, False: 0.0}[layout.recompute]
             forward += block_forward + comm
-            backward += block_backward + rerun + comm * (2 if layout.recompute is True else 1) + regather
+            backward += block_backward + rerun + comm * (passes - 1) + regions * regather
         last = g == n - 1
         if last:
             other_forward, other_backward = model.other_seconds(scale, tp)
@@ -246,13 +260,15 @@ def _chunks(model: ModelCost, layout: Layout, cluster: Cluster) -> list[_Chunk]:
     return chunks
 
 
-def tensor_parallel_s(size: float, tp: int, link, sequence_parallel: bool, backend: str) -> float:
-    """A block's tensor-parallel collectives in one pass (Megatron's f and g) on its ``size``-byte output:
-    two all-reduces, or under sequence parallelism an all-gather and a reduce-scatter for each."""
+def tensor_parallel_s(
+    size: float, tp: int, link, sequence_parallel: bool, backend: str, regions: float = TRANSFORMER_REGIONS
+) -> float:
+    """A block's tensor-parallel collectives in one pass on its ``size``-byte output: an all-reduce for each
+    of its ``regions`` (Megatron's f or g), or under sequence parallelism an all-gather and a reduce-scatter."""
     if not sequence_parallel:
-        return 2 * all_reduce_s(size, tp, link)
+        return regions * all_reduce_s(size, tp, link)
     gather = sequence_collective_s("all_gather", size, tp, link, backend)
-    return 2 * (gather + sequence_collective_s("reduce_scatter", size, tp, link, backend))
+    return regions * (gather + sequence_collective_s("reduce_scatter", size, tp, link, backend))
 
 
 def sequence_collective_s(kind: str, size: float, tp: int, link, backend: str) -> float:

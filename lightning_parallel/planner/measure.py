@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import statistics
 import time
+from functools import partial
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -203,8 +204,11 @@ def measure_model(
     for tp in tensor_parallel:
         sharded = _sharded_seconds(module, step, tp, repeats, clock)
         if sharded is not None:
-            tp_times, tp_whole, calls = sharded
-            costs = [dataclasses.replace(c, tp_s=(*c.tp_s, (tp, t))) for c, t in zip(costs, tp_times)]
+            tp_times, tp_whole, block_calls, calls = sharded
+            costs = [
+                dataclasses.replace(c, tp_s=(*c.tp_s, (tp, t)), tp_calls=(*c.tp_calls, (tp, n)))
+                for c, t, n in zip(costs, tp_times, block_calls)
+            ]
             other_tp.append((tp, max(0.0, tp_whole - sum(tp_times))))
             other_calls.append((tp, max(0, calls)))
     block_bytes = sum(b.parameter_bytes for b in costs)
@@ -229,12 +233,13 @@ def measure_model(
 
 def _sharded_seconds(
     module: nn.Module, step: Callable[[], Tensor], tp: int, repeats: int, clock: Callable[[], float]
-) -> Optional[tuple[list[float], float, int]]:
+) -> Optional[tuple[list[float], float, list[int], int]]:
     """Each block's forward + backward seconds and the whole step's on tensor-parallel rank 0's shard at
     ``tp`` (the automatic plan, ``tensor.dry_run.as_rank_zero``: no communication): what one rank computes,
-    with the operators no plan splits (norms, residuals) and the sharded layers' own work; and the step's
-    tensor-parallel collectives outside the blocks (a vocabulary-parallel embedding's, the head's), counted
-    as the dry run stands in for them. None where the automatic plan cannot split the module ``tp`` ways."""
+    with the operators no plan splits (norms, residuals) and the sharded layers' own work; and the
+    tensor-parallel collectives, counted as the dry run stands in for them, of each block's forward and
+    backward and of the rest of the step (a vocabulary-parallel embedding's, the head's). None where the
+    automatic plan cannot split the module ``tp`` ways."""
     from lightning_parallel.tensor import resolve
     from lightning_parallel.tensor.dry_run import as_rank_zero
 
@@ -253,9 +258,9 @@ def _sharded_seconds(
         times = time_blocks(blocks, inputs, repeats, clock)
         whole = _typical_seconds(whole_step, repeats, clock)
         step_calls = _simulated_calls(whole_step)
-        block_calls = _simulated_calls(lambda: _blocks_forward_backward(blocks, inputs))
+        block_calls = [_simulated_calls(partial(_forward_backward, b, a)) for b, a in zip(blocks, inputs)]
     module.zero_grad(set_to_none=True)
-    return times, whole, step_calls - block_calls
+    return times, whole, block_calls, step_calls - sum(block_calls)
 
 
 def _simulated_calls(run: Callable[[], None]) -> int:
@@ -265,11 +270,11 @@ def _simulated_calls(run: Callable[[], None]) -> int:
     return sum(SIMULATED.values())
 
 
-def _blocks_forward_backward(blocks: Sequence[nn.Module], inputs: Sequence[tuple[tuple, dict]]) -> None:
-    """Each block's forward on its captured inputs, and its backward of its outputs' sum."""
-    for block, (args, kwargs) in zip(blocks, inputs):
-        outputs = [t for t in tensors_in(block(*requiring_grad(args), **requiring_grad(kwargs))) if t.requires_grad]
-        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+def _forward_backward(block: nn.Module, inputs: tuple[tuple, dict]) -> None:
+    """``block``'s forward on its captured ``(args, kwargs)``, and its backward of its outputs' sum."""
+    args, kwargs = inputs
+    outputs = [t for t in tensors_in(block(*requiring_grad(args), **requiring_grad(kwargs))) if t.requires_grad]
+    torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
 
 
 def lightning_step_seconds(module: Any, batch: Any, steps: int = 10, warmup: int = 3) -> Optional[float]:

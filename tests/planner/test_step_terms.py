@@ -172,6 +172,25 @@ def test_tensor_parallel_calls_are_the_blocks_and_the_rest_counted() -> None:
             assert extra == pytest.approx(calls * 1e-3), (backend, sp)
 
 
+def test_a_block_counted_with_one_region_pays_half_a_transformer_blocks_collectives() -> None:
+    """Blocks whose shard issued 2 collectives in a forward and backward (one region: an MLP split, its
+    attention not) pay one all-reduce a pass and 2 calls, where uncounted blocks pay Megatron's two regions."""
+    free = Link(float("inf"), 0.0)
+    box = Cluster("b", 1, 2, 1e12, 1e15, LINK, LINK, cores=2, wake_s=1e-3, backend="gloo")
+    awake = dataclasses.replace(box, wake_s=0.0)
+    tp2 = Layout(dp=1, tp=2, pp=1, global_batch=2)
+    whole = BlockCost(1.0, 2.0, 0.0, 4.0, output_bytes=2**19)
+    counted = dataclasses.replace(whole, tp_calls=((2, 2),))
+    no_links = dataclasses.replace(awake, within_node=free)
+    assert counted.regions(2) == 1 and whole.regions(2) == 2 and counted.regions(4) == 2
+    for block, calls in ((whole, 8 * 4), (counted, 8 * 2)):
+        cost = ModelCost([block] * 8, 0.0, 2)
+        extra = predict(cost, tp2, box).step_s - predict(cost, tp2, awake).step_s
+        assert extra == pytest.approx(calls * 1e-3)
+        comm = predict(cost, tp2, awake).pipeline_s - predict(cost, tp2, no_links).pipeline_s
+        assert comm == pytest.approx(calls * all_reduce_s(2**19, 2, LINK))
+
+
 def test_zero_3_blocks_on_its_first_gather_and_its_reductions_end() -> None:
     """ZeRO-3 on 2 processes that fill their 2 cores: of its 6 gathers and 4 reduce-scatters (4 units) only
     the first unit's gather and the wait for the reductions block the rank, so it pays 2 wake-ups, as plain

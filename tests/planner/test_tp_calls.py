@@ -1,9 +1,9 @@
-"""The tensor-parallel collectives the cost model charges a step: the blocks' (Megatron's f and g, two per
-block and pass) and the rest's, which the planner counts on one rank's shard in a dry run
-(``ModelCost.other_tp_calls``), against the collectives 2 real gloo ranks issue in a step of the same model
-with the same automatic plan (``collectives.COUNTS``): the embedded CharGPT and a Hugging Face Llama.
+"""The tensor-parallel collectives the cost model charges a step, each block's and the rest's, which the
+planner counts on one rank's shard in a dry run (``BlockCost.tp_calls``, ``ModelCost.other_tp_calls``),
+against the collectives 2 real gloo ranks issue in a step of the same model with the same automatic plan
+(``collectives.COUNTS``): the embedded CharGPT and a Hugging Face Llama.
 
-The per-rank program is this module itself (``python -m tests.planner.test_tp_calls OUT``)."""
+The per-rank program is this module itself (``python -m tests.planner.test_tp_calls OUT NAME``)."""
 
 from __future__ import annotations
 
@@ -73,12 +73,13 @@ def test_a_step_issues_the_collectives_the_planner_counts(tmp_path, name):
     model, step = _model_and_step(name)
     optimizer = torch.optim.AdamW(model.parameters())
     cost = measure_model(model, step, BATCH, optimizer, "adamw", repeats=1, tensor_parallel=[2])
-    other = dict(cost.other_tp_calls)[2]
+    blocks, other = [dict(b.tp_calls)[2] for b in cost.blocks], dict(cost.other_tp_calls)[2]
+    assert len(blocks) == BLOCKS and all(n > 0 for n in blocks)
     assert other > 0  # the vocabulary-parallel embedding's all-reduce, at least
     command = [sys.executable, "-m", "tests.planner.test_tp_calls", str(tmp_path), name]
     run_program(command, tmp_path, timeout=90)
     issued = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    assert issued[0] == issued[1] == BLOCKS * 2 * 2 + other
+    assert issued[0] == issued[1] == sum(blocks) + other
 
 
 if __name__ == "__main__":
